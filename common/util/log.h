@@ -1,0 +1,33 @@
+/* Logging: one line per event, written with a single write(2) so lines from threads
+ * and processes never interleave:
+ *     2026-11-22T10:54:23.123Z INFO  prefill req-7 message
+ * The role is set once per process; the request id is "-" when an event has none.
+ * Level from --log-level or PD_LOG_LEVEL (debug, info, warn, error); default info.
+ */
+#ifndef PD_UTIL_LOG_H
+#define PD_UTIL_LOG_H
+
+typedef enum { PD_LOG_DEBUG = 0, PD_LOG_INFO = 1, PD_LOG_WARN = 2, PD_LOG_ERROR = 3 } pd_log_level;
+
+/* Reads PD_LOG_LEVEL (ignored when invalid, with a warning) and sets the role. */
+void pd_log_init(const char *role);
+void pd_log_set_role(const char *role);
+void pd_log_set_level(pd_log_level level);
+pd_log_level pd_log_get_level(void);
+/* "debug"/"info"/"warn"/"warning"/"error" -> level; returns PD_EINVAL for anything else. */
+int pd_log_parse_level(const char *s, pd_log_level *out);
+/* Redirects output (default: stderr). fd must stay open. */
+void pd_log_set_fd(int fd);
+
+void pd_log(pd_log_level level, const char *request_id, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+#define PD_DEBUG(rid, ...)                                                                         \
+    do {                                                                                           \
+        if (pd_log_get_level() <= PD_LOG_DEBUG) pd_log(PD_LOG_DEBUG, rid, __VA_ARGS__);            \
+    } while (0)
+#define PD_INFO(rid, ...) pd_log(PD_LOG_INFO, rid, __VA_ARGS__)
+#define PD_WARN(rid, ...) pd_log(PD_LOG_WARN, rid, __VA_ARGS__)
+#define PD_ERROR(rid, ...) pd_log(PD_LOG_ERROR, rid, __VA_ARGS__)
+
+#endif

@@ -1,0 +1,140 @@
+/* Fork-join pool (see threadpool.h). A run publishes (fn, ctx, n) and bumps a
+ * generation counter; threads claim task indices with an atomic counter, so uneven tasks
+ * balance themselves. Workers spin ~50 µs on the generation before sleeping on a condvar. */
+#include "util/threadpool.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#define SPIN_ITERS 20000
+
+struct pd_threadpool {
+    int n_threads; /* including the caller */
+    pthread_t *threads;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    atomic_uint generation;
+    atomic_int next_task;
+    atomic_int done_tasks;
+    atomic_int sleepers;
+    atomic_bool stop;
+    pd_task_fn fn;
+    void *ctx;
+    int n_tasks;
+};
+
+int pd_cpu_count(void)
+{
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? (int)n : 1;
+}
+
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static void run_tasks(pd_threadpool *p)
+{
+    for (;;) {
+        int i = atomic_fetch_add(&p->next_task, 1);
+        if (i >= p->n_tasks) break;
+        p->fn(p->ctx, i, p->n_tasks);
+        atomic_fetch_add_explicit(&p->done_tasks, 1, memory_order_release);
+    }
+}
+
+static void *worker_main(void *arg)
+{
+    pd_threadpool *p = arg;
+    unsigned seen = atomic_load(&p->generation);
+    for (;;) {
+        int spins = 0;
+        while (atomic_load_explicit(&p->generation, memory_order_acquire) == seen &&
+               !atomic_load(&p->stop)) {
+            if (++spins < SPIN_ITERS) {
+                cpu_relax();
+                continue;
+            }
+            pthread_mutex_lock(&p->mu);
+            atomic_fetch_add(&p->sleepers, 1);
+            while (atomic_load(&p->generation) == seen && !atomic_load(&p->stop))
+                pthread_cond_wait(&p->cv, &p->mu);
+            atomic_fetch_sub(&p->sleepers, 1);
+            pthread_mutex_unlock(&p->mu);
+        }
+        if (atomic_load(&p->stop)) return NULL;
+        seen = atomic_load(&p->generation);
+        run_tasks(p);
+    }
+}
+
+pd_threadpool *pd_pool_create(int n_threads)
+{
+    if (n_threads <= 0) n_threads = pd_cpu_count();
+    pd_threadpool *p = calloc(1, sizeof *p);
+    if (!p) return NULL;
+    p->n_threads = n_threads;
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->cv, NULL);
+    if (n_threads > 1) {
+        p->threads = calloc((size_t)n_threads - 1, sizeof *p->threads);
+        if (!p->threads) {
+            free(p);
+            return NULL;
+        }
+        for (int i = 0; i < n_threads - 1; i++) {
+            if (pthread_create(&p->threads[i], NULL, worker_main, p) != 0) {
+                p->n_threads = i + 1; /* keep the ones that started */
+                break;
+            }
+        }
+    }
+    return p;
+}
+
+void pd_pool_destroy(pd_threadpool *p)
+{
+    if (!p) return;
+    pthread_mutex_lock(&p->mu);
+    atomic_store(&p->stop, true);
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+    for (int i = 0; i < p->n_threads - 1; i++) pthread_join(p->threads[i], NULL);
+    pthread_mutex_destroy(&p->mu);
+    pthread_cond_destroy(&p->cv);
+    free(p->threads);
+    free(p);
+}
+
+int pd_pool_size(const pd_threadpool *p)
+{
+    return p->n_threads;
+}
+
+void pd_pool_run(pd_threadpool *p, pd_task_fn fn, void *ctx, int n_tasks)
+{
+    if (n_tasks <= 0) return;
+    if (p->n_threads == 1 || n_tasks == 1) {
+        for (int i = 0; i < n_tasks; i++) fn(ctx, i, n_tasks);
+        return;
+    }
+    p->fn = fn;
+    p->ctx = ctx;
+    p->n_tasks = n_tasks;
+    atomic_store(&p->done_tasks, 0);
+    atomic_store(&p->next_task, 0);
+    atomic_fetch_add_explicit(&p->generation, 1, memory_order_release);
+    if (atomic_load(&p->sleepers) > 0) {
+        pthread_mutex_lock(&p->mu);
+        pthread_cond_broadcast(&p->cv);
+        pthread_mutex_unlock(&p->mu);
+    }
+    run_tasks(p);
+    while (atomic_load_explicit(&p->done_tasks, memory_order_acquire) < n_tasks) cpu_relax();
+}

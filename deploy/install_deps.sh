@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Installs every build, run and test dependency of pdserve from Debian's registry.
+# Idempotent: when every package is already present it returns at once without
+# touching apt. Non-interactive. Needs root (or passwordless sudo) only when
+# something is actually missing.
+set -euo pipefail
+
+PKGS=(
+  meson ninja-build pkg-config gcc g++ libc6-dev
+  libuv1-dev libjansson-dev node-llhttp
+  libgrpc-dev protobuf-c-compiler libprotobuf-c-dev libssl-dev zlib1g-dev
+  libopenblas-dev
+  python3 python3-numpy python3-jinja2
+  curl wrk valgrind clang libclang-rt-14-dev
+  nodejs npm
+)
+
+missing=()
+for p in "${PKGS[@]}"; do
+  # dpkg-query prints "install ok installed" only for fully installed packages.
+  if [ "$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null)" != "install ok installed" ]; then
+    # npm and nodejs may come from outside Debian (e.g. nodesource, nvm): accept a working binary.
+    case "$p" in
+      nodejs) command -v node >/dev/null 2>&1 && continue ;;
+      npm) command -v npm >/dev/null 2>&1 && continue ;;
+    esac
+    missing+=("$p")
+  fi
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install_deps: all ${#PKGS[@]} packages present"
+  exit 0
+fi
+
+echo "install_deps: installing ${missing[*]}"
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then
+  if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
+    SUDO="sudo -n"
+  else
+    echo "install_deps: these packages are missing: ${missing[*]}" >&2
+    echo "install_deps: run this script as root (or with passwordless sudo) to install them" >&2
+    exit 1
+  fi
+fi
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -q
+$SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
+echo "install_deps: done"
