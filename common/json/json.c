@@ -59,8 +59,7 @@ int pdj_as_int(const json_t *v, const char *path, int64_t *out)
         return pd_error(PD_EINVAL, "%s: expected integer, got %s", path, pdj_type_name(v));
     double d = json_real_value(v);
     /* 2^63 is exactly representable; anything >= it does not fit int64. */
-    if (!isfinite(d) || d != floor(d) || d < -9223372036854775808.0 ||
-        d >= 9223372036854775808.0)
+    if (!isfinite(d) || d != floor(d) || d < -9223372036854775808.0 || d >= 9223372036854775808.0)
         return pd_error(PD_EINVAL, "%s: expected integer, got %g", path, d);
     *out = (int64_t)d;
     return PD_OK;
@@ -154,8 +153,8 @@ int pdj_get_int_range(const json_t *obj, const char *path, const char *key, int 
     return 1;
 }
 
-int pdj_get_double_range(const json_t *obj, const char *path, const char *key, int flags,
-                         double lo, double hi, double *out)
+int pdj_get_double_range(const json_t *obj, const char *path, const char *key, int flags, double lo,
+                         double hi, double *out)
 {
     double v;
     int rc = pdj_get_double(obj, path, key, flags, &v);
@@ -184,8 +183,8 @@ int pdj_loads(const char *text, size_t len, const char *what, json_t **out)
 int pdj_load_file(const char *file, json_t **out)
 {
     FILE *f = fopen(file, "rb");
-    if (!f) return pd_error(errno == ENOENT ? PD_ENOTFOUND : PD_EIO, "%s: %s", file,
-                            strerror(errno));
+    if (!f)
+        return pd_error(errno == ENOENT ? PD_ENOTFOUND : PD_EIO, "%s: %s", file, strerror(errno));
     json_error_t err;
     json_t *v = json_loadf(f, JSON_REJECT_DUPLICATES, &err);
     fclose(f);

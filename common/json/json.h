@@ -47,8 +47,8 @@ int pdj_get_array(const json_t *obj, const char *path, const char *key, int flag
 /* Integer with bounds: "path.key: must be between lo and hi, got v". */
 int pdj_get_int_range(const json_t *obj, const char *path, const char *key, int flags, int64_t lo,
                       int64_t hi, int64_t *out);
-int pdj_get_double_range(const json_t *obj, const char *path, const char *key, int flags,
-                         double lo, double hi, double *out);
+int pdj_get_double_range(const json_t *obj, const char *path, const char *key, int flags, double lo,
+                         double hi, double *out);
 
 /* Parsing with line/column in the message: "<what>: line 3 column 7: <jansson text>".
  * pdj_load_file names the file; *out is a new reference on success. */

@@ -6,7 +6,7 @@
 
 #define PD_NS_PER_US 1000LL
 #define PD_NS_PER_MS 1000000LL
-#define PD_NS_PER_S 1000000000LL
+#define PD_NS_PER_S  1000000000LL
 
 int64_t pd_now_ns(void);      /* CLOCK_MONOTONIC, nanoseconds */
 int64_t pd_wall_ns(void);     /* CLOCK_REALTIME, nanoseconds since the epoch */

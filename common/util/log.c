@@ -20,8 +20,11 @@ static const char *const level_names[] = {"DEBUG", "INFO", "WARN", "ERROR"};
 
 int pd_log_parse_level(const char *s, pd_log_level *out)
 {
-    static const struct { const char *name; pd_log_level level; } table[] = {
-        {"debug", PD_LOG_DEBUG}, {"info", PD_LOG_INFO},   {"warn", PD_LOG_WARN},
+    static const struct {
+        const char *name;
+        pd_log_level level;
+    } table[] = {
+        {"debug", PD_LOG_DEBUG},  {"info", PD_LOG_INFO},   {"warn", PD_LOG_WARN},
         {"warning", PD_LOG_WARN}, {"error", PD_LOG_ERROR},
     };
     for (size_t i = 0; s && i < sizeof table / sizeof table[0]; i++) {
@@ -76,8 +79,8 @@ void pd_log(pd_log_level level, const char *request_id, const char *fmt, ...)
     clock_gettime(CLOCK_REALTIME, &ts);
     gmtime_r(&ts.tv_sec, &tm);
     int n = snprintf(line, sizeof line, "%04d-%02d-%02dT%02d:%02d:%02d.%03ldZ %-5s %s %s ",
-                     tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min,
-                     tm.tm_sec, ts.tv_nsec / 1000000, level_names[level], g_role,
+                     tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec,
+                     ts.tv_nsec / 1000000, level_names[level], g_role,
                      request_id && *request_id ? request_id : "-");
     va_list ap;
     va_start(ap, fmt);

@@ -26,8 +26,8 @@ void pd_log(pd_log_level level, const char *request_id, const char *fmt, ...)
     do {                                                                                           \
         if (pd_log_get_level() <= PD_LOG_DEBUG) pd_log(PD_LOG_DEBUG, rid, __VA_ARGS__);            \
     } while (0)
-#define PD_INFO(rid, ...) pd_log(PD_LOG_INFO, rid, __VA_ARGS__)
-#define PD_WARN(rid, ...) pd_log(PD_LOG_WARN, rid, __VA_ARGS__)
+#define PD_INFO(rid, ...)  pd_log(PD_LOG_INFO, rid, __VA_ARGS__)
+#define PD_WARN(rid, ...)  pd_log(PD_LOG_WARN, rid, __VA_ARGS__)
 #define PD_ERROR(rid, ...) pd_log(PD_LOG_ERROR, rid, __VA_ARGS__)
 
 #endif

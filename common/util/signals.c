@@ -24,8 +24,7 @@ static void on_signal(int sig)
 int pd_signals_install(void)
 {
     if (g_pipe[0] < 0) {
-        if (pipe(g_pipe) != 0)
-            return pd_error(PD_EIO, "signal pipe: %s", strerror(errno));
+        if (pipe(g_pipe) != 0) return pd_error(PD_EIO, "signal pipe: %s", strerror(errno));
         for (int i = 0; i < 2; i++) {
             fcntl(g_pipe[i], F_SETFL, fcntl(g_pipe[i], F_GETFL) | O_NONBLOCK);
             fcntl(g_pipe[i], F_SETFD, FD_CLOEXEC);
@@ -56,5 +55,6 @@ void pd_signals_reset(void)
     g_signal = 0;
     char buf[64];
     if (g_pipe[0] >= 0)
-        while (read(g_pipe[0], buf, sizeof buf) > 0) {}
+        while (read(g_pipe[0], buf, sizeof buf) > 0) {
+        }
 }

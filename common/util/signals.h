@@ -5,9 +5,9 @@
 #ifndef PD_UTIL_SIGNALS_H
 #define PD_UTIL_SIGNALS_H
 
-int pd_signals_install(void);  /* returns 0 or PD_EIO */
-int pd_signal_received(void);  /* 0, or the first signal number received */
-int pd_signals_fd(void);       /* read end of the self-pipe (-1 before install) */
-void pd_signals_reset(void);   /* forget a received signal (tests) */
+int pd_signals_install(void); /* returns 0 or PD_EIO */
+int pd_signal_received(void); /* 0, or the first signal number received */
+int pd_signals_fd(void);      /* read end of the self-pipe (-1 before install) */
+void pd_signals_reset(void);  /* forget a received signal (tests) */
 
 #endif

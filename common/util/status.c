@@ -5,7 +5,7 @@
 #include <string.h>
 
 #define PD_ERRMSG_MAX 1024
-#define PD_TRACE_MAX 512
+#define PD_TRACE_MAX  512
 
 static _Thread_local char t_msg[PD_ERRMSG_MAX];
 static _Thread_local char t_trace[PD_TRACE_MAX];

@@ -14,19 +14,19 @@
 
 enum {
     PD_OK = 0,
-    PD_EINVAL = -1,      /* bad argument or bad input (file, request) */
-    PD_ENOMEM = -2,      /* allocation failed or a pool is exhausted */
-    PD_EIO = -3,         /* read/write/socket failure */
-    PD_EPARSE = -4,      /* malformed syntax (JSON, HTTP, safetensors header) */
-    PD_ENOTFOUND = -5,   /* a named thing does not exist */
-    PD_ERANGE = -6,      /* a value outside its allowed range */
-    PD_EUNSUPPORTED = -7,/* valid but not supported by pdserve */
-    PD_ETIMEOUT = -8,    /* a deadline passed */
-    PD_ECLOSED = -9,     /* peer or queue closed, shutting down */
-    PD_EBUSY = -10,      /* over capacity; try again later */
-    PD_EEXIST = -11,     /* already exists / done twice */
-    PD_EINTERNAL = -12,  /* a broken invariant or a failing library (CUDA, NCCL, gRPC) */
-    PD_ECANCELLED = -13, /* aborted by the client or by shutdown */
+    PD_EINVAL = -1,       /* bad argument or bad input (file, request) */
+    PD_ENOMEM = -2,       /* allocation failed or a pool is exhausted */
+    PD_EIO = -3,          /* read/write/socket failure */
+    PD_EPARSE = -4,       /* malformed syntax (JSON, HTTP, safetensors header) */
+    PD_ENOTFOUND = -5,    /* a named thing does not exist */
+    PD_ERANGE = -6,       /* a value outside its allowed range */
+    PD_EUNSUPPORTED = -7, /* valid but not supported by pdserve */
+    PD_ETIMEOUT = -8,     /* a deadline passed */
+    PD_ECLOSED = -9,      /* peer or queue closed, shutting down */
+    PD_EBUSY = -10,       /* over capacity; try again later */
+    PD_EEXIST = -11,      /* already exists / done twice */
+    PD_EINTERNAL = -12,   /* a broken invariant or a failing library (CUDA, NCCL, gRPC) */
+    PD_ECANCELLED = -13,  /* aborted by the client or by shutdown */
 };
 
 /* Name of a status code ("EINVAL"), never NULL. */

@@ -9,7 +9,10 @@
 
 #define MAX_TESTS 1024
 
-static struct { const char *name; pdt_fn fn; } g_tests[MAX_TESTS];
+static struct {
+    const char *name;
+    pdt_fn fn;
+} g_tests[MAX_TESTS];
 static int g_n;
 static int g_failed_now, g_skipped_now;
 static char g_tmp[256];

@@ -108,7 +108,7 @@ const char *pdt_tmp_dir(void);
         int pdt_rc_ = (expr);                                                                      \
         if (pdt_rc_ != (code)) {                                                                   \
             pdt_fail(__FILE__, __LINE__, "%s: expected %s, got %s (%s)", #expr,                    \
-                     pd_status_name(code), pd_status_name(pdt_rc_), pd_last_error());             \
+                     pd_status_name(code), pd_status_name(pdt_rc_), pd_last_error());              \
             return;                                                                                \
         }                                                                                          \
         if (!strstr(pd_last_error(), (substr))) {                                                  \

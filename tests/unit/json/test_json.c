@@ -110,8 +110,10 @@ TEST(json_nested_path_message)
     char p[64];
     const char *content = NULL;
     for (size_t i = 0; i < 2; i++)
-        ASSERT_EQ_INT(pdj_get_string(json_array_get(msgs, i), pdj_path_index(p, sizeof p,
-                      "messages", i), "content", PDJ_REQUIRED, &content), 1);
+        ASSERT_EQ_INT(pdj_get_string(json_array_get(msgs, i),
+                                     pdj_path_index(p, sizeof p, "messages", i), "content",
+                                     PDJ_REQUIRED, &content),
+                      1);
     ASSERT_ERR(pdj_get_string(json_array_get(msgs, 2), pdj_path_index(p, sizeof p, "messages", 2),
                               "content", PDJ_REQUIRED, &content),
                PD_EINVAL, "messages[2].content: expected string, got integer");
