@@ -171,8 +171,9 @@ int pdj_get_double_range(const json_t *obj, const char *path, const char *key, i
 int pdj_loads(const char *text, size_t len, const char *what, json_t **out)
 {
     json_error_t err;
-    /* JSON_REJECT_DUPLICATES: a key given twice is ambiguous input, not a silent override. */
-    json_t *v = json_loadb(text, len, JSON_REJECT_DUPLICATES | JSON_ALLOW_NUL, &err);
+    /* Request bodies: a duplicate key is accepted and the last one wins (as in vLLM / Python's
+     * json module; the API contract §0 requires it). Files are stricter: see pdj_load_file. */
+    json_t *v = json_loadb(text, len, JSON_ALLOW_NUL, &err);
     if (!v)
         return pd_error(PD_EPARSE, "%s: line %d column %d: %s", what, err.line, err.column,
                         err.text);
@@ -186,6 +187,7 @@ int pdj_load_file(const char *file, json_t **out)
     if (!f)
         return pd_error(errno == ENOENT ? PD_ENOTFOUND : PD_EIO, "%s: %s", file, strerror(errno));
     json_error_t err;
+    /* A key given twice in a configuration file is a mistake to report, not to resolve. */
     json_t *v = json_loadf(f, JSON_REJECT_DUPLICATES, &err);
     fclose(f);
     if (!v)

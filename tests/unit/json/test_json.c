@@ -143,12 +143,22 @@ TEST(json_parse_error_line_column)
     ASSERT(v == NULL);
 }
 
-TEST(json_duplicate_keys_rejected)
+TEST(json_duplicate_keys_last_wins_in_bodies_rejected_in_files)
 {
     json_t *v = NULL;
     const char *s = "{\"a\": 1, \"a\": 2}";
-    ASSERT_EQ_INT(pdj_loads(s, strlen(s), "x", &v), PD_EPARSE);
+    ASSERT_OK(pdj_loads(s, strlen(s), "x", &v));
+    ASSERT_EQ_INT(json_integer_value(json_object_get(v, "a")), 2);
+    json_decref(v);
+    char path[512];
+    snprintf(path, sizeof path, "%s/dup.json", pdt_tmp_dir());
+    FILE *f = fopen(path, "w");
+    fputs(s, f);
+    fclose(f);
+    v = NULL;
+    ASSERT_EQ_INT(pdj_load_file(path, &v), PD_EPARSE);
     ASSERT_CONTAINS(pd_last_error(), "duplicate");
+    ASSERT(v == NULL);
 }
 
 TEST(json_file_roundtrip)
