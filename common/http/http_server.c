@@ -1,0 +1,841 @@
+/* HTTP/1.1 server on libuv + llhttp (see http_server.h for the contract).
+ *
+ * Per connection: received bytes are appended to an input buffer and fed to llhttp while no
+ * exchange is in flight. A complete message pauses the parser (HPE_PAUSED from
+ * on_message_complete) and becomes an exchange; bytes after it stay in the input buffer until
+ * the exchange ends, which is how pipelined requests are answered in order. Reading continues
+ * meanwhile (bounded), so EOF during an exchange is seen and reported as an abort.
+ * One timer per connection enforces the header, body and idle timeouts.
+ */
+#include "http/http_server.h"
+
+#include <jansson.h>
+#include <llhttp.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#include "util/log.h"
+#include "util/status.h"
+
+enum timer_kind { T_NONE, T_HEADER, T_BODY, T_IDLE };
+
+typedef struct conn conn;
+
+typedef struct {
+    size_t name, value; /* offsets into the header scratch buffer */
+} hdr_ref;
+
+struct pd_http_exchange {
+    conn *c; /* NULL once the connection is gone */
+    pd_arena *arena;
+    char *method, *path, *query, *body;
+    size_t body_len;
+    char **hnames, **hvalues;
+    size_t n_headers;
+    bool keep_alive, streaming, aborted;
+    size_t max_stream_buffer;
+    void (*abort_cb)(void *);
+    void *abort_arg;
+    void (*drain_cb)(void *);
+    void *drain_arg;
+    void *user;
+};
+
+struct pd_http_server {
+    uv_loop_t *loop;
+    uv_tcp_t listener;
+    pd_http_params p;
+    pd_http_handler handler;
+    void *ctx;
+    conn *conns; /* doubly linked list of open connections */
+    int n_conns;
+    bool stopping;
+    int handles_open; /* listener + connections not yet freed */
+    void (*on_stopped)(void *);
+    void *stopped_arg;
+};
+
+struct conn {
+    uv_tcp_t tcp;
+    uv_timer_t timer;
+    llhttp_t parser;
+    pd_http_server *srv;
+    conn *prev, *next;
+    int handles_open;
+    bool closing, close_after_write, in_execute, reading;
+    bool in_message; /* the parser is inside a request (between begin and complete) */
+    enum timer_kind timer_kind;
+    /* input not yet parsed */
+    char *in;
+    size_t in_len, in_cap;
+    /* the request being parsed: url + header names/values in one scratch buffer */
+    char *scratch;
+    size_t scratch_len, scratch_cap;
+    size_t url_len;
+    hdr_ref *hdrs;
+    size_t n_hdrs, hdrs_cap;
+    bool last_was_value;
+    size_t header_bytes;
+    char *body;
+    size_t body_len, body_cap;
+    int err_status;       /* a limit hit inside a callback: 413 / 431 */
+    pd_http_exchange *ex; /* in flight */
+    size_t write_pending; /* bytes handed to uv_write, not yet written */
+};
+
+typedef struct {
+    uv_write_t req;
+    conn *c;
+    size_t len;
+    char data[];
+} wreq;
+
+static llhttp_settings_t g_settings;
+static void conn_process(conn *c);
+static void conn_close(conn *c);
+static void conn_read_start(conn *c);
+
+pd_http_params pd_http_default_params(void)
+{
+    return (pd_http_params){
+        .host = "127.0.0.1",
+        .port = 0,
+        .max_body_bytes = 16u << 20,
+        .max_header_bytes = 64u << 10,
+        .header_timeout_ms = 10000,
+        .body_timeout_ms = 60000,
+        .idle_timeout_ms = 60000,
+        .max_stream_buffer = 1u << 20,
+        .max_connections = 65536,
+    };
+}
+
+const char *pd_http_reason(int status)
+{
+    switch (status) {
+    case 100: return "Continue";
+    case 200: return "OK";
+    case 204: return "No Content";
+    case 400: return "Bad Request";
+    case 401: return "Unauthorized";
+    case 404: return "Not Found";
+    case 405: return "Method Not Allowed";
+    case 408: return "Request Timeout";
+    case 413: return "Payload Too Large";
+    case 431: return "Request Header Fields Too Large";
+    case 500: return "Internal Server Error";
+    case 503: return "Service Unavailable";
+    default: return "Unknown";
+    }
+}
+
+const char *pd_http_error_type(int status)
+{
+    switch (status) {
+    case 400: return "BadRequestError";
+    case 401: return "AuthenticationError";
+    case 404: return "NotFoundError";
+    case 405: return "MethodNotAllowedError";
+    case 408: return "RequestTimeoutError";
+    case 413: return "PayloadTooLargeError";
+    case 431: return "RequestHeaderFieldsTooLargeError";
+    case 503: return "ServiceUnavailableError";
+    default: return "InternalServerError";
+    }
+}
+
+/* ---- writing ------------------------------------------------------------------------------ */
+
+static void on_write(uv_write_t *req, int status)
+{
+    wreq *w = (wreq *)req;
+    conn *c = w->c;
+    c->write_pending -= w->len;
+    free(w);
+    if (status < 0) {
+        conn_close(c);
+        return;
+    }
+    pd_http_exchange *ex = c->ex;
+    if (ex && ex->drain_cb && c->write_pending <= ex->max_stream_buffer / 2) {
+        void (*cb)(void *) = ex->drain_cb;
+        ex->drain_cb = NULL;
+        cb(ex->drain_arg);
+    }
+    if (c->close_after_write && c->write_pending == 0) conn_close(c);
+}
+
+/* Queues the concatenation of n parts as one write (copied). */
+static int conn_writev(conn *c, const void *const *parts, const size_t *lens, int n)
+{
+    if (c->closing) return PD_ECLOSED;
+    size_t total = 0;
+    for (int i = 0; i < n; i++) total += lens[i];
+    wreq *w = malloc(sizeof *w + total);
+    if (!w) return pd_error(PD_ENOMEM, "http: out of memory for a %zu-byte write", total);
+    w->c = c;
+    w->len = total;
+    size_t off = 0;
+    for (int i = 0; i < n; i++) {
+        memcpy(w->data + off, parts[i], lens[i]);
+        off += lens[i];
+    }
+    uv_buf_t b = uv_buf_init(w->data, (unsigned)total);
+    int rc = uv_write(&w->req, (uv_stream_t *)&c->tcp, &b, 1, on_write);
+    if (rc < 0) {
+        free(w);
+        conn_close(c);
+        return pd_error(PD_ECLOSED, "http: write failed: %s", uv_strerror(rc));
+    }
+    c->write_pending += total;
+    return PD_OK;
+}
+
+static int conn_write(conn *c, const void *data, size_t len)
+{
+    return conn_writev(c, &data, &len, 1);
+}
+
+/* Status line + headers into buf; returns the length (0 if it did not fit). */
+static size_t format_head(char *buf, size_t cap, int status, const char *content_type,
+                          long long content_length, bool chunked, bool close,
+                          const char *extra_headers)
+{
+    int n = snprintf(buf, cap, "HTTP/1.1 %d %s\r\n", status, pd_http_reason(status));
+    if (content_type) n += snprintf(buf + n, cap - (size_t)n, "Content-Type: %s\r\n", content_type);
+    if (chunked)
+        n += snprintf(buf + n, cap - (size_t)n, "Transfer-Encoding: chunked\r\n");
+    else
+        n += snprintf(buf + n, cap - (size_t)n, "Content-Length: %lld\r\n", content_length);
+    if (close) n += snprintf(buf + n, cap - (size_t)n, "Connection: close\r\n");
+    n += snprintf(buf + n, cap - (size_t)n, "%s\r\n", extra_headers ? extra_headers : "");
+    return (size_t)n < cap ? (size_t)n : 0;
+}
+
+/* An error response the server produces by itself (no exchange): always closes. */
+static void conn_fail(conn *c, int status, const char *message)
+{
+    if (c->closing || c->close_after_write) return;
+    char body[512], head[512];
+    int bl = snprintf(body, sizeof body,
+                      "{\"error\":{\"message\":\"%s\",\"type\":\"%s\",\"param\":null,\"code\":%d}}",
+                      message, pd_http_error_type(status), status);
+    size_t hl = format_head(head, sizeof head, status, "application/json", bl, false, true, NULL);
+    const void *parts[2] = {head, body};
+    size_t lens[2] = {hl, (size_t)bl};
+    if (c->reading) {
+        uv_read_stop((uv_stream_t *)&c->tcp);
+        c->reading = false;
+    }
+    c->close_after_write = true;
+    if (conn_writev(c, parts, lens, 2) == PD_OK && c->write_pending == 0) conn_close(c);
+}
+
+/* ---- timers ------------------------------------------------------------------------------- */
+
+static void on_timer(uv_timer_t *t)
+{
+    conn *c = t->data;
+    enum timer_kind k = c->timer_kind;
+    c->timer_kind = T_NONE;
+    if (k == T_IDLE) {
+        conn_close(c);
+    } else if (k == T_HEADER || k == T_BODY) {
+        PD_DEBUG(NULL, "http: %s timeout, closing connection", k == T_HEADER ? "header" : "body");
+        conn_fail(c, 408, "Request timed out.");
+    }
+}
+
+static void conn_arm(conn *c, enum timer_kind k)
+{
+    int ms = 0;
+    const pd_http_params *p = &c->srv->p;
+    switch (k) {
+    case T_HEADER: ms = p->header_timeout_ms; break;
+    case T_BODY: ms = p->body_timeout_ms; break;
+    case T_IDLE: ms = p->idle_timeout_ms; break;
+    case T_NONE: break;
+    }
+    c->timer_kind = k;
+    if (k == T_NONE || ms <= 0)
+        uv_timer_stop(&c->timer);
+    else
+        uv_timer_start(&c->timer, on_timer, (uint64_t)ms, 0);
+}
+
+/* ---- connection lifetime ----------------------------------------------------------------- */
+
+static void server_handle_closed(pd_http_server *s)
+{
+    if (--s->handles_open == 0 && s->stopping) {
+        void (*cb)(void *) = s->on_stopped;
+        void *arg = s->stopped_arg;
+        free(s);
+        if (cb) cb(arg);
+    }
+}
+
+static void on_conn_handle_closed(uv_handle_t *h)
+{
+    conn *c = h->data;
+    if (--c->handles_open > 0) return;
+    pd_http_server *s = c->srv;
+    free(c->in);
+    free(c->scratch);
+    free(c->hdrs);
+    free(c->body);
+    free(c);
+    server_handle_closed(s);
+}
+
+static void conn_close(conn *c)
+{
+    if (c->closing) return;
+    c->closing = true;
+    pd_http_server *s = c->srv;
+    if (c->prev)
+        c->prev->next = c->next;
+    else
+        s->conns = c->next;
+    if (c->next) c->next->prev = c->prev;
+    s->n_conns--;
+    pd_http_exchange *ex = c->ex;
+    if (ex) { /* the client left before its response ended */
+        c->ex = NULL;
+        ex->c = NULL;
+        ex->aborted = true;
+        if (ex->abort_cb) {
+            void (*cb)(void *) = ex->abort_cb;
+            ex->abort_cb = NULL;
+            cb(ex->abort_arg);
+        }
+    }
+    uv_timer_stop(&c->timer);
+    uv_close((uv_handle_t *)&c->timer, on_conn_handle_closed);
+    uv_close((uv_handle_t *)&c->tcp, on_conn_handle_closed);
+}
+
+/* ---- parsing ------------------------------------------------------------------------------ */
+
+static int grow(char **buf, size_t *cap, size_t need)
+{
+    if (need <= *cap) return 0;
+    size_t n = *cap ? *cap : 256;
+    while (n < need) n *= 2;
+    char *p = realloc(*buf, n);
+    if (!p) return -1;
+    *buf = p;
+    *cap = n;
+    return 0;
+}
+
+static int scratch_append(conn *c, const char *at, size_t len)
+{
+    c->header_bytes += len;
+    if (c->header_bytes > c->srv->p.max_header_bytes) {
+        c->err_status = 431;
+        return -1;
+    }
+    if (grow(&c->scratch, &c->scratch_cap, c->scratch_len + len + 1) < 0) return -1;
+    memcpy(c->scratch + c->scratch_len, at, len);
+    c->scratch_len += len;
+    return 0;
+}
+
+static int on_message_begin(llhttp_t *p)
+{
+    conn *c = p->data;
+    c->scratch_len = 0;
+    c->url_len = 0;
+    c->n_hdrs = 0;
+    c->last_was_value = false;
+    c->header_bytes = 0;
+    c->body_len = 0;
+    c->err_status = 0;
+    c->in_message = true;
+    conn_arm(c, T_HEADER);
+    return 0;
+}
+
+static int on_url(llhttp_t *p, const char *at, size_t len)
+{
+    conn *c = p->data;
+    if (scratch_append(c, at, len) < 0) return -1;
+    c->url_len += len;
+    return 0;
+}
+
+static int on_header_field(llhttp_t *p, const char *at, size_t len)
+{
+    conn *c = p->data;
+    if (c->n_hdrs == 0 || c->last_was_value) { /* a new header: NUL-end the previous value */
+        if (c->n_hdrs == 0 && scratch_append(c, "", 1) < 0) return -1; /* end of url */
+        if (c->n_hdrs > 0 && scratch_append(c, "", 1) < 0) return -1;
+        if (c->n_hdrs == c->hdrs_cap) {
+            size_t cap = c->hdrs_cap ? c->hdrs_cap * 2 : 16;
+            hdr_ref *h = realloc(c->hdrs, cap * sizeof *h);
+            if (!h) return -1;
+            c->hdrs = h;
+            c->hdrs_cap = cap;
+        }
+        c->hdrs[c->n_hdrs].name = c->scratch_len;
+        c->hdrs[c->n_hdrs].value = (size_t)-1;
+        c->n_hdrs++;
+        c->last_was_value = false;
+    }
+    return scratch_append(c, at, len);
+}
+
+static int on_header_value(llhttp_t *p, const char *at, size_t len)
+{
+    conn *c = p->data;
+    if (c->n_hdrs == 0) return -1;
+    hdr_ref *h = &c->hdrs[c->n_hdrs - 1];
+    if (!c->last_was_value) {
+        if (scratch_append(c, "", 1) < 0) return -1; /* end of the name */
+        h->value = c->scratch_len;
+        c->last_was_value = true;
+    }
+    return scratch_append(c, at, len);
+}
+
+static const char *scratch_header(conn *c, const char *name)
+{
+    for (size_t i = 0; i < c->n_hdrs; i++)
+        if (c->hdrs[i].value != (size_t)-1 && strcasecmp(c->scratch + c->hdrs[i].name, name) == 0)
+            return c->scratch + c->hdrs[i].value;
+    return NULL;
+}
+
+static int on_headers_complete(llhttp_t *p)
+{
+    conn *c = p->data;
+    /* NUL-terminate the url (no headers) or the last value */
+    if (scratch_append(c, "", 1) < 0) return -1;
+    if (c->n_hdrs > 0 && !c->last_was_value) { /* a name without a value */
+        c->hdrs[c->n_hdrs - 1].value = c->scratch_len - 1;
+    }
+    const pd_http_params *sp = &c->srv->p;
+    if ((p->flags & F_CONTENT_LENGTH) && p->content_length > sp->max_body_bytes) {
+        c->err_status = 413;
+        return -1;
+    }
+    const char *expect = scratch_header(c, "expect");
+    if (expect && strcasecmp(expect, "100-continue") == 0) {
+        static const char cont[] = "HTTP/1.1 100 Continue\r\n\r\n";
+        conn_write(c, cont, sizeof cont - 1);
+    }
+    conn_arm(c, T_BODY);
+    return 0;
+}
+
+static int on_body(llhttp_t *p, const char *at, size_t len)
+{
+    conn *c = p->data;
+    if (c->body_len + len > c->srv->p.max_body_bytes) {
+        c->err_status = 413;
+        return -1;
+    }
+    if (grow(&c->body, &c->body_cap, c->body_len + len + 1) < 0) return -1;
+    memcpy(c->body + c->body_len, at, len);
+    c->body_len += len;
+    return 0;
+}
+
+static char *arena_copy(pd_arena *a, const char *s, size_t n)
+{
+    return pd_arena_strndup(a, s, n);
+}
+
+static int on_message_complete(llhttp_t *p)
+{
+    conn *c = p->data;
+    c->in_message = false;
+    conn_arm(c, T_NONE);
+    pd_http_exchange *ex = calloc(1, sizeof *ex);
+    pd_arena *a = pd_arena_create(4096);
+    if (!ex || !a) {
+        free(ex);
+        pd_arena_destroy(a);
+        return -1;
+    }
+    ex->c = c;
+    ex->arena = a;
+    ex->keep_alive = llhttp_should_keep_alive(p);
+    ex->max_stream_buffer = c->srv->p.max_stream_buffer;
+    ex->method = (char *)llhttp_method_name((llhttp_method_t)p->method);
+    const char *url = c->scratch;
+    const char *q = memchr(url, '?', c->url_len);
+    size_t plen = q ? (size_t)(q - url) : c->url_len;
+    ex->path = arena_copy(a, url, plen);
+    ex->query = q ? arena_copy(a, q + 1, c->url_len - plen - 1) : "";
+    ex->n_headers = c->n_hdrs;
+    ex->hnames = pd_arena_calloc(a, c->n_hdrs + 1, sizeof(char *));
+    ex->hvalues = pd_arena_calloc(a, c->n_hdrs + 1, sizeof(char *));
+    ex->body = c->body_len ? arena_copy(a, c->body, c->body_len) : "";
+    ex->body_len = c->body_len;
+    if (!ex->path || !ex->query || !ex->hnames || !ex->hvalues || !ex->body) {
+        pd_arena_destroy(a);
+        free(ex);
+        return -1;
+    }
+    for (size_t i = 0; i < c->n_hdrs; i++) {
+        ex->hnames[i] = c->scratch + c->hdrs[i].name;
+        ex->hvalues[i] = c->scratch + c->hdrs[i].value;
+        ex->hnames[i] = pd_arena_strdup(a, ex->hnames[i]);
+        ex->hvalues[i] = pd_arena_strdup(a, ex->hvalues[i]);
+        if (!ex->hnames[i] || !ex->hvalues[i]) {
+            pd_arena_destroy(a);
+            free(ex);
+            return -1;
+        }
+    }
+    c->ex = ex;
+    c->srv->handler(c->srv->ctx, ex);
+    return HPE_PAUSED;
+}
+
+/* Feeds buffered input to the parser while no exchange is in flight. */
+static void conn_process(conn *c)
+{
+    while (!c->closing && !c->close_after_write && !c->ex && c->in_len > 0) {
+        c->in_execute = true;
+        llhttp_errno_t err = llhttp_execute(&c->parser, c->in, c->in_len);
+        c->in_execute = false;
+        if (c->closing) return;
+        if (err == HPE_OK) {
+            c->in_len = 0;
+        } else if (err == HPE_PAUSED) {
+            size_t used = (size_t)(llhttp_get_error_pos(&c->parser) - c->in);
+            memmove(c->in, c->in + used, c->in_len - used);
+            c->in_len -= used;
+            if (!c->ex) llhttp_resume(&c->parser); /* answered synchronously */
+        } else {
+            int status = c->err_status ? c->err_status : 400;
+            const char *msg = status == 413   ? "Request body too large."
+                              : status == 431 ? "Request headers too large."
+                                              : "Malformed HTTP request.";
+            char buf[256];
+            if (status == 413) {
+                snprintf(buf, sizeof buf, "Request body exceeds %zu bytes.",
+                         c->srv->p.max_body_bytes);
+                msg = buf;
+            }
+            PD_DEBUG(NULL, "http: %d: %s (%s)", status, msg, llhttp_errno_name(err));
+            c->in_len = 0;
+            conn_fail(c, status, msg);
+            return;
+        }
+    }
+    /* between requests: the idle timeout runs (inside one, the header/body timeout does) */
+    if (!c->closing && !c->close_after_write && !c->ex && !c->in_message && c->timer_kind != T_IDLE)
+        conn_arm(c, T_IDLE);
+    /* resume reading once the input buffer has room again */
+    if (!c->closing && !c->close_after_write && !c->reading &&
+        c->in_len < c->srv->p.max_header_bytes + c->srv->p.max_body_bytes) {
+        c->reading = true;
+        conn_read_start(c);
+    }
+}
+
+static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
+{
+    conn *c = h->data;
+    (void)suggested;
+    if (grow(&c->in, &c->in_cap, c->in_len + 65536) < 0) {
+        buf->base = NULL;
+        buf->len = 0;
+        return;
+    }
+    buf->base = c->in + c->in_len;
+    buf->len = c->in_cap - c->in_len;
+}
+
+static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf)
+{
+    conn *c = stream->data;
+    (void)buf;
+    if (nread < 0) { /* EOF or error: a pending exchange is aborted */
+        conn_close(c);
+        return;
+    }
+    if (nread == 0) return;
+    c->in_len += (size_t)nread;
+    if (c->ex) {
+        /* an exchange is in flight: keep the bytes, bounded */
+        if (c->in_len >= c->srv->p.max_header_bytes + c->srv->p.max_body_bytes) {
+            uv_read_stop(stream);
+            c->reading = false;
+        }
+        return;
+    }
+    conn_process(c);
+}
+
+static void conn_read_start(conn *c)
+{
+    uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
+}
+
+static void on_connection(uv_stream_t *server, int status)
+{
+    pd_http_server *s = server->data;
+    if (status < 0 || s->stopping) return;
+    conn *c = calloc(1, sizeof *c);
+    if (!c) return;
+    c->srv = s;
+    uv_tcp_init(s->loop, &c->tcp);
+    uv_timer_init(s->loop, &c->timer);
+    c->tcp.data = c->timer.data = c;
+    c->handles_open = 2;
+    s->handles_open++;
+    c->next = s->conns;
+    if (s->conns) s->conns->prev = c;
+    s->conns = c;
+    s->n_conns++;
+    if (uv_accept(server, (uv_stream_t *)&c->tcp) < 0 || s->n_conns > s->p.max_connections) {
+        conn_close(c);
+        return;
+    }
+    uv_tcp_nodelay(&c->tcp, 1);
+    llhttp_init(&c->parser, HTTP_REQUEST, &g_settings);
+    c->parser.data = c;
+    c->reading = true;
+    conn_read_start(c);
+    conn_arm(c, T_HEADER); /* a connection that never sends a request is a slowloris too */
+}
+
+/* ---- exchange API --------------------------------------------------------------------------- */
+
+static void exchange_end(pd_http_exchange *ex)
+{
+    conn *c = ex->c;
+    bool keep = ex->keep_alive;
+    pd_arena_destroy(ex->arena);
+    free(ex);
+    if (!c) return;
+    c->ex = NULL;
+    if (!keep) {
+        c->close_after_write = true;
+        if (c->reading) {
+            uv_read_stop((uv_stream_t *)&c->tcp);
+            c->reading = false;
+        }
+        if (c->write_pending == 0) conn_close(c);
+        return;
+    }
+    llhttp_resume(&c->parser);
+    if (!c->in_execute) conn_process(c);
+}
+
+const char *pd_http_method(const pd_http_exchange *ex)
+{
+    return ex->method;
+}
+const char *pd_http_path(const pd_http_exchange *ex)
+{
+    return ex->path;
+}
+const char *pd_http_query(const pd_http_exchange *ex)
+{
+    return ex->query;
+}
+const char *pd_http_header(const pd_http_exchange *ex, const char *name)
+{
+    for (size_t i = 0; i < ex->n_headers; i++)
+        if (strcasecmp(ex->hnames[i], name) == 0) return ex->hvalues[i];
+    return NULL;
+}
+const char *pd_http_body(const pd_http_exchange *ex, size_t *len)
+{
+    if (len) *len = ex->body_len;
+    return ex->body;
+}
+pd_arena *pd_http_arena(pd_http_exchange *ex)
+{
+    return ex->arena;
+}
+void pd_http_set_user(pd_http_exchange *ex, void *user)
+{
+    ex->user = user;
+}
+void *pd_http_user(const pd_http_exchange *ex)
+{
+    return ex->user;
+}
+int pd_http_aborted(const pd_http_exchange *ex)
+{
+    return ex->aborted;
+}
+void pd_http_on_abort(pd_http_exchange *ex, void (*cb)(void *), void *arg)
+{
+    ex->abort_cb = cb;
+    ex->abort_arg = arg;
+}
+void pd_http_on_drain(pd_http_exchange *ex, void (*cb)(void *), void *arg)
+{
+    ex->drain_cb = cb;
+    ex->drain_arg = arg;
+}
+size_t pd_http_stream_pending(const pd_http_exchange *ex)
+{
+    return ex->c ? ex->c->write_pending : 0;
+}
+
+int pd_http_respond(pd_http_exchange *ex, int status, const char *content_type, const char *body,
+                    size_t len, const char *extra_headers)
+{
+    conn *c = ex->c;
+    int rc = PD_OK;
+    if (!c || ex->streaming) {
+        rc = c ? pd_error(PD_EINVAL, "http: respond after stream_begin")
+               : pd_error(PD_ECLOSED, "http: client disconnected");
+    } else {
+        char head[1024];
+        size_t hl = format_head(head, sizeof head, status, content_type, (long long)len, false,
+                                !ex->keep_alive, extra_headers);
+        if (hl == 0) {
+            rc = pd_error(PD_EINVAL, "http: response headers too long");
+        } else {
+            const void *parts[2] = {head, body};
+            size_t lens[2] = {hl, len};
+            rc = conn_writev(c, parts, lens, body ? 2 : 1);
+        }
+    }
+    exchange_end(ex);
+    return rc;
+}
+
+int pd_http_respond_error(pd_http_exchange *ex, int status, const char *message,
+                          const char *extra_headers)
+{
+    json_t *j = json_pack("{s:{s:s, s:s, s:n, s:i}}", "error", "message", message, "type",
+                          pd_http_error_type(status), "param", "code", status);
+    char *body = j ? json_dumps(j, JSON_COMPACT) : NULL;
+    json_decref(j);
+    int rc = pd_http_respond(ex, status, "application/json", body ? body : "",
+                             body ? strlen(body) : 0, extra_headers);
+    free(body);
+    return rc;
+}
+
+int pd_http_stream_begin(pd_http_exchange *ex, int status, const char *content_type,
+                         const char *extra_headers)
+{
+    if (!ex->c) return pd_error(PD_ECLOSED, "http: client disconnected");
+    if (ex->streaming) return pd_error(PD_EINVAL, "http: stream already started");
+    char head[1024];
+    size_t hl = format_head(head, sizeof head, status, content_type, 0, true, !ex->keep_alive,
+                            extra_headers);
+    if (hl == 0) return pd_error(PD_EINVAL, "http: response headers too long");
+    ex->streaming = true;
+    return conn_write(ex->c, head, hl);
+}
+
+int pd_http_stream_write(pd_http_exchange *ex, const void *data, size_t len)
+{
+    conn *c = ex->c;
+    if (!c) return pd_error(PD_ECLOSED, "http: client disconnected");
+    if (!ex->streaming) return pd_error(PD_EINVAL, "http: stream_write before stream_begin");
+    if (len == 0) return PD_OK; /* a zero-length chunk would end the body */
+    if (c->write_pending + len > ex->max_stream_buffer && c->write_pending > 0) return PD_EBUSY;
+    char size[32];
+    int sl = snprintf(size, sizeof size, "%zx\r\n", len);
+    const void *parts[3] = {size, data, "\r\n"};
+    size_t lens[3] = {(size_t)sl, len, 2};
+    return conn_writev(c, parts, lens, 3);
+}
+
+int pd_http_stream_end(pd_http_exchange *ex)
+{
+    int rc = PD_OK;
+    if (!ex->c)
+        rc = pd_error(PD_ECLOSED, "http: client disconnected");
+    else if (ex->streaming)
+        rc = conn_write(ex->c, "0\r\n\r\n", 5);
+    else
+        rc = pd_error(PD_EINVAL, "http: stream_end without stream_begin");
+    exchange_end(ex);
+    return rc;
+}
+
+/* ---- server ------------------------------------------------------------------------------- */
+
+int pd_http_server_start(uv_loop_t *loop, const pd_http_params *params, pd_http_handler handler,
+                         void *ctx, pd_http_server **out)
+{
+    static bool settings_ready;
+    if (!settings_ready) {
+        llhttp_settings_init(&g_settings);
+        g_settings.on_message_begin = on_message_begin;
+        g_settings.on_url = on_url;
+        g_settings.on_header_field = on_header_field;
+        g_settings.on_header_value = on_header_value;
+        g_settings.on_headers_complete = on_headers_complete;
+        g_settings.on_body = on_body;
+        g_settings.on_message_complete = on_message_complete;
+        settings_ready = true;
+    }
+    pd_http_server *s = calloc(1, sizeof *s);
+    if (!s) return pd_error(PD_ENOMEM, "http: out of memory");
+    s->loop = loop;
+    s->p = *params;
+    s->handler = handler;
+    s->ctx = ctx;
+    struct sockaddr_storage addr;
+    int rc = uv_ip4_addr(params->host, params->port, (struct sockaddr_in *)&addr);
+    if (rc < 0) rc = uv_ip6_addr(params->host, params->port, (struct sockaddr_in6 *)&addr);
+    if (rc < 0) {
+        free(s);
+        return pd_error(PD_EINVAL, "--host '%s': not an IPv4 or IPv6 address", params->host);
+    }
+    uv_tcp_init(loop, &s->listener);
+    s->listener.data = s;
+    s->handles_open = 1;
+    rc = uv_tcp_bind(&s->listener, (const struct sockaddr *)&addr, 0);
+    if (rc == 0) rc = uv_listen((uv_stream_t *)&s->listener, 1024, on_connection);
+    if (rc < 0) {
+        int e = pd_error(PD_EIO, "cannot listen on %s:%d: %s", params->host, params->port,
+                         uv_strerror(rc));
+        s->stopping = true;
+        uv_close((uv_handle_t *)&s->listener, NULL);
+        uv_run(loop, UV_RUN_NOWAIT); /* let the close callback run before freeing */
+        free(s);
+        return e;
+    }
+    *out = s;
+    return PD_OK;
+}
+
+int pd_http_server_port(const pd_http_server *s)
+{
+    struct sockaddr_storage addr;
+    int len = sizeof addr;
+    if (uv_tcp_getsockname(&s->listener, (struct sockaddr *)&addr, &len) < 0) return -1;
+    if (addr.ss_family == AF_INET6) return ntohs(((struct sockaddr_in6 *)&addr)->sin6_port);
+    return ntohs(((struct sockaddr_in *)&addr)->sin_port);
+}
+
+int pd_http_server_connections(const pd_http_server *s)
+{
+    return s->n_conns;
+}
+
+static void on_listener_closed(uv_handle_t *h)
+{
+    server_handle_closed(h->data);
+}
+
+void pd_http_server_stop(pd_http_server *s, void (*on_stopped)(void *), void *arg)
+{
+    if (s->stopping) return;
+    s->stopping = true;
+    s->on_stopped = on_stopped;
+    s->stopped_arg = arg;
+    while (s->conns) conn_close(s->conns);
+    uv_close((uv_handle_t *)&s->listener, on_listener_closed);
+}

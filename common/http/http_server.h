@@ -1,0 +1,110 @@
+/* HTTP/1.1 server on libuv + llhttp for pd-scheduler (and any process that serves HTTP).
+ *
+ * Design: one libuv loop thread owns every socket. A request is parsed completely (headers and
+ * body, Content-Length or chunked, with `Expect: 100-continue` answered) into an exchange, then
+ * handed to the handler on the loop thread. The handler answers at once or later (after work on
+ * other threads came back through uv_async), with exactly one pd_http_respond() or a stream
+ * (pd_http_stream_begin / _write / _end). Pipelined requests wait, parsed bytes buffered, until
+ * the exchange ahead of them has ended, so responses go out in order. The socket keeps being read
+ * while an exchange is in flight, so a client that disconnects is noticed at once: the
+ * exchange's abort callback runs (the scheduler turns it into an abort sent to P and D).
+ *
+ * Limits (each answered as the API contract says, then the connection is closed): body over
+ * max_body_bytes -> 413 (straight away when Content-Length or 100-continue announce it), headers
+ * over max_header_bytes -> 431, malformed HTTP -> 400, headers not complete within
+ * header_timeout_ms or body not complete within body_timeout_ms -> 408 (slowloris), an idle
+ * keep-alive connection is closed after idle_timeout_ms. A stream never queues more than
+ * max_stream_buffer unsent bytes: pd_http_stream_write refuses with PD_EBUSY and the drain
+ * callback says when to continue (backpressure towards the token source).
+ *
+ * Memory: an exchange owns a request-scoped arena (pd_http_arena) freed in exactly one place,
+ * when the exchange ends; every write copies its bytes and frees them in the write callback.
+ */
+#ifndef PD_HTTP_SERVER_H
+#define PD_HTTP_SERVER_H
+
+#include <stddef.h>
+#include <uv.h>
+
+#include "util/arena.h"
+
+typedef struct pd_http_server pd_http_server;
+typedef struct pd_http_exchange pd_http_exchange;
+
+typedef struct {
+    const char *host;         /* bind address ("127.0.0.1"; "0.0.0.0" or "::" for all) */
+    int port;                 /* 0 = ephemeral (tests); pd_http_server_port tells which */
+    size_t max_body_bytes;    /* 16 MiB */
+    size_t max_header_bytes;  /* 64 KiB: request line + header names and values */
+    int header_timeout_ms;    /* 10000: from the first byte of a request to its last header */
+    int body_timeout_ms;      /* 60000: from the end of the headers to the end of the body */
+    int idle_timeout_ms;      /* 60000: keep-alive connection with no request in progress */
+    size_t max_stream_buffer; /* 1 MiB of unsent response bytes per connection */
+    int max_connections;      /* 65536: further connections are accepted and closed at once */
+} pd_http_params;
+
+pd_http_params pd_http_default_params(void);
+
+/* Called on the loop thread once per complete request. The exchange stays valid until the
+ * handler ends it (respond, or stream_end); it must always be ended, also after an abort. */
+typedef void (*pd_http_handler)(void *ctx, pd_http_exchange *ex);
+
+/* Binds, listens and starts accepting on loop. PD_EIO naming the address when it cannot bind. */
+int pd_http_server_start(uv_loop_t *loop, const pd_http_params *params, pd_http_handler handler,
+                         void *ctx, pd_http_server **out);
+int pd_http_server_port(const pd_http_server *s);
+/* Open connections (for metrics and tests). */
+int pd_http_server_connections(const pd_http_server *s);
+/* Stops listening and closes every connection (in-flight exchanges get their abort callback and
+ * must still be ended by their handlers, which is allowed after stop). on_stopped runs on the
+ * loop once every handle is closed; the server is freed then. */
+void pd_http_server_stop(pd_http_server *s, void (*on_stopped)(void *arg), void *arg);
+
+/* ---- the request ------------------------------------------------------------------------- */
+const char *pd_http_method(const pd_http_exchange *ex); /* "GET", "POST", ... */
+const char *pd_http_path(const pd_http_exchange *ex);   /* URL path, without the query */
+const char *pd_http_query(const pd_http_exchange *ex);  /* after '?', or "" */
+/* First value of a header (name compared case-insensitively), or NULL. */
+const char *pd_http_header(const pd_http_exchange *ex, const char *name);
+/* Body bytes (NUL-terminated for convenience; len excludes the NUL). */
+const char *pd_http_body(const pd_http_exchange *ex, size_t *len);
+/* Request-scoped arena, freed when the exchange ends. */
+pd_arena *pd_http_arena(pd_http_exchange *ex);
+/* Opaque slot for the handler's per-request state. */
+void pd_http_set_user(pd_http_exchange *ex, void *user);
+void *pd_http_user(const pd_http_exchange *ex);
+/* 1 once the client has gone (the abort callback has run or will run). */
+int pd_http_aborted(const pd_http_exchange *ex);
+/* Runs once, on the loop thread, if the client disconnects before the exchange ends. */
+void pd_http_on_abort(pd_http_exchange *ex, void (*cb)(void *arg), void *arg);
+
+/* ---- responses (loop thread only) -------------------------------------------------------- */
+/* extra_headers: NULL or complete lines "Name: value\r\n...". */
+/* A complete response with Content-Length; ends the exchange. PD_ECLOSED if the client is gone
+ * (the exchange still ends). */
+int pd_http_respond(pd_http_exchange *ex, int status, const char *content_type, const char *body,
+                    size_t len, const char *extra_headers);
+/* The API contract's error body {"error":{"message","type","param":null,"code"}} with the type
+ * named after the status (400 BadRequestError, ...); ends the exchange. */
+int pd_http_respond_error(pd_http_exchange *ex, int status, const char *message,
+                          const char *extra_headers);
+/* Starts a chunked response (status line and headers go out now). */
+int pd_http_stream_begin(pd_http_exchange *ex, int status, const char *content_type,
+                         const char *extra_headers);
+/* Sends one chunk. PD_EBUSY (nothing queued) when the connection already holds
+ * max_stream_buffer unsent bytes: wait for the drain callback. PD_ECLOSED when the client is gone.
+ */
+int pd_http_stream_write(pd_http_exchange *ex, const void *data, size_t len);
+/* Unsent bytes queued on the connection. */
+size_t pd_http_stream_pending(const pd_http_exchange *ex);
+/* Runs (once per registration) when unsent bytes fall to half of max_stream_buffer or below. */
+void pd_http_on_drain(pd_http_exchange *ex, void (*cb)(void *arg), void *arg);
+/* Ends the chunked response and the exchange. */
+int pd_http_stream_end(pd_http_exchange *ex);
+
+/* Reason phrase for a status code ("Not Found"); "Unknown" for others. */
+const char *pd_http_reason(int status);
+/* The contract's error type for a status ("NotFoundError"). */
+const char *pd_http_error_type(int status);
+
+#endif
