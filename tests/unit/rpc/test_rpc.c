@@ -1,0 +1,337 @@
+/* Unit tests of the gRPC layer: a real server on a loopback port and the async/sync client. */
+#include "harness.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+
+#include "rpc/rpc.h"
+#include "util/clock.h"
+
+static atomic_int g_cancels;
+
+/* ---- server methods ---------------------------------------------------------------------- */
+
+static void echo(void *ctx, pd_rpc_call *call, const uint8_t *req, size_t len)
+{
+    (void)ctx;
+    pd_rpc_reply(call, req, len);
+}
+
+static void fail(void *ctx, pd_rpc_call *call, const uint8_t *req, size_t len)
+{
+    (void)ctx, (void)req, (void)len;
+    pd_rpc_fail(call, PD_RPC_NOT_FOUND, "no such request");
+}
+
+typedef struct {
+    pd_rpc_call *call;
+    int n;
+} count_job;
+
+/* Streams n messages "0".."n-1" from another thread, as an engine would. */
+static void *count_thread(void *arg)
+{
+    count_job *j = arg;
+    for (int i = 0; i < j->n; i++) {
+        char m[16];
+        int len = snprintf(m, sizeof m, "%d", i);
+        if (pd_rpc_stream_send(j->call, m, (size_t)len) < 0) break;
+    }
+    pd_rpc_stream_end(j->call, PD_RPC_OK, "");
+    free(j);
+    return NULL;
+}
+
+static void count(void *ctx, pd_rpc_call *call, const uint8_t *req, size_t len)
+{
+    (void)ctx, (void)len;
+    count_job *j = malloc(sizeof *j);
+    j->call = call;
+    j->n = atoi((const char *)req);
+    pthread_t t;
+    pthread_create(&t, NULL, count_thread, j);
+    pthread_detach(t);
+}
+
+static void hang_cancelled(void *arg)
+{
+    atomic_fetch_add(&g_cancels, 1);
+    pd_rpc_stream_end(arg, PD_RPC_CANCELLED, "cancelled");
+}
+
+static void hang(void *ctx, pd_rpc_call *call, const uint8_t *req, size_t len)
+{
+    (void)ctx, (void)req, (void)len;
+    pd_rpc_stream_send(call, "first", 5);
+    pd_rpc_on_cancel(call, hang_cancelled, call);
+}
+
+static const pd_rpc_method methods[] = {
+    {"/t.T/Echo", PD_RPC_UNARY, echo, NULL},
+    {"/t.T/Fail", PD_RPC_UNARY, fail, NULL},
+    {"/t.T/Count", PD_RPC_SERVER_STREAM, count, NULL},
+    {"/t.T/Hang", PD_RPC_SERVER_STREAM, hang, NULL},
+};
+
+typedef struct {
+    pd_rpc_server *srv;
+    pd_rpc_client *cl;
+    pd_rpc_channel *ch;
+} fixture;
+
+static int fx_start(fixture *fx, size_t channel_max)
+{
+    memset(fx, 0, sizeof *fx);
+    pd_rpc_server_params p = pd_rpc_server_default_params();
+    if (pd_rpc_server_start(&p, methods, 4, &fx->srv) < 0) return -1;
+    char target[64];
+    snprintf(target, sizeof target, "127.0.0.1:%d", pd_rpc_server_port(fx->srv));
+    if (pd_rpc_client_create(&fx->cl) < 0) return -1;
+    return pd_rpc_channel_create(fx->cl, target, channel_max, &fx->ch);
+}
+
+static void fx_stop(fixture *fx)
+{
+    pd_rpc_channel_destroy(fx->ch);
+    pd_rpc_client_destroy(fx->cl);
+    pd_rpc_server_stop(fx->srv, 1000);
+}
+
+/* ---- a stream collector ------------------------------------------------------------------- */
+
+typedef struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int n_msgs;
+    char last[64];
+    int in_order;
+    int done, status;
+    char details[128];
+} collector;
+
+static void col_init(collector *c)
+{
+    memset(c, 0, sizeof *c);
+    pthread_mutex_init(&c->mu, NULL);
+    pthread_cond_init(&c->cv, NULL);
+    c->in_order = 1;
+}
+
+static void col_msg(void *arg, const uint8_t *m, size_t len)
+{
+    collector *c = arg;
+    pthread_mutex_lock(&c->mu);
+    char want[16];
+    snprintf(want, sizeof want, "%d", c->n_msgs);
+    if (len != strlen(want) || memcmp(m, want, len) != 0) c->in_order = 0;
+    snprintf(c->last, sizeof c->last, "%.*s", (int)len, (const char *)m);
+    c->n_msgs++;
+    pthread_mutex_unlock(&c->mu);
+}
+
+static void col_done(void *arg, int status, const char *details, const uint8_t *r, size_t len)
+{
+    collector *c = arg;
+    (void)r, (void)len;
+    pthread_mutex_lock(&c->mu);
+    c->done++;
+    c->status = status;
+    snprintf(c->details, sizeof c->details, "%s", details);
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+}
+
+static int col_wait(collector *c, int ms)
+{
+    int64_t deadline = pd_now_ns() + (int64_t)ms * PD_NS_PER_MS;
+    pthread_mutex_lock(&c->mu);
+    while (!c->done && pd_now_ns() < deadline) {
+        pthread_mutex_unlock(&c->mu);
+        pd_sleep_ns(PD_NS_PER_MS);
+        pthread_mutex_lock(&c->mu);
+    }
+    int d = c->done;
+    pthread_mutex_unlock(&c->mu);
+    return d;
+}
+
+/* ---- tests -------------------------------------------------------------------------------- */
+
+TEST(rpc_unary_echo)
+{
+    fixture fx;
+    ASSERT_OK(fx_start(&fx, 0));
+    uint8_t *resp = NULL;
+    size_t len = 0;
+    int st = -1;
+    ASSERT_OK(pd_rpc_unary(fx.ch, "/t.T/Echo", "hello", 5, 2000, &resp, &len, &st));
+    ASSERT_EQ_INT(st, PD_RPC_OK);
+    ASSERT_EQ_INT(len, 5);
+    ASSERT(memcmp(resp, "hello", 5) == 0);
+    free(resp);
+    fx_stop(&fx);
+}
+
+TEST(rpc_failure_status_and_unknown_method)
+{
+    fixture fx;
+    ASSERT_OK(fx_start(&fx, 0));
+    uint8_t *resp = NULL;
+    int st = -1;
+    ASSERT_ERR(pd_rpc_unary(fx.ch, "/t.T/Fail", "x", 1, 2000, &resp, NULL, &st), PD_EINTERNAL,
+               "/t.T/Fail: NOT_FOUND: no such request");
+    ASSERT_EQ_INT(st, PD_RPC_NOT_FOUND);
+    ASSERT_ERR(pd_rpc_unary(fx.ch, "/t.T/Nope", "x", 1, 2000, &resp, NULL, &st), PD_EINTERNAL,
+               "UNIMPLEMENTED");
+    ASSERT_EQ_INT(st, PD_RPC_UNIMPLEMENTED);
+    fx_stop(&fx);
+}
+
+TEST(rpc_stream_in_order_from_another_thread)
+{
+    fixture fx;
+    ASSERT_OK(fx_start(&fx, 0));
+    collector c;
+    col_init(&c);
+    ASSERT_OK(
+        pd_rpc_stream_async(fx.ch, "/t.T/Count", "500", 3, 5000, col_msg, col_done, &c, NULL));
+    ASSERT(col_wait(&c, 5000));
+    ASSERT_EQ_INT(c.status, PD_RPC_OK);
+    ASSERT_EQ_INT(c.n_msgs, 500);
+    ASSERT(c.in_order);
+    ASSERT_EQ_INT(c.done, 1);
+    fx_stop(&fx);
+}
+
+TEST(rpc_deadline_cancels_server_side)
+{
+    fixture fx;
+    ASSERT_OK(fx_start(&fx, 0));
+    atomic_store(&g_cancels, 0);
+    collector c;
+    col_init(&c);
+    int64_t t0 = pd_now_ns();
+    ASSERT_OK(pd_rpc_stream_async(fx.ch, "/t.T/Hang", "x", 1, 200, NULL, col_done, &c, NULL));
+    ASSERT(col_wait(&c, 5000));
+    ASSERT_EQ_INT(c.status, PD_RPC_DEADLINE_EXCEEDED);
+    ASSERT((pd_now_ns() - t0) / PD_NS_PER_MS < 2000);
+    for (int i = 0; i < 500 && atomic_load(&g_cancels) == 0; i++) pd_sleep_ns(PD_NS_PER_MS);
+    ASSERT_EQ_INT(atomic_load(&g_cancels), 1);
+    fx_stop(&fx);
+}
+
+TEST(rpc_client_cancel)
+{
+    fixture fx;
+    ASSERT_OK(fx_start(&fx, 0));
+    atomic_store(&g_cancels, 0);
+    collector c;
+    col_init(&c);
+    uint64_t id = 0;
+    ASSERT_OK(pd_rpc_stream_async(fx.ch, "/t.T/Hang", "x", 1, 10000, NULL, col_done, &c, &id));
+    pd_sleep_ns(50 * PD_NS_PER_MS);
+    ASSERT_EQ_INT(pd_rpc_client_inflight(fx.cl), 1);
+    pd_rpc_cancel(fx.cl, id);
+    ASSERT(col_wait(&c, 3000));
+    ASSERT_EQ_INT(c.status, PD_RPC_CANCELLED);
+    pd_rpc_cancel(fx.cl, id); /* ended: a no-op */
+    for (int i = 0; i < 500 && atomic_load(&g_cancels) == 0; i++) pd_sleep_ns(PD_NS_PER_MS);
+    ASSERT_EQ_INT(atomic_load(&g_cancels), 1);
+    ASSERT_EQ_INT(pd_rpc_client_inflight(fx.cl), 0);
+    fx_stop(&fx);
+}
+
+static atomic_int g_unary_ok;
+static void count_ok(void *arg, int status, const char *d, const uint8_t *r, size_t len)
+{
+    (void)arg, (void)d;
+    if (status == PD_RPC_OK && len == 4 && memcmp(r, "ping", 4) == 0)
+        atomic_fetch_add(&g_unary_ok, 1);
+}
+
+TEST(rpc_many_concurrent_calls)
+{
+    fixture fx;
+    ASSERT_OK(fx_start(&fx, 0));
+    atomic_store(&g_unary_ok, 0);
+    for (int i = 0; i < 300; i++)
+        ASSERT_OK(pd_rpc_unary_async(fx.ch, "/t.T/Echo", "ping", 4, 10000, count_ok, NULL, NULL));
+    for (int i = 0; i < 10000 && pd_rpc_client_inflight(fx.cl) > 0; i++) pd_sleep_ns(PD_NS_PER_MS);
+    ASSERT_EQ_INT(atomic_load(&g_unary_ok), 300);
+    fx_stop(&fx);
+}
+
+TEST(rpc_message_size_limits)
+{
+    fixture fx;
+    ASSERT_OK(fx_start(&fx, 1u << 20)); /* the channel takes at most 1 MiB */
+    size_t big = 8u << 20;
+    uint8_t *buf = malloc(big);
+    for (size_t i = 0; i < big; i++) buf[i] = (uint8_t)(i * 31);
+    uint8_t *resp = NULL;
+    size_t len = 0;
+    int st = -1;
+    /* 8 MiB request: over the channel's send limit */
+    ASSERT_EQ_INT(pd_rpc_unary(fx.ch, "/t.T/Echo", buf, big, 5000, &resp, &len, &st), PD_EINTERNAL);
+    ASSERT_EQ_INT(st, PD_RPC_RESOURCE_EXHAUSTED);
+    pd_rpc_channel_destroy(fx.ch);
+    /* a channel with the default 64 MiB limit carries it both ways */
+    char target[64];
+    snprintf(target, sizeof target, "127.0.0.1:%d", pd_rpc_server_port(fx.srv));
+    ASSERT_OK(pd_rpc_channel_create(fx.cl, target, 0, &fx.ch));
+    ASSERT_OK(pd_rpc_unary(fx.ch, "/t.T/Echo", buf, big, 10000, &resp, &len, &st));
+    ASSERT_EQ_INT(len, big);
+    ASSERT(memcmp(resp, buf, big) == 0);
+    free(resp);
+    free(buf);
+    fx_stop(&fx);
+}
+
+TEST(rpc_unreachable_server_fails_within_deadline)
+{
+    pd_rpc_client *cl;
+    pd_rpc_channel *ch;
+    ASSERT_OK(pd_rpc_client_create(&cl));
+    ASSERT_OK(pd_rpc_channel_create(cl, "127.0.0.1:1", 0, &ch)); /* nothing listens on port 1 */
+    uint8_t *resp = NULL;
+    int st = -1;
+    int64_t t0 = pd_now_ns();
+    int rc = pd_rpc_unary(ch, "/t.T/Echo", "x", 1, 500, &resp, NULL, &st);
+    ASSERT(rc == PD_ECLOSED || rc == PD_ETIMEOUT);
+    ASSERT(st == PD_RPC_UNAVAILABLE || st == PD_RPC_DEADLINE_EXCEEDED);
+    ASSERT((pd_now_ns() - t0) / PD_NS_PER_MS < 3000);
+    ASSERT_ERR(pd_rpc_unary(ch, "/t.T/Echo", "x", 1, 0, &resp, NULL, &st), PD_EINTERNAL,
+               "a deadline is required");
+    pd_rpc_channel_destroy(ch);
+    pd_rpc_client_destroy(cl);
+}
+
+TEST(rpc_stop_cancels_calls_in_flight)
+{
+    fixture fx;
+    ASSERT_OK(fx_start(&fx, 0));
+    atomic_store(&g_cancels, 0);
+    collector c;
+    col_init(&c);
+    ASSERT_OK(pd_rpc_stream_async(fx.ch, "/t.T/Hang", "x", 1, 10000, NULL, col_done, &c, NULL));
+    pd_sleep_ns(50 * PD_NS_PER_MS);
+    int64_t t0 = pd_now_ns();
+    pd_rpc_server_stop(fx.srv, 2000);
+    ASSERT((pd_now_ns() - t0) / PD_NS_PER_MS < 1500); /* the handler ended its call at once */
+    ASSERT_EQ_INT(atomic_load(&g_cancels), 1);
+    ASSERT(col_wait(&c, 3000));
+    ASSERT(c.status != PD_RPC_OK);
+    pd_rpc_channel_destroy(fx.ch);
+    pd_rpc_client_destroy(fx.cl);
+}
+
+TEST(rpc_bind_error)
+{
+    pd_rpc_server_params p = pd_rpc_server_default_params();
+    p.addr = "256.1.1.1:5";
+    pd_rpc_server *s = NULL;
+    ASSERT_ERR(pd_rpc_server_start(&p, methods, 4, &s), PD_EIO, "cannot listen on 256.1.1.1:5");
+    ASSERT_STR_EQ(pd_rpc_status_name(PD_RPC_UNAVAILABLE), "UNAVAILABLE");
+    ASSERT_STR_EQ(pd_rpc_status_name(99), "UNKNOWN");
+}
