@@ -1,0 +1,801 @@
+/* KV transfer over TCP (see kv_tcp.h).
+ *
+ * Wire format, little-endian:
+ *   frame   = header (80 bytes) + payload; payload = K then V, each
+ *             (n_blocks, block_size, n_heads, head_dim) in the pool dtype (pd_kv_range layout)
+ *   header  = "PDKV" u16 version u16 flags char request_id[40] u32 layer u32 head0 u32 n_heads
+ *             u32 block0 u32 n_blocks u32 reserved u64 payload_bytes
+ *   ack     = "PDKA" u16 version u16 pad i32 status char request_id[40] char message[204]
+ *             (256 bytes), sent for a sender's frame flagged LAST
+ * One connection carries one request at a time; the sender reads the acknowledgement before
+ * it reuses the connection, so acknowledgements never cross requests.
+ */
+#include "transfer/kv_tcp.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "util/clock.h"
+#include "util/log.h"
+#include "util/status.h"
+
+#define HDR_BYTES             80
+#define ACK_BYTES             256
+#define ACK_MSG_BYTES         204
+#define VERSION               1
+#define FLAG_LAST             1u
+#define SOCK_BUF              (4 << 20)
+#define FRAME_READ_TIMEOUT_MS 30000
+#define DONE_RING             256
+
+typedef struct {
+    uint16_t version, flags;
+    char request_id[PD_KV_REQUEST_ID_MAX];
+    uint32_t layer, head0, n_heads, block0, n_blocks;
+    uint64_t payload_bytes;
+} frame_hdr;
+
+static void put_u16(uint8_t *p, uint16_t v)
+{
+    p[0] = (uint8_t)v;
+    p[1] = (uint8_t)(v >> 8);
+}
+static void put_u32(uint8_t *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+static void put_u64(uint8_t *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+static uint16_t get_u16(const uint8_t *p)
+{
+    return (uint16_t)(p[0] | (p[1] << 8));
+}
+static uint32_t get_u32(const uint8_t *p)
+{
+    uint32_t v = 0;
+    for (int i = 3; i >= 0; i--) v = (v << 8) | p[i];
+    return v;
+}
+static uint64_t get_u64(const uint8_t *p)
+{
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--) v = (v << 8) | p[i];
+    return v;
+}
+
+static void hdr_pack(const frame_hdr *h, uint8_t *p)
+{
+    memcpy(p, "PDKV", 4);
+    put_u16(p + 4, h->version);
+    put_u16(p + 6, h->flags);
+    memset(p + 8, 0, PD_KV_REQUEST_ID_MAX);
+    memcpy(p + 8, h->request_id, strnlen(h->request_id, PD_KV_REQUEST_ID_MAX - 1));
+    put_u32(p + 48, h->layer);
+    put_u32(p + 52, h->head0);
+    put_u32(p + 56, h->n_heads);
+    put_u32(p + 60, h->block0);
+    put_u32(p + 64, h->n_blocks);
+    put_u32(p + 68, 0);
+    put_u64(p + 72, h->payload_bytes);
+}
+
+/* Returns false when the magic is wrong. The request id is always NUL-terminated. */
+static bool hdr_unpack(const uint8_t *p, frame_hdr *h)
+{
+    if (memcmp(p, "PDKV", 4) != 0) return false;
+    h->version = get_u16(p + 4);
+    h->flags = get_u16(p + 6);
+    memcpy(h->request_id, p + 8, PD_KV_REQUEST_ID_MAX);
+    h->request_id[PD_KV_REQUEST_ID_MAX - 1] = '\0';
+    h->layer = get_u32(p + 48);
+    h->head0 = get_u32(p + 52);
+    h->n_heads = get_u32(p + 56);
+    h->block0 = get_u32(p + 60);
+    h->n_blocks = get_u32(p + 64);
+    h->payload_bytes = get_u64(p + 72);
+    return true;
+}
+
+static void ack_pack(uint8_t *p, int32_t status, const char *id, const char *msg)
+{
+    memset(p, 0, ACK_BYTES);
+    memcpy(p, "PDKA", 4);
+    put_u16(p + 4, VERSION);
+    put_u32(p + 8, (uint32_t)status);
+    memcpy(p + 12, id, strnlen(id, PD_KV_REQUEST_ID_MAX - 1));
+    memcpy(p + 52, msg, strnlen(msg, ACK_MSG_BYTES - 1));
+}
+
+int pd_kv_rank_heads(size_t n_kv_heads, int tp, int rank, size_t *head0, size_t *n_heads)
+{
+    if (tp < 1 || rank < 0 || rank >= tp || n_kv_heads % (size_t)tp != 0)
+        return pd_error(PD_EINVAL,
+                        "kv heads: %zu heads cannot be split over tensor-parallel "
+                        "size %d (rank %d)",
+                        n_kv_heads, tp, rank);
+    *n_heads = n_kv_heads / (size_t)tp;
+    *head0 = *n_heads * (size_t)rank;
+    return PD_OK;
+}
+
+void pd_kv_head_overlap(size_t a0, size_t an, size_t b0, size_t bn, size_t *h0, size_t *n)
+{
+    size_t lo = a0 > b0 ? a0 : b0, hi = a0 + an < b0 + bn ? a0 + an : b0 + bn;
+    *h0 = lo;
+    *n = hi > lo ? hi - lo : 0;
+}
+
+/* ---- sockets ---- */
+
+/* Waits for fd (and, when stop_fd >= 0, for a stop signal). 1 ready, 0 timeout, -1 stop. */
+static int wait_fd(int fd, short events, int stop_fd, int64_t deadline_ns)
+{
+    for (;;) {
+        int ms = -1;
+        if (deadline_ns != INT64_MAX) {
+            int64_t left = deadline_ns - pd_now_ns();
+            if (left <= 0) return 0;
+            ms = (int)((left + PD_NS_PER_MS - 1) / PD_NS_PER_MS);
+        }
+        struct pollfd p[2] = {{.fd = fd, .events = events}, {.fd = stop_fd, .events = POLLIN}};
+        int r = poll(p, stop_fd >= 0 ? 2 : 1, ms);
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) return -1;
+        if (r == 0) return 0;
+        if (stop_fd >= 0 && p[1].revents) return -1;
+        return 1;
+    }
+}
+
+/* PD_OK, PD_ETIMEOUT, PD_ECLOSED (peer closed / error / stop). */
+static int read_full(int fd, void *buf, size_t n, int stop_fd, int64_t deadline_ns)
+{
+    uint8_t *p = buf;
+    while (n > 0) {
+        int w = wait_fd(fd, POLLIN, stop_fd, deadline_ns);
+        if (w == 0) return PD_ETIMEOUT;
+        if (w < 0) return PD_ECLOSED;
+        ssize_t r = read(fd, p, n);
+        if (r < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+        if (r <= 0) return PD_ECLOSED;
+        p += r;
+        n -= (size_t)r;
+    }
+    return PD_OK;
+}
+
+static int write_full(int fd, const void *buf, size_t n, int64_t deadline_ns)
+{
+    const uint8_t *p = buf;
+    while (n > 0) {
+        int w = wait_fd(fd, POLLOUT, -1, deadline_ns);
+        if (w == 0) return PD_ETIMEOUT;
+        if (w < 0) return PD_ECLOSED;
+        ssize_t r = send(fd, p, n, MSG_NOSIGNAL);
+        if (r < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+        if (r <= 0) return PD_ECLOSED;
+        p += r;
+        n -= (size_t)r;
+    }
+    return PD_OK;
+}
+
+static void tune_socket(int fd)
+{
+    int one = 1, buf = SOCK_BUF;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buf, sizeof buf);
+    setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &buf, sizeof buf);
+    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+    fcntl(fd, F_SETFD, FD_CLOEXEC);
+}
+
+static size_t slice_bytes(const pd_kv_params *kp, size_t n_blocks, size_t n_heads)
+{
+    return 2 * n_blocks * kp->block_size * n_heads * kp->head_dim * pd_dtype_size(kp->dtype);
+}
+
+/* ====================================================================== receiver ========== */
+
+typedef struct expect_entry {
+    struct expect_entry *next;
+    char id[PD_KV_REQUEST_ID_MAX];
+    int32_t *blocks;
+    size_t n_blocks;
+    uint8_t *got; /* (n_layers, n_local_heads) flags */
+    size_t n_got, n_need;
+} expect_entry;
+
+typedef struct rx_conn {
+    struct rx_conn *next;
+    pd_kv_tcp_receiver *rx;
+    int fd;
+    pthread_t thread;
+    bool finished;
+} rx_conn;
+
+struct pd_kv_tcp_receiver {
+    pd_kv_rx_params p;
+    size_t n_local_heads;
+    pd_kv_rx_done_fn done;
+    void *done_arg;
+    int listen_fd, port;
+    int stop_pipe[2];
+    pthread_t accept_thread;
+    pthread_mutex_t mu;
+    expect_entry *expected;
+    char done_ring[DONE_RING][PD_KV_REQUEST_ID_MAX];
+    int ring_pos;
+    rx_conn *conns;
+    pd_kv_rx_stats stats;
+};
+
+static expect_entry *find_expected(pd_kv_tcp_receiver *rx, const char *id, expect_entry ***link)
+{
+    expect_entry **pp = &rx->expected;
+    for (; *pp; pp = &(*pp)->next)
+        if (strcmp((*pp)->id, id) == 0) {
+            if (link) *link = pp;
+            return *pp;
+        }
+    return NULL;
+}
+
+static bool recently_done(pd_kv_tcp_receiver *rx, const char *id)
+{
+    for (int i = 0; i < DONE_RING; i++)
+        if (rx->done_ring[i][0] && strcmp(rx->done_ring[i], id) == 0) return true;
+    return false;
+}
+
+static void entry_free(expect_entry *e)
+{
+    free(e->blocks);
+    free(e->got);
+    free(e);
+}
+
+int pd_kv_rx_expect(pd_kv_tcp_receiver *rx, const char *request_id, const int32_t *block_ids,
+                    size_t n_blocks)
+{
+    if (!request_id[0] || strlen(request_id) >= PD_KV_REQUEST_ID_MAX)
+        return pd_error(PD_EINVAL, "kv receive: request id must be 1..%d bytes",
+                        PD_KV_REQUEST_ID_MAX - 1);
+    if (n_blocks == 0) return pd_error(PD_EINVAL, "kv receive %s: no blocks", request_id);
+    for (size_t i = 0; i < n_blocks; i++)
+        if (block_ids[i] < 0 || (size_t)block_ids[i] >= rx->p.kv_params.n_blocks)
+            return pd_error(PD_EINVAL, "kv receive %s: block id %d outside the pool of %zu",
+                            request_id, block_ids[i], rx->p.kv_params.n_blocks);
+    expect_entry *e = calloc(1, sizeof *e);
+    size_t n_need = (size_t)rx->p.kv_params.n_layers * rx->n_local_heads;
+    if (e) {
+        e->blocks = malloc(n_blocks * sizeof *e->blocks);
+        e->got = calloc(n_need, 1);
+    }
+    if (!e || !e->blocks || !e->got) {
+        if (e) entry_free(e);
+        return pd_error(PD_ENOMEM, "kv receive: out of memory");
+    }
+    snprintf(e->id, sizeof e->id, "%s", request_id);
+    memcpy(e->blocks, block_ids, n_blocks * sizeof *block_ids);
+    e->n_blocks = n_blocks;
+    e->n_need = n_need;
+    pthread_mutex_lock(&rx->mu);
+    int rc = PD_OK;
+    if (find_expected(rx, request_id, NULL))
+        rc = pd_error(PD_EEXIST, "kv receive %s: already expected", request_id);
+    else if (recently_done(rx, request_id))
+        rc = pd_error(PD_EEXIST, "kv receive %s: already imported", request_id);
+    if (rc == PD_OK) {
+        e->next = rx->expected;
+        rx->expected = e;
+        rx->stats.expected++;
+    }
+    pthread_mutex_unlock(&rx->mu);
+    if (rc < 0) entry_free(e);
+    return rc;
+}
+
+int pd_kv_rx_cancel(pd_kv_tcp_receiver *rx, const char *request_id)
+{
+    pthread_mutex_lock(&rx->mu);
+    expect_entry **link = NULL;
+    expect_entry *e = find_expected(rx, request_id, &link);
+    if (e) {
+        *link = e->next;
+        rx->stats.expected--;
+    }
+    pthread_mutex_unlock(&rx->mu);
+    if (!e) return pd_error(PD_ENOTFOUND, "kv receive %s: not expected", request_id);
+    entry_free(e);
+    return PD_OK;
+}
+
+void pd_kv_rx_get_stats(pd_kv_tcp_receiver *rx, pd_kv_rx_stats *out)
+{
+    pthread_mutex_lock(&rx->mu);
+    *out = rx->stats;
+    pthread_mutex_unlock(&rx->mu);
+}
+
+/* Checks a frame against the reservation and imports it. Called with rx->mu held.
+ * Returns PD_OK or a refusal with the message set; *complete is set when the request is done. */
+static int rx_import(pd_kv_tcp_receiver *rx, const frame_hdr *h, const uint8_t *payload,
+                     expect_entry **complete)
+{
+    const pd_kv_params *kp = &rx->p.kv_params;
+    expect_entry **link = NULL;
+    expect_entry *e = find_expected(rx, h->request_id, &link);
+    if (!e)
+        return pd_error(PD_EINVAL, "kv frame for request %s refused: %s", h->request_id,
+                        recently_done(rx, h->request_id) ? "already imported" : "not expected");
+    if (h->layer >= (uint32_t)kp->n_layers)
+        return pd_error(PD_EINVAL, "kv frame %s: layer %u outside 0..%d", h->request_id, h->layer,
+                        kp->n_layers - 1);
+    if (h->n_heads == 0 || h->head0 < rx->p.head0 ||
+        (size_t)h->head0 + h->n_heads > rx->p.head0 + rx->n_local_heads)
+        return pd_error(PD_EINVAL, "kv frame %s: heads %u..%u outside this rank's %zu..%zu",
+                        h->request_id, h->head0, h->head0 + h->n_heads - 1, rx->p.head0,
+                        rx->p.head0 + rx->n_local_heads - 1);
+    if (h->block0 != 0 || h->n_blocks != e->n_blocks)
+        return pd_error(PD_EINVAL, "kv frame %s: blocks %u+%u, expected 0+%zu", h->request_id,
+                        h->block0, h->n_blocks, e->n_blocks);
+    size_t want = slice_bytes(kp, e->n_blocks, h->n_heads);
+    if (h->payload_bytes != want)
+        return pd_error(PD_EINVAL, "kv frame %s: payload of %llu bytes, expected %zu",
+                        h->request_id, (unsigned long long)h->payload_bytes, want);
+    size_t local0 = h->head0 - rx->p.head0;
+    uint8_t *got = e->got + (size_t)h->layer * rx->n_local_heads + local0;
+    for (size_t i = 0; i < h->n_heads; i++)
+        if (got[i])
+            return pd_error(PD_EINVAL, "kv frame %s: layer %u head %zu sent twice", h->request_id,
+                            h->layer, h->head0 + i);
+    pd_kv_range r = {.layer = (int)h->layer,
+                     .block_ids = e->blocks,
+                     .n_blocks = e->n_blocks,
+                     .head0 = local0,
+                     .n_heads = h->n_heads};
+    PD_CHECK(pd_backend_get_ops(rx->p.backend)->kv_import(rx->p.backend, rx->p.kv, &r, payload));
+    memset(got, 1, h->n_heads);
+    e->n_got += h->n_heads;
+    rx->stats.frames++;
+    rx->stats.bytes += h->payload_bytes;
+    if (e->n_got == e->n_need) {
+        *link = e->next;
+        rx->stats.expected--;
+        rx->stats.completed++;
+        snprintf(rx->done_ring[rx->ring_pos], PD_KV_REQUEST_ID_MAX, "%s", e->id);
+        rx->ring_pos = (rx->ring_pos + 1) % DONE_RING;
+        *complete = e;
+    }
+    return PD_OK;
+}
+
+static void *rx_conn_main(void *arg)
+{
+    rx_conn *c = arg;
+    pd_kv_tcp_receiver *rx = c->rx;
+    uint8_t hb[HDR_BYTES], ack[ACK_BYTES];
+    uint8_t *buf = NULL;
+    size_t cap = 0;
+    char cur_id[PD_KV_REQUEST_ID_MAX] = "";
+    int cur_status = PD_OK;
+    char cur_msg[ACK_MSG_BYTES] = "";
+    for (;;) {
+        /* idle between frames: no deadline; inside a frame: FRAME_READ_TIMEOUT_MS */
+        if (read_full(c->fd, hb, 1, rx->stop_pipe[0], INT64_MAX) != PD_OK) break;
+        int64_t deadline = pd_now_ns() + FRAME_READ_TIMEOUT_MS * PD_NS_PER_MS;
+        if (read_full(c->fd, hb + 1, HDR_BYTES - 1, rx->stop_pipe[0], deadline) != PD_OK) break;
+        frame_hdr h;
+        if (!hdr_unpack(hb, &h) || h.version != VERSION) {
+            PD_ERROR(NULL, "kv receive: bad frame header (magic or version); closing connection");
+            break;
+        }
+        if (h.payload_bytes > rx->p.max_frame_bytes) {
+            PD_ERROR(h.request_id,
+                     "kv receive: frame of %llu bytes over the %zu-byte limit; "
+                     "closing connection",
+                     (unsigned long long)h.payload_bytes, rx->p.max_frame_bytes);
+            break;
+        }
+        if (h.payload_bytes > cap) {
+            uint8_t *nb = realloc(buf, h.payload_bytes);
+            if (!nb) {
+                PD_ERROR(h.request_id, "kv receive: out of memory for a %llu-byte frame",
+                         (unsigned long long)h.payload_bytes);
+                break;
+            }
+            buf = nb;
+            cap = h.payload_bytes;
+        }
+        if (read_full(c->fd, buf, h.payload_bytes, rx->stop_pipe[0], deadline) != PD_OK) {
+            PD_WARN(h.request_id, "kv receive: connection lost inside a frame");
+            break;
+        }
+        if (strcmp(h.request_id, cur_id) != 0) { /* a new request on this connection */
+            snprintf(cur_id, sizeof cur_id, "%s", h.request_id);
+            cur_status = PD_OK;
+            cur_msg[0] = '\0';
+        }
+        expect_entry *complete = NULL;
+        if (cur_status == PD_OK) {
+            pthread_mutex_lock(&rx->mu);
+            int rc = rx_import(rx, &h, buf, &complete);
+            if (rc < 0) rx->stats.refused++;
+            pthread_mutex_unlock(&rx->mu);
+            if (rc < 0) {
+                cur_status = rc;
+                snprintf(cur_msg, sizeof cur_msg, "%s", pd_last_error());
+                PD_ERROR(h.request_id, "%s", cur_msg);
+            }
+        } else {
+            pthread_mutex_lock(&rx->mu);
+            rx->stats.refused++;
+            pthread_mutex_unlock(&rx->mu);
+        }
+        if (complete) {
+            if (rx->done) rx->done(rx->done_arg, complete->id, PD_OK);
+            entry_free(complete);
+        }
+        if (h.flags & FLAG_LAST) {
+            ack_pack(ack, cur_status, cur_id, cur_msg);
+            if (write_full(c->fd, ack, ACK_BYTES, pd_now_ns() + 5 * PD_NS_PER_S) != PD_OK) break;
+            cur_id[0] = '\0';
+        }
+    }
+    free(buf);
+    close(c->fd);
+    pthread_mutex_lock(&rx->mu);
+    c->finished = true;
+    pthread_mutex_unlock(&rx->mu);
+    return NULL;
+}
+
+/* Joins connection threads that have ended. Called with rx->mu NOT held. */
+static void reap_conns(pd_kv_tcp_receiver *rx, bool all)
+{
+    for (;;) {
+        rx_conn *victim = NULL;
+        pthread_mutex_lock(&rx->mu);
+        for (rx_conn **pp = &rx->conns; *pp; pp = &(*pp)->next)
+            if ((*pp)->finished || all) {
+                victim = *pp;
+                *pp = victim->next;
+                break;
+            }
+        pthread_mutex_unlock(&rx->mu);
+        if (!victim) return;
+        pthread_join(victim->thread, NULL);
+        free(victim);
+    }
+}
+
+static void *rx_accept_main(void *arg)
+{
+    pd_kv_tcp_receiver *rx = arg;
+    for (;;) {
+        if (wait_fd(rx->listen_fd, POLLIN, rx->stop_pipe[0], INT64_MAX) <= 0) break;
+        int fd = accept(rx->listen_fd, NULL, NULL);
+        if (fd < 0) continue;
+        tune_socket(fd);
+        reap_conns(rx, false);
+        rx_conn *c = calloc(1, sizeof *c);
+        if (!c) {
+            close(fd);
+            continue;
+        }
+        c->rx = rx;
+        c->fd = fd;
+        pthread_mutex_lock(&rx->mu);
+        c->next = rx->conns;
+        rx->conns = c;
+        pthread_mutex_unlock(&rx->mu);
+        if (pthread_create(&c->thread, NULL, rx_conn_main, c) != 0) {
+            close(fd);
+            pthread_mutex_lock(&rx->mu);
+            rx->conns = c->next;
+            pthread_mutex_unlock(&rx->mu);
+            free(c);
+        }
+    }
+    return NULL;
+}
+
+static int resolve(const char *host, int port, struct sockaddr_storage *ss, socklen_t *len)
+{
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM}, *res = NULL;
+    char ps[16];
+    snprintf(ps, sizeof ps, "%d", port);
+    int e = getaddrinfo(host, ps, &hints, &res);
+    if (e != 0 || !res)
+        return pd_error(PD_EINVAL, "address %s:%d: %s", host, port, gai_strerror(e));
+    memcpy(ss, res->ai_addr, res->ai_addrlen);
+    *len = res->ai_addrlen;
+    freeaddrinfo(res);
+    return PD_OK;
+}
+
+int pd_kv_tcp_receiver_start(const pd_kv_rx_params *p, pd_kv_rx_done_fn done, void *arg,
+                             pd_kv_tcp_receiver **out)
+{
+    if (p->kv_params.n_kv_heads == 0 || p->kv_params.n_layers <= 0)
+        return pd_error(PD_EINVAL, "kv receive: empty KV pool parameters");
+    pd_kv_tcp_receiver *rx = calloc(1, sizeof *rx);
+    if (!rx) return pd_error(PD_ENOMEM, "kv receive: out of memory");
+    rx->p = *p;
+    if (!rx->p.max_frame_bytes) rx->p.max_frame_bytes = (size_t)256 << 20;
+    rx->n_local_heads = p->kv_params.n_kv_heads;
+    rx->done = done;
+    rx->done_arg = arg;
+    pthread_mutex_init(&rx->mu, NULL);
+    struct sockaddr_storage ss;
+    socklen_t sl;
+    int rc = resolve(p->host, p->port, &ss, &sl);
+    if (rc < 0) goto fail;
+    rx->listen_fd = socket(ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    int one = 1;
+    setsockopt(rx->listen_fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (bind(rx->listen_fd, (struct sockaddr *)&ss, sl) != 0 || listen(rx->listen_fd, 64) != 0) {
+        rc = pd_error(PD_EIO, "kv receive: cannot listen on %s:%d: %s", p->host, p->port,
+                      strerror(errno));
+        close(rx->listen_fd);
+        goto fail;
+    }
+    struct sockaddr_storage bound;
+    socklen_t bl = sizeof bound;
+    getsockname(rx->listen_fd, (struct sockaddr *)&bound, &bl);
+    rx->port = ntohs(bound.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&bound)->sin6_port
+                                                 : ((struct sockaddr_in *)&bound)->sin_port);
+    if (pipe(rx->stop_pipe) != 0) {
+        rc = pd_error(PD_EIO, "kv receive: pipe: %s", strerror(errno));
+        close(rx->listen_fd);
+        goto fail;
+    }
+    pthread_create(&rx->accept_thread, NULL, rx_accept_main, rx);
+    *out = rx;
+    return PD_OK;
+fail:
+    pthread_mutex_destroy(&rx->mu);
+    free(rx);
+    return rc;
+}
+
+int pd_kv_tcp_receiver_port(const pd_kv_tcp_receiver *rx)
+{
+    return rx->port;
+}
+
+void pd_kv_tcp_receiver_stop(pd_kv_tcp_receiver *rx)
+{
+    if (!rx) return;
+    ssize_t w = write(rx->stop_pipe[1], "x", 1); /* wakes the accept and connection threads */
+    (void)w;
+    pthread_join(rx->accept_thread, NULL);
+    reap_conns(rx, true);
+    close(rx->listen_fd);
+    close(rx->stop_pipe[0]);
+    close(rx->stop_pipe[1]);
+    while (rx->expected) {
+        expect_entry *e = rx->expected;
+        rx->expected = e->next;
+        entry_free(e);
+    }
+    pthread_mutex_destroy(&rx->mu);
+    free(rx);
+}
+
+/* ====================================================================== sender ============ */
+
+typedef struct idle_conn {
+    struct idle_conn *next;
+    char addr[300];
+    int fd;
+} idle_conn;
+
+struct pd_kv_tcp_sender {
+    pthread_mutex_t mu;
+    idle_conn *idle;
+};
+
+int pd_kv_tcp_sender_create(pd_kv_tcp_sender **out)
+{
+    pd_kv_tcp_sender *tx = calloc(1, sizeof *tx);
+    if (!tx) return pd_error(PD_ENOMEM, "kv send: out of memory");
+    pthread_mutex_init(&tx->mu, NULL);
+    *out = tx;
+    return PD_OK;
+}
+
+void pd_kv_tcp_sender_destroy(pd_kv_tcp_sender *tx)
+{
+    if (!tx) return;
+    while (tx->idle) {
+        idle_conn *c = tx->idle;
+        tx->idle = c->next;
+        close(c->fd);
+        free(c);
+    }
+    pthread_mutex_destroy(&tx->mu);
+    free(tx);
+}
+
+static int take_conn(pd_kv_tcp_sender *tx, const char *addr)
+{
+    pthread_mutex_lock(&tx->mu);
+    for (idle_conn **pp = &tx->idle; *pp; pp = &(*pp)->next)
+        if (strcmp((*pp)->addr, addr) == 0) {
+            idle_conn *c = *pp;
+            *pp = c->next;
+            pthread_mutex_unlock(&tx->mu);
+            int fd = c->fd;
+            free(c);
+            return fd;
+        }
+    pthread_mutex_unlock(&tx->mu);
+    return -1;
+}
+
+static void give_conn(pd_kv_tcp_sender *tx, const char *addr, int fd)
+{
+    idle_conn *c = malloc(sizeof *c);
+    if (!c) {
+        close(fd);
+        return;
+    }
+    snprintf(c->addr, sizeof c->addr, "%s", addr);
+    c->fd = fd;
+    pthread_mutex_lock(&tx->mu);
+    c->next = tx->idle;
+    tx->idle = c;
+    pthread_mutex_unlock(&tx->mu);
+}
+
+static int dial(const char *host, int port, int64_t deadline, int *out)
+{
+    struct sockaddr_storage ss;
+    socklen_t sl;
+    PD_CHECK(resolve(host, port, &ss, &sl));
+    int fd = socket(ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return pd_error(PD_EIO, "kv send: socket: %s", strerror(errno));
+    tune_socket(fd);
+    if (connect(fd, (struct sockaddr *)&ss, sl) != 0 && errno != EINPROGRESS) {
+        int e = errno;
+        close(fd);
+        return pd_error(PD_ECLOSED, "kv send: connect %s:%d: %s", host, port, strerror(e));
+    }
+    int w = wait_fd(fd, POLLOUT, -1, deadline);
+    int err = 0;
+    socklen_t el = sizeof err;
+    if (w == 1) getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &el);
+    if (w != 1 || err) {
+        close(fd);
+        return w == 0 ? pd_error(PD_ETIMEOUT, "kv send: connect %s:%d timed out", host, port)
+                      : pd_error(PD_ECLOSED, "kv send: connect %s:%d: %s", host, port,
+                                 strerror(err ? err : ECONNREFUSED));
+    }
+    *out = fd;
+    return PD_OK;
+}
+
+/* Frames of one request over fd, then the acknowledgement. *keep tells whether the
+ * connection is still in sync (success, or a refusal the receiver acknowledged). */
+static int send_on(int fd, const pd_kv_send_req *r, int64_t deadline, pd_kv_send_stats *st,
+                   bool *keep)
+{
+    *keep = false;
+    const pd_kv_params *kp = &r->kv_params;
+    size_t per_layer = slice_bytes(kp, r->n_blocks, r->n_heads);
+    size_t coalesce = r->coalesce_bytes ? r->coalesce_bytes : (size_t)1 << 20;
+    size_t cap = (coalesce > HDR_BYTES + per_layer ? coalesce : HDR_BYTES + per_layer) + HDR_BYTES +
+                 per_layer;
+    uint8_t *buf = malloc(cap);
+    if (!buf) return pd_error(PD_ENOMEM, "kv send: out of memory for %zu bytes", cap);
+    const pd_backend_ops *ops = pd_backend_get_ops(r->backend);
+    size_t used = 0;
+    int rc = PD_OK;
+    for (int layer = 0; layer < kp->n_layers && rc == PD_OK; layer++) {
+        frame_hdr h = {.version = VERSION,
+                       .flags = layer == kp->n_layers - 1 ? FLAG_LAST : 0,
+                       .layer = (uint32_t)layer,
+                       .head0 = (uint32_t)r->head0,
+                       .n_heads = (uint32_t)r->n_heads,
+                       .block0 = 0,
+                       .n_blocks = (uint32_t)r->n_blocks,
+                       .payload_bytes = per_layer};
+        snprintf(h.request_id, sizeof h.request_id, "%s", r->request_id);
+        hdr_pack(&h, buf + used);
+        pd_kv_range range = {.layer = layer,
+                             .block_ids = r->block_ids,
+                             .n_blocks = r->n_blocks,
+                             .head0 = r->head0 - r->src_head0,
+                             .n_heads = r->n_heads};
+        rc = ops->kv_export(r->backend, r->kv, &range, buf + used + HDR_BYTES);
+        if (rc == PD_OK) rc = ops->sync(r->backend);
+        if (rc < 0) break;
+        used += HDR_BYTES + per_layer;
+        st->frames++;
+        st->bytes += per_layer;
+        if (used >= coalesce || layer == kp->n_layers - 1) {
+            rc = write_full(fd, buf, used, deadline);
+            if (rc < 0) {
+                rc = pd_error(rc, "kv send %s: %s", r->request_id,
+                              rc == PD_ETIMEOUT ? "timed out writing" : "connection lost");
+                break;
+            }
+            st->writes++;
+            used = 0;
+        }
+    }
+    if (rc == PD_OK) {
+        uint8_t ack[ACK_BYTES];
+        rc = read_full(fd, ack, ACK_BYTES, -1, deadline);
+        if (rc < 0) {
+            rc = pd_error(rc, "kv send %s: %s waiting for the acknowledgement", r->request_id,
+                          rc == PD_ETIMEOUT ? "timed out" : "connection lost");
+        } else if (memcmp(ack, "PDKA", 4) != 0 ||
+                   strncmp((const char *)ack + 12, r->request_id, PD_KV_REQUEST_ID_MAX) != 0) {
+            rc = pd_error(PD_EINTERNAL, "kv send %s: malformed acknowledgement", r->request_id);
+        } else if ((int32_t)get_u32(ack + 8) != 0) {
+            char msg[ACK_MSG_BYTES];
+            memcpy(msg, ack + 52, sizeof msg);
+            msg[sizeof msg - 1] = '\0';
+            rc = pd_error(PD_EINVAL, "kv send %s: refused by the decode rank: %s", r->request_id,
+                          msg);
+            *keep = true; /* acknowledged: the stream is still in sync */
+        } else {
+            *keep = true;
+        }
+    }
+    free(buf);
+    return rc;
+}
+
+int pd_kv_tcp_send(pd_kv_tcp_sender *tx, const pd_kv_send_req *r, pd_kv_send_stats *stats)
+{
+    pd_kv_send_stats st = {0};
+    if (r->n_heads == 0 || r->n_blocks == 0)
+        return pd_error(PD_EINVAL, "kv send %s: nothing to send (heads %zu, blocks %zu)",
+                        r->request_id, r->n_heads, r->n_blocks);
+    if (r->head0 < r->src_head0 || r->head0 + r->n_heads > r->src_head0 + r->kv_params.n_kv_heads)
+        return pd_error(PD_EINVAL, "kv send %s: heads %zu+%zu not held by this rank (%zu+%zu)",
+                        r->request_id, r->head0, r->n_heads, r->src_head0, r->kv_params.n_kv_heads);
+    if (strlen(r->request_id) >= PD_KV_REQUEST_ID_MAX || !r->request_id[0])
+        return pd_error(PD_EINVAL, "kv send: request id must be 1..%d bytes",
+                        PD_KV_REQUEST_ID_MAX - 1);
+    char addr[300];
+    snprintf(addr, sizeof addr, "%s:%d", r->host, r->port);
+    int64_t t0 = pd_now_ns();
+    int64_t deadline = t0 + (int64_t)(r->timeout_ms > 0 ? r->timeout_ms : 30000) * PD_NS_PER_MS;
+    int fd = take_conn(tx, addr);
+    bool reused = fd >= 0;
+    if (!reused) PD_CHECK(dial(r->host, r->port, deadline, &fd));
+    bool keep;
+    int rc = send_on(fd, r, deadline, &st, &keep);
+    if (rc == PD_ECLOSED && reused) { /* the pooled connection had gone stale: one fresh try */
+        close(fd);
+        st = (pd_kv_send_stats){0};
+        PD_CHECK(dial(r->host, r->port, deadline, &fd));
+        rc = send_on(fd, r, deadline, &st, &keep);
+    }
+    if (keep)
+        give_conn(tx, addr, fd);
+    else
+        close(fd);
+    st.seconds = (double)(pd_now_ns() - t0) / 1e9;
+    if (stats) *stats = st;
+    return rc;
+}

@@ -1,0 +1,106 @@
+/* KV-cache transfer over TCP: the data plane used when prefill and decode run without GPUs
+ * (host staging through the backend's kv_export / kv_import).
+ *
+ * What moves is planned as (layer, kv-head range, block range): a prefill rank holding kv heads
+ * [p0, p0 + pn) sends to a decode rank holding [d0, d0 + dn) the overlap of the two ranges, for
+ * every layer and every block of the prompt, so instances with different tensor-parallel sizes
+ * exchange KV. The sender (P rank) exports each layer's slice straight into a send buffer behind
+ * an 80-byte frame header (request id, layer, head range, block range, payload length) and
+ * writes frames coalesced into messages of at least coalesce_bytes (1 MiB). The receiver (D
+ * rank) accepts frames only for requests it expects (blocks reserved before the prefill ran),
+ * checks every header field against the reservation and its pool, imports the payload into the
+ * reserved blocks, and acknowledges the sender's last frame once everything that sender sent is
+ * imported. A wrong header, a frame for an unknown or already imported request, or a duplicate
+ * (layer, head) is refused: logged, answered with an error acknowledgement, never a crash; the
+ * connection is dropped when the stream cannot be resynchronized.
+ */
+#ifndef PD_TRANSFER_KV_TCP_H
+#define PD_TRANSFER_KV_TCP_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "backend/backend.h"
+
+#define PD_KV_REQUEST_ID_MAX 40 /* bytes incl. NUL: 32 hex digits fit with room to spare */
+
+/* Heads of rank `rank` when n_kv_heads are split over tp ranks (tp must divide n_kv_heads). */
+int pd_kv_rank_heads(size_t n_kv_heads, int tp, int rank, size_t *head0, size_t *n_heads);
+/* Overlap of [a0, a0 + an) and [b0, b0 + bn); *n = 0 when they are disjoint. */
+void pd_kv_head_overlap(size_t a0, size_t an, size_t b0, size_t bn, size_t *h0, size_t *n);
+
+/* ---- receiver (decode rank) ---------------------------------------------------------------- */
+
+typedef struct pd_kv_tcp_receiver pd_kv_tcp_receiver;
+
+typedef struct {
+    const char *host;    /* bind address: the rank's device_ip */
+    int port;            /* 0 = ephemeral */
+    pd_backend *backend; /* pool owner: kv_import runs on the receiver's threads */
+    pd_kv *kv;           /* the rank's pool */
+    pd_kv_params kv_params;
+    size_t head0;           /* first global kv head this rank holds */
+    size_t max_frame_bytes; /* refuse larger frames (default 256 MiB) */
+} pd_kv_rx_params;
+
+/* Called on a receiver thread when every (layer, head) of an expected request has been
+ * imported (status 0), or when its import failed (negative status, message set). */
+typedef void (*pd_kv_rx_done_fn)(void *arg, const char *request_id, int status);
+
+int pd_kv_tcp_receiver_start(const pd_kv_rx_params *p, pd_kv_rx_done_fn done, void *arg,
+                             pd_kv_tcp_receiver **out);
+int pd_kv_tcp_receiver_port(const pd_kv_tcp_receiver *rx);
+/* Closes the listener and every connection, joins the threads. */
+void pd_kv_tcp_receiver_stop(pd_kv_tcp_receiver *rx);
+
+/* Registers an expected import: the prompt's n_blocks blocks go into block_ids (copied), all
+ * layers and all the rank's heads. PD_EEXIST when the id is already expected or was imported. */
+int pd_kv_rx_expect(pd_kv_tcp_receiver *rx, const char *request_id, const int32_t *block_ids,
+                    size_t n_blocks);
+/* Forgets an expected import (abort, reservation expired). Frames arriving later are refused.
+ * Returns PD_ENOTFOUND when it was not expected. */
+int pd_kv_rx_cancel(pd_kv_tcp_receiver *rx, const char *request_id);
+
+typedef struct {
+    uint64_t frames, bytes; /* accepted frames and payload bytes */
+    uint64_t refused;       /* frames refused */
+    uint64_t completed;     /* requests fully imported */
+    int expected;           /* requests expected now */
+} pd_kv_rx_stats;
+void pd_kv_rx_get_stats(pd_kv_tcp_receiver *rx, pd_kv_rx_stats *out);
+
+/* ---- sender (prefill rank) ----------------------------------------------------------------- */
+
+typedef struct pd_kv_tcp_sender pd_kv_tcp_sender;
+
+int pd_kv_tcp_sender_create(pd_kv_tcp_sender **out);
+void pd_kv_tcp_sender_destroy(pd_kv_tcp_sender *tx);
+
+typedef struct {
+    const char *request_id;
+    const char *host; /* the decode rank's data-plane address and port */
+    int port;
+    pd_backend *backend; /* the prefill rank's pool */
+    const pd_kv *kv;
+    pd_kv_params kv_params;
+    size_t src_head0;         /* first global kv head the prefill rank holds */
+    const int32_t *block_ids; /* (n_blocks) prefill-side blocks of the prompt, in order */
+    size_t n_blocks;
+    size_t head0, n_heads; /* global head range to send (the overlap with the decode rank) */
+    int timeout_ms;        /* for the whole send, acknowledgement included */
+    size_t coalesce_bytes; /* 0 = 1 MiB */
+} pd_kv_send_req;
+
+typedef struct {
+    uint64_t bytes; /* payload bytes sent */
+    uint64_t frames;
+    uint64_t writes; /* socket messages (coalesced frames) */
+    double seconds;  /* first byte to acknowledgement */
+} pd_kv_send_stats;
+
+/* Sends and waits for the acknowledgement. PD_ETIMEOUT, PD_ECLOSED (connection lost),
+ * PD_EINVAL (refused by the receiver: its reason is in the message). Thread-safe: one sender
+ * may serve several threads (connections are taken from a per-address pool). */
+int pd_kv_tcp_send(pd_kv_tcp_sender *tx, const pd_kv_send_req *r, pd_kv_send_stats *stats);
+
+#endif

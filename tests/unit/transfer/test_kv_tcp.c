@@ -1,0 +1,382 @@
+/* Unit tests of the TCP KV transfer between real CPU-backend KV pools on loopback. */
+#include "harness.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "backend/backend.h"
+#include "transfer/kv_tcp.h"
+#include "util/clock.h"
+
+#define LAYERS 3
+#define BLOCK  4
+#define HEADS  4
+#define HDIM   8
+#define POOL   16
+
+typedef struct {
+    pd_backend *b;
+    pd_kv *kv;
+    pd_kv_params p;
+} pool;
+
+static int pool_make(pool *pl, size_t n_heads)
+{
+    pd_backend_params bp = pd_backend_default_params();
+    bp.n_threads = 1;
+    PD_CHECK(pd_backend_cpu_create(&bp, &pl->b));
+    pl->p = (pd_kv_params){.n_layers = LAYERS,
+                           .n_blocks = POOL,
+                           .block_size = BLOCK,
+                           .n_kv_heads = n_heads,
+                           .head_dim = HDIM,
+                           .dtype = PD_DTYPE_F32};
+    return pd_backend_get_ops(pl->b)->kv_create(pl->b, &pl->p, &pl->kv);
+}
+
+static void pool_free(pool *pl)
+{
+    pd_backend_get_ops(pl->b)->kv_free(pl->b, pl->kv);
+    pd_backend_destroy(pl->b);
+}
+
+/* Value of (layer, k/v, token t of the prompt, global head h, dim d): distinct everywhere. */
+static float val(int layer, int kv, size_t t, size_t h, size_t d)
+{
+    return (float)(layer * 100000 + kv * 50000 + (int)t * 1000 + (int)h * 100 + (int)d);
+}
+
+/* Writes the prompt's KV (n_blocks blocks) for global heads [h0, h0+n) into pool blocks. */
+static int fill(pool *pl, const int32_t *blocks, size_t n_blocks, size_t h0)
+{
+    size_t n = pl->p.n_kv_heads, per = n_blocks * BLOCK * n * HDIM;
+    float *host = malloc(2 * per * sizeof(float));
+    for (int l = 0; l < LAYERS; l++) {
+        for (int kv = 0; kv < 2; kv++)
+            for (size_t t = 0; t < n_blocks * BLOCK; t++)
+                for (size_t h = 0; h < n; h++)
+                    for (size_t d = 0; d < HDIM; d++)
+                        host[kv * per + (t * n + h) * HDIM + d] = val(l, kv, t, h0 + h, d);
+        pd_kv_range r = {
+            .layer = l, .block_ids = blocks, .n_blocks = n_blocks, .head0 = 0, .n_heads = n};
+        int rc = pd_backend_get_ops(pl->b)->kv_import(pl->b, pl->kv, &r, host);
+        if (rc < 0) {
+            free(host);
+            return rc;
+        }
+    }
+    free(host);
+    return PD_OK;
+}
+
+/* Counts elements of the pool's blocks that differ from the expected values. */
+static size_t mismatches(pool *pl, const int32_t *blocks, size_t n_blocks, size_t h0)
+{
+    size_t n = pl->p.n_kv_heads, per = n_blocks * BLOCK * n * HDIM, bad = 0;
+    float *host = malloc(2 * per * sizeof(float));
+    for (int l = 0; l < LAYERS; l++) {
+        pd_kv_range r = {
+            .layer = l, .block_ids = blocks, .n_blocks = n_blocks, .head0 = 0, .n_heads = n};
+        pd_backend_get_ops(pl->b)->kv_export(pl->b, pl->kv, &r, host);
+        for (int kv = 0; kv < 2; kv++)
+            for (size_t t = 0; t < n_blocks * BLOCK; t++)
+                for (size_t h = 0; h < n; h++)
+                    for (size_t d = 0; d < HDIM; d++)
+                        bad += host[kv * per + (t * n + h) * HDIM + d] != val(l, kv, t, h0 + h, d);
+    }
+    free(host);
+    return bad;
+}
+
+static atomic_int g_done, g_done_status;
+static void on_done(void *arg, const char *id, int status)
+{
+    (void)arg, (void)id;
+    atomic_store(&g_done_status, status);
+    atomic_fetch_add(&g_done, 1);
+}
+
+static int wait_done(int n)
+{
+    for (int i = 0; i < 3000 && atomic_load(&g_done) < n; i++) pd_sleep_ns(PD_NS_PER_MS);
+    return atomic_load(&g_done) >= n;
+}
+
+static pd_kv_tcp_receiver *rx_start(pool *d, size_t head0)
+{
+    pd_kv_rx_params p = {.host = "127.0.0.1",
+                         .port = 0,
+                         .backend = d->b,
+                         .kv = d->kv,
+                         .kv_params = d->p,
+                         .head0 = head0};
+    pd_kv_tcp_receiver *rx = NULL;
+    if (pd_kv_tcp_receiver_start(&p, on_done, NULL, &rx) < 0) return NULL;
+    return rx;
+}
+
+static pd_kv_send_req req_for(const char *id, pool *p, size_t src_head0, const int32_t *blocks,
+                              size_t n_blocks, pd_kv_tcp_receiver *rx, size_t h0, size_t n)
+{
+    return (pd_kv_send_req){.request_id = id,
+                            .host = "127.0.0.1",
+                            .port = pd_kv_tcp_receiver_port(rx),
+                            .backend = p->b,
+                            .kv = p->kv,
+                            .kv_params = p->p,
+                            .src_head0 = src_head0,
+                            .block_ids = blocks,
+                            .n_blocks = n_blocks,
+                            .head0 = h0,
+                            .n_heads = n,
+                            .timeout_ms = 5000};
+}
+
+TEST(kv_head_plan)
+{
+    size_t h0, n;
+    ASSERT_OK(pd_kv_rank_heads(8, 2, 1, &h0, &n));
+    ASSERT_EQ_INT(h0, 4);
+    ASSERT_EQ_INT(n, 4);
+    ASSERT_ERR(pd_kv_rank_heads(6, 4, 0, &h0, &n), PD_EINVAL, "cannot be split");
+    pd_kv_head_overlap(0, 4, 2, 4, &h0, &n);
+    ASSERT_EQ_INT(h0, 2);
+    ASSERT_EQ_INT(n, 2);
+    pd_kv_head_overlap(0, 2, 2, 2, &h0, &n);
+    ASSERT_EQ_INT(n, 0);
+}
+
+TEST(kv_tcp_moves_blocks_exactly)
+{
+    pool p, d;
+    ASSERT_OK(pool_make(&p, HEADS));
+    ASSERT_OK(pool_make(&d, HEADS));
+    int32_t pb[3] = {3, 7, 1}, db[3] = {10, 2, 5};
+    ASSERT_OK(fill(&p, pb, 3, 0));
+    pd_kv_tcp_receiver *rx = rx_start(&d, 0);
+    ASSERT(rx);
+    atomic_store(&g_done, 0);
+    ASSERT_OK(pd_kv_rx_expect(rx, "req-1", db, 3));
+    pd_kv_tcp_sender *tx;
+    ASSERT_OK(pd_kv_tcp_sender_create(&tx));
+    pd_kv_send_req r = req_for("req-1", &p, 0, pb, 3, rx, 0, HEADS);
+    pd_kv_send_stats st;
+    ASSERT_OK(pd_kv_tcp_send(tx, &r, &st));
+    ASSERT(wait_done(1));
+    ASSERT_EQ_INT(atomic_load(&g_done_status), 0);
+    ASSERT_EQ_INT(mismatches(&d, db, 3, 0), 0);
+    ASSERT_EQ_INT(st.frames, LAYERS);
+    ASSERT_EQ_INT(st.bytes, (uint64_t)LAYERS * 2 * 3 * BLOCK * HEADS * HDIM * 4);
+    ASSERT_EQ_INT(st.writes, 1); /* small layers are coalesced into one message */
+    pd_kv_rx_stats rs;
+    pd_kv_rx_get_stats(rx, &rs);
+    ASSERT_EQ_INT(rs.completed, 1);
+    ASSERT_EQ_INT(rs.expected, 0);
+    /* the same request again is refused, and the connection stays usable */
+    ASSERT_ERR(pd_kv_rx_expect(rx, "req-1", db, 3), PD_EEXIST, "already imported");
+    ASSERT_ERR(pd_kv_tcp_send(tx, &r, &st), PD_EINVAL, "already imported");
+    ASSERT_OK(pd_kv_rx_expect(rx, "req-2", db, 3));
+    r.request_id = "req-2";
+    ASSERT_OK(pd_kv_tcp_send(tx, &r, &st));
+    ASSERT(wait_done(2));
+    pd_kv_tcp_sender_destroy(tx);
+    pd_kv_tcp_receiver_stop(rx);
+    pool_free(&p);
+    pool_free(&d);
+}
+
+TEST(kv_tcp_p_tp1_to_two_d_ranks)
+{
+    pool p, d0, d1;
+    ASSERT_OK(pool_make(&p, HEADS));
+    ASSERT_OK(pool_make(&d0, HEADS / 2));
+    ASSERT_OK(pool_make(&d1, HEADS / 2));
+    int32_t pb[2] = {0, 9}, db[2] = {4, 6};
+    ASSERT_OK(fill(&p, pb, 2, 0));
+    pd_kv_tcp_receiver *rx0 = rx_start(&d0, 0), *rx1 = rx_start(&d1, 2);
+    atomic_store(&g_done, 0);
+    ASSERT_OK(pd_kv_rx_expect(rx0, "r", db, 2));
+    ASSERT_OK(pd_kv_rx_expect(rx1, "r", db, 2));
+    pd_kv_tcp_sender *tx;
+    ASSERT_OK(pd_kv_tcp_sender_create(&tx));
+    for (int rank = 0; rank < 2; rank++) {
+        size_t dh0, dn, h0, n;
+        ASSERT_OK(pd_kv_rank_heads(HEADS, 2, rank, &dh0, &dn));
+        pd_kv_head_overlap(0, HEADS, dh0, dn, &h0, &n);
+        pd_kv_send_req r = req_for("r", &p, 0, pb, 2, rank ? rx1 : rx0, h0, n);
+        ASSERT_OK(pd_kv_tcp_send(tx, &r, NULL));
+    }
+    ASSERT(wait_done(2));
+    ASSERT_EQ_INT(mismatches(&d0, db, 2, 0), 0);
+    ASSERT_EQ_INT(mismatches(&d1, db, 2, 2), 0);
+    pd_kv_tcp_sender_destroy(tx);
+    pd_kv_tcp_receiver_stop(rx0);
+    pd_kv_tcp_receiver_stop(rx1);
+    pool_free(&p);
+    pool_free(&d0);
+    pool_free(&d1);
+}
+
+TEST(kv_tcp_p_tp2_to_one_d_rank)
+{
+    pool p0, p1, d;
+    ASSERT_OK(pool_make(&p0, HEADS / 2));
+    ASSERT_OK(pool_make(&p1, HEADS / 2));
+    ASSERT_OK(pool_make(&d, HEADS));
+    int32_t pb[2] = {5, 6}, db[2] = {1, 2};
+    ASSERT_OK(fill(&p0, pb, 2, 0));
+    ASSERT_OK(fill(&p1, pb, 2, 2));
+    pd_kv_tcp_receiver *rx = rx_start(&d, 0);
+    atomic_store(&g_done, 0);
+    ASSERT_OK(pd_kv_rx_expect(rx, "r", db, 2));
+    pd_kv_tcp_sender *tx;
+    ASSERT_OK(pd_kv_tcp_sender_create(&tx));
+    pd_kv_send_req r0 = req_for("r", &p0, 0, pb, 2, rx, 0, 2);
+    ASSERT_OK(pd_kv_tcp_send(tx, &r0, NULL));
+    pd_sleep_ns(20 * PD_NS_PER_MS);
+    ASSERT_EQ_INT(atomic_load(&g_done), 0); /* half the heads: not complete yet */
+    pd_kv_send_req r1 = req_for("r", &p1, 2, pb, 2, rx, 2, 2);
+    ASSERT_OK(pd_kv_tcp_send(tx, &r1, NULL));
+    ASSERT(wait_done(1));
+    ASSERT_EQ_INT(mismatches(&d, db, 2, 0), 0);
+    /* sending heads the P rank does not hold is refused before anything moves */
+    pd_kv_send_req bad = req_for("x", &p1, 2, pb, 2, rx, 0, 2);
+    ASSERT_ERR(pd_kv_tcp_send(tx, &bad, NULL), PD_EINVAL, "not held by this rank");
+    pd_kv_tcp_sender_destroy(tx);
+    pd_kv_tcp_receiver_stop(rx);
+    pool_free(&p0);
+    pool_free(&p1);
+    pool_free(&d);
+}
+
+TEST(kv_tcp_refuses_unknown_and_cancelled_requests)
+{
+    pool p, d;
+    ASSERT_OK(pool_make(&p, HEADS));
+    ASSERT_OK(pool_make(&d, HEADS));
+    int32_t blocks[1] = {0};
+    pd_kv_tcp_receiver *rx = rx_start(&d, 0);
+    pd_kv_tcp_sender *tx;
+    ASSERT_OK(pd_kv_tcp_sender_create(&tx));
+    pd_kv_send_req r = req_for("nobody", &p, 0, blocks, 1, rx, 0, HEADS);
+    ASSERT_ERR(pd_kv_tcp_send(tx, &r, NULL), PD_EINVAL, "not expected");
+    ASSERT_OK(pd_kv_rx_expect(rx, "gone", blocks, 1));
+    ASSERT_OK(pd_kv_rx_cancel(rx, "gone"));
+    ASSERT_ERR(pd_kv_rx_cancel(rx, "gone"), PD_ENOTFOUND, "not expected");
+    r.request_id = "gone";
+    ASSERT_ERR(pd_kv_tcp_send(tx, &r, NULL), PD_EINVAL, "not expected");
+    /* reservation with a bad block id */
+    int32_t bad_blocks[1] = {POOL};
+    ASSERT_ERR(pd_kv_rx_expect(rx, "b", bad_blocks, 1), PD_EINVAL, "outside the pool");
+    /* a frame covering fewer blocks than reserved is refused, the next request still works */
+    int32_t two[2] = {1, 2};
+    ASSERT_OK(pd_kv_rx_expect(rx, "short", two, 2));
+    r = req_for("short", &p, 0, blocks, 1, rx, 0, HEADS);
+    ASSERT_ERR(pd_kv_tcp_send(tx, &r, NULL), PD_EINVAL, "blocks 0+1, expected 0+2");
+    pd_kv_rx_stats rs;
+    pd_kv_rx_get_stats(rx, &rs);
+    ASSERT(rs.refused >= 3);
+    pd_kv_tcp_sender_destroy(tx);
+    pd_kv_tcp_receiver_stop(rx);
+    pool_free(&p);
+    pool_free(&d);
+}
+
+static int raw_connect(int port)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (connect(fd, (struct sockaddr *)&a, sizeof a) != 0) return -1;
+    return fd;
+}
+
+TEST(kv_tcp_garbage_and_wrong_length_do_not_crash)
+{
+    pool p, d;
+    ASSERT_OK(pool_make(&p, HEADS));
+    ASSERT_OK(pool_make(&d, HEADS));
+    int32_t blocks[1] = {3};
+    pd_kv_tcp_receiver *rx = rx_start(&d, 0);
+    /* garbage: the receiver drops that connection */
+    int fd = raw_connect(pd_kv_tcp_receiver_port(rx));
+    char junk[200];
+    memset(junk, 'z', sizeof junk);
+    ASSERT_EQ_INT(write(fd, junk, sizeof junk), (ssize_t)sizeof junk);
+    char c;
+    ASSERT(read(fd, &c, 1) <= 0); /* closed by the receiver (EOF or reset) */
+    close(fd);
+    /* a well-formed header with a wrong payload length: refused with an acknowledgement */
+    ASSERT_OK(pd_kv_rx_expect(rx, "len", blocks, 1));
+    uint8_t hdr[80] = {0};
+    memcpy(hdr, "PDKV", 4);
+    hdr[4] = 1; /* version */
+    hdr[6] = 1; /* LAST */
+    memcpy(hdr + 8, "len", 3);
+    hdr[56] = HEADS; /* n_heads */
+    hdr[64] = 1;     /* n_blocks */
+    hdr[72] = 16;    /* payload: 16 bytes instead of the expected size */
+    fd = raw_connect(pd_kv_tcp_receiver_port(rx));
+    ASSERT_EQ_INT(write(fd, hdr, 80), 80);
+    ASSERT_EQ_INT(write(fd, junk, 16), 16);
+    uint8_t ack[256];
+    size_t got = 0;
+    while (got < sizeof ack) {
+        ssize_t n = read(fd, ack + got, sizeof ack - got);
+        if (n <= 0) break;
+        got += (size_t)n;
+    }
+    ASSERT_EQ_INT(got, 256);
+    ASSERT(memcmp(ack, "PDKA", 4) == 0);
+    ASSERT(ack[8] != 0); /* status: refused */
+    ASSERT_CONTAINS((const char *)ack + 52, "payload of 16 bytes, expected");
+    close(fd);
+    /* the receiver still serves the real transfer */
+    ASSERT_OK(fill(&p, blocks, 1, 0));
+    atomic_store(&g_done, 0);
+    pd_kv_tcp_sender *tx;
+    ASSERT_OK(pd_kv_tcp_sender_create(&tx));
+    pd_kv_send_req r = req_for("len", &p, 0, blocks, 1, rx, 0, HEADS);
+    ASSERT_OK(pd_kv_tcp_send(tx, &r, NULL));
+    ASSERT(wait_done(1));
+    ASSERT_EQ_INT(mismatches(&d, blocks, 1, 0), 0);
+    pd_kv_tcp_sender_destroy(tx);
+    pd_kv_tcp_receiver_stop(rx);
+    pool_free(&p);
+    pool_free(&d);
+}
+
+TEST(kv_tcp_dead_receiver_fails_fast)
+{
+    pool p, d;
+    ASSERT_OK(pool_make(&p, HEADS));
+    ASSERT_OK(pool_make(&d, HEADS));
+    int32_t blocks[1] = {0};
+    pd_kv_tcp_receiver *rx = rx_start(&d, 0);
+    int port = pd_kv_tcp_receiver_port(rx);
+    pd_kv_tcp_receiver_stop(rx);
+    pd_kv_tcp_sender *tx;
+    ASSERT_OK(pd_kv_tcp_sender_create(&tx));
+    pd_kv_send_req r = {.request_id = "x",
+                        .host = "127.0.0.1",
+                        .port = port,
+                        .backend = p.b,
+                        .kv = p.kv,
+                        .kv_params = p.p,
+                        .block_ids = blocks,
+                        .n_blocks = 1,
+                        .head0 = 0,
+                        .n_heads = HEADS,
+                        .timeout_ms = 2000};
+    int64_t t0 = pd_now_ns();
+    ASSERT_ERR(pd_kv_tcp_send(tx, &r, NULL), PD_ECLOSED, "connect 127.0.0.1");
+    ASSERT((pd_now_ns() - t0) / PD_NS_PER_MS < 1000);
+    pd_kv_tcp_sender_destroy(tx);
+    pool_free(&p);
+    pool_free(&d);
+}
