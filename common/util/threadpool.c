@@ -1,11 +1,13 @@
 /* Fork-join pool (see threadpool.h). A run publishes (fn, ctx, n) and bumps a
- * generation counter; threads claim task indices with an atomic counter, so uneven tasks
- * balance themselves. Workers spin ~50 µs on the generation before sleeping on a condvar. */
+ * generation counter; threads claim task indices from a counter tagged with the generation, so
+ * uneven tasks balance themselves. Workers spin ~50 µs on the generation before sleeping on a
+ * condvar. */
 #include "util/threadpool.h"
 
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <unistd.h>
 
@@ -17,10 +19,14 @@ struct pd_threadpool {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     atomic_uint generation;
-    atomic_int next_task;
+    /* (generation << 32) | next task index. A task is claimed only by a CAS that sees the
+     * claimer's generation, so a worker still finishing an old run can never take (or count)
+     * a task of the next one. */
+    _Atomic uint64_t next;
     atomic_int done_tasks;
     atomic_int sleepers;
     atomic_bool stop;
+    /* the run being published; written before generation is bumped (release) */
     pd_task_fn fn;
     void *ctx;
     int n_tasks;
@@ -39,12 +45,17 @@ static inline void cpu_relax(void)
 #endif
 }
 
-static void run_tasks(pd_threadpool *p)
+/* Runs tasks of generation gen until none is left to claim. */
+static void run_tasks(pd_threadpool *p, unsigned gen)
 {
+    pd_task_fn fn = p->fn;
+    void *ctx = p->ctx;
+    int n = p->n_tasks;
     for (;;) {
-        int i = atomic_fetch_add(&p->next_task, 1);
-        if (i >= p->n_tasks) break;
-        p->fn(p->ctx, i, p->n_tasks);
+        uint64_t v = atomic_load_explicit(&p->next, memory_order_acquire);
+        if ((unsigned)(v >> 32) != gen || (int)(uint32_t)v >= n) return;
+        if (!atomic_compare_exchange_weak(&p->next, &v, v + 1)) continue;
+        fn(ctx, (int)(uint32_t)v, n);
         atomic_fetch_add_explicit(&p->done_tasks, 1, memory_order_release);
     }
 }
@@ -69,8 +80,8 @@ static void *worker_main(void *arg)
             pthread_mutex_unlock(&p->mu);
         }
         if (atomic_load(&p->stop)) return NULL;
-        seen = atomic_load(&p->generation);
-        run_tasks(p);
+        seen = atomic_load_explicit(&p->generation, memory_order_acquire);
+        run_tasks(p, seen);
     }
 }
 
@@ -128,13 +139,14 @@ void pd_pool_run(pd_threadpool *p, pd_task_fn fn, void *ctx, int n_tasks)
     p->ctx = ctx;
     p->n_tasks = n_tasks;
     atomic_store(&p->done_tasks, 0);
-    atomic_store(&p->next_task, 0);
-    atomic_fetch_add_explicit(&p->generation, 1, memory_order_release);
+    unsigned gen = atomic_load(&p->generation) + 1;
+    atomic_store_explicit(&p->next, (uint64_t)gen << 32, memory_order_release);
+    atomic_store_explicit(&p->generation, gen, memory_order_release);
     if (atomic_load(&p->sleepers) > 0) {
         pthread_mutex_lock(&p->mu);
         pthread_cond_broadcast(&p->cv);
         pthread_mutex_unlock(&p->mu);
     }
-    run_tasks(p);
+    run_tasks(p, gen);
     while (atomic_load_explicit(&p->done_tasks, memory_order_acquire) < n_tasks) cpu_relax();
 }

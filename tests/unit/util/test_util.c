@@ -207,6 +207,36 @@ TEST(threadpool_runs_each_task_once)
     }
 }
 
+typedef struct {
+    atomic_int *hits; /* (n) per-task hit counters of this run */
+} race_ctx;
+
+static void race_task(void *ctx, int i, int n)
+{
+    race_ctx *c = ctx;
+    (void)n;
+    atomic_fetch_add(&c->hits[i], 1);
+}
+
+/* Back-to-back runs of alternating sizes: a worker still leaving run k must never take or
+ * count a task of run k + 1 (the bug seen with 16 threads: early returns, wrong results). */
+TEST(threadpool_back_to_back_runs_never_mix)
+{
+    pd_threadpool *p = pd_pool_create(8);
+    static atomic_int hits[2][256];
+    race_ctx c[2];
+    for (int round = 0; round < 100000; round++) {
+        int k = round & 1, n = k ? 256 : 3 + round % 7;
+        c[k].hits = hits[k];
+        for (int i = 0; i < n; i++) atomic_store(&hits[k][i], 0);
+        pd_pool_run(p, race_task, &c[k], n);
+        for (int i = 0; i < n; i++)
+            ASSERT_MSG(atomic_load(&hits[k][i]) == 1, "round %d task %d ran %d times", round, i,
+                       atomic_load(&hits[k][i]));
+    }
+    pd_pool_destroy(p);
+}
+
 TEST(threadpool_after_idle_sleep)
 {
     pd_threadpool *p = pd_pool_create(3);
