@@ -1,0 +1,187 @@
+// Internal to the CUDA backend: error-check macros, bf16 helpers and the host launchers that
+// the kernel files export to cuda_backend.cu. Not for use outside common/backend/cuda/.
+//
+// Design: each kernel family lives in its own .cu file with its launcher (llm.c style); a
+// launcher takes the stream, sizes the grid, launches, and returns the cudaGetLastError status
+// turned into a pd status. Activations are bf16 (__nv_bfloat16), or f32 in the f32 precision
+// mode; kernels are templates over the activation type (act: 0 = f32, 2 = bf16, the pd_dtype
+// values) and all arithmetic is f32.
+#ifndef PD_BACKEND_CUDA_COMMON_CUH
+#define PD_BACKEND_CUDA_COMMON_CUH
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stddef.h>
+#include <stdint.h>
+
+extern "C" {
+#include "util/status.h"
+}
+
+typedef __nv_bfloat16 bf16;
+
+#define ACT_F32  0 // == PD_DTYPE_F32
+#define ACT_F16  1 // == PD_DTYPE_F16 (weights only)
+#define ACT_BF16 2 // == PD_DTYPE_BF16
+
+// Element loads/stores in f32 for every storage type.
+__device__ __forceinline__ float ldf(const float *p, size_t i)
+{
+    return p[i];
+}
+__device__ __forceinline__ float ldf(const bf16 *p, size_t i)
+{
+    return __bfloat162float(p[i]);
+}
+__device__ __forceinline__ float ldf(const __half *p, size_t i)
+{
+    return __half2float(p[i]);
+}
+__device__ __forceinline__ void stf(float *p, size_t i, float v)
+{
+    p[i] = v;
+}
+__device__ __forceinline__ void stf(bf16 *p, size_t i, float v)
+{
+    p[i] = __float2bfloat16(v);
+}
+
+// Runs the statement(s) after T with T = the activation type of act (float for ACT_F32, else
+// bf16). Variadic so the body may contain commas (template and launch arguments).
+#define ACT_DISPATCH(act, T, ...)                                                                  \
+    do {                                                                                           \
+        if ((act) == ACT_F32) {                                                                    \
+            typedef float T;                                                                       \
+            __VA_ARGS__;                                                                           \
+        } else {                                                                                   \
+            typedef bf16 T;                                                                        \
+            __VA_ARGS__;                                                                           \
+        }                                                                                          \
+    } while (0)
+
+// Returns a PD_EINTERNAL status (PD_ENOMEM for out-of-memory) naming the failed call.
+static inline int cuda_status(cudaError_t e, const char *what, const char *file, int line)
+{
+    if (e == cudaSuccess) return PD_OK;
+    int code = e == cudaErrorMemoryAllocation ? PD_ENOMEM : PD_EINTERNAL;
+    return pd_error(code, "cuda: %s: %s (%s:%d)", what, cudaGetErrorString(e), file, line);
+}
+
+#define CUDA_TRY(expr)                                                                             \
+    do {                                                                                           \
+        int cuda_try_rc_ = cuda_status((expr), #expr, __FILE__, __LINE__);                         \
+        if (cuda_try_rc_ < 0) return cuda_try_rc_;                                                 \
+    } while (0)
+
+// After a <<<>>> launch in a launcher.
+#define CUDA_LAUNCH_CHECK(name) return cuda_status(cudaGetLastError(), name, __FILE__, __LINE__)
+
+static inline unsigned cdiv_u(size_t a, size_t b)
+{
+    return (unsigned)((a + b - 1) / b);
+}
+
+// ---- attention work list (built on the host by cuda_backend.cu, read by k_attention.cu) ------
+
+// One block's worth of attention: query rows [row0, row0 + nrows) of one sequence against its
+// cached positions [kv0, kv1). part < 0: the item covers the rows' whole causal range and
+// writes the bf16 output; part >= 0: one split of a single row's range, written as f32
+// partial output + log-sum-exp into partial slot `part`, combined later by a merge item.
+typedef struct {
+    int32_t row0, nrows;
+    int32_t seq;
+    int32_t kv0, kv1;
+    int32_t part;
+} cuda_attn_item;
+
+// Combines parts [part0, part0 + n_parts) of row `row`.
+typedef struct {
+    int32_t row;
+    int32_t part0, n_parts;
+} cuda_attn_merge;
+
+// Query vectors (row, q head) one attention block handles: 8 warps x 4 each.
+#define CUDA_ATTN_WARPS 8
+#define CUDA_ATTN_QPW   4
+#define CUDA_ATTN_QV    (CUDA_ATTN_WARPS * CUDA_ATTN_QPW)
+#define CUDA_ATTN_KT    32  // keys per shared-memory tile (one per lane)
+#define CUDA_ATTN_MAX_D 256 // largest head_dim the attention kernel supports
+// Tensor-core (WMMA, bf16) kernel for prefill tiles: 4 warps x 16 query vectors, 64-key tiles.
+#define CUDA_ATTN_TC_QV 64
+#define CUDA_ATTN_TC_KT 64
+
+// ---- launchers (each returns a pd status) -----------------------------------------------------
+
+// k_elementwise.cu (act: activation type of x/y/out buffers)
+// out (n, H) = table[ids[r]] (table (V, H) in tdtype: ACT_F32 / ACT_F16 / ACT_BF16).
+int cuda_embed(cudaStream_t s, int act, const void *table, int tdtype, size_t H, const int32_t *ids,
+               size_t n, void *out);
+// out (n_out, dim) = x[rows[i]].
+int cuda_gather_rows(cudaStream_t s, int act, const void *x, size_t dim, const int32_t *rows,
+                     size_t n_out, void *out);
+// out = silu(gate) * up, n elements.
+int cuda_swiglu(cudaStream_t s, int act, const void *gate, const void *up, size_t n, void *out);
+// y += x, n elements.
+int cuda_add(cudaStream_t s, int act, void *y, const void *x, size_t n);
+// dst (n) in dtype dst_t (ACT_F32 / ACT_F16 / ACT_BF16) = src (n) activations; a plain copy when
+// the types agree.
+int cuda_act_convert(cudaStream_t s, int act, const void *src, size_t n, int dst_t, void *dst);
+// y (n, out) activations = y32 (n, out) f32 + bias (out) f32 (bias may be NULL).
+int cuda_bias_epilogue(cudaStream_t s, int act, const float *y32, const float *bias, size_t n,
+                       size_t out, void *y);
+
+// k_gemv.cu: y (n, out) = x (n, in) . W^T (+ bias) for small n (decode rows): one warp per
+// output row, 16-byte weight loads, fixed reduction order per row (independent of n).
+// W (out, in) in wdtype; requires in % 8 == 0. Returns PD_EUNSUPPORTED when not applicable.
+#define CUDA_GEMV_MAX_N 8
+int cuda_gemv(cudaStream_t s, int act, const void *x, size_t n, const void *W, int wdtype,
+              size_t out, size_t in, const float *bias, void *y);
+
+// k_rmsnorm.cu: y (n, dim) = x * rsqrt(mean(x^2) + eps) * w; w (dim) f32. y may equal x.
+int cuda_rmsnorm(cudaStream_t s, int act, const void *x, const float *w, float eps, size_t n,
+                 size_t dim, void *y);
+
+// k_rope.cu: x (n, n_heads, head_dim) rotated in place with cos/sin (n, rope_half) f32.
+int cuda_rope(cudaStream_t s, int act, void *x, size_t n, size_t n_heads, size_t head_dim,
+              const float *cos_t, const float *sin_t, size_t rope_half);
+
+// k_kv.cu: k, v (n, kvh, D) stored at slots[r] of the layer's pools
+// kc, vc (n_blocks * block_size, kvh, D); pool type = activation type.
+int cuda_kv_write(cudaStream_t s, int act, const void *k, const void *v, size_t n, size_t kvh,
+                  size_t D, const int64_t *slots, void *kc, void *vc);
+
+// k_attention.cu
+typedef struct {
+    int act;                     // activation / pool type (ACT_F32 or ACT_BF16)
+    const void *q;               // (n_tokens, n_q_heads, D)
+    const void *kc, *vc;         // layer pools (n_blocks, block_size, n_kv_heads, D)
+    void *out;                   // (n_tokens, n_q_heads, D)
+    const int32_t *positions;    // (n_tokens)
+    const int32_t *block_indptr; // (n_seqs + 1)
+    const int32_t *block_ids;
+    const cuda_attn_item *items; // (n_items) CUDA-core items (decode rows, splits, f32 mode)
+    size_t n_items;
+    const cuda_attn_item *tc_items; // (n_tc_items) tensor-core items (bf16 prefill tiles)
+    size_t n_tc_items;
+    int tc_heads_per_item;
+    const cuda_attn_merge *merges; // (n_merges)
+    size_t n_merges;
+    const int32_t *counts; // device {CUDA-core items, merges} when the grids are sized to a
+                           // capacity (CUDA graphs): blocks past the count return at once; or NULL
+    float *part_o;         // (parts, n_q_heads, D) f32 workspace
+    float *part_lse;       // (parts, n_q_heads) f32 workspace
+    int n_q_heads, n_kv_heads, head_dim;
+    int heads_per_item; // q heads one block covers (divides n_q_heads / n_kv_heads)
+    int block_size;
+    float scale;
+} cuda_attn_args;
+// Attributes (dynamic shared memory) of every attention kernel instance; once per device.
+int cuda_attention_init(void);
+// Runs the CUDA-core items, the tensor-core items and the merges of a step's work list.
+int cuda_attention(cudaStream_t s, const cuda_attn_args *a);
+// k_attention_tc.cu: the tensor-core items alone (bf16, head_dim 64 or 128).
+int cuda_attention_tc_init(void);
+int cuda_attention_tc(cudaStream_t s, const cuda_attn_args *a);
+
+#endif

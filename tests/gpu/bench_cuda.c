@@ -1,0 +1,381 @@
+/* bench_cuda: GPU figures for docs/benchmarks.md (CUDA backend section).
+ *
+ *   bench_cuda --model DIR [--prompt 128] [--gen 128] [--prefill 2048] [--batch 64]
+ *
+ * Prints, for the model in DIR (made by `pd-mkmodel --preset 1b`):
+ *   - device-to-device copy bandwidth (GB/s, read + write, 1 GiB) measured in the same run;
+ *   - decode at batch 1: tokens/s over --gen steps after a --prompt token prefill (each step is
+ *     a full pd_forward_run: host planning, all kernels, logits download into pinned memory;
+ *     the host argmax that picks the next token is not timed), against the memory bound =
+ *     copy bandwidth / bytes of weights streamed per step;
+ *   - prefill of --prefill tokens in one step (best of 3), and the time of the same GEMMs alone
+ *     (the backend's matmul op on weights of the same shapes: q, k, v, o, gate, up, down per
+ *     layer + lm_head for one row): prefill efficiency = GEMM time / prefill time;
+ *   - decode throughput at --batch sequences (tokens/s over --gen steps, step time only);
+ *   - per-op timings at decode shapes (matmul through the op table vs cuBLAS's GemmEx called
+ *     directly, and the cost of one small element-wise op = the launch floor), to show where a
+ *     decode step's time goes.
+ * Design: the model is driven through the same ctu_runner the GPU tests use (pd_forward over
+ * the backend op table), so the figures are those of the code the engine runs.
+ */
+#include <cublas_v2.h>
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/cuda_info.h"
+#include "cuda_test_util.h"
+#include "util/clock.h"
+#include "util/status.h"
+
+typedef struct {
+    const char *model;
+    int prompt, gen, prefill, batch;
+} bench_opts;
+
+/* Times the GEMMs of one prefill step of n rows on weights shaped like cfg's. */
+static int gemm_time(pd_backend *b, const pd_model_config *c, size_t n, double *secs, double *flops)
+{
+    const pd_backend_ops *o = pd_backend_get_ops(b);
+    size_t H = (size_t)c->hidden_size, I = (size_t)c->intermediate_size;
+    size_t D = (size_t)c->head_dim, Nq = (size_t)c->num_attention_heads;
+    size_t Nkv = (size_t)c->num_key_value_heads, V = (size_t)c->vocab_size;
+    size_t L = (size_t)c->num_hidden_layers;
+    size_t shapes[8][3] = {/* rows n, out, in */
+                           {n, Nq * D, H}, {n, Nkv * D, H}, {n, Nkv * D, H}, {n, H, Nq * D},
+                           {n, I, H},      {n, I, H},       {n, H, I},       {1, V, H}};
+    pd_weight *w[8] = {0};
+    void *x = NULL, *y = NULL;
+    size_t maxdim = H > I ? H : I;
+    if (Nq * D > maxdim) maxdim = Nq * D;
+    int rc = PD_OK;
+    uint16_t *host = NULL;
+    size_t host_n = V * H > I * H ? V * H : I * H;
+    host = malloc(host_n * 2);
+    if (!host) return pd_error(PD_ENOMEM, "gemm_time: out of memory");
+    uint64_t seed = 1;
+    for (size_t i = 0; i < host_n; i++) host[i] = pd_f32_to_bf16(ctu_rand(&seed, 0.05f));
+    for (int i = 0; i < 8 && rc == 0; i++) {
+        pd_tensor t;
+        memset(&t, 0, sizeof t);
+        t.name = "bench.weight";
+        t.dtype = PD_DTYPE_BF16;
+        t.ndim = 2;
+        t.shape[0] = (int64_t)shapes[i][1];
+        t.shape[1] = (int64_t)shapes[i][2];
+        t.data = host;
+        t.nbytes = shapes[i][1] * shapes[i][2] * 2;
+        rc = o->weight_load(b, &t, NULL, &w[i]);
+    }
+    if (rc == 0) rc = o->buf_alloc(b, n * maxdim * 2, &x);
+    if (rc == 0) rc = o->buf_alloc(b, n * (maxdim > V ? maxdim : V) * 2, &y);
+    if (rc == 0) rc = o->upload(b, x, host, n * maxdim * 2);
+    double best = 1e30, fl = 0;
+    for (int rep = 0; rep < 4 && rc == 0; rep++) {
+        rc = o->sync(b);
+        double t0 = pd_now_s();
+        fl = 0;
+        for (size_t l = 0; l < L && rc == 0; l++)
+            for (int i = 0; i < 7 && rc == 0; i++) {
+                rc = o->matmul(b, x, shapes[i][0], w[i], NULL, y);
+                fl += 2.0 * (double)shapes[i][0] * (double)shapes[i][1] * (double)shapes[i][2];
+            }
+        if (rc == 0) rc = o->matmul(b, x, 1, w[7], NULL, y);
+        fl += 2.0 * (double)V * (double)H;
+        if (rc == 0) rc = o->sync(b);
+        double t = pd_now_s() - t0;
+        if (rep > 0 && t < best) best = t; /* rep 0 warms cuBLAS up */
+    }
+    for (int i = 0; i < 8; i++)
+        if (w[i]) o->weight_free(b, w[i]);
+    if (x) o->buf_free(b, x);
+    if (y) o->buf_free(b, y);
+    free(host);
+    *secs = best;
+    *flops = fl;
+    return rc;
+}
+
+/* Per-op timings (us per call, wall clock over 200 calls + sync). */
+static int op_micro(pd_backend *b, const pd_model_config *c)
+{
+    const pd_backend_ops *o = pd_backend_get_ops(b);
+    size_t H = (size_t)c->hidden_size, I = (size_t)c->intermediate_size;
+    size_t V = (size_t)c->vocab_size;
+    size_t shapes[4][2] = {{H, H}, {I, H}, {H, I}, {V, H}}; /* out, in */
+    size_t maxw = V * H > I * H ? V * H : I * H;
+    uint16_t *host = malloc(maxw * 2);
+    if (!host) return pd_error(PD_ENOMEM, "op_micro: out of memory");
+    uint64_t seed = 5;
+    for (size_t i = 0; i < maxw; i++) host[i] = pd_f32_to_bf16(ctu_rand(&seed, 0.05f));
+    void *x = NULL, *y = NULL;
+    int rc = o->buf_alloc(b, 64 * (I > V ? I : V) * 2, &x);
+    if (rc == 0) rc = o->buf_alloc(b, 64 * (I > V ? I : V) * 2, &y);
+    if (rc == 0) rc = o->upload(b, x, host, 64 * I * 2);
+    cublasHandle_t cublas = NULL;
+    if (rc == 0 && cublasCreate(&cublas) != CUBLAS_STATUS_SUCCESS)
+        rc = pd_error(PD_EINTERNAL, "op_micro: cublasCreate failed");
+    void *wdev = NULL;
+    if (rc == 0) rc = o->buf_alloc(b, maxw * 2, &wdev);
+    const int iters = 200;
+    for (int si = 0; si < 4 && rc == 0; si++) {
+        size_t out = shapes[si][0], in = shapes[si][1];
+        pd_tensor t;
+        memset(&t, 0, sizeof t);
+        t.name = "micro.weight";
+        t.dtype = PD_DTYPE_BF16;
+        t.ndim = 2;
+        t.shape[0] = (int64_t)out;
+        t.shape[1] = (int64_t)in;
+        t.data = host;
+        t.nbytes = out * in * 2;
+        pd_weight *w = NULL;
+        rc = o->weight_load(b, &t, NULL, &w);
+        if (rc == 0) rc = o->upload(b, wdev, host, out * in * 2);
+        for (int ni = 0; ni < 2 && rc == 0; ni++) {
+            int n = ni ? 64 : 1;
+            double us[2];
+            for (int k = 0; k < 2 && rc == 0; k++) { /* 0: op, 1: cuBLAS direct */
+                const float one = 1.0f, zero = 0.0f;
+                double t0 = 0;
+                for (int it = 0; it < iters + 10 && rc == 0; it++) {
+                    if (it == 10) {
+                        rc = o->sync(b);
+                        t0 = pd_now_s();
+                    }
+                    if (k == 0) {
+                        rc = o->matmul(b, x, (size_t)n, w, NULL, y);
+                    } else if (cublasGemmEx(cublas, CUBLAS_OP_T, CUBLAS_OP_N, (int)out, n, (int)in,
+                                            &one, wdev, CUDA_R_16BF, (int)in, x, CUDA_R_16BF,
+                                            (int)in, &zero, y, CUDA_R_16BF, (int)out,
+                                            CUBLAS_COMPUTE_32F,
+                                            CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS) {
+                        rc = pd_error(PD_EINTERNAL, "op_micro: cublasGemmEx failed");
+                    }
+                }
+                if (rc == 0) rc = o->sync(b);
+                if (k == 1 && rc == 0 && cudaDeviceSynchronize() != cudaSuccess)
+                    rc = pd_error(PD_EINTERNAL, "op_micro: device sync failed");
+                us[k] = (pd_now_s() - t0) / iters * 1e6;
+            }
+            if (rc == 0)
+                printf("  matmul n=%-2d (%5zu x %5zu): op %7.1f us (%5.0f GB/s of weights); "
+                       "cuBLAS GemmEx %7.1f us (%5.0f GB/s)\n",
+                       n, out, in, us[0], out * in * 2 / us[0] / 1e3, us[1],
+                       out * in * 2 / us[1] / 1e3);
+        }
+        if (w) o->weight_free(b, w);
+    }
+    if (rc == 0) {
+        double t0 = 0;
+        for (int it = 0; it < iters + 10 && rc == 0; it++) {
+            if (it == 10) {
+                rc = o->sync(b);
+                t0 = pd_now_s();
+            }
+            rc = o->add(b, y, x, 4096);
+        }
+        if (rc == 0) rc = o->sync(b);
+        printf("  add of 4096 elements (launch floor): %.2f us per op\n",
+               (pd_now_s() - t0) / iters * 1e6);
+    }
+    if (cublas) cublasDestroy(cublas);
+    if (wdev) o->buf_free(b, wdev);
+    if (x) o->buf_free(b, x);
+    if (y) o->buf_free(b, y);
+    free(host);
+    return rc;
+}
+
+static int fill_prompt(int32_t *p, size_t n, size_t vocab, uint64_t *seed)
+{
+    for (size_t i = 0; i < n; i++)
+        p[i] = (int32_t)((ctu_rand(seed, 1.0f) + 1.0f) * 0.5f * (float)(vocab - 1));
+    return PD_OK;
+}
+
+static int run(const bench_opts *op)
+{
+    pd_cuda_info info;
+    PD_CHECK(pd_cuda_query(0, &info));
+    double bw = 0;
+    PD_CHECK(pd_cuda_d2d_bandwidth(0, (size_t)1 << 30, 20, &bw));
+    printf("device: %s, %d SMs; d2d copy %.0f GB/s (read+write, 1 GiB, best of 20)\n", info.name,
+           info.sm_count, bw);
+
+    pd_model *m;
+    PD_CHECK(pd_model_load(op->model, &m));
+    pd_backend *b;
+    pd_backend_params bp = pd_backend_default_params();
+    int rc = pd_backend_cuda_create(&bp, &b);
+    if (rc < 0) {
+        pd_model_free(m);
+        return rc;
+    }
+    const pd_model_config *c = &m->config;
+    size_t max_ctx = (size_t)(op->prompt + op->gen);
+    if ((size_t)op->prefill + 16 > max_ctx) max_ctx = (size_t)op->prefill + 16;
+    size_t nseq = op->batch > 4 ? (size_t)op->batch : 4;
+    size_t max_tokens = op->prefill > 2048 ? (size_t)op->prefill : 2048;
+    ctu_runner r;
+    double t0 = pd_now_s();
+    rc = ctu_runner_open(&r, b, m, nseq, max_ctx, max_tokens);
+    if (rc < 0) goto out_model;
+    printf("model %s: %lld layers, hidden %lld, %lld/%lld heads, vocab %lld; weights %.1f MiB on "
+           "the GPU (%s), loaded in %.1f s\n",
+           op->model, (long long)c->num_hidden_layers, (long long)c->hidden_size,
+           (long long)c->num_attention_heads, (long long)c->num_key_value_heads,
+           (long long)c->vocab_size, pd_forward_weight_bytes(r.f) / 1048576.0, "bf16",
+           pd_now_s() - t0);
+    size_t V = r.vocab;
+    int32_t *prompt = malloc((size_t)(op->prefill + op->prompt * (int)nseq + 16) * 4);
+    int32_t *seqs = malloc(nseq * 4), *rows = malloc(nseq * 4), *next = malloc(nseq * 4);
+    const int32_t **toks = malloc(nseq * sizeof *toks);
+    if (!prompt || !seqs || !rows || !next || !toks) {
+        rc = pd_error(PD_ENOMEM, "bench: out of memory");
+        goto out;
+    }
+    uint64_t seed = 99;
+    fill_prompt(prompt, (size_t)(op->prefill + op->prompt * (int)nseq + 16), V, &seed);
+
+    /* ---- decode, batch 1 ---- */
+    {
+        int32_t s0 = 0, np = op->prompt, one = 1;
+        const int32_t *tp = prompt;
+        rc = ctu_runner_step(&r, 1, &s0, &tp, &np);
+        if (rc < 0) goto out;
+        int32_t tok = ctu_argmax(r.logits, V);
+        /* warm-up steps are part of the context but not timed */
+        for (int i = 0; i < 4 && rc == 0; i++) {
+            tp = &tok;
+            rc = ctu_runner_step(&r, 1, &s0, &tp, &one);
+            tok = ctu_argmax(r.logits, V);
+        }
+        if (rc < 0) goto out;
+        int steps = op->gen - 4;
+        double dt = 0;
+        for (int i = 0; i < steps && rc == 0; i++) {
+            tp = &tok;
+            double ts = pd_now_s();
+            rc = ctu_runner_step(&r, 1, &s0, &tp, &one);
+            dt += pd_now_s() - ts;
+            tok = ctu_argmax(r.logits, V);
+        }
+        if (rc < 0) goto out;
+        double tps = steps / dt;
+        double bytes = (double)pd_forward_bytes_per_step(r.f);
+        double bound = bw * 1e9 / bytes;
+        printf("decode batch 1: %.1f tokens/s (%.3f ms/token over %d steps, context %d..%d); "
+               "bytes/step %.1f MiB; bandwidth bound %.1f tokens/s; %.1f%% of bound\n",
+               tps, 1e3 * dt / steps, steps, op->prompt + 4, op->prompt + op->gen,
+               bytes / 1048576.0, bound, 100.0 * tps / bound);
+    }
+
+    /* ---- prefill ---- */
+    {
+        double best = 1e30;
+        for (int rep = 1; rep <= 3 && rc == 0; rep++) {
+            int32_t s = rep, np = op->prefill;
+            const int32_t *tp = prompt + op->prompt;
+            r.ctx_len[s] = 0;
+            double ts = pd_now_s();
+            rc = ctu_runner_step(&r, 1, &s, &tp, &np);
+            double dt = pd_now_s() - ts;
+            if (dt < best) best = dt;
+        }
+        if (rc < 0) goto out;
+        double gsec = 0, gflops = 0;
+        rc = gemm_time(b, c, (size_t)op->prefill, &gsec, &gflops);
+        if (rc < 0) goto out;
+        printf("prefill %d tokens: %.2f ms (%.0f tokens/s); its GEMMs alone: %.2f ms (%.0f "
+               "TFLOP/s bf16); prefill at %.1f%% of GEMM throughput\n",
+               op->prefill, best * 1e3, op->prefill / best, gsec * 1e3, gflops / gsec / 1e12,
+               100.0 * gsec / best);
+    }
+
+    /* ---- decode, batch N ---- */
+    {
+        size_t nb = (size_t)op->batch;
+        for (size_t s = 0; s < nseq; s++) r.ctx_len[s] = 0;
+        size_t per_step = (size_t)(2048 / op->prompt);
+        if (per_step < 1) per_step = 1;
+        for (size_t s0 = 0; s0 < nb && rc == 0; s0 += per_step) {
+            size_t k = nb - s0 < per_step ? nb - s0 : per_step;
+            for (size_t i = 0; i < k; i++) {
+                seqs[i] = (int32_t)(s0 + i);
+                rows[i] = op->prompt;
+                toks[i] = prompt + (s0 + i) * (size_t)op->prompt;
+            }
+            rc = ctu_runner_step(&r, k, seqs, toks, rows);
+            for (size_t i = 0; i < k; i++) next[s0 + i] = ctu_argmax(r.logits + i * V, V);
+        }
+        if (rc < 0) goto out;
+        for (size_t i = 0; i < nb; i++) {
+            seqs[i] = (int32_t)i;
+            rows[i] = 1;
+        }
+        int steps = op->gen;
+        double dt = 0;
+        for (int t = 0; t < steps + 2 && rc == 0; t++) {
+            for (size_t i = 0; i < nb; i++) toks[i] = &next[i];
+            double ts = pd_now_s();
+            rc = ctu_runner_step(&r, nb, seqs, toks, rows);
+            if (t >= 2) dt += pd_now_s() - ts; /* 2 warm-up steps */
+            for (size_t i = 0; i < nb; i++) next[i] = ctu_argmax(r.logits + i * V, V);
+        }
+        if (rc < 0) goto out;
+        printf("decode batch %zu: %.0f tokens/s (%.3f ms/step over %d steps, context %d..%d)\n", nb,
+               nb * (double)steps / dt, 1e3 * dt / steps, steps, op->prompt + 2,
+               op->prompt + op->gen + 2);
+    }
+    printf("per-op timings at decode shapes:\n");
+    rc = op_micro(b, c);
+out:
+    free(prompt);
+    free(seqs);
+    free(rows);
+    free(next);
+    free(toks);
+    ctu_runner_close(&r);
+out_model:
+    pd_backend_destroy(b);
+    pd_model_free(m);
+    return rc;
+}
+
+int main(int argc, char **argv)
+{
+    bench_opts op = {NULL, 128, 128, 2048, 64};
+    static const struct option lo[] = {
+        {"model", required_argument, 0, 'm'}, {"prompt", required_argument, 0, 'p'},
+        {"gen", required_argument, 0, 'g'},   {"prefill", required_argument, 0, 'f'},
+        {"batch", required_argument, 0, 'b'}, {0, 0, 0, 0}};
+    int ch;
+    while ((ch = getopt_long(argc, argv, "", lo, NULL)) != -1) {
+        switch (ch) {
+        case 'm': op.model = optarg; break;
+        case 'p': op.prompt = atoi(optarg); break;
+        case 'g': op.gen = atoi(optarg); break;
+        case 'f': op.prefill = atoi(optarg); break;
+        case 'b': op.batch = atoi(optarg); break;
+        default:
+            fprintf(stderr, "usage: bench_cuda --model DIR [--prompt N] [--gen N] "
+                            "[--prefill N] [--batch N]\n");
+            return 2;
+        }
+    }
+    if (!op.model || op.prompt < 1 || op.gen < 8 || op.prefill < 1 || op.batch < 1 ||
+        op.prompt > 2048) {
+        fprintf(stderr, "bench_cuda: --model is required; --prompt in [1, 2048], --gen >= 8, "
+                        "--prefill >= 1, --batch >= 1\n");
+        return 2;
+    }
+    int rc = run(&op);
+    if (rc < 0) {
+        fprintf(stderr, "bench_cuda: %s: %s\n", pd_status_name(rc), pd_last_error());
+        return rc == PD_ENOTFOUND ? 77 : 1;
+    }
+    return 0;
+}

@@ -1,0 +1,735 @@
+/* Every op of the CUDA backend against the CPU backend (test-backend-ops style): random
+ * bf16-representable inputs, several shapes including odd sizes, NMSE <= 1e-5 against the CPU's
+ * f32 results; attention with GQA ratios 1, 3, 8, head dims 64/96/128/256, block sizes 16 and 5,
+ * mixed prefill/decode/chunked rows in one step over shuffled (non-contiguous) block tables and a
+ * long decode context that takes the split (flash-decoding) path; KV export/import; and the
+ * errors the backend must return instead of crashing. Exits 77 without a GPU. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "harness.h"
+
+#include "backend/cuda/cuda_backend.h"
+#include "cuda_test_util.h"
+
+#define NMSE_MAX 1e-5
+
+#define NEED_GPU()                                                                                 \
+    do {                                                                                           \
+        if (!ctu_have_gpu()) SKIP(pd_last_error());                                                \
+    } while (0)
+
+/* A pd_tensor over host f32 data of shape (rows, cols) (rows 0: 1-D of cols). */
+static pd_tensor tensor_f32(const char *name, const float *data, size_t rows, size_t cols)
+{
+    pd_tensor t;
+    memset(&t, 0, sizeof t);
+    t.name = name;
+    t.dtype = PD_DTYPE_F32;
+    if (rows) {
+        t.ndim = 2;
+        t.shape[0] = (int64_t)rows;
+        t.shape[1] = (int64_t)cols;
+    } else {
+        t.ndim = 1;
+        t.shape[0] = (int64_t)cols;
+        rows = 1;
+    }
+    t.data = data;
+    t.nbytes = rows * cols * sizeof(float);
+    t.file = "test";
+    return t;
+}
+
+/* Compares buffers bufs[0] (CPU) and bufs[1] (GPU) of n activations. */
+static int compare(cuda_pair *p, void *bufs[2], size_t n, double *nmse)
+{
+    float *a = malloc(n * sizeof(float)), *r = malloc(n * sizeof(float));
+    int rc = (a && r) ? PD_OK : pd_error(PD_ENOMEM, "compare: out of memory");
+    if (rc == 0) rc = ctu_act_download(p->b[PAIR_CPU], bufs[PAIR_CPU], n, r);
+    if (rc == 0) rc = ctu_act_download(p->b[PAIR_GPU], bufs[PAIR_GPU], n, a);
+    if (rc == 0) *nmse = ctu_nmse(a, r, n);
+    free(a);
+    free(r);
+    return rc;
+}
+
+static void free_bufs(cuda_pair *p, void *bufs[2])
+{
+    for (int i = 0; i < 2; i++)
+        if (bufs[i]) p->o[i]->buf_free(p->b[i], bufs[i]);
+    bufs[0] = bufs[1] = NULL;
+}
+
+static int upload_both(cuda_pair *p, const float *x, size_t n, void *bufs[2])
+{
+    for (int i = 0; i < 2; i++) PD_CHECK(ctu_act_upload(p->b[i], x, n, &bufs[i]));
+    return PD_OK;
+}
+
+static int alloc_both(cuda_pair *p, size_t n, void *bufs[2])
+{
+    for (int i = 0; i < 2; i++) PD_CHECK(ctu_act_alloc(p->b[i], n, &bufs[i]));
+    return PD_OK;
+}
+
+/* mode: -1 = bf16 activations (default), PD_DTYPE_F32 = the f32 precision mode */
+static void elementwise_case(int mode)
+{
+    cuda_pair p;
+    ASSERT_OK(ctu_pair_open(&p, mode));
+    static const size_t shapes[][2] = {{1, 64}, {7, 100}, {33, 4097}, {130, 2048}};
+    uint64_t seed = 1;
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        size_t n = shapes[si][0], dim = shapes[si][1], ne = n * dim;
+        float *x = malloc(ne * sizeof(float)), *x2 = malloc(ne * sizeof(float));
+        float *w = malloc(dim * sizeof(float));
+        ASSERT(x && x2 && w);
+        ctu_fill(x, ne, &seed, 3.0f);
+        ctu_fill(x2, ne, &seed, 3.0f);
+        ctu_fill(w, dim, &seed, 2.0f);
+        pd_tensor wt = tensor_f32("norm.weight", w, 0, dim);
+        pd_weight *ww[2];
+        void *xb[2] = {0}, *x2b[2] = {0}, *yb[2] = {0};
+        double e_norm, e_norm_inplace, e_swiglu, e_add;
+        for (int i = 0; i < 2; i++) ASSERT_OK(p.o[i]->weight_load(p.b[i], &wt, NULL, &ww[i]));
+        ASSERT_OK(upload_both(&p, x, ne, xb));
+        ASSERT_OK(upload_both(&p, x2, ne, x2b));
+        ASSERT_OK(alloc_both(&p, ne, yb));
+        for (int i = 0; i < 2; i++)
+            ASSERT_OK(p.o[i]->rmsnorm(p.b[i], xb[i], ww[i], 1e-6f, n, dim, yb[i]));
+        ASSERT_OK(compare(&p, yb, ne, &e_norm));
+        for (int i = 0; i < 2; i++) /* in place on x2 */
+            ASSERT_OK(p.o[i]->rmsnorm(p.b[i], x2b[i], ww[i], 1e-5f, n, dim, x2b[i]));
+        ASSERT_OK(compare(&p, x2b, ne, &e_norm_inplace));
+        for (int i = 0; i < 2; i++) ASSERT_OK(p.o[i]->swiglu(p.b[i], xb[i], x2b[i], n, dim, yb[i]));
+        ASSERT_OK(compare(&p, yb, ne, &e_swiglu));
+        for (int i = 0; i < 2; i++) ASSERT_OK(p.o[i]->add(p.b[i], yb[i], xb[i], ne));
+        ASSERT_OK(compare(&p, yb, ne, &e_add));
+        printf("    %s (%zu, %zu): nmse rmsnorm %.2e, in-place %.2e, swiglu %.2e, add %.2e\n",
+               pd_dtype_name(pd_backend_act_dtype(p.b[PAIR_GPU])), n, dim, e_norm, e_norm_inplace,
+               e_swiglu, e_add);
+        ASSERT(e_norm <= NMSE_MAX && e_norm_inplace <= NMSE_MAX);
+        ASSERT(e_swiglu <= NMSE_MAX && e_add <= NMSE_MAX);
+        for (int i = 0; i < 2; i++) p.o[i]->weight_free(p.b[i], ww[i]);
+        free_bufs(&p, xb);
+        free_bufs(&p, x2b);
+        free_bufs(&p, yb);
+        free(x);
+        free(x2);
+        free(w);
+    }
+    ctu_pair_close(&p);
+}
+
+TEST(cuda_rmsnorm_swiglu_add)
+{
+    NEED_GPU();
+    elementwise_case(-1);
+    elementwise_case(PD_DTYPE_F32);
+}
+
+/* matmul with bias or not, for one GPU weight dtype, over odd shapes and weight slices. */
+static void matmul_case(int gpu_wdtype)
+{
+    cuda_pair p;
+    ASSERT_OK(ctu_pair_open(&p, gpu_wdtype));
+    /* n <= 8 with in % 8 == 0 takes the GEMV kernel, the others cuBLAS */
+    static const size_t shapes[][3] = {{1, 64, 96},     {5, 100, 37},    {64, 512, 1408},
+                                       {130, 257, 513}, {3, 2048, 4099}, {8, 256, 300},
+                                       {2, 5632, 77}};
+    uint64_t seed = 7 + (uint64_t)gpu_wdtype;
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        size_t n = shapes[si][0], in = shapes[si][1], out = shapes[si][2];
+        /* The stored matrix has 3 extra rows and 2 extra cols; we load a slice of it. */
+        size_t R = out + 3, C = in + 2;
+        float *W = malloc(R * C * sizeof(float)), *x = malloc(n * in * sizeof(float));
+        float *bias = malloc(out * sizeof(float));
+        ASSERT(W && x && bias);
+        ctu_fill(W, R * C, &seed, 0.5f);
+        ctu_fill(x, n * in, &seed, 1.0f);
+        ctu_fill(bias, out, &seed, 1.0f);
+        pd_tensor wt = tensor_f32("proj.weight", W, R, C);
+        pd_tensor bt = tensor_f32("proj.bias", bias, 0, out);
+        pd_weight_slice sl = {2, out, 1, in};
+        pd_weight *ww[2], *bw[2];
+        void *xb[2] = {0}, *yb[2] = {0};
+        for (int i = 0; i < 2; i++) {
+            ASSERT_OK(p.o[i]->weight_load(p.b[i], &wt, &sl, &ww[i]));
+            ASSERT_OK(p.o[i]->weight_load(p.b[i], &bt, NULL, &bw[i]));
+        }
+        ASSERT_OK(upload_both(&p, x, n * in, xb));
+        ASSERT_OK(alloc_both(&p, n * out, yb));
+        double e_plain, e_bias;
+        for (int i = 0; i < 2; i++) ASSERT_OK(p.o[i]->matmul(p.b[i], xb[i], n, ww[i], NULL, yb[i]));
+        ASSERT_OK(compare(&p, yb, n * out, &e_plain));
+        for (int i = 0; i < 2; i++)
+            ASSERT_OK(p.o[i]->matmul(p.b[i], xb[i], n, ww[i], bw[i], yb[i]));
+        ASSERT_OK(compare(&p, yb, n * out, &e_bias));
+        printf("    %s weights (%zu x %zu) . (%zu x %zu)^T: nmse %.2e, with bias %.2e\n",
+               gpu_wdtype < 0 ? "default" : pd_dtype_name((pd_dtype)gpu_wdtype), n, in, out, in,
+               e_plain, e_bias);
+        ASSERT(e_plain <= NMSE_MAX && e_bias <= NMSE_MAX);
+        for (int i = 0; i < 2; i++) {
+            p.o[i]->weight_free(p.b[i], ww[i]);
+            p.o[i]->weight_free(p.b[i], bw[i]);
+        }
+        free_bufs(&p, xb);
+        free_bufs(&p, yb);
+        free(W);
+        free(x);
+        free(bias);
+    }
+    ctu_pair_close(&p);
+}
+
+TEST(cuda_matmul_bf16)
+{
+    NEED_GPU();
+    matmul_case(-1);
+}
+
+TEST(cuda_matmul_f16)
+{
+    NEED_GPU();
+    matmul_case(PD_DTYPE_F16);
+}
+
+TEST(cuda_matmul_f32)
+{
+    NEED_GPU();
+    matmul_case(PD_DTYPE_F32);
+}
+
+/* A single-sequence step of n rows at positions 0..n-1 with cos/sin tables for rope_dim. */
+typedef struct {
+    int32_t *tok, *pos, *qip, *kvl, *bip, *bid, *out_rows;
+    int64_t *slots;
+    float *cos_t, *sin_t;
+    pd_batch b;
+} simple_step;
+
+static int simple_step_make(simple_step *s, size_t n, size_t vocab, size_t rope_dim, uint64_t *seed)
+{
+    memset(s, 0, sizeof *s);
+    size_t half = rope_dim / 2, nblk = (n + 15) / 16;
+    s->tok = calloc(n, 4);
+    s->pos = calloc(n, 4);
+    s->slots = calloc(n, 8);
+    s->out_rows = calloc(n, 4);
+    s->qip = calloc(2, 4);
+    s->kvl = calloc(1, 4);
+    s->bip = calloc(2, 4);
+    s->bid = calloc(nblk, 4);
+    s->cos_t = calloc(n * half, 4);
+    s->sin_t = calloc(n * half, 4);
+    if (!s->tok || !s->pos || !s->slots || !s->out_rows || !s->qip || !s->kvl || !s->bip ||
+        !s->bid || !s->cos_t || !s->sin_t)
+        return pd_error(PD_ENOMEM, "simple_step: out of memory");
+    size_t n_out = 0;
+    for (size_t r = 0; r < n; r++) {
+        s->tok[r] =
+            (int32_t)(((uint64_t)(ctu_rand(seed, 1.0f) + 1.0f) * 1000003u + r * 7919u) % vocab);
+        s->pos[r] = (int32_t)r;
+        s->slots[r] = (int64_t)r;
+        if (r % 3 == 1 || r == n - 1) s->out_rows[n_out++] = (int32_t)r;
+        for (size_t i = 0; i < half; i++) {
+            double ang = (double)r * pow(10000.0, -2.0 * (double)i / (double)rope_dim);
+            s->cos_t[r * half + i] = (float)cos(ang);
+            s->sin_t[r * half + i] = (float)sin(ang);
+        }
+    }
+    for (size_t i = 0; i < nblk; i++) s->bid[i] = (int32_t)i;
+    s->qip[1] = (int32_t)n;
+    s->kvl[0] = (int32_t)n;
+    s->bip[1] = (int32_t)nblk;
+    s->b.n_tokens = n;
+    s->b.token_ids = s->tok;
+    s->b.positions = s->pos;
+    s->b.slots = s->slots;
+    s->b.rope_cos = s->cos_t;
+    s->b.rope_sin = s->sin_t;
+    s->b.rope_dim = rope_dim;
+    s->b.n_seqs = 1;
+    s->b.q_indptr = s->qip;
+    s->b.kv_len = s->kvl;
+    s->b.block_indptr = s->bip;
+    s->b.block_ids = s->bid;
+    s->b.n_out = n_out;
+    s->b.out_rows = s->out_rows;
+    return PD_OK;
+}
+
+static void simple_step_free(simple_step *s)
+{
+    free(s->tok);
+    free(s->pos);
+    free(s->slots);
+    free(s->out_rows);
+    free(s->qip);
+    free(s->kvl);
+    free(s->bip);
+    free(s->bid);
+    free(s->cos_t);
+    free(s->sin_t);
+}
+
+TEST(cuda_embed_rope_gather)
+{
+    NEED_GPU();
+    cuda_pair p;
+    ASSERT_OK(ctu_pair_open(&p, -1));
+    static const size_t shapes[][4] = {/* n, vocab, heads, head_dim */
+                                       {1, 50, 4, 64},
+                                       {37, 1000, 3, 128},
+                                       {300, 4096, 8, 96},
+                                       {5, 77, 2, 256}};
+    uint64_t seed = 3;
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        size_t n = shapes[si][0], V = shapes[si][1], nh = shapes[si][2], D = shapes[si][3];
+        size_t H = nh * D;
+        simple_step st;
+        ASSERT_OK(simple_step_make(&st, n, V, D, &seed));
+        float *table = malloc(V * H * sizeof(float)), *x = malloc(n * H * sizeof(float));
+        ASSERT(table && x);
+        ctu_fill(table, V * H, &seed, 1.0f);
+        ctu_fill(x, n * H, &seed, 2.0f);
+        pd_tensor tt = tensor_f32("embed_tokens.weight", table, V, H);
+        pd_weight *tw[2];
+        void *eb[2] = {0}, *xb[2] = {0}, *gb[2] = {0};
+        for (int i = 0; i < 2; i++) {
+            ASSERT_OK(p.o[i]->weight_load(p.b[i], &tt, NULL, &tw[i]));
+            ASSERT_OK(p.o[i]->plan(p.b[i], &st.b));
+        }
+        ASSERT_OK(alloc_both(&p, n * H, eb));
+        ASSERT_OK(upload_both(&p, x, n * H, xb));
+        ASSERT_OK(alloc_both(&p, st.b.n_out * H, gb));
+        double e_embed, e_rope, e_gather;
+        for (int i = 0; i < 2; i++) ASSERT_OK(p.o[i]->embed(p.b[i], tw[i], eb[i]));
+        ASSERT_OK(compare(&p, eb, n * H, &e_embed));
+        for (int i = 0; i < 2; i++) ASSERT_OK(p.o[i]->rope(p.b[i], xb[i], nh, D));
+        ASSERT_OK(compare(&p, xb, n * H, &e_rope));
+        for (int i = 0; i < 2; i++) ASSERT_OK(p.o[i]->gather_rows(p.b[i], xb[i], H, gb[i]));
+        ASSERT_OK(compare(&p, gb, st.b.n_out * H, &e_gather));
+        printf("    n %zu, vocab %zu, %zu heads x %zu: nmse embed %.2e, rope %.2e, gather %.2e\n",
+               n, V, nh, D, e_embed, e_rope, e_gather);
+        ASSERT(e_embed == 0.0); /* a bf16-representable table is copied exactly */
+        ASSERT(e_rope <= NMSE_MAX && e_gather <= NMSE_MAX);
+        for (int i = 0; i < 2; i++) p.o[i]->weight_free(p.b[i], tw[i]);
+        free_bufs(&p, eb);
+        free_bufs(&p, xb);
+        free_bufs(&p, gb);
+        free(table);
+        free(x);
+        simple_step_free(&st);
+    }
+    ctu_pair_close(&p);
+}
+
+/* ---- attention ---------------------------------------------------------------------------------
+ */
+
+typedef struct {
+    int past, rows; /* cached tokens before the step; rows the step adds */
+} seq_spec;
+
+typedef struct {
+    size_t n_seqs, n_tokens, n_blk_total;
+    int32_t *tok, *pos, *qip, *kvl, *bip, *bid;
+    int64_t *slots;
+    float *cos_t, *sin_t; /* (n_tokens, D / 2): identity rotation (attention tests skip rope) */
+    pd_batch b;
+} paged_step;
+
+/* Rows of each sequence s at positions [from_s, to_s) with its block table (block ids from the
+ * shuffled pool order `perm`, assigned per sequence in order). */
+static int paged_step_make(paged_step *ps, const seq_spec *sp, size_t ns, int fill,
+                           size_t block_size, const int32_t *perm, size_t D)
+{
+    memset(ps, 0, sizeof *ps);
+    size_t n = 0, nb = 0;
+    for (size_t s = 0; s < ns; s++) {
+        n += (size_t)(fill ? sp[s].past : sp[s].rows);
+        nb += ((size_t)(sp[s].past + sp[s].rows) + block_size - 1) / block_size;
+    }
+    ps->tok = calloc(n + 1, 4);
+    ps->pos = calloc(n + 1, 4);
+    ps->slots = calloc(n + 1, 8);
+    ps->qip = calloc(ns + 1, 4);
+    ps->kvl = calloc(ns + 1, 4);
+    ps->bip = calloc(ns + 1, 4);
+    ps->bid = calloc(nb + 1, 4);
+    ps->cos_t = malloc((n + 1) * (D / 2) * sizeof(float));
+    ps->sin_t = calloc((n + 1) * (D / 2), sizeof(float));
+    if (!ps->tok || !ps->pos || !ps->slots || !ps->qip || !ps->kvl || !ps->bip || !ps->bid ||
+        !ps->cos_t || !ps->sin_t)
+        return pd_error(PD_ENOMEM, "paged_step: out of memory");
+    size_t r = 0, bi = 0;
+    for (size_t s = 0; s < ns; s++) {
+        int total = sp[s].past + sp[s].rows;
+        size_t nblk = ((size_t)total + block_size - 1) / block_size;
+        for (size_t k = 0; k < nblk; k++) ps->bid[bi + k] = perm[bi + k];
+        int p0 = fill ? 0 : sp[s].past, p1 = fill ? sp[s].past : total;
+        for (int pos = p0; pos < p1; pos++, r++) {
+            ps->pos[r] = pos;
+            ps->tok[r] = pos % 13;
+            ps->slots[r] = (int64_t)ps->bid[bi + (size_t)pos / block_size] * (int64_t)block_size +
+                           (int64_t)((size_t)pos % block_size);
+        }
+        ps->qip[s + 1] = (int32_t)r;
+        ps->kvl[s] = p1;
+        bi += nblk;
+        ps->bip[s + 1] = (int32_t)bi;
+    }
+    for (size_t i = 0; i < (n + 1) * (D / 2); i++) ps->cos_t[i] = 1.0f;
+    ps->n_seqs = ns;
+    ps->n_tokens = n;
+    ps->b.rope_cos = ps->cos_t;
+    ps->b.rope_sin = ps->sin_t;
+    ps->b.rope_dim = D;
+    ps->b.n_tokens = n;
+    ps->b.token_ids = ps->tok;
+    ps->b.positions = ps->pos;
+    ps->b.slots = ps->slots;
+    ps->b.n_seqs = ns;
+    ps->b.q_indptr = ps->qip;
+    ps->b.kv_len = ps->kvl;
+    ps->b.block_indptr = ps->bip;
+    ps->b.block_ids = ps->bid;
+    return PD_OK;
+}
+
+static void paged_step_free(paged_step *ps)
+{
+    free(ps->tok);
+    free(ps->pos);
+    free(ps->slots);
+    free(ps->qip);
+    free(ps->kvl);
+    free(ps->bip);
+    free(ps->bid);
+    free(ps->cos_t);
+    free(ps->sin_t);
+}
+
+/* Writes random K/V for the step's rows into both pools (after plan). */
+static int write_random_kv(cuda_pair *p, pd_kv *kv[2], int layer, size_t n, size_t kvh, size_t D,
+                           uint64_t *seed)
+{
+    size_t ne = n * kvh * D;
+    float *k = malloc((ne ? ne : 1) * sizeof(float)), *v = malloc((ne ? ne : 1) * sizeof(float));
+    if (!k || !v) return pd_error(PD_ENOMEM, "write_random_kv: out of memory");
+    ctu_fill(k, ne, seed, 2.0f);
+    ctu_fill(v, ne, seed, 1.0f);
+    int rc = PD_OK;
+    for (int i = 0; i < 2 && rc == 0; i++) {
+        void *kb = NULL, *vb = NULL;
+        rc = ctu_act_upload(p->b[i], k, ne, &kb);
+        if (rc == 0) rc = ctu_act_upload(p->b[i], v, ne, &vb);
+        if (rc == 0) rc = p->o[i]->kv_write(p->b[i], kv[i], layer, kb, vb);
+        if (rc == 0) rc = p->o[i]->sync(p->b[i]);
+        if (kb) p->o[i]->buf_free(p->b[i], kb);
+        if (vb) p->o[i]->buf_free(p->b[i], vb);
+    }
+    free(k);
+    free(v);
+    return rc;
+}
+
+static void attention_case_mode(int mode, size_t nqh, size_t kvh, size_t D, size_t bs,
+                                const seq_spec *sp, size_t ns, const char *label)
+{
+    cuda_pair p;
+    ASSERT_OK(ctu_pair_open(&p, mode));
+    uint64_t seed = 11 + nqh * 131 + D;
+    size_t n_blocks = 0;
+    for (size_t s = 0; s < ns; s++) n_blocks += ((size_t)(sp[s].past + sp[s].rows) + bs - 1) / bs;
+    n_blocks += 17; /* spare blocks so the shuffled ids are not a dense prefix */
+    int32_t *perm = malloc(n_blocks * sizeof(int32_t));
+    ASSERT(perm);
+    for (size_t i = 0; i < n_blocks; i++) perm[i] = (int32_t)i;
+    for (size_t i = n_blocks - 1; i > 0; i--) {
+        size_t j = (size_t)((ctu_rand(&seed, 1.0f) + 1.0f) * 0.5f * (float)(i + 1)) % (i + 1);
+        int32_t t = perm[i];
+        perm[i] = perm[j];
+        perm[j] = t;
+    }
+    pd_kv *kv[2];
+    const int layer = 1;
+    for (int i = 0; i < 2; i++) {
+        pd_kv_params kp = {2, n_blocks, bs, kvh, D, pd_backend_act_dtype(p.b[i])};
+        ASSERT_OK(p.o[i]->kv_create(p.b[i], &kp, &kv[i]));
+    }
+    paged_step fill, step;
+    ASSERT_OK(paged_step_make(&fill, sp, ns, 1, bs, perm, D));
+    ASSERT_OK(paged_step_make(&step, sp, ns, 0, bs, perm, D));
+    /* the fill step cannot hold sequences without cached tokens: drop them from it */
+    {
+        size_t w = 0;
+        for (size_t s = 0; s < ns; s++) {
+            if (sp[s].past == 0) continue;
+            int32_t b0 = fill.bip[s], b1 = fill.bip[s + 1];
+            fill.kvl[w] = fill.kvl[s];
+            fill.qip[w + 1] = fill.qip[s + 1];
+            memmove(fill.bid + fill.bip[w], fill.bid + b0, (size_t)(b1 - b0) * 4);
+            fill.bip[w + 1] = fill.bip[w] + (b1 - b0);
+            w++;
+        }
+        fill.b.n_seqs = w;
+    }
+    if (fill.b.n_seqs) {
+        for (int i = 0; i < 2; i++) ASSERT_OK(p.o[i]->plan(p.b[i], &fill.b));
+        ASSERT_OK(write_random_kv(&p, kv, layer, fill.n_tokens, kvh, D, &seed));
+    }
+    for (int i = 0; i < 2; i++) ASSERT_OK(p.o[i]->plan(p.b[i], &step.b));
+    ASSERT_OK(write_random_kv(&p, kv, layer, step.n_tokens, kvh, D, &seed));
+    size_t nq = step.n_tokens * nqh * D;
+    float *q = malloc(nq * sizeof(float));
+    ASSERT(q);
+    ctu_fill(q, nq, &seed, 2.0f);
+    void *qb[2] = {0}, *ob[2] = {0};
+    ASSERT_OK(upload_both(&p, q, nq, qb));
+    ASSERT_OK(alloc_both(&p, nq, ob));
+    float scale = 1.0f / sqrtf((float)D);
+    for (int i = 0; i < 2; i++)
+        ASSERT_OK(p.o[i]->attention(p.b[i], kv[i], layer, qb[i], nqh, scale, ob[i]));
+    double e;
+    ASSERT_OK(compare(&p, ob, nq, &e));
+    /* a second call in the same step reuses the work list and must agree */
+    double e2;
+    ASSERT_OK(p.o[PAIR_GPU]->attention(p.b[PAIR_GPU], kv[PAIR_GPU], layer, qb[PAIR_GPU], nqh, scale,
+                                       ob[PAIR_GPU]));
+    ASSERT_OK(compare(&p, ob, nq, &e2));
+    printf("    %s (%s): %zu q heads / %zu kv heads x %zu, block %zu, %zu rows: nmse %.2e\n", label,
+           pd_dtype_name(pd_backend_act_dtype(p.b[PAIR_GPU])), nqh, kvh, D, bs, step.n_tokens, e);
+    ASSERT(e <= NMSE_MAX && e2 == e);
+    free_bufs(&p, qb);
+    free_bufs(&p, ob);
+    free(q);
+    paged_step_free(&fill);
+    paged_step_free(&step);
+    for (int i = 0; i < 2; i++) p.o[i]->kv_free(p.b[i], kv[i]);
+    free(perm);
+    ctu_pair_close(&p);
+}
+
+static void attention_case(size_t nqh, size_t kvh, size_t D, size_t bs, const seq_spec *sp,
+                           size_t ns, const char *label)
+{
+    attention_case_mode(-1, nqh, kvh, D, bs, sp, ns, label);
+}
+
+/* prefill from 0, decode at 700, chunked prefill continuation, long decode, short decode */
+static const seq_spec k_mixed[] = {{0, 37}, {700, 1}, {20, 5}, {3000, 1}, {100, 1}};
+
+TEST(cuda_attention_mixed_gqa8)
+{
+    NEED_GPU();
+    attention_case(32, 4, 64, 16, k_mixed, 5, "mixed");
+}
+
+TEST(cuda_attention_mixed_gqa8_f32_mode)
+{
+    NEED_GPU();
+    attention_case_mode(PD_DTYPE_F32, 32, 4, 64, 16, k_mixed, 5, "mixed");
+}
+
+TEST(cuda_attention_mixed_mha)
+{
+    NEED_GPU();
+    attention_case(8, 8, 64, 16, k_mixed, 5, "mixed");
+}
+
+TEST(cuda_attention_mixed_gqa3_d128_bs5)
+{
+    NEED_GPU();
+    attention_case(12, 4, 128, 5, k_mixed, 5, "mixed");
+}
+
+TEST(cuda_attention_d96_d256)
+{
+    NEED_GPU();
+    static const seq_spec s[] = {{0, 70}, {333, 1}, {64, 33}};
+    attention_case(16, 2, 96, 16, s, 3, "d96");
+    attention_case(8, 1, 256, 16, s, 3, "d256");
+}
+
+TEST(cuda_attention_long_decode_split)
+{
+    NEED_GPU();
+    static const seq_spec one[] = {{5000, 1}};
+    attention_case(32, 4, 64, 16, one, 1, "one long decode (split)");
+    static const seq_spec two[] = {{2047, 1}, {4100, 1}};
+    attention_case(32, 8, 128, 16, two, 2, "two long decodes (split)");
+}
+
+TEST(cuda_attention_long_prefill)
+{
+    NEED_GPU();
+    static const seq_spec s[] = {{0, 1000}, {500, 300}};
+    attention_case(32, 4, 64, 16, s, 2, "prefill 1000 + chunk 300");
+}
+
+/* ---- KV export / import
+ * -------------------------------------------------------------------------- */
+
+TEST(cuda_kv_export_import)
+{
+    NEED_GPU();
+    cuda_pair p;
+    ASSERT_OK(ctu_pair_open(&p, -1));
+    const size_t kvh = 4, D = 64, bs = 16, nblocks = 40;
+    static const seq_spec sp[] = {{0, 150}};
+    int32_t perm[64];
+    for (int i = 0; i < 64; i++) perm[i] = (i * 7 + 3) % (int)nblocks;
+    pd_kv *kv[2];
+    for (int i = 0; i < 2; i++) {
+        pd_kv_params kp = {3, nblocks, bs, kvh, D, pd_backend_act_dtype(p.b[i])};
+        ASSERT_OK(p.o[i]->kv_create(p.b[i], &kp, &kv[i]));
+    }
+    paged_step st;
+    ASSERT_OK(paged_step_make(&st, sp, 1, 0, bs, perm, D));
+    for (int i = 0; i < 2; i++) ASSERT_OK(p.o[i]->plan(p.b[i], &st.b));
+    uint64_t seed = 5;
+    ASSERT_OK(write_random_kv(&p, kv, 2, st.n_tokens, kvh, D, &seed));
+    /* export blocks 3 (consecutive run 10, 11 included) for heads [1, 3) and all heads */
+    int32_t ids[] = {perm[0], perm[1], 10, 11, 12, perm[5]};
+    const size_t nb = sizeof ids / sizeof ids[0];
+    for (int full = 0; full < 2; full++) {
+        pd_kv_range r = {2, ids, nb, full ? 0 : 1, full ? kvh : 2};
+        size_t ne = 2 * nb * bs * r.n_heads * D;
+        float *cpu = malloc(ne * sizeof(float)), *gpu32 = malloc(ne * sizeof(float));
+        uint16_t *gpu = malloc(ne * 2), *back = malloc(ne * 2);
+        ASSERT(cpu && gpu && gpu32 && back);
+        ASSERT_OK(p.o[PAIR_CPU]->kv_export(p.b[PAIR_CPU], kv[PAIR_CPU], &r, cpu));
+        ASSERT_OK(p.o[PAIR_CPU]->sync(p.b[PAIR_CPU]));
+        ASSERT_OK(p.o[PAIR_GPU]->kv_export(p.b[PAIR_GPU], kv[PAIR_GPU], &r, gpu));
+        ASSERT_OK(p.o[PAIR_GPU]->sync(p.b[PAIR_GPU]));
+        pd_bf16_to_f32_n(gpu, gpu32, ne);
+        ASSERT(ctu_nmse(gpu32, cpu, ne) == 0.0); /* bf16-representable values copy exactly */
+        /* import into other blocks (reversed order) and export again */
+        int32_t ids2[6];
+        for (size_t i = 0; i < nb; i++) ids2[i] = (int32_t)(nblocks - 1 - i);
+        pd_kv_range r2 = r;
+        r2.layer = 0;
+        r2.block_ids = ids2;
+        ASSERT_OK(p.o[PAIR_GPU]->kv_import(p.b[PAIR_GPU], kv[PAIR_GPU], &r2, gpu));
+        ASSERT_OK(p.o[PAIR_GPU]->kv_export(p.b[PAIR_GPU], kv[PAIR_GPU], &r2, back));
+        ASSERT_OK(p.o[PAIR_GPU]->sync(p.b[PAIR_GPU]));
+        ASSERT(memcmp(gpu, back, ne * 2) == 0);
+        printf("    %s heads: %zu blocks exported (matches CPU) and re-imported\n",
+               full ? "all" : "[1, 3)", nb);
+        free(cpu);
+        free(gpu);
+        free(gpu32);
+        free(back);
+    }
+    /* kv_layer view describes the same pool */
+    pd_kv_layer_view view;
+    ASSERT_OK(p.o[PAIR_GPU]->kv_layer(p.b[PAIR_GPU], kv[PAIR_GPU], 2, &view));
+    ASSERT_EQ_INT(view.head_stride, D * 2);
+    ASSERT_EQ_INT(view.block_stride, bs * kvh * D * 2);
+    ASSERT_EQ_INT(view.host_visible, 0);
+    /* bad ranges */
+    int32_t bad_id[] = {(int32_t)nblocks};
+    pd_kv_range bad = {2, bad_id, 1, 0, kvh};
+    uint16_t tmp[2 * 16 * 4 * 64];
+    ASSERT_ERR(p.o[PAIR_GPU]->kv_export(p.b[PAIR_GPU], kv[PAIR_GPU], &bad, tmp), PD_EINVAL,
+               "block_ids[0]");
+    pd_kv_range badh = {2, ids, 1, 3, 2};
+    ASSERT_ERR(p.o[PAIR_GPU]->kv_import(p.b[PAIR_GPU], kv[PAIR_GPU], &badh, tmp), PD_EINVAL,
+               "heads");
+    pd_kv_range badl = {3, ids, 1, 0, 1};
+    ASSERT_ERR(p.o[PAIR_GPU]->kv_export(p.b[PAIR_GPU], kv[PAIR_GPU], &badl, tmp), PD_EINVAL,
+               "layer 3");
+    paged_step_free(&st);
+    for (int i = 0; i < 2; i++) p.o[i]->kv_free(p.b[i], kv[i]);
+    ctu_pair_close(&p);
+}
+
+/* ---- errors
+ * ---------------------------------------------------------------------------------------- */
+
+TEST(cuda_errors)
+{
+    NEED_GPU();
+    pd_backend_params bp = pd_backend_default_params();
+    bp.max_tokens = 64;
+    bp.max_seqs = 4;
+    bp.max_blocks = 16;
+    pd_backend *b;
+    bp.weight_dtype = 7;
+    ASSERT_ERR(pd_backend_cuda_create(&bp, &b), PD_EUNSUPPORTED, "weight_dtype 7");
+    bp.weight_dtype = -1;
+    bp.device = 99;
+    ASSERT_ERR(pd_backend_cuda_create(&bp, &b), PD_ENOTFOUND, "device 99");
+    bp.device = 0;
+    ASSERT_OK(pd_backend_cuda_create(&bp, &b));
+    const pd_backend_ops *o = pd_backend_get_ops(b);
+    ASSERT_STR_EQ(o->name, "cuda");
+    ASSERT_EQ_INT(pd_backend_act_dtype(b), PD_DTYPE_BF16);
+
+    pd_kv *kv;
+    pd_kv_params kp = {1, 4, 16, 2, 64, PD_DTYPE_F32};
+    ASSERT_ERR(o->kv_create(b, &kp, &kv), PD_EUNSUPPORTED, "float32");
+    kp.dtype = PD_DTYPE_BF16;
+    ASSERT_OK(o->kv_create(b, &kp, &kv));
+
+    uint64_t seed = 9;
+    simple_step st;
+    ASSERT_OK(simple_step_make(&st, 100, 50, 64, &seed));
+    ASSERT_ERR(o->plan(b, &st.b), PD_ERANGE, "n_tokens 100");
+    simple_step_free(&st);
+    ASSERT_OK(simple_step_make(&st, 40, 50, 64, &seed));
+    st.b.rope_dim = 512;
+    ASSERT_ERR(o->plan(b, &st.b), PD_ERANGE, "rope_dim 512");
+    st.b.rope_dim = 64;
+    st.pos[5] = 3; /* positions must increase within a sequence */
+    ASSERT_ERR(o->plan(b, &st.b), PD_EINVAL, "not increasing");
+    st.pos[5] = 5;
+    ASSERT_OK(o->plan(b, &st.b));
+    /* 40 tokens need 3 blocks of 16: a table of 2 is refused at kv_write / attention */
+    st.bip[1] = 2;
+    ASSERT_OK(o->plan(b, &st.b));
+    void *buf;
+    ASSERT_OK(o->buf_alloc(b, 40 * 2 * 64 * 2, &buf));
+    ASSERT_ERR(o->kv_write(b, kv, 0, buf, buf), PD_EINVAL, "needs 3 blocks");
+    st.bip[1] = 3;
+    st.slots[7] = 64; /* pool has 4 * 16 slots */
+    ASSERT_OK(o->plan(b, &st.b));
+    ASSERT_ERR(o->kv_write(b, kv, 0, buf, buf), PD_EINVAL, "slots[7]");
+    ASSERT_ERR(o->attention(b, kv, 1, buf, 4, 0.1f, buf), PD_EINVAL, "layer 1");
+    st.slots[7] = 7;
+    ASSERT_OK(o->plan(b, &st.b));
+    ASSERT_ERR(o->attention(b, kv, 0, buf, 3, 0.1f, buf), PD_EINVAL, "multiple of 2");
+    ASSERT_ERR(o->rope(b, buf, 2, 32), PD_EINVAL, "rope_dim 64");
+
+    float table[10 * 8];
+    for (int i = 0; i < 80; i++) table[i] = (float)i;
+    pd_tensor tt = tensor_f32("embed.weight", table, 10, 8);
+    pd_weight *w;
+    pd_weight_slice sl = {8, 3, 0, 0};
+    ASSERT_ERR(o->weight_load(b, &tt, &sl, &w), PD_EINVAL, "embed.weight");
+    ASSERT_OK(o->weight_load(b, &tt, NULL, &w));
+    ASSERT_EQ_INT(o->weight_nbytes(b, w), 10 * 8 * 2);
+    ASSERT_ERR(o->embed(b, w, buf), PD_EINVAL, "vocab 10"); /* token ids reach 49 */
+    o->weight_free(b, w);
+    ASSERT_OK(o->sync(b));
+
+    /* KV-pool sizing by --gpu-memory-utilization */
+    pd_kv_params kvp = {22, 0, 16, 4, 64, PD_DTYPE_BF16};
+    size_t nblk = 0;
+    ASSERT_ERR(pd_backend_cuda_kv_blocks(b, &kvp, 0.0, &nblk), PD_EINVAL, "not in (0, 1]");
+    ASSERT_ERR(pd_backend_cuda_kv_blocks(b, &kvp, 1e-9, &nblk), PD_ENOMEM, "already in use");
+    ASSERT_OK(pd_backend_cuda_kv_blocks(b, &kvp, 0.9, &nblk));
+    printf("    --gpu-memory-utilization 0.9: %zu blocks of 16 tokens (22 layers, 4 x 64 bf16)\n",
+           nblk);
+    ASSERT(nblk >= 1);
+    size_t nblk2 = 0;
+    ASSERT_OK(pd_backend_cuda_kv_blocks(b, &kvp, 0.95, &nblk2));
+    ASSERT(nblk2 > nblk);
+    o->buf_free(b, buf);
+    o->kv_free(b, kv);
+    simple_step_free(&st);
+    pd_backend_destroy(b);
+}
