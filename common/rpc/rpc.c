@@ -170,11 +170,12 @@ struct pd_rpc_call {
     int ops;            /* batches outstanding */
     bool handler_ref;   /* the handler has not ended the call yet */
     bool ended, send_in_flight, finish_started, cancelled;
+    bool freeing;       /* call_should_free said yes: one thread is freeing it */
     msg_node *q_head, *q_tail;
     int end_status;
     char end_details[256];
     grpc_slice details_slice;
-    void (*cancel_cb)(void *);
+    pd_rpc_cancel_fn cancel_cb;
     void *cancel_arg;
     pd_rpc_call *prev, *next; /* server's list */
 };
@@ -193,7 +194,8 @@ struct pd_rpc_server {
     pthread_cond_t cv;
     pd_rpc_call *calls;
     int live_calls;
-    bool stopping, shutdown_done, cq_shutdown, release_all;
+    bool stopping, shutdown_done, cq_shutdown;
+    atomic_bool release_all; /* stop() gave up waiting for handlers */
 };
 
 pd_rpc_server_params pd_rpc_server_default_params(void)
@@ -217,32 +219,30 @@ static void post_accept(pd_rpc_server *s, accept_slot *slot)
     }
 }
 
-static void call_free(pd_rpc_call *c);
+/* True (once) when the call can be freed: no batch outstanding and the handler has ended it
+ * (or the server is force-releasing). Called with c->mu held; the caller frees it after
+ * unlocking, and no other thread touches the call after that decision. */
+static bool call_should_free(pd_rpc_call *c)
+{
+    if (c->freeing || c->ops > 0 || (c->handler_ref && !atomic_load(&c->s->release_all)))
+        return false;
+    c->freeing = true;
+    return true;
+}
 
-/* Frees the call when nothing references it. Called with s->mu NOT held, c->mu NOT held. */
-static void call_maybe_free(pd_rpc_call *c)
+/* Unlinks from the server and releases everything. */
+static void call_free(pd_rpc_call *c)
 {
     pd_rpc_server *s = c->s;
     pthread_mutex_lock(&s->mu);
-    pthread_mutex_lock(&c->mu);
-    bool dead = c->ops == 0 && (!c->handler_ref || s->release_all);
-    pthread_mutex_unlock(&c->mu);
-    if (dead) {
-        if (c->prev)
-            c->prev->next = c->next;
-        else
-            s->calls = c->next;
-        if (c->next) c->next->prev = c->prev;
-        s->live_calls--;
-        pthread_cond_broadcast(&s->cv);
-    }
+    if (c->prev)
+        c->prev->next = c->next;
+    else
+        s->calls = c->next;
+    if (c->next) c->next->prev = c->prev;
+    s->live_calls--;
+    pthread_cond_broadcast(&s->cv);
     pthread_mutex_unlock(&s->mu);
-    if (dead) call_free(c);
-}
-
-/* Releases an unlinked call. */
-static void call_free(pd_rpc_call *c)
-{
     while (c->q_head) {
         msg_node *n = c->q_head;
         c->q_head = n->next;
@@ -331,8 +331,9 @@ static int call_end(pd_rpc_call *c, const void *msg, size_t len, bool with_msg, 
     snprintf(c->end_details, sizeof c->end_details, "%s", details ? details : "");
     c->handler_ref = false;
     call_pump(c);
+    bool f = call_should_free(c);
     pthread_mutex_unlock(&c->mu);
-    call_maybe_free(c);
+    if (f) call_free(c);
     return rc;
 }
 
@@ -378,14 +379,14 @@ int pd_rpc_stream_send(pd_rpc_call *c, const void *msg, size_t len)
     return rc;
 }
 
-void pd_rpc_on_cancel(pd_rpc_call *c, void (*cb)(void *), void *arg)
+void pd_rpc_on_cancel(pd_rpc_call *c, pd_rpc_cancel_fn cb, void *arg)
 {
     pthread_mutex_lock(&c->mu);
     c->cancel_cb = cb;
     c->cancel_arg = arg;
-    bool now = c->cancelled && cb;
+    bool now = c->cancelled && cb && !c->ended;
     pthread_mutex_unlock(&c->mu);
-    if (now) cb(arg); /* already cancelled: tell at once */
+    if (now) cb(arg, c); /* already cancelled: tell at once */
 }
 
 int pd_rpc_cancelled(pd_rpc_call *c)
@@ -482,19 +483,22 @@ static void server_on_recv(pd_rpc_call *c, bool success)
     free(req);
     pthread_mutex_lock(&c->mu);
     c->ops--;
+    bool f = call_should_free(c);
     pthread_mutex_unlock(&c->mu);
-    call_maybe_free(c);
+    if (f) call_free(c);
 }
 
 static void server_on_close(pd_rpc_call *c)
 {
     pthread_mutex_lock(&c->mu); /* the close op stays counted while the callback runs */
-    void (*cb)(void *) = NULL;
+    pd_rpc_cancel_fn cb = NULL;
     void *arg = NULL;
     if (c->cancelled_flag && !c->cancelled) {
         c->cancelled = true;
-        cb = c->cancel_cb;
-        arg = c->cancel_arg;
+        if (!c->ended) { /* an ended call's handler has let go of it */
+            cb = c->cancel_cb;
+            arg = c->cancel_arg;
+        }
         /* drop queued messages: nobody will read them */
         while (c->q_head) {
             msg_node *n = c->q_head;
@@ -505,11 +509,12 @@ static void server_on_close(pd_rpc_call *c)
         c->q_tail = NULL;
     }
     pthread_mutex_unlock(&c->mu);
-    if (cb) cb(arg);
+    if (cb) cb(arg, c);
     pthread_mutex_lock(&c->mu);
     c->ops--;
+    bool f = call_should_free(c);
     pthread_mutex_unlock(&c->mu);
-    call_maybe_free(c);
+    if (f) call_free(c);
 }
 
 static void server_on_send(pd_rpc_call *c, tag_kind kind)
@@ -524,8 +529,9 @@ static void server_on_send(pd_rpc_call *c, tag_kind kind)
         c->send_in_flight = false;
         call_pump(c);
     }
+    bool f = call_should_free(c);
     pthread_mutex_unlock(&c->mu);
-    call_maybe_free(c);
+    if (f) call_free(c);
 }
 
 static void *server_main(void *arg)
@@ -652,31 +658,24 @@ void pd_rpc_server_stop(pd_rpc_server *s, int grace_ms)
     if (s->live_calls > 0) {
         PD_WARN(NULL, "rpc: %d call(s) not ended by their handlers within %d ms; dropping them",
                 s->live_calls, grace_ms);
-        s->release_all = true;
+        atomic_store(&s->release_all, true);
     }
     /* calls whose batches are all done but whose handler still holds them: no event will
      * come for them, so free them here (the thread frees the others as their batches end) */
-    pd_rpc_call *idle = NULL;
-    for (pd_rpc_call *c = s->calls, *next; c; c = next) {
-        next = c->next;
-        pthread_mutex_lock(&c->mu);
-        bool no_ops = c->ops == 0;
-        pthread_mutex_unlock(&c->mu);
-        if (!no_ops) continue;
-        if (c->prev)
-            c->prev->next = c->next;
-        else
-            s->calls = c->next;
-        if (c->next) c->next->prev = c->prev;
-        s->live_calls--;
-        c->next = idle;
-        idle = c;
+    pd_rpc_call *idle[64];
+    for (;;) {
+        size_t k = 0;
+        for (pd_rpc_call *c = s->calls; c && k < 64; c = c->next) {
+            pthread_mutex_lock(&c->mu);
+            if (call_should_free(c)) idle[k++] = c;
+            pthread_mutex_unlock(&c->mu);
+        }
+        pthread_mutex_unlock(&s->mu);
+        for (size_t i = 0; i < k; i++) call_free(idle[i]);
+        pthread_mutex_lock(&s->mu);
+        if (k < 64) break;
     }
     pthread_mutex_unlock(&s->mu);
-    for (pd_rpc_call *c = idle, *next; c; c = next) {
-        next = c->next;
-        call_free(c);
-    }
     pthread_join(s->thread, NULL);
     grpc_server_destroy(s->server);
     grpc_completion_queue_destroy(s->cq);
@@ -747,9 +746,7 @@ static void client_finish(cpending *p)
         }
     }
     char *details = grpc_slice_to_c_string(p->details);
-    p->done(p->arg, status, why ? why : details, resp, len);
-    gpr_free(details);
-    free(resp);
+    /* out of the live list first: once done has run, the call is no longer in flight */
     pthread_mutex_lock(&cl->mu);
     if (p->prev)
         p->prev->next = p->next;
@@ -757,6 +754,11 @@ static void client_finish(cpending *p)
         cl->live = p->next;
     if (p->next) p->next->prev = p->prev;
     cl->n_live--;
+    pthread_mutex_unlock(&cl->mu);
+    p->done(p->arg, status, why ? why : details, resp, len);
+    gpr_free(details);
+    free(resp);
+    pthread_mutex_lock(&cl->mu);
     channel_unref_locked(p->ch);
     pthread_mutex_unlock(&cl->mu);
     if (p->req_bb) grpc_byte_buffer_destroy(p->req_bb);

@@ -78,9 +78,11 @@ int pd_rpc_fail(pd_rpc_call *call, int grpc_status, const char *details);
 int pd_rpc_stream_send(pd_rpc_call *call, const void *msg, size_t len);
 /* Ends a stream after its queued messages, with a status. Ends the call. */
 int pd_rpc_stream_end(pd_rpc_call *call, int grpc_status, const char *details);
-/* Runs once (on the server thread) when the client cancels or the deadline passes. Set it in
- * the handler, before handing the call to another thread. */
-void pd_rpc_on_cancel(pd_rpc_call *call, void (*cb)(void *arg), void *arg);
+/* Runs once (on the server thread) when the client cancels or the deadline passes before the
+ * call has ended; never after the handler ended it. The call is valid during cb. Set it in the
+ * handler, before handing the call to another thread. */
+typedef void (*pd_rpc_cancel_fn)(void *arg, pd_rpc_call *call);
+void pd_rpc_on_cancel(pd_rpc_call *call, pd_rpc_cancel_fn cb, void *arg);
 int pd_rpc_cancelled(pd_rpc_call *call);
 /* The client's deadline as pd_now_ns() time (INT64_MAX when none). */
 int64_t pd_rpc_deadline_ns(const pd_rpc_call *call);

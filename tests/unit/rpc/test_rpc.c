@@ -54,17 +54,18 @@ static void count(void *ctx, pd_rpc_call *call, const uint8_t *req, size_t len)
     pthread_detach(t);
 }
 
-static void hang_cancelled(void *arg)
+static void hang_cancelled(void *arg, pd_rpc_call *call)
 {
+    (void)arg;
     atomic_fetch_add(&g_cancels, 1);
-    pd_rpc_stream_end(arg, PD_RPC_CANCELLED, "cancelled");
+    pd_rpc_stream_end(call, PD_RPC_CANCELLED, "cancelled");
 }
 
 static void hang(void *ctx, pd_rpc_call *call, const uint8_t *req, size_t len)
 {
     (void)ctx, (void)req, (void)len;
     pd_rpc_stream_send(call, "first", 5);
-    pd_rpc_on_cancel(call, hang_cancelled, call);
+    pd_rpc_on_cancel(call, hang_cancelled, NULL);
 }
 
 static const pd_rpc_method methods[] = {

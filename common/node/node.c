@@ -1,0 +1,1006 @@
+/* pd-prefill / pd-decode runtime (see node.h). */
+#include "node/node.h"
+
+#include <poll.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine/engine.h"
+#include "pd_config.h"
+#include "rpc/pd_msg.h"
+#include "rpc/rpc.h"
+#include "transfer/kv_tcp.h"
+#include "util/clock.h"
+#include "util/log.h"
+#include "util/signals.h"
+#include "util/status.h"
+
+#define REQ_BUCKETS 4096
+#define REAPER_PERIOD_MS 100
+#define DEFAULT_RESERVE_TTL_MS 30000
+
+/* One request this node holds state for. Lives in the table under n->mu. */
+typedef struct req {
+    struct req *next;
+    char id[PD_ENGINE_MAX_REQUEST_ID + 1];
+    pd_rpc_call *call; /* prefill: the Prefill call; decode: the Decode stream once opened */
+    pd_arena *arena;
+    int64_t t_received;
+    /* prefill */
+    Pd__DecodeTarget *targets; /* (n_targets) copied */
+    size_t n_targets;
+    int32_t *dst_blocks; /* (n_dst_blocks) */
+    size_t n_dst_blocks;
+    int lease_ms;
+    /* decode */
+    int64_t deadline_ns; /* reservation TTL */
+    int32_t *blocks;
+    size_t n_blocks;
+    int kv_ranks_done;
+    bool decoding, first_seen;
+    bool handed_over; /* prefill: a transfer worker owns the request now */
+} req;
+
+/* A finished prefill waiting for its KV hand-over. */
+typedef struct job {
+    struct job *next;
+    req *r;
+    Pd__TokenEvent *first; /* in r->arena */
+    int32_t *src_blocks;   /* (n_src_blocks) in r->arena */
+    size_t n_src_blocks;
+    uint64_t seed;
+    bool needs_transfer;
+} job;
+
+struct pd_node {
+    pd_node_params p;
+    rt_global *g;
+    rt_local *l;
+    rt_role role;
+    size_t index;
+    const rt_instance *inst;
+    int tp;
+    pd_engine *e;
+    const pd_model_config *cfg;
+    pd_kv_params kvp; /* per rank */
+    pd_rpc_server *srv;
+    pd_rpc_method methods[6];
+    pthread_mutex_t mu; /* the request table, job queue, counters */
+    pthread_cond_t cv;
+    pthread_mutex_t wake_mu; /* engine -> dispatcher wakeups; never held with mu */
+    pthread_cond_t wake_cv;
+    req *table[REQ_BUCKETS];
+    size_t n_reqs;
+    bool wake;
+    atomic_bool stopping, draining, shutdown;
+    bool threads_started, reaper_started;
+    pthread_t dispatcher, reaper;
+    /* prefill */
+    pd_kv_tcp_sender *tx;
+    job *jobs_head, *jobs_tail;
+    pthread_t *workers;
+    int n_workers;
+    /* decode */
+    pd_kv_tcp_receiver **rx;
+    /* counters (under mu) */
+    int64_t kv_bytes, leases;
+    double kv_seconds;
+};
+
+static const char *role_str(rt_role r)
+{
+    return rt_role_name(r);
+}
+
+/* ---- request table --------------------------------------------------------------------------- */
+
+static size_t bucket(const char *id)
+{
+    uint32_t h = 2166136261u;
+    for (; *id; id++) h = (h ^ (uint8_t)*id) * 16777619u;
+    return h % REQ_BUCKETS;
+}
+
+static req *table_find(pd_node *n, const char *id)
+{
+    for (req *r = n->table[bucket(id)]; r; r = r->next)
+        if (strcmp(r->id, id) == 0) return r;
+    return NULL;
+}
+
+static req *table_find_call(pd_node *n, const pd_rpc_call *call)
+{
+    for (size_t b = 0; b < REQ_BUCKETS; b++)
+        for (req *r = n->table[b]; r; r = r->next)
+            if (r->call == call) return r;
+    return NULL;
+}
+
+/* Creates and inserts; NULL with PD_EEXIST / PD_ENOMEM set. Called with n->mu held. */
+static req *table_add(pd_node *n, const char *id)
+{
+    if (table_find(n, id)) {
+        pd_error(PD_EEXIST, "request %s is already in progress here", id);
+        return NULL;
+    }
+    req *r = calloc(1, sizeof *r);
+    pd_arena *a = pd_arena_create(4096);
+    if (!r || !a) {
+        free(r);
+        pd_arena_destroy(a);
+        pd_error(PD_ENOMEM, "out of memory");
+        return NULL;
+    }
+    snprintf(r->id, sizeof r->id, "%s", id);
+    r->arena = a;
+    r->t_received = pd_now_ns();
+    size_t b = bucket(id);
+    r->next = n->table[b];
+    n->table[b] = r;
+    n->n_reqs++;
+    return r;
+}
+
+/* Unlinks and frees. Called with n->mu held. */
+static void table_remove(pd_node *n, req *r)
+{
+    for (req **pp = &n->table[bucket(r->id)]; *pp; pp = &(*pp)->next)
+        if (*pp == r) {
+            *pp = r->next;
+            n->n_reqs--;
+            break;
+        }
+    pthread_cond_broadcast(&n->cv);
+    pd_arena_destroy(r->arena);
+    free(r);
+}
+
+/* ---- helpers ------------------------------------------------------------------------------- */
+
+static void reply_msg(pd_rpc_call *call, const ProtobufCMessage *m)
+{
+    size_t len = 0;
+    uint8_t *buf = pd_msg_pack(m, &len);
+    if (!buf) {
+        pd_rpc_fail(call, PD_RPC_INTERNAL, "out of memory");
+        return;
+    }
+    pd_rpc_reply(call, buf, len);
+    free(buf);
+}
+
+/* gRPC status for an engine/library status. */
+static int rpc_status(int st)
+{
+    switch (st) {
+    case PD_EINVAL:
+    case PD_ERANGE:
+    case PD_EPARSE: return PD_RPC_INVALID_ARGUMENT;
+    case PD_EEXIST: return PD_RPC_ALREADY_EXISTS;
+    case PD_ENOTFOUND: return PD_RPC_NOT_FOUND;
+    case PD_EBUSY:
+    case PD_ENOMEM: return PD_RPC_RESOURCE_EXHAUSTED;
+    case PD_ETIMEOUT: return PD_RPC_DEADLINE_EXCEEDED;
+    case PD_ECLOSED: return PD_RPC_UNAVAILABLE;
+    case PD_ECANCELLED: return PD_RPC_CANCELLED;
+    case PD_EUNSUPPORTED: return PD_RPC_FAILED_PRECONDITION;
+    default: return PD_RPC_INTERNAL;
+    }
+}
+
+/* Engine event -> TokenEvent allocated in a. */
+static Pd__TokenEvent *event_to_proto(const pd_engine_event *ev, pd_arena *a)
+{
+    Pd__TokenEvent *m = pd_arena_calloc(a, 1, sizeof *m);
+    if (!m) return NULL;
+    pd__token_event__init(m);
+    if (ev->n_tokens) {
+        m->token_ids = pd_arena_alloc(a, ev->n_tokens * sizeof(int32_t), 0);
+        if (!m->token_ids) return NULL;
+        memcpy(m->token_ids, ev->token_ids, ev->n_tokens * sizeof(int32_t));
+        m->n_token_ids = ev->n_tokens;
+    }
+    if (ev->text_len) {
+        m->text.data = pd_arena_alloc(a, ev->text_len, 1);
+        if (!m->text.data) return NULL;
+        memcpy(m->text.data, ev->text, ev->text_len);
+        m->text.len = ev->text_len;
+    }
+    m->final = ev->final;
+    m->status = ev->status;
+    m->error = pd_arena_strdup(a, ev->error ? ev->error : "");
+    const char *fr = pd_finish_reason_name(ev->finish);
+    m->finish_reason = pd_arena_strdup(a, fr ? fr : "");
+    m->stop_kind = (int32_t)ev->stop_kind;
+    m->stop_token = ev->stop_token;
+    m->stop_string = pd_arena_strdup(a, ev->stop_string ? ev->stop_string : "");
+    m->prompt_tokens = ev->prompt_tokens;
+    m->completion_tokens = ev->completion_tokens;
+    m->has_logprob = ev->has_logprob;
+    m->logprob = ev->logprob;
+    if (ev->n_top > 0) {
+        Pd__TopLogprob *tl = pd_arena_calloc(a, (size_t)ev->n_top, sizeof *tl);
+        Pd__TopLogprob **pp = pd_arena_calloc(a, (size_t)ev->n_top, sizeof *pp);
+        if (!tl || !pp) return NULL;
+        for (int32_t i = 0; i < ev->n_top; i++) {
+            pd__top_logprob__init(&tl[i]);
+            tl[i].id = ev->top_ids[i];
+            tl[i].logprob = ev->top_logprobs[i];
+            pp[i] = &tl[i];
+        }
+        m->top_logprobs = pp;
+        m->n_top_logprobs = (size_t)ev->n_top;
+    }
+    if (!m->error || !m->finish_reason || !m->stop_string) return NULL;
+    return m;
+}
+
+static bool valid_request_id(const char *id)
+{
+    size_t len = id ? strlen(id) : 0;
+    return len > 0 && len <= PD_ENGINE_MAX_REQUEST_ID && len < PD_KV_REQUEST_ID_MAX;
+}
+
+/* Abort requested through gRPC cancellation (client gone, deadline). */
+static void on_call_cancelled(void *arg, pd_rpc_call *call)
+{
+    pd_node *n = arg;
+    char id[PD_ENGINE_MAX_REQUEST_ID + 1] = "";
+    pthread_mutex_lock(&n->mu);
+    req *r = table_find_call(n, call);
+    if (r) snprintf(id, sizeof id, "%s", r->id);
+    pthread_mutex_unlock(&n->mu);
+    if (id[0]) {
+        PD_INFO(id, "%s: call cancelled by the caller; aborting", pd_rpc_method_name(call));
+        pd_engine_abort(n->e, id);
+    }
+}
+
+/* ---- common methods -------------------------------------------------------------------------- */
+
+static void h_info(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len)
+{
+    pd_node *n = ctx;
+    (void)b, (void)len;
+    pd_arena *a = pd_arena_create(4096);
+    Pd__InfoReply m = PD__INFO_REPLY__INIT;
+    m.role = (char *)role_str(n->role);
+    m.instance_index = (int32_t)n->index;
+    m.server_id = (char *)n->inst->server_id;
+    m.server_ip = (char *)n->inst->server_ip;
+    m.tp_size = n->tp;
+    Pd__RankInfo *ri = pd_arena_calloc(a, (size_t)n->tp, sizeof *ri);
+    Pd__RankInfo **rp = pd_arena_calloc(a, (size_t)n->tp, sizeof *rp);
+    for (int r = 0; r < n->tp; r++) {
+        pd__rank_info__init(&ri[r]);
+        ri[r].rank = r;
+        ri[r].device_id = n->inst->devices[r].ordinal;
+        ri[r].device_ip = (char *)n->inst->devices[r].device_ip;
+        ri[r].data_port = n->rx ? pd_kv_tcp_receiver_port(n->rx[r]) : 0;
+        ri[r].kv_head0 = (int32_t)(n->kvp.n_kv_heads * (size_t)r);
+        ri[r].kv_heads = (int32_t)n->kvp.n_kv_heads;
+        rp[r] = &ri[r];
+    }
+    m.ranks = rp;
+    m.n_ranks = (size_t)n->tp;
+    m.model_name = (char *)n->p.served_model_name;
+    m.max_model_len = (int64_t)pd_engine_max_model_len(n->e);
+    m.block_size = (int32_t)pd_engine_block_size(n->e);
+    m.vocab_size = (int64_t)pd_engine_vocab(n->e);
+    m.num_layers = (int32_t)n->cfg->num_hidden_layers;
+    m.num_kv_heads = (int32_t)n->cfg->num_key_value_heads;
+    m.head_dim = (int32_t)n->cfg->head_dim;
+    m.kv_dtype = (char *)pd_dtype_name(n->kvp.dtype);
+    m.kv_transport = "tcp";
+    m.version = PD_VERSION;
+    m.max_num_seqs = (int32_t)n->p.max_num_seqs;
+    reply_msg(call, &m.base);
+    pd_arena_destroy(a);
+}
+
+static void h_stats(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len)
+{
+    pd_node *n = ctx;
+    (void)b, (void)len;
+    pd_engine_stats st;
+    pd_engine_get_stats(n->e, &st);
+    Pd__StatsReply m = PD__STATS_REPLY__INIT;
+    m.num_running = (int64_t)st.num_running;
+    m.num_waiting = (int64_t)st.num_waiting;
+    m.num_held = (int64_t)st.num_held;
+    m.kv_blocks_total = (int64_t)st.kv_blocks_total;
+    m.kv_blocks_free = (int64_t)st.kv_blocks_free;
+    m.num_preemptions = (int64_t)st.num_preemptions;
+    m.running_tokens = (int64_t)((st.kv_blocks_total - st.kv_blocks_free) * st.block_size);
+    m.prompt_tokens = (int64_t)st.prompt_tokens;
+    m.generation_tokens = (int64_t)st.generation_tokens;
+    m.requests_finished = (int64_t)st.requests_finished;
+    pthread_mutex_lock(&n->mu);
+    m.leases_held = n->leases;
+    m.kv_transfer_bytes = n->kv_bytes;
+    m.kv_transfer_seconds = n->kv_seconds;
+    int64_t reserved = 0;
+    if (n->role == RT_ROLE_DECODE)
+        for (size_t b2 = 0; b2 < REQ_BUCKETS; b2++)
+            for (req *r = n->table[b2]; r; r = r->next)
+                if (!r->decoding) reserved += (int64_t)(r->n_blocks * st.block_size);
+    m.reserved_tokens = reserved;
+    pthread_mutex_unlock(&n->mu);
+    if (n->rx) {
+        for (int r = 0; r < n->tp; r++) {
+            pd_kv_rx_stats rs;
+            pd_kv_rx_get_stats(n->rx[r], &rs);
+            m.kv_transfer_bytes += (int64_t)rs.bytes;
+        }
+    }
+    m.draining = atomic_load(&n->draining);
+    reply_msg(call, &m.base);
+}
+
+static void h_abort(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len)
+{
+    pd_node *n = ctx;
+    Pd__AbortRequest *q = pd__abort_request__unpack(NULL, len, b);
+    if (!q || !valid_request_id(q->request_id)) {
+        if (q) pd__abort_request__free_unpacked(q, NULL);
+        pd_rpc_fail(call, PD_RPC_INVALID_ARGUMENT, "Abort: malformed request");
+        return;
+    }
+    Pd__AbortReply m = PD__ABORT_REPLY__INIT;
+    m.found = pd_engine_abort(n->e, q->request_id) == PD_OK;
+    if (n->rx) {
+        pthread_mutex_lock(&n->mu);
+        req *r = table_find(n, q->request_id);
+        if (r && !r->decoding) { /* a reservation nobody decodes: drop it now */
+            for (int k = 0; k < n->tp; k++) pd_kv_rx_cancel(n->rx[k], r->id);
+            table_remove(n, r);
+            m.found = true;
+        }
+        pthread_mutex_unlock(&n->mu);
+    }
+    PD_INFO(q->request_id, "abort requested (%s)", m.found ? "found" : "not found");
+    pd__abort_request__free_unpacked(q, NULL);
+    reply_msg(call, &m.base);
+}
+
+/* ---- prefill --------------------------------------------------------------------------------- */
+
+static void h_prefill(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len)
+{
+    pd_node *n = ctx;
+    if (atomic_load(&n->draining)) {
+        pd_rpc_fail(call, PD_RPC_UNAVAILABLE, "the prefill instance is shutting down");
+        return;
+    }
+    Pd__PrefillRequest *q = pd__prefill_request__unpack(NULL, len, b);
+    if (!q || !valid_request_id(q->request_id) || q->n_prompt_ids == 0 || q->n_targets == 0) {
+        if (q) pd__prefill_request__free_unpacked(q, NULL);
+        pd_rpc_fail(call, PD_RPC_INVALID_ARGUMENT,
+                    "Prefill: request_id, prompt_ids and targets are required");
+        return;
+    }
+    size_t bs = pd_engine_block_size(n->e);
+    size_t need = (q->n_prompt_ids + bs - 1) / bs;
+    if (q->n_decode_block_ids != need) {
+        char msg[160];
+        snprintf(msg, sizeof msg, "Prefill: %zu decode blocks for %zu prompt tokens, expected %zu",
+                 q->n_decode_block_ids, q->n_prompt_ids, need);
+        pd__prefill_request__free_unpacked(q, NULL);
+        pd_rpc_fail(call, PD_RPC_INVALID_ARGUMENT, msg);
+        return;
+    }
+    pthread_mutex_lock(&n->mu);
+    req *r = table_add(n, q->request_id);
+    int rc = r ? PD_OK : PD_EEXIST;
+    if (r) {
+        r->call = call;
+        r->lease_ms = q->lease_ms > 0 ? q->lease_ms : n->p.kv_lease_s * 1000;
+        r->n_targets = q->n_targets;
+        r->targets = pd_arena_calloc(r->arena, q->n_targets, sizeof *r->targets);
+        r->n_dst_blocks = q->n_decode_block_ids;
+        r->dst_blocks = pd_arena_alloc(r->arena, need * sizeof(int32_t), 0);
+        for (size_t i = 0; r->targets && i < q->n_targets; i++) {
+            r->targets[i] = *q->targets[i];
+            r->targets[i].host = pd_arena_strdup(r->arena, q->targets[i]->host);
+        }
+        if (r->dst_blocks) memcpy(r->dst_blocks, q->decode_block_ids, need * sizeof(int32_t));
+        pd_sampling_params sp;
+        rc = pd_msg_sampling_from_proto(q->sampling, r->arena, &sp);
+        if (rc == PD_OK && (!r->targets || !r->dst_blocks))
+            rc = pd_error(PD_ENOMEM, "out of memory");
+        if (rc == PD_OK) {
+            pd_engine_request er = {.request_id = r->id, .prompt_ids = q->prompt_ids,
+                                    .n_prompt = q->n_prompt_ids, .sampling = &sp,
+                                    .phase = PD_PHASE_PREFILL_ONLY};
+            rc = pd_engine_add(n->e, &er);
+        }
+        if (rc < 0) table_remove(n, r);
+    }
+    char msg[512];
+    snprintf(msg, sizeof msg, "%s", pd_last_error());
+    pthread_mutex_unlock(&n->mu);
+    if (rc < 0) {
+        PD_WARN(q->request_id, "Prefill refused: %s", msg);
+        pd_rpc_fail(call, rpc_status(rc), msg);
+    } else {
+        pd_rpc_on_cancel(call, on_call_cancelled, n);
+        PD_DEBUG(q->request_id, "prefill admitted: %zu prompt tokens", q->n_prompt_ids);
+    }
+    pd__prefill_request__free_unpacked(q, NULL);
+}
+
+/* Sends the held KV of j to every decode rank; returns a status. */
+static int transfer_kv(pd_node *n, job *j, int64_t *bytes, double *seconds)
+{
+    req *r = j->r;
+    size_t p_heads = n->kvp.n_kv_heads;
+    for (size_t t = 0; t < r->n_targets; t++) {
+        const Pd__DecodeTarget *dt = &r->targets[t];
+        for (int rank = 0; rank < n->tp; rank++) {
+            size_t h0, nh;
+            pd_kv_head_overlap(p_heads * (size_t)rank, p_heads, (size_t)dt->kv_head0,
+                               (size_t)dt->kv_heads, &h0, &nh);
+            if (nh == 0) continue;
+            pd_kv_send_req sr = {.request_id = r->id, .host = dt->host, .port = dt->port,
+                                 .backend = pd_engine_backend(n->e, rank),
+                                 .kv = pd_engine_kv(n->e, rank), .kv_params = n->kvp,
+                                 .src_head0 = p_heads * (size_t)rank,
+                                 .block_ids = j->src_blocks, .n_blocks = j->n_src_blocks,
+                                 .head0 = h0, .n_heads = nh, .timeout_ms = r->lease_ms};
+            pd_kv_send_stats st;
+            int rc = pd_kv_tcp_send(n->tx, &sr, &st);
+            *bytes += (int64_t)st.bytes;
+            *seconds += st.seconds;
+            if (rc < 0)
+                return pd_error_prefix(rc, "KV transfer to %s:%d (rank %d -> %zu)", dt->host,
+                                       dt->port, rank, t);
+        }
+    }
+    return PD_OK;
+}
+
+static void *transfer_worker(void *arg)
+{
+    pd_node *n = arg;
+    for (;;) {
+        pthread_mutex_lock(&n->mu);
+        while (!n->jobs_head && !n->stopping) pthread_cond_wait(&n->cv, &n->mu);
+        job *j = n->jobs_head;
+        if (j) {
+            n->jobs_head = j->next;
+            if (!n->jobs_head) n->jobs_tail = NULL;
+        }
+        pthread_mutex_unlock(&n->mu);
+        if (!j) return NULL; /* stopping and nothing left */
+        req *r = j->r;
+        int64_t bytes = 0;
+        double seconds = 0;
+        int rc = j->needs_transfer ? transfer_kv(n, j, &bytes, &seconds) : PD_OK;
+        char msg[512];
+        snprintf(msg, sizeof msg, "%s", pd_last_error());
+        pd_engine_release(n->e, r->id);
+        pthread_mutex_lock(&n->mu);
+        n->leases--;
+        n->kv_bytes += bytes;
+        n->kv_seconds += seconds;
+        pthread_mutex_unlock(&n->mu);
+        if (rc < 0) {
+            PD_WARN(r->id, "%s; KV released", msg);
+            pd_rpc_fail(r->call, rpc_status(rc) == PD_RPC_INTERNAL ? PD_RPC_UNAVAILABLE
+                                                                   : rpc_status(rc), msg);
+        } else {
+            Pd__PrefillReply m = PD__PREFILL_REPLY__INIT;
+            m.first = j->first;
+            m.seed = j->seed;
+            m.kv_bytes = bytes;
+            m.kv_seconds = seconds;
+            m.prefill_seconds = (double)(pd_now_ns() - r->t_received) / 1e9 - seconds;
+            PD_DEBUG(r->id, "prefill done: %lld KV bytes in %.3f s", (long long)bytes, seconds);
+            reply_msg(r->call, &m.base);
+        }
+        pthread_mutex_lock(&n->mu);
+        table_remove(n, r); /* frees j too: it lives in r->arena */
+        pthread_mutex_unlock(&n->mu);
+    }
+}
+
+/* Dispatcher: a prefill request's event. Called with n->mu held. */
+static void prefill_event(pd_node *n, req *r, const pd_engine_event *ev)
+{
+    /* PREFILL_ONLY emits one final event; anything after it (an abort racing the hand-over)
+     * is the transfer worker's business, which ends the call and frees the request */
+    if (!ev->final || r->handed_over) return;
+    if (ev->status < 0 || !ev->held) {
+        int st = ev->status == PD_ECANCELLED ? PD_RPC_CANCELLED : rpc_status(ev->status);
+        pd_rpc_fail(r->call, st, ev->error && ev->error[0] ? ev->error : "prefill failed");
+        if (ev->held) pd_engine_release(n->e, r->id);
+        table_remove(n, r);
+        return;
+    }
+    job *j = pd_arena_calloc(r->arena, 1, sizeof *j);
+    Pd__TokenEvent *first = event_to_proto(ev, r->arena);
+    int32_t *blocks = pd_arena_alloc(r->arena, ev->n_blocks * sizeof(int32_t), 0);
+    if (!j || !first || !blocks) {
+        pd_rpc_fail(r->call, PD_RPC_INTERNAL, "out of memory");
+        pd_engine_release(n->e, r->id);
+        table_remove(n, r);
+        return;
+    }
+    if (ev->n_blocks != r->n_dst_blocks) {
+        char msg[160];
+        snprintf(msg, sizeof msg, "prefill holds %zu blocks, the decode side reserved %zu",
+                 ev->n_blocks, r->n_dst_blocks);
+        pd_rpc_fail(r->call, PD_RPC_INTERNAL, msg);
+        pd_engine_release(n->e, r->id);
+        table_remove(n, r);
+        return;
+    }
+    memcpy(blocks, ev->block_ids, ev->n_blocks * sizeof(int32_t));
+    /* the engine's PREFILL_ONLY event is final for this node; for the request it is final only
+     * when the first token already finished it */
+    first->final = ev->finish != PD_FINISH_NONE;
+    j->r = r;
+    j->first = first;
+    j->src_blocks = blocks;
+    j->n_src_blocks = ev->n_blocks;
+    j->seed = ev->seed;
+    /* a first token that already ends the request needs no decode side */
+    j->needs_transfer = ev->finish == PD_FINISH_NONE;
+    n->leases++;
+    r->handed_over = true;
+    if (n->jobs_tail)
+        n->jobs_tail->next = j;
+    else
+        n->jobs_head = j;
+    n->jobs_tail = j;
+    pthread_cond_broadcast(&n->cv);
+}
+
+/* ---- decode ---------------------------------------------------------------------------------- */
+
+static void on_kv_imported(void *arg, const char *id, int status)
+{
+    pd_node *n = arg;
+    pthread_mutex_lock(&n->mu);
+    req *r = table_find(n, id);
+    if (r && status == PD_OK) r->kv_ranks_done++;
+    pthread_mutex_unlock(&n->mu);
+    PD_DEBUG(id, "KV imported on one rank (status %d)", status);
+}
+
+static void h_reserve(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len)
+{
+    pd_node *n = ctx;
+    if (atomic_load(&n->draining)) {
+        pd_rpc_fail(call, PD_RPC_UNAVAILABLE, "the decode instance is shutting down");
+        return;
+    }
+    Pd__ReserveRequest *q = pd__reserve_request__unpack(NULL, len, b);
+    if (!q || !valid_request_id(q->request_id) || q->num_prompt_tokens <= 0) {
+        if (q) pd__reserve_request__free_unpacked(q, NULL);
+        pd_rpc_fail(call, PD_RPC_INVALID_ARGUMENT,
+                    "Reserve: request_id and num_prompt_tokens > 0 are required");
+        return;
+    }
+    size_t cap = (size_t)q->num_prompt_tokens / pd_engine_block_size(n->e) + 2;
+    pthread_mutex_lock(&n->mu);
+    req *r = table_add(n, q->request_id);
+    int rc = r ? PD_OK : PD_EEXIST;
+    if (r) {
+        r->blocks = pd_arena_alloc(r->arena, cap * sizeof(int32_t), 0);
+        rc = r->blocks ? pd_engine_reserve(n->e, r->id, (size_t)q->num_prompt_tokens, r->blocks,
+                                           cap, &r->n_blocks)
+                       : pd_error(PD_ENOMEM, "out of memory");
+        int k = 0;
+        for (; rc == PD_OK && k < n->tp; k++) rc = pd_kv_rx_expect(n->rx[k], r->id, r->blocks, r->n_blocks);
+        if (rc < 0) {
+            char keep[512];
+            snprintf(keep, sizeof keep, "%s", pd_last_error());
+            while (k-- > 1) pd_kv_rx_cancel(n->rx[k - 1], r->id);
+            pd_engine_abort(n->e, r->id);
+            table_remove(n, r);
+            pd_error(rc, "%s", keep);
+        } else {
+            int ttl = q->ttl_ms > 0 ? q->ttl_ms : DEFAULT_RESERVE_TTL_MS;
+            r->deadline_ns = pd_now_ns() + (int64_t)ttl * PD_NS_PER_MS;
+        }
+    }
+    char msg[512];
+    snprintf(msg, sizeof msg, "%s", pd_last_error());
+    Pd__ReserveReply m = PD__RESERVE_REPLY__INIT;
+    if (rc == PD_OK) {
+        m.block_ids = r->blocks;
+        m.n_block_ids = r->n_blocks;
+        reply_msg(call, &m.base); /* packed under the lock: r cannot go away meanwhile */
+    }
+    pthread_mutex_unlock(&n->mu);
+    if (rc < 0) {
+        PD_WARN(q->request_id, "Reserve refused: %s", msg);
+        pd_rpc_fail(call, rpc_status(rc), msg);
+    }
+    pd__reserve_request__free_unpacked(q, NULL);
+}
+
+static void h_decode(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len)
+{
+    pd_node *n = ctx;
+    Pd__DecodeRequest *q = pd__decode_request__unpack(NULL, len, b);
+    if (!q || !valid_request_id(q->request_id) || q->n_prompt_ids == 0) {
+        if (q) pd__decode_request__free_unpacked(q, NULL);
+        pd_rpc_stream_end(call, PD_RPC_INVALID_ARGUMENT,
+                          "Decode: request_id and prompt_ids are required");
+        return;
+    }
+    int st = PD_RPC_OK;
+    char msg[512] = "";
+    pthread_mutex_lock(&n->mu);
+    req *r = table_find(n, q->request_id);
+    if (!r) {
+        st = PD_RPC_NOT_FOUND;
+        snprintf(msg, sizeof msg, "Decode %s: no reservation (expired or aborted)", q->request_id);
+    } else if (r->decoding) {
+        st = PD_RPC_ALREADY_EXISTS;
+        snprintf(msg, sizeof msg, "Decode %s: already decoding", q->request_id);
+    } else if (r->kv_ranks_done < n->tp) {
+        st = PD_RPC_FAILED_PRECONDITION;
+        snprintf(msg, sizeof msg, "Decode %s: KV not received yet (%d of %d ranks)",
+                 q->request_id, r->kv_ranks_done, n->tp);
+    } else {
+        pd_sampling_params sp;
+        int rc = pd_msg_sampling_from_proto(q->sampling, r->arena, &sp);
+        if (rc == PD_OK) {
+            pd_engine_request er = {.request_id = r->id, .prompt_ids = q->prompt_ids,
+                                    .n_prompt = q->n_prompt_ids, .sampling = &sp,
+                                    .phase = PD_PHASE_FULL};
+            rc = pd_engine_add_imported(n->e, &er, q->first_token);
+        }
+        if (rc < 0) {
+            st = rpc_status(rc);
+            snprintf(msg, sizeof msg, "%s", pd_last_error());
+            pd_engine_abort(n->e, r->id);
+            table_remove(n, r);
+        } else {
+            r->call = call;
+            r->decoding = true;
+        }
+    }
+    pthread_mutex_unlock(&n->mu);
+    if (st != PD_RPC_OK) {
+        PD_WARN(q->request_id, "%s", msg);
+        pd_rpc_stream_end(call, st, msg);
+    } else {
+        pd_rpc_on_cancel(call, on_call_cancelled, n);
+    }
+    pd__decode_request__free_unpacked(q, NULL);
+}
+
+/* Dispatcher: a decode request's event. Called with n->mu held. */
+static void decode_event(pd_node *n, req *r, const pd_engine_event *ev)
+{
+    if (!r->call) { /* a reservation aborted before Decode: nothing to tell */
+        if (ev->final) table_remove(n, r);
+        return;
+    }
+    bool first = !r->first_seen;
+    r->first_seen = true;
+    /* the first token came to the scheduler from the prefill side already */
+    if (first && !ev->final && ev->n_tokens) return;
+    if (ev->status < 0) {
+        int st = ev->status == PD_ECANCELLED ? PD_RPC_CANCELLED : rpc_status(ev->status);
+        pd_rpc_stream_end(r->call, st, ev->error && ev->error[0] ? ev->error : "decode failed");
+        table_remove(n, r);
+        return;
+    }
+    pd_arena *a = pd_arena_create(1024);
+    Pd__TokenEvent *m = a ? event_to_proto(ev, a) : NULL;
+    size_t len = 0;
+    uint8_t *buf = m ? pd_msg_pack(&m->base, &len) : NULL;
+    int rc = buf ? pd_rpc_stream_send(r->call, buf, len) : PD_ENOMEM;
+    free(buf);
+    pd_arena_destroy(a);
+    if (rc == PD_ECANCELLED) {
+        pd_engine_abort(n->e, r->id); /* the final cancelled event ends it */
+        return;
+    }
+    if (ev->final || rc < 0) {
+        pd_rpc_stream_end(r->call, rc < 0 ? PD_RPC_INTERNAL : PD_RPC_OK, "");
+        if (!ev->final) pd_engine_abort(n->e, r->id);
+        table_remove(n, r);
+    }
+}
+
+/* Drops reservations whose Decode did not start in time. */
+static void *reaper_main(void *arg)
+{
+    pd_node *n = arg;
+    pthread_mutex_lock(&n->mu);
+    while (!n->stopping) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += REAPER_PERIOD_MS * PD_NS_PER_MS;
+        if (ts.tv_nsec >= PD_NS_PER_S) ts.tv_sec++, ts.tv_nsec -= PD_NS_PER_S;
+        pthread_cond_timedwait(&n->cv, &n->mu, &ts);
+        int64_t now = pd_now_ns();
+        for (size_t b = 0; b < REQ_BUCKETS; b++)
+            for (req *r = n->table[b], *next; r; r = next) {
+                next = r->next;
+                if (r->decoding || now < r->deadline_ns) continue;
+                PD_WARN(r->id, "reservation expired before Decode started; blocks freed");
+                for (int k = 0; k < n->tp; k++) pd_kv_rx_cancel(n->rx[k], r->id);
+                pd_engine_abort(n->e, r->id);
+                table_remove(n, r);
+            }
+    }
+    pthread_mutex_unlock(&n->mu);
+    return NULL;
+}
+
+/* ---- event dispatch ----------------------------------------------------------------------- */
+
+/* Engine thread: events are ready. Takes only wake_mu, so the engine never waits on the
+ * request table (whose holders call into the engine). */
+static void on_engine_event(void *ctx)
+{
+    pd_node *n = ctx;
+    pthread_mutex_lock(&n->wake_mu);
+    n->wake = true;
+    pthread_cond_signal(&n->wake_cv);
+    pthread_mutex_unlock(&n->wake_mu);
+}
+
+static void *dispatcher_main(void *arg)
+{
+    pd_node *n = arg;
+    for (;;) {
+        pthread_mutex_lock(&n->wake_mu);
+        if (!n->wake && !n->stopping) {
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            ts.tv_nsec += 100 * PD_NS_PER_MS; /* also polls: a missed wakeup costs 100 ms */
+            if (ts.tv_nsec >= PD_NS_PER_S) ts.tv_sec++, ts.tv_nsec -= PD_NS_PER_S;
+            pthread_cond_timedwait(&n->wake_cv, &n->wake_mu, &ts);
+        }
+        n->wake = false;
+        bool stop = n->stopping;
+        pthread_mutex_unlock(&n->wake_mu);
+        const pd_engine_event *ev;
+        while (pd_engine_next_event(n->e, &ev) == 1) {
+            pthread_mutex_lock(&n->mu);
+            req *r = table_find(n, ev->request_id);
+            if (r && n->role == RT_ROLE_PREFILL)
+                prefill_event(n, r, ev);
+            else if (r)
+                decode_event(n, r, ev);
+            else if (ev->held) /* the request went away meanwhile: do not leak its blocks */
+                pd_engine_release(n->e, ev->request_id);
+            pthread_mutex_unlock(&n->mu);
+            pd_engine_event_done(n->e);
+        }
+        if (stop) return NULL;
+    }
+}
+
+/* ---- lifetime ------------------------------------------------------------------------------- */
+
+pd_node_params pd_node_default_params(void)
+{
+    return (pd_node_params){
+        .role = RT_ROLE_PREFILL,
+        .max_num_seqs = 256,
+        .block_size = 16,
+        .seed = -1,
+        .shutdown_timeout_s = 30,
+        .kv_lease_s = 30,
+        .kv_transport = "auto",
+        .transfer_workers = 4,
+    };
+}
+
+static int node_load_ranktables(pd_node *n)
+{
+    const pd_node_params *p = &n->p;
+    if (!p->global_ranktable || !*p->global_ranktable)
+        return pd_error(PD_EINVAL, "GLOBAL_RANK_TABLE_FILE_PATH is not set");
+    if (!p->local_ranktable || !*p->local_ranktable)
+        return pd_error(PD_EINVAL, "RANK_TABLE_FILE_PATH is not set");
+    PD_CHECK(rt_global_load_file(p->global_ranktable, p->ranktable_flags, NULL, &n->g));
+    PD_CHECK(rt_local_load_file(p->local_ranktable, 0, NULL, &n->l));
+    rt_role role;
+    size_t index;
+    PD_CHECK(rt_find_instance(n->g, n->l, &role, &index));
+    if (role != p->role)
+        return pd_error(PD_EINVAL, "%s: this local ranktable is a %s instance, not a %s one",
+                        p->local_ranktable, rt_role_name(role), rt_role_name(p->role));
+    n->role = role;
+    n->index = index;
+    n->inst = rt_global_instance(n->g, role, index);
+    n->tp = (int)n->inst->n_devices;
+    if (p->tensor_parallel_size > 0 && p->tensor_parallel_size != n->tp)
+        return pd_error(PD_EINVAL, "--tensor-parallel-size %d does not match the %d device(s) of "
+                        "%s instance %zu in %s", p->tensor_parallel_size, n->tp,
+                        rt_role_name(role), index, p->global_ranktable);
+    return PD_OK;
+}
+
+int pd_node_create(const pd_node_params *p, pd_node **out)
+{
+    if (!p->model_dir) return pd_error(PD_EINVAL, "--model is required");
+    if (p->port <= 0 || p->port > 65535) return pd_error(PD_EINVAL, "--port is required (1..65535)");
+    if (p->kv_transport && strcmp(p->kv_transport, "auto") != 0 &&
+        strcmp(p->kv_transport, "tcp") != 0)
+        return pd_error(PD_EUNSUPPORTED, "--kv-transport %s: this build's nodes run the CPU "
+                        "backend, whose KV moves over tcp (use auto or tcp)", p->kv_transport);
+    pd_node *n = calloc(1, sizeof *n);
+    if (!n) return pd_error(PD_ENOMEM, "out of memory");
+    n->p = *p;
+    if (!n->p.served_model_name) n->p.served_model_name = p->model_dir;
+    pthread_mutex_init(&n->mu, NULL);
+    pthread_cond_init(&n->cv, NULL);
+    pthread_mutex_init(&n->wake_mu, NULL);
+    pthread_cond_init(&n->wake_cv, NULL);
+    int rc = node_load_ranktables(n);
+    if (rc < 0) goto fail;
+    pd_log_set_role(rt_role_name(n->role));
+
+    pd_engine_params ep = pd_engine_default_params();
+    ep.model_dir = p->model_dir;
+    ep.tp_size = n->tp;
+    ep.n_threads = p->cpu_threads;
+    ep.block_size = p->block_size;
+    ep.kv_cache_bytes = p->kv_cache_bytes;
+    ep.max_num_seqs = p->max_num_seqs;
+    ep.max_num_batched_tokens = p->max_num_batched_tokens;
+    ep.max_model_len = p->max_model_len;
+    ep.seed = p->seed;
+    ep.on_event = on_engine_event;
+    ep.on_event_ctx = n;
+    rc = pd_engine_create(&ep, &n->e);
+    if (rc < 0) goto fail;
+    n->cfg = pd_engine_model_config(n->e);
+    pd_engine_stats st;
+    pd_engine_get_stats(n->e, &st);
+    n->kvp = (pd_kv_params){.n_layers = (int)n->cfg->num_hidden_layers,
+                            .n_blocks = st.kv_blocks_total,
+                            .block_size = pd_engine_block_size(n->e),
+                            .n_kv_heads = (size_t)n->cfg->num_key_value_heads / (size_t)n->tp,
+                            .head_dim = (size_t)n->cfg->head_dim,
+                            .dtype = pd_backend_act_dtype(pd_engine_backend(n->e, 0))};
+
+    if (n->role == RT_ROLE_DECODE) {
+        n->rx = calloc((size_t)n->tp, sizeof *n->rx);
+        for (int r = 0; n->rx && r < n->tp; r++) {
+            pd_kv_rx_params rp = {.host = n->inst->devices[r].device_ip, .port = 0,
+                                  .backend = pd_engine_backend(n->e, r),
+                                  .kv = pd_engine_kv(n->e, r), .kv_params = n->kvp,
+                                  .head0 = n->kvp.n_kv_heads * (size_t)r};
+            rc = pd_kv_tcp_receiver_start(&rp, on_kv_imported, n, &n->rx[r]);
+            if (rc < 0) goto fail;
+        }
+        if (!n->rx) {
+            rc = pd_error(PD_ENOMEM, "out of memory");
+            goto fail;
+        }
+    } else {
+        rc = pd_kv_tcp_sender_create(&n->tx);
+        if (rc < 0) goto fail;
+        n->n_workers = p->transfer_workers > 0 ? p->transfer_workers : 1;
+        n->workers = calloc((size_t)n->n_workers, sizeof *n->workers);
+        for (int i = 0; n->workers && i < n->n_workers; i++)
+            pthread_create(&n->workers[i], NULL, transfer_worker, n);
+    }
+    pthread_create(&n->dispatcher, NULL, dispatcher_main, n);
+    n->threads_started = true;
+    if (n->role == RT_ROLE_DECODE) {
+        pthread_create(&n->reaper, NULL, reaper_main, n);
+        n->reaper_started = true;
+    }
+    rc = pd_engine_start(n->e);
+    if (rc < 0) goto fail;
+
+    size_t nm = 0;
+    n->methods[nm++] = (pd_rpc_method){"/pd.PD/Info", PD_RPC_UNARY, h_info, n};
+    n->methods[nm++] = (pd_rpc_method){"/pd.PD/Stats", PD_RPC_UNARY, h_stats, n};
+    n->methods[nm++] = (pd_rpc_method){"/pd.PD/Abort", PD_RPC_UNARY, h_abort, n};
+    if (n->role == RT_ROLE_PREFILL) {
+        n->methods[nm++] = (pd_rpc_method){"/pd.PD/Prefill", PD_RPC_UNARY, h_prefill, n};
+    } else {
+        n->methods[nm++] = (pd_rpc_method){"/pd.PD/Reserve", PD_RPC_UNARY, h_reserve, n};
+        n->methods[nm++] = (pd_rpc_method){"/pd.PD/Decode", PD_RPC_SERVER_STREAM, h_decode, n};
+    }
+    char addr[300];
+    snprintf(addr, sizeof addr, "%s:%d", p->host ? p->host : n->inst->server_ip, p->port);
+    pd_rpc_server_params sp = pd_rpc_server_default_params();
+    sp.addr = addr;
+    rc = pd_rpc_server_start(&sp, n->methods, nm, &n->srv);
+    if (rc < 0) goto fail;
+    PD_INFO(NULL, "%s instance %zu (server %s, %d device(s), TP %d) serving %s on %s; KV pool "
+            "%zu blocks x %zu tokens", rt_role_name(n->role), n->index, n->inst->server_id,
+            n->tp, n->tp, n->p.served_model_name, addr, n->kvp.n_blocks, n->kvp.block_size);
+    *out = n;
+    return PD_OK;
+fail:;
+    char msg[1024];
+    snprintf(msg, sizeof msg, "%s", pd_last_error());
+    pd_node_destroy(n);
+    return pd_error(rc, "%s", msg);
+}
+
+int pd_node_port(const pd_node *n)
+{
+    return pd_rpc_server_port(n->srv);
+}
+
+void pd_node_shutdown(pd_node *n)
+{
+    atomic_store(&n->shutdown, true);
+}
+
+int pd_node_run(pd_node *n)
+{
+    int sfd = pd_signals_fd();
+    while (!pd_signal_received() && !atomic_load(&n->shutdown)) {
+        struct pollfd pfd = {.fd = sfd, .events = POLLIN};
+        poll(&pfd, sfd >= 0 ? 1 : 0, 100);
+    }
+    PD_INFO(NULL, "shutting down: draining for up to %d s", n->p.shutdown_timeout_s);
+    atomic_store(&n->draining, true);
+    int64_t deadline = pd_now_ns() + (int64_t)n->p.shutdown_timeout_s * PD_NS_PER_S;
+    pthread_mutex_lock(&n->mu);
+    while (n->n_reqs > 0 && pd_now_ns() < deadline) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 50 * PD_NS_PER_MS;
+        if (ts.tv_nsec >= PD_NS_PER_S) ts.tv_sec++, ts.tv_nsec -= PD_NS_PER_S;
+        pthread_cond_timedwait(&n->cv, &n->mu, &ts);
+    }
+    size_t left = n->n_reqs;
+    pthread_mutex_unlock(&n->mu);
+    if (left) {
+        PD_WARN(NULL, "aborting %zu request(s) still in progress", left);
+        char ids[64][PD_ENGINE_MAX_REQUEST_ID + 1];
+        for (;;) {
+            size_t k = 0;
+            pthread_mutex_lock(&n->mu);
+            for (size_t b = 0; b < REQ_BUCKETS && k < 64; b++)
+                for (req *r = n->table[b]; r && k < 64; r = r->next) snprintf(ids[k++], sizeof ids[0], "%s", r->id);
+            pthread_mutex_unlock(&n->mu);
+            for (size_t i = 0; i < k; i++) pd_engine_abort(n->e, ids[i]);
+            if (k < 64) break;
+        }
+    }
+    return PD_OK;
+}
+
+void pd_node_destroy(pd_node *n)
+{
+    if (!n) return;
+    if (n->srv) pd_rpc_server_stop(n->srv, 2000);
+    if (n->e) pd_engine_stop(n->e);
+    pthread_mutex_lock(&n->mu);
+    n->stopping = true;
+    pthread_cond_broadcast(&n->cv);
+    pthread_mutex_unlock(&n->mu);
+    pthread_mutex_lock(&n->wake_mu);
+    pthread_cond_signal(&n->wake_cv);
+    pthread_mutex_unlock(&n->wake_mu);
+    if (n->threads_started) pthread_join(n->dispatcher, NULL);
+    if (n->reaper_started) pthread_join(n->reaper, NULL);
+    for (int i = 0; n->workers && i < n->n_workers; i++) pthread_join(n->workers[i], NULL);
+    free(n->workers);
+    for (int r = 0; n->rx && r < n->tp; r++) pd_kv_tcp_receiver_stop(n->rx[r]);
+    free(n->rx);
+    pd_kv_tcp_sender_destroy(n->tx);
+    for (size_t b = 0; b < REQ_BUCKETS; b++)
+        while (n->table[b]) table_remove(n, n->table[b]);
+    pd_engine_destroy(n->e);
+    rt_global_free(n->g);
+    rt_local_free(n->l);
+    pthread_mutex_destroy(&n->mu);
+    pthread_cond_destroy(&n->cv);
+    pthread_mutex_destroy(&n->wake_mu);
+    pthread_cond_destroy(&n->wake_cv);
+    free(n);
+}

@@ -1,0 +1,174 @@
+/* Command line of pd-prefill / pd-decode: vLLM's flag names (as the Ascend guide's launch
+ * commands use them) plus pdserve's own; --flag value and --flag=value both work. */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "node/node.h"
+#include "util/log.h"
+#include "util/signals.h"
+#include "util/status.h"
+
+void pd_node_usage(const char *prog, rt_role role)
+{
+    fprintf(stderr,
+            "usage: %s --model DIR --port PORT [options]\n"
+            "Serves the %s role of a pdserve cluster. The instance is found by matching the\n"
+            "local ranktable (RANK_TABLE_FILE_PATH) inside the global one\n"
+            "(GLOBAL_RANK_TABLE_FILE_PATH).\n\n"
+            "  --model DIR                    Hugging Face model directory (required)\n"
+            "  --served-model-name NAME       name reported to the scheduler (default: --model)\n"
+            "  --port PORT                    gRPC port (required; NODE_PORTS lists it)\n"
+            "  --host ADDR                    gRPC bind address (default: the instance's server_ip)\n"
+            "  --tensor-parallel-size N       must equal the instance's device count (default: it)\n"
+            "  --max-model-len N              context length (default: the model's)\n"
+            "  --max-num-seqs N               sequences per step (256)\n"
+            "  --max-num-batched-tokens N     tokens per step; >= max-model-len\n"
+            "  --block-size N                 tokens per KV block (16)\n"
+            "  --kv-cache-bytes N             KV budget per rank (default: 40%% of free memory)\n"
+            "  --seed N                       base seed of requests without one (default: random)\n"
+            "  --cpu-threads N                CPU threads (default: all cores)\n"
+            "  --dtype auto|float32           activation dtype; the CPU backend computes in float32\n"
+            "  --quantization none            weight quantization (none is supported)\n"
+            "  --gpu-memory-utilization F     GPU KV sizing; not used by the CPU backend\n"
+            "  --kv-transport auto|tcp        KV data plane (auto = tcp on the CPU backend)\n"
+            "  --kv-lease-seconds S           prefill: KV held at most S s for the decode side (30)\n"
+            "  --shutdown-timeout S           drain time after SIGTERM before aborting (30)\n"
+            "  --log-level L                  debug, info, warn, error (or PD_LOG_LEVEL)\n",
+            prog, rt_role_name(role));
+}
+
+static int parse_long(const char *flag, const char *v, long long lo, long long hi, long long *out)
+{
+    char *end = NULL;
+    errno = 0;
+    long long x = strtoll(v, &end, 10);
+    if (errno || !end || *end || end == v || x < lo || x > hi)
+        return pd_error(PD_EINVAL, "%s: expected an integer in %lld..%lld, got '%s'", flag, lo, hi,
+                        v);
+    *out = x;
+    return PD_OK;
+}
+
+int pd_node_parse_args(int argc, char **argv, rt_role role, pd_node_params *p)
+{
+    *p = pd_node_default_params();
+    p->role = role;
+    p->global_ranktable = getenv("GLOBAL_RANK_TABLE_FILE_PATH");
+    p->local_ranktable = getenv("RANK_TABLE_FILE_PATH");
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
+            pd_node_usage(argv[0], role);
+            return 1;
+        }
+        if (strncmp(a, "--", 2) != 0) return pd_error(PD_EINVAL, "unexpected argument '%s'", a);
+        char name[64];
+        const char *eq = strchr(a, '=');
+        const char *v;
+        size_t nl = eq ? (size_t)(eq - a) : strlen(a);
+        if (nl >= sizeof name) return pd_error(PD_EINVAL, "unknown flag '%s'", a);
+        memcpy(name, a, nl);
+        name[nl] = '\0';
+        if (eq) {
+            v = eq + 1;
+        } else {
+            if (i + 1 >= argc) return pd_error(PD_EINVAL, "%s: missing value", name);
+            v = argv[++i];
+        }
+        long long x;
+        if (strcmp(name, "--model") == 0) {
+            p->model_dir = v;
+        } else if (strcmp(name, "--served-model-name") == 0) {
+            p->served_model_name = v;
+        } else if (strcmp(name, "--host") == 0) {
+            p->host = v;
+        } else if (strcmp(name, "--port") == 0) {
+            PD_CHECK(parse_long(name, v, 1, 65535, &x));
+            p->port = (int)x;
+        } else if (strcmp(name, "--tensor-parallel-size") == 0) {
+            PD_CHECK(parse_long(name, v, 1, 1024, &x));
+            p->tensor_parallel_size = (int)x;
+        } else if (strcmp(name, "--max-model-len") == 0) {
+            PD_CHECK(parse_long(name, v, 1, 1LL << 30, &x));
+            p->max_model_len = (size_t)x;
+        } else if (strcmp(name, "--max-num-seqs") == 0) {
+            PD_CHECK(parse_long(name, v, 1, 1 << 20, &x));
+            p->max_num_seqs = (size_t)x;
+        } else if (strcmp(name, "--max-num-batched-tokens") == 0) {
+            PD_CHECK(parse_long(name, v, 1, 1LL << 30, &x));
+            p->max_num_batched_tokens = (size_t)x;
+        } else if (strcmp(name, "--block-size") == 0) {
+            PD_CHECK(parse_long(name, v, 1, 4096, &x));
+            p->block_size = (size_t)x;
+        } else if (strcmp(name, "--kv-cache-bytes") == 0) {
+            PD_CHECK(parse_long(name, v, 1, 1LL << 50, &x));
+            p->kv_cache_bytes = (size_t)x;
+        } else if (strcmp(name, "--seed") == 0) {
+            PD_CHECK(parse_long(name, v, -1, 1LL << 62, &x));
+            p->seed = x;
+        } else if (strcmp(name, "--cpu-threads") == 0) {
+            PD_CHECK(parse_long(name, v, 0, 4096, &x));
+            p->cpu_threads = (int)x;
+        } else if (strcmp(name, "--shutdown-timeout") == 0) {
+            PD_CHECK(parse_long(name, v, 0, 86400, &x));
+            p->shutdown_timeout_s = (int)x;
+        } else if (strcmp(name, "--kv-lease-seconds") == 0) {
+            PD_CHECK(parse_long(name, v, 1, 86400, &x));
+            p->kv_lease_s = (int)x;
+        } else if (strcmp(name, "--kv-transport") == 0) {
+            if (strcmp(v, "auto") && strcmp(v, "tcp") && strcmp(v, "nccl") && strcmp(v, "cuda_ipc"))
+                return pd_error(PD_EINVAL, "--kv-transport: expected auto, tcp, nccl or cuda_ipc, "
+                                "got '%s'", v);
+            p->kv_transport = v;
+        } else if (strcmp(name, "--dtype") == 0) {
+            if (strcmp(v, "auto") && strcmp(v, "float32"))
+                return pd_error(PD_EINVAL, "--dtype %s: the CPU backend computes in float32 "
+                                "(use auto or float32)", v);
+        } else if (strcmp(name, "--quantization") == 0) {
+            if (strcmp(v, "none") != 0)
+                return pd_error(PD_EINVAL, "--quantization %s: not supported (none)", v);
+        } else if (strcmp(name, "--gpu-memory-utilization") == 0) {
+            char *end = NULL;
+            double f = strtod(v, &end);
+            if (!end || *end || !(f > 0 && f <= 1))
+                return pd_error(PD_EINVAL, "--gpu-memory-utilization: expected a number in "
+                                "(0, 1], got '%s'", v);
+            PD_INFO(NULL, "--gpu-memory-utilization %s: not used by the CPU backend "
+                    "(--kv-cache-bytes sizes its KV pool)", v);
+        } else if (strcmp(name, "--log-level") == 0) {
+            pd_log_level lv;
+            PD_CHECK(pd_log_parse_level(v, &lv));
+            pd_log_set_level(lv);
+        } else {
+            return pd_error(PD_EINVAL, "unknown flag '%s' (see --help)", name);
+        }
+    }
+    return PD_OK;
+}
+
+int pd_node_main(int argc, char **argv, rt_role role)
+{
+    pd_log_init(rt_role_name(role));
+    pd_node_params p;
+    int rc = pd_node_parse_args(argc, argv, role, &p);
+    if (rc == 1) return 0;
+    if (rc < 0) {
+        fprintf(stderr, "%s: %s\n", argv[0], pd_last_error());
+        return 2;
+    }
+    if (pd_signals_install() < 0) {
+        fprintf(stderr, "%s: %s\n", argv[0], pd_last_error());
+        return 1;
+    }
+    pd_node *n = NULL;
+    if (pd_node_create(&p, &n) < 0) {
+        PD_ERROR(NULL, "%s", pd_last_error());
+        return 1;
+    }
+    pd_node_run(n);
+    pd_node_destroy(n);
+    PD_INFO(NULL, "stopped");
+    return 0;
+}

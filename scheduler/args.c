@@ -1,0 +1,160 @@
+/* pd-scheduler command line and environment (api_contract.md §17, DESIGN.md launch contract).
+ * Flags take vLLM's names; "--flag value" and "--flag=value" are both accepted. */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "sched.h"
+#include "util/status.h"
+
+static const char USAGE[] =
+    "usage: pd-scheduler --model DIR [options]\n"
+    "  --model DIR                   model directory (tokenizer, chat template, config)\n"
+    "  --served-model-name N [N...]  accepted model names; the first is used in responses\n"
+    "  --host ADDR                   bind address (default 0.0.0.0)\n"
+    "  --port N                      HTTP port (default 8000)\n"
+    "  --api-key KEY                 require 'Authorization: Bearer KEY' (else VLLM_API_KEY)\n"
+    "  --max-model-len N             context length L (default: config.json)\n"
+    "  --max-concurrent-requests N   default 4096, 0 = no limit\n"
+    "  --max-request-body-bytes N    default 16777216\n"
+    "  --chat-template FILE|STRING   override the model's chat template\n"
+    "  --trust-request-chat-template allow a request's own chat_template\n"
+    "  --default-chat-template-kwargs JSON  extra template variables (an object)\n"
+    "  --generation-config auto|vllm default auto\n"
+    "  --response-role ROLE          default assistant\n"
+    "  --max-logprobs N              default 20\n"
+    "  --log-level LEVEL             debug, info, warn, error\n"
+    "environment: GLOBAL_RANK_TABLE_FILE_PATH (required), RANK_TABLE_FILE_PATH (the _host\n"
+    "table, optional), NODE_PORTS (required: one port per prefill then decode instance),\n"
+    "USE_OPENAI (default 1), VLLM_API_KEY, PD_LOG_LEVEL\n";
+
+const char *pd_sched_usage(void)
+{
+    return USAGE;
+}
+
+static int parse_i64(const char *flag, const char *v, int64_t lo, int64_t *out)
+{
+    char *end;
+    errno = 0;
+    long long x = strtoll(v, &end, 10);
+    if (!*v || *end || errno || x < lo)
+        return pd_error(PD_EINVAL, "%s: '%s' is not an integer >= %lld", flag, v, (long long)lo);
+    *out = x;
+    return PD_OK;
+}
+
+int pd_sched_parse_args(int argc, char **argv, pd_sched_params *p, bool *help)
+{
+    *help = false;
+    const char *e;
+    if ((e = getenv("GLOBAL_RANK_TABLE_FILE_PATH"))) p->global_ranktable = e;
+    if ((e = getenv("RANK_TABLE_FILE_PATH"))) p->local_ranktable = e;
+    if ((e = getenv("NODE_PORTS"))) p->node_ports = e;
+    if ((e = getenv("VLLM_API_KEY")) && *e) p->api_key = e;
+    if ((e = getenv("USE_OPENAI"))) {
+        if (strcmp(e, "1") == 0)
+            p->use_openai = true;
+        else if (strcmp(e, "0") == 0)
+            p->use_openai = false;
+        else
+            return pd_error(PD_EINVAL, "USE_OPENAI: '%s' must be 0 or 1", e);
+    }
+    bool names_given = false;
+    for (int i = 1; i < argc; i++) {
+        char flag[64];
+        const char *arg = argv[i], *val = NULL;
+        if (strcmp(arg, "--help") == 0 || strcmp(arg, "-h") == 0) {
+            *help = true;
+            return PD_OK;
+        }
+        if (strncmp(arg, "--", 2) != 0) return pd_error(PD_EINVAL, "unexpected argument '%s'", arg);
+        const char *eq = strchr(arg, '=');
+        size_t fl = eq ? (size_t)(eq - arg) : strlen(arg);
+        if (fl >= sizeof flag) return pd_error(PD_EINVAL, "unknown flag '%s'", arg);
+        memcpy(flag, arg, fl);
+        flag[fl] = '\0';
+        if (eq)
+            val = eq + 1;
+        else if (i + 1 < argc)
+            val = argv[i + 1];
+        bool consumed = !eq;
+#define NEED()                                                                                     \
+    do {                                                                                           \
+        if (!val) return pd_error(PD_EINVAL, "%s needs a value", flag);                            \
+        if (consumed) i++;                                                                         \
+    } while (0)
+        int64_t x;
+        if (strcmp(flag, "--model") == 0) {
+            NEED();
+            p->model = val;
+        } else if (strcmp(flag, "--served-model-name") == 0) {
+            NEED();
+            if (!names_given) p->n_served_names = 0;
+            names_given = true;
+            if (p->n_served_names >= PD_SCHED_MAX_NAMES)
+                return pd_error(PD_EINVAL, "--served-model-name: at most %d names",
+                                PD_SCHED_MAX_NAMES);
+            p->served_names[p->n_served_names++] = val;
+            /* further names up to the next flag */
+            while (!eq && i + 1 < argc && strncmp(argv[i + 1], "--", 2) != 0) {
+                if (p->n_served_names >= PD_SCHED_MAX_NAMES)
+                    return pd_error(PD_EINVAL, "--served-model-name: at most %d names",
+                                    PD_SCHED_MAX_NAMES);
+                p->served_names[p->n_served_names++] = argv[++i];
+            }
+        } else if (strcmp(flag, "--host") == 0) {
+            NEED();
+            p->host = val;
+        } else if (strcmp(flag, "--port") == 0) {
+            NEED();
+            PD_CHECK(parse_i64(flag, val, 0, &x));
+            if (x > 65535) return pd_error(PD_EINVAL, "--port: %lld is not a port", (long long)x);
+            p->port = (int)x;
+        } else if (strcmp(flag, "--api-key") == 0) {
+            NEED();
+            p->api_key = val;
+        } else if (strcmp(flag, "--max-model-len") == 0) {
+            NEED();
+            PD_CHECK(parse_i64(flag, val, 1, &p->max_model_len));
+        } else if (strcmp(flag, "--max-concurrent-requests") == 0) {
+            NEED();
+            PD_CHECK(parse_i64(flag, val, 0, &p->max_concurrent_requests));
+        } else if (strcmp(flag, "--max-request-body-bytes") == 0) {
+            NEED();
+            PD_CHECK(parse_i64(flag, val, 1, &p->max_request_body_bytes));
+        } else if (strcmp(flag, "--chat-template") == 0) {
+            NEED();
+            p->chat_template = val;
+        } else if (strcmp(flag, "--trust-request-chat-template") == 0) {
+            if (eq) return pd_error(PD_EINVAL, "%s takes no value", flag);
+            p->trust_request_chat_template = true;
+        } else if (strcmp(flag, "--default-chat-template-kwargs") == 0) {
+            NEED();
+            p->default_chat_template_kwargs = val;
+        } else if (strcmp(flag, "--generation-config") == 0) {
+            NEED();
+            if (strcmp(val, "auto") == 0)
+                p->generation_config_vllm = false;
+            else if (strcmp(val, "vllm") == 0)
+                p->generation_config_vllm = true;
+            else
+                return pd_error(PD_EINVAL, "--generation-config: '%s' must be auto or vllm", val);
+        } else if (strcmp(flag, "--response-role") == 0) {
+            NEED();
+            p->response_role = val;
+        } else if (strcmp(flag, "--max-logprobs") == 0) {
+            NEED();
+            PD_CHECK(parse_i64(flag, val, 0, &x));
+            p->max_logprobs = x > 1000000 ? 1000000 : (int)x;
+        } else if (strcmp(flag, "--log-level") == 0) {
+            NEED();
+            p->log_level = val;
+        } else {
+            return pd_error(PD_EINVAL, "unknown flag '%s' (see --help)", flag);
+        }
+#undef NEED
+    }
+    return PD_OK;
+}

@@ -1,0 +1,40 @@
+/* pd-scheduler: the api-server executable. Argument parsing and wiring only; the logic is in
+ * the pdsched library (sched.h). */
+#include <stdio.h>
+
+#include "sched.h"
+#include "util/log.h"
+#include "util/status.h"
+
+int main(int argc, char **argv)
+{
+    pd_log_init("scheduler");
+    pd_sched_params p = pd_sched_default_params();
+    bool help = false;
+    if (pd_sched_parse_args(argc, argv, &p, &help) < 0) {
+        fprintf(stderr, "pd-scheduler: %s\n%s", pd_last_error(), pd_sched_usage());
+        return 2;
+    }
+    if (help) {
+        fputs(pd_sched_usage(), stdout);
+        return 0;
+    }
+    if (p.log_level) {
+        pd_log_level lv;
+        if (pd_log_parse_level(p.log_level, &lv) < 0) {
+            fprintf(stderr, "pd-scheduler: --log-level: '%s' is not debug, info, warn or error\n",
+                    p.log_level);
+            return 2;
+        }
+        pd_log_set_level(lv);
+    }
+    pd_sched *s = NULL;
+    if (pd_sched_create(&p, &s) < 0) {
+        PD_ERROR(NULL, "start-up failed: %s", pd_last_error());
+        return 1;
+    }
+    int rc = pd_sched_run(s, true);
+    pd_sched_free(s);
+    PD_INFO(NULL, "stopped");
+    return rc < 0 ? 1 : 0;
+}

@@ -1,0 +1,525 @@
+/* Instance registry and heartbeat (see registry.h). */
+#include "registry.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "rpc/pd_msg.h"
+#include "util/clock.h"
+#include "util/log.h"
+#include "util/status.h"
+
+#define REG_MAX_RANKS 64
+
+typedef struct {
+    const rt_instance *inst; /* borrowed from the global table */
+    char name[300];          /* "<server_ip>:<port>" */
+    int port;
+    pd_rpc_channel *ch;
+    /* under r->mu */
+    bool verified;           /* Info matched the ranktable */
+    bool up;                 /* verified and the last Stats answered */
+    char reason[256];        /* why it is out (logged once per change) */
+    int64_t load_tokens;     /* from Stats: queued (P) or running + reserved (D) */
+    int64_t inflight_tokens; /* what this scheduler has in flight on it */
+    int64_t kv_total, kv_free, preemptions;
+    int max_num_seqs;
+    char transport[16]; /* from Info */
+    size_t n_ranks;
+    Pd__DecodeTarget targets[REG_MAX_RANKS]; /* host strings in target_hosts */
+    char target_hosts[REG_MAX_RANKS][64];
+} reg_node;
+
+struct pd_reg {
+    rt_global *g;
+    pd_rpc_client *client;
+    int n;
+    reg_node *nodes; /* (n,) */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    pthread_rwlock_t ch_lock; /* read: starting a call; write: closing the channels */
+    bool closed;              /* under ch_lock */
+    bool stop, running;
+    int rounds;
+    unsigned rr[RT_ROLE_COUNT]; /* round-robin cursor per role */
+    pthread_t thread;
+    int period_ms, timeout_ms;
+    pd_reg_change_fn on_change;
+    void *on_change_arg;
+};
+
+int pd_reg_create(const char *global_file, const char *node_ports, pd_rpc_client *client,
+                  pd_reg **out)
+{
+    *out = NULL;
+    if (!global_file || !*global_file)
+        return pd_error(PD_EINVAL, "GLOBAL_RANK_TABLE_FILE_PATH is not set");
+    if (!node_ports || !*node_ports) return pd_error(PD_EINVAL, "NODE_PORTS is not set");
+    pd_reg *r = calloc(1, sizeof *r);
+    if (!r) return pd_error(PD_ENOMEM, "registry: out of memory");
+    pthread_mutex_init(&r->mu, NULL);
+    pthread_cond_init(&r->cv, NULL);
+    pthread_rwlock_init(&r->ch_lock, NULL);
+    r->client = client;
+    int rc = rt_global_load_file(global_file, 0, NULL, &r->g);
+    if (rc < 0) goto fail;
+    r->n = (int)rt_global_node_count(r->g);
+    if (r->n == 0) {
+        rc = pd_error(PD_EINVAL, "%s: no prefill or decode instance", global_file);
+        goto fail;
+    }
+    r->nodes = calloc((size_t)r->n, sizeof *r->nodes);
+    if (!r->nodes) {
+        rc = pd_error(PD_ENOMEM, "registry: out of memory");
+        goto fail;
+    }
+    /* NODE_PORTS: comma-separated decimal ports, one per instance in global order */
+    int k = 0;
+    const char *s = node_ports;
+    while (*s) {
+        char *end;
+        errno = 0;
+        long port = strtol(s, &end, 10);
+        if (end == s || errno || port < 1 || port > 65535 || (*end && *end != ',')) {
+            rc = pd_error(PD_EINVAL, "NODE_PORTS: '%s': entry %d is not a port (1..65535)",
+                          node_ports, k + 1);
+            goto fail;
+        }
+        if (k < r->n) r->nodes[k].port = (int)port;
+        k++;
+        s = *end ? end + 1 : end;
+    }
+    if (k != r->n) {
+        rc = pd_error(PD_EINVAL,
+                      "NODE_PORTS: %d port(s) given but %s lists %zu prefill + %zu decode "
+                      "instance(s); give one port per prefill then per decode instance",
+                      k, global_file, rt_global_instance_count(r->g, RT_ROLE_PREFILL),
+                      rt_global_instance_count(r->g, RT_ROLE_DECODE));
+        goto fail;
+    }
+    for (int i = 0; i < r->n; i++) {
+        reg_node *nd = &r->nodes[i];
+        nd->inst = rt_global_node(r->g, (size_t)i);
+        snprintf(nd->name, sizeof nd->name, "%s:%d", nd->inst->server_ip, nd->port);
+        snprintf(nd->reason, sizeof nd->reason, "not contacted yet");
+        for (int j = 0; j < i; j++) {
+            if (strcmp(r->nodes[j].name, nd->name) == 0) {
+                rc = pd_error(PD_EINVAL,
+                              "NODE_PORTS: %s %zu and %s %zu both use %s; every instance on a "
+                              "host needs its own port",
+                              rt_role_name(r->nodes[j].inst->role), r->nodes[j].inst->index,
+                              rt_role_name(nd->inst->role), nd->inst->index, nd->name);
+                goto fail;
+            }
+        }
+    }
+    for (int i = 0; i < r->n; i++) {
+        rc = pd_rpc_channel_create(client, r->nodes[i].name, 0, &r->nodes[i].ch);
+        if (rc < 0) goto fail;
+    }
+    *out = r;
+    return PD_OK;
+fail:
+    pd_reg_free(r);
+    return rc;
+}
+
+/* Compares an Info reply with the ranktable entry; 0 when it matches, else writes why. */
+static int check_identity(const reg_node *nd, const Pd__InfoReply *m, char *why, size_t n)
+{
+    const rt_instance *in = nd->inst;
+    const char *role = rt_role_name(in->role);
+    if (strcmp(m->role, role) != 0) {
+        snprintf(why, n, "answers as role '%s', the ranktable says '%s'", m->role, role);
+        return -1;
+    }
+    if ((size_t)m->instance_index != in->index) {
+        snprintf(why, n, "answers as %s instance %d, the ranktable says %zu", role,
+                 m->instance_index, in->index);
+        return -1;
+    }
+    if (strcmp(m->server_id, in->server_id) != 0) {
+        snprintf(why, n, "answers with server_id '%s', the ranktable says '%s'", m->server_id,
+                 in->server_id);
+        return -1;
+    }
+    if (strcmp(m->server_ip, in->server_ip) != 0) {
+        snprintf(why, n, "answers with server_ip '%s', the ranktable says '%s'", m->server_ip,
+                 in->server_ip);
+        return -1;
+    }
+    if (m->n_ranks != in->n_devices || (size_t)m->tp_size != in->n_devices) {
+        snprintf(why, n, "answers with %zu rank(s) (tp %d), the ranktable lists %zu device(s)",
+                 m->n_ranks, m->tp_size, in->n_devices);
+        return -1;
+    }
+    if (m->n_ranks > REG_MAX_RANKS) {
+        snprintf(why, n, "has %zu ranks, more than the %d supported", m->n_ranks, REG_MAX_RANKS);
+        return -1;
+    }
+    for (size_t i = 0; i < m->n_ranks; i++) {
+        const Pd__RankInfo *ri = m->ranks[i];
+        if (ri->rank != (int32_t)i || ri->device_id != in->devices[i].ordinal) {
+            snprintf(why, n, "rank %zu answers with device %d, the ranktable says device %d", i,
+                     ri->device_id, in->devices[i].ordinal);
+            return -1;
+        }
+        if (strlen(ri->device_ip) >= sizeof nd->target_hosts[0]) {
+            snprintf(why, n, "rank %zu device_ip is too long", i);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Marks node k out (with reason) or in; calls on_change outside the lock on a change. */
+static void set_state(pd_reg *r, int k, bool up, const char *reason)
+{
+    reg_node *nd = &r->nodes[k];
+    pthread_mutex_lock(&r->mu);
+    bool changed = nd->up != up || (!up && strcmp(nd->reason, reason) != 0);
+    bool up_changed = nd->up != up;
+    nd->up = up;
+    if (!up) {
+        nd->verified = false;
+        snprintf(nd->reason, sizeof nd->reason, "%s", reason);
+    }
+    pthread_mutex_unlock(&r->mu);
+    if (changed) {
+        if (up)
+            PD_INFO(NULL, "%s instance %zu at %s joined the routing set",
+                    rt_role_name(nd->inst->role), nd->inst->index, nd->name);
+        else
+            PD_WARN(NULL, "%s instance %zu at %s is out of the routing set: %s",
+                    rt_role_name(nd->inst->role), nd->inst->index, nd->name, reason);
+    }
+    if (up_changed && r->on_change) r->on_change(r->on_change_arg, k, up);
+}
+
+static void heartbeat_node(pd_reg *r, int k)
+{
+    reg_node *nd = &r->nodes[k];
+    char why[512];
+    pthread_mutex_lock(&r->mu);
+    bool verified = nd->verified;
+    pthread_mutex_unlock(&r->mu);
+    uint8_t *resp = NULL;
+    size_t len = 0;
+    if (!verified) {
+        Pd__InfoRequest q = PD__INFO_REQUEST__INIT;
+        uint8_t buf[16];
+        size_t qlen = pd__info_request__pack(&q, buf);
+        if (pd_rpc_unary(nd->ch, "/pd.PD/Info", buf, qlen, r->timeout_ms, &resp, &len, NULL) < 0) {
+            snprintf(why, sizeof why, "Info failed: %s", pd_last_error());
+            set_state(r, k, false, why);
+            return;
+        }
+        Pd__InfoReply *m = pd__info_reply__unpack(NULL, len, resp);
+        free(resp);
+        if (!m) {
+            set_state(r, k, false, "Info reply does not parse");
+            return;
+        }
+        if (check_identity(nd, m, why, sizeof why) < 0) {
+            char msg[700];
+            snprintf(msg, sizeof msg, "identity does not match the ranktable: %s", why);
+            pd__info_reply__free_unpacked(m, NULL);
+            set_state(r, k, false, msg);
+            return;
+        }
+        pthread_mutex_lock(&r->mu);
+        nd->verified = true;
+        nd->max_num_seqs = m->max_num_seqs;
+        snprintf(nd->transport, sizeof nd->transport, "%s", m->kv_transport);
+        nd->n_ranks = m->n_ranks;
+        for (size_t i = 0; i < m->n_ranks; i++) {
+            Pd__DecodeTarget *t = &nd->targets[i];
+            pd__decode_target__init(t);
+            snprintf(nd->target_hosts[i], sizeof nd->target_hosts[i], "%s", m->ranks[i]->device_ip);
+            t->host = nd->target_hosts[i];
+            t->port = m->ranks[i]->data_port;
+            t->kv_head0 = m->ranks[i]->kv_head0;
+            t->kv_heads = m->ranks[i]->kv_heads;
+        }
+        pthread_mutex_unlock(&r->mu);
+        pd__info_reply__free_unpacked(m, NULL);
+    }
+    Pd__StatsRequest sq = PD__STATS_REQUEST__INIT;
+    uint8_t sbuf[16];
+    size_t slen = pd__stats_request__pack(&sq, sbuf);
+    if (pd_rpc_unary(nd->ch, "/pd.PD/Stats", sbuf, slen, r->timeout_ms, &resp, &len, NULL) < 0) {
+        snprintf(why, sizeof why, "Stats failed: %s", pd_last_error());
+        set_state(r, k, false, why);
+        return;
+    }
+    Pd__StatsReply *st = pd__stats_reply__unpack(NULL, len, resp);
+    free(resp);
+    if (!st) {
+        set_state(r, k, false, "Stats reply does not parse");
+        return;
+    }
+    bool draining = st->draining;
+    pthread_mutex_lock(&r->mu);
+    nd->load_tokens = nd->inst->role == RT_ROLE_PREFILL ? st->queued_tokens
+                                                        : st->running_tokens + st->reserved_tokens;
+    nd->kv_total = st->kv_blocks_total;
+    nd->kv_free = st->kv_blocks_free;
+    nd->preemptions = st->num_preemptions;
+    pthread_mutex_unlock(&r->mu);
+    pd__stats_reply__free_unpacked(st, NULL);
+    if (draining)
+        set_state(r, k, false, "draining (shutting down)");
+    else
+        set_state(r, k, true, "");
+}
+
+static void *heartbeat_main(void *arg)
+{
+    pd_reg *r = arg;
+    pd_log_set_role("scheduler");
+    for (;;) {
+        for (int k = 0; k < r->n; k++) {
+            pthread_mutex_lock(&r->mu);
+            bool stop = r->stop;
+            pthread_mutex_unlock(&r->mu);
+            if (stop) return NULL;
+            heartbeat_node(r, k);
+        }
+        pthread_mutex_lock(&r->mu);
+        r->rounds++;
+        pthread_cond_broadcast(&r->cv);
+        int64_t until = pd_wall_ns() + (int64_t)r->period_ms * PD_NS_PER_MS;
+        struct timespec ts = {.tv_sec = until / PD_NS_PER_S, .tv_nsec = until % PD_NS_PER_S};
+        while (!r->stop && pthread_cond_timedwait(&r->cv, &r->mu, &ts) != ETIMEDOUT) {
+        }
+        bool stop = r->stop;
+        pthread_mutex_unlock(&r->mu);
+        if (stop) return NULL;
+    }
+}
+
+int pd_reg_start(pd_reg *r, int period_ms, int timeout_ms, pd_reg_change_fn on_change, void *arg)
+{
+    r->period_ms = period_ms > 0 ? period_ms : 1000;
+    r->timeout_ms = timeout_ms > 0 ? timeout_ms : 1000;
+    r->on_change = on_change;
+    r->on_change_arg = arg;
+    if (pthread_create(&r->thread, NULL, heartbeat_main, r) != 0)
+        return pd_error(PD_EINTERNAL, "registry: cannot start the heartbeat thread");
+    r->running = true;
+    return PD_OK;
+}
+
+void pd_reg_close(pd_reg *r)
+{
+    if (r->running) {
+        pthread_mutex_lock(&r->mu);
+        r->stop = true;
+        pthread_cond_broadcast(&r->cv);
+        pthread_mutex_unlock(&r->mu);
+        pthread_join(r->thread, NULL);
+        r->running = false;
+    }
+    pthread_rwlock_wrlock(&r->ch_lock);
+    r->closed = true;
+    for (int i = 0; r->nodes && i < r->n; i++) {
+        if (r->nodes[i].ch) pd_rpc_channel_destroy(r->nodes[i].ch);
+        r->nodes[i].ch = NULL;
+    }
+    pthread_rwlock_unlock(&r->ch_lock);
+}
+
+void pd_reg_free(pd_reg *r)
+{
+    if (!r) return;
+    pd_reg_close(r);
+    free(r->nodes);
+    rt_global_free(r->g);
+    pthread_mutex_destroy(&r->mu);
+    pthread_cond_destroy(&r->cv);
+    pthread_rwlock_destroy(&r->ch_lock);
+    free(r);
+}
+
+int pd_reg_unary(pd_reg *r, int k, const char *method, const void *req, size_t len, int timeout_ms,
+                 pd_rpc_done_fn done, void *arg, uint64_t *id)
+{
+    pthread_rwlock_rdlock(&r->ch_lock);
+    if (r->closed || k < 0 || k >= r->n) {
+        pthread_rwlock_unlock(&r->ch_lock);
+        if (id) *id = 0;
+        done(arg, PD_RPC_CANCELLED, "the scheduler is shutting down", NULL, 0);
+        return pd_error(PD_ECLOSED, "registry closed");
+    }
+    int rc = pd_rpc_unary_async(r->nodes[k].ch, method, req, len, timeout_ms, done, arg, id);
+    pthread_rwlock_unlock(&r->ch_lock);
+    return rc;
+}
+
+int pd_reg_stream(pd_reg *r, int k, const char *method, const void *req, size_t len, int timeout_ms,
+                  pd_rpc_msg_fn on_msg, pd_rpc_done_fn done, void *arg, uint64_t *id)
+{
+    pthread_rwlock_rdlock(&r->ch_lock);
+    if (r->closed || k < 0 || k >= r->n) {
+        pthread_rwlock_unlock(&r->ch_lock);
+        if (id) *id = 0;
+        done(arg, PD_RPC_CANCELLED, "the scheduler is shutting down", NULL, 0);
+        return pd_error(PD_ECLOSED, "registry closed");
+    }
+    int rc =
+        pd_rpc_stream_async(r->nodes[k].ch, method, req, len, timeout_ms, on_msg, done, arg, id);
+    pthread_rwlock_unlock(&r->ch_lock);
+    return rc;
+}
+
+const rt_global *pd_reg_global(const pd_reg *r)
+{
+    return r->g;
+}
+
+int pd_reg_count(const pd_reg *r)
+{
+    return r->n;
+}
+
+rt_role pd_reg_role(const pd_reg *r, int k)
+{
+    return r->nodes[k].inst->role;
+}
+
+const char *pd_reg_name(const pd_reg *r, int k)
+{
+    return r->nodes[k].name;
+}
+
+bool pd_reg_is_up(pd_reg *r, int k)
+{
+    pthread_mutex_lock(&r->mu);
+    bool up = r->nodes[k].up;
+    pthread_mutex_unlock(&r->mu);
+    return up;
+}
+
+int pd_reg_up_count(pd_reg *r, rt_role role)
+{
+    int n = 0;
+    pthread_mutex_lock(&r->mu);
+    for (int k = 0; k < r->n; k++) n += r->nodes[k].inst->role == role && r->nodes[k].up;
+    pthread_mutex_unlock(&r->mu);
+    return n;
+}
+
+bool pd_reg_wait_round(pd_reg *r, int timeout_ms)
+{
+    int64_t until = pd_wall_ns() + (int64_t)timeout_ms * PD_NS_PER_MS;
+    struct timespec ts = {.tv_sec = until / PD_NS_PER_S, .tv_nsec = until % PD_NS_PER_S};
+    pthread_mutex_lock(&r->mu);
+    while (r->rounds == 0 && !r->stop)
+        if (pthread_cond_timedwait(&r->cv, &r->mu, &ts) == ETIMEDOUT) break;
+    bool ok = r->rounds > 0;
+    pthread_mutex_unlock(&r->mu);
+    return ok;
+}
+
+int pd_reg_pick(pd_reg *r, rt_role role, int64_t tokens, int exclude)
+{
+    pthread_mutex_lock(&r->mu);
+    int best = -1;
+    int64_t best_load = 0;
+    /* scan from the round-robin cursor so that ties rotate */
+    unsigned start = r->rr[role]++;
+    for (int i = 0; i < r->n; i++) {
+        int k = (int)((start + (unsigned)i) % (unsigned)r->n);
+        reg_node *nd = &r->nodes[k];
+        if (nd->inst->role != role || !nd->up || k == exclude) continue;
+        int64_t load = nd->load_tokens + nd->inflight_tokens;
+        if (best < 0 || load < best_load) {
+            best = k;
+            best_load = load;
+        }
+    }
+    if (best >= 0) r->nodes[best].inflight_tokens += tokens;
+    pthread_mutex_unlock(&r->mu);
+    return best;
+}
+
+void pd_reg_release(pd_reg *r, int k, int64_t tokens)
+{
+    if (k < 0 || k >= r->n) return;
+    pthread_mutex_lock(&r->mu);
+    r->nodes[k].inflight_tokens -= tokens;
+    if (r->nodes[k].inflight_tokens < 0) r->nodes[k].inflight_tokens = 0;
+    pthread_mutex_unlock(&r->mu);
+}
+
+int pd_reg_decode_targets(pd_reg *r, int k, pd_arena *a, Pd__DecodeTarget ***out, size_t *n)
+{
+    pthread_mutex_lock(&r->mu);
+    reg_node *nd = &r->nodes[k];
+    if (!nd->verified || nd->n_ranks == 0) {
+        pthread_mutex_unlock(&r->mu);
+        return pd_error(PD_ENOTFOUND, "decode instance %s is not verified", nd->name);
+    }
+    Pd__DecodeTarget *t = pd_arena_calloc(a, nd->n_ranks, sizeof *t);
+    Pd__DecodeTarget **p = pd_arena_calloc(a, nd->n_ranks, sizeof *p);
+    if (!t || !p) {
+        pthread_mutex_unlock(&r->mu);
+        return pd_error(PD_ENOMEM, "registry: out of memory");
+    }
+    for (size_t i = 0; i < nd->n_ranks; i++) {
+        t[i] = nd->targets[i];
+        t[i].host = pd_arena_strdup(a, nd->target_hosts[i]);
+        p[i] = &t[i];
+    }
+    *out = p;
+    *n = nd->n_ranks;
+    pthread_mutex_unlock(&r->mu);
+    return PD_OK;
+}
+
+void pd_reg_transport(pd_reg *r, int k, char *buf, size_t n)
+{
+    pthread_mutex_lock(&r->mu);
+    snprintf(buf, n, "%s", r->nodes[k].transport);
+    pthread_mutex_unlock(&r->mu);
+}
+
+int pd_reg_max_num_seqs(pd_reg *r)
+{
+    int m = 0;
+    pthread_mutex_lock(&r->mu);
+    for (int k = 0; k < r->n; k++) {
+        reg_node *nd = &r->nodes[k];
+        if (nd->inst->role != RT_ROLE_DECODE || !nd->verified || nd->max_num_seqs <= 0) continue;
+        if (m == 0 || nd->max_num_seqs < m) m = nd->max_num_seqs;
+    }
+    pthread_mutex_unlock(&r->mu);
+    return m;
+}
+
+double pd_reg_kv_usage(pd_reg *r)
+{
+    int64_t total = 0, used = 0;
+    pthread_mutex_lock(&r->mu);
+    for (int k = 0; k < r->n; k++) {
+        reg_node *nd = &r->nodes[k];
+        if (nd->inst->role != RT_ROLE_DECODE) continue;
+        total += nd->kv_total;
+        used += nd->kv_total - nd->kv_free;
+    }
+    pthread_mutex_unlock(&r->mu);
+    return total > 0 ? (double)used / (double)total : 0.0;
+}
+
+int64_t pd_reg_preemptions(pd_reg *r)
+{
+    int64_t s = 0;
+    pthread_mutex_lock(&r->mu);
+    for (int k = 0; k < r->n; k++)
+        if (r->nodes[k].inst->role == RT_ROLE_DECODE) s += r->nodes[k].preemptions;
+    pthread_mutex_unlock(&r->mu);
+    return s;
+}

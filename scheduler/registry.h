@@ -1,0 +1,86 @@
+/* Instance registry of pd-scheduler: who the prefill and decode instances are (global ranktable
+ * + NODE_PORTS), whether each is in the routing set, and how loaded each is.
+ *
+ * Design: one gRPC channel per instance. A heartbeat thread calls Info on every instance that
+ * is not verified (the identity must match its ranktable entry: role, instance_index, server_id,
+ * server_ip, tp size and device ids, else the instance stays out with a logged reason) and Stats
+ * on every verified one, every heartbeat period. A failed call takes the instance out of the
+ * routing set (and out of verification, so a restarted process is checked again); it rejoins
+ * when it answers. Routing is least outstanding tokens (prefill: prompt tokens this scheduler
+ * has in flight on it plus its queued tokens; decode: running + reserved tokens from Stats plus
+ * this scheduler's in-flight tokens), round-robin among ties. All state sits under one mutex;
+ * every function is thread-safe.
+ */
+#ifndef PD_SCHEDULER_REGISTRY_H
+#define PD_SCHEDULER_REGISTRY_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ranktable/ranktable.h"
+#include "rpc/pd.pb-c.h"
+#include "rpc/rpc.h"
+#include "util/arena.h"
+
+typedef struct pd_reg pd_reg;
+
+/* Called from the heartbeat thread when instance k enters (up=true) or leaves the routing set. */
+typedef void (*pd_reg_change_fn)(void *arg, int k, bool up);
+
+/* Loads global_file, checks that NODE_PORTS has one port per prefill then decode instance and
+ * that no two instances share host:port (PD_EINVAL naming both), and opens one channel per
+ * instance on client (which must outlive the registry). Nothing is called yet. */
+int pd_reg_create(const char *global_file, const char *node_ports, pd_rpc_client *client,
+                  pd_reg **out);
+/* Starts the heartbeat thread: one round at once, then every period_ms; each call has
+ * timeout_ms. on_change may be NULL. */
+int pd_reg_start(pd_reg *r, int period_ms, int timeout_ms, pd_reg_change_fn on_change, void *arg);
+/* pd_reg_close (if not done yet), then frees. */
+void pd_reg_free(pd_reg *r);
+
+/* The loaded global ranktable (for the host-table check). */
+const rt_global *pd_reg_global(const pd_reg *r);
+/* Instances: prefill first (0..n_prefill-1), then decode, as in NODE_PORTS. */
+int pd_reg_count(const pd_reg *r);
+rt_role pd_reg_role(const pd_reg *r, int k);
+/* "<server_ip>:<port>". */
+const char *pd_reg_name(const pd_reg *r, int k);
+/* Starts a call on instance k's channel (pd_rpc_unary_async / pd_rpc_stream_async contract:
+ * done runs exactly once). After pd_reg_close, done runs at once with PD_RPC_CANCELLED. Safe
+ * from any thread, including from inside another call's callback. */
+int pd_reg_unary(pd_reg *r, int k, const char *method, const void *req, size_t len, int timeout_ms,
+                 pd_rpc_done_fn done, void *arg, uint64_t *id);
+int pd_reg_stream(pd_reg *r, int k, const char *method, const void *req, size_t len, int timeout_ms,
+                  pd_rpc_msg_fn on_msg, pd_rpc_done_fn done, void *arg, uint64_t *id);
+/* Stops the heartbeat and destroys the channels (calls in flight keep running until the
+ * client is destroyed); later calls are refused. Call before pd_rpc_client_destroy. */
+void pd_reg_close(pd_reg *r);
+bool pd_reg_is_up(pd_reg *r, int k);
+/* Instances of a role in the routing set. */
+int pd_reg_up_count(pd_reg *r, rt_role role);
+/* Blocks until one heartbeat round has completed (or timeout_ms). true when it has. */
+bool pd_reg_wait_round(pd_reg *r, int timeout_ms);
+
+/* Picks the least loaded instance of role in the routing set (round-robin among ties), not
+ * exclude (-1 = none), and adds tokens to its in-flight count. -1 when none is up. */
+int pd_reg_pick(pd_reg *r, rt_role role, int64_t tokens, int exclude);
+/* Takes tokens back from instance k's in-flight count. */
+void pd_reg_release(pd_reg *r, int k, int64_t tokens);
+
+/* Decode instance k's ranks as Prefill targets: *out is an array of *n pointers to targets,
+ * allocated with their strings in a. PD_ENOTFOUND when k has not been verified. */
+int pd_reg_decode_targets(pd_reg *r, int k, pd_arena *a, Pd__DecodeTarget ***out, size_t *n);
+
+/* Copies the KV transport instance k reported in Info ("tcp", "nccl", "cuda_ipc"; "" before
+ * its first Info) into buf (n bytes). */
+void pd_reg_transport(pd_reg *r, int k, char *buf, size_t n);
+
+/* Smallest max_num_seqs among verified decode instances (0 when none is known). */
+int pd_reg_max_num_seqs(pd_reg *r);
+/* Cluster aggregates from the last Stats: KV used / total over decode instances (0 when no
+ * block is known), preemptions summed over decode instances. */
+double pd_reg_kv_usage(pd_reg *r);
+int64_t pd_reg_preemptions(pd_reg *r);
+
+#endif

@@ -1,0 +1,74 @@
+/* pd-scheduler: the api-server. Parses the launch contract (flags + environment), loads the
+ * tokenizer, chat template and instance registry, serves the OpenAI-compatible HTTP API of
+ * api_contract.md on a libuv loop, and drives every request through one decode instance
+ * (Reserve, Decode stream) and one prefill instance (Prefill).
+ *
+ * Design: one libuv loop thread owns every socket and every request's client-facing state. The
+ * gRPC client thread runs the Reserve -> Prefill -> Decode chain; its results are appended to the
+ * request under the request's mutex and the request is put on a ready list that the loop drains
+ * from one uv_async callback. The registry's heartbeat thread keeps the routing set current.
+ * Executables are thin: scheduler/main.c only calls the functions below.
+ */
+#ifndef PD_SCHEDULER_SCHED_H
+#define PD_SCHEDULER_SCHED_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define PD_SCHED_MAX_NAMES 16
+
+/* Every flag and environment value that shapes the scheduler (api_contract.md §17). */
+typedef struct {
+    const char *model;                            /* --model DIR (required) */
+    const char *served_names[PD_SCHED_MAX_NAMES]; /* --served-model-name N [N...]; default model */
+    int n_served_names;
+    const char *host;                 /* --host, default "0.0.0.0" */
+    int port;                         /* --port, default 8000; 0 = ephemeral */
+    const char *api_key;              /* --api-key, else VLLM_API_KEY, else NULL */
+    int64_t max_model_len;            /* --max-model-len; 0 = config.json max_position_embeddings */
+    int64_t max_concurrent_requests;  /* --max-concurrent-requests, default 4096, 0 = no limit */
+    int64_t max_request_body_bytes;   /* --max-request-body-bytes, default 16 MiB */
+    const char *chat_template;        /* --chat-template FILE|STRING, or NULL */
+    bool trust_request_chat_template; /* --trust-request-chat-template */
+    const char *default_chat_template_kwargs; /* --default-chat-template-kwargs JSON, or NULL */
+    bool generation_config_vllm;              /* --generation-config vllm (default auto) */
+    const char *response_role;                /* --response-role, default "assistant" */
+    int max_logprobs;                         /* --max-logprobs, default 20 */
+    const char *log_level;                    /* --log-level (else PD_LOG_LEVEL), or NULL */
+    bool use_openai;                          /* USE_OPENAI, default true */
+    const char *global_ranktable;             /* GLOBAL_RANK_TABLE_FILE_PATH (required) */
+    const char *local_ranktable; /* RANK_TABLE_FILE_PATH (optional: must be the _host table) */
+    const char *node_ports;      /* NODE_PORTS (required): one port per P then per D */
+    int heartbeat_ms;            /* 1000 */
+    int rpc_timeout_ms;          /* deadline of Info/Stats/Reserve/Abort: 5000 */
+    int prefill_timeout_ms;      /* deadline of Prefill: 60000 */
+    int decode_timeout_ms;       /* deadline of a Decode stream: 600000 */
+} pd_sched_params;
+
+/* Built-in defaults; environment and flags are applied on top by pd_sched_parse_args. */
+pd_sched_params pd_sched_default_params(void);
+
+/* Applies the environment (GLOBAL_RANK_TABLE_FILE_PATH, RANK_TABLE_FILE_PATH, NODE_PORTS,
+ * USE_OPENAI, VLLM_API_KEY) and then argv[1..argc-1] to *p. Strings borrow argv/environ.
+ * PD_EINVAL naming the flag or variable for an unknown flag, a missing value or a bad number.
+ * *help is set when --help was given (p is then incomplete). */
+int pd_sched_parse_args(int argc, char **argv, pd_sched_params *p, bool *help);
+/* The --help text. */
+const char *pd_sched_usage(void);
+
+typedef struct pd_sched pd_sched;
+
+/* Loads everything the scheduler needs (tokenizer, template, ranktables, registry), binds the
+ * HTTP port and starts the heartbeat. Errors name the file, field, flag or address. */
+int pd_sched_create(const pd_sched_params *p, pd_sched **out);
+/* Bound HTTP port (useful with port 0). */
+int pd_sched_port(const pd_sched *s);
+/* Runs the loop until pd_sched_shutdown (or SIGINT/SIGTERM when install_signals was true at
+ * run). Returns PD_OK after a clean shutdown. */
+int pd_sched_run(pd_sched *s, bool install_signals);
+/* Thread-safe: asks the loop to stop (in-flight requests are aborted). */
+void pd_sched_shutdown(pd_sched *s);
+void pd_sched_free(pd_sched *s);
+
+#endif

@@ -1,0 +1,90 @@
+/* Integration-test harness: builds real pdserve clusters on loopback from the built executables
+ * (pd-mkmodel, pd-ranktable, pd-prefill, pd-decode), drives them with the gRPC client, and stops
+ * everything it started. Every wait is bounded. Executables are found under PD_BUILD_ROOT. */
+#ifndef PD_TEST_CLUSTER_H
+#define PD_TEST_CLUSTER_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "rpc/pd.pb-c.h"
+#include "rpc/rpc.h"
+
+typedef struct {
+    pid_t pid;
+    char name[64];
+    char log[512];
+} cl_proc;
+
+/* Path of a built executable, e.g. cl_bin("tools/mkmodel/pd-mkmodel"). Static buffer. */
+const char *cl_bin(const char *rel);
+/* Runs argv to completion within timeout_s; stdout (and stderr) go to out_file when not NULL.
+ * Returns the exit status, or -1 (timeout, spawn failure: killed and reaped). */
+int cl_run(char *const argv[], const char *out_file, int timeout_s);
+/* Starts argv with extra environment entries ("K=V", NULL-terminated), output to log. */
+int cl_spawn(cl_proc *p, const char *name, char *const argv[], char *const env[], const char *log);
+/* SIGTERM, wait up to timeout_ms, then SIGKILL. Returns the exit status (-1 when killed). */
+int cl_stop(cl_proc *p, int timeout_ms);
+/* Waits up to timeout_ms for the process to exit by itself (then SIGKILL). Exit status, or -1. */
+int cl_wait(cl_proc *p, int timeout_ms);
+/* Sends sig to the process (SIGKILL, SIGSTOP, SIGCONT). */
+void cl_signal(cl_proc *p, int sig);
+/* Prints the last lines of the process's log (for failures). */
+void cl_dump_log(const cl_proc *p, int lines);
+/* A TCP port that was free a moment ago on 127.0.0.1. */
+int cl_free_port(void);
+
+/* ---- a cluster ---------------------------------------------------------------------------- */
+
+typedef struct {
+    char dir[256];            /* temporary directory of the cluster */
+    char model[300];          /* model directory */
+    char global[400];         /* global ranktable */
+    int n_prefill, n_decode;
+    cl_proc procs[16];        /* prefill instances then decode instances */
+    int ports[16];
+    pd_rpc_client *client;
+    pd_rpc_channel *ch[16];
+} cl_cluster;
+
+/* Makes the tiny model (once per process, cached in the tmp dir) and ranktables with
+ * pd-ranktable --mode gen: prefill_list / decode_list as on its command line, e.g.
+ * "0" and "1", or "0,1" "2" for P TP=2 -> D TP=1. extra_args: more node flags (NULL ok). */
+int cl_start(cl_cluster *c, const char *model_dir, const char *prefill_list,
+             const char *decode_list, char *const extra_args[]);
+/* Stops every process (SIGTERM; the nodes must exit 0) and frees the client.
+ * Returns the number of processes that did not exit 0. */
+int cl_stop_all(cl_cluster *c);
+
+/* Node k: prefill instances first (0..n_prefill-1), then decode instances. */
+pd_rpc_channel *cl_node(cl_cluster *c, int k);
+
+/* Unary call with message packing/unpacking: returns the unpacked reply (free with
+ * protobuf_c_message_free_unpacked) or NULL with the gRPC status in *st and the message set. */
+ProtobufCMessage *cl_call(pd_rpc_channel *ch, const char *method, const ProtobufCMessage *req,
+                          const ProtobufCMessageDescriptor *reply_desc, int timeout_ms, int *st);
+
+/* One whole split request: Reserve on decode node dk, Prefill on prefill node pk, Decode on dk.
+ * Returns the generated token ids (first token included) in out (cap entries), *n_out, and the
+ * finish reason. sampling NULL = greedy with max_tokens. */
+typedef struct {
+    int32_t tokens[4096];
+    size_t n;
+    char finish[16];
+    char text[8192];
+    int status;      /* gRPC status of the failing step, 0 on success */
+    char error[512];
+} cl_result;
+
+int cl_generate(cl_cluster *c, int pk, int dk, const char *request_id, const int32_t *prompt,
+                size_t n_prompt, const Pd__SamplingParams *sampling, cl_result *out);
+
+/* Colocated reference: pd-generate --json on the same model for prompts (one per line of
+ * comma-separated ids), same sampling. Returns the token ids per prompt in out[i]. */
+int cl_reference(const char *model, const int32_t *const *prompts, const size_t *n_prompt,
+                 size_t n, int max_tokens, double temperature, int64_t seed, const char *dir,
+                 cl_result *out);
+
+#endif

