@@ -26,10 +26,11 @@ struct pd_threadpool {
     atomic_int done_tasks;
     atomic_int sleepers;
     atomic_bool stop;
-    /* the run being published; written before generation is bumped (release) */
+    /* the run being published: written while `next` carries the new generation with the
+     * index closed (UINT32_MAX), so no worker of any generation can claim meanwhile */
     pd_task_fn fn;
     void *ctx;
-    int n_tasks;
+    atomic_int n_tasks;
 };
 
 int pd_cpu_count(void)
@@ -45,17 +46,19 @@ static inline void cpu_relax(void)
 #endif
 }
 
-/* Runs tasks of generation gen until none is left to claim. */
+/* Runs tasks of generation gen until none is left to claim. The run's fn/ctx/n are read only
+ * after a successful claim: a claim proves the run is gen's and still incomplete, so the caller
+ * cannot be publishing the next one. */
 static void run_tasks(pd_threadpool *p, unsigned gen)
 {
-    pd_task_fn fn = p->fn;
-    void *ctx = p->ctx;
-    int n = p->n_tasks;
     for (;;) {
         uint64_t v = atomic_load_explicit(&p->next, memory_order_acquire);
-        if ((unsigned)(v >> 32) != gen || (int)(uint32_t)v >= n) return;
+        if ((unsigned)(v >> 32) != gen ||
+            (uint32_t)v >= (uint32_t)atomic_load_explicit(&p->n_tasks, memory_order_acquire))
+            return;
         if (!atomic_compare_exchange_weak(&p->next, &v, v + 1)) continue;
-        fn(ctx, (int)(uint32_t)v, n);
+        int n = atomic_load_explicit(&p->n_tasks, memory_order_relaxed);
+        p->fn(p->ctx, (int)(uint32_t)v, n);
         atomic_fetch_add_explicit(&p->done_tasks, 1, memory_order_release);
     }
 }
@@ -135,11 +138,14 @@ void pd_pool_run(pd_threadpool *p, pd_task_fn fn, void *ctx, int n_tasks)
         for (int i = 0; i < n_tasks; i++) fn(ctx, i, n_tasks);
         return;
     }
+    unsigned gen = atomic_load(&p->generation) + 1;
+    /* close: a late worker of the previous run now sees a foreign generation and leaves */
+    atomic_store(&p->next, ((uint64_t)gen << 32) | UINT32_MAX);
     p->fn = fn;
     p->ctx = ctx;
-    p->n_tasks = n_tasks;
+    atomic_store(&p->n_tasks, n_tasks);
     atomic_store(&p->done_tasks, 0);
-    unsigned gen = atomic_load(&p->generation) + 1;
+    /* open, then wake the workers */
     atomic_store_explicit(&p->next, (uint64_t)gen << 32, memory_order_release);
     atomic_store_explicit(&p->generation, gen, memory_order_release);
     if (atomic_load(&p->sleepers) > 0) {

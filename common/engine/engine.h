@@ -1,0 +1,233 @@
+/* The engine: turns concurrent requests into batched forward steps and streams their tokens.
+ *
+ * Design (llama.cpp server / vLLM engine core): one engine thread owns the model, the KV pool, the
+ * scheduler (sched.h) and every sequence. Other threads talk to it only through a mutex-protected
+ * inbox (add, abort, release, import) and read results from a bounded output queue of events that
+ * they drain; after each step that produced events the engine calls params.on_event (so a libuv
+ * loop can uv_async_send and drain the whole queue in its callback). pd_engine_step runs one
+ * step synchronously on the caller's thread, for tests and offline generation; pd_engine_start
+ * runs steps on a pthread until pd_engine_stop.
+ *
+ * A step: apply the inbox, schedule (decode rows and prefill chunks mixed), run copy-on-write
+ * block copies, run the forward pass on every tensor-parallel rank at once, then for each
+ * sequence whose last row produced logits: sample (sampler.h, keyed by (seed, choice index,
+ * output index)), detokenize incrementally (tokenizer.h), check stop conditions with hold-back
+ * (stop.h), and push one event. Nothing is allocated per token: step arrays, logits, sampler
+ * workspace and event slots are sized at create; per-request memory is allocated when a
+ * request is added and freed when it finishes.
+ *
+ * Determinism: every row's math is independent of the batch (the backend's contract) and sampling
+ * depends on (seed, choice index, output index) only, so a request gives the same tokens alone or
+ * with others, prefilled in one chunk or many, preempted or not, with TP = 1 or t (up to the
+ * float reduction order of the TP sum, which is fixed: rank 0 + rank 1 + ...).
+ *
+ * CPU tensor parallelism: with tp_size = t the engine creates t CPU backends (threads split
+ * between them) and t pd_forward instances with shard {r, t}, each with a KV pool of its own head
+ * range and the same block ids; rank 0 runs on the engine thread, ranks 1..t-1 on their own
+ * threads, and partial sums meet in a host allreduce (barrier, then a fixed-order sum).
+ *
+ * PD phases: a PD_PHASE_PREFILL_ONLY request runs its prompt, samples the first token and stops
+ * there with its blocks kept (HELD) for the KV hand-over; its final event carries the first
+ * token, the block ids and the seed; pd_engine_release frees the blocks. On the decode side,
+ * pd_engine_reserve allocates blocks for a prompt (refusing when they do not fit), a transfer
+ * writes the prompt's K/V into them, and pd_engine_add_imported admits the sequence with its
+ * first token; it continues from there as if it had been prefilled here.
+ */
+#ifndef PD_ENGINE_ENGINE_H
+#define PD_ENGINE_ENGINE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "backend/backend.h"
+#include "engine/sampler.h"
+#include "engine/stop.h"
+#include "model/model.h"
+#include "tokenizer/tokenizer.h"
+
+typedef struct pd_engine pd_engine;
+
+#define PD_ENGINE_MAX_REQUEST_ID 128 /* bytes of a request id, NUL excluded */
+
+typedef void (*pd_engine_wakeup_fn)(void *ctx);
+/* Observer of the raw logits row of a sequence before it is sampled (tests, debugging); called
+ * on the engine thread; logits (vocab) f32 valid during the call. step = output index. */
+typedef void (*pd_engine_logits_fn)(void *ctx, const char *request_id, uint32_t seq_index,
+                                    int64_t step, const float *logits, size_t vocab);
+
+typedef struct {
+    /* -- model: a directory to load, or an already loaded model (borrowed) ------------------ */
+    const char *model_dir; /* NULL: use model */
+    const pd_model *model; /* borrowed, used when model_dir is NULL; must outlive create */
+    const pd_tok *tok;     /* borrowed tokenizer; NULL: loaded from model_dir when it has a
+                              tokenizer.json; with neither, events carry no text and stop
+                              strings are refused */
+    pd_backend *backend;   /* borrowed backend for TP = 1; NULL: the engine creates CPU
+                              backend(s) */
+    int tp_size;           /* CPU tensor parallel size (1); > 1 needs backend NULL */
+    int n_threads;         /* CPU threads in total, split evenly across ranks; <= 0 = all
+                              online cores */
+    /* -- KV cache ------------------------------------------------------------------------- */
+    size_t block_size;        /* tokens per block (16) */
+    size_t kv_cache_bytes;    /* KV budget per rank in bytes; 0 = kv_cache_fraction of the
+                                 MemAvailable of /proc/meminfo */
+    double kv_cache_fraction; /* (0.4) used when kv_cache_bytes is 0 */
+    size_t num_kv_blocks;     /* exact block count (overrides the byte budget; tests); 0 = off */
+    /* -- scheduling ------------------------------------------------------------------------ */
+    size_t max_num_seqs;           /* (256) */
+    size_t max_num_batched_tokens; /* rows per step; 0 = max(max_model_len, 2048) */
+    size_t max_model_len;          /* 0 = the model's max_position_embeddings */
+    size_t max_prefill_chunk;      /* rows of one prefilling sequence per step; 0 = budget only */
+    /* -- sampling and output --------------------------------------------------------------- */
+    int64_t seed;                 /* -1 (default): a request without a seed gets a random one;
+                                     else seed of a seedless request = mix(seed, request counter) */
+    int32_t max_logprobs;         /* largest logprobs a request may ask for (20) */
+    size_t event_capacity;        /* output queue slots; 0 = 4 * max_num_seqs + 64 */
+    pd_engine_wakeup_fn on_event; /* called (engine thread) after a step pushed events */
+    void *on_event_ctx;
+    pd_engine_logits_fn on_logits; /* optional observer, NULL = none */
+    void *on_logits_ctx;
+} pd_engine_params;
+
+/* Defaults as documented on each field (every CLI starts from these). */
+pd_engine_params pd_engine_default_params(void);
+
+/* Loads (or borrows) the model, creates backends, forward passes, the KV pools sized from the
+ * budget (capacity in tokens logged), the scheduler and the rank threads. Bad parameters fail
+ * with vLLM's wording (max_num_batched_tokens < max_model_len, max_model_len larger than the KV
+ * cache holds, max_model_len above max_position_embeddings, TP size not dividing the heads). */
+int pd_engine_create(const pd_engine_params *params, pd_engine **out);
+/* Stops the thread if running, aborts what is left, frees everything. NULL is a no-op. */
+void pd_engine_destroy(pd_engine *e);
+
+/* ---- requests (any thread) -------------------------------------------------------------- */
+
+typedef enum {
+    PD_PHASE_FULL = 0,         /* prefill and decode here */
+    PD_PHASE_PREFILL_ONLY = 1, /* stop after the first token; keep the blocks until release */
+} pd_engine_phase;
+
+typedef struct {
+    const char *request_id;    /* unique among live requests; <= PD_ENGINE_MAX_REQUEST_ID bytes */
+    const int32_t *prompt_ids; /* (n_prompt) */
+    size_t n_prompt;
+    const pd_sampling_params *sampling; /* NULL: pd_sampling_model_params(generation config);
+                                           copied, n choices = sampling->n */
+    pd_engine_phase phase;
+} pd_engine_request;
+
+/* Validates and queues a request (everything copied). Errors (nothing queued): PD_EINVAL with
+ * the contract's message (empty prompt, prompt too long for max_model_len, n > max_num_seqs,
+ * logprobs > max_logprobs, sampling ranges, stop strings without a tokenizer), PD_EEXIST for a
+ * live request id, PD_EUNSUPPORTED for n > 1 with PREFILL_ONLY, PD_ECLOSED after destroy
+ * started. */
+int pd_engine_add(pd_engine *e, const pd_engine_request *r);
+
+/* Aborts a request at any point (waiting, running, held, reserved): at the next step boundary its
+ * sequences free their blocks (each exactly once) and one final event per sequence with status
+ * PD_ECANCELLED is pushed. PD_ENOTFOUND when the id is not live. */
+int pd_engine_abort(pd_engine *e, const char *request_id);
+
+/* Frees the blocks of a finished PREFILL_ONLY request after its KV was handed over.
+ * PD_ENOTFOUND when no such held request exists. */
+int pd_engine_release(pd_engine *e, const char *request_id);
+
+/* Decode side of PD: reserves blocks for the K/V of n_tokens prompt tokens under request_id.
+ * block_ids (cap entries) receives the ids, *n_blocks their count (ceil(n_tokens/block_size)).
+ * PD_EBUSY (nothing reserved) when the pool cannot hold them now; PD_EINVAL when n_tokens >=
+ * max_model_len or cap is too small; PD_EEXIST for a live id. Undo with pd_engine_abort. */
+int pd_engine_reserve(pd_engine *e, const char *request_id, size_t n_tokens, int32_t *block_ids,
+                      size_t cap, size_t *n_blocks);
+
+/* Admits a reserved request whose prompt K/V the transfer wrote: r->prompt_ids must have the
+ * reserved length, r->sampling must carry the seed the prefill side used (has_seed) and n = 1;
+ * first_token is the token the prefill side sampled. The engine then emits its event (text,
+ * stop check: it may finish right away) and decodes on from it. */
+int pd_engine_add_imported(pd_engine *e, const pd_engine_request *r, int32_t first_token);
+
+/* ---- running ------------------------------------------------------------------------------ */
+
+/* Runs one step on the caller's thread (PD_EBUSY while the engine thread runs). *did_work
+ * (may be NULL) is false when there was nothing to do. PD_EBUSY also when the output queue has
+ * too few free slots for a step: drain it and call again. A forward failure finishes the step's
+ * sequences with an error event and is returned. */
+int pd_engine_step(pd_engine *e, bool *did_work);
+
+/* True while requests are waiting, running, or commands are pending (held ones excluded). */
+bool pd_engine_has_work(pd_engine *e);
+
+/* Starts / stops the engine thread (stop waits for the current step). */
+int pd_engine_start(pd_engine *e);
+void pd_engine_stop(pd_engine *e);
+
+/* ---- output events (one consumer thread) -------------------------------------------------- */
+
+typedef struct {
+    const char *request_id;
+    uint32_t seq_index;       /* choice index 0 .. n-1 */
+    const int32_t *token_ids; /* (n_tokens): the new token, 0 or 1 of them */
+    size_t n_tokens;
+    const char *text; /* UTF-8 delta to show now (after hold-back), not NUL-terminated */
+    size_t text_len;
+    bool final;              /* the sequence ended (finish set, or status < 0) */
+    int status;              /* 0, PD_ECANCELLED (aborted), or an error code */
+    const char *error;       /* message when status is an error, else "" */
+    pd_finish_reason finish; /* STOP / LENGTH on a normal end, NONE otherwise */
+    pd_stop_reason_kind stop_kind;
+    int32_t stop_token;      /* when stop_kind is TOKEN */
+    const char *stop_string; /* when stop_kind is STRING (NUL-terminated) */
+    int64_t prompt_tokens;   /* usage so far */
+    int64_t completion_tokens;
+    bool has_logprob; /* the request asked for logprobs (>= 0) and a token came */
+    float logprob;    /* of the new token, raw-logit log_softmax */
+    int32_t n_top;
+    const int32_t *top_ids;    /* (n_top) */
+    const float *top_logprobs; /* (n_top) */
+    /* PREFILL_ONLY hand-over (final event of such a request): */
+    bool held;                /* blocks kept until pd_engine_release */
+    const int32_t *block_ids; /* (n_blocks) holding the prompt's K/V */
+    size_t n_blocks;
+    uint64_t seed; /* the sampling seed in use (pass it to the decode side) */
+} pd_engine_event;
+
+/* Borrows the oldest event: 1 and *ev set, or 0 when the queue is empty. Every pointer in *ev
+ * stays valid until pd_engine_event_done. */
+int pd_engine_next_event(pd_engine *e, const pd_engine_event **ev);
+/* Returns the slot of the event borrowed by the last pd_engine_next_event. */
+void pd_engine_event_done(pd_engine *e);
+
+/* ---- queries ------------------------------------------------------------------------------ */
+
+typedef struct {
+    size_t num_running; /* sequences */
+    size_t num_waiting;
+    size_t num_held;          /* prefill-only hand-overs and reservations */
+    uint64_t num_preemptions; /* cumulative */
+    size_t kv_blocks_total;
+    size_t kv_blocks_free;
+    size_t block_size;
+    uint64_t steps;
+    uint64_t prompt_tokens;     /* prompt rows computed (recompute included) */
+    uint64_t generation_tokens; /* tokens sampled */
+    uint64_t requests_finished; /* incl. aborted */
+    uint64_t step_ns;           /* wall time inside steps (scheduling, forward, sampling) */
+    uint64_t forward_ns;        /* of which the forward pass on all ranks (CoW copies incl.) */
+} pd_engine_stats;
+
+/* A consistent snapshot (any thread). */
+void pd_engine_get_stats(pd_engine *e, pd_engine_stats *out);
+
+size_t pd_engine_max_model_len(const pd_engine *e);
+size_t pd_engine_block_size(const pd_engine *e);
+size_t pd_engine_vocab(const pd_engine *e);
+int pd_engine_tp_size(const pd_engine *e);
+/* The tokenizer in use (NULL when none). */
+const pd_tok *pd_engine_tokenizer(const pd_engine *e);
+/* The model's config (loaded or borrowed). */
+const pd_model_config *pd_engine_model_config(const pd_engine *e);
+/* Rank r's backend and KV pool, for the KV transfer code (same block ids on every rank). */
+pd_backend *pd_engine_backend(const pd_engine *e, int rank);
+pd_kv *pd_engine_kv(const pd_engine *e, int rank);
+
+#endif

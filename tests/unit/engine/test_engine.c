@@ -1,0 +1,848 @@
+/* Engine tests on the tiny synthetic model (pd-mkmodel --preset tiny): batching determinism
+ * (64 concurrent requests = each alone, greedy and seeded), preemption, aborts, n > 1 block
+ * sharing, chunked prefill, CPU tensor parallelism, PD hand-over through exported KV, stop
+ * strings, the engine thread, and parameter errors with vLLM's wording. */
+#include "harness.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "engine/engine.h"
+#include "engine/kvpool.h"
+#include "model/model.h"
+#include "tokenizer/tokenizer.h"
+#include "util/log.h"
+
+#define MAX_REQ 64
+#define MAX_N   4
+#define MAX_OUT 64
+
+/* ---- the shared model ---------------------------------------------------------------------- */
+
+static pd_model *g_model;
+static pd_tok *g_tok;
+static char g_dir[1024];
+
+/* Writes the tiny model once per process and loads it; NULL with a test failure on error. */
+static int tiny(void)
+{
+    if (g_model) return PD_OK;
+    pd_log_set_level(PD_LOG_WARN); /* one start-up line per engine would drown the results */
+    const char *build = getenv("PD_BUILD_ROOT");
+    if (!build) return pd_error(PD_ENOTFOUND, "PD_BUILD_ROOT is not set (run through meson)");
+    snprintf(g_dir, sizeof g_dir, "%s/tiny", pdt_tmp_dir());
+    char cmd[4096];
+    snprintf(cmd, sizeof cmd, "%s/tools/mkmodel/pd-mkmodel --preset tiny --out %s > /dev/null",
+             build, g_dir);
+    if (system(cmd) != 0) return pd_error(PD_EIO, "%s failed", cmd);
+    PD_CHECK(pd_model_load(g_dir, &g_model));
+    PD_CHECK(pd_tok_load(g_dir, &g_tok));
+    return PD_OK;
+}
+
+__attribute__((destructor)) static void free_tiny(void)
+{
+    pd_model_free(g_model);
+    pd_tok_free(g_tok);
+}
+
+static pd_engine_params base_params(void)
+{
+    pd_engine_params p = pd_engine_default_params();
+    p.model = g_model;
+    p.tok = g_tok;
+    p.n_threads = 2;
+    p.max_model_len = 256;
+    p.max_num_batched_tokens = 512;
+    p.max_num_seqs = 64;
+    p.num_kv_blocks = 2048;
+    return p;
+}
+
+/* ---- requests and their outputs -------------------------------------------------------------- */
+
+typedef struct {
+    char id[32];
+    int32_t prompt[256];
+    size_t n_prompt;
+    pd_sampling_params sp;
+    const char *stop[2];
+} treq;
+
+typedef struct {
+    int32_t toks[MAX_N][MAX_OUT];
+    size_t n[MAX_N];
+    char text[MAX_N][4096];
+    size_t tlen[MAX_N];
+    bool final[MAX_N];
+    int status[MAX_N];
+    pd_finish_reason finish[MAX_N];
+    pd_stop_reason_kind stop_kind[MAX_N];
+    char stop_string[MAX_N][64];
+    int64_t completion[MAX_N];
+    int n_logprob_events;
+    bool held;
+    int32_t blocks[64];
+    size_t n_blocks;
+    uint64_t seed;
+} tout;
+
+static uint32_t lcg(uint32_t *s)
+{
+    *s = *s * 1664525u + 1013904223u;
+    return *s >> 8;
+}
+
+/* Request i: a prompt of a mixed length, greedy for even i, seeded sampling for odd i. */
+static void make_req(treq *r, int i, size_t vocab)
+{
+    memset(r, 0, sizeof *r);
+    snprintf(r->id, sizeof r->id, "req-%d", i);
+    uint32_t s = 1234u + (uint32_t)i * 7919u;
+    r->n_prompt = 1 + (size_t)(lcg(&s) % 120);
+    for (size_t k = 0; k < r->n_prompt; k++) r->prompt[k] = (int32_t)(3 + lcg(&s) % (vocab - 3));
+    r->sp = pd_sampling_default_params();
+    r->sp.max_tokens = 4 + (int64_t)(lcg(&s) % 28);
+    r->sp.ignore_eos = (i % 3) != 0;
+    if (i % 2 == 0) {
+        r->sp.temperature = 0.0;
+    } else {
+        r->sp.temperature = 0.8;
+        r->sp.top_p = 0.9;
+        r->sp.has_seed = true;
+        r->sp.seed = 1000 + i;
+    }
+}
+
+static int req_index(const char *id)
+{
+    return atoi(id + 4);
+}
+
+/* Drains every event into outs (indexed by the request id's number). Fails on a bad event. */
+static int drain(pd_engine *e, tout *outs)
+{
+    const pd_engine_event *ev;
+    while (pd_engine_next_event(e, &ev)) {
+        int i = req_index(ev->request_id);
+        if (i < 0 || i >= MAX_REQ || ev->seq_index >= MAX_N) {
+            pd_engine_event_done(e);
+            return pd_error(PD_EINTERNAL, "event for unknown request %s", ev->request_id);
+        }
+        tout *o = &outs[i];
+        uint32_t c = ev->seq_index;
+        if (o->final[c]) {
+            pd_engine_event_done(e);
+            return pd_error(PD_EINTERNAL, "event after the final one for %s/%u", ev->request_id, c);
+        }
+        for (size_t k = 0; k < ev->n_tokens && o->n[c] < MAX_OUT; k++)
+            o->toks[c][o->n[c]++] = ev->token_ids[k];
+        if (o->tlen[c] + ev->text_len < sizeof o->text[c]) {
+            memcpy(o->text[c] + o->tlen[c], ev->text, ev->text_len);
+            o->tlen[c] += ev->text_len;
+            o->text[c][o->tlen[c]] = '\0';
+        }
+        if (ev->has_logprob) o->n_logprob_events++;
+        o->completion[c] = ev->completion_tokens;
+        if (ev->final) {
+            o->final[c] = true;
+            o->status[c] = ev->status;
+            o->finish[c] = ev->finish;
+            o->stop_kind[c] = ev->stop_kind;
+            if (ev->stop_string) snprintf(o->stop_string[c], 64, "%s", ev->stop_string);
+            if (ev->held) {
+                o->held = true;
+                o->n_blocks = ev->n_blocks;
+                memcpy(o->blocks, ev->block_ids, ev->n_blocks * sizeof(int32_t));
+                o->seed = ev->seed;
+            }
+        }
+        pd_engine_event_done(e);
+    }
+    return PD_OK;
+}
+
+static int add_req(pd_engine *e, const treq *r, pd_engine_phase phase)
+{
+    pd_engine_request rq = {.request_id = r->id,
+                            .prompt_ids = r->prompt,
+                            .n_prompt = r->n_prompt,
+                            .sampling = &r->sp,
+                            .phase = phase};
+    return pd_engine_add(e, &rq);
+}
+
+/* Steps until nothing is left, draining after each step. */
+static int run_to_end(pd_engine *e, tout *outs)
+{
+    for (int it = 0; it < 100000; it++) {
+        if (!pd_engine_has_work(e)) return drain(e, outs);
+        bool did;
+        PD_CHECK(pd_engine_step(e, &did));
+        PD_CHECK(drain(e, outs));
+    }
+    return pd_error(PD_ETIMEOUT, "engine did not finish");
+}
+
+/* Runs each request alone on a fresh engine of params p. */
+static int run_alone(const pd_engine_params *p, const treq *reqs, int n, tout *outs)
+{
+    pd_engine *e;
+    PD_CHECK(pd_engine_create(p, &e));
+    int rc = PD_OK;
+    for (int i = 0; i < n && rc >= 0; i++) {
+        rc = add_req(e, &reqs[i], PD_PHASE_FULL);
+        if (rc >= 0) rc = run_to_end(e, outs);
+    }
+    pd_engine_destroy(e);
+    return rc;
+}
+
+/* True when both runs produced the same tokens; otherwise prints where they part. */
+static bool same_tokens(const tout *a, const tout *b, int n_choices)
+{
+    for (int c = 0; c < n_choices; c++) {
+        size_t k = 0;
+        while (k < a->n[c] && k < b->n[c] && a->toks[c][k] == b->toks[c][k]) k++;
+        if (a->n[c] != b->n[c] || a->n[c] == 0 || k < a->n[c]) {
+            printf("    choice %d: %zu vs %zu tokens, first difference at %zu (status %d/%d)\n", c,
+                   a->n[c], b->n[c], k, a->status[c], b->status[c]);
+            return false;
+        }
+    }
+    return true;
+}
+
+/* ---- tests ------------------------------------------------------------------------------- */
+
+TEST(engine_64_concurrent_equal_alone)
+{
+    ASSERT_OK(tiny());
+    static treq reqs[MAX_REQ];
+    static tout alone[MAX_REQ], batch[MAX_REQ];
+    memset(alone, 0, sizeof alone);
+    memset(batch, 0, sizeof batch);
+    pd_engine_params p = base_params();
+    for (int i = 0; i < MAX_REQ; i++) make_req(&reqs[i], i, pd_tok_vocab_size(g_tok));
+    ASSERT_OK(run_alone(&p, reqs, MAX_REQ, alone));
+    pd_engine *e;
+    ASSERT_OK(pd_engine_create(&p, &e));
+    for (int i = 0; i < MAX_REQ; i++) ASSERT_OK(add_req(e, &reqs[i], PD_PHASE_FULL));
+    ASSERT_OK(run_to_end(e, batch));
+    pd_engine_stats st;
+    pd_engine_get_stats(e, &st);
+    ASSERT_EQ_INT(st.kv_blocks_free, st.kv_blocks_total);
+    ASSERT_EQ_INT(st.requests_finished, MAX_REQ);
+    ASSERT(st.steps < 200); /* they really ran together */
+    pd_engine_destroy(e);
+    int greedy = 0, seeded = 0;
+    for (int i = 0; i < MAX_REQ; i++) {
+        ASSERT_MSG(same_tokens(&alone[i], &batch[i], 1), "request %d differs in the batch", i);
+        ASSERT(batch[i].final[0] && batch[i].status[0] == 0);
+        ASSERT(batch[i].finish[0] != PD_FINISH_NONE);
+        ASSERT_STR_EQ(batch[i].text[0], alone[i].text[0]);
+        if (reqs[i].sp.temperature == 0.0)
+            greedy++;
+        else
+            seeded++;
+    }
+    ASSERT(greedy == 32 && seeded == 32);
+}
+
+/* Requests arriving while others run, with several prefill chunk sizes: every composition of
+ * steps gives each request exactly its tokens alone. */
+TEST(engine_staggered_arrivals_and_chunks_equal_alone)
+{
+    ASSERT_OK(tiny());
+    static treq reqs[24];
+    static tout alone[MAX_REQ], mixed[MAX_REQ];
+    memset(alone, 0, sizeof alone);
+    pd_engine_params p = base_params();
+    for (int i = 0; i < 24; i++) make_req(&reqs[i], i + 30, pd_tok_vocab_size(g_tok));
+    for (int i = 0; i < 24; i++) snprintf(reqs[i].id, sizeof reqs[i].id, "req-%d", i);
+    ASSERT_OK(run_alone(&p, reqs, 24, alone));
+    static const size_t chunks[] = {0, 1, 7, 16, 33, 64};
+    for (size_t c = 0; c < sizeof chunks / sizeof chunks[0]; c++) {
+        memset(mixed, 0, sizeof mixed);
+        p.max_prefill_chunk = chunks[c];
+        p.max_num_batched_tokens = 256 + 37 * c;
+        p.max_model_len = 256;
+        pd_engine *e;
+        ASSERT_OK(pd_engine_create(&p, &e));
+        int added = 0, rc = PD_OK;
+        for (int step = 0; rc >= 0 && (added < 24 || pd_engine_has_work(e)); step++) {
+            while (added < 24 && (size_t)added <= (size_t)step * (c + 1) / 2)
+                rc = add_req(e, &reqs[added++], PD_PHASE_FULL);
+            if (rc >= 0) rc = pd_engine_step(e, NULL);
+            if (rc >= 0) rc = drain(e, mixed);
+            if (step > 5000) rc = pd_error(PD_ETIMEOUT, "did not finish");
+        }
+        pd_engine_destroy(e);
+        ASSERT_OK(rc);
+        for (int i = 0; i < 24; i++)
+            ASSERT_MSG(same_tokens(&alone[i], &mixed[i], 1),
+                       "request %d differs with chunk %zu (budget %zu)", i, chunks[c],
+                       p.max_num_batched_tokens);
+    }
+}
+
+TEST(engine_text_is_the_incremental_decode)
+{
+    ASSERT_OK(tiny());
+    static treq r;
+    static tout o[MAX_REQ];
+    memset(o, 0, sizeof o);
+    make_req(&r, 1, pd_tok_vocab_size(g_tok));
+    r.sp.ignore_eos = true;
+    pd_engine_params p = base_params();
+    ASSERT_OK(run_alone(&p, &r, 1, o));
+    ASSERT_EQ_INT(o[1].finish[0], PD_FINISH_LENGTH);
+    ASSERT_EQ_INT((int64_t)o[1].n[0], r.sp.max_tokens);
+    ASSERT_EQ_INT(o[1].completion[0], r.sp.max_tokens);
+    /* the deltas add up to decode(prompt + output) minus decode(prompt) */
+    int32_t all[300];
+    memcpy(all, r.prompt, r.n_prompt * sizeof(int32_t));
+    memcpy(all + r.n_prompt, o[1].toks[0], o[1].n[0] * sizeof(int32_t));
+    char *full, *pre;
+    size_t full_len, pre_len;
+    ASSERT_OK(pd_tok_decode(g_tok, all, r.n_prompt + o[1].n[0], true, &full, &full_len));
+    ASSERT_OK(pd_tok_decode(g_tok, all, r.n_prompt, true, &pre, &pre_len));
+    bool ok = full_len >= pre_len && strcmp(full + pre_len, o[1].text[0]) == 0;
+    free(full);
+    free(pre);
+    ASSERT(ok);
+}
+
+TEST(engine_small_pool_preempts_outputs_identical)
+{
+    ASSERT_OK(tiny());
+    static treq reqs[16];
+    static tout alone[MAX_REQ], batch[MAX_REQ];
+    memset(alone, 0, sizeof alone);
+    memset(batch, 0, sizeof batch);
+    pd_engine_params p = base_params();
+    p.max_model_len = 160;
+    p.max_num_batched_tokens = 160;
+    p.num_kv_blocks = 12; /* 192 tokens for 16 sequences of up to 150 */
+    for (int i = 0; i < 16; i++) {
+        make_req(&reqs[i], i, pd_tok_vocab_size(g_tok));
+        reqs[i].sp.max_tokens = 24;
+        reqs[i].sp.ignore_eos = true;
+    }
+    ASSERT_OK(run_alone(&p, reqs, 16, alone));
+    pd_engine *e;
+    ASSERT_OK(pd_engine_create(&p, &e));
+    for (int i = 0; i < 16; i++) ASSERT_OK(add_req(e, &reqs[i], PD_PHASE_FULL));
+    ASSERT_OK(run_to_end(e, batch));
+    pd_engine_stats st;
+    pd_engine_get_stats(e, &st);
+    ASSERT(st.num_preemptions > 0);
+    ASSERT_EQ_INT(st.kv_blocks_free, st.kv_blocks_total);
+    pd_engine_destroy(e);
+    for (int i = 0; i < 16; i++)
+        ASSERT_MSG(same_tokens(&alone[i], &batch[i], 1), "request %d differs after preemption", i);
+}
+
+TEST(engine_chunked_prefill_equals_one_chunk)
+{
+    ASSERT_OK(tiny());
+    static treq reqs[8];
+    static tout one[MAX_REQ], chunked[MAX_REQ];
+    memset(one, 0, sizeof one);
+    memset(chunked, 0, sizeof chunked);
+    for (int i = 0; i < 8; i++) make_req(&reqs[i], 20 + i, pd_tok_vocab_size(g_tok));
+    for (int i = 0; i < 8; i++) snprintf(reqs[i].id, sizeof reqs[i].id, "req-%d", i);
+    pd_engine_params p = base_params();
+    pd_engine *e;
+    ASSERT_OK(pd_engine_create(&p, &e));
+    for (int i = 0; i < 8; i++) ASSERT_OK(add_req(e, &reqs[i], PD_PHASE_FULL));
+    ASSERT_OK(run_to_end(e, one));
+    pd_engine_destroy(e);
+    p.max_prefill_chunk = 5;
+    ASSERT_OK(pd_engine_create(&p, &e));
+    for (int i = 0; i < 8; i++) ASSERT_OK(add_req(e, &reqs[i], PD_PHASE_FULL));
+    ASSERT_OK(run_to_end(e, chunked));
+    pd_engine_stats st;
+    pd_engine_get_stats(e, &st);
+    pd_engine_destroy(e);
+    ASSERT(st.steps > 120 / 5); /* the longest prompt took many steps */
+    for (int i = 0; i < 8; i++)
+        ASSERT_MSG(same_tokens(&one[i], &chunked[i], 1), "request %d differs when chunked", i);
+}
+
+TEST(engine_abort_mid_generation_returns_pool_to_full)
+{
+    ASSERT_OK(tiny());
+    static treq reqs[12];
+    static tout o[MAX_REQ];
+    memset(o, 0, sizeof o);
+    pd_engine_params p = base_params();
+    p.max_num_seqs = 4; /* some wait while others run */
+    p.max_prefill_chunk = 16;
+    pd_engine *e;
+    ASSERT_OK(pd_engine_create(&p, &e));
+    for (int i = 0; i < 12; i++) {
+        make_req(&reqs[i], i, pd_tok_vocab_size(g_tok));
+        reqs[i].sp.max_tokens = 30;
+        reqs[i].sp.ignore_eos = true;
+        if (i == 5) reqs[i].sp.n = 3;
+        ASSERT_OK(add_req(e, &reqs[i], PD_PHASE_FULL));
+    }
+    ASSERT_ERR(pd_engine_abort(e, "nope"), PD_ENOTFOUND, "no live request");
+    for (int s = 0; s < 6; s++) {
+        ASSERT_OK(pd_engine_step(e, NULL));
+        ASSERT_OK(drain(e, o));
+    }
+    pd_engine_stats st;
+    pd_engine_get_stats(e, &st);
+    ASSERT(st.num_running > 0 && st.num_waiting > 0);
+    ASSERT(st.kv_blocks_free < st.kv_blocks_total);
+    /* abort running ones, a waiting one, and twice the same id */
+    ASSERT_OK(pd_engine_abort(e, "req-0"));
+    ASSERT_OK(pd_engine_abort(e, "req-0"));
+    ASSERT_OK(pd_engine_abort(e, "req-11"));
+    for (int s = 0; s < 30; s++) {
+        ASSERT_OK(pd_engine_step(e, NULL));
+        ASSERT_OK(drain(e, o));
+        if (s == 3) ASSERT_OK(pd_engine_abort(e, "req-5")); /* n = 3, mid-generation */
+    }
+    for (int i = 1; i < 12; i++) (void)pd_engine_abort(e, reqs[i].id); /* whatever is left */
+    ASSERT_OK(run_to_end(e, o));
+    pd_engine_get_stats(e, &st);
+    ASSERT_EQ_INT(st.kv_blocks_free, st.kv_blocks_total);
+    ASSERT_EQ_INT(st.num_running + st.num_waiting + st.num_held, 0);
+    ASSERT_EQ_INT(st.requests_finished, 12);
+    ASSERT(o[0].final[0] && o[0].status[0] == PD_ECANCELLED);
+    ASSERT(o[0].n[0] > 0 && o[0].n[0] < 30);
+    ASSERT(o[11].final[0] && o[11].status[0] == PD_ECANCELLED);
+    for (int c = 0; c < 3; c++) ASSERT(o[5].final[c]);
+    for (int i = 0; i < 12; i++) ASSERT(o[i].final[0]);
+    pd_engine_destroy(e);
+}
+
+TEST(engine_n4_shares_prompt_blocks)
+{
+    ASSERT_OK(tiny());
+    static treq r, r1;
+    static tout o[MAX_REQ], o1[MAX_REQ];
+    memset(o, 0, sizeof o);
+    memset(o1, 0, sizeof o1);
+    make_req(&r, 3, pd_tok_vocab_size(g_tok));
+    r.n_prompt = 40; /* 2 full blocks + 8 tokens */
+    r.sp.n = 4;
+    r.sp.max_tokens = 12;
+    r.sp.ignore_eos = true;
+    pd_engine_params p = base_params();
+    pd_engine *e;
+    ASSERT_OK(pd_engine_create(&p, &e));
+    ASSERT_OK(add_req(e, &r, PD_PHASE_FULL));
+    ASSERT_OK(pd_engine_step(e, NULL)); /* prefill, 4 first tokens */
+    ASSERT_OK(drain(e, o));
+    pd_engine_stats st;
+    pd_engine_get_stats(e, &st);
+    ASSERT_EQ_INT(st.num_running, 4);
+    ASSERT_EQ_INT(st.kv_blocks_total - st.kv_blocks_free, 3); /* one copy of the prompt */
+    ASSERT_OK(pd_engine_step(e, NULL)); /* 3 copy-on-write copies of the partial block */
+    ASSERT_OK(drain(e, o));
+    pd_engine_get_stats(e, &st);
+    ASSERT_EQ_INT(st.kv_blocks_total - st.kv_blocks_free, 6);
+    ASSERT_OK(run_to_end(e, o));
+    pd_engine_get_stats(e, &st);
+    ASSERT_EQ_INT(st.kv_blocks_free, st.kv_blocks_total);
+    pd_engine_destroy(e);
+    for (int c = 0; c < 4; c++) {
+        ASSERT_EQ_INT(o[3].n[c], 12);
+        ASSERT_EQ_INT(o[3].finish[c], PD_FINISH_LENGTH);
+    }
+    ASSERT(memcmp(o[3].toks[0], o[3].toks[1], 12 * sizeof(int32_t)) != 0); /* seeded choices */
+    /* choice 0 equals the same request with n = 1 (same seed, index 0) */
+    r1 = r;
+    r1.sp.n = 1;
+    ASSERT_OK(run_alone(&p, &r1, 1, o1));
+    ASSERT(memcmp(o[3].toks[0], o1[3].toks[0], 12 * sizeof(int32_t)) == 0);
+}
+
+/* Logits observer: stores the first max_rows rows seen for request "req-0" choice 0. */
+typedef struct {
+    float *rows; /* (max_rows, vocab) */
+    size_t max_rows, n_rows, vocab;
+} logit_log;
+
+static void log_logits(void *ctx, const char *id, uint32_t seq, int64_t step, const float *l,
+                       size_t vocab)
+{
+    logit_log *lg = ctx;
+    if (strcmp(id, "req-0") != 0 || seq != 0 || lg->n_rows >= lg->max_rows) return;
+    lg->vocab = vocab;
+    memcpy(lg->rows + lg->n_rows * vocab, l, vocab * sizeof(float));
+    lg->n_rows++;
+}
+
+TEST(engine_tp2_matches_tp1)
+{
+    ASSERT_OK(tiny());
+    static treq reqs[6];
+    static tout o1[MAX_REQ], o2[MAX_REQ];
+    memset(o1, 0, sizeof o1);
+    memset(o2, 0, sizeof o2);
+    for (int i = 0; i < 6; i++) {
+        make_req(&reqs[i], 2 * i, pd_tok_vocab_size(g_tok)); /* greedy */
+        snprintf(reqs[i].id, sizeof reqs[i].id, "req-%d", i);
+        reqs[i].sp.max_tokens = 16;
+        reqs[i].sp.ignore_eos = true;
+    }
+    reqs[5].sp.n = 2; /* copy-on-write of a shared block on both ranks */
+    reqs[5].n_prompt = 40;
+    size_t V = (size_t)g_model->config.vocab_size;
+    logit_log l1 = {.rows = malloc(16 * V * sizeof(float)), .max_rows = 16};
+    logit_log l2 = {.rows = malloc(16 * V * sizeof(float)), .max_rows = 16};
+    ASSERT(l1.rows && l2.rows);
+    pd_engine_params p = base_params();
+    p.on_logits = log_logits;
+    p.on_logits_ctx = &l1;
+    pd_engine *e;
+    int rc = pd_engine_create(&p, &e);
+    if (rc >= 0) {
+        for (int i = 0; i < 6 && rc >= 0; i++) rc = add_req(e, &reqs[i], PD_PHASE_FULL);
+        if (rc >= 0) rc = run_to_end(e, o1);
+        pd_engine_destroy(e);
+    }
+    p.tp_size = 2;
+    p.on_logits_ctx = &l2;
+    if (rc >= 0) rc = pd_engine_create(&p, &e);
+    if (rc >= 0) {
+        if (pd_engine_tp_size(e) != 2) rc = pd_error(PD_EINTERNAL, "tp size not 2");
+        for (int i = 0; i < 6 && rc >= 0; i++) rc = add_req(e, &reqs[i], PD_PHASE_FULL);
+        if (rc >= 0) rc = run_to_end(e, o2);
+        pd_engine_destroy(e);
+    }
+    double max_diff = 0.0, max_abs = 0.0;
+    for (size_t k = 0; rc >= 0 && k < l1.n_rows * V; k++) {
+        double d = fabs((double)l1.rows[k] - (double)l2.rows[k]);
+        if (d > max_diff) max_diff = d;
+        if (fabs(l1.rows[k]) > max_abs) max_abs = fabs(l1.rows[k]);
+    }
+    size_t rows1 = l1.n_rows, rows2 = l2.n_rows;
+    free(l1.rows);
+    free(l2.rows);
+    ASSERT_OK(rc);
+    ASSERT_EQ_INT(rows1, 16);
+    ASSERT_EQ_INT(rows2, 16);
+    printf("    tp2 vs tp1: max |logit diff| %.3g (max |logit| %.3g)\n", max_diff, max_abs);
+    ASSERT(max_diff <= 1e-5 * (max_abs > 1.0 ? max_abs : 1.0));
+    for (int i = 0; i < 6; i++)
+        ASSERT_MSG(same_tokens(&o1[i], &o2[i], i == 5 ? 2 : 1), "request %d differs under TP = 2",
+                   i);
+}
+
+TEST(engine_prefill_then_decode_through_exported_kv)
+{
+    ASSERT_OK(tiny());
+    static treq r;
+    static tout full[MAX_REQ], pre[MAX_REQ], dec[MAX_REQ];
+    memset(full, 0, sizeof full);
+    memset(pre, 0, sizeof pre);
+    memset(dec, 0, sizeof dec);
+    make_req(&r, 7, pd_tok_vocab_size(g_tok)); /* seeded sampling */
+    r.sp.max_tokens = 20;
+    r.sp.ignore_eos = true;
+    r.sp.has_seed = false; /* the prefill side draws it; the decode side must reuse it */
+    pd_engine_params p = base_params();
+    p.seed = 99;
+    pd_engine *P, *D;
+    ASSERT_OK(pd_engine_create(&p, &P));
+    p.num_kv_blocks = 100; /* different pool, different block ids */
+    ASSERT_OK(pd_engine_create(&p, &D));
+    ASSERT_OK(add_req(P, &r, PD_PHASE_PREFILL_ONLY));
+    ASSERT_OK(run_to_end(P, pre));
+    ASSERT(pre[7].final[0] && pre[7].held);
+    ASSERT_EQ_INT(pre[7].n[0], 1);
+    ASSERT_EQ_INT(pre[7].n_blocks, (r.n_prompt + 15) / 16);
+    pd_engine_stats st;
+    pd_engine_get_stats(P, &st);
+    ASSERT_EQ_INT(st.num_held, 1);
+    ASSERT_EQ_INT(st.kv_blocks_total - st.kv_blocks_free, pre[7].n_blocks);
+
+    int32_t dblocks[64];
+    size_t n_dblocks = 0;
+    ASSERT_ERR(pd_engine_reserve(D, r.id, r.n_prompt, dblocks, 0, &n_dblocks), PD_EINVAL,
+               "block ids needed");
+    ASSERT_OK(pd_engine_reserve(D, r.id, r.n_prompt, dblocks, 64, &n_dblocks));
+    ASSERT_EQ_INT(n_dblocks, pre[7].n_blocks);
+    ASSERT_ERR(pd_engine_reserve(D, r.id, r.n_prompt, dblocks, 64, &n_dblocks), PD_EEXIST,
+               "already in use");
+    /* the transfer: every layer's blocks, through host memory */
+    pd_backend *bp = pd_engine_backend(P, 0), *bd = pd_engine_backend(D, 0);
+    const pd_backend_ops *op = pd_backend_get_ops(bp), *od = pd_backend_get_ops(bd);
+    size_t heads = (size_t)g_model->config.num_key_value_heads;
+    size_t hd = (size_t)g_model->config.head_dim;
+    size_t bytes = 2 * n_dblocks * 16 * heads * hd * sizeof(float);
+    void *host = malloc(bytes);
+    ASSERT(host);
+    int rc = PD_OK;
+    for (int l = 0; l < (int)g_model->config.num_hidden_layers && rc >= 0; l++) {
+        pd_kv_range src = {.layer = l,
+                           .block_ids = pre[7].blocks,
+                           .n_blocks = n_dblocks,
+                           .head0 = 0,
+                           .n_heads = heads};
+        pd_kv_range dst = src;
+        dst.block_ids = dblocks;
+        rc = op->kv_export(bp, pd_engine_kv(P, 0), &src, host);
+        if (rc >= 0) rc = op->sync(bp);
+        if (rc >= 0) rc = od->kv_import(bd, pd_engine_kv(D, 0), &dst, host);
+        if (rc >= 0) rc = od->sync(bd);
+    }
+    free(host);
+    ASSERT_OK(rc);
+    ASSERT_ERR(pd_engine_release(P, "nope"), PD_ENOTFOUND, "no held");
+    ASSERT_OK(pd_engine_release(P, r.id));
+    pd_engine_get_stats(P, &st);
+    ASSERT_EQ_INT(st.kv_blocks_free, st.kv_blocks_total);
+    ASSERT_EQ_INT(st.num_held, 0);
+
+    treq rd = r;
+    rd.sp.has_seed = true;
+    rd.sp.seed = (int64_t)pre[7].seed;
+    pd_engine_request rq = {.request_id = rd.id,
+                            .prompt_ids = rd.prompt,
+                            .n_prompt = rd.n_prompt,
+                            .sampling = &rd.sp,
+                            .phase = PD_PHASE_FULL};
+    ASSERT_OK(pd_engine_add_imported(D, &rq, pre[7].toks[0][0]));
+    ASSERT_OK(run_to_end(D, dec));
+    pd_engine_get_stats(D, &st);
+    ASSERT_EQ_INT(st.kv_blocks_free, st.kv_blocks_total);
+    /* colocated reference with the same seed */
+    ASSERT_OK(run_alone(&p, &rd, 1, full));
+    ASSERT_EQ_INT(dec[7].n[0], 20);
+    ASSERT(same_tokens(&full[7], &dec[7], 1));
+    ASSERT_STR_EQ(dec[7].text[0], full[7].text[0]);
+    /* a reservation that is never imported is undone by abort */
+    ASSERT_OK(pd_engine_reserve(D, "req-9", 40, dblocks, 64, &n_dblocks));
+    ASSERT_OK(pd_engine_abort(D, "req-9"));
+    ASSERT_OK(run_to_end(D, dec));
+    pd_engine_get_stats(D, &st);
+    ASSERT_EQ_INT(st.kv_blocks_free, st.kv_blocks_total);
+    ASSERT(dec[9].final[0] && dec[9].status[0] == PD_ECANCELLED);
+    /* a reservation larger than the free pool is refused */
+    pd_engine_destroy(D);
+    p.num_kv_blocks = 16;
+    ASSERT_OK(pd_engine_create(&p, &D));
+    ASSERT_OK(pd_engine_reserve(D, "req-1", 200, dblocks, 64, &n_dblocks));
+    ASSERT_ERR(pd_engine_reserve(D, "req-2", 200, dblocks, 64, &n_dblocks), PD_EBUSY,
+               "KV cache full");
+    pd_engine_destroy(D);
+    pd_engine_destroy(P);
+}
+
+TEST(engine_stop_string_stop_id_length_logprobs_and_seedless)
+{
+    ASSERT_OK(tiny());
+    static treq r;
+    static tout o[MAX_REQ], s[MAX_REQ];
+    memset(o, 0, sizeof o);
+    memset(s, 0, sizeof s);
+    make_req(&r, 2, pd_tok_vocab_size(g_tok)); /* greedy */
+    ASSERT(r.n_prompt < 200);
+    r.sp.ignore_eos = true;
+    r.sp.max_tokens = 30;
+    r.sp.logprobs = 3;
+    pd_engine_params p = base_params();
+    ASSERT_OK(run_alone(&p, &r, 1, o));
+    ASSERT_EQ_INT(o[2].n_logprob_events, 30);
+    /* stop at a piece of the middle of the text */
+    size_t len = o[2].tlen[0];
+    ASSERT(len > 12);
+    char stop[8];
+    memcpy(stop, o[2].text[0] + len / 2, 4);
+    stop[4] = '\0';
+    r.stop[0] = stop;
+    r.sp.stop = r.stop;
+    r.sp.n_stop = 1;
+    ASSERT_OK(run_alone(&p, &r, 1, s));
+    ASSERT_EQ_INT(s[2].finish[0], PD_FINISH_STOP);
+    ASSERT_EQ_INT(s[2].stop_kind[0], PD_STOP_REASON_STRING);
+    ASSERT_STR_EQ(s[2].stop_string[0], stop);
+    const char *hit = strstr(o[2].text[0], stop);
+    ASSERT(hit);
+    ASSERT_EQ_INT(s[2].tlen[0], (size_t)(hit - o[2].text[0])); /* text ends before the match */
+    ASSERT(strncmp(s[2].text[0], o[2].text[0], s[2].tlen[0]) == 0);
+    /* a stop token id: the 3rd token of the plain run ends it (with its token counted) */
+    int32_t stop_id = o[2].toks[0][2];
+    int first = 0;
+    while (o[2].toks[0][first] != stop_id) first++;
+    static tout t[MAX_REQ];
+    memset(t, 0, sizeof t);
+    r.sp.n_stop = 0;
+    r.sp.stop_token_ids = &stop_id;
+    r.sp.n_stop_token_ids = 1;
+    ASSERT_OK(run_alone(&p, &r, 1, t));
+    ASSERT_EQ_INT(t[2].finish[0], PD_FINISH_STOP);
+    ASSERT_EQ_INT(t[2].stop_kind[0], PD_STOP_REASON_TOKEN);
+    ASSERT_EQ_INT(t[2].n[0], first + 1);
+    ASSERT_EQ_INT(t[2].completion[0], first + 1);
+    /* the context length ends a request without max_tokens: P + output = max_model_len */
+    memset(t, 0, sizeof t);
+    r.sp.n_stop_token_ids = 0;
+    r.sp.max_tokens = -1;
+    r.sp.logprobs = -1;
+    for (size_t k = r.n_prompt; k < 250; k++) r.prompt[k] = (int32_t)(3 + k);
+    r.n_prompt = 250;
+    ASSERT_OK(run_alone(&p, &r, 1, t));
+    ASSERT_EQ_INT(t[2].finish[0], PD_FINISH_LENGTH);
+    ASSERT_EQ_INT(t[2].n[0], 256 - 250);
+    /* without a seed, an engine seed makes runs repeatable */
+    r.sp = pd_sampling_default_params();
+    r.sp.max_tokens = 10;
+    r.sp.ignore_eos = true;
+    p.seed = 5;
+    static tout a[MAX_REQ], b[MAX_REQ];
+    memset(a, 0, sizeof a);
+    memset(b, 0, sizeof b);
+    ASSERT_OK(run_alone(&p, &r, 1, a));
+    ASSERT_OK(run_alone(&p, &r, 1, b));
+    ASSERT(same_tokens(&a[2], &b[2], 1));
+}
+
+/* ---- the engine thread -------------------------------------------------------------------- */
+
+typedef struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int wakeups;
+} waker;
+
+static void on_event(void *ctx)
+{
+    waker *w = ctx;
+    pthread_mutex_lock(&w->mu);
+    w->wakeups++;
+    pthread_cond_signal(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+}
+
+TEST(engine_thread_streams_events)
+{
+    ASSERT_OK(tiny());
+    static treq reqs[16];
+    static tout alone[MAX_REQ], th[MAX_REQ];
+    memset(alone, 0, sizeof alone);
+    memset(th, 0, sizeof th);
+    for (int i = 0; i < 16; i++) make_req(&reqs[i], i, pd_tok_vocab_size(g_tok));
+    pd_engine_params p = base_params();
+    ASSERT_OK(run_alone(&p, reqs, 16, alone));
+    waker w = {.wakeups = 0};
+    pthread_mutex_init(&w.mu, NULL);
+    pthread_cond_init(&w.cv, NULL);
+    p.on_event = on_event;
+    p.on_event_ctx = &w;
+    p.event_capacity = 80; /* small: the thread waits for the consumer */
+    pd_engine *e;
+    ASSERT_OK(pd_engine_create(&p, &e));
+    ASSERT_OK(pd_engine_start(e));
+    ASSERT_ERR(pd_engine_step(e, NULL), PD_EBUSY, "already running");
+    for (int i = 0; i < 16; i++) ASSERT_OK(add_req(e, &reqs[i], PD_PHASE_FULL));
+    int finals = 0, rc = PD_OK;
+    for (int spins = 0; finals < 16 && spins < 20000 && rc >= 0; spins++) {
+        pthread_mutex_lock(&w.mu);
+        if (w.wakeups == 0) {
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            ts.tv_nsec += 10 * 1000 * 1000;
+            if (ts.tv_nsec >= 1000000000L) {
+                ts.tv_sec++;
+                ts.tv_nsec -= 1000000000L;
+            }
+            pthread_cond_timedwait(&w.cv, &w.mu, &ts);
+        }
+        w.wakeups = 0;
+        pthread_mutex_unlock(&w.mu);
+        rc = drain(e, th);
+        finals = 0;
+        for (int i = 0; i < 16; i++) finals += th[i].final[0];
+    }
+    pd_engine_stop(e);
+    pd_engine_destroy(e);
+    pthread_mutex_destroy(&w.mu);
+    pthread_cond_destroy(&w.cv);
+    ASSERT_OK(rc);
+    ASSERT_EQ_INT(finals, 16);
+    for (int i = 0; i < 16; i++) ASSERT(same_tokens(&alone[i], &th[i], 1));
+}
+
+/* ---- errors ------------------------------------------------------------------------------- */
+
+TEST(engine_bad_parameters_vllm_wording)
+{
+    ASSERT_OK(tiny());
+    pd_engine *e = NULL;
+    pd_engine_params p = base_params();
+    p.max_num_batched_tokens = 100;
+    p.max_model_len = 256;
+    ASSERT_ERR(pd_engine_create(&p, &e), PD_EINVAL,
+               "max_num_batched_tokens (100) is smaller than max_model_len (256).");
+    p = base_params();
+    p.num_kv_blocks = 15; /* 240 tokens < 256 */
+    ASSERT_ERR(pd_engine_create(&p, &e), PD_EINVAL,
+               "The model's max seq len (256) is larger than the maximum number of tokens that "
+               "can be stored in KV cache (240).");
+    p = base_params();
+    p.max_model_len = 100000;
+    p.max_num_batched_tokens = 100000;
+    ASSERT_ERR(pd_engine_create(&p, &e), PD_EINVAL,
+               "User-specified max_model_len (100000) is greater than the derived max_model_len");
+    p = base_params();
+    p.tp_size = 3;
+    ASSERT_ERR(pd_engine_create(&p, &e), PD_EINVAL,
+               "Total number of attention heads (4) must be divisible by tensor parallel size "
+               "(3).");
+    p = base_params();
+    p.max_num_seqs = 1024;
+    ASSERT_ERR(pd_engine_create(&p, &e), PD_EINVAL,
+               "max_num_batched_tokens (512) must be greater than or equal to max_num_seqs");
+    ASSERT(e == NULL);
+
+    p = base_params();
+    p.max_num_seqs = 8;
+    ASSERT_OK(pd_engine_create(&p, &e));
+    treq r;
+    make_req(&r, 0, pd_tok_vocab_size(g_tok));
+    r.n_prompt = 200;
+    pd_engine_params q = p;
+    (void)q;
+    ASSERT_OK(add_req(e, &r, PD_PHASE_FULL));
+    ASSERT_ERR(add_req(e, &r, PD_PHASE_FULL), PD_EEXIST, "already in use");
+    snprintf(r.id, sizeof r.id, "req-1");
+    int32_t big[256] = {0};
+    pd_engine_request rq = {
+        .request_id = "req-2", .prompt_ids = big, .n_prompt = 256, .sampling = &r.sp};
+    ASSERT_ERR(pd_engine_add(e, &rq), PD_EINVAL,
+               "This model's maximum context length is 256 tokens. However, your request has "
+               "256 input tokens. Please reduce the length of the input messages.");
+    rq.n_prompt = 0;
+    ASSERT_ERR(pd_engine_add(e, &rq), PD_EINVAL, "The decoder prompt cannot be empty");
+    rq.n_prompt = 3;
+    big[1] = 1 << 20;
+    ASSERT_ERR(pd_engine_add(e, &rq), PD_EINVAL, "Token id 1048576 is out of vocabulary");
+    big[1] = 5;
+    pd_sampling_params sp = r.sp;
+    sp.n = 9;
+    rq.sampling = &sp;
+    ASSERT_ERR(pd_engine_add(e, &rq), PD_EINVAL, "n must be at most 8, got 9.");
+    sp.n = 1;
+    sp.logprobs = 21;
+    ASSERT_ERR(pd_engine_add(e, &rq), PD_EINVAL,
+               "Requested sample logprobs of 21, which is greater than max allowed: 20");
+    sp.logprobs = -1;
+    sp.top_p = 1.5;
+    ASSERT_ERR(pd_engine_add(e, &rq), PD_EINVAL, "top_p must be in (0, 1], got 1.5.");
+    sp.top_p = 1.0;
+    sp.n = 2;
+    rq.phase = PD_PHASE_PREFILL_ONLY;
+    ASSERT_ERR(pd_engine_add(e, &rq), PD_EUNSUPPORTED, "prefill-only");
+    rq.phase = PD_PHASE_FULL;
+    ASSERT_ERR(pd_engine_add_imported(e, &rq, 5), PD_EINVAL, "seed");
+    pd_engine_destroy(e); /* with a request still queued: freed, no leak */
+}
