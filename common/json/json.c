@@ -189,6 +189,12 @@ int pdj_load_file(const char *file, json_t **out)
     json_error_t err;
     /* A key given twice in a configuration file is a mistake to report, not to resolve. */
     json_t *v = json_loadf(f, JSON_REJECT_DUPLICATES, &err);
+    if (!v && strstr(err.text, "too big integer")) {
+        /* Published tokenizer_config.json files write model_max_length = 1e30 as an integer
+         * literal; read integers as reals then (pdj_as_int still takes whole values). */
+        rewind(f);
+        v = json_loadf(f, JSON_REJECT_DUPLICATES | JSON_DECODE_INT_AS_REAL, &err);
+    }
     fclose(f);
     if (!v)
         return pd_error(PD_EPARSE, "%s: line %d column %d: %s", file, err.line, err.column,

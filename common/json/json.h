@@ -52,7 +52,9 @@ int pdj_get_double_range(const json_t *obj, const char *path, const char *key, i
 
 /* Parsing with line/column in the message: "<what>: line 3 column 7: <jansson text>".
  * pdj_loads (request bodies): a duplicate key is accepted, the last value wins.
- * pdj_load_file (configuration files) names the file and rejects duplicate keys.
+ * pdj_load_file (configuration files) names the file and rejects duplicate keys; a file with
+ * an integer beyond int64 (tokenizer_config.json's model_max_length = 1e30) is read with every
+ * integer as a real number.
  * *out is a new reference on success. */
 int pdj_loads(const char *text, size_t len, const char *what, json_t **out);
 int pdj_load_file(const char *file, json_t **out);

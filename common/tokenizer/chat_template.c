@@ -327,14 +327,6 @@ static int read_text(const char *file, char **out)
 
 /* tokenizer_config.json as Hugging Face writes it: integers beyond int64 (model_max_length
  * is often 1e30) are read as reals instead of failing the whole file. */
-static int load_config(const char *path, json_t **out)
-{
-    json_error_t err;
-    *out = json_load_file(path, JSON_DECODE_INT_AS_REAL, &err);
-    if (*out) return 0;
-    if (err.line < 0) return pd_error(PD_EIO, "%s: %s", path, err.text);
-    return pd_error(PD_EPARSE, "%s: line %d column %d: %s", path, err.line, err.column, err.text);
-}
 
 static int set_what(char **what, const char *fmt, const char *a, const char *b)
 {
@@ -401,7 +393,7 @@ int pd_chat_select(const char *model_dir, const char *override, bool has_tools, 
     struct stat st;
     if (stat(path, &st) != 0) return 0;
     json_t *cfg;
-    PD_CHECK(load_config(path, &cfg));
+    PD_CHECK(pdj_load_file(path, &cfg));
     const json_t *ct = json_is_object(cfg) ? json_object_get(cfg, "chat_template") : NULL;
     const char *text = NULL, *name = NULL;
     rc = 0;

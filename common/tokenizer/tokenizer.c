@@ -748,15 +748,6 @@ static int load_config(loader *L, const char *config_json)
     t->add_eos = t->n_post_suf > 0;
     if (!config_json) return 0;
     int rc = pdj_load_file(config_json, &t->config);
-    if (rc < 0 && strstr(pd_last_error(), "too big integer")) {
-        /* Published configs hold model_max_length = 1e30 as an integer literal; jansson
-         * refuses integers beyond int64 unless they are decoded as reals. */
-        json_error_t jerr;
-        t->config = json_load_file(config_json, JSON_DECODE_INT_AS_REAL, &jerr);
-        rc = t->config ? 0
-                       : pd_error(PD_EPARSE, "%s: line %d column %d: %s", config_json, jerr.line,
-                                  jerr.column, jerr.text);
-    }
     if (rc < 0) return rc;
     if (!json_is_object(t->config))
         return pd_error(PD_EPARSE, "%s: expected a JSON object", config_json);

@@ -199,3 +199,21 @@ TEST(json_type_names)
     for (size_t i = 0; i < 7; i++) ASSERT_STR_EQ(pdj_type_name(json_array_get(o, i)), want[i]);
     json_decref(o);
 }
+
+TEST(json_file_with_huge_integer_reads_reals)
+{
+    char path[512];
+    snprintf(path, sizeof path, "%s/huge.json", pdt_tmp_dir());
+    FILE *f = fopen(path, "w");
+    fputs("{\"model_max_length\": 1000000000000000019884624838656, \"n\": 7}", f);
+    fclose(f);
+    json_t *v = NULL;
+    ASSERT_OK(pdj_load_file(path, &v));
+    int64_t n;
+    ASSERT_EQ_INT(pdj_get_int(v, "", "n", PDJ_REQUIRED, &n), 1);
+    ASSERT_EQ_INT(n, 7);
+    double big;
+    ASSERT_EQ_INT(pdj_get_double(v, "", "model_max_length", PDJ_REQUIRED, &big), 1);
+    ASSERT(big > 1e29);
+    json_decref(v);
+}
