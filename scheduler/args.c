@@ -25,6 +25,8 @@ static const char USAGE[] =
     "  --response-role ROLE          default assistant\n"
     "  --max-logprobs N              default 20\n"
     "  --log-level LEVEL             debug, info, warn, error\n"
+    "flags of pd-prefill/pd-decode (--tensor-parallel-size, --max-num-seqs, ...) are accepted\n"
+    "and not used, so one command line serves every role\n"
     "environment: GLOBAL_RANK_TABLE_FILE_PATH (required), RANK_TABLE_FILE_PATH (the _host\n"
     "table, optional), NODE_PORTS (required: one port per prefill then decode instance),\n"
     "USE_OPENAI (default 1), VLLM_API_KEY, PD_LOG_LEVEL\n";
@@ -32,6 +34,20 @@ static const char USAGE[] =
 const char *pd_sched_usage(void)
 {
     return USAGE;
+}
+
+/* Flags of pd-prefill / pd-decode (each takes a value). */
+static bool is_instance_flag(const char *flag)
+{
+    static const char *const names[] = {
+        "--tensor-parallel-size", "--max-num-seqs", "--max-num-batched-tokens", "--block-size",
+        "--kv-cache-bytes",       "--seed",         "--cpu-threads",            "--dtype",
+        "--quantization",         "--gpu-memory-utilization", "--kv-transport",
+        "--kv-lease-seconds",     "--shutdown-timeout",
+    };
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (strcmp(flag, names[i]) == 0) return true;
+    return false;
 }
 
 static int parse_i64(const char *flag, const char *v, int64_t lo, int64_t *out)
@@ -151,6 +167,10 @@ int pd_sched_parse_args(int argc, char **argv, pd_sched_params *p, bool *help)
         } else if (strcmp(flag, "--log-level") == 0) {
             NEED();
             p->log_level = val;
+        } else if (is_instance_flag(flag)) {
+            /* One command line serves every role (start_servers.sh, as in the Ascend guide):
+             * flags meant for the prefill/decode instances are accepted and not used here. */
+            NEED();
         } else {
             return pd_error(PD_EINVAL, "unknown flag '%s' (see --help)", flag);
         }

@@ -35,8 +35,23 @@ void pd_node_usage(const char *prog, rt_role role)
             "  --kv-transport auto|tcp        KV data plane (auto = tcp on the CPU backend)\n"
             "  --kv-lease-seconds S           prefill: KV held at most S s for the decode side (30)\n"
             "  --shutdown-timeout S           drain time after SIGTERM before aborting (30)\n"
-            "  --log-level L                  debug, info, warn, error (or PD_LOG_LEVEL)\n",
+            "  --log-level L                  debug, info, warn, error (or PD_LOG_LEVEL)\n"
+            "pd-scheduler's flags (--api-key, --chat-template, ...) are accepted and not used, so\n"
+            "one command line serves every role.\n",
             prog, rt_role_name(role));
+}
+
+/* Flags of pd-scheduler that take a value. */
+static bool is_scheduler_flag(const char *flag)
+{
+    static const char *const names[] = {
+        "--api-key",      "--max-concurrent-requests", "--max-request-body-bytes",
+        "--chat-template", "--default-chat-template-kwargs", "--generation-config",
+        "--response-role", "--max-logprobs",
+    };
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (strcmp(flag, names[i]) == 0) return true;
+    return false;
 }
 
 static int parse_long(const char *flag, const char *v, long long lo, long long hi, long long *out)
@@ -64,6 +79,7 @@ int pd_node_parse_args(int argc, char **argv, rt_role role, pd_node_params *p)
             return 1;
         }
         if (strncmp(a, "--", 2) != 0) return pd_error(PD_EINVAL, "unexpected argument '%s'", a);
+        if (strcmp(a, "--trust-request-chat-template") == 0) continue; /* scheduler flag */
         char name[64];
         const char *eq = strchr(a, '=');
         const char *v;
@@ -141,6 +157,9 @@ int pd_node_parse_args(int argc, char **argv, rt_role role, pd_node_params *p)
             pd_log_level lv;
             PD_CHECK(pd_log_parse_level(v, &lv));
             pd_log_set_level(lv);
+        } else if (is_scheduler_flag(name)) {
+            /* one command line serves every role (start_servers.sh): the scheduler's flags
+             * are accepted and not used here */
         } else {
             return pd_error(PD_EINVAL, "unknown flag '%s' (see --help)", name);
         }
