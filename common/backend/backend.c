@@ -1,0 +1,64 @@
+/* Backend instances: the generic wrapper around an implementation's op table and state.
+ *
+ * Design: pd_backend is a two-field box (ops, impl) so every backend is used the same way and
+ * the forward pass never knows which one it drives; implementations allocate their state and
+ * call pd_backend_wrap. */
+#include "backend/backend.h"
+
+#include <stdlib.h>
+
+struct pd_backend {
+    const pd_backend_ops *ops;
+    void *impl;
+};
+
+pd_backend_params pd_backend_default_params(void)
+{
+    pd_backend_params p = {
+        .n_threads = 0,
+        .cpu_isa = PD_CPU_ISA_AUTO,
+        .device = 0,
+        .weight_dtype = -1,
+        .max_tokens = 8192,
+        .max_seqs = 256,
+        .max_blocks = 65536,
+        .max_rope_dim = 256,
+    };
+    return p;
+}
+
+pd_backend *pd_backend_wrap(const pd_backend_ops *ops, void *impl)
+{
+    pd_backend *b = calloc(1, sizeof *b);
+    if (!b) return NULL;
+    b->ops = ops;
+    b->impl = impl;
+    return b;
+}
+
+void *pd_backend_impl(const pd_backend *b)
+{
+    return b->impl;
+}
+
+void pd_backend_destroy(pd_backend *b)
+{
+    if (!b) return;
+    if (b->ops && b->ops->destroy) b->ops->destroy(b);
+    free(b);
+}
+
+const pd_backend_ops *pd_backend_get_ops(const pd_backend *b)
+{
+    return b->ops;
+}
+
+const char *pd_backend_name(const pd_backend *b)
+{
+    return b->ops->name;
+}
+
+pd_dtype pd_backend_act_dtype(const pd_backend *b)
+{
+    return b->ops->act_dtype(b);
+}

@@ -1,0 +1,227 @@
+/* The backend operation table: everything the forward pass needs from a device.
+ *
+ * Design (llama.cpp / calm style): the Llama forward pass is written once, in forward.c, as a
+ * sequence of calls through a small table of operations (pd_backend_ops) that each backend
+ * fills: the CPU backend (threads, own SIMD kernels, OpenBLAS) and the CUDA backend. The forward
+ * code never dereferences an activation buffer: activations are opaque `void *` device buffers
+ * of n * pd_dtype_size(act_dtype) bytes, in the dtype the backend chose (CPU: f32; CUDA: bf16 or
+ * f32). Logits come back to the host as f32.
+ *
+ * Per-step metadata (token ids, positions, KV slots, per-sequence CSR arrays, RoPE cos/sin,
+ * output rows) is handed over once per step by `plan` (FlashInfer style: plan on the host, run
+ * on the device): the CPU backend keeps the host pointers, the CUDA backend copies them into
+ * device buffers sized from pd_backend_params at create time. The ops that work on "the batch"
+ * (embed, rope, kv_write, attention, gather_rows) then use the planned step implicitly.
+ *
+ * Ordering: all ops on one backend execute in call order (CUDA: one stream). Host memory read by
+ * an op (plan arrays, upload sources) must stay valid until the next `sync`; results written to
+ * host memory (download) are complete only after `sync`. Every op returns a pd status (0 ok,
+ * negative PD_E* with a message set by pd_error()).
+ *
+ * Tensor parallelism: weights are loaded as 2-D slices (weight_load's pd_weight_slice), so a
+ * rank holds a range of output rows (column-parallel: q/k/v heads, gate/up columns) or a range
+ * of input columns (row-parallel: o_proj, down_proj) of the stored matrix. The KV cache holds the
+ * rank's KV heads only.
+ *
+ * Layout of shapes in comments: (rows, cols) row-major; "n" = rows of the batch (tokens of
+ * several sequences, prefill chunks and decode tokens mixed).
+ */
+#ifndef PD_BACKEND_BACKEND_H
+#define PD_BACKEND_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "model/dtype.h"
+#include "model/safetensors.h"
+
+typedef struct pd_backend pd_backend; /* an instance: op table + implementation state */
+typedef struct pd_weight pd_weight;   /* a weight matrix/vector resident on the backend */
+typedef struct pd_kv pd_kv;           /* a paged KV-cache pool on the backend */
+
+/* ---- creation parameters ---------------------------------------------------------------- */
+
+/* Kernel families of the CPU backend; AUTO picks the best the running CPU supports. Tests force
+ * each one. Only grows at the end. */
+typedef enum {
+    PD_CPU_ISA_AUTO = 0,
+    PD_CPU_ISA_SCALAR = 1,     /* portable C, any x86-64 or other CPU */
+    PD_CPU_ISA_AVX512 = 2,     /* avx512f (+ f16c for f16 weights) */
+} pd_cpu_isa;
+
+typedef struct {
+    int n_threads;        /* CPU: worker threads incl. the caller; <= 0 = all online cores */
+    pd_cpu_isa cpu_isa;   /* CPU: kernel family (AUTO) */
+    int device;           /* CUDA: device ordinal (0) */
+    int weight_dtype;     /* -1 = backend's choice (default); else a pd_dtype every matrix is
+                             converted to at load (vectors: norms, biases are always f32) */
+    /* Capacity of one planned step (CUDA sizes its metadata buffers from these; the CPU backend
+     * checks them too so both refuse the same batches). */
+    size_t max_tokens;    /* rows per step (default 8192) */
+    size_t max_seqs;      /* sequences per step (default 256) */
+    size_t max_blocks;    /* block-table entries per step, all sequences (default 65536) */
+    size_t max_rope_dim;  /* largest head_dim the cos/sin tables carry (default 256) */
+} pd_backend_params;
+
+/* Defaults as documented on each field. */
+pd_backend_params pd_backend_default_params(void);
+
+/* ---- host-side descriptions passed to ops --------------------------------------------------- */
+
+/* A 2-D slice of a stored tensor. A 1-D tensor of n elements is viewed as (1, n). The slice is
+ * rows [row0, row0 + nrows) x cols [col0, col0 + ncols); nrows = ncols = 0 means "all". */
+typedef struct {
+    size_t row0, nrows;
+    size_t col0, ncols;
+} pd_weight_slice;
+
+/* The KV-cache pool. Per layer, K and V each have layout
+ * (n_blocks, block_size, n_kv_heads, head_dim) in dtype (vLLM's layout); a token at slot s lives
+ * in block s / block_size, offset s % block_size. */
+typedef struct {
+    int n_layers;
+    size_t n_blocks;
+    size_t block_size;   /* tokens per block */
+    size_t n_kv_heads;   /* heads held by this backend (the rank's range under TP) */
+    size_t head_dim;
+    pd_dtype dtype;      /* CPU: F32 */
+} pd_kv_params;
+
+/* Raw access to one layer of the pool, for the KV transfer code. Pointers are device pointers
+ * (host-dereferenceable only when host_visible). Strides in bytes. */
+typedef struct {
+    void *k;             /* (n_blocks, block_size, n_kv_heads, head_dim) */
+    void *v;             /* same layout */
+    size_t block_stride; /* bytes between blocks = block_size * token_stride */
+    size_t token_stride; /* bytes between tokens = n_kv_heads * head_stride */
+    size_t head_stride;  /* bytes between heads = head_dim * elem */
+    pd_dtype dtype;
+    int host_visible;    /* 1: k/v can be read and written by the CPU directly */
+} pd_kv_layer_view;
+
+/* A block range for export/import: for one layer, whole blocks block_ids[0..n_blocks) and heads
+ * [head0, head0 + n_heads) of the pool. The host buffer is K then V, each
+ * (n_blocks, block_size, n_heads, head_dim) in the pool's dtype:
+ * 2 * n_blocks * block_size * n_heads * head_dim * elem bytes. */
+typedef struct {
+    int layer;
+    const int32_t *block_ids; /* (n_blocks) host */
+    size_t n_blocks;
+    size_t head0, n_heads;
+} pd_kv_range;
+
+/* One forward step, as the backend sees it. All arrays are host memory; see "Ordering" above
+ * for their lifetime. Rows of one sequence are contiguous and in position order. */
+typedef struct {
+    size_t n_tokens;            /* rows in the step */
+    const int32_t *token_ids;   /* (n_tokens) */
+    const int32_t *positions;   /* (n_tokens) position of each row in its sequence */
+    const int64_t *slots;       /* (n_tokens) KV slot (block_id * block_size + offset) that
+                                   receives the row's k and v */
+    const float *rope_cos;      /* (n_tokens, rope_dim / 2) cos(pos * inv_freq) * attn scaling */
+    const float *rope_sin;      /* (n_tokens, rope_dim / 2) sin(pos * inv_freq) * attn scaling */
+    size_t rope_dim;            /* head_dim the tables are for (even) */
+    size_t n_seqs;
+    const int32_t *q_indptr;    /* (n_seqs + 1) rows of sequence s: [q_indptr[s], q_indptr[s+1]) */
+    const int32_t *kv_len;      /* (n_seqs) context length of s after this step (its new rows
+                                   included); row r attends to positions [0, positions[r]] */
+    const int32_t *block_indptr;/* (n_seqs + 1) block table of s: block_ids[indptr[s]..[s+1]) */
+    const int32_t *block_ids;   /* (block_indptr[n_seqs]) */
+    size_t n_out;               /* rows whose logits are wanted */
+    const int32_t *out_rows;    /* (n_out) row indices into the step, increasing */
+} pd_batch;
+
+/* ---- the operation table ------------------------------------------------------------------- */
+
+typedef struct pd_backend_ops {
+    const char *name; /* "cpu", "cuda" */
+
+    /* Frees the implementation state (not the pd_backend wrapper). */
+    void (*destroy)(pd_backend *b);
+    /* Activation dtype of this instance (CPU: F32). */
+    pd_dtype (*act_dtype)(const pd_backend *b);
+
+    /* -- memory ------------------------------------------------------------------------------ */
+    /* A device buffer of bytes (64-byte aligned, uninitialized); PD_ENOMEM when out of memory. */
+    int (*buf_alloc)(pd_backend *b, size_t bytes, void **out);
+    void (*buf_free)(pd_backend *b, void *buf);
+    int (*upload)(pd_backend *b, void *dst_dev, const void *src_host, size_t bytes);
+    int (*download)(pd_backend *b, void *dst_host, const void *src_dev, size_t bytes);
+    /* n activation elements -> host f32 (converted from act_dtype). */
+    int (*download_f32)(pd_backend *b, float *dst_host, const void *src_dev, size_t n);
+    /* Waits for every op issued so far. */
+    int (*sync)(pd_backend *b);
+
+    /* -- weights ----------------------------------------------------------------------------- */
+    /* Copies (and possibly converts or repacks) slice sl of host tensor t (1-D or 2-D, any
+     * stored dtype) into a backend weight. PD_EINVAL naming the tensor when the slice is out of
+     * range or t is not 1-D/2-D. The tensor may be unmapped after the call returns. */
+    int (*weight_load)(pd_backend *b, const pd_tensor *t, const pd_weight_slice *sl,
+                       pd_weight **out);
+    void (*weight_free)(pd_backend *b, pd_weight *w);
+    /* Bytes the weight occupies on the backend. */
+    size_t (*weight_nbytes)(const pd_backend *b, const pd_weight *w);
+
+    /* -- KV cache ---------------------------------------------------------------------------- */
+    /* One pool (zero-filled) for all layers; PD_ENOMEM when it does not fit. */
+    int (*kv_create)(pd_backend *b, const pd_kv_params *p, pd_kv **out);
+    void (*kv_free)(pd_backend *b, pd_kv *kv);
+    int (*kv_layer)(pd_backend *b, const pd_kv *kv, int layer, pd_kv_layer_view *out);
+    /* Copies a block/head range of one layer to host memory / from host memory (see
+     * pd_kv_range for the host layout). Block ids and heads are checked against the pool. */
+    int (*kv_export)(pd_backend *b, const pd_kv *kv, const pd_kv_range *r, void *host);
+    int (*kv_import)(pd_backend *b, pd_kv *kv, const pd_kv_range *r, const void *host);
+
+    /* -- one step ---------------------------------------------------------------------------- */
+    /* Hands over the step's metadata. Checks it against the capacities and, at attention time,
+     * against the KV pool (block ids, slots, kv_len vs block table size). */
+    int (*plan)(pd_backend *b, const pd_batch *batch);
+    /* out (n_tokens, H) = table[token_ids[r]] for the planned rows. table: (V, H) weight. */
+    int (*embed)(pd_backend *b, const pd_weight *table, void *out);
+    /* y (n, dim) = x / sqrt(mean(x^2) + eps) * w; w: (1, dim) weight. y may equal x. */
+    int (*rmsnorm)(pd_backend *b, const void *x, const pd_weight *w, float eps, size_t n,
+                   size_t dim, void *y);
+    /* y (n, out) = x (n, in) . W^T (+ bias); W: (out, in) weight; bias: (1, out) or NULL.
+     * Each row's result is bit-identical whatever n and the other rows are (fixed reduction
+     * order), on every backend that claims determinism (CPU does). */
+    int (*matmul)(pd_backend *b, const void *x, size_t n, const pd_weight *w,
+                  const pd_weight *bias, void *y);
+    /* In-place rotary embedding (rotate_half convention: pair i = dims i and i + head_dim/2) of
+     * x (n_tokens, n_heads, head_dim) with the planned cos/sin rows; head_dim == rope_dim. */
+    int (*rope)(pd_backend *b, void *x, size_t n_heads, size_t head_dim);
+    /* Stores k, v (n_tokens, n_kv_heads, head_dim) at the planned slots of layer. */
+    int (*kv_write)(pd_backend *b, pd_kv *kv, int layer, const void *k, const void *v);
+    /* out (n_tokens, n_q_heads, head_dim) = causal softmax(q k^T * scale) v per sequence over
+     * the paged cache of layer (after kv_write of this step). GQA: q head h reads kv head
+     * h / (n_q_heads / n_kv_heads). q: (n_tokens, n_q_heads, head_dim). */
+    int (*attention)(pd_backend *b, const pd_kv *kv, int layer, const void *q, size_t n_q_heads,
+                     float scale, void *out);
+    /* out (n, dim) = silu(gate) * up; gate, up: (n, dim). out may equal gate or up. */
+    int (*swiglu)(pd_backend *b, const void *gate, const void *up, size_t n, size_t dim,
+                  void *out);
+    /* y (n_elems) += x (n_elems). */
+    int (*add)(pd_backend *b, void *y, const void *x, size_t n_elems);
+    /* out (n_out, dim) = x[out_rows[i]] for the planned out_rows; x: (n_tokens, dim). */
+    int (*gather_rows)(pd_backend *b, const void *x, size_t dim, void *out);
+} pd_backend_ops;
+
+/* ---- instances ------------------------------------------------------------------------------ */
+
+/* The CPU backend: a thread pool of params->n_threads, kernels chosen by params->cpu_isa and
+ * runtime CPU feature detection. PD_EUNSUPPORTED when a forced ISA is not available. */
+int pd_backend_cpu_create(const pd_backend_params *params, pd_backend **out);
+
+/* Destroys any backend (its weights and KV pools must have been freed first). NULL is a no-op. */
+void pd_backend_destroy(pd_backend *b);
+/* The op table of b (never NULL). */
+const pd_backend_ops *pd_backend_get_ops(const pd_backend *b);
+/* Shorthands. */
+const char *pd_backend_name(const pd_backend *b);
+pd_dtype pd_backend_act_dtype(const pd_backend *b);
+
+/* For backend implementations: wraps ops + impl into a new instance (NULL when out of memory);
+ * pd_backend_impl returns impl. */
+pd_backend *pd_backend_wrap(const pd_backend_ops *ops, void *impl);
+void *pd_backend_impl(const pd_backend *b);
+
+#endif

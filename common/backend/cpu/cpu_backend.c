@@ -1,0 +1,698 @@
+/* The CPU backend: fills the operation table of backend.h with f32 activations, weights kept
+ * as stored (f32/bf16/f16, widened in registers) or converted at load, a paged f32 KV pool, and
+ * kernels parallelized over a fork-join thread pool (common/util/threadpool.h).
+ *
+ * Design: every op runs synchronously on the calling thread plus the pool, so "in order until
+ * sync" holds trivially and sync is a no-op. Work is split by output rows (matmul: ranges of W
+ * rows; attention: (row, head) units; row-wise ops: ranges of rows), and each output element is
+ * computed by exactly one kernel call whose reduction order depends only on its own inputs, so
+ * results do not depend on the thread count, the batch composition or prefill chunking.
+ * Kernel family (scalar or AVX-512) is chosen once at create by runtime feature detection.
+ * Nothing allocates after create except weight_load/kv_create (load time).
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/backend.h"
+#include "backend/cpu/cpu_internal.h"
+#include "util/status.h"
+#include "util/threadpool.h"
+
+typedef struct {
+    pd_backend_params p;
+    pd_threadpool *pool;
+    int n_threads;
+    pd_cpu_isa isa; /* resolved: SCALAR or AVX512 */
+    cpu_mm_fn mm;
+    cpu_dot_fn dot;
+    cpu_axpy_fn axpy;
+    pd_batch batch;   /* the planned step (host pointers borrowed from the caller) */
+    int planned;
+    int32_t *row_seq; /* (max_tokens) sequence index of each planned row */
+} cpu_be;
+
+struct pd_kv {
+    pd_kv_params p;
+    float *k;           /* (n_layers, n_blocks, block_size, n_kv_heads, head_dim) f32 */
+    float *v;           /* same */
+    size_t layer_elems; /* n_blocks * block_size * n_kv_heads * head_dim */
+    size_t bytes;       /* of k and v together */
+};
+
+static cpu_be *BE(const pd_backend *b)
+{
+    return pd_backend_impl(b);
+}
+
+/* 64-byte aligned allocation, size rounded up to the alignment. */
+static void *alloc64(size_t bytes)
+{
+    if (bytes == 0) bytes = 64;
+    size_t rounded = (bytes + 63) & ~(size_t)63;
+    if (rounded < bytes) return NULL;
+    return aligned_alloc(64, rounded);
+}
+
+/* ---- lifetime, memory ---------------------------------------------------------------------- */
+
+static void cpu_destroy(pd_backend *b)
+{
+    cpu_be *be = BE(b);
+    if (!be) return;
+    pd_pool_destroy(be->pool);
+    free(be->row_seq);
+    free(be);
+}
+
+static pd_dtype cpu_act_dtype(const pd_backend *b)
+{
+    return PD_DTYPE_F32;
+}
+
+static int cpu_buf_alloc(pd_backend *b, size_t bytes, void **out)
+{
+    void *p = alloc64(bytes);
+    if (!p) return pd_error(PD_ENOMEM, "cpu backend: cannot allocate %zu bytes", bytes);
+    /* Touch every page now (create time) rather than in the first forward step. */
+    memset(p, 0, bytes);
+    *out = p;
+    return PD_OK;
+}
+
+static void cpu_buf_free(pd_backend *b, void *buf)
+{
+    free(buf);
+}
+
+static int cpu_copy(pd_backend *b, void *dst, const void *src, size_t bytes)
+{
+    if (bytes && (!dst || !src)) return pd_error(PD_EINVAL, "cpu backend: copy with NULL buffer");
+    if (bytes) memcpy(dst, src, bytes);
+    return PD_OK;
+}
+
+static int cpu_download_f32(pd_backend *b, float *dst, const void *src, size_t n)
+{
+    return cpu_copy(b, dst, src, n * sizeof(float));
+}
+
+static int cpu_sync(pd_backend *b)
+{
+    return PD_OK;
+}
+
+/* ---- weights --------------------------------------------------------------------------------- */
+
+static int cpu_weight_load(pd_backend *b, const pd_tensor *t, const pd_weight_slice *sl,
+                           pd_weight **out)
+{
+    cpu_be *be = BE(b);
+    const char *name = t && t->name ? t->name : "(unnamed)";
+    if (!t || !t->data) return pd_error(PD_EINVAL, "weight_load: tensor %s has no data", name);
+    if (t->ndim != 1 && t->ndim != 2)
+        return pd_error(PD_EINVAL, "weight_load: tensor %s: expected 1 or 2 dimensions, got %d",
+                        name, t->ndim);
+    if (pd_dtype_size(t->dtype) == 0)
+        return pd_error(PD_EINVAL, "weight_load: tensor %s: bad dtype %d", name, (int)t->dtype);
+    size_t rows = t->ndim == 1 ? 1 : (size_t)t->shape[0];
+    size_t cols = (size_t)t->shape[t->ndim - 1];
+    pd_weight_slice s = sl ? *sl : (pd_weight_slice){0, 0, 0, 0};
+    if (s.nrows == 0 && s.row0 == 0) s.nrows = rows;
+    if (s.ncols == 0 && s.col0 == 0) s.ncols = cols;
+    if (s.nrows == 0 || s.ncols == 0 || s.row0 > rows || s.nrows > rows - s.row0 ||
+        s.col0 > cols || s.ncols > cols - s.col0)
+        return pd_error(PD_EINVAL,
+                        "weight_load: tensor %s: slice rows [%zu, +%zu) cols [%zu, +%zu) outside "
+                        "(%zu, %zu)",
+                        name, s.row0, s.nrows, s.col0, s.ncols, rows, cols);
+
+    pd_dtype dt = t->dtype;
+    if (t->ndim == 1) dt = PD_DTYPE_F32; /* norms, biases: always f32 */
+    else if (be->p.weight_dtype >= 0) dt = (pd_dtype)be->p.weight_dtype;
+    if (pd_dtype_size(dt) == 0)
+        return pd_error(PD_EINVAL, "weight_load: bad weight_dtype %d", be->p.weight_dtype);
+
+    size_t es = pd_dtype_size(dt), ses = pd_dtype_size(t->dtype);
+    size_t ld = (s.ncols + 15) & ~(size_t)15;
+    pd_weight *w = calloc(1, sizeof *w);
+    if (!w) return pd_error(PD_ENOMEM, "weight_load: out of memory");
+    w->dtype = dt;
+    w->rows = s.nrows;
+    w->cols = s.ncols;
+    w->ld = ld;
+    w->nbytes = s.nrows * ld * es;
+    w->data = alloc64(w->nbytes);
+    float *tmp = dt != t->dtype ? malloc(s.ncols * sizeof(float)) : NULL;
+    if (!w->data || (dt != t->dtype && !tmp)) {
+        free(w->data);
+        free(w);
+        free(tmp);
+        return pd_error(PD_ENOMEM, "weight_load: tensor %s: cannot allocate %zu bytes", name,
+                        s.nrows * ld * es);
+    }
+    for (size_t r = 0; r < s.nrows; r++) {
+        const char *src = (const char *)t->data + ((s.row0 + r) * cols + s.col0) * ses;
+        char *dst = (char *)w->data + r * ld * es;
+        if (dt == t->dtype) {
+            memcpy(dst, src, s.ncols * es);
+        } else {
+            pd_to_f32_n(t->dtype, src, tmp, s.ncols);
+            pd_from_f32_n(dt, tmp, dst, s.ncols);
+        }
+        memset(dst + s.ncols * es, 0, (ld - s.ncols) * es);
+    }
+    free(tmp);
+    *out = w;
+    return PD_OK;
+}
+
+static void cpu_weight_free(pd_backend *b, pd_weight *w)
+{
+    if (!w) return;
+    free(w->data);
+    free(w);
+}
+
+static size_t cpu_weight_nbytes(const pd_backend *b, const pd_weight *w)
+{
+    return w ? w->nbytes : 0;
+}
+
+/* ---- KV cache ---------------------------------------------------------------------------------- */
+
+static int cpu_kv_create(pd_backend *b, const pd_kv_params *p, pd_kv **out)
+{
+    if (p->dtype != PD_DTYPE_F32)
+        return pd_error(PD_EUNSUPPORTED, "cpu backend: KV cache dtype %s not supported (float32)",
+                        pd_dtype_name(p->dtype));
+    if (p->n_layers <= 0 || p->n_blocks == 0 || p->block_size == 0 || p->n_kv_heads == 0 ||
+        p->head_dim == 0)
+        return pd_error(PD_EINVAL, "kv_create: every size must be positive");
+    if (p->head_dim > CPU_MAX_HEAD_DIM)
+        return pd_error(PD_EUNSUPPORTED, "kv_create: head_dim %zu > %d", p->head_dim,
+                        CPU_MAX_HEAD_DIM);
+    size_t per_block = p->block_size * p->n_kv_heads * p->head_dim;
+    if (per_block / p->block_size != p->n_kv_heads * p->head_dim ||
+        p->n_blocks > SIZE_MAX / 8 / per_block / (size_t)p->n_layers)
+        return pd_error(PD_ERANGE, "kv_create: pool size overflows");
+    pd_kv *kv = calloc(1, sizeof *kv);
+    if (!kv) return pd_error(PD_ENOMEM, "kv_create: out of memory");
+    kv->p = *p;
+    kv->layer_elems = p->n_blocks * per_block;
+    size_t bytes = kv->layer_elems * (size_t)p->n_layers * sizeof(float);
+    kv->k = alloc64(bytes);
+    kv->v = alloc64(bytes);
+    if (!kv->k || !kv->v) {
+        free(kv->k);
+        free(kv->v);
+        free(kv);
+        return pd_error(PD_ENOMEM, "kv_create: cannot allocate 2 x %zu bytes", bytes);
+    }
+    memset(kv->k, 0, bytes);
+    memset(kv->v, 0, bytes);
+    kv->bytes = 2 * bytes;
+    *out = kv;
+    return PD_OK;
+}
+
+static void cpu_kv_free(pd_backend *b, pd_kv *kv)
+{
+    if (!kv) return;
+    free(kv->k);
+    free(kv->v);
+    free(kv);
+}
+
+static int check_layer(const pd_kv *kv, int layer, const char *op)
+{
+    if (layer < 0 || layer >= kv->p.n_layers)
+        return pd_error(PD_ERANGE, "%s: layer %d outside [0, %d)", op, layer, kv->p.n_layers);
+    return PD_OK;
+}
+
+static int cpu_kv_view(pd_backend *b, const pd_kv *kv, int layer, pd_kv_layer_view *out)
+{
+    PD_CHECK(check_layer(kv, layer, "kv_layer"));
+    out->k = kv->k + (size_t)layer * kv->layer_elems;
+    out->v = kv->v + (size_t)layer * kv->layer_elems;
+    out->head_stride = kv->p.head_dim * sizeof(float);
+    out->token_stride = kv->p.n_kv_heads * out->head_stride;
+    out->block_stride = kv->p.block_size * out->token_stride;
+    out->dtype = PD_DTYPE_F32;
+    out->host_visible = 1;
+    return PD_OK;
+}
+
+static int check_range(const pd_kv *kv, const pd_kv_range *r, const char *op)
+{
+    PD_CHECK(check_layer(kv, r->layer, op));
+    if (r->n_heads == 0 || r->head0 > kv->p.n_kv_heads || r->n_heads > kv->p.n_kv_heads - r->head0)
+        return pd_error(PD_ERANGE, "%s: heads [%zu, +%zu) outside [0, %zu)", op, r->head0,
+                        r->n_heads, kv->p.n_kv_heads);
+    for (size_t i = 0; i < r->n_blocks; i++)
+        if (r->block_ids[i] < 0 || (size_t)r->block_ids[i] >= kv->p.n_blocks)
+            return pd_error(PD_ERANGE, "%s: block_ids[%zu] = %d outside [0, %zu)", op, i,
+                            r->block_ids[i], kv->p.n_blocks);
+    return PD_OK;
+}
+
+/* dir 0: pool -> host, 1: host -> pool. */
+static void kv_copy_range(pd_kv *kv, const pd_kv_range *r, char *host, int dir)
+{
+    const size_t D = kv->p.head_dim, bs = kv->p.block_size, H = kv->p.n_kv_heads;
+    const size_t run = r->n_heads * D; /* elements copied per token */
+    const size_t half = r->n_blocks * bs * run;
+    for (int part = 0; part < 2; part++) {
+        float *pool = (part ? kv->v : kv->k) + (size_t)r->layer * kv->layer_elems;
+        float *h = (float *)host + (size_t)part * half;
+        for (size_t i = 0; i < r->n_blocks; i++)
+            for (size_t t = 0; t < bs; t++) {
+                float *pp = pool + (((size_t)r->block_ids[i] * bs + t) * H + r->head0) * D;
+                float *hp = h + (i * bs + t) * run;
+                if (dir == 0) memcpy(hp, pp, run * sizeof(float));
+                else memcpy(pp, hp, run * sizeof(float));
+            }
+    }
+}
+
+static int cpu_kv_export(pd_backend *b, const pd_kv *kv, const pd_kv_range *r, void *host)
+{
+    PD_CHECK(check_range(kv, r, "kv_export"));
+    kv_copy_range((pd_kv *)kv, r, host, 0);
+    return PD_OK;
+}
+
+static int cpu_kv_import(pd_backend *b, pd_kv *kv, const pd_kv_range *r, const void *host)
+{
+    PD_CHECK(check_range(kv, r, "kv_import"));
+    kv_copy_range(kv, r, (char *)host, 1);
+    return PD_OK;
+}
+
+/* ---- plan -------------------------------------------------------------------------------------- */
+
+static int cpu_plan(pd_backend *b, const pd_batch *bt)
+{
+    cpu_be *be = BE(b);
+    be->planned = 0;
+    const pd_backend_params *p = &be->p;
+    if (bt->n_tokens == 0 || bt->n_tokens > p->max_tokens)
+        return pd_error(PD_ERANGE, "plan: n_tokens %zu outside [1, %zu]", bt->n_tokens,
+                        p->max_tokens);
+    if (bt->n_seqs == 0 || bt->n_seqs > p->max_seqs)
+        return pd_error(PD_ERANGE, "plan: n_seqs %zu outside [1, %zu]", bt->n_seqs, p->max_seqs);
+    if (bt->rope_dim == 0 || bt->rope_dim % 2 || bt->rope_dim > p->max_rope_dim)
+        return pd_error(PD_ERANGE, "plan: rope_dim %zu must be even and in [2, %zu]",
+                        bt->rope_dim, p->max_rope_dim);
+    if (!bt->token_ids || !bt->positions || !bt->slots || !bt->rope_cos || !bt->rope_sin ||
+        !bt->q_indptr || !bt->kv_len || !bt->block_indptr || (bt->n_out && !bt->out_rows))
+        return pd_error(PD_EINVAL, "plan: a required array is NULL");
+    if (bt->q_indptr[0] != 0 || (size_t)bt->q_indptr[bt->n_seqs] != bt->n_tokens)
+        return pd_error(PD_EINVAL, "plan: q_indptr must start at 0 and end at n_tokens (%zu)",
+                        bt->n_tokens);
+    if (bt->block_indptr[0] != 0)
+        return pd_error(PD_EINVAL, "plan: block_indptr[0] must be 0");
+    for (size_t s = 0; s < bt->n_seqs; s++) {
+        if (bt->q_indptr[s + 1] < bt->q_indptr[s])
+            return pd_error(PD_EINVAL, "plan: q_indptr decreases at sequence %zu", s);
+        if (bt->block_indptr[s + 1] < bt->block_indptr[s])
+            return pd_error(PD_EINVAL, "plan: block_indptr decreases at sequence %zu", s);
+        for (int32_t r = bt->q_indptr[s]; r < bt->q_indptr[s + 1]; r++) {
+            if (bt->positions[r] < 0 || bt->positions[r] >= bt->kv_len[s])
+                return pd_error(PD_ERANGE,
+                                "plan: positions[%d] = %d outside [0, kv_len[%zu] = %d)", r,
+                                bt->positions[r], s, bt->kv_len[s]);
+            if (bt->slots[r] < 0)
+                return pd_error(PD_ERANGE, "plan: slots[%d] = %lld is negative", r,
+                                (long long)bt->slots[r]);
+            be->row_seq[r] = (int32_t)s;
+        }
+    }
+    size_t nblk = (size_t)bt->block_indptr[bt->n_seqs];
+    if (nblk > p->max_blocks)
+        return pd_error(PD_ERANGE, "plan: %zu block-table entries > max_blocks %zu", nblk,
+                        p->max_blocks);
+    if (nblk && !bt->block_ids) return pd_error(PD_EINVAL, "plan: block_ids is NULL");
+    for (size_t i = 0; i < bt->n_out; i++)
+        if (bt->out_rows[i] < 0 || (size_t)bt->out_rows[i] >= bt->n_tokens ||
+            (i && bt->out_rows[i] <= bt->out_rows[i - 1]))
+            return pd_error(PD_EINVAL, "plan: out_rows[%zu] = %d not increasing in [0, %zu)", i,
+                            bt->out_rows[i], bt->n_tokens);
+    be->batch = *bt;
+    be->planned = 1;
+    return PD_OK;
+}
+
+static int need_plan(const cpu_be *be, const char *op)
+{
+    if (!be->planned) return pd_error(PD_EINVAL, "%s: no planned step (call plan first)", op);
+    return PD_OK;
+}
+
+/* Splits [0, n) into about n_tasks ranges; task i gets [lo, hi). */
+static void task_range(size_t n, int task, int n_tasks, size_t *lo, size_t *hi)
+{
+    *lo = n * (size_t)task / (size_t)n_tasks;
+    *hi = n * (size_t)(task + 1) / (size_t)n_tasks;
+}
+
+/* Task count for n independent rows of `work` elements each: one task when small. */
+static int row_tasks(const cpu_be *be, size_t n, size_t work)
+{
+    if (be->n_threads == 1 || n * work < 32768) return 1;
+    size_t t = (size_t)be->n_threads * 4;
+    return (int)(t < n ? t : n);
+}
+
+/* ---- embedding, norms, elementwise --------------------------------------------------------- */
+
+typedef struct {
+    cpu_be *be;
+    const pd_weight *w;
+    const float *x;
+    const float *x2;
+    float *y;
+    size_t n, dim;
+    float eps;
+} row_ctx;
+
+static void embed_task(void *vctx, int task, int n_tasks)
+{
+    row_ctx *c = vctx;
+    size_t lo, hi;
+    task_range(c->n, task, n_tasks, &lo, &hi);
+    size_t es = pd_dtype_size(c->w->dtype);
+    for (size_t r = lo; r < hi; r++) {
+        const char *src = (const char *)c->w->data + (size_t)c->be->batch.token_ids[r] * c->w->ld * es;
+        pd_to_f32_n(c->w->dtype, src, c->y + r * c->dim, c->dim);
+    }
+}
+
+static int cpu_embed(pd_backend *b, const pd_weight *table, void *out)
+{
+    cpu_be *be = BE(b);
+    PD_CHECK(need_plan(be, "embed"));
+    const pd_batch *bt = &be->batch;
+    for (size_t r = 0; r < bt->n_tokens; r++)
+        if (bt->token_ids[r] < 0 || (size_t)bt->token_ids[r] >= table->rows)
+            return pd_error(PD_ERANGE, "embed: token_ids[%zu] = %d outside the vocabulary [0, %zu)",
+                            r, bt->token_ids[r], table->rows);
+    row_ctx c = {.be = be, .w = table, .y = out, .n = bt->n_tokens, .dim = table->cols};
+    pd_pool_run(be->pool, embed_task, &c, row_tasks(be, c.n, c.dim));
+    return PD_OK;
+}
+
+static void rmsnorm_task(void *vctx, int task, int n_tasks)
+{
+    row_ctx *c = vctx;
+    size_t lo, hi;
+    task_range(c->n, task, n_tasks, &lo, &hi);
+    for (size_t r = lo; r < hi; r++)
+        cpu_rmsnorm_row(c->x + r * c->dim, c->w->data, c->eps, c->dim, c->y + r * c->dim,
+                        c->be->dot);
+}
+
+static int cpu_rmsnorm(pd_backend *b, const void *x, const pd_weight *w, float eps, size_t n,
+                       size_t dim, void *y)
+{
+    cpu_be *be = BE(b);
+    if (w->rows != 1 || w->cols != dim || w->dtype != PD_DTYPE_F32)
+        return pd_error(PD_EINVAL, "rmsnorm: weight is (%zu, %zu), expected (1, %zu)", w->rows,
+                        w->cols, dim);
+    row_ctx c = {.be = be, .w = w, .x = x, .y = y, .n = n, .dim = dim, .eps = eps};
+    pd_pool_run(be->pool, rmsnorm_task, &c, row_tasks(be, n, dim));
+    return PD_OK;
+}
+
+static void swiglu_task(void *vctx, int task, int n_tasks)
+{
+    row_ctx *c = vctx;
+    size_t lo, hi;
+    task_range(c->n, task, n_tasks, &lo, &hi);
+    for (size_t r = lo; r < hi; r++)
+        cpu_swiglu_row(c->x + r * c->dim, c->x2 + r * c->dim, c->dim, c->y + r * c->dim);
+}
+
+static int cpu_swiglu(pd_backend *b, const void *gate, const void *up, size_t n, size_t dim,
+                      void *out)
+{
+    cpu_be *be = BE(b);
+    row_ctx c = {.be = be, .x = gate, .x2 = up, .y = out, .n = n, .dim = dim};
+    pd_pool_run(be->pool, swiglu_task, &c, row_tasks(be, n, dim * 8));
+    return PD_OK;
+}
+
+static int cpu_add(pd_backend *b, void *y, const void *x, size_t n_elems)
+{
+    float *yf = y;
+    const float *xf = x;
+    for (size_t i = 0; i < n_elems; i++) yf[i] += xf[i];
+    return PD_OK;
+}
+
+static int cpu_gather_rows(pd_backend *b, const void *x, size_t dim, void *out)
+{
+    cpu_be *be = BE(b);
+    PD_CHECK(need_plan(be, "gather_rows"));
+    for (size_t i = 0; i < be->batch.n_out; i++)
+        memcpy((float *)out + i * dim, (const float *)x + (size_t)be->batch.out_rows[i] * dim,
+               dim * sizeof(float));
+    return PD_OK;
+}
+
+/* ---- matmul ---------------------------------------------------------------------------------- */
+
+/* Prefill: bytes of W one task keeps hot (L2) while every x row tile passes over it. */
+#ifndef MM_CHUNK_KB
+#define MM_CHUNK_KB 96
+#endif
+
+typedef struct {
+    cpu_be *be;
+    const float *x;
+    size_t n;
+    const pd_weight *w;
+    const float *bias;
+    float *y;
+    size_t chunk; /* W rows per task */
+} mm_ctx;
+
+static void mm_task(void *vctx, int task, int n_tasks)
+{
+    mm_ctx *c = vctx;
+    size_t j0 = (size_t)task * c->chunk;
+    size_t j1 = j0 + c->chunk < c->w->rows ? j0 + c->chunk : c->w->rows;
+    c->be->mm(c->x, c->n, c->w->cols, c->w, j0, j1, c->bias, c->y, c->w->rows);
+}
+
+static int cpu_matmul(pd_backend *b, const void *x, size_t n, const pd_weight *w,
+                      const pd_weight *bias, void *y)
+{
+    cpu_be *be = BE(b);
+    if (bias && (bias->rows != 1 || bias->cols != w->rows || bias->dtype != PD_DTYPE_F32))
+        return pd_error(PD_EINVAL, "matmul: bias is (%zu, %zu), expected (1, %zu)", bias->rows,
+                        bias->cols, w->rows);
+    if (n == 0) return PD_OK;
+    size_t es = pd_dtype_size(w->dtype), out = w->rows;
+    size_t chunk;
+    if (n <= 2) {
+        /* Decode: weight streaming; about 8 tasks per thread for balance, 8-row multiples. */
+        size_t per = (out + (size_t)be->n_threads * 8 - 1) / ((size_t)be->n_threads * 8);
+        chunk = (per + 7) & ~(size_t)7;
+    } else {
+        /* Prefill: a W chunk of MM_CHUNK_KB stays in L2 while all x row tiles pass over it. */
+        chunk = ((size_t)MM_CHUNK_KB * 1024) / (w->ld * es);
+        chunk &= ~(size_t)3;
+        if (chunk < 4) chunk = 4;
+        size_t fair = (out + (size_t)be->n_threads - 1) / (size_t)be->n_threads;
+        if (chunk > fair) chunk = (fair + 3) & ~(size_t)3;
+    }
+    if (chunk == 0) chunk = 4;
+    mm_ctx c = {.be = be, .x = x, .n = n, .w = w, .bias = bias ? bias->data : NULL, .y = y,
+                .chunk = chunk};
+    size_t n_tasks = (out + chunk - 1) / chunk;
+    if (be->n_threads == 1) n_tasks = 1, c.chunk = out;
+    pd_pool_run(be->pool, mm_task, &c, (int)n_tasks);
+    return PD_OK;
+}
+
+/* ---- rope, KV write, attention ------------------------------------------------------------ */
+
+static int cpu_rope(pd_backend *b, void *x, size_t n_heads, size_t head_dim)
+{
+    cpu_be *be = BE(b);
+    PD_CHECK(need_plan(be, "rope"));
+    const pd_batch *bt = &be->batch;
+    if (head_dim != bt->rope_dim)
+        return pd_error(PD_EINVAL, "rope: head_dim %zu != planned rope_dim %zu", head_dim,
+                        bt->rope_dim);
+    size_t half = head_dim / 2;
+    for (size_t r = 0; r < bt->n_tokens; r++)
+        cpu_rope_row((float *)x + r * n_heads * head_dim, n_heads, head_dim,
+                     bt->rope_cos + r * half, bt->rope_sin + r * half);
+    return PD_OK;
+}
+
+static int cpu_kv_write(pd_backend *b, pd_kv *kv, int layer, const void *k, const void *v)
+{
+    cpu_be *be = BE(b);
+    PD_CHECK(need_plan(be, "kv_write"));
+    PD_CHECK(check_layer(kv, layer, "kv_write"));
+    const pd_batch *bt = &be->batch;
+    size_t te = kv->p.n_kv_heads * kv->p.head_dim, cap = kv->p.n_blocks * kv->p.block_size;
+    float *kl = kv->k + (size_t)layer * kv->layer_elems;
+    float *vl = kv->v + (size_t)layer * kv->layer_elems;
+    for (size_t r = 0; r < bt->n_tokens; r++) {
+        if ((uint64_t)bt->slots[r] >= cap)
+            return pd_error(PD_ERANGE, "kv_write: slots[%zu] = %lld outside the pool [0, %zu)", r,
+                            (long long)bt->slots[r], cap);
+        memcpy(kl + (size_t)bt->slots[r] * te, (const float *)k + r * te, te * sizeof(float));
+        memcpy(vl + (size_t)bt->slots[r] * te, (const float *)v + r * te, te * sizeof(float));
+    }
+    return PD_OK;
+}
+
+typedef struct {
+    cpu_be *be;
+    cpu_kv_layer layer;
+    const float *q;
+    float *out;
+    size_t n_q_heads, group, n_units;
+    float scale;
+} attn_ctx;
+
+static void attn_task(void *vctx, int task, int n_tasks)
+{
+    attn_ctx *c = vctx;
+    const pd_batch *bt = &c->be->batch;
+    size_t lo, hi, D = c->layer.head_dim;
+    task_range(c->n_units, task, n_tasks, &lo, &hi);
+    for (size_t u = lo; u < hi; u++) {
+        size_t r = u / c->n_q_heads, h = u % c->n_q_heads;
+        int32_t s = c->be->row_seq[r];
+        const int32_t *table = bt->block_ids + bt->block_indptr[s];
+        size_t off = (r * c->n_q_heads + h) * D;
+        size_t n_ctx = (size_t)bt->positions[r] + 1;
+        if (c->be->isa == PD_CPU_ISA_AVX512 &&
+            cpu_attention_head_avx512(c->q + off, &c->layer, (int)(h / c->group), table, n_ctx,
+                                      c->scale, c->out + off))
+            continue;
+        cpu_attention_head(c->q + off, &c->layer, (int)(h / c->group), table, n_ctx, c->scale,
+                           c->out + off, c->be->dot, c->be->axpy);
+    }
+}
+
+static int cpu_attention(pd_backend *b, const pd_kv *kv, int layer, const void *q,
+                         size_t n_q_heads, float scale, void *out)
+{
+    cpu_be *be = BE(b);
+    PD_CHECK(need_plan(be, "attention"));
+    PD_CHECK(check_layer(kv, layer, "attention"));
+    const pd_batch *bt = &be->batch;
+    size_t H = kv->p.n_kv_heads;
+    if (n_q_heads == 0 || n_q_heads % H)
+        return pd_error(PD_EINVAL, "attention: %zu query heads not a multiple of %zu kv heads",
+                        n_q_heads, H);
+    for (size_t s = 0; s < bt->n_seqs; s++) {
+        size_t nb = (size_t)(bt->block_indptr[s + 1] - bt->block_indptr[s]);
+        if ((size_t)bt->kv_len[s] > nb * kv->p.block_size)
+            return pd_error(PD_ERANGE,
+                            "attention: sequence %zu: kv_len %d exceeds its %zu blocks of %zu",
+                            s, bt->kv_len[s], nb, kv->p.block_size);
+        for (int32_t i = bt->block_indptr[s]; i < bt->block_indptr[s + 1]; i++)
+            if (bt->block_ids[i] < 0 || (size_t)bt->block_ids[i] >= kv->p.n_blocks)
+                return pd_error(PD_ERANGE, "attention: block_ids[%d] = %d outside [0, %zu)", i,
+                                bt->block_ids[i], kv->p.n_blocks);
+    }
+    attn_ctx c = {
+        .be = be,
+        .layer = {.k = kv->k + (size_t)layer * kv->layer_elems,
+                  .v = kv->v + (size_t)layer * kv->layer_elems,
+                  .block_size = kv->p.block_size,
+                  .token_elems = H * kv->p.head_dim,
+                  .head_dim = kv->p.head_dim},
+        .q = q,
+        .out = out,
+        .n_q_heads = n_q_heads,
+        .group = n_q_heads / H,
+        .n_units = bt->n_tokens * n_q_heads,
+        .scale = scale,
+    };
+    /* Short contexts (decode with a few hundred keys) are cheaper inline than a pool run. */
+    size_t work = 0;
+    for (size_t r = 0; r < bt->n_tokens; r++) work += (size_t)bt->positions[r] + 1;
+    work *= n_q_heads * kv->p.head_dim;
+    int n_tasks = be->n_threads == 1 || work < ((size_t)1 << 17)
+                      ? 1
+                      : (int)(c.n_units < 256 ? c.n_units : 256);
+    pd_pool_run(be->pool, attn_task, &c, n_tasks);
+    return PD_OK;
+}
+
+/* ---- table and create ------------------------------------------------------------------------- */
+
+static const pd_backend_ops cpu_ops = {
+    .name = "cpu",
+    .destroy = cpu_destroy,
+    .act_dtype = cpu_act_dtype,
+    .buf_alloc = cpu_buf_alloc,
+    .buf_free = cpu_buf_free,
+    .upload = cpu_copy,
+    .download = cpu_copy,
+    .download_f32 = cpu_download_f32,
+    .sync = cpu_sync,
+    .weight_load = cpu_weight_load,
+    .weight_free = cpu_weight_free,
+    .weight_nbytes = cpu_weight_nbytes,
+    .kv_create = cpu_kv_create,
+    .kv_free = cpu_kv_free,
+    .kv_layer = cpu_kv_view,
+    .kv_export = cpu_kv_export,
+    .kv_import = cpu_kv_import,
+    .plan = cpu_plan,
+    .embed = cpu_embed,
+    .rmsnorm = cpu_rmsnorm,
+    .matmul = cpu_matmul,
+    .rope = cpu_rope,
+    .kv_write = cpu_kv_write,
+    .attention = cpu_attention,
+    .swiglu = cpu_swiglu,
+    .add = cpu_add,
+    .gather_rows = cpu_gather_rows,
+};
+
+int pd_backend_cpu_create(const pd_backend_params *params, pd_backend **out)
+{
+    pd_backend_params p = params ? *params : pd_backend_default_params();
+    if (p.max_tokens == 0 || p.max_seqs == 0 || p.max_rope_dim == 0)
+        return pd_error(PD_EINVAL, "cpu backend: max_tokens, max_seqs, max_rope_dim must be > 0");
+    if (p.weight_dtype >= PD_DTYPE_COUNT)
+        return pd_error(PD_EINVAL, "cpu backend: weight_dtype %d is not a dtype", p.weight_dtype);
+    pd_cpu_isa isa = p.cpu_isa;
+    if (isa == PD_CPU_ISA_AUTO) isa = cpu_have_avx512() ? PD_CPU_ISA_AVX512 : PD_CPU_ISA_SCALAR;
+    else if (isa == PD_CPU_ISA_AVX512 && !cpu_have_avx512())
+        return pd_error(PD_EUNSUPPORTED, "cpu backend: this CPU lacks avx512f/f16c");
+    else if (isa != PD_CPU_ISA_SCALAR && isa != PD_CPU_ISA_AVX512)
+        return pd_error(PD_EINVAL, "cpu backend: unknown cpu_isa %d", (int)isa);
+
+    cpu_be *be = calloc(1, sizeof *be);
+    if (!be) return pd_error(PD_ENOMEM, "cpu backend: out of memory");
+    be->p = p;
+    be->isa = isa;
+    be->mm = isa == PD_CPU_ISA_AVX512 ? cpu_mm_avx512 : cpu_mm_scalar;
+    be->dot = isa == PD_CPU_ISA_AVX512 ? cpu_dot_avx512 : cpu_dot_scalar;
+    be->axpy = isa == PD_CPU_ISA_AVX512 ? cpu_axpy_avx512 : cpu_axpy_scalar;
+    be->pool = pd_pool_create(p.n_threads);
+    be->row_seq = malloc(p.max_tokens * sizeof(int32_t));
+    pd_backend *b = be->pool && be->row_seq ? pd_backend_wrap(&cpu_ops, be) : NULL;
+    if (!b) {
+        pd_pool_destroy(be->pool);
+        free(be->row_seq);
+        free(be);
+        return pd_error(PD_ENOMEM, "cpu backend: out of memory");
+    }
+    be->n_threads = pd_pool_size(be->pool);
+    *out = b;
+    return PD_OK;
+}

@@ -1,0 +1,78 @@
+/* Internal interface of the CPU backend: its weight and KV structs and the kernels that the
+ * op table (cpu_backend.c) calls. Not for use outside common/backend/cpu/. */
+#ifndef PD_BACKEND_CPU_INTERNAL_H
+#define PD_BACKEND_CPU_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "backend/backend.h"
+
+/* A weight on the CPU backend: (rows, cols) with rows padded to ld elements (ld a multiple of
+ * 16, the padding zero-filled) so SIMD loads of a row never need a mask; 64-byte aligned. */
+struct pd_weight {
+    pd_dtype dtype; /* F32, F16 or BF16 (vectors: always F32) */
+    size_t rows, cols;
+    size_t ld;      /* elements between rows */
+    void *data;     /* (rows, ld) in dtype */
+    size_t nbytes;  /* rows * ld * elem */
+};
+
+/* Computes y[i, j] = dot(x[i, :], W[j, :]) (+ bias[j]) for rows i < n of x (row stride ldx) and
+ * W rows j in [j0, j1); y row stride ldy, column j at y[i * ldy + j].
+ * Contract: y[i, j] depends only on x[i, :], W[j, :] and bias[j] (the reduction order over
+ * K = w->cols is fixed), never on n, j0, j1 or the other rows. */
+typedef void (*cpu_mm_fn)(const float *x, size_t n, size_t ldx, const struct pd_weight *w,
+                          size_t j0, size_t j1, const float *bias, float *y, size_t ldy);
+
+void cpu_mm_scalar(const float *x, size_t n, size_t ldx, const struct pd_weight *w, size_t j0,
+                   size_t j1, const float *bias, float *y, size_t ldy);
+void cpu_mm_avx512(const float *x, size_t n, size_t ldx, const struct pd_weight *w, size_t j0,
+                   size_t j1, const float *bias, float *y, size_t ldy);
+
+/* Dot product and axpy used by attention, with the same ISA split.
+ * cpu_dot: sum_k a[k] * b[k] in a fixed order. cpu_axpy: y[k] += s * x[k]. */
+typedef float (*cpu_dot_fn)(const float *a, const float *b, size_t n);
+typedef void (*cpu_axpy_fn)(float *y, float s, const float *x, size_t n);
+float cpu_dot_scalar(const float *a, const float *b, size_t n);
+float cpu_dot_avx512(const float *a, const float *b, size_t n);
+void cpu_axpy_scalar(float *y, float s, const float *x, size_t n);
+void cpu_axpy_avx512(float *y, float s, const float *x, size_t n);
+
+/* 1 when the running CPU has the features the AVX-512 kernels need (avx512f, f16c). */
+int cpu_have_avx512(void);
+
+/* ---- row kernels (cpu_ops.c) ---------------------------------------------------------------- */
+
+#define CPU_MAX_HEAD_DIM 512 /* attention keeps one head's accumulator on the stack */
+#define CPU_ATTN_CHUNK 128   /* keys scored per online-softmax rescale */
+
+/* One layer of the f32 KV pool: K and V each (n_blocks, block_size, n_kv_heads, head_dim). */
+typedef struct {
+    const float *k;
+    const float *v;
+    size_t block_size;
+    size_t token_elems; /* n_kv_heads * head_dim */
+    size_t head_dim;
+} cpu_kv_layer;
+
+/* y (dim) = (x * rsqrt(mean(x^2) + eps)) * w. y may equal x. */
+void cpu_rmsnorm_row(const float *x, const float *w, float eps, size_t dim, float *y,
+                     cpu_dot_fn dot);
+/* out (dim) = silu(gate) * up; out may alias either input. */
+void cpu_swiglu_row(const float *gate, const float *up, size_t dim, float *out);
+/* x (n_heads, head_dim) rotated in place by one row of cos/sin (head_dim / 2 each). */
+void cpu_rope_row(float *x, size_t n_heads, size_t head_dim, const float *cos_row,
+                  const float *sin_row);
+/* out (head_dim) = softmax(q . K[0..n_ctx)^T * scale) . V[0..n_ctx) for one query head q
+ * (head_dim) against kv head kv_head, positions mapped to slots through block_table.
+ * n_ctx >= 1; head_dim <= CPU_MAX_HEAD_DIM. */
+void cpu_attention_head(const float *q, const cpu_kv_layer *kv, int kv_head,
+                        const int32_t *block_table, size_t n_ctx, float scale, float *out,
+                        cpu_dot_fn dot, cpu_axpy_fn axpy);
+/* The same with q and the accumulator in AVX-512 registers, for head_dim a multiple of 16 up to
+ * 128 (cpu_matmul.c). Returns 0 without doing anything for other head sizes. */
+int cpu_attention_head_avx512(const float *q, const cpu_kv_layer *kv, int kv_head,
+                              const int32_t *block_table, size_t n_ctx, float scale, float *out);
+
+#endif

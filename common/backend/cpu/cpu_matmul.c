@@ -1,0 +1,380 @@
+/* SIMD kernels of the CPU backend: matrix products y = x . W^T with W (out, in) row-major as
+ * stored in checkpoints, for f32, bf16 and f16 weights, in a portable scalar version and an
+ * AVX-512 version chosen at run time; and the AVX-512 attention inner loop.
+ *
+ * Design: "dot-product" tiles. Both x rows and W rows are contiguous along the reduction
+ * dimension K, so an (M x N) register tile keeps M*N 16-lane accumulators, loads M x vectors
+ * and N W vectors per 16 k, and reduces each accumulator once at the end. Each output element
+ * therefore sees the same sequence of operations (lane l sums k = l, l+16, ... in increasing
+ * order, then a fixed reduction tree) whatever the tile shape, the batch size n, or the thread
+ * split: a row's result is bit-identical alone or in a batch, in one prefill chunk or many.
+ * That is the determinism the engine needs, and why no BLAS GEMM is used here (OpenBLAS picks
+ * a GEMV path for one row and a blocked GEMM for many). bf16/f16 weights are widened to f32 in
+ * registers (exact), so they cost half the memory traffic and give the same result as
+ * converting at load.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "backend/cpu/cpu_internal.h"
+#include "model/dtype.h"
+
+int cpu_have_avx512(void)
+{
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("f16c");
+#else
+    return 0;
+#endif
+}
+
+/* ---- scalar ---------------------------------------------------------------------------------- */
+
+/* 8 partial sums over k = l mod 8, then a fixed pairwise tree. */
+static float dot_w_scalar(const float *x, const void *w, pd_dtype dt, size_t K)
+{
+    float s[8] = {0};
+    size_t k = 0;
+    if (dt == PD_DTYPE_F32) {
+        const float *wf = w;
+        for (; k + 8 <= K; k += 8)
+            for (int l = 0; l < 8; l++) s[l] += x[k + l] * wf[k + l];
+        for (; k < K; k++) s[k & 7] += x[k] * wf[k];
+    } else if (dt == PD_DTYPE_BF16) {
+        const uint16_t *wh = w;
+        for (; k + 8 <= K; k += 8)
+            for (int l = 0; l < 8; l++) s[l] += x[k + l] * pd_bf16_to_f32(wh[k + l]);
+        for (; k < K; k++) s[k & 7] += x[k] * pd_bf16_to_f32(wh[k]);
+    } else {
+        const uint16_t *wh = w;
+        for (; k + 8 <= K; k += 8)
+            for (int l = 0; l < 8; l++) s[l] += x[k + l] * pd_f16_to_f32(wh[k + l]);
+        for (; k < K; k++) s[k & 7] += x[k] * pd_f16_to_f32(wh[k]);
+    }
+    return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
+}
+
+void cpu_mm_scalar(const float *x, size_t n, size_t ldx, const struct pd_weight *w, size_t j0,
+                   size_t j1, const float *bias, float *y, size_t ldy)
+{
+    size_t es = pd_dtype_size(w->dtype);
+    for (size_t i = 0; i < n; i++) {
+        const float *xi = x + i * ldx;
+        for (size_t j = j0; j < j1; j++) {
+            float s = dot_w_scalar(xi, (const char *)w->data + j * w->ld * es, w->dtype, w->cols);
+            if (bias) s += bias[j];
+            y[i * ldy + j] = s;
+        }
+    }
+}
+
+float cpu_dot_scalar(const float *a, const float *b, size_t n)
+{
+    return dot_w_scalar(a, b, PD_DTYPE_F32, n);
+}
+
+void cpu_axpy_scalar(float *y, float s, const float *x, size_t n)
+{
+    for (size_t k = 0; k < n; k++) y[k] += s * x[k];
+}
+
+/* ---- AVX-512 --------------------------------------------------------------------------------- */
+#if defined(__x86_64__)
+
+#define AVX512 __attribute__((target("avx512f,f16c,fma")))
+#define INLINE_AVX512 static inline __attribute__((always_inline, target("avx512f,f16c,fma")))
+
+/* 16 weights at element k of row p, widened to f32. dt is a compile-time constant at every
+ * call site after inlining. */
+INLINE_AVX512 __m512 load_w16(const void *p, pd_dtype dt, size_t k)
+{
+    if (dt == PD_DTYPE_F32) return _mm512_loadu_ps((const float *)p + k);
+    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + k));
+    if (dt == PD_DTYPE_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+
+/* Fixed reduction tree: halves 256, 128, 64, 32 (what _mm512_reduce_add_ps does, spelled out
+ * so the order is ours). */
+INLINE_AVX512 float hsum16(__m512 v)
+{
+    __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    __m128 d = _mm_add_ss(c, _mm_movehdup_ps(c));
+    return _mm_cvtss_f32(d);
+}
+
+/* Small loops over the register tile must be unrolled completely so the accumulators stay in
+ * registers (GCC's -O2 heuristics would not). */
+#define UNROLL _Pragma("GCC unroll 8")
+
+#ifndef DECODE_PF
+#define DECODE_PF 1
+#endif
+
+#define MT_MAX 6 /* x rows per tile */
+#define NT_MAX 8 /* W rows per tile */
+
+/* One (M x N) tile: x rows [0, M) (stride ldx), W rows at w (stride ldw elements). M, N and dt
+ * are constants at each call site, so the accumulators live in registers. */
+INLINE_AVX512 void tile(const float *x, size_t ldx, const void *w, size_t ldw, pd_dtype dt,
+                        size_t K, const float *bias, float *y, size_t ldy, const int M,
+                        const int N, const char *pf)
+{
+    __m512 acc[MT_MAX][NT_MAX];
+    const size_t es = dt == PD_DTYPE_F32 ? 4 : 2;
+    UNROLL for (int i = 0; i < M; i++)
+        UNROLL for (int j = 0; j < N; j++) acc[i][j] = _mm512_setzero_ps();
+    size_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m512 wv[NT_MAX];
+        /* Decode streams W once: prefetch the next tile's rows at the same offset, so each short
+         * row (a few KiB) does not wait for the hardware prefetcher to pick its stream up. */
+        if (pf)
+            UNROLL for (int j = 0; j < N; j++)
+                _mm_prefetch(pf + ((size_t)j * ldw + k) * es, _MM_HINT_T0);
+        UNROLL for (int j = 0; j < N; j++) wv[j] = load_w16((const char *)w + (size_t)j * ldw * es, dt, k);
+        UNROLL for (int i = 0; i < M; i++) {
+            __m512 xv = _mm512_loadu_ps(x + (size_t)i * ldx + k);
+            UNROLL for (int j = 0; j < N; j++) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+        }
+    }
+    if (k < K) {
+        /* x tail masked to zero; W rows are zero-padded to ldw, so a full load is in bounds. */
+        __mmask16 m = (__mmask16)((1u << (K - k)) - 1u);
+        __m512 wv[NT_MAX];
+        UNROLL for (int j = 0; j < N; j++) wv[j] = load_w16((const char *)w + (size_t)j * ldw * es, dt, k);
+        UNROLL for (int i = 0; i < M; i++) {
+            __m512 xv = _mm512_maskz_loadu_ps(m, x + (size_t)i * ldx + k);
+            UNROLL for (int j = 0; j < N; j++) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+        }
+    }
+    UNROLL for (int i = 0; i < M; i++)
+        UNROLL for (int j = 0; j < N; j++) {
+            float s = hsum16(acc[i][j]);
+            if (bias) s += bias[j];
+            y[(size_t)i * ldy + j] = s;
+        }
+}
+
+/* Row tiles of up to M_ x rows against W rows [j0, j1) in tiles of N_ (remainder 1 by 1). */
+#define TILE_ROWS(M_, N_, DT, PF)                                                                  \
+    do {                                                                                           \
+        size_t j = j0;                                                                             \
+        for (; j + (N_) <= j1; j += (N_))                                                          \
+            tile(xi, ldx, wb + j * ldw * es, ldw, DT, K, bias ? bias + j : NULL, yi + j, ldy,      \
+                 M_, N_, (PF) && j + 2 * (N_) <= j1 ? wb + (j + (N_)) * ldw * es : NULL);         \
+        for (; j < j1; j++)                                                                        \
+            tile(xi, ldx, wb + j * ldw * es, ldw, DT, K, bias ? bias + j : NULL, yi + j, ldy,      \
+                 M_, 1, NULL);                                                                     \
+    } while (0)
+
+INLINE_AVX512 void mm_dt(const float *x, size_t n, size_t ldx, const struct pd_weight *w,
+                         size_t j0, size_t j1, const float *bias, float *y, size_t ldy,
+                         pd_dtype dt)
+{
+    const char *wb = w->data;
+    const size_t ldw = w->ld, K = w->cols, es = dt == PD_DTYPE_F32 ? 4 : 2;
+    size_t i = 0;
+    if (n <= 2) {
+        /* Decode: stream W once, 8 rows at a time to keep many loads in flight. */
+        const float *xi = x;
+        float *yi = y;
+        if (n == 1) TILE_ROWS(1, 8, dt, DECODE_PF);
+        else TILE_ROWS(2, 8, dt, DECODE_PF);
+        return;
+    }
+    for (; i + 6 <= n; i += 6) {
+        const float *xi = x + i * ldx;
+        float *yi = y + i * ldy;
+        TILE_ROWS(6, 4, dt, 0);
+    }
+    const float *xi = x + i * ldx;
+    float *yi = y + i * ldy;
+    switch (n - i) {
+    case 5: TILE_ROWS(5, 4, dt, 0); break;
+    case 4: TILE_ROWS(4, 4, dt, 0); break;
+    case 3: TILE_ROWS(3, 4, dt, 0); break;
+    case 2: TILE_ROWS(2, 4, dt, 0); break;
+    case 1: TILE_ROWS(1, 4, dt, 0); break;
+    default: break;
+    }
+}
+
+AVX512 void cpu_mm_avx512(const float *x, size_t n, size_t ldx, const struct pd_weight *w,
+                          size_t j0, size_t j1, const float *bias, float *y, size_t ldy)
+{
+    switch (w->dtype) {
+    case PD_DTYPE_F32: mm_dt(x, n, ldx, w, j0, j1, bias, y, ldy, PD_DTYPE_F32); break;
+    case PD_DTYPE_BF16: mm_dt(x, n, ldx, w, j0, j1, bias, y, ldy, PD_DTYPE_BF16); break;
+    case PD_DTYPE_F16: mm_dt(x, n, ldx, w, j0, j1, bias, y, ldy, PD_DTYPE_F16); break;
+    }
+}
+
+AVX512 float cpu_dot_avx512(const float *a, const float *b, size_t n)
+{
+    __m512 acc = _mm512_setzero_ps();
+    size_t k = 0;
+    for (; k + 16 <= n; k += 16)
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + k), _mm512_loadu_ps(b + k), acc);
+    if (k < n) {
+        __mmask16 m = (__mmask16)((1u << (n - k)) - 1u);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + k), _mm512_maskz_loadu_ps(m, b + k),
+                              acc);
+    }
+    return hsum16(acc);
+}
+
+AVX512 void cpu_axpy_avx512(float *y, float s, const float *x, size_t n)
+{
+    __m512 sv = _mm512_set1_ps(s);
+    size_t k = 0;
+    for (; k + 16 <= n; k += 16)
+        _mm512_storeu_ps(y + k, _mm512_fmadd_ps(sv, _mm512_loadu_ps(x + k), _mm512_loadu_ps(y + k)));
+    if (k < n) {
+        __mmask16 m = (__mmask16)((1u << (n - k)) - 1u);
+        _mm512_mask_storeu_ps(y + k, m,
+                              _mm512_fmadd_ps(sv, _mm512_maskz_loadu_ps(m, x + k),
+                                              _mm512_maskz_loadu_ps(m, y + k)));
+    }
+}
+
+/* 16 vectors -> one vector of their 16 horizontal sums (lane j = sum of a[j]), by a fixed
+ * shuffle-add tree (pairs within 128-bit lanes, then across lanes). */
+INLINE_AVX512 __m512 reduce16x16(const __m512 *a)
+{
+    __m512 b[8], c[4], d[2];
+    UNROLL for (int i = 0; i < 8; i++)
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    UNROLL for (int i = 0; i < 4; i++)
+        c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+    UNROLL for (int i = 0; i < 2; i++)
+        d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88),
+                         _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
+}
+
+/* exp(x) for 16 lanes, x <= 0 (relative error ~1e-7): 2^n * p(r), r = x - n ln2 in
+ * [-ln2/2, ln2/2], p the degree-7 Taylor polynomial; scalef gives 0 on underflow. */
+INLINE_AVX512 __m512 exp16(__m512 x)
+{
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Attention for one query head, keys in blocks of 16 (block b = positions 16b .. 16b+15, the
+ * same blocks for every row, so a row's result does not depend on the batch): 16 dot products
+ * as 16 register accumulators reduced together by reduce16x16, a vector exp, one online-softmax
+ * rescale per block, and the output accumulator in NV registers (head_dim = 16 * NV). */
+INLINE_AVX512 void attn_regs(const float *q, const cpu_kv_layer *kv, int kv_head,
+                             const int32_t *block_table, size_t n_ctx, float scale, float *out,
+                             const int NV)
+{
+    __m512 qv[8], acc[8];
+    float pbuf[16];
+    const size_t bs = kv->block_size, D = kv->head_dim;
+    const __m512 vscale = _mm512_set1_ps(scale);
+    UNROLL for (int v = 0; v < NV; v++) {
+        qv[v] = _mm512_loadu_ps(q + 16 * v);
+        acc[v] = _mm512_setzero_ps();
+    }
+    float m = -INFINITY, l = 0.0f;
+    const float *keys[16], *vals[16];
+    for (size_t c0 = 0; c0 < n_ctx; c0 += 16) {
+        size_t cn = n_ctx - c0 < 16 ? n_ctx - c0 : 16;
+        __mmask16 valid = (__mmask16)(cn == 16 ? 0xFFFFu : (1u << cn) - 1u);
+        for (size_t t = 0; t < 16; t++) {
+            size_t pos = c0 + (t < cn ? t : 0);
+            size_t slot = (size_t)block_table[pos / bs] * bs + pos % bs;
+            keys[t] = kv->k + slot * kv->token_elems + (size_t)kv_head * D;
+            vals[t] = kv->v + slot * kv->token_elems + (size_t)kv_head * D;
+        }
+        __m512 dots[16];
+        UNROLL for (int t = 0; t < 16; t++) {
+            __m512 d = _mm512_mul_ps(qv[0], _mm512_loadu_ps(keys[t]));
+            UNROLL for (int v = 1; v < NV; v++)
+                d = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(keys[t] + 16 * v), d);
+            dots[t] = d;
+        }
+        __m512 sc = _mm512_mul_ps(reduce16x16(dots), vscale);
+        sc = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, sc);
+        float mc = _mm512_reduce_max_ps(sc);
+        float m_new = mc > m ? mc : m;
+        if (m != -INFINITY && m_new != m) {
+            float alpha = expf(m - m_new);
+            __m512 va = _mm512_set1_ps(alpha);
+            l *= alpha;
+            UNROLL for (int v = 0; v < NV; v++) acc[v] = _mm512_mul_ps(acc[v], va);
+        }
+        m = m_new;
+        __m512 pv = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(m))));
+        l += hsum16(pv);
+        _mm512_storeu_ps(pbuf, pv);
+        for (size_t t = 0; t < cn; t++) {
+            __m512 pb = _mm512_set1_ps(pbuf[t]);
+            UNROLL for (int v = 0; v < NV; v++)
+                acc[v] = _mm512_fmadd_ps(pb, _mm512_loadu_ps(vals[t] + 16 * v), acc[v]);
+        }
+    }
+    __m512 inv = _mm512_set1_ps(1.0f / l);
+    UNROLL for (int v = 0; v < NV; v++) _mm512_storeu_ps(out + 16 * v, _mm512_mul_ps(acc[v], inv));
+}
+
+AVX512 int cpu_attention_head_avx512(const float *q, const cpu_kv_layer *kv, int kv_head,
+                                     const int32_t *block_table, size_t n_ctx, float scale,
+                                     float *out)
+{
+    switch (kv->head_dim) {
+    case 16: attn_regs(q, kv, kv_head, block_table, n_ctx, scale, out, 1); return 1;
+    case 32: attn_regs(q, kv, kv_head, block_table, n_ctx, scale, out, 2); return 1;
+    case 48: attn_regs(q, kv, kv_head, block_table, n_ctx, scale, out, 3); return 1;
+    case 64: attn_regs(q, kv, kv_head, block_table, n_ctx, scale, out, 4); return 1;
+    case 80: attn_regs(q, kv, kv_head, block_table, n_ctx, scale, out, 5); return 1;
+    case 96: attn_regs(q, kv, kv_head, block_table, n_ctx, scale, out, 6); return 1;
+    case 112: attn_regs(q, kv, kv_head, block_table, n_ctx, scale, out, 7); return 1;
+    case 128: attn_regs(q, kv, kv_head, block_table, n_ctx, scale, out, 8); return 1;
+    default: return 0;
+    }
+}
+
+#else /* not x86-64: the AVX-512 entry points are never selected (cpu_have_avx512() == 0) */
+
+void cpu_mm_avx512(const float *x, size_t n, size_t ldx, const struct pd_weight *w, size_t j0,
+                   size_t j1, const float *bias, float *y, size_t ldy)
+{
+    cpu_mm_scalar(x, n, ldx, w, j0, j1, bias, y, ldy);
+}
+float cpu_dot_avx512(const float *a, const float *b, size_t n)
+{
+    return cpu_dot_scalar(a, b, n);
+}
+void cpu_axpy_avx512(float *y, float s, const float *x, size_t n)
+{
+    cpu_axpy_scalar(y, s, x, n);
+}
+int cpu_attention_head_avx512(const float *q, const cpu_kv_layer *kv, int kv_head,
+                              const int32_t *block_table, size_t n_ctx, float scale, float *out)
+{
+    return 0;
+}
+
+#endif

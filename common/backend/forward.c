@@ -1,0 +1,395 @@
+/* The Llama-family forward pass over the backend operation table (see forward.h).
+ *
+ * Design: llama2.c's single readable pass, but every step is an op of the table, so the same
+ * code drives the CPU and CUDA backends. Per step, the host derives what the backend needs from
+ * the engine's per-sequence description (positions, KV slots through the block tables, RoPE
+ * cos/sin rows with the model's rope_scaling, output rows) into buffers sized at create, hands
+ * it over with one `plan`, and then issues the layer ops. Weights are loaded as this rank's
+ * slices (q/k/v/gate/up by output rows, o/down by input columns), so tensor parallelism only
+ * adds an all-reduce after o_proj and down_proj.
+ */
+#include "backend/forward.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "util/status.h"
+
+typedef struct {
+    pd_weight *ln1;        /* (1, H) f32 */
+    pd_weight *wq, *wk, *wv; /* (nq_loc*D, H), (nkv_loc*D, H), (nkv_loc*D, H) */
+    pd_weight *bq, *bk, *bv; /* (1, nq_loc*D), (1, nkv_loc*D) x2, or NULL */
+    pd_weight *wo;         /* (H, nq_loc*D): input columns of this rank's heads */
+    pd_weight *bo;         /* (1, H) on rank 0 only, or NULL */
+    pd_weight *ln2;        /* (1, H) */
+    pd_weight *wg, *wu;    /* (I_loc, H) */
+    pd_weight *wd;         /* (H, I_loc) */
+} fwd_layer;
+
+struct pd_forward {
+    pd_backend *b;
+    const pd_backend_ops *o;
+    pd_forward_params p;
+    pd_model_config cfg;
+    size_t H, V, D, I_loc, nq_loc, nkv_loc, n_layers;
+    float eps, attn_scale;
+
+    fwd_layer *layers;  /* (n_layers) */
+    pd_weight *embed;   /* (V, H) */
+    pd_weight *norm;    /* (1, H) */
+    pd_weight *lm_head; /* (V, H); == embed when tied */
+    size_t weight_bytes, step_bytes;
+
+    /* device activations, act dtype; rows = max_tokens unless noted */
+    void *x;      /* (rows, H) residual stream */
+    void *h;      /* (rows, H) normed input of a sublayer */
+    void *q;      /* (rows, nq_loc*D) */
+    void *k;      /* (rows, nkv_loc*D) */
+    void *v;      /* (rows, nkv_loc*D) */
+    void *att;    /* (rows, nq_loc*D) attention output */
+    void *t;      /* (rows, H) sublayer output before the residual add */
+    void *g;      /* (rows, I_loc) gate, then swiglu result */
+    void *u;      /* (rows, I_loc) up */
+    void *xo;     /* (max_out, H) rows whose logits are wanted */
+    void *logits; /* (max_out, V) */
+
+    /* host step scratch, filled per step */
+    int32_t *positions; /* (max_tokens) */
+    int64_t *slots;     /* (max_tokens) */
+    float *rope_cos;    /* (max_tokens, D/2) */
+    float *rope_sin;    /* (max_tokens, D/2) */
+    double *inv_freq;   /* (D/2) base frequencies (non-dynamic: fixed at create) */
+    double *inv_dyn;    /* (D/2) per-sequence frequencies for dynamic NTK */
+    double rope_scaling;
+};
+
+pd_forward_params pd_forward_default_params(void)
+{
+    pd_forward_params p = {
+        .shard = {0, 1},
+        .allreduce = NULL,
+        .allreduce_ctx = NULL,
+        .max_tokens = 2048,
+        .max_seqs = 256,
+        .max_out = 256,
+    };
+    return p;
+}
+
+/* ---- weights ------------------------------------------------------------------------------------ */
+
+static int load(pd_forward *f, const pd_tensor *t, size_t row0, size_t nrows, size_t col0,
+                size_t ncols, pd_weight **out)
+{
+    pd_weight_slice sl = {row0, nrows, col0, ncols};
+    PD_CHECK(f->o->weight_load(f->b, t, &sl, out));
+    f->weight_bytes += f->o->weight_nbytes(f->b, *out);
+    return PD_OK;
+}
+
+static int load_all(pd_forward *f, const pd_tensor *t, pd_weight **out)
+{
+    return load(f, t, 0, 0, 0, 0, out);
+}
+
+static int load_weights(pd_forward *f, const pd_model_weights *mw)
+{
+    const size_t D = f->D, r = (size_t)f->p.shard.rank;
+    const size_t q0 = r * f->nq_loc * D, kv0 = r * f->nkv_loc * D, i0 = r * f->I_loc;
+    const size_t qn = f->nq_loc * D, kvn = f->nkv_loc * D;
+    for (size_t l = 0; l < f->n_layers; l++) {
+        const pd_layer_weights *w = &mw->layers[l];
+        fwd_layer *L = &f->layers[l];
+        PD_CHECK(load_all(f, &w->input_layernorm, &L->ln1));
+        PD_CHECK(load(f, &w->q_proj, q0, qn, 0, 0, &L->wq));
+        PD_CHECK(load(f, &w->k_proj, kv0, kvn, 0, 0, &L->wk));
+        PD_CHECK(load(f, &w->v_proj, kv0, kvn, 0, 0, &L->wv));
+        if (w->q_bias.data) PD_CHECK(load(f, &w->q_bias, 0, 1, q0, qn, &L->bq));
+        if (w->k_bias.data) PD_CHECK(load(f, &w->k_bias, 0, 1, kv0, kvn, &L->bk));
+        if (w->v_bias.data) PD_CHECK(load(f, &w->v_bias, 0, 1, kv0, kvn, &L->bv));
+        PD_CHECK(load(f, &w->o_proj, 0, 0, q0, qn, &L->wo));
+        if (w->o_bias.data && r == 0) PD_CHECK(load_all(f, &w->o_bias, &L->bo));
+        PD_CHECK(load_all(f, &w->post_attention_layernorm, &L->ln2));
+        PD_CHECK(load(f, &w->gate_proj, i0, f->I_loc, 0, 0, &L->wg));
+        PD_CHECK(load(f, &w->up_proj, i0, f->I_loc, 0, 0, &L->wu));
+        PD_CHECK(load(f, &w->down_proj, 0, 0, i0, f->I_loc, &L->wd));
+        pd_weight *m[] = {L->ln1, L->wq, L->wk, L->wv, L->bq, L->bk, L->bv,
+                          L->wo,  L->bo, L->ln2, L->wg, L->wu, L->wd};
+        for (size_t i = 0; i < sizeof m / sizeof m[0]; i++)
+            if (m[i]) f->step_bytes += f->o->weight_nbytes(f->b, m[i]);
+    }
+    PD_CHECK(load_all(f, &mw->embed_tokens, &f->embed));
+    PD_CHECK(load_all(f, &mw->norm, &f->norm));
+    if (mw->lm_head_tied) f->lm_head = f->embed;
+    else PD_CHECK(load_all(f, &mw->lm_head, &f->lm_head));
+    f->step_bytes += f->o->weight_nbytes(f->b, f->norm) + f->o->weight_nbytes(f->b, f->lm_head);
+    return PD_OK;
+}
+
+/* ---- create / destroy ------------------------------------------------------------------------ */
+
+static int alloc_act(pd_forward *f, void **buf, size_t rows, size_t cols)
+{
+    size_t es = pd_dtype_size(pd_backend_act_dtype(f->b));
+    return f->o->buf_alloc(f->b, rows * cols * es, buf);
+}
+
+void pd_forward_destroy(pd_forward *f)
+{
+    if (!f) return;
+    const pd_backend_ops *o = f->o;
+    if (f->layers) {
+        for (size_t l = 0; l < f->n_layers; l++) {
+            fwd_layer *L = &f->layers[l];
+            pd_weight *m[] = {L->ln1, L->wq, L->wk, L->wv, L->bq, L->bk, L->bv,
+                              L->wo,  L->bo, L->ln2, L->wg, L->wu, L->wd};
+            for (size_t i = 0; i < sizeof m / sizeof m[0]; i++)
+                if (m[i]) o->weight_free(f->b, m[i]);
+        }
+        free(f->layers);
+    }
+    if (f->lm_head && f->lm_head != f->embed) o->weight_free(f->b, f->lm_head);
+    if (f->embed) o->weight_free(f->b, f->embed);
+    if (f->norm) o->weight_free(f->b, f->norm);
+    void *bufs[] = {f->x, f->h, f->q, f->k, f->v, f->att, f->t, f->g, f->u, f->xo, f->logits};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+        if (bufs[i]) o->buf_free(f->b, bufs[i]);
+    free(f->positions);
+    free(f->slots);
+    free(f->rope_cos);
+    free(f->rope_sin);
+    free(f->inv_freq);
+    free(f->inv_dyn);
+    free(f);
+}
+
+int pd_forward_create(pd_backend *b, const pd_model *m, const pd_forward_params *params,
+                      pd_forward **out)
+{
+    pd_forward_params p = params ? *params : pd_forward_default_params();
+    const pd_model_config *c = &m->config;
+    if (p.shard.size < 1 || p.shard.rank < 0 || p.shard.rank >= p.shard.size)
+        return pd_error(PD_EINVAL, "forward: shard rank %d of size %d is invalid", p.shard.rank,
+                        p.shard.size);
+    if (c->num_key_value_heads % p.shard.size || c->intermediate_size % p.shard.size)
+        return pd_error(PD_EINVAL,
+                        "forward: tensor-parallel size %d must divide num_key_value_heads (%lld) "
+                        "and intermediate_size (%lld)",
+                        p.shard.size, (long long)c->num_key_value_heads,
+                        (long long)c->intermediate_size);
+    if (p.shard.size > 1 && !p.allreduce)
+        return pd_error(PD_EUNSUPPORTED, "forward: tensor-parallel size %d needs an allreduce",
+                        p.shard.size);
+    if (p.max_tokens == 0 || p.max_seqs == 0 || p.max_out == 0)
+        return pd_error(PD_EINVAL, "forward: max_tokens, max_seqs and max_out must be > 0");
+    if (c->head_dim % 2)
+        return pd_error(PD_EINVAL, "forward: head_dim %lld must be even for RoPE",
+                        (long long)c->head_dim);
+
+    pd_forward *f = calloc(1, sizeof *f);
+    if (!f) return pd_error(PD_ENOMEM, "forward: out of memory");
+    f->b = b;
+    f->o = pd_backend_get_ops(b);
+    f->p = p;
+    f->cfg = *c;
+    f->H = (size_t)c->hidden_size;
+    f->V = (size_t)c->vocab_size;
+    f->D = (size_t)c->head_dim;
+    f->n_layers = (size_t)c->num_hidden_layers;
+    f->nq_loc = (size_t)(c->num_attention_heads / p.shard.size);
+    f->nkv_loc = (size_t)(c->num_key_value_heads / p.shard.size);
+    f->I_loc = (size_t)(c->intermediate_size / p.shard.size);
+    f->eps = (float)c->rms_norm_eps;
+    f->attn_scale = (float)(1.0 / sqrt((double)c->head_dim));
+
+    int rc;
+    const size_t T = p.max_tokens, half = f->D / 2;
+    f->layers = calloc(f->n_layers, sizeof *f->layers);
+    f->positions = malloc(T * sizeof *f->positions);
+    f->slots = malloc(T * sizeof *f->slots);
+    f->rope_cos = malloc(T * half * sizeof(float));
+    f->rope_sin = malloc(T * half * sizeof(float));
+    f->inv_freq = malloc(half * sizeof(double));
+    f->inv_dyn = malloc(half * sizeof(double));
+    if (!f->layers || !f->positions || !f->slots || !f->rope_cos || !f->rope_sin ||
+        !f->inv_freq || !f->inv_dyn) {
+        rc = pd_error(PD_ENOMEM, "forward: out of memory");
+        goto fail;
+    }
+    PD_CHECK_GOTO(pd_rope_inv_freq(c, 0, f->inv_freq, &f->rope_scaling), rc, fail);
+    PD_CHECK_GOTO(load_weights(f, &m->weights), rc, fail);
+    size_t qd = f->nq_loc * f->D, kvd = f->nkv_loc * f->D;
+    PD_CHECK_GOTO(alloc_act(f, &f->x, T, f->H), rc, fail);
+    PD_CHECK_GOTO(alloc_act(f, &f->h, T, f->H), rc, fail);
+    PD_CHECK_GOTO(alloc_act(f, &f->q, T, qd), rc, fail);
+    PD_CHECK_GOTO(alloc_act(f, &f->k, T, kvd), rc, fail);
+    PD_CHECK_GOTO(alloc_act(f, &f->v, T, kvd), rc, fail);
+    PD_CHECK_GOTO(alloc_act(f, &f->att, T, qd), rc, fail);
+    PD_CHECK_GOTO(alloc_act(f, &f->t, T, f->H), rc, fail);
+    PD_CHECK_GOTO(alloc_act(f, &f->g, T, f->I_loc), rc, fail);
+    PD_CHECK_GOTO(alloc_act(f, &f->u, T, f->I_loc), rc, fail);
+    PD_CHECK_GOTO(alloc_act(f, &f->xo, p.max_out, f->H), rc, fail);
+    PD_CHECK_GOTO(alloc_act(f, &f->logits, p.max_out, f->V), rc, fail);
+    *out = f;
+    return PD_OK;
+fail:
+    pd_forward_destroy(f);
+    return rc;
+}
+
+pd_kv_params pd_forward_kv_params(const pd_forward *f, size_t n_blocks, size_t block_size)
+{
+    pd_kv_params kp = {
+        .n_layers = (int)f->n_layers,
+        .n_blocks = n_blocks,
+        .block_size = block_size,
+        .n_kv_heads = f->nkv_loc,
+        .head_dim = f->D,
+        .dtype = pd_backend_act_dtype(f->b),
+    };
+    return kp;
+}
+
+size_t pd_forward_vocab(const pd_forward *f)
+{
+    return f->V;
+}
+
+size_t pd_forward_hidden(const pd_forward *f)
+{
+    return f->H;
+}
+
+size_t pd_forward_weight_bytes(const pd_forward *f)
+{
+    return f->weight_bytes;
+}
+
+size_t pd_forward_bytes_per_step(const pd_forward *f)
+{
+    return f->step_bytes;
+}
+
+/* ---- one step ------------------------------------------------------------------------------------ */
+
+/* Positions, slots and RoPE rows for every row of the step; validates the step first. */
+static int prepare_step(pd_forward *f, size_t block_size, const pd_step *st, size_t *n_tokens)
+{
+    if (st->n_seqs == 0 || st->n_seqs > f->p.max_seqs)
+        return pd_error(PD_ERANGE, "forward: n_seqs %zu outside [1, %zu]", st->n_seqs,
+                        f->p.max_seqs);
+    if (!st->token_ids || !st->q_indptr || !st->kv_len || !st->block_indptr ||
+        (st->n_out && !st->out_rows))
+        return pd_error(PD_EINVAL, "forward: a required step array is NULL");
+    if (st->q_indptr[0] != 0 || st->block_indptr[0] != 0)
+        return pd_error(PD_EINVAL, "forward: q_indptr[0] and block_indptr[0] must be 0");
+    size_t n = (size_t)st->q_indptr[st->n_seqs];
+    if (st->q_indptr[st->n_seqs] <= 0 || n > f->p.max_tokens)
+        return pd_error(PD_ERANGE, "forward: %lld rows outside [1, %zu]",
+                        (long long)st->q_indptr[st->n_seqs], f->p.max_tokens);
+    if (st->n_out > f->p.max_out)
+        return pd_error(PD_ERANGE, "forward: n_out %zu > max_out %zu", st->n_out, f->p.max_out);
+    const size_t half = f->D / 2;
+    const int dynamic = f->cfg.rope_scaling.type == PD_ROPE_DYNAMIC;
+    for (size_t s = 0; s < st->n_seqs; s++) {
+        int32_t r0 = st->q_indptr[s], r1 = st->q_indptr[s + 1];
+        if (r1 < r0)
+            return pd_error(PD_EINVAL, "forward: q_indptr decreases at sequence %zu", s);
+        int32_t ns = r1 - r0, len = st->kv_len[s];
+        if (len < ns || (ns > 0 && len < 1))
+            return pd_error(PD_EINVAL, "forward: sequence %zu: kv_len %d < its %d new rows", s,
+                            len, ns);
+        int32_t b0 = st->block_indptr[s], b1 = st->block_indptr[s + 1];
+        if (b1 < b0)
+            return pd_error(PD_EINVAL, "forward: block_indptr decreases at sequence %zu", s);
+        if ((size_t)len > (size_t)(b1 - b0) * block_size)
+            return pd_error(PD_ERANGE,
+                            "forward: sequence %zu: kv_len %d needs more than its %d blocks of "
+                            "%zu tokens",
+                            s, len, b1 - b0, block_size);
+        const double *inv = f->inv_freq;
+        double scaling = f->rope_scaling;
+        if (dynamic && ns > 0) {
+            PD_CHECK(pd_rope_inv_freq(&f->cfg, len, f->inv_dyn, &scaling));
+            inv = f->inv_dyn;
+        }
+        for (int32_t i = 0; i < ns; i++) {
+            size_t r = (size_t)(r0 + i);
+            int32_t pos = len - ns + i;
+            f->positions[r] = pos;
+            f->slots[r] = (int64_t)st->block_ids[b0 + pos / (int32_t)block_size] *
+                              (int64_t)block_size +
+                          pos % (int32_t)block_size;
+            /* As transformers: angle = float32(pos) * float32(inv_freq) in float32, then cos/sin
+             * times the attention scaling. */
+            float *cr = f->rope_cos + r * half, *sr = f->rope_sin + r * half;
+            for (size_t j = 0; j < half; j++) {
+                float ang = (float)pos * (float)inv[j];
+                cr[j] = (float)(cos((double)ang) * scaling);
+                sr[j] = (float)(sin((double)ang) * scaling);
+            }
+        }
+    }
+    *n_tokens = n;
+    return PD_OK;
+}
+
+int pd_forward_run(pd_forward *f, pd_kv *kv, const pd_step *st, float *logits)
+{
+    pd_backend *b = f->b;
+    const pd_backend_ops *o = f->o;
+    pd_kv_layer_view view;
+    PD_CHECK(o->kv_layer(b, kv, 0, &view));
+    size_t block_size = view.block_stride / view.token_stride, n = 0;
+    PD_CHECK(prepare_step(f, block_size, st, &n));
+
+    pd_batch bt = {
+        .n_tokens = n,
+        .token_ids = st->token_ids,
+        .positions = f->positions,
+        .slots = f->slots,
+        .rope_cos = f->rope_cos,
+        .rope_sin = f->rope_sin,
+        .rope_dim = f->D,
+        .n_seqs = st->n_seqs,
+        .q_indptr = st->q_indptr,
+        .kv_len = st->kv_len,
+        .block_indptr = st->block_indptr,
+        .block_ids = st->block_ids,
+        .n_out = st->n_out,
+        .out_rows = st->out_rows,
+    };
+    PD_CHECK(o->plan(b, &bt));
+    PD_CHECK(o->embed(b, f->embed, f->x));
+    const size_t H = f->H;
+    for (size_t l = 0; l < f->n_layers; l++) {
+        const fwd_layer *L = &f->layers[l];
+        /* attention block: x += o_proj(attn(rope(q), rope(k), v)) */
+        PD_CHECK(o->rmsnorm(b, f->x, L->ln1, f->eps, n, H, f->h));
+        PD_CHECK(o->matmul(b, f->h, n, L->wq, L->bq, f->q));
+        PD_CHECK(o->matmul(b, f->h, n, L->wk, L->bk, f->k));
+        PD_CHECK(o->matmul(b, f->h, n, L->wv, L->bv, f->v));
+        PD_CHECK(o->rope(b, f->q, f->nq_loc, f->D));
+        PD_CHECK(o->rope(b, f->k, f->nkv_loc, f->D));
+        PD_CHECK(o->kv_write(b, kv, (int)l, f->k, f->v));
+        PD_CHECK(o->attention(b, kv, (int)l, f->q, f->nq_loc, f->attn_scale, f->att));
+        PD_CHECK(o->matmul(b, f->att, n, L->wo, L->bo, f->t));
+        if (f->p.shard.size > 1) PD_CHECK(f->p.allreduce(f->p.allreduce_ctx, b, f->t, n * H));
+        PD_CHECK(o->add(b, f->x, f->t, n * H));
+        /* MLP block: x += down(silu(gate(h)) * up(h)) */
+        PD_CHECK(o->rmsnorm(b, f->x, L->ln2, f->eps, n, H, f->h));
+        PD_CHECK(o->matmul(b, f->h, n, L->wg, NULL, f->g));
+        PD_CHECK(o->matmul(b, f->h, n, L->wu, NULL, f->u));
+        PD_CHECK(o->swiglu(b, f->g, f->u, n, f->I_loc, f->g));
+        PD_CHECK(o->matmul(b, f->g, n, L->wd, NULL, f->t));
+        if (f->p.shard.size > 1) PD_CHECK(f->p.allreduce(f->p.allreduce_ctx, b, f->t, n * H));
+        PD_CHECK(o->add(b, f->x, f->t, n * H));
+    }
+    if (st->n_out == 0) return o->sync(b);
+    PD_CHECK(o->gather_rows(b, f->x, H, f->xo));
+    PD_CHECK(o->rmsnorm(b, f->xo, f->norm, f->eps, st->n_out, H, f->xo));
+    PD_CHECK(o->matmul(b, f->xo, st->n_out, f->lm_head, NULL, f->logits));
+    PD_CHECK(o->download_f32(b, logits, f->logits, st->n_out * f->V));
+    return o->sync(b);
+}

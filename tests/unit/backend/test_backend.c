@@ -1,0 +1,649 @@
+/* Op-level tests of the CPU backend against naive double-precision references: matmul with
+ * f32/bf16/f16 weights and odd sizes on both kernel families (scalar, AVX-512 when the CPU has
+ * it), bit-identical rows across batch sizes and thread counts, RMSNorm, SwiGLU, RoPE, embedding,
+ * paged GQA attention with scattered block tables, KV export/import, slices and every rejected
+ * input. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/backend.h"
+#include "harness.h"
+#include "model/dtype.h"
+
+/* ---- helpers ----------------------------------------------------------------------------------- */
+
+static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
+
+static float frand(void) /* uniform in [-1, 1) */
+{
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return (float)((double)(rng_state >> 11) / 9007199254740992.0 * 2.0 - 1.0);
+}
+
+static void fill(float *x, size_t n)
+{
+    for (size_t i = 0; i < n; i++) x[i] = frand();
+}
+
+/* A host tensor of shape (rows, cols) (or (cols) when rows == 0) in dtype, from f32 values;
+ * the f32 values are replaced by what the dtype stores, so references see the same numbers. */
+typedef struct {
+    pd_tensor t;
+    void *buf;
+} host_tensor;
+
+static void ht_make(host_tensor *h, const char *name, pd_dtype dt, size_t rows, size_t cols,
+                    float *vals)
+{
+    size_t n = (rows ? rows : 1) * cols;
+    memset(h, 0, sizeof *h);
+    h->buf = malloc(n * pd_dtype_size(dt));
+    pd_from_f32_n(dt, vals, h->buf, n);
+    pd_to_f32_n(dt, h->buf, vals, n);
+    h->t.name = name;
+    h->t.dtype = dt;
+    h->t.ndim = rows ? 2 : 1;
+    if (rows) {
+        h->t.shape[0] = (int64_t)rows;
+        h->t.shape[1] = (int64_t)cols;
+    } else {
+        h->t.shape[0] = (int64_t)cols;
+    }
+    h->t.data = h->buf;
+    h->t.nbytes = n * pd_dtype_size(dt);
+}
+
+static int have_avx512(void)
+{
+    pd_backend_params p = pd_backend_default_params();
+    p.cpu_isa = PD_CPU_ISA_AVX512;
+    p.n_threads = 1;
+    pd_backend *b = NULL;
+    if (pd_backend_cpu_create(&p, &b) < 0) return 0;
+    pd_backend_destroy(b);
+    return 1;
+}
+
+static pd_backend *make_backend(pd_cpu_isa isa, int threads, int weight_dtype)
+{
+    pd_backend_params p = pd_backend_default_params();
+    p.cpu_isa = isa;
+    p.n_threads = threads;
+    p.weight_dtype = weight_dtype;
+    pd_backend *b = NULL;
+    if (pd_backend_cpu_create(&p, &b) < 0) return NULL;
+    return b;
+}
+
+/* Number of ISAs to test and their values. */
+static int isas(pd_cpu_isa out[2])
+{
+    out[0] = PD_CPU_ISA_SCALAR;
+    if (have_avx512()) {
+        out[1] = PD_CPU_ISA_AVX512;
+        return 2;
+    }
+    return 1;
+}
+
+/* ---- matmul -------------------------------------------------------------------------------------- */
+
+/* y = x W^T + bias for every dtype/ISA/size combination vs a double reference with a
+ * scale-aware bound: |y - ref| <= 1e-6 * sum_k |x_k w_k| + 1e-30. */
+TEST(matmul_matches_reference)
+{
+    static const size_t ns[] = {1, 2, 3, 5, 7, 13};
+    static const size_t ks[] = {1, 15, 16, 17, 33, 100};
+    static const size_t outs[] = {1, 3, 9, 17};
+    static const pd_dtype dts[] = {PD_DTYPE_F32, PD_DTYPE_BF16, PD_DTYPE_F16};
+    pd_cpu_isa isa[2];
+    int n_isa = isas(isa);
+    int checked = 0;
+    for (int ii = 0; ii < n_isa; ii++) {
+        pd_backend *b = make_backend(isa[ii], 2, -1);
+        ASSERT(b);
+        const pd_backend_ops *o = pd_backend_get_ops(b);
+        for (size_t di = 0; di < 3; di++)
+            for (size_t ki = 0; ki < 6; ki++)
+                for (size_t oi = 0; oi < 4; oi++)
+                    for (size_t ni = 0; ni < 6; ni++) {
+                        size_t n = ns[ni], K = ks[ki], out = outs[oi];
+                        float *x = malloc(n * K * 4), *w = malloc(out * K * 4),
+                              *bias = malloc(out * 4), *y = malloc(n * out * 4);
+                        fill(x, n * K);
+                        fill(w, out * K);
+                        fill(bias, out);
+                        host_tensor hw, hb;
+                        ht_make(&hw, "w", dts[di], out, K, w);
+                        ht_make(&hb, "b", PD_DTYPE_F32, 0, out, bias);
+                        pd_weight *W = NULL, *B = NULL;
+                        int rc1 = o->weight_load(b, &hw.t, NULL, &W);
+                        int rc2 = o->weight_load(b, &hb.t, NULL, &B);
+                        int rc3 = (rc1 == 0 && rc2 == 0) ? o->matmul(b, x, n, W, B, y) : -1;
+                        double worst = 0;
+                        for (size_t i = 0; i < n; i++)
+                            for (size_t j = 0; j < out; j++) {
+                                double ref = bias[j], mag = fabs(bias[j]);
+                                for (size_t k = 0; k < K; k++) {
+                                    ref += (double)x[i * K + k] * w[j * K + k];
+                                    mag += fabs((double)x[i * K + k] * w[j * K + k]);
+                                }
+                                double err = fabs(y[i * out + j] - ref) / (mag * 1e-6 + 1e-30);
+                                if (err > worst) worst = err;
+                            }
+                        o->weight_free(b, W);
+                        o->weight_free(b, B);
+                        free(x), free(w), free(bias), free(y), free(hw.buf), free(hb.buf);
+                        ASSERT_OK(rc1);
+                        ASSERT_OK(rc2);
+                        ASSERT_OK(rc3);
+                        ASSERT_MSG(worst <= 1.0,
+                                   "isa %d dtype %s n %zu K %zu out %zu: error %.3g x bound",
+                                   (int)isa[ii], pd_dtype_name(dts[di]), n, K, out, worst);
+                        checked++;
+                    }
+        pd_backend_destroy(b);
+    }
+    ASSERT(checked == n_isa * 3 * 6 * 4 * 6);
+}
+
+/* A row's result is bit-identical whether it is computed alone, in a batch of 37 at any
+ * position, and with 1 or 2 threads; weight_dtype bf16 conversion at load equals bf16 storage. */
+TEST(matmul_rows_bit_identical_across_batches_and_threads)
+{
+    const size_t K = 200, out = 75, N = 37;
+    pd_cpu_isa isa[2];
+    int n_isa = isas(isa);
+    float *x = malloc(N * K * 4), *w = malloc(out * K * 4), *yb = malloc(N * out * 4),
+          *y1 = malloc(out * 4), *yt = malloc(N * out * 4);
+    fill(x, N * K);
+    fill(w, out * K);
+    host_tensor hw;
+    ht_make(&hw, "w", PD_DTYPE_F32, out, K, w);
+    int ok = 1;
+    for (int ii = 0; ii < n_isa && ok; ii++) {
+        pd_backend *b2 = make_backend(isa[ii], 2, -1), *b1 = make_backend(isa[ii], 1, -1);
+        ASSERT(b1 && b2);
+        const pd_backend_ops *o = pd_backend_get_ops(b2);
+        pd_weight *W2 = NULL, *W1 = NULL;
+        ASSERT_OK(o->weight_load(b2, &hw.t, NULL, &W2));
+        ASSERT_OK(o->weight_load(b1, &hw.t, NULL, &W1));
+        ASSERT_OK(o->matmul(b2, x, N, W2, NULL, yb));
+        ASSERT_OK(o->matmul(b1, x, N, W1, NULL, yt));
+        ok = memcmp(yb, yt, N * out * 4) == 0;
+        for (size_t r = 0; r < N && ok; r++) {
+            ASSERT_OK(o->matmul(b2, x + r * K, 1, W2, NULL, y1));
+            ok = memcmp(y1, yb + r * out, out * 4) == 0;
+            for (size_t m = 2; m <= 7 && ok && r + m <= N; m++) {
+                float ys[7 * 75];
+                ASSERT_OK(o->matmul(b2, x + r * K, m, W2, NULL, ys));
+                ok = memcmp(ys, yb + r * out, m * out * 4) == 0;
+            }
+        }
+        o->weight_free(b2, W2);
+        o->weight_free(b1, W1);
+        pd_backend_destroy(b1);
+        pd_backend_destroy(b2);
+        ASSERT_MSG(ok, "isa %d: a row differs between batch sizes or thread counts", (int)isa[ii]);
+    }
+    /* weight_dtype = bf16 converts at load: identical to a bf16-stored tensor */
+    pd_backend *bc = make_backend(PD_CPU_ISA_AUTO, 2, PD_DTYPE_BF16);
+    pd_backend *bs = make_backend(PD_CPU_ISA_AUTO, 2, -1);
+    ASSERT(bc && bs);
+    const pd_backend_ops *o = pd_backend_get_ops(bc);
+    host_tensor hb;
+    float *wcopy = malloc(out * K * 4);
+    memcpy(wcopy, w, out * K * 4);
+    ht_make(&hb, "wb", PD_DTYPE_BF16, out, K, wcopy);
+    pd_weight *Wc = NULL, *Ws = NULL;
+    ASSERT_OK(o->weight_load(bc, &hw.t, NULL, &Wc));
+    ASSERT_OK(o->weight_load(bs, &hb.t, NULL, &Ws));
+    ASSERT(o->weight_nbytes(bc, Wc) == o->weight_nbytes(bs, Ws));
+    ASSERT_OK(o->matmul(bc, x, N, Wc, NULL, yb));
+    ASSERT_OK(o->matmul(bs, x, N, Ws, NULL, yt));
+    ok = memcmp(yb, yt, N * out * 4) == 0;
+    o->weight_free(bc, Wc);
+    o->weight_free(bs, Ws);
+    pd_backend_destroy(bc);
+    pd_backend_destroy(bs);
+    free(x), free(w), free(yb), free(y1), free(yt), free(hw.buf), free(hb.buf), free(wcopy);
+    ASSERT_MSG(ok, "bf16 converted at load differs from bf16 stored");
+}
+
+TEST(weight_slices_and_errors)
+{
+    pd_backend *b = make_backend(PD_CPU_ISA_AUTO, 1, -1);
+    ASSERT(b);
+    const pd_backend_ops *o = pd_backend_get_ops(b);
+    const size_t R = 6, C = 10;
+    float w[60], x[10], y[6];
+    for (size_t i = 0; i < R * C; i++) w[i] = (float)i;
+    host_tensor h;
+    ht_make(&h, "model.layers.0.mlp.up_proj.weight", PD_DTYPE_F32, R, C, w);
+    /* rows [2, 5) x cols [3, 10): y[j] = sum_k x[k] * w[(2+j)*C + 3+k] */
+    pd_weight_slice sl = {2, 3, 3, 7};
+    pd_weight *W = NULL;
+    ASSERT_OK(o->weight_load(b, &h.t, &sl, &W));
+    for (size_t k = 0; k < 7; k++) x[k] = (float)(k + 1);
+    ASSERT_OK(o->matmul(b, x, 1, W, NULL, y));
+    for (size_t j = 0; j < 3; j++) {
+        double ref = 0;
+        for (size_t k = 0; k < 7; k++) ref += x[k] * w[(2 + j) * C + 3 + k];
+        ASSERT_NEAR(y[j], ref, 1e-3);
+    }
+    o->weight_free(b, W);
+    pd_weight_slice bad = {4, 3, 0, 0};
+    ASSERT_ERR(o->weight_load(b, &h.t, &bad, &W), PD_EINVAL, "up_proj.weight");
+    pd_weight_slice badc = {0, 0, 5, 6};
+    ASSERT_ERR(o->weight_load(b, &h.t, &badc, &W), PD_EINVAL, "outside (6, 10)");
+    pd_tensor t3 = h.t;
+    t3.ndim = 3;
+    t3.shape[2] = 1;
+    ASSERT_ERR(o->weight_load(b, &t3, NULL, &W), PD_EINVAL, "expected 1 or 2 dimensions");
+    pd_tensor t0 = h.t;
+    t0.data = NULL;
+    ASSERT_ERR(o->weight_load(b, &t0, NULL, &W), PD_EINVAL, "has no data");
+    /* 1-D slice (a bias) */
+    host_tensor hv;
+    float v[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+    ht_make(&hv, "bias", PD_DTYPE_BF16, 0, 8, v);
+    pd_weight_slice vs = {0, 1, 4, 4};
+    ASSERT_OK(o->weight_load(b, &hv.t, &vs, &W));
+    ASSERT(o->weight_nbytes(b, W) == 16 * 4); /* one row, padded to 16 f32 */
+    o->weight_free(b, W);
+    free(h.buf);
+    free(hv.buf);
+    /* a forced ISA or dtype that does not exist */
+    pd_backend_params p = pd_backend_default_params();
+    p.weight_dtype = 7;
+    pd_backend *bb = NULL;
+    ASSERT_ERR(pd_backend_cpu_create(&p, &bb), PD_EINVAL, "weight_dtype");
+    pd_backend_destroy(b);
+}
+
+/* ---- row ops ---------------------------------------------------------------------------------- */
+
+TEST(rmsnorm_swiglu_add_match_reference)
+{
+    pd_cpu_isa isa[2];
+    int n_isa = isas(isa);
+    const size_t n = 5, dim = 37;
+    float x[5 * 37], g[5 * 37], u[5 * 37], wv[37], y[5 * 37];
+    fill(x, n * dim);
+    fill(g, n * dim);
+    fill(u, n * dim);
+    fill(wv, dim);
+    for (int ii = 0; ii < n_isa; ii++) {
+        pd_backend *b = make_backend(isa[ii], 2, -1);
+        ASSERT(b);
+        const pd_backend_ops *o = pd_backend_get_ops(b);
+        host_tensor hw;
+        float wcopy[37];
+        memcpy(wcopy, wv, sizeof wv);
+        ht_make(&hw, "norm", PD_DTYPE_F16, 0, dim, wcopy);
+        pd_weight *W = NULL;
+        ASSERT_OK(o->weight_load(b, &hw.t, NULL, &W));
+        ASSERT_OK(o->rmsnorm(b, x, W, 1e-5f, n, dim, y));
+        for (size_t r = 0; r < n; r++) {
+            double ss = 0;
+            for (size_t k = 0; k < dim; k++) ss += (double)x[r * dim + k] * x[r * dim + k];
+            double inv = 1.0 / sqrt(ss / dim + 1e-5);
+            for (size_t k = 0; k < dim; k++)
+                ASSERT_NEAR(y[r * dim + k], x[r * dim + k] * inv * wcopy[k], 1e-5);
+        }
+        pd_weight *bad = NULL;
+        host_tensor hb;
+        float bv[36] = {0};
+        ht_make(&hb, "short", PD_DTYPE_F32, 0, 36, bv);
+        ASSERT_OK(o->weight_load(b, &hb.t, NULL, &bad));
+        ASSERT_ERR(o->rmsnorm(b, x, bad, 1e-5f, n, dim, y), PD_EINVAL, "expected (1, 37)");
+        o->weight_free(b, bad);
+        o->weight_free(b, W);
+        free(hw.buf);
+        free(hb.buf);
+
+        ASSERT_OK(o->swiglu(b, g, u, n, dim, y));
+        for (size_t i = 0; i < n * dim; i++) {
+            double s = g[i] / (1.0 + exp(-(double)g[i]));
+            ASSERT_NEAR(y[i], s * u[i], 1e-6);
+        }
+        memcpy(y, x, sizeof x);
+        ASSERT_OK(o->add(b, y, g, n * dim));
+        for (size_t i = 0; i < n * dim; i++) ASSERT(y[i] == x[i] + g[i]);
+        pd_backend_destroy(b);
+    }
+}
+
+/* ---- a small paged step: plan, embed, rope, kv_write, attention, gather ---------------------- */
+
+enum { NQ = 4, NKV = 2, HD = 6, BS = 4, NBLK = 16 };
+
+typedef struct {
+    size_t n_tokens, n_seqs;
+    int32_t token_ids[16], positions[16], q_indptr[4], kv_len[3], block_indptr[4], block_ids[12],
+        out_rows[3];
+    int64_t slots[16];
+    float cosv[16 * HD / 2], sinv[16 * HD / 2];
+} step_desc;
+
+/* Three sequences: seq 0 prefill of 5 rows (positions 0..4), seq 1 a decode row at position 6
+ * (positions 0..5 written by an earlier step), seq 2 a chunk of 3 rows at positions 2..4.
+ * Blocks are scattered (not in order). */
+static void make_step(step_desc *s, int earlier)
+{
+    memset(s, 0, sizeof *s);
+    static const int32_t blocks[] = {7, 2, 11, 0, 5, 9, 14};
+    /* seq0: blocks 7,2 ; seq1: 11,0 ; seq2: 5,9,14 (needs only 2) */
+    s->n_seqs = 3;
+    int32_t bind[4] = {0, 2, 4, 7};
+    memcpy(s->block_indptr, bind, sizeof bind);
+    memcpy(s->block_ids, blocks, sizeof blocks);
+    if (earlier) {
+        /* seq 1's positions 0..5 and seq 2's positions 0..1, one row each per position */
+        int32_t qi[4] = {0, 0, 6, 8};
+        int32_t kl[3] = {0, 6, 2};
+        memcpy(s->q_indptr, qi, sizeof qi);
+        memcpy(s->kv_len, kl, sizeof kl);
+        s->n_tokens = 8;
+        for (int r = 0; r < 8; r++) s->positions[r] = r < 6 ? r : r - 6;
+    } else {
+        int32_t qi[4] = {0, 5, 6, 9};
+        int32_t kl[3] = {5, 7, 5};
+        memcpy(s->q_indptr, qi, sizeof qi);
+        memcpy(s->kv_len, kl, sizeof kl);
+        s->n_tokens = 9;
+        int32_t pos[9] = {0, 1, 2, 3, 4, 6, 2, 3, 4};
+        memcpy(s->positions, pos, sizeof pos);
+    }
+    for (size_t seq = 0; seq < 3; seq++)
+        for (int32_t r = s->q_indptr[seq]; r < s->q_indptr[seq + 1]; r++) {
+            int32_t p = s->positions[r];
+            s->slots[r] = (int64_t)s->block_ids[s->block_indptr[seq] + p / BS] * BS + p % BS;
+        }
+    for (size_t r = 0; r < s->n_tokens; r++) {
+        s->token_ids[r] = (int32_t)((r * 7 + 3) % 11);
+        for (int i = 0; i < HD / 2; i++) {
+            double ang = s->positions[r] * pow(10000.0, -2.0 * i / HD);
+            s->cosv[r * HD / 2 + i] = (float)cos(ang);
+            s->sinv[r * HD / 2 + i] = (float)sin(ang);
+        }
+    }
+    s->out_rows[0] = 4;
+    s->out_rows[1] = earlier ? 5 : 5;
+    s->out_rows[2] = earlier ? 7 : 8;
+}
+
+static pd_batch to_batch(step_desc *s, size_t n_out)
+{
+    pd_batch bt = {.n_tokens = s->n_tokens,
+                   .token_ids = s->token_ids,
+                   .positions = s->positions,
+                   .slots = s->slots,
+                   .rope_cos = s->cosv,
+                   .rope_sin = s->sinv,
+                   .rope_dim = HD,
+                   .n_seqs = s->n_seqs,
+                   .q_indptr = s->q_indptr,
+                   .kv_len = s->kv_len,
+                   .block_indptr = s->block_indptr,
+                   .block_ids = s->block_ids,
+                   .n_out = n_out,
+                   .out_rows = s->out_rows};
+    return bt;
+}
+
+TEST(paged_attention_matches_reference)
+{
+    pd_cpu_isa isa[2];
+    int n_isa = isas(isa);
+    /* Per sequence, the contiguous k/v of every position (ref), filled over two steps. */
+    float kref[3][8][NKV * HD], vref[3][8][NKV * HD];
+    for (int ii = 0; ii < n_isa; ii++) {
+        pd_backend *b = make_backend(isa[ii], 2, -1);
+        ASSERT(b);
+        const pd_backend_ops *o = pd_backend_get_ops(b);
+        pd_kv_params kp = {.n_layers = 2, .n_blocks = NBLK, .block_size = BS, .n_kv_heads = NKV,
+                           .head_dim = HD, .dtype = PD_DTYPE_F32};
+        pd_kv *kv = NULL;
+        ASSERT_OK(o->kv_create(b, &kp, &kv));
+        rng_state = 12345;
+        for (int stepi = 0; stepi < 2; stepi++) {
+            step_desc s;
+            make_step(&s, stepi == 0);
+            pd_batch bt = to_batch(&s, 3);
+            ASSERT_OK(o->plan(b, &bt));
+            size_t n = s.n_tokens;
+            float k[16 * NKV * HD], v[16 * NKV * HD], q[16 * NQ * HD], out[16 * NQ * HD];
+            float q0[16 * NQ * HD], k0[16 * NKV * HD];
+            fill(k, n * NKV * HD);
+            fill(v, n * NKV * HD);
+            fill(q, n * NQ * HD);
+            memcpy(q0, q, sizeof q);
+            memcpy(k0, k, sizeof k);
+            ASSERT_OK(o->rope(b, q, NQ, HD));
+            ASSERT_OK(o->rope(b, k, NKV, HD));
+            /* rope reference */
+            for (size_t r = 0; r < n; r++)
+                for (int h = 0; h < NKV; h++)
+                    for (int i = 0; i < HD / 2; i++) {
+                        float c = s.cosv[r * HD / 2 + i], sn = s.sinv[r * HD / 2 + i];
+                        const float *kk = k0 + (r * NKV + h) * HD;
+                        ASSERT_NEAR(k[(r * NKV + h) * HD + i], kk[i] * c - kk[i + HD / 2] * sn,
+                                    1e-6);
+                        ASSERT_NEAR(k[(r * NKV + h) * HD + i + HD / 2],
+                                    kk[i + HD / 2] * c + kk[i] * sn, 1e-6);
+                    }
+            ASSERT_OK(o->kv_write(b, kv, 1, k, v));
+            for (size_t sq = 0; sq < 3; sq++)
+                for (int32_t r = s.q_indptr[sq]; r < s.q_indptr[sq + 1]; r++) {
+                    memcpy(kref[sq][s.positions[r]], k + r * NKV * HD, NKV * HD * 4);
+                    memcpy(vref[sq][s.positions[r]], v + r * NKV * HD, NKV * HD * 4);
+                }
+            ASSERT_OK(o->attention(b, kv, 1, q, NQ, 0.4f, out));
+            for (size_t sq = 0; sq < 3; sq++)
+                for (int32_t r = s.q_indptr[sq]; r < s.q_indptr[sq + 1]; r++)
+                    for (int h = 0; h < NQ; h++) {
+                        int g = h / (NQ / NKV);
+                        const float *qh = q + (r * NQ + h) * HD;
+                        int ctx = s.positions[r] + 1;
+                        double sc[8], mx = -1e300, sum = 0;
+                        for (int t = 0; t < ctx; t++) {
+                            sc[t] = 0;
+                            for (int d = 0; d < HD; d++) sc[t] += (double)qh[d] * kref[sq][t][g * HD + d];
+                            sc[t] *= 0.4;
+                            if (sc[t] > mx) mx = sc[t];
+                        }
+                        for (int t = 0; t < ctx; t++) sum += sc[t] = exp(sc[t] - mx);
+                        for (int d = 0; d < HD; d++) {
+                            double acc = 0;
+                            for (int t = 0; t < ctx; t++) acc += sc[t] * vref[sq][t][g * HD + d];
+                            ASSERT_NEAR(out[(r * NQ + h) * HD + d], acc / sum, 2e-6);
+                        }
+                    }
+            /* gather */
+            float gat[3 * NQ * HD];
+            ASSERT_OK(o->gather_rows(b, out, NQ * HD, gat));
+            for (int i = 0; i < 3; i++)
+                ASSERT(memcmp(gat + i * NQ * HD, out + s.out_rows[i] * NQ * HD, NQ * HD * 4) == 0);
+        }
+        /* export layer 1, blocks {11, 0}, kv head 1 -> seq 1's positions 0..6, head 1 */
+        int32_t ids[2] = {11, 0};
+        pd_kv_range rg = {.layer = 1, .block_ids = ids, .n_blocks = 2, .head0 = 1, .n_heads = 1};
+        float host[2 * 2 * BS * HD];
+        ASSERT_OK(o->kv_export(b, kv, &rg, host));
+        for (int p = 0; p < 7; p++)
+            for (int d = 0; d < HD; d++) {
+                ASSERT(host[p * HD + d] == kref[1][p][HD + d]);
+                ASSERT(host[2 * BS * HD + p * HD + d] == vref[1][p][HD + d]);
+            }
+        /* import into blocks {3, 4} of layer 0 and read back through the raw view */
+        int32_t ids2[2] = {3, 4};
+        pd_kv_range rg2 = {.layer = 0, .block_ids = ids2, .n_blocks = 2, .head0 = 1, .n_heads = 1};
+        ASSERT_OK(o->kv_import(b, kv, &rg2, host));
+        pd_kv_layer_view vw;
+        ASSERT_OK(o->kv_layer(b, kv, 0, &vw));
+        ASSERT(vw.host_visible && vw.dtype == PD_DTYPE_F32);
+        ASSERT(vw.token_stride == NKV * HD * 4 && vw.block_stride == BS * NKV * HD * 4);
+        const float *k0v = (const float *)((const char *)vw.k + 3 * vw.block_stride +
+                                           2 * vw.token_stride + vw.head_stride);
+        ASSERT(memcmp(k0v, kref[1][2] + HD, HD * 4) == 0);
+        int32_t badids[1] = {NBLK};
+        pd_kv_range rg3 = {.layer = 0, .block_ids = badids, .n_blocks = 1, .head0 = 0, .n_heads = 1};
+        ASSERT_ERR(o->kv_export(b, kv, &rg3, host), PD_ERANGE, "block_ids[0] = 16");
+        pd_kv_range rg4 = {.layer = 2, .block_ids = ids, .n_blocks = 1, .head0 = 0, .n_heads = 1};
+        ASSERT_ERR(o->kv_export(b, kv, &rg4, host), PD_ERANGE, "layer 2");
+        pd_kv_range rg5 = {.layer = 0, .block_ids = ids, .n_blocks = 1, .head0 = 1, .n_heads = 2};
+        ASSERT_ERR(o->kv_import(b, kv, &rg5, host), PD_ERANGE, "heads");
+        o->kv_free(b, kv);
+        pd_backend_destroy(b);
+    }
+}
+
+TEST(plan_and_step_errors)
+{
+    pd_backend *b = make_backend(PD_CPU_ISA_AUTO, 1, -1);
+    ASSERT(b);
+    const pd_backend_ops *o = pd_backend_get_ops(b);
+    step_desc s;
+    make_step(&s, 0);
+    pd_batch bt = to_batch(&s, 3);
+    float q[16 * NQ * HD] = {0};
+    ASSERT_ERR(o->rope(b, q, NQ, HD), PD_EINVAL, "no planned step");
+    pd_batch bad = bt;
+    int32_t qi[4] = {0, 5, 4, 9};
+    bad.q_indptr = qi;
+    ASSERT_ERR(o->plan(b, &bad), PD_EINVAL, "q_indptr decreases at sequence 1");
+    bad = bt;
+    int32_t pos[9] = {0, 1, 2, 3, 5, 6, 2, 3, 4};
+    bad.positions = pos;
+    ASSERT_ERR(o->plan(b, &bad), PD_ERANGE, "positions[4] = 5");
+    bad = bt;
+    int32_t outr[3] = {4, 4, 8};
+    bad.out_rows = outr;
+    ASSERT_ERR(o->plan(b, &bad), PD_EINVAL, "out_rows[1]");
+    bad = bt;
+    bad.rope_dim = 5;
+    ASSERT_ERR(o->plan(b, &bad), PD_ERANGE, "rope_dim 5");
+    bad = bt;
+    bad.n_tokens = 100000;
+    ASSERT_ERR(o->plan(b, &bad), PD_ERANGE, "n_tokens 100000");
+    ASSERT_OK(o->plan(b, &bt));
+    ASSERT_ERR(o->rope(b, q, NQ, 8), PD_EINVAL, "rope_dim 6");
+
+    /* embedding: token id outside the table */
+    float tab[11 * 3];
+    fill(tab, 33);
+    host_tensor ht;
+    ht_make(&ht, "embed", PD_DTYPE_BF16, 11, 3, tab);
+    pd_weight *E = NULL;
+    ASSERT_OK(o->weight_load(b, &ht.t, NULL, &E));
+    float e[9 * 3];
+    ASSERT_OK(o->embed(b, E, e));
+    for (size_t r = 0; r < 9; r++)
+        for (int c = 0; c < 3; c++) ASSERT(e[r * 3 + c] == tab[s.token_ids[r] * 3 + c]);
+    s.token_ids[2] = 11;
+    ASSERT_OK(o->plan(b, &bt));
+    ASSERT_ERR(o->embed(b, E, e), PD_ERANGE, "token_ids[2] = 11");
+    o->weight_free(b, E);
+    free(ht.buf);
+
+    /* KV: slot outside the pool; block table too short; query heads not a multiple */
+    pd_kv_params kp = {.n_layers = 1, .n_blocks = 8, .block_size = BS, .n_kv_heads = NKV,
+                       .head_dim = HD, .dtype = PD_DTYPE_F32};
+    pd_kv *kv = NULL;
+    ASSERT_OK(o->kv_create(b, &kp, &kv));
+    s.token_ids[2] = 1;
+    float k[16 * NKV * HD] = {0};
+    ASSERT_OK(o->plan(b, &bt));
+    ASSERT_ERR(o->kv_write(b, kv, 0, k, k), PD_ERANGE, "outside the pool [0, 32)");
+    ASSERT_ERR(o->attention(b, kv, 0, q, NQ, 1.0f, q), PD_ERANGE, "block_ids[2] = 11");
+    ASSERT_ERR(o->attention(b, kv, 0, q, 3, 1.0f, q), PD_EINVAL, "not a multiple");
+    ASSERT_ERR(o->kv_write(b, kv, 1, k, k), PD_ERANGE, "layer 1");
+    s.kv_len[0] = 9;
+    int32_t posx[9] = {4, 5, 6, 7, 8, 6, 2, 3, 4};
+    pd_batch b2 = bt;
+    b2.positions = posx;
+    ASSERT_OK(o->plan(b, &b2));
+    ASSERT_ERR(o->attention(b, kv, 0, q, NQ, 1.0f, q), PD_ERANGE, "kv_len 9 exceeds its 2 blocks");
+    o->kv_free(b, kv);
+    pd_kv_params kb = kp;
+    kb.dtype = PD_DTYPE_BF16;
+    ASSERT_ERR(o->kv_create(b, &kb, &kv), PD_EUNSUPPORTED, "bfloat16");
+    kb = kp;
+    kb.head_dim = 1024;
+    ASSERT_ERR(o->kv_create(b, &kb, &kv), PD_EUNSUPPORTED, "head_dim 1024");
+    pd_backend_destroy(b);
+}
+
+/* Attention for several head sizes (the AVX-512 register kernel covers multiples of 16 up to
+ * 128, the generic loop the rest) over 150 positions, so the online softmax crosses a key
+ * chunk; GQA 6 query heads over 2 kv heads, blocks of 16 in reverse order. */
+TEST(attention_head_sizes_and_long_context)
+{
+    static const size_t dims[] = {6, 16, 32, 48, 64, 128, 136};
+    enum { T = 150, NQH = 6, NKH = 2, B = 16 };
+    pd_cpu_isa isa[2];
+    int n_isa = isas(isa);
+    int32_t ids[T], pos[T], qi[2] = {0, T}, kl[1] = {T}, bi[2] = {0, 10}, blocks[10];
+    int64_t slots[T];
+    for (int i = 0; i < 10; i++) blocks[i] = 9 - i;
+    for (int t = 0; t < T; t++) {
+        ids[t] = 0;
+        pos[t] = t;
+        slots[t] = (int64_t)blocks[t / B] * B + t % B;
+    }
+    for (size_t di = 0; di < sizeof dims / sizeof dims[0]; di++) {
+        size_t D = dims[di];
+        float *q = malloc(T * NQH * D * 4), *k = malloc(T * NKH * D * 4),
+              *v = malloc(T * NKH * D * 4), *out = malloc(T * NQH * D * 4);
+        float *cs = calloc(T * D / 2, 4), *sn = calloc(T * D / 2, 4);
+        fill(q, T * NQH * D);
+        fill(k, T * NKH * D);
+        fill(v, T * NKH * D);
+        for (size_t i = 0; i < T * NQH * D; i++) q[i] *= 3.0f; /* peaky softmax */
+        for (int ii = 0; ii < n_isa; ii++) {
+            pd_backend *b = make_backend(isa[ii], 2, -1);
+            ASSERT(b);
+            const pd_backend_ops *o = pd_backend_get_ops(b);
+            pd_kv_params kp = {.n_layers = 1, .n_blocks = 10, .block_size = B, .n_kv_heads = NKH,
+                               .head_dim = D, .dtype = PD_DTYPE_F32};
+            pd_kv *kv = NULL;
+            ASSERT_OK(o->kv_create(b, &kp, &kv));
+            pd_batch bt = {.n_tokens = T, .token_ids = ids, .positions = pos, .slots = slots,
+                           .rope_cos = cs, .rope_sin = sn, .rope_dim = D % 2 ? D + 1 : D,
+                           .n_seqs = 1, .q_indptr = qi, .kv_len = kl, .block_indptr = bi,
+                           .block_ids = blocks, .n_out = 0, .out_rows = NULL};
+            ASSERT_OK(o->plan(b, &bt));
+            ASSERT_OK(o->kv_write(b, kv, 0, k, v));
+            ASSERT_OK(o->attention(b, kv, 0, q, NQH, 0.125f, out));
+            double worst = 0;
+            for (int r = 0; r < T; r += 7)
+                for (int h = 0; h < NQH; h++) {
+                    int g = h / (NQH / NKH);
+                    double sc[T], mx = -1e300, sum = 0;
+                    for (int t = 0; t <= r; t++) {
+                        double d = 0;
+                        for (size_t e = 0; e < D; e++)
+                            d += (double)q[(r * NQH + h) * D + e] * k[(t * NKH + g) * D + e];
+                        sc[t] = d * 0.125;
+                        if (sc[t] > mx) mx = sc[t];
+                    }
+                    for (int t = 0; t <= r; t++) sum += sc[t] = exp(sc[t] - mx);
+                    for (size_t e = 0; e < D; e++) {
+                        double acc = 0;
+                        for (int t = 0; t <= r; t++) acc += sc[t] * v[(t * NKH + g) * D + e];
+                        double err = fabs(out[(r * NQH + h) * D + e] - acc / sum);
+                        if (err > worst) worst = err;
+                    }
+                }
+            o->kv_free(b, kv);
+            pd_backend_destroy(b);
+            ASSERT_MSG(worst < 5e-6, "isa %d head_dim %zu: attention error %.3g", (int)isa[ii], D,
+                       worst);
+        }
+        free(q), free(k), free(v), free(out), free(cs), free(sn);
+    }
+}
