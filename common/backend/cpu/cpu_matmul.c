@@ -13,7 +13,9 @@
  * registers (exact), so they cost half the memory traffic and give the same result as
  * converting at load.
  */
+#if defined(__x86_64__)
 #include <immintrin.h>
+#endif
 #include <math.h>
 #include <stdint.h>
 
@@ -112,10 +114,6 @@ INLINE_AVX512 float hsum16(__m512 v)
  * registers (GCC's -O2 heuristics would not). */
 #define UNROLL _Pragma("GCC unroll 8")
 
-#ifndef DECODE_PF
-#define DECODE_PF 1
-#endif
-
 #define MT_MAX 6 /* x rows per tile */
 #define NT_MAX 8 /* W rows per tile */
 
@@ -123,7 +121,7 @@ INLINE_AVX512 float hsum16(__m512 v)
  * are constants at each call site, so the accumulators live in registers. */
 INLINE_AVX512 void tile(const float *x, size_t ldx, const void *w, size_t ldw, pd_dtype dt,
                         size_t K, const float *bias, float *y, size_t ldy, const int M,
-                        const int N, const char *pf)
+                        const int N)
 {
     __m512 acc[MT_MAX][NT_MAX];
     const size_t es = dt == PD_DTYPE_F32 ? 4 : 2;
@@ -132,11 +130,6 @@ INLINE_AVX512 void tile(const float *x, size_t ldx, const void *w, size_t ldw, p
     size_t k = 0;
     for (; k + 16 <= K; k += 16) {
         __m512 wv[NT_MAX];
-        /* Decode streams W once: prefetch the next tile's rows at the same offset, so each short
-         * row (a few KiB) does not wait for the hardware prefetcher to pick its stream up. */
-        if (pf)
-            UNROLL for (int j = 0; j < N; j++)
-                _mm_prefetch(pf + ((size_t)j * ldw + k) * es, _MM_HINT_T0);
         UNROLL for (int j = 0; j < N; j++) wv[j] = load_w16((const char *)w + (size_t)j * ldw * es, dt, k);
         UNROLL for (int i = 0; i < M; i++) {
             __m512 xv = _mm512_loadu_ps(x + (size_t)i * ldx + k);
@@ -162,15 +155,15 @@ INLINE_AVX512 void tile(const float *x, size_t ldx, const void *w, size_t ldw, p
 }
 
 /* Row tiles of up to M_ x rows against W rows [j0, j1) in tiles of N_ (remainder 1 by 1). */
-#define TILE_ROWS(M_, N_, DT, PF)                                                                  \
+#define TILE_ROWS(M_, N_, DT)                                                                      \
     do {                                                                                           \
         size_t j = j0;                                                                             \
         for (; j + (N_) <= j1; j += (N_))                                                          \
             tile(xi, ldx, wb + j * ldw * es, ldw, DT, K, bias ? bias + j : NULL, yi + j, ldy,      \
-                 M_, N_, (PF) && j + 2 * (N_) <= j1 ? wb + (j + (N_)) * ldw * es : NULL);         \
+                 M_, N_);                                                                          \
         for (; j < j1; j++)                                                                        \
             tile(xi, ldx, wb + j * ldw * es, ldw, DT, K, bias ? bias + j : NULL, yi + j, ldy,      \
-                 M_, 1, NULL);                                                                     \
+                 M_, 1);                                                                           \
     } while (0)
 
 INLINE_AVX512 void mm_dt(const float *x, size_t n, size_t ldx, const struct pd_weight *w,
@@ -184,23 +177,23 @@ INLINE_AVX512 void mm_dt(const float *x, size_t n, size_t ldx, const struct pd_w
         /* Decode: stream W once, 8 rows at a time to keep many loads in flight. */
         const float *xi = x;
         float *yi = y;
-        if (n == 1) TILE_ROWS(1, 8, dt, DECODE_PF);
-        else TILE_ROWS(2, 8, dt, DECODE_PF);
+        if (n == 1) TILE_ROWS(1, 8, dt);
+        else TILE_ROWS(2, 8, dt);
         return;
     }
     for (; i + 6 <= n; i += 6) {
         const float *xi = x + i * ldx;
         float *yi = y + i * ldy;
-        TILE_ROWS(6, 4, dt, 0);
+        TILE_ROWS(6, 4, dt);
     }
     const float *xi = x + i * ldx;
     float *yi = y + i * ldy;
     switch (n - i) {
-    case 5: TILE_ROWS(5, 4, dt, 0); break;
-    case 4: TILE_ROWS(4, 4, dt, 0); break;
-    case 3: TILE_ROWS(3, 4, dt, 0); break;
-    case 2: TILE_ROWS(2, 4, dt, 0); break;
-    case 1: TILE_ROWS(1, 4, dt, 0); break;
+    case 5: TILE_ROWS(5, 4, dt); break;
+    case 4: TILE_ROWS(4, 4, dt); break;
+    case 3: TILE_ROWS(3, 4, dt); break;
+    case 2: TILE_ROWS(2, 4, dt); break;
+    case 1: TILE_ROWS(1, 4, dt); break;
     default: break;
     }
 }

@@ -15,7 +15,9 @@
  * Every figure is printed for each repetition, then best and spread.
  */
 #include <cblas.h>
+#if defined(__x86_64__)
 #include <immintrin.h>
+#endif
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,6 +37,7 @@ typedef struct {
     int avx512;
 } bw_ctx;
 
+#if defined(__x86_64__)
 __attribute__((target("avx512f"))) static float read_avx512(const float *p, size_t n)
 {
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -49,6 +52,7 @@ __attribute__((target("avx512f"))) static float read_avx512(const float *p, size
     for (; i < n; i++) s += p[i];
     return s;
 }
+#endif
 
 static float read_scalar(const float *p, size_t n)
 {
@@ -65,7 +69,13 @@ static void bw_task(void *vctx, int task, int n_tasks)
     bw_ctx *c = vctx;
     size_t per = (c->n / (size_t)n_tasks) & ~(size_t)63;
     const float *p = c->buf + per * (size_t)task;
-    c->sums[task & 63] = c->avx512 ? read_avx512(p, per) : read_scalar(p, per);
+#if defined(__x86_64__)
+    if (c->avx512) {
+        c->sums[task & 63] = read_avx512(p, per);
+        return;
+    }
+#endif
+    c->sums[task & 63] = read_scalar(p, per);
 }
 
 static double measure_bw(pd_threadpool *pool, size_t mib, int reps, int avx512)
@@ -230,8 +240,12 @@ int main(int argc, char **argv)
 
     /* bandwidth: its own pool with the same thread count */
     pd_threadpool *pool = pd_pool_create(nthreads);
+#if defined(__x86_64__)
     __builtin_cpu_init();
     int avx = __builtin_cpu_supports("avx512f");
+#else
+    int avx = 0;
+#endif
     series bw = {0};
     for (int r = 0; r < reps; r++) add(&bw, measure_bw(pool, bw_mib, 3, avx));
     pd_pool_destroy(pool);
