@@ -2,17 +2,14 @@
  *
  *   pd-generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3 | --prompts-file F) [--chat]
  *               [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S]
- *               [--json] [--bench] [--cpu-threads N]
+ *               [--concurrency N] [--json] [--bench] [--cpu-threads N]
  *
- * Design: a thin driver over the library: tokenizer (+ chat template with --chat), the forward
- * pass on the CPU backend, the sampler, the incremental detokenizer. Every prompt is prefilled
- * (in chunks of at most CHUNK rows), then all unfinished sequences decode together, one row
- * each per step. KV handling is deliberately minimal and kept in one place (kv_plan below):
- * sequence i owns a fixed contiguous run of blocks sized for prompt + max tokens; the paged
- * block manager of the engine replaces it. Stops at an EOS id (generation_config eos ids plus
- * the tokenizer's eos) or after max tokens (or at max_position_embeddings).
- * --prompts-file: one prompt per line (empty lines skipped); with --prompt-ids semantics when
- * the file name ends in ".ids" (comma-separated ids per line).
+ * Design: a thin driver over the engine (engine.h) — the same scheduler, sampler, detokenizer
+ * and stop checker that pd-decode runs, so split and colocated serving agree token for token.
+ * Prompts are queued --concurrency at a time (default: all), the engine batches them
+ * (continuous batching, chunked prefill) and each prompt's events are collected until its final
+ * one. --prompts-file: one prompt per line (empty lines skipped); comma-separated ids per line
+ * when the file name ends in ".ids". Without --seed the seed is 0, so runs are reproducible.
  */
 #include <jansson.h>
 #include <stdbool.h>
@@ -21,8 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "backend/forward.h"
-#include "engine/sampler.h"
+#include "engine/engine.h"
 #include "model/model.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
@@ -30,9 +26,6 @@
 #include "util/log.h"
 #include "util/status.h"
 #include "util/threadpool.h"
-
-#define CHUNK 512       /* prefill rows per step */
-#define BLOCK_SIZE 16   /* tokens per KV block */
 
 typedef struct {
     const char *model;
@@ -45,21 +38,20 @@ typedef struct {
     double temperature, top_p;
     int64_t top_k, seed;
     int threads;
+    int64_t concurrency; /* requests in flight at once; 0 = all */
 } args_t;
 
 typedef struct {
-    char *text;          /* the prompt text as given (NULL for id prompts) */
-    int32_t *ids;        /* prompt ids */
+    char *text;   /* the prompt text as given (NULL for id prompts) */
+    int32_t *ids; /* prompt ids */
     size_t n_ids;
-    int32_t *out;        /* (max_tokens) generated ids */
-    size_t n_out;
-    size_t max_out;      /* generation cap for this sequence */
-    int32_t block0;      /* first block of its contiguous run (kv_plan) */
-    size_t n_blocks;
-    pd_sampler_seq *sampler;
-    pd_detok *detok;
-    bool done;
-    const char *finish;  /* "stop" | "length" */
+    int32_t *out; /* (max_out) generated ids, the one that ended it included */
+    size_t n_out, max_out;
+    char *gen; /* generated text (engine deltas, after hold-back) */
+    size_t gen_len, gen_cap;
+    const char *finish; /* "stop" | "length" */
+    bool added, done;
+    double t_first; /* when its first token came (pd_now_s) */
 } seq_t;
 
 static void usage(FILE *o)
@@ -68,7 +60,7 @@ static void usage(FILE *o)
                "--prompts-file F) [--chat]\n"
                "                   [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] "
                "[--seed S]\n"
-               "                   [--json] [--bench] [--cpu-threads N]\n");
+               "                   [--concurrency N] [--json] [--bench] [--cpu-threads N]\n");
 }
 
 static int parse_i64(const char *opt, const char *s, int64_t lo, int64_t hi, int64_t *out)
@@ -98,21 +90,30 @@ static int parse_args(int argc, char **argv, args_t *a)
     a->max_tokens = -1;
     for (int i = 1; i < argc; i++) {
         const char *o = argv[i];
-        if (!strcmp(o, "--chat")) a->chat = true;
-        else if (!strcmp(o, "--json")) a->json = true;
-        else if (!strcmp(o, "--bench")) a->bench = true;
+        if (!strcmp(o, "--chat"))
+            a->chat = true;
+        else if (!strcmp(o, "--json"))
+            a->json = true;
+        else if (!strcmp(o, "--bench"))
+            a->bench = true;
         else if (!strcmp(o, "--help") || !strcmp(o, "-h")) {
             usage(stdout);
             exit(0);
         } else {
-            if (i + 1 >= argc) return pd_error(PD_EINVAL, "%s: missing value (or unknown option)", o);
+            if (i + 1 >= argc)
+                return pd_error(PD_EINVAL, "%s: missing value (or unknown option)", o);
             const char *v = argv[++i];
             int64_t iv;
-            if (!strcmp(o, "--model")) a->model = v;
-            else if (!strcmp(o, "--prompt")) a->prompt = v;
-            else if (!strcmp(o, "--prompt-ids")) a->prompt_ids = v;
-            else if (!strcmp(o, "--prompts-file")) a->prompts_file = v;
-            else if (!strcmp(o, "--max-tokens")) PD_CHECK(parse_i64(o, v, 1, 1 << 24, &a->max_tokens));
+            if (!strcmp(o, "--model"))
+                a->model = v;
+            else if (!strcmp(o, "--prompt"))
+                a->prompt = v;
+            else if (!strcmp(o, "--prompt-ids"))
+                a->prompt_ids = v;
+            else if (!strcmp(o, "--prompts-file"))
+                a->prompts_file = v;
+            else if (!strcmp(o, "--max-tokens"))
+                PD_CHECK(parse_i64(o, v, 1, 1 << 24, &a->max_tokens));
             else if (!strcmp(o, "--temperature")) {
                 PD_CHECK(parse_f64(o, v, &a->temperature));
                 a->has_temperature = true;
@@ -128,13 +129,17 @@ static int parse_args(int argc, char **argv, args_t *a)
             } else if (!strcmp(o, "--cpu-threads")) {
                 PD_CHECK(parse_i64(o, v, 1, 4096, &iv));
                 a->threads = (int)iv;
-            } else return pd_error(PD_EINVAL, "unknown option %s", o);
+            } else if (!strcmp(o, "--concurrency")) {
+                PD_CHECK(parse_i64(o, v, 1, 1 << 20, &a->concurrency));
+            } else
+                return pd_error(PD_EINVAL, "unknown option %s", o);
         }
     }
     if (!a->model) return pd_error(PD_EINVAL, "--model is required");
     int n_src = !!a->prompt + !!a->prompt_ids + !!a->prompts_file;
     if (n_src != 1)
-        return pd_error(PD_EINVAL, "exactly one of --prompt, --prompt-ids, --prompts-file is required");
+        return pd_error(PD_EINVAL,
+                        "exactly one of --prompt, --prompt-ids, --prompts-file is required");
     if (a->chat && a->prompt_ids)
         return pd_error(PD_EINVAL, "--chat needs text prompts (--prompt or --prompts-file)");
     return PD_OK;
@@ -165,7 +170,8 @@ static int parse_ids(const char *what, const char *s, int32_t vocab, int32_t **i
         }
         a[k++] = (int32_t)v;
         while (*end == ' ') end++;
-        if (*end == ',') end++;
+        if (*end == ',')
+            end++;
         else if (*end) {
             free(a);
             return pd_error(PD_EINVAL, "%s: expected ',' at \"%.20s\"", what, end);
@@ -224,8 +230,10 @@ static int read_lines(const char *file, char ***lines, size_t *n)
             }
             a = na;
         }
-        if (!(a[k] = strdup(line))) rc = pd_error(PD_ENOMEM, "out of memory");
-        else k++;
+        if (!(a[k] = strdup(line)))
+            rc = pd_error(PD_ENOMEM, "out of memory");
+        else
+            k++;
     }
     free(line);
     fclose(f);
@@ -240,60 +248,28 @@ static int read_lines(const char *file, char ***lines, size_t *n)
     return PD_OK;
 }
 
-static int is_eos(int32_t t, const int32_t *eos, size_t n_eos)
+/* Appends an event's new token and text to its sequence. */
+static int collect(seq_t *s, const pd_engine_event *ev)
 {
-    for (size_t i = 0; i < n_eos; i++)
-        if (eos[i] == t) return 1;
-    return 0;
-}
-
-/* ---- KV: a fixed contiguous run of blocks per sequence ------------------------------------- */
-
-static size_t kv_plan(seq_t *seqs, size_t n)
-{
-    size_t next = 0;
-    for (size_t i = 0; i < n; i++) {
-        size_t tokens = seqs[i].n_ids + seqs[i].max_out;
-        seqs[i].block0 = (int32_t)next;
-        seqs[i].n_blocks = (tokens + BLOCK_SIZE - 1) / BLOCK_SIZE;
-        next += seqs[i].n_blocks;
+    for (size_t k = 0; k < ev->n_tokens && s->n_out < s->max_out; k++)
+        s->out[s->n_out++] = ev->token_ids[k];
+    if (s->gen_len + ev->text_len + 1 > s->gen_cap) {
+        size_t cap = (s->gen_cap ? s->gen_cap * 2 : 256) + ev->text_len;
+        char *g = realloc(s->gen, cap);
+        if (!g) return pd_error(PD_ENOMEM, "out of memory");
+        s->gen = g;
+        s->gen_cap = cap;
     }
-    return next;
-}
-
-/* ---- generation --------------------------------------------------------------------------- */
-
-typedef struct {
-    pd_forward *f;
-    pd_kv *kv;
-    int32_t *tok, *qi, *kvl, *bi, *bl, *orow; /* step arrays, sized for the batch */
-    float *logits;                            /* (n_seqs, vocab) */
-    size_t V;
-} gen_ctx;
-
-/* Appends token t to sequence s (sampled from logits); marks it done at EOS or its cap. */
-static int accept(seq_t *s, int32_t t, const int32_t *eos, size_t n_eos)
-{
-    s->out[s->n_out++] = t;
-    const char *d;
-    size_t dl;
-    PD_CHECK(pd_detok_push(s->detok, t, &d, &dl));
-    if (is_eos(t, eos, n_eos)) {
+    memcpy(s->gen + s->gen_len, ev->text, ev->text_len);
+    s->gen_len += ev->text_len;
+    s->gen[s->gen_len] = '\0';
+    if (ev->final) {
+        if (ev->status < 0)
+            return pd_error(ev->status, "generation failed: %s", ev->error ? ev->error : "");
+        s->finish = pd_finish_reason_name(ev->finish);
         s->done = true;
-        s->finish = "stop";
-    } else if (s->n_out >= s->max_out) {
-        s->done = true;
-        s->finish = "length";
     }
     return PD_OK;
-}
-
-static int sample_one(seq_t *s, const float *logits, pd_sampler_ws *ws, const int32_t *eos,
-                      size_t n_eos)
-{
-    pd_sample_result r;
-    PD_CHECK(pd_sample(s->sampler, logits, ws, &r));
-    return accept(s, r.token, eos, n_eos);
 }
 
 int main(int argc, char **argv)
@@ -310,38 +286,17 @@ int main(int argc, char **argv)
     pd_tok *tok = NULL;
     pd_chat_template *tpl = NULL;
     json_t *cfg_vars = NULL;
-    pd_backend *b = NULL;
-    gen_ctx g = {0};
-    pd_sampler_ws *ws = NULL;
+    pd_engine *e = NULL;
     seq_t *seqs = NULL;
     size_t n_seqs = 0;
     char **lines = NULL;
     size_t n_lines = 0;
-    int32_t eos[PD_MAX_EOS_IDS * 2];
-    size_t n_eos = 0;
-    double t_prefill = 0, t_decode = 0;
-    size_t prompt_tokens = 0, decode_tokens = 0;
+    size_t prompt_tokens = 0, gen_tokens = 0;
 
     PD_CHECK_GOTO(pd_model_load(a.model, &m), rc, out);
     PD_CHECK_GOTO(pd_tok_load(a.model, &tok), rc, out);
     const pd_model_config *cfg = &m->config;
     int32_t vocab = (int32_t)cfg->vocab_size;
-    if (pd_tok_vocab_size(tok) > vocab) {
-        rc = pd_error(PD_EINVAL, "%s: tokenizer has %d ids but config.json vocab_size is %d",
-                      a.model, pd_tok_vocab_size(tok), vocab);
-        goto out;
-    }
-    /* EOS: generation_config's, then the tokenizer's */
-    for (int i = 0; i < m->generation.n_eos_token_ids; i++)
-        eos[n_eos++] = (int32_t)m->generation.eos_token_ids[i];
-    if (n_eos == 0)
-        for (int i = 0; i < cfg->n_eos_token_ids; i++) eos[n_eos++] = (int32_t)cfg->eos_token_ids[i];
-    {
-        const int32_t *te;
-        size_t nt = pd_tok_eos_ids(tok, &te);
-        for (size_t i = 0; i < nt && n_eos < sizeof eos / sizeof eos[0]; i++)
-            if (!is_eos(te[i], eos, n_eos)) eos[n_eos++] = te[i];
-    }
     if (a.chat) {
         char *src = NULL, *what = NULL;
         PD_CHECK_GOTO(pd_chat_select(a.model, NULL, false, &src, &what), rc, out);
@@ -367,9 +322,6 @@ int main(int argc, char **argv)
     }
     bool ids_file = a.prompts_file && strlen(a.prompts_file) > 4 &&
                     !strcmp(a.prompts_file + strlen(a.prompts_file) - 4, ".ids");
-    int64_t max_tokens = a.max_tokens > 0                       ? a.max_tokens
-                         : m->generation.has_max_new_tokens ? m->generation.max_new_tokens
-                                                              : 16;
     for (size_t i = 0; i < n_seqs; i++) {
         seq_t *s = &seqs[i];
         const char *src = a.prompts_file ? lines[i] : a.prompt;
@@ -380,145 +332,101 @@ int main(int argc, char **argv)
         } else {
             PD_CHECK_GOTO(prompt_text(tpl, cfg_vars, src, &s->text), rc, out);
             /* chat: the template carries the special tokens (as apply_chat_template) */
-            PD_CHECK_GOTO(pd_tok_encode(tok, s->text, strlen(s->text), !a.chat, &s->ids,
-                                        &s->n_ids),
+            PD_CHECK_GOTO(pd_tok_encode(tok, s->text, strlen(s->text), !a.chat, &s->ids, &s->n_ids),
                           rc, out);
             if (s->n_ids == 0) {
                 rc = pd_error(PD_EINVAL, "prompt %zu: empty after tokenization", i);
                 goto out;
             }
         }
-        if ((int64_t)s->n_ids >= cfg->max_position_embeddings) {
-            rc = pd_error(PD_EINVAL, "prompt %zu: %zu tokens, the model's context is %lld", i,
-                          s->n_ids, (long long)cfg->max_position_embeddings);
-            goto out;
-        }
-        int64_t room = cfg->max_position_embeddings - (int64_t)s->n_ids;
-        s->max_out = (size_t)(max_tokens < room ? max_tokens : room);
         prompt_tokens += s->n_ids;
     }
 
-    /* sampling parameters: model defaults (generation_config), then the flags */
-    pd_sampling_params sp = pd_sampling_model_params(m->has_generation_config ? &m->generation
-                                                                              : NULL);
+    /* sampling parameters: model defaults (generation_config), then the flags. Without
+     * --max-tokens: the model's max_new_tokens (applied by the engine), else 16. */
+    pd_sampling_params sp =
+        pd_sampling_model_params(m->has_generation_config ? &m->generation : NULL);
     if (a.has_temperature) sp.temperature = a.temperature;
     if (a.has_top_p) sp.top_p = a.top_p;
     if (a.has_top_k) sp.top_k = (int32_t)a.top_k;
     if (a.has_seed) sp.has_seed = true, sp.seed = a.seed;
     if (!sp.has_seed) sp.has_seed = true, sp.seed = 0; /* offline runs are reproducible */
+    sp.max_tokens = a.max_tokens > 0 ? a.max_tokens : m->generation.has_max_new_tokens ? -1 : 16;
     PD_CHECK_GOTO(pd_sampling_params_validate(&sp, vocab), rc, out);
-    PD_CHECK_GOTO(pd_sampler_ws_create(vocab, 0, &ws), rc, out);
+
+    pd_engine_params ep = pd_engine_default_params();
+    ep.model = m;
+    ep.tok = tok;
+    ep.n_threads = a.threads;
+    if (ep.max_num_seqs < n_seqs && a.concurrency == 0) ep.max_num_seqs = n_seqs;
+    PD_CHECK_GOTO(pd_engine_create(&ep, &e), rc, out);
+    size_t max_len = pd_engine_max_model_len(e);
     for (size_t i = 0; i < n_seqs; i++) {
         seq_t *s = &seqs[i];
+        if (s->n_ids >= max_len) {
+            rc = pd_error(PD_EINVAL, "prompt %zu: %zu tokens, the model's context is %zu", i,
+                          s->n_ids, max_len);
+            goto out;
+        }
+        s->max_out = max_len - s->n_ids;
         s->out = malloc(s->max_out * sizeof(int32_t));
         if (!s->out) {
             rc = pd_error(PD_ENOMEM, "out of memory");
             goto out;
         }
-        PD_CHECK_GOTO(pd_sampler_seq_create(&sp, vocab, eos, n_eos, 0, s->ids, s->n_ids,
-                                            &s->sampler),
-                      rc, out);
-        PD_CHECK_GOTO(pd_detok_create(tok, sp.skip_special_tokens, s->ids, s->n_ids, &s->detok),
-                      rc, out);
     }
 
-    /* backend, forward, KV */
-    size_t total_blocks = kv_plan(seqs, n_seqs);
-    pd_backend_params bp = pd_backend_default_params();
-    bp.n_threads = a.threads;
-    if (bp.max_seqs < n_seqs) bp.max_seqs = n_seqs;
-    if (bp.max_blocks < total_blocks) bp.max_blocks = total_blocks;
-    PD_CHECK_GOTO(pd_backend_cpu_create(&bp, &b), rc, out);
-    pd_forward_params fp = pd_forward_default_params();
-    fp.max_tokens = CHUNK > n_seqs ? CHUNK : n_seqs;
-    fp.max_seqs = n_seqs;
-    fp.max_out = n_seqs;
-    PD_CHECK_GOTO(pd_forward_create(b, m, &fp, &g.f), rc, out);
-    g.V = pd_forward_vocab(g.f);
-    pd_kv_params kp = pd_forward_kv_params(g.f, total_blocks, BLOCK_SIZE);
-    PD_CHECK_GOTO(pd_backend_get_ops(b)->kv_create(b, &kp, &g.kv), rc, out);
-    g.tok = malloc(fp.max_tokens * sizeof(int32_t));
-    g.qi = malloc((n_seqs + 1) * sizeof(int32_t));
-    g.kvl = malloc(n_seqs * sizeof(int32_t));
-    g.bi = malloc((n_seqs + 1) * sizeof(int32_t));
-    g.bl = malloc(total_blocks * sizeof(int32_t));
-    g.orow = malloc(n_seqs * sizeof(int32_t));
-    g.logits = malloc(n_seqs * g.V * sizeof(float));
-    if (!g.tok || !g.qi || !g.kvl || !g.bi || !g.bl || !g.orow || !g.logits) {
-        rc = pd_error(PD_ENOMEM, "out of memory");
-        goto out;
-    }
-
-    /* prefill: each prompt in chunks of CHUNK rows; the last chunk yields the first token */
-    double t0 = pd_now_s();
-    for (size_t i = 0; i < n_seqs && rc == 0; i++) {
-        seq_t *s = &seqs[i];
-        for (size_t p = 0; p < s->n_ids; p += CHUNK) {
-            size_t c = s->n_ids - p < CHUNK ? s->n_ids - p : CHUNK;
-            g.qi[0] = 0;
-            g.qi[1] = (int32_t)c;
-            g.kvl[0] = (int32_t)(p + c);
-            g.bi[0] = 0;
-            g.bi[1] = (int32_t)s->n_blocks;
-            for (size_t k = 0; k < s->n_blocks; k++) g.bl[k] = s->block0 + (int32_t)k;
-            g.orow[0] = (int32_t)c - 1;
-            bool last = p + c == s->n_ids;
-            pd_step st = {.n_seqs = 1, .token_ids = s->ids + p, .q_indptr = g.qi,
-                          .kv_len = g.kvl, .block_indptr = g.bi, .block_ids = g.bl,
-                          .n_out = last ? 1 : 0, .out_rows = g.orow};
-            PD_CHECK_GOTO(pd_forward_run(g.f, g.kv, &st, g.logits), rc, out);
-            if (last) PD_CHECK_GOTO(sample_one(s, g.logits, ws, eos, n_eos), rc, out);
+    /* run: keep `concurrency` requests in flight, step, collect events */
+    size_t in_flight_cap = a.concurrency > 0 ? (size_t)a.concurrency : n_seqs;
+    size_t next = 0, in_flight = 0, done = 0;
+    double t0 = pd_now_s(), t_last_first = t0;
+    while (done < n_seqs) {
+        while (next < n_seqs && in_flight < in_flight_cap) {
+            char id[32];
+            snprintf(id, sizeof id, "%zu", next);
+            pd_engine_request r = {.request_id = id,
+                                   .prompt_ids = seqs[next].ids,
+                                   .n_prompt = seqs[next].n_ids,
+                                   .sampling = &sp,
+                                   .phase = PD_PHASE_FULL};
+            PD_CHECK_GOTO(pd_engine_add(e, &r), rc, out);
+            seqs[next++].added = true;
+            in_flight++;
+        }
+        bool did = false;
+        rc = pd_engine_step(e, &did);
+        if (rc < 0 && rc != PD_EBUSY) goto out;
+        const pd_engine_event *ev;
+        while (pd_engine_next_event(e, &ev) == 1) {
+            seq_t *s = &seqs[strtoul(ev->request_id, NULL, 10)];
+            if (s->n_out == 0 && ev->n_tokens) s->t_first = t_last_first = pd_now_s();
+            rc = collect(s, ev);
+            pd_engine_event_done(e);
+            if (rc < 0) goto out;
+            if (s->done) in_flight--, done++;
+        }
+        if (!did && rc != PD_EBUSY && !pd_engine_has_work(e) && done < n_seqs && next >= n_seqs) {
+            rc = pd_error(PD_EINTERNAL, "the engine stopped with %zu prompts unfinished",
+                          n_seqs - done);
+            goto out;
         }
     }
-    t_prefill = pd_now_s() - t0;
-
-    /* decode: every unfinished sequence contributes one row per step */
-    t0 = pd_now_s();
-    for (;;) {
-        size_t n = 0, nb = 0;
-        g.qi[0] = 0;
-        g.bi[0] = 0;
-        for (size_t i = 0; i < n_seqs; i++) {
-            seq_t *s = &seqs[i];
-            if (s->done) continue;
-            g.tok[n] = s->out[s->n_out - 1];
-            g.kvl[n] = (int32_t)(s->n_ids + s->n_out);
-            for (size_t k = 0; k < s->n_blocks; k++) g.bl[nb + k] = s->block0 + (int32_t)k;
-            nb += s->n_blocks;
-            g.bi[n + 1] = (int32_t)nb;
-            g.orow[n] = (int32_t)n;
-            g.qi[n + 1] = (int32_t)(n + 1);
-            n++;
-        }
-        if (n == 0) break;
-        pd_step st = {.n_seqs = n, .token_ids = g.tok, .q_indptr = g.qi, .kv_len = g.kvl,
-                      .block_indptr = g.bi, .block_ids = g.bl, .n_out = n, .out_rows = g.orow};
-        PD_CHECK_GOTO(pd_forward_run(g.f, g.kv, &st, g.logits), rc, out);
-        size_t r = 0;
-        for (size_t i = 0; i < n_seqs; i++) {
-            seq_t *s = &seqs[i];
-            if (s->done) continue;
-            PD_CHECK_GOTO(sample_one(s, g.logits + (r++) * g.V, ws, eos, n_eos), rc, out);
-            decode_tokens++;
-        }
-    }
-    t_decode = pd_now_s() - t0;
+    double t_end = pd_now_s();
 
     /* output */
     for (size_t i = 0; i < n_seqs; i++) {
         seq_t *s = &seqs[i];
-        const char *d;
-        size_t dl, tl;
-        PD_CHECK_GOTO(pd_detok_flush(s->detok, &d, &dl), rc, out);
-        const char *text = pd_detok_text(s->detok, &tl);
+        gen_tokens += s->n_out;
         if (a.json) {
             json_t *pi = json_array(), *oi = json_array();
-            for (size_t k = 0; k < s->n_ids; k++) json_array_append_new(pi, json_integer(s->ids[k]));
-            for (size_t k = 0; k < s->n_out; k++) json_array_append_new(oi, json_integer(s->out[k]));
+            for (size_t k = 0; k < s->n_ids; k++)
+                json_array_append_new(pi, json_integer(s->ids[k]));
+            for (size_t k = 0; k < s->n_out; k++)
+                json_array_append_new(oi, json_integer(s->out[k]));
             json_t *o = json_object();
             json_object_set_new(o, "prompt_token_ids", pi);
             json_object_set_new(o, "token_ids", oi);
-            json_object_set_new(o, "text", json_stringn(text, tl));
+            json_object_set_new(o, "text", json_stringn(s->gen ? s->gen : "", s->gen_len));
             json_object_set_new(o, "finish_reason", json_string(s->finish));
             char *js = json_dumps(o, JSON_COMPACT | JSON_ENSURE_ASCII);
             json_decref(o);
@@ -531,17 +439,20 @@ int main(int argc, char **argv)
         } else {
             if (n_seqs > 1) printf("--- prompt %zu (%s, %zu tokens)\n", i, s->finish, s->n_out);
             if (s->text && !a.chat) fputs(s->text, stdout);
-            fwrite(text, 1, tl, stdout);
+            if (s->gen) fwrite(s->gen, 1, s->gen_len, stdout);
             putchar('\n');
         }
     }
     if (a.bench) {
+        /* prefill: start -> the last first token; decode: the remaining tokens after it */
+        double tp = t_last_first - t0, td = t_end - t_last_first;
+        size_t decode_tokens = gen_tokens > n_seqs ? gen_tokens - n_seqs : 0;
         fprintf(stderr,
                 "bench: prefill %zu tokens in %.3f s = %.1f tokens/s; decode %zu tokens in "
-                "%.3f s = %.1f tokens/s (%zu sequences, %d threads)\n",
-                prompt_tokens, t_prefill, prompt_tokens / (t_prefill > 0 ? t_prefill : 1e-9),
-                decode_tokens, t_decode, decode_tokens / (t_decode > 0 ? t_decode : 1e-9),
-                n_seqs, a.threads > 0 ? a.threads : pd_cpu_count());
+                "%.3f s = %.1f tokens/s (%zu prompts, concurrency %zu, %d threads)\n",
+                prompt_tokens, tp, prompt_tokens / (tp > 0 ? tp : 1e-9), decode_tokens, td,
+                decode_tokens / (td > 0 ? td : 1e-9), n_seqs, in_flight_cap,
+                a.threads > 0 ? a.threads : pd_cpu_count());
     }
     rc = 0;
 out:
@@ -550,17 +461,12 @@ out:
         free(seqs[i].text);
         free(seqs[i].ids);
         free(seqs[i].out);
-        pd_sampler_seq_free(seqs[i].sampler);
-        pd_detok_free(seqs[i].detok);
+        free(seqs[i].gen);
     }
     free(seqs);
     for (size_t i = 0; i < n_lines; i++) free(lines[i]);
     free(lines);
-    if (g.kv) pd_backend_get_ops(b)->kv_free(b, g.kv);
-    pd_forward_destroy(g.f);
-    free(g.tok), free(g.qi), free(g.kvl), free(g.bi), free(g.bl), free(g.orow), free(g.logits);
-    pd_sampler_ws_free(ws);
-    pd_backend_destroy(b);
+    pd_engine_destroy(e);
     json_decref(cfg_vars);
     pd_chat_free(tpl);
     pd_tok_free(tok);
