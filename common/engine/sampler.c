@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "engine/rng.h"
+#include "util/fmt.h"
 #include "util/status.h"
 
 /* ---- parameters -------------------------------------------------------------------------- */
@@ -68,65 +69,10 @@ bool pd_sampling_is_greedy(const pd_sampling_params *p)
     return p->temperature < PD_SAMPLING_GREEDY_EPS;
 }
 
-/* Formats x the way Python's repr(float) does (shortest round-trip digits; fixed notation for
- * exponents in [-4, 16), else d.ddde+XX), so messages read exactly like vLLM's. */
+/* x as Python's repr(float) prints it, so messages read exactly like vLLM's. */
 static const char *py_float(double x, char *buf, size_t n)
 {
-    if (isnan(x)) {
-        snprintf(buf, n, "nan");
-        return buf;
-    }
-    if (isinf(x)) {
-        snprintf(buf, n, x < 0 ? "-inf" : "inf");
-        return buf;
-    }
-    char e[40];
-    int prec = 1;
-    for (; prec <= 17; prec++) {
-        snprintf(e, sizeof e, "%.*e", prec - 1, x);
-        if (strtod(e, NULL) == x) break;
-    }
-    /* e = [-]d[.ddd]e[+-]XX */
-    const char *s = e;
-    bool neg = false;
-    if (*s == '-') {
-        neg = true;
-        s++;
-    }
-    char digits[24];
-    int nd = 0;
-    for (; *s && *s != 'e'; s++)
-        if (*s != '.') digits[nd++] = *s;
-    while (nd > 1 && digits[nd - 1] == '0') nd--;
-    digits[nd] = '\0';
-    int exp10 = atoi(s + 1);
-    char out[64];
-    size_t o = 0;
-    if (neg) out[o++] = '-';
-    if (exp10 >= -4 && exp10 < 16) {
-        if (exp10 >= 0) {
-            for (int i = 0; i <= exp10; i++) out[o++] = i < nd ? digits[i] : '0';
-            out[o++] = '.';
-            if (nd > exp10 + 1)
-                for (int i = exp10 + 1; i < nd; i++) out[o++] = digits[i];
-            else
-                out[o++] = '0';
-        } else {
-            out[o++] = '0';
-            out[o++] = '.';
-            for (int i = 0; i < -exp10 - 1; i++) out[o++] = '0';
-            for (int i = 0; i < nd; i++) out[o++] = digits[i];
-        }
-        out[o] = '\0';
-    } else {
-        out[o++] = digits[0];
-        if (nd > 1) {
-            out[o++] = '.';
-            for (int i = 1; i < nd; i++) out[o++] = digits[i];
-        }
-        snprintf(out + o, sizeof out - o, "e%c%02d", exp10 < 0 ? '-' : '+', abs(exp10));
-    }
-    snprintf(buf, n, "%s", out);
+    pd_fmt_double(x, buf, n);
     return buf;
 }
 
