@@ -40,10 +40,19 @@ const char *pd_sched_usage(void)
 static bool is_instance_flag(const char *flag)
 {
     static const char *const names[] = {
-        "--tensor-parallel-size", "--max-num-seqs", "--max-num-batched-tokens", "--block-size",
-        "--kv-cache-bytes",       "--seed",         "--cpu-threads",            "--dtype",
-        "--quantization",         "--gpu-memory-utilization", "--kv-transport",
-        "--kv-lease-seconds",     "--shutdown-timeout",
+        "--tensor-parallel-size",
+        "--max-num-seqs",
+        "--max-num-batched-tokens",
+        "--block-size",
+        "--kv-cache-bytes",
+        "--seed",
+        "--cpu-threads",
+        "--dtype",
+        "--quantization",
+        "--gpu-memory-utilization",
+        "--kv-transport",
+        "--kv-lease-seconds",
+        "--shutdown-timeout",
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (strcmp(flag, names[i]) == 0) return true;

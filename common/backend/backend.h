@@ -45,22 +45,22 @@ typedef struct pd_kv pd_kv;           /* a paged KV-cache pool on the backend */
  * each one. Only grows at the end. */
 typedef enum {
     PD_CPU_ISA_AUTO = 0,
-    PD_CPU_ISA_SCALAR = 1,     /* portable C, any x86-64 or other CPU */
-    PD_CPU_ISA_AVX512 = 2,     /* avx512f (+ f16c for f16 weights) */
+    PD_CPU_ISA_SCALAR = 1, /* portable C, any x86-64 or other CPU */
+    PD_CPU_ISA_AVX512 = 2, /* avx512f (+ f16c for f16 weights) */
 } pd_cpu_isa;
 
 typedef struct {
-    int n_threads;        /* CPU: worker threads incl. the caller; <= 0 = all online cores */
-    pd_cpu_isa cpu_isa;   /* CPU: kernel family (AUTO) */
-    int device;           /* CUDA: device ordinal (0) */
-    int weight_dtype;     /* -1 = backend's choice (default); else a pd_dtype every matrix is
-                             converted to at load (vectors: norms, biases are always f32) */
+    int n_threads;      /* CPU: worker threads incl. the caller; <= 0 = all online cores */
+    pd_cpu_isa cpu_isa; /* CPU: kernel family (AUTO) */
+    int device;         /* CUDA: device ordinal (0) */
+    int weight_dtype;   /* -1 = backend's choice (default); else a pd_dtype every matrix is
+                           converted to at load (vectors: norms, biases are always f32) */
     /* Capacity of one planned step (CUDA sizes its metadata buffers from these; the CPU backend
      * checks them too so both refuse the same batches). */
-    size_t max_tokens;    /* rows per step (default 8192) */
-    size_t max_seqs;      /* sequences per step (default 256) */
-    size_t max_blocks;    /* block-table entries per step, all sequences (default 65536) */
-    size_t max_rope_dim;  /* largest head_dim the cos/sin tables carry (default 256) */
+    size_t max_tokens;   /* rows per step (default 8192) */
+    size_t max_seqs;     /* sequences per step (default 256) */
+    size_t max_blocks;   /* block-table entries per step, all sequences (default 65536) */
+    size_t max_rope_dim; /* largest head_dim the cos/sin tables carry (default 256) */
 } pd_backend_params;
 
 /* Defaults as documented on each field. */
@@ -81,10 +81,10 @@ typedef struct {
 typedef struct {
     int n_layers;
     size_t n_blocks;
-    size_t block_size;   /* tokens per block */
-    size_t n_kv_heads;   /* heads held by this backend (the rank's range under TP) */
+    size_t block_size; /* tokens per block */
+    size_t n_kv_heads; /* heads held by this backend (the rank's range under TP) */
     size_t head_dim;
-    pd_dtype dtype;      /* CPU: F32 */
+    pd_dtype dtype; /* CPU: F32 */
 } pd_kv_params;
 
 /* Raw access to one layer of the pool, for the KV transfer code. Pointers are device pointers
@@ -96,7 +96,7 @@ typedef struct {
     size_t token_stride; /* bytes between tokens = n_kv_heads * head_stride */
     size_t head_stride;  /* bytes between heads = head_dim * elem */
     pd_dtype dtype;
-    int host_visible;    /* 1: k/v can be read and written by the CPU directly */
+    int host_visible; /* 1: k/v can be read and written by the CPU directly */
 } pd_kv_layer_view;
 
 /* A block range for export/import: for one layer, whole blocks block_ids[0..n_blocks) and heads
@@ -113,22 +113,22 @@ typedef struct {
 /* One forward step, as the backend sees it. All arrays are host memory; see "Ordering" above
  * for their lifetime. Rows of one sequence are contiguous and in position order. */
 typedef struct {
-    size_t n_tokens;            /* rows in the step */
-    const int32_t *token_ids;   /* (n_tokens) */
-    const int32_t *positions;   /* (n_tokens) position of each row in its sequence */
-    const int64_t *slots;       /* (n_tokens) KV slot (block_id * block_size + offset) that
-                                   receives the row's k and v */
-    const float *rope_cos;      /* (n_tokens, rope_dim / 2) cos(pos * inv_freq) * attn scaling */
-    const float *rope_sin;      /* (n_tokens, rope_dim / 2) sin(pos * inv_freq) * attn scaling */
-    size_t rope_dim;            /* head_dim the tables are for (even) */
+    size_t n_tokens;          /* rows in the step */
+    const int32_t *token_ids; /* (n_tokens) */
+    const int32_t *positions; /* (n_tokens) position of each row in its sequence */
+    const int64_t *slots;     /* (n_tokens) KV slot (block_id * block_size + offset) that
+                                 receives the row's k and v */
+    const float *rope_cos;    /* (n_tokens, rope_dim / 2) cos(pos * inv_freq) * attn scaling */
+    const float *rope_sin;    /* (n_tokens, rope_dim / 2) sin(pos * inv_freq) * attn scaling */
+    size_t rope_dim;          /* head_dim the tables are for (even) */
     size_t n_seqs;
-    const int32_t *q_indptr;    /* (n_seqs + 1) rows of sequence s: [q_indptr[s], q_indptr[s+1]) */
-    const int32_t *kv_len;      /* (n_seqs) context length of s after this step (its new rows
-                                   included); row r attends to positions [0, positions[r]] */
-    const int32_t *block_indptr;/* (n_seqs + 1) block table of s: block_ids[indptr[s]..[s+1]) */
-    const int32_t *block_ids;   /* (block_indptr[n_seqs]) */
-    size_t n_out;               /* rows whose logits are wanted */
-    const int32_t *out_rows;    /* (n_out) row indices into the step, increasing */
+    const int32_t *q_indptr;     /* (n_seqs + 1) rows of sequence s: [q_indptr[s], q_indptr[s+1]) */
+    const int32_t *kv_len;       /* (n_seqs) context length of s after this step (its new rows
+                                    included); row r attends to positions [0, positions[r]] */
+    const int32_t *block_indptr; /* (n_seqs + 1) block table of s: block_ids[indptr[s]..[s+1]) */
+    const int32_t *block_ids;    /* (block_indptr[n_seqs]) */
+    size_t n_out;                /* rows whose logits are wanted */
+    const int32_t *out_rows;     /* (n_out) row indices into the step, increasing */
 } pd_batch;
 
 /* ---- the operation table ------------------------------------------------------------------- */
@@ -184,8 +184,8 @@ typedef struct pd_backend_ops {
     /* y (n, out) = x (n, in) . W^T (+ bias); W: (out, in) weight; bias: (1, out) or NULL.
      * Each row's result is bit-identical whatever n and the other rows are (fixed reduction
      * order), on every backend that claims determinism (CPU does). */
-    int (*matmul)(pd_backend *b, const void *x, size_t n, const pd_weight *w,
-                  const pd_weight *bias, void *y);
+    int (*matmul)(pd_backend *b, const void *x, size_t n, const pd_weight *w, const pd_weight *bias,
+                  void *y);
     /* In-place rotary embedding (rotate_half convention: pair i = dims i and i + head_dim/2) of
      * x (n_tokens, n_heads, head_dim) with the planned cos/sin rows; head_dim == rope_dim. */
     int (*rope)(pd_backend *b, void *x, size_t n_heads, size_t head_dim);
@@ -197,8 +197,7 @@ typedef struct pd_backend_ops {
     int (*attention)(pd_backend *b, const pd_kv *kv, int layer, const void *q, size_t n_q_heads,
                      float scale, void *out);
     /* out (n, dim) = silu(gate) * up; gate, up: (n, dim). out may equal gate or up. */
-    int (*swiglu)(pd_backend *b, const void *gate, const void *up, size_t n, size_t dim,
-                  void *out);
+    int (*swiglu)(pd_backend *b, const void *gate, const void *up, size_t n, size_t dim, void *out);
     /* y (n_elems) += x (n_elems). */
     int (*add)(pd_backend *b, void *y, const void *x, size_t n_elems);
     /* out (n_out, dim) = x[out_rows[i]] for the planned out_rows; x: (n_tokens, dim). */

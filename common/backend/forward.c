@@ -17,14 +17,14 @@
 #include "util/status.h"
 
 typedef struct {
-    pd_weight *ln1;        /* (1, H) f32 */
+    pd_weight *ln1;          /* (1, H) f32 */
     pd_weight *wq, *wk, *wv; /* (nq_loc*D, H), (nkv_loc*D, H), (nkv_loc*D, H) */
     pd_weight *bq, *bk, *bv; /* (1, nq_loc*D), (1, nkv_loc*D) x2, or NULL */
-    pd_weight *wo;         /* (H, nq_loc*D): input columns of this rank's heads */
-    pd_weight *bo;         /* (1, H) on rank 0 only, or NULL */
-    pd_weight *ln2;        /* (1, H) */
-    pd_weight *wg, *wu;    /* (I_loc, H) */
-    pd_weight *wd;         /* (H, I_loc) */
+    pd_weight *wo;           /* (H, nq_loc*D): input columns of this rank's heads */
+    pd_weight *bo;           /* (1, H) on rank 0 only, or NULL */
+    pd_weight *ln2;          /* (1, H) */
+    pd_weight *wg, *wu;      /* (I_loc, H) */
+    pd_weight *wd;           /* (H, I_loc) */
 } fwd_layer;
 
 struct pd_forward {
@@ -77,7 +77,8 @@ pd_forward_params pd_forward_default_params(void)
     return p;
 }
 
-/* ---- weights ------------------------------------------------------------------------------------ */
+/* ---- weights ------------------------------------------------------------------------------------
+ */
 
 static int load(pd_forward *f, const pd_tensor *t, size_t row0, size_t nrows, size_t col0,
                 size_t ncols, pd_weight **out)
@@ -114,15 +115,17 @@ static int load_weights(pd_forward *f, const pd_model_weights *mw)
         PD_CHECK(load(f, &w->gate_proj, i0, f->I_loc, 0, 0, &L->wg));
         PD_CHECK(load(f, &w->up_proj, i0, f->I_loc, 0, 0, &L->wu));
         PD_CHECK(load(f, &w->down_proj, 0, 0, i0, f->I_loc, &L->wd));
-        pd_weight *m[] = {L->ln1, L->wq, L->wk, L->wv, L->bq, L->bk, L->bv,
+        pd_weight *m[] = {L->ln1, L->wq, L->wk,  L->wv, L->bq, L->bk, L->bv,
                           L->wo,  L->bo, L->ln2, L->wg, L->wu, L->wd};
         for (size_t i = 0; i < sizeof m / sizeof m[0]; i++)
             if (m[i]) f->step_bytes += f->o->weight_nbytes(f->b, m[i]);
     }
     PD_CHECK(load_all(f, &mw->embed_tokens, &f->embed));
     PD_CHECK(load_all(f, &mw->norm, &f->norm));
-    if (mw->lm_head_tied) f->lm_head = f->embed;
-    else PD_CHECK(load_all(f, &mw->lm_head, &f->lm_head));
+    if (mw->lm_head_tied)
+        f->lm_head = f->embed;
+    else
+        PD_CHECK(load_all(f, &mw->lm_head, &f->lm_head));
     f->step_bytes += f->o->weight_nbytes(f->b, f->norm) + f->o->weight_nbytes(f->b, f->lm_head);
     return PD_OK;
 }
@@ -142,7 +145,7 @@ void pd_forward_destroy(pd_forward *f)
     if (f->layers) {
         for (size_t l = 0; l < f->n_layers; l++) {
             fwd_layer *L = &f->layers[l];
-            pd_weight *m[] = {L->ln1, L->wq, L->wk, L->wv, L->bq, L->bk, L->bv,
+            pd_weight *m[] = {L->ln1, L->wq, L->wk,  L->wv, L->bq, L->bk, L->bv,
                               L->wo,  L->bo, L->ln2, L->wg, L->wu, L->wd};
             for (size_t i = 0; i < sizeof m / sizeof m[0]; i++)
                 if (m[i]) o->weight_free(f->b, m[i]);
@@ -212,8 +215,8 @@ int pd_forward_create(pd_backend *b, const pd_model *m, const pd_forward_params 
     f->rope_sin = malloc(T * half * sizeof(float));
     f->inv_freq = malloc(half * sizeof(double));
     f->inv_dyn = malloc(half * sizeof(double));
-    if (!f->layers || !f->positions || !f->slots || !f->rope_cos || !f->rope_sin ||
-        !f->inv_freq || !f->inv_dyn) {
+    if (!f->layers || !f->positions || !f->slots || !f->rope_cos || !f->rope_sin || !f->inv_freq ||
+        !f->inv_dyn) {
         rc = pd_error(PD_ENOMEM, "forward: out of memory");
         goto fail;
     }
@@ -271,7 +274,8 @@ size_t pd_forward_bytes_per_step(const pd_forward *f)
     return f->step_bytes;
 }
 
-/* ---- one step ------------------------------------------------------------------------------------ */
+/* ---- one step
+ * ------------------------------------------------------------------------------------ */
 
 /* Positions, slots and RoPE rows for every row of the step; validates the step first. */
 static int prepare_step(pd_forward *f, size_t block_size, const pd_step *st, size_t *n_tokens)
@@ -294,12 +298,11 @@ static int prepare_step(pd_forward *f, size_t block_size, const pd_step *st, siz
     const int dynamic = f->cfg.rope_scaling.type == PD_ROPE_DYNAMIC;
     for (size_t s = 0; s < st->n_seqs; s++) {
         int32_t r0 = st->q_indptr[s], r1 = st->q_indptr[s + 1];
-        if (r1 < r0)
-            return pd_error(PD_EINVAL, "forward: q_indptr decreases at sequence %zu", s);
+        if (r1 < r0) return pd_error(PD_EINVAL, "forward: q_indptr decreases at sequence %zu", s);
         int32_t ns = r1 - r0, len = st->kv_len[s];
         if (len < ns || (ns > 0 && len < 1))
-            return pd_error(PD_EINVAL, "forward: sequence %zu: kv_len %d < its %d new rows", s,
-                            len, ns);
+            return pd_error(PD_EINVAL, "forward: sequence %zu: kv_len %d < its %d new rows", s, len,
+                            ns);
         int32_t b0 = st->block_indptr[s], b1 = st->block_indptr[s + 1];
         if (b1 < b0)
             return pd_error(PD_EINVAL, "forward: block_indptr decreases at sequence %zu", s);
@@ -318,9 +321,9 @@ static int prepare_step(pd_forward *f, size_t block_size, const pd_step *st, siz
             size_t r = (size_t)(r0 + i);
             int32_t pos = len - ns + i;
             f->positions[r] = pos;
-            f->slots[r] = (int64_t)st->block_ids[b0 + pos / (int32_t)block_size] *
-                              (int64_t)block_size +
-                          pos % (int32_t)block_size;
+            f->slots[r] =
+                (int64_t)st->block_ids[b0 + pos / (int32_t)block_size] * (int64_t)block_size +
+                pos % (int32_t)block_size;
             /* As transformers: angle = float32(pos) * float32(inv_freq) in float32, then cos/sin
              * times the attention scaling. */
             float *cr = f->rope_cos + r * half, *sr = f->rope_sin + r * half;

@@ -41,9 +41,9 @@ typedef struct {
     pd_shard shard;            /* {0, 1} */
     pd_allreduce_fn allreduce; /* required when shard.size > 1 */
     void *allreduce_ctx;
-    size_t max_tokens;         /* rows per step (default 2048) */
-    size_t max_seqs;           /* sequences per step (default 256) */
-    size_t max_out;            /* logit rows per step (default 256) */
+    size_t max_tokens; /* rows per step (default 2048) */
+    size_t max_seqs;   /* sequences per step (default 256) */
+    size_t max_out;    /* logit rows per step (default 256) */
 } pd_forward_params;
 
 pd_forward_params pd_forward_default_params(void);

@@ -18,8 +18,8 @@
 #include "util/signals.h"
 #include "util/status.h"
 
-#define REQ_BUCKETS 4096
-#define REAPER_PERIOD_MS 100
+#define REQ_BUCKETS            4096
+#define REAPER_PERIOD_MS       100
 #define DEFAULT_RESERVE_TTL_MS 30000
 
 /* One request this node holds state for. Lives in the table under n->mu. */
@@ -412,8 +412,10 @@ static void h_prefill(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len
         if (rc == PD_OK && (!r->targets || !r->dst_blocks))
             rc = pd_error(PD_ENOMEM, "out of memory");
         if (rc == PD_OK) {
-            pd_engine_request er = {.request_id = r->id, .prompt_ids = q->prompt_ids,
-                                    .n_prompt = q->n_prompt_ids, .sampling = &sp,
+            pd_engine_request er = {.request_id = r->id,
+                                    .prompt_ids = q->prompt_ids,
+                                    .n_prompt = q->n_prompt_ids,
+                                    .sampling = &sp,
                                     .phase = PD_PHASE_PREFILL_ONLY};
             rc = pd_engine_add(n->e, &er);
         }
@@ -444,12 +446,18 @@ static int transfer_kv(pd_node *n, job *j, int64_t *bytes, double *seconds)
             pd_kv_head_overlap(p_heads * (size_t)rank, p_heads, (size_t)dt->kv_head0,
                                (size_t)dt->kv_heads, &h0, &nh);
             if (nh == 0) continue;
-            pd_kv_send_req sr = {.request_id = r->id, .host = dt->host, .port = dt->port,
+            pd_kv_send_req sr = {.request_id = r->id,
+                                 .host = dt->host,
+                                 .port = dt->port,
                                  .backend = pd_engine_backend(n->e, rank),
-                                 .kv = pd_engine_kv(n->e, rank), .kv_params = n->kvp,
+                                 .kv = pd_engine_kv(n->e, rank),
+                                 .kv_params = n->kvp,
                                  .src_head0 = p_heads * (size_t)rank,
-                                 .block_ids = j->src_blocks, .n_blocks = j->n_src_blocks,
-                                 .head0 = h0, .n_heads = nh, .timeout_ms = r->lease_ms};
+                                 .block_ids = j->src_blocks,
+                                 .n_blocks = j->n_src_blocks,
+                                 .head0 = h0,
+                                 .n_heads = nh,
+                                 .timeout_ms = r->lease_ms};
             pd_kv_send_stats st;
             int rc = pd_kv_tcp_send(n->tx, &sr, &st);
             *bytes += (int64_t)st.bytes;
@@ -489,8 +497,9 @@ static void *transfer_worker(void *arg)
         pthread_mutex_unlock(&n->mu);
         if (rc < 0) {
             PD_WARN(r->id, "%s; KV released", msg);
-            pd_rpc_fail(r->call, rpc_status(rc) == PD_RPC_INTERNAL ? PD_RPC_UNAVAILABLE
-                                                                   : rpc_status(rc), msg);
+            pd_rpc_fail(r->call,
+                        rpc_status(rc) == PD_RPC_INTERNAL ? PD_RPC_UNAVAILABLE : rpc_status(rc),
+                        msg);
         } else {
             Pd__PrefillReply m = PD__PREFILL_REPLY__INIT;
             m.first = j->first;
@@ -595,7 +604,8 @@ static void h_reserve(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len
                                            cap, &r->n_blocks)
                        : pd_error(PD_ENOMEM, "out of memory");
         int k = 0;
-        for (; rc == PD_OK && k < n->tp; k++) rc = pd_kv_rx_expect(n->rx[k], r->id, r->blocks, r->n_blocks);
+        for (; rc == PD_OK && k < n->tp; k++)
+            rc = pd_kv_rx_expect(n->rx[k], r->id, r->blocks, r->n_blocks);
         if (rc < 0) {
             char keep[512];
             snprintf(keep, sizeof keep, "%s", pd_last_error());
@@ -646,14 +656,16 @@ static void h_decode(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len)
         snprintf(msg, sizeof msg, "Decode %s: already decoding", q->request_id);
     } else if (r->kv_ranks_done < n->tp) {
         st = PD_RPC_FAILED_PRECONDITION;
-        snprintf(msg, sizeof msg, "Decode %s: KV not received yet (%d of %d ranks)",
-                 q->request_id, r->kv_ranks_done, n->tp);
+        snprintf(msg, sizeof msg, "Decode %s: KV not received yet (%d of %d ranks)", q->request_id,
+                 r->kv_ranks_done, n->tp);
     } else {
         pd_sampling_params sp;
         int rc = pd_msg_sampling_from_proto(q->sampling, r->arena, &sp);
         if (rc == PD_OK) {
-            pd_engine_request er = {.request_id = r->id, .prompt_ids = q->prompt_ids,
-                                    .n_prompt = q->n_prompt_ids, .sampling = &sp,
+            pd_engine_request er = {.request_id = r->id,
+                                    .prompt_ids = q->prompt_ids,
+                                    .n_prompt = q->n_prompt_ids,
+                                    .sampling = &sp,
                                     .phase = PD_PHASE_FULL};
             rc = pd_engine_add_imported(n->e, &er, q->first_token);
         }
@@ -819,20 +831,25 @@ static int node_load_ranktables(pd_node *n)
     n->inst = rt_global_instance(n->g, role, index);
     n->tp = (int)n->inst->n_devices;
     if (p->tensor_parallel_size > 0 && p->tensor_parallel_size != n->tp)
-        return pd_error(PD_EINVAL, "--tensor-parallel-size %d does not match the %d device(s) of "
-                        "%s instance %zu in %s", p->tensor_parallel_size, n->tp,
-                        rt_role_name(role), index, p->global_ranktable);
+        return pd_error(PD_EINVAL,
+                        "--tensor-parallel-size %d does not match the %d device(s) of "
+                        "%s instance %zu in %s",
+                        p->tensor_parallel_size, n->tp, rt_role_name(role), index,
+                        p->global_ranktable);
     return PD_OK;
 }
 
 int pd_node_create(const pd_node_params *p, pd_node **out)
 {
     if (!p->model_dir) return pd_error(PD_EINVAL, "--model is required");
-    if (p->port <= 0 || p->port > 65535) return pd_error(PD_EINVAL, "--port is required (1..65535)");
+    if (p->port <= 0 || p->port > 65535)
+        return pd_error(PD_EINVAL, "--port is required (1..65535)");
     if (p->kv_transport && strcmp(p->kv_transport, "auto") != 0 &&
         strcmp(p->kv_transport, "tcp") != 0)
-        return pd_error(PD_EUNSUPPORTED, "--kv-transport %s: this build's nodes run the CPU "
-                        "backend, whose KV moves over tcp (use auto or tcp)", p->kv_transport);
+        return pd_error(PD_EUNSUPPORTED,
+                        "--kv-transport %s: this build's nodes run the CPU "
+                        "backend, whose KV moves over tcp (use auto or tcp)",
+                        p->kv_transport);
     pd_node *n = calloc(1, sizeof *n);
     if (!n) return pd_error(PD_ENOMEM, "out of memory");
     n->p = *p;
@@ -872,9 +889,11 @@ int pd_node_create(const pd_node_params *p, pd_node **out)
     if (n->role == RT_ROLE_DECODE) {
         n->rx = calloc((size_t)n->tp, sizeof *n->rx);
         for (int r = 0; n->rx && r < n->tp; r++) {
-            pd_kv_rx_params rp = {.host = n->inst->devices[r].device_ip, .port = 0,
+            pd_kv_rx_params rp = {.host = n->inst->devices[r].device_ip,
+                                  .port = 0,
                                   .backend = pd_engine_backend(n->e, r),
-                                  .kv = pd_engine_kv(n->e, r), .kv_params = n->kvp,
+                                  .kv = pd_engine_kv(n->e, r),
+                                  .kv_params = n->kvp,
                                   .head0 = n->kvp.n_kv_heads * (size_t)r};
             rc = pd_kv_tcp_receiver_start(&rp, on_kv_imported, n, &n->rx[r]);
             if (rc < 0) goto fail;
@@ -916,9 +935,11 @@ int pd_node_create(const pd_node_params *p, pd_node **out)
     sp.addr = addr;
     rc = pd_rpc_server_start(&sp, n->methods, nm, &n->srv);
     if (rc < 0) goto fail;
-    PD_INFO(NULL, "%s instance %zu (server %s, %d device(s), TP %d) serving %s on %s; KV pool "
-            "%zu blocks x %zu tokens", rt_role_name(n->role), n->index, n->inst->server_id,
-            n->tp, n->tp, n->p.served_model_name, addr, n->kvp.n_blocks, n->kvp.block_size);
+    PD_INFO(NULL,
+            "%s instance %zu (server %s, %d device(s), TP %d) serving %s on %s; KV pool "
+            "%zu blocks x %zu tokens",
+            rt_role_name(n->role), n->index, n->inst->server_id, n->tp, n->tp,
+            n->p.served_model_name, addr, n->kvp.n_blocks, n->kvp.block_size);
     *out = n;
     return PD_OK;
 fail:;
@@ -965,7 +986,8 @@ int pd_node_run(pd_node *n)
             size_t k = 0;
             pthread_mutex_lock(&n->mu);
             for (size_t b = 0; b < REQ_BUCKETS && k < 64; b++)
-                for (req *r = n->table[b]; r && k < 64; r = r->next) snprintf(ids[k++], sizeof ids[0], "%s", r->id);
+                for (req *r = n->table[b]; r && k < 64; r = r->next)
+                    snprintf(ids[k++], sizeof ids[0], "%s", r->id);
             pthread_mutex_unlock(&n->mu);
             for (size_t i = 0; i < k; i++) pd_engine_abort(n->e, ids[i]);
             if (k < 64) break;

@@ -27,26 +27,26 @@
 typedef struct pd_node pd_node;
 
 typedef struct {
-    rt_role role;                 /* RT_ROLE_PREFILL or RT_ROLE_DECODE: what this binary serves */
-    const char *global_ranktable; /* GLOBAL_RANK_TABLE_FILE_PATH */
-    const char *local_ranktable;  /* RANK_TABLE_FILE_PATH */
-    const char *model_dir;        /* --model */
-    const char *served_model_name;/* --served-model-name (default: --model) */
-    int tensor_parallel_size;     /* --tensor-parallel-size; 0 = the instance's device count */
-    size_t max_model_len;         /* --max-model-len; 0 = the model's */
-    size_t max_num_seqs;          /* --max-num-seqs (256) */
-    size_t max_num_batched_tokens;/* --max-num-batched-tokens; 0 = engine default */
-    size_t block_size;            /* --block-size (16) */
-    size_t kv_cache_bytes;        /* --kv-cache-bytes; 0 = a fraction of free memory */
-    int64_t seed;                 /* --seed (-1: random per request) */
-    int cpu_threads;              /* --cpu-threads; <= 0 = all cores */
-    const char *host;             /* --host; NULL = the instance's server_ip */
-    int port;                     /* --port (required) */
-    int shutdown_timeout_s;       /* --shutdown-timeout (30) */
-    int kv_lease_s;               /* --kv-lease-seconds (30) */
-    const char *kv_transport;     /* --kv-transport auto|tcp|nccl|cuda_ipc (auto) */
-    int transfer_workers;         /* prefill: concurrent KV sends (4) */
-    unsigned ranktable_flags;     /* RT_ALLOW_SHARED_DEVICES for single-GPU setups */
+    rt_role role;                  /* RT_ROLE_PREFILL or RT_ROLE_DECODE: what this binary serves */
+    const char *global_ranktable;  /* GLOBAL_RANK_TABLE_FILE_PATH */
+    const char *local_ranktable;   /* RANK_TABLE_FILE_PATH */
+    const char *model_dir;         /* --model */
+    const char *served_model_name; /* --served-model-name (default: --model) */
+    int tensor_parallel_size;      /* --tensor-parallel-size; 0 = the instance's device count */
+    size_t max_model_len;          /* --max-model-len; 0 = the model's */
+    size_t max_num_seqs;           /* --max-num-seqs (256) */
+    size_t max_num_batched_tokens; /* --max-num-batched-tokens; 0 = engine default */
+    size_t block_size;             /* --block-size (16) */
+    size_t kv_cache_bytes;         /* --kv-cache-bytes; 0 = a fraction of free memory */
+    int64_t seed;                  /* --seed (-1: random per request) */
+    int cpu_threads;               /* --cpu-threads; <= 0 = all cores */
+    const char *host;              /* --host; NULL = the instance's server_ip */
+    int port;                      /* --port (required) */
+    int shutdown_timeout_s;        /* --shutdown-timeout (30) */
+    int kv_lease_s;                /* --kv-lease-seconds (30) */
+    const char *kv_transport;      /* --kv-transport auto|tcp|nccl|cuda_ipc (auto) */
+    int transfer_workers;          /* prefill: concurrent KV sends (4) */
+    unsigned ranktable_flags;      /* RT_ALLOW_SHARED_DEVICES for single-GPU setups */
 } pd_node_params;
 
 pd_node_params pd_node_default_params(void);

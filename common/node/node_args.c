@@ -12,42 +12,48 @@
 
 void pd_node_usage(const char *prog, rt_role role)
 {
-    fprintf(stderr,
-            "usage: %s --model DIR --port PORT [options]\n"
-            "Serves the %s role of a pdserve cluster. The instance is found by matching the\n"
-            "local ranktable (RANK_TABLE_FILE_PATH) inside the global one\n"
-            "(GLOBAL_RANK_TABLE_FILE_PATH).\n\n"
-            "  --model DIR                    Hugging Face model directory (required)\n"
-            "  --served-model-name NAME       name reported to the scheduler (default: --model)\n"
-            "  --port PORT                    gRPC port (required; NODE_PORTS lists it)\n"
-            "  --host ADDR                    gRPC bind address (default: the instance's server_ip)\n"
-            "  --tensor-parallel-size N       must equal the instance's device count (default: it)\n"
-            "  --max-model-len N              context length (default: the model's)\n"
-            "  --max-num-seqs N               sequences per step (256)\n"
-            "  --max-num-batched-tokens N     tokens per step; >= max-model-len\n"
-            "  --block-size N                 tokens per KV block (16)\n"
-            "  --kv-cache-bytes N             KV budget per rank (default: 40%% of free memory)\n"
-            "  --seed N                       base seed of requests without one (default: random)\n"
-            "  --cpu-threads N                CPU threads (default: all cores)\n"
-            "  --dtype auto|float32           activation dtype; the CPU backend computes in float32\n"
-            "  --quantization none            weight quantization (none is supported)\n"
-            "  --gpu-memory-utilization F     GPU KV sizing; not used by the CPU backend\n"
-            "  --kv-transport auto|tcp        KV data plane (auto = tcp on the CPU backend)\n"
-            "  --kv-lease-seconds S           prefill: KV held at most S s for the decode side (30)\n"
-            "  --shutdown-timeout S           drain time after SIGTERM before aborting (30)\n"
-            "  --log-level L                  debug, info, warn, error (or PD_LOG_LEVEL)\n"
-            "pd-scheduler's flags (--api-key, --chat-template, ...) are accepted and not used, so\n"
-            "one command line serves every role.\n",
-            prog, rt_role_name(role));
+    fprintf(
+        stderr,
+        "usage: %s --model DIR --port PORT [options]\n"
+        "Serves the %s role of a pdserve cluster. The instance is found by matching the\n"
+        "local ranktable (RANK_TABLE_FILE_PATH) inside the global one\n"
+        "(GLOBAL_RANK_TABLE_FILE_PATH).\n\n"
+        "  --model DIR                    Hugging Face model directory (required)\n"
+        "  --served-model-name NAME       name reported to the scheduler (default: --model)\n"
+        "  --port PORT                    gRPC port (required; NODE_PORTS lists it)\n"
+        "  --host ADDR                    gRPC bind address (default: the instance's server_ip)\n"
+        "  --tensor-parallel-size N       must equal the instance's device count (default: it)\n"
+        "  --max-model-len N              context length (default: the model's)\n"
+        "  --max-num-seqs N               sequences per step (256)\n"
+        "  --max-num-batched-tokens N     tokens per step; >= max-model-len\n"
+        "  --block-size N                 tokens per KV block (16)\n"
+        "  --kv-cache-bytes N             KV budget per rank (default: 40%% of free memory)\n"
+        "  --seed N                       base seed of requests without one (default: random)\n"
+        "  --cpu-threads N                CPU threads (default: all cores)\n"
+        "  --dtype auto|float32           activation dtype; the CPU backend computes in float32\n"
+        "  --quantization none            weight quantization (none is supported)\n"
+        "  --gpu-memory-utilization F     GPU KV sizing; not used by the CPU backend\n"
+        "  --kv-transport auto|tcp        KV data plane (auto = tcp on the CPU backend)\n"
+        "  --kv-lease-seconds S           prefill: KV held at most S s for the decode side (30)\n"
+        "  --shutdown-timeout S           drain time after SIGTERM before aborting (30)\n"
+        "  --log-level L                  debug, info, warn, error (or PD_LOG_LEVEL)\n"
+        "pd-scheduler's flags (--api-key, --chat-template, ...) are accepted and not used, so\n"
+        "one command line serves every role.\n",
+        prog, rt_role_name(role));
 }
 
 /* Flags of pd-scheduler that take a value. */
 static bool is_scheduler_flag(const char *flag)
 {
     static const char *const names[] = {
-        "--api-key",      "--max-concurrent-requests", "--max-request-body-bytes",
-        "--chat-template", "--default-chat-template-kwargs", "--generation-config",
-        "--response-role", "--max-logprobs",
+        "--api-key",
+        "--max-concurrent-requests",
+        "--max-request-body-bytes",
+        "--chat-template",
+        "--default-chat-template-kwargs",
+        "--generation-config",
+        "--response-role",
+        "--max-logprobs",
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (strcmp(flag, names[i]) == 0) return true;
@@ -135,13 +141,17 @@ int pd_node_parse_args(int argc, char **argv, rt_role role, pd_node_params *p)
             p->kv_lease_s = (int)x;
         } else if (strcmp(name, "--kv-transport") == 0) {
             if (strcmp(v, "auto") && strcmp(v, "tcp") && strcmp(v, "nccl") && strcmp(v, "cuda_ipc"))
-                return pd_error(PD_EINVAL, "--kv-transport: expected auto, tcp, nccl or cuda_ipc, "
-                                "got '%s'", v);
+                return pd_error(PD_EINVAL,
+                                "--kv-transport: expected auto, tcp, nccl or cuda_ipc, "
+                                "got '%s'",
+                                v);
             p->kv_transport = v;
         } else if (strcmp(name, "--dtype") == 0) {
             if (strcmp(v, "auto") && strcmp(v, "float32"))
-                return pd_error(PD_EINVAL, "--dtype %s: the CPU backend computes in float32 "
-                                "(use auto or float32)", v);
+                return pd_error(PD_EINVAL,
+                                "--dtype %s: the CPU backend computes in float32 "
+                                "(use auto or float32)",
+                                v);
         } else if (strcmp(name, "--quantization") == 0) {
             if (strcmp(v, "none") != 0)
                 return pd_error(PD_EINVAL, "--quantization %s: not supported (none)", v);
@@ -149,10 +159,14 @@ int pd_node_parse_args(int argc, char **argv, rt_role role, pd_node_params *p)
             char *end = NULL;
             double f = strtod(v, &end);
             if (!end || *end || !(f > 0 && f <= 1))
-                return pd_error(PD_EINVAL, "--gpu-memory-utilization: expected a number in "
-                                "(0, 1], got '%s'", v);
-            PD_INFO(NULL, "--gpu-memory-utilization %s: not used by the CPU backend "
-                    "(--kv-cache-bytes sizes its KV pool)", v);
+                return pd_error(PD_EINVAL,
+                                "--gpu-memory-utilization: expected a number in "
+                                "(0, 1], got '%s'",
+                                v);
+            PD_INFO(NULL,
+                    "--gpu-memory-utilization %s: not used by the CPU backend "
+                    "(--kv-cache-bytes sizes its KV pool)",
+                    v);
         } else if (strcmp(name, "--log-level") == 0) {
             pd_log_level lv;
             PD_CHECK(pd_log_parse_level(v, &lv));

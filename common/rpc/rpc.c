@@ -170,7 +170,7 @@ struct pd_rpc_call {
     int ops;            /* batches outstanding */
     bool handler_ref;   /* the handler has not ended the call yet */
     bool ended, send_in_flight, finish_started, cancelled;
-    bool freeing;       /* call_should_free said yes: one thread is freeing it */
+    bool freeing; /* call_should_free said yes: one thread is freeing it */
     msg_node *q_head, *q_tail;
     int end_status;
     char end_details[256];

@@ -225,7 +225,8 @@ int cl_start(cl_cluster *c, const char *model_dir, const char *prefill_list,
     argv[a] = NULL;
     char out[400];
     snprintf(out, sizeof out, "%s/ranktable.log", c->dir);
-    if (cl_run(argv, out, 30) != 0) return pd_error(PD_EINTERNAL, "pd-ranktable gen failed (%s)", out);
+    if (cl_run(argv, out, 30) != 0)
+        return pd_error(PD_EINTERNAL, "pd-ranktable gen failed (%s)", out);
     snprintf(c->global, sizeof c->global, "%s/global_ranktable_127.0.0.1.json", c->dir);
     rt_global *g = NULL;
     PD_CHECK(rt_global_load_file(c->global, 0, NULL, &g));
@@ -246,11 +247,23 @@ int cl_start(cl_cluster *c, const char *model_dir, const char *prefill_list,
                  inst->index);
         char *nargv[64];
         int m = 0;
-        nargv[m++] = (char *)strdup(cl_bin(prefill ? "prefill_node/pd-prefill"
-                                                   : "decode_node/pd-decode"));
-        char *fixed[] = {"--model", (char *)c->model, "--port", port, "--max-model-len", "512",
-                         "--kv-cache-bytes", "33554432", "--cpu-threads", "1",
-                         "--max-num-seqs", "64", "--shutdown-timeout", "5", NULL};
+        nargv[m++] =
+            (char *)strdup(cl_bin(prefill ? "prefill_node/pd-prefill" : "decode_node/pd-decode"));
+        char *fixed[] = {"--model",
+                         (char *)c->model,
+                         "--port",
+                         port,
+                         "--max-model-len",
+                         "512",
+                         "--kv-cache-bytes",
+                         "33554432",
+                         "--cpu-threads",
+                         "1",
+                         "--max-num-seqs",
+                         "64",
+                         "--shutdown-timeout",
+                         "5",
+                         NULL};
         for (int i = 0; fixed[i]; i++) nargv[m++] = fixed[i];
         for (int i = 0; extra_args && extra_args[i] && m < 60; i++) nargv[m++] = extra_args[i];
         nargv[m] = NULL;
@@ -272,8 +285,8 @@ int cl_start(cl_cluster *c, const char *model_dir, const char *prefill_list,
         for (;;) {
             Pd__InfoRequest q = PD__INFO_REQUEST__INIT;
             int st;
-            ProtobufCMessage *r = cl_call(c->ch[k], "/pd.PD/Info", &q.base,
-                                          &pd__info_reply__descriptor, 1000, &st);
+            ProtobufCMessage *r =
+                cl_call(c->ch[k], "/pd.PD/Info", &q.base, &pd__info_reply__descriptor, 1000, &st);
             if (r) {
                 protobuf_c_message_free_unpacked(r, NULL);
                 break;
@@ -314,7 +327,8 @@ int cl_stop_all(cl_cluster *c)
     return bad;
 }
 
-/* ---- one split request ------------------------------------------------------------------------ */
+/* ---- one split request ------------------------------------------------------------------------
+ */
 
 typedef struct {
     pthread_mutex_t mu;
@@ -325,7 +339,8 @@ typedef struct {
 
 static void append_event(cl_result *out, const Pd__TokenEvent *ev)
 {
-    for (size_t i = 0; i < ev->n_token_ids && out->n < 4096; i++) out->tokens[out->n++] = ev->token_ids[i];
+    for (size_t i = 0; i < ev->n_token_ids && out->n < 4096; i++)
+        out->tokens[out->n++] = ev->token_ids[i];
     size_t tl = strlen(out->text);
     if (ev->text.len && tl + ev->text.len < sizeof out->text) {
         memcpy(out->text + tl, ev->text.data, ev->text.len);
@@ -437,8 +452,8 @@ int cl_generate(cl_cluster *c, int pk, int dk, const char *id, const int32_t *pr
     stream_ctx s = {.out = out};
     pthread_mutex_init(&s.mu, NULL);
     pthread_cond_init(&s.cv, NULL);
-    pd_rpc_stream_async(c->ch[dk], "/pd.PD/Decode", buf, len, 60000, on_stream_msg,
-                        on_stream_done, &s, NULL);
+    pd_rpc_stream_async(c->ch[dk], "/pd.PD/Decode", buf, len, 60000, on_stream_msg, on_stream_done,
+                        &s, NULL);
     free(buf);
     pthread_mutex_lock(&s.mu);
     while (!s.done) pthread_cond_wait(&s.cv, &s.mu);
@@ -453,9 +468,8 @@ fail:
     return pd_error(PD_EINTERNAL, "%s", out->error);
 }
 
-int cl_reference(const char *model, const int32_t *const *prompts, const size_t *n_prompt,
-                 size_t n, int max_tokens, double temperature, int64_t seed, const char *dir,
-                 cl_result *out)
+int cl_reference(const char *model, const int32_t *const *prompts, const size_t *n_prompt, size_t n,
+                 int max_tokens, double temperature, int64_t seed, const char *dir, cl_result *out)
 {
     char ids[600], json[600], mt[16], tt[32], sd[32];
     snprintf(ids, sizeof ids, "%s/prompts.ids", dir);
@@ -471,9 +485,21 @@ int cl_reference(const char *model, const int32_t *const *prompts, const size_t 
     snprintf(mt, sizeof mt, "%d", max_tokens);
     snprintf(tt, sizeof tt, "%.17g", temperature);
     snprintf(sd, sizeof sd, "%lld", (long long)seed);
-    char *argv[] = {(char *)cl_bin("tools/generate/pd-generate"), "--model", (char *)model,
-                    "--prompts-file", ids, "--json", "--max-tokens", mt, "--temperature", tt,
-                    "--seed", sd, "--cpu-threads", "1", NULL};
+    char *argv[] = {(char *)cl_bin("tools/generate/pd-generate"),
+                    "--model",
+                    (char *)model,
+                    "--prompts-file",
+                    ids,
+                    "--json",
+                    "--max-tokens",
+                    mt,
+                    "--temperature",
+                    tt,
+                    "--seed",
+                    sd,
+                    "--cpu-threads",
+                    "1",
+                    NULL};
     int st = cl_run(argv, json, 300);
     if (st != 0) return pd_error(PD_EINTERNAL, "pd-generate exited with %d (see %s)", st, json);
     f = fopen(json, "r");
@@ -496,6 +522,7 @@ int cl_reference(const char *model, const int32_t *const *prompts, const size_t 
         k++;
     }
     if (f) fclose(f);
-    if (k != n) return pd_error(PD_EINTERNAL, "pd-generate printed %zu results for %zu prompts", k, n);
+    if (k != n)
+        return pd_error(PD_EINTERNAL, "pd-generate printed %zu results for %zu prompts", k, n);
     return PD_OK;
 }

@@ -39,11 +39,11 @@ int cl_free_port(void);
 /* ---- a cluster ---------------------------------------------------------------------------- */
 
 typedef struct {
-    char dir[256];            /* temporary directory of the cluster */
-    char model[300];          /* model directory */
-    char global[400];         /* global ranktable */
+    char dir[256];    /* temporary directory of the cluster */
+    char model[300];  /* model directory */
+    char global[400]; /* global ranktable */
     int n_prefill, n_decode;
-    cl_proc procs[16];        /* prefill instances then decode instances */
+    cl_proc procs[16]; /* prefill instances then decode instances */
     int ports[16];
     pd_rpc_client *client;
     pd_rpc_channel *ch[16];
@@ -74,7 +74,7 @@ typedef struct {
     size_t n;
     char finish[16];
     char text[8192];
-    int status;      /* gRPC status of the failing step, 0 on success */
+    int status; /* gRPC status of the failing step, 0 on success */
     char error[512];
 } cl_result;
 
@@ -83,8 +83,7 @@ int cl_generate(cl_cluster *c, int pk, int dk, const char *request_id, const int
 
 /* Colocated reference: pd-generate --json on the same model for prompts (one per line of
  * comma-separated ids), same sampling. Returns the token ids per prompt in out[i]. */
-int cl_reference(const char *model, const int32_t *const *prompts, const size_t *n_prompt,
-                 size_t n, int max_tokens, double temperature, int64_t seed, const char *dir,
-                 cl_result *out);
+int cl_reference(const char *model, const int32_t *const *prompts, const size_t *n_prompt, size_t n,
+                 int max_tokens, double temperature, int64_t seed, const char *dir, cl_result *out);
 
 #endif

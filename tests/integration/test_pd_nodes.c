@@ -10,7 +10,7 @@
 #include "cluster.h"
 #include "util/clock.h"
 
-#define N_PROMPTS 32
+#define N_PROMPTS  32
 #define MAX_TOKENS 16
 
 static char g_model[512];
@@ -19,8 +19,8 @@ static const char *model_dir(void)
 {
     if (!g_model[0]) {
         snprintf(g_model, sizeof g_model, "%s/tiny", pdt_tmp_dir());
-        char *argv[] = {(char *)cl_bin("tools/mkmodel/pd-mkmodel"), "--preset", "tiny", "--out",
-                        g_model, NULL};
+        char *argv[] = {
+            (char *)cl_bin("tools/mkmodel/pd-mkmodel"), "--preset", "tiny", "--out", g_model, NULL};
         char log[600];
         snprintf(log, sizeof log, "%s/mkmodel.log", pdt_tmp_dir());
         if (cl_run(argv, log, 120) != 0) g_model[0] = '\0';
@@ -67,7 +67,8 @@ static int compare_split_colocated(cl_cluster *c, int n, double temperature, int
     const int32_t *ptrs[N_PROMPTS];
     make_prompts(buf, len, ptrs);
     static cl_result ref[N_PROMPTS], got;
-    if (cl_reference(c->model, ptrs, len, (size_t)n, MAX_TOKENS, temperature, seed, c->dir, ref) < 0) {
+    if (cl_reference(c->model, ptrs, len, (size_t)n, MAX_TOKENS, temperature, seed, c->dir, ref) <
+        0) {
         printf("    reference: %s\n", pd_last_error());
         return n;
     }
@@ -85,7 +86,8 @@ static int compare_split_colocated(cl_cluster *c, int n, double temperature, int
         bool same = got.n == ref[i].n && memcmp(got.tokens, ref[i].tokens, got.n * 4) == 0 &&
                     strcmp(got.finish, ref[i].finish) == 0;
         if (!same) {
-            printf("    prompt %d differs: split %zu tokens (%s), colocated %zu (%s); first %d vs %d\n",
+            printf("    prompt %d differs: split %zu tokens (%s), colocated %zu (%s); first %d vs "
+                   "%d\n",
                    i, got.n, got.finish, ref[i].n, ref[i].finish, got.n ? got.tokens[0] : -1,
                    ref[i].n ? ref[i].tokens[0] : -1);
             bad++;
@@ -173,8 +175,8 @@ TEST(pd_reservation_without_prefill_expires)
     int32_t ids[1] = {40};
     dq.prompt_ids = ids;
     dq.n_prompt_ids = 1;
-    ProtobufCMessage *none = cl_call(cl_node(&c, 1), "/pd.PD/Decode", &dq.base,
-                                     &pd__token_event__descriptor, 3000, &st);
+    ProtobufCMessage *none =
+        cl_call(cl_node(&c, 1), "/pd.PD/Decode", &dq.base, &pd__token_event__descriptor, 3000, &st);
     ASSERT(none == NULL);
     ASSERT_EQ_INT(st, PD_RPC_NOT_FOUND);
     pd__stats_reply__free_unpacked(before, NULL);
@@ -260,8 +262,14 @@ TEST(pd_node_refuses_wrong_tp_and_unknown_instance)
     snprintf(log, sizeof log, "%s/bad.log", c.dir);
     char *env[] = {genv, lenv, NULL};
     /* TP 2 for a one-device instance */
-    char *argv[] = {(char *)cl_bin("prefill_node/pd-prefill"), "--model", (char *)model, "--port",
-                    "1", "--tensor-parallel-size", "2", NULL};
+    char *argv[] = {(char *)cl_bin("prefill_node/pd-prefill"),
+                    "--model",
+                    (char *)model,
+                    "--port",
+                    "1",
+                    "--tensor-parallel-size",
+                    "2",
+                    NULL};
     cl_proc p;
     ASSERT_EQ_INT(cl_spawn(&p, "bad-tp", argv, env, log), 0);
     ASSERT_EQ_INT(cl_wait(&p, 30000), 1); /* refuses to start: exit status 1 */
@@ -272,8 +280,8 @@ TEST(pd_node_refuses_wrong_tp_and_unknown_instance)
     if (f) fclose(f);
     ASSERT_CONTAINS(text, "--tensor-parallel-size 2 does not match the 1 device(s)");
     /* a decode binary pointed at the prefill instance's table */
-    char *argv2[] = {(char *)cl_bin("decode_node/pd-decode"), "--model", (char *)model, "--port",
-                     "1", NULL};
+    char *argv2[] = {
+        (char *)cl_bin("decode_node/pd-decode"), "--model", (char *)model, "--port", "1", NULL};
     unlink(log);
     ASSERT_EQ_INT(cl_spawn(&p, "bad-role", argv2, env, log), 0);
     ASSERT_EQ_INT(cl_wait(&p, 30000), 1);

@@ -6,6 +6,7 @@
  * a dialogue and a little code, so the learned merges cover words, digits, punctuation and
  * whitespace runs. Plain ASCII. Changing it changes every synthetic model's tokenizer.
  */
+/* clang-format off */
 #include "bpe_train.h"
 
 const char pd_mkmodel_corpus[] =
@@ -183,3 +184,4 @@ const char pd_mkmodel_corpus[] =
     " Far below, the lights of the town flickered in the valley, and somewhere an owl called"
     " twice and then was silent.\n"
     ;
+/* clang-format on */

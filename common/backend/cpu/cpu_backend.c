@@ -27,7 +27,7 @@ typedef struct {
     cpu_mm_fn mm;
     cpu_dot_fn dot;
     cpu_axpy_fn axpy;
-    pd_batch batch;   /* the planned step (host pointers borrowed from the caller) */
+    pd_batch batch; /* the planned step (host pointers borrowed from the caller) */
     int planned;
     int32_t *row_seq; /* (max_tokens) sequence index of each planned row */
 } cpu_be;
@@ -120,16 +120,18 @@ static int cpu_weight_load(pd_backend *b, const pd_tensor *t, const pd_weight_sl
     pd_weight_slice s = sl ? *sl : (pd_weight_slice){0, 0, 0, 0};
     if (s.nrows == 0 && s.row0 == 0) s.nrows = rows;
     if (s.ncols == 0 && s.col0 == 0) s.ncols = cols;
-    if (s.nrows == 0 || s.ncols == 0 || s.row0 > rows || s.nrows > rows - s.row0 ||
-        s.col0 > cols || s.ncols > cols - s.col0)
+    if (s.nrows == 0 || s.ncols == 0 || s.row0 > rows || s.nrows > rows - s.row0 || s.col0 > cols ||
+        s.ncols > cols - s.col0)
         return pd_error(PD_EINVAL,
                         "weight_load: tensor %s: slice rows [%zu, +%zu) cols [%zu, +%zu) outside "
                         "(%zu, %zu)",
                         name, s.row0, s.nrows, s.col0, s.ncols, rows, cols);
 
     pd_dtype dt = t->dtype;
-    if (t->ndim == 1) dt = PD_DTYPE_F32; /* norms, biases: always f32 */
-    else if (be->p.weight_dtype >= 0) dt = (pd_dtype)be->p.weight_dtype;
+    if (t->ndim == 1)
+        dt = PD_DTYPE_F32; /* norms, biases: always f32 */
+    else if (be->p.weight_dtype >= 0)
+        dt = (pd_dtype)be->p.weight_dtype;
     if (pd_dtype_size(dt) == 0)
         return pd_error(PD_EINVAL, "weight_load: bad weight_dtype %d", be->p.weight_dtype);
 
@@ -179,7 +181,8 @@ static size_t cpu_weight_nbytes(const pd_backend *b, const pd_weight *w)
     return w ? w->nbytes : 0;
 }
 
-/* ---- KV cache ---------------------------------------------------------------------------------- */
+/* ---- KV cache ----------------------------------------------------------------------------------
+ */
 
 static int cpu_kv_create(pd_backend *b, const pd_kv_params *p, pd_kv **out)
 {
@@ -270,8 +273,10 @@ static void kv_copy_range(pd_kv *kv, const pd_kv_range *r, char *host, int dir)
             for (size_t t = 0; t < bs; t++) {
                 float *pp = pool + (((size_t)r->block_ids[i] * bs + t) * H + r->head0) * D;
                 float *hp = h + (i * bs + t) * run;
-                if (dir == 0) memcpy(hp, pp, run * sizeof(float));
-                else memcpy(pp, hp, run * sizeof(float));
+                if (dir == 0)
+                    memcpy(hp, pp, run * sizeof(float));
+                else
+                    memcpy(pp, hp, run * sizeof(float));
             }
     }
 }
@@ -290,7 +295,8 @@ static int cpu_kv_import(pd_backend *b, pd_kv *kv, const pd_kv_range *r, const v
     return PD_OK;
 }
 
-/* ---- plan -------------------------------------------------------------------------------------- */
+/* ---- plan --------------------------------------------------------------------------------------
+ */
 
 static int cpu_plan(pd_backend *b, const pd_batch *bt)
 {
@@ -303,16 +309,15 @@ static int cpu_plan(pd_backend *b, const pd_batch *bt)
     if (bt->n_seqs == 0 || bt->n_seqs > p->max_seqs)
         return pd_error(PD_ERANGE, "plan: n_seqs %zu outside [1, %zu]", bt->n_seqs, p->max_seqs);
     if (bt->rope_dim == 0 || bt->rope_dim % 2 || bt->rope_dim > p->max_rope_dim)
-        return pd_error(PD_ERANGE, "plan: rope_dim %zu must be even and in [2, %zu]",
-                        bt->rope_dim, p->max_rope_dim);
+        return pd_error(PD_ERANGE, "plan: rope_dim %zu must be even and in [2, %zu]", bt->rope_dim,
+                        p->max_rope_dim);
     if (!bt->token_ids || !bt->positions || !bt->slots || !bt->rope_cos || !bt->rope_sin ||
         !bt->q_indptr || !bt->kv_len || !bt->block_indptr || (bt->n_out && !bt->out_rows))
         return pd_error(PD_EINVAL, "plan: a required array is NULL");
     if (bt->q_indptr[0] != 0 || (size_t)bt->q_indptr[bt->n_seqs] != bt->n_tokens)
         return pd_error(PD_EINVAL, "plan: q_indptr must start at 0 and end at n_tokens (%zu)",
                         bt->n_tokens);
-    if (bt->block_indptr[0] != 0)
-        return pd_error(PD_EINVAL, "plan: block_indptr[0] must be 0");
+    if (bt->block_indptr[0] != 0) return pd_error(PD_EINVAL, "plan: block_indptr[0] must be 0");
     for (size_t s = 0; s < bt->n_seqs; s++) {
         if (bt->q_indptr[s + 1] < bt->q_indptr[s])
             return pd_error(PD_EINVAL, "plan: q_indptr decreases at sequence %zu", s);
@@ -320,9 +325,8 @@ static int cpu_plan(pd_backend *b, const pd_batch *bt)
             return pd_error(PD_EINVAL, "plan: block_indptr decreases at sequence %zu", s);
         for (int32_t r = bt->q_indptr[s]; r < bt->q_indptr[s + 1]; r++) {
             if (bt->positions[r] < 0 || bt->positions[r] >= bt->kv_len[s])
-                return pd_error(PD_ERANGE,
-                                "plan: positions[%d] = %d outside [0, kv_len[%zu] = %d)", r,
-                                bt->positions[r], s, bt->kv_len[s]);
+                return pd_error(PD_ERANGE, "plan: positions[%d] = %d outside [0, kv_len[%zu] = %d)",
+                                r, bt->positions[r], s, bt->kv_len[s]);
             if (bt->slots[r] < 0)
                 return pd_error(PD_ERANGE, "plan: slots[%d] = %lld is negative", r,
                                 (long long)bt->slots[r]);
@@ -384,7 +388,8 @@ static void embed_task(void *vctx, int task, int n_tasks)
     task_range(c->n, task, n_tasks, &lo, &hi);
     size_t es = pd_dtype_size(c->w->dtype);
     for (size_t r = lo; r < hi; r++) {
-        const char *src = (const char *)c->w->data + (size_t)c->be->batch.token_ids[r] * c->w->ld * es;
+        const char *src =
+            (const char *)c->w->data + (size_t)c->be->batch.token_ids[r] * c->w->ld * es;
         pd_to_f32_n(c->w->dtype, src, c->y + r * c->dim, c->dim);
     }
 }
@@ -509,8 +514,8 @@ static int cpu_matmul(pd_backend *b, const void *x, size_t n, const pd_weight *w
         if (chunk > fair) chunk = (fair + 3) & ~(size_t)3;
     }
     if (chunk == 0) chunk = 4;
-    mm_ctx c = {.be = be, .x = x, .n = n, .w = w, .bias = bias ? bias->data : NULL, .y = y,
-                .chunk = chunk};
+    mm_ctx c = {
+        .be = be, .x = x, .n = n, .w = w, .bias = bias ? bias->data : NULL, .y = y, .chunk = chunk};
     size_t n_tasks = (out + chunk - 1) / chunk;
     if (be->n_threads == 1) n_tasks = 1, c.chunk = out;
     pd_pool_run(be->pool, mm_task, &c, (int)n_tasks);
@@ -583,8 +588,8 @@ static void attn_task(void *vctx, int task, int n_tasks)
     }
 }
 
-static int cpu_attention(pd_backend *b, const pd_kv *kv, int layer, const void *q,
-                         size_t n_q_heads, float scale, void *out)
+static int cpu_attention(pd_backend *b, const pd_kv *kv, int layer, const void *q, size_t n_q_heads,
+                         float scale, void *out)
 {
     cpu_be *be = BE(b);
     PD_CHECK(need_plan(be, "attention"));
@@ -598,8 +603,8 @@ static int cpu_attention(pd_backend *b, const pd_kv *kv, int layer, const void *
         size_t nb = (size_t)(bt->block_indptr[s + 1] - bt->block_indptr[s]);
         if ((size_t)bt->kv_len[s] > nb * kv->p.block_size)
             return pd_error(PD_ERANGE,
-                            "attention: sequence %zu: kv_len %d exceeds its %zu blocks of %zu",
-                            s, bt->kv_len[s], nb, kv->p.block_size);
+                            "attention: sequence %zu: kv_len %d exceeds its %zu blocks of %zu", s,
+                            bt->kv_len[s], nb, kv->p.block_size);
         for (int32_t i = bt->block_indptr[s]; i < bt->block_indptr[s + 1]; i++)
             if (bt->block_ids[i] < 0 || (size_t)bt->block_ids[i] >= kv->p.n_blocks)
                 return pd_error(PD_ERANGE, "attention: block_ids[%d] = %d outside [0, %zu)", i,
@@ -630,7 +635,8 @@ static int cpu_attention(pd_backend *b, const pd_kv *kv, int layer, const void *
     return PD_OK;
 }
 
-/* ---- table and create ------------------------------------------------------------------------- */
+/* ---- table and create -------------------------------------------------------------------------
+ */
 
 static const pd_backend_ops cpu_ops = {
     .name = "cpu",
@@ -670,7 +676,8 @@ int pd_backend_cpu_create(const pd_backend_params *params, pd_backend **out)
     if (p.weight_dtype >= PD_DTYPE_COUNT)
         return pd_error(PD_EINVAL, "cpu backend: weight_dtype %d is not a dtype", p.weight_dtype);
     pd_cpu_isa isa = p.cpu_isa;
-    if (isa == PD_CPU_ISA_AUTO) isa = cpu_have_avx512() ? PD_CPU_ISA_AVX512 : PD_CPU_ISA_SCALAR;
+    if (isa == PD_CPU_ISA_AUTO)
+        isa = cpu_have_avx512() ? PD_CPU_ISA_AVX512 : PD_CPU_ISA_SCALAR;
     else if (isa == PD_CPU_ISA_AVX512 && !cpu_have_avx512())
         return pd_error(PD_EUNSUPPORTED, "cpu backend: this CPU lacks avx512f/f16c");
     else if (isa != PD_CPU_ISA_SCALAR && isa != PD_CPU_ISA_AVX512)

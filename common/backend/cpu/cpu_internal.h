@@ -13,9 +13,9 @@
 struct pd_weight {
     pd_dtype dtype; /* F32, F16 or BF16 (vectors: always F32) */
     size_t rows, cols;
-    size_t ld;      /* elements between rows */
-    void *data;     /* (rows, ld) in dtype */
-    size_t nbytes;  /* rows * ld * elem */
+    size_t ld;     /* elements between rows */
+    void *data;    /* (rows, ld) in dtype */
+    size_t nbytes; /* rows * ld * elem */
 };
 
 /* Computes y[i, j] = dot(x[i, :], W[j, :]) (+ bias[j]) for rows i < n of x (row stride ldx) and
@@ -45,7 +45,7 @@ int cpu_have_avx512(void);
 /* ---- row kernels (cpu_ops.c) ---------------------------------------------------------------- */
 
 #define CPU_MAX_HEAD_DIM 512 /* attention keeps one head's accumulator on the stack */
-#define CPU_ATTN_CHUNK 128   /* keys scored per online-softmax rescale */
+#define CPU_ATTN_CHUNK   128 /* keys scored per online-softmax rescale */
 
 /* One layer of the f32 KV pool: K and V each (n_blocks, block_size, n_kv_heads, head_dim). */
 typedef struct {

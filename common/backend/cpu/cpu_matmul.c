@@ -85,7 +85,7 @@ void cpu_axpy_scalar(float *y, float s, const float *x, size_t n)
 /* ---- AVX-512 --------------------------------------------------------------------------------- */
 #if defined(__x86_64__)
 
-#define AVX512 __attribute__((target("avx512f,f16c,fma")))
+#define AVX512        __attribute__((target("avx512f,f16c,fma")))
 #define INLINE_AVX512 static inline __attribute__((always_inline, target("avx512f,f16c,fma")))
 
 /* 16 weights at element k of row p, widened to f32. dt is a compile-time constant at every
@@ -94,7 +94,8 @@ INLINE_AVX512 __m512 load_w16(const void *p, pd_dtype dt, size_t k)
 {
     if (dt == PD_DTYPE_F32) return _mm512_loadu_ps((const float *)p + k);
     __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + k));
-    if (dt == PD_DTYPE_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    if (dt == PD_DTYPE_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
     return _mm512_cvtph_ps(h);
 }
 
@@ -120,18 +121,19 @@ INLINE_AVX512 float hsum16(__m512 v)
 /* One (M x N) tile: x rows [0, M) (stride ldx), W rows at w (stride ldw elements). M, N and dt
  * are constants at each call site, so the accumulators live in registers. */
 INLINE_AVX512 void tile(const float *x, size_t ldx, const void *w, size_t ldw, pd_dtype dt,
-                        size_t K, const float *bias, float *y, size_t ldy, const int M,
-                        const int N)
+                        size_t K, const float *bias, float *y, size_t ldy, const int M, const int N)
 {
     __m512 acc[MT_MAX][NT_MAX];
     const size_t es = dt == PD_DTYPE_F32 ? 4 : 2;
-    UNROLL for (int i = 0; i < M; i++)
-        UNROLL for (int j = 0; j < N; j++) acc[i][j] = _mm512_setzero_ps();
+    UNROLL for (int i = 0; i < M; i++) UNROLL for (int j = 0; j < N; j++) acc[i][j] =
+        _mm512_setzero_ps();
     size_t k = 0;
     for (; k + 16 <= K; k += 16) {
         __m512 wv[NT_MAX];
-        UNROLL for (int j = 0; j < N; j++) wv[j] = load_w16((const char *)w + (size_t)j * ldw * es, dt, k);
-        UNROLL for (int i = 0; i < M; i++) {
+        UNROLL for (int j = 0; j < N; j++) wv[j] =
+            load_w16((const char *)w + (size_t)j * ldw * es, dt, k);
+        UNROLL for (int i = 0; i < M; i++)
+        {
             __m512 xv = _mm512_loadu_ps(x + (size_t)i * ldx + k);
             UNROLL for (int j = 0; j < N; j++) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
         }
@@ -140,18 +142,20 @@ INLINE_AVX512 void tile(const float *x, size_t ldx, const void *w, size_t ldw, p
         /* x tail masked to zero; W rows are zero-padded to ldw, so a full load is in bounds. */
         __mmask16 m = (__mmask16)((1u << (K - k)) - 1u);
         __m512 wv[NT_MAX];
-        UNROLL for (int j = 0; j < N; j++) wv[j] = load_w16((const char *)w + (size_t)j * ldw * es, dt, k);
-        UNROLL for (int i = 0; i < M; i++) {
+        UNROLL for (int j = 0; j < N; j++) wv[j] =
+            load_w16((const char *)w + (size_t)j * ldw * es, dt, k);
+        UNROLL for (int i = 0; i < M; i++)
+        {
             __m512 xv = _mm512_maskz_loadu_ps(m, x + (size_t)i * ldx + k);
             UNROLL for (int j = 0; j < N; j++) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
         }
     }
-    UNROLL for (int i = 0; i < M; i++)
-        UNROLL for (int j = 0; j < N; j++) {
-            float s = hsum16(acc[i][j]);
-            if (bias) s += bias[j];
-            y[(size_t)i * ldy + j] = s;
-        }
+    UNROLL for (int i = 0; i < M; i++) UNROLL for (int j = 0; j < N; j++)
+    {
+        float s = hsum16(acc[i][j]);
+        if (bias) s += bias[j];
+        y[(size_t)i * ldy + j] = s;
+    }
 }
 
 /* Row tiles of up to M_ x rows against W rows [j0, j1) in tiles of N_ (remainder 1 by 1). */
@@ -159,16 +163,15 @@ INLINE_AVX512 void tile(const float *x, size_t ldx, const void *w, size_t ldw, p
     do {                                                                                           \
         size_t j = j0;                                                                             \
         for (; j + (N_) <= j1; j += (N_))                                                          \
-            tile(xi, ldx, wb + j * ldw * es, ldw, DT, K, bias ? bias + j : NULL, yi + j, ldy,      \
-                 M_, N_);                                                                          \
+            tile(xi, ldx, wb + j * ldw * es, ldw, DT, K, bias ? bias + j : NULL, yi + j, ldy, M_,  \
+                 N_);                                                                              \
         for (; j < j1; j++)                                                                        \
-            tile(xi, ldx, wb + j * ldw * es, ldw, DT, K, bias ? bias + j : NULL, yi + j, ldy,      \
-                 M_, 1);                                                                           \
+            tile(xi, ldx, wb + j * ldw * es, ldw, DT, K, bias ? bias + j : NULL, yi + j, ldy, M_,  \
+                 1);                                                                               \
     } while (0)
 
-INLINE_AVX512 void mm_dt(const float *x, size_t n, size_t ldx, const struct pd_weight *w,
-                         size_t j0, size_t j1, const float *bias, float *y, size_t ldy,
-                         pd_dtype dt)
+INLINE_AVX512 void mm_dt(const float *x, size_t n, size_t ldx, const struct pd_weight *w, size_t j0,
+                         size_t j1, const float *bias, float *y, size_t ldy, pd_dtype dt)
 {
     const char *wb = w->data;
     const size_t ldw = w->ld, K = w->cols, es = dt == PD_DTYPE_F32 ? 4 : 2;
@@ -177,8 +180,10 @@ INLINE_AVX512 void mm_dt(const float *x, size_t n, size_t ldx, const struct pd_w
         /* Decode: stream W once, 8 rows at a time to keep many loads in flight. */
         const float *xi = x;
         float *yi = y;
-        if (n == 1) TILE_ROWS(1, 8, dt);
-        else TILE_ROWS(2, 8, dt);
+        if (n == 1)
+            TILE_ROWS(1, 8, dt);
+        else
+            TILE_ROWS(2, 8, dt);
         return;
     }
     for (; i + 6 <= n; i += 6) {
@@ -216,8 +221,8 @@ AVX512 float cpu_dot_avx512(const float *a, const float *b, size_t n)
         acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + k), _mm512_loadu_ps(b + k), acc);
     if (k < n) {
         __mmask16 m = (__mmask16)((1u << (n - k)) - 1u);
-        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + k), _mm512_maskz_loadu_ps(m, b + k),
-                              acc);
+        acc =
+            _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + k), _mm512_maskz_loadu_ps(m, b + k), acc);
     }
     return hsum16(acc);
 }
@@ -227,12 +232,13 @@ AVX512 void cpu_axpy_avx512(float *y, float s, const float *x, size_t n)
     __m512 sv = _mm512_set1_ps(s);
     size_t k = 0;
     for (; k + 16 <= n; k += 16)
-        _mm512_storeu_ps(y + k, _mm512_fmadd_ps(sv, _mm512_loadu_ps(x + k), _mm512_loadu_ps(y + k)));
+        _mm512_storeu_ps(y + k,
+                         _mm512_fmadd_ps(sv, _mm512_loadu_ps(x + k), _mm512_loadu_ps(y + k)));
     if (k < n) {
         __mmask16 m = (__mmask16)((1u << (n - k)) - 1u);
-        _mm512_mask_storeu_ps(y + k, m,
-                              _mm512_fmadd_ps(sv, _mm512_maskz_loadu_ps(m, x + k),
-                                              _mm512_maskz_loadu_ps(m, y + k)));
+        _mm512_mask_storeu_ps(
+            y + k, m,
+            _mm512_fmadd_ps(sv, _mm512_maskz_loadu_ps(m, x + k), _mm512_maskz_loadu_ps(m, y + k)));
     }
 }
 
@@ -241,15 +247,14 @@ AVX512 void cpu_axpy_avx512(float *y, float s, const float *x, size_t n)
 INLINE_AVX512 __m512 reduce16x16(const __m512 *a)
 {
     __m512 b[8], c[4], d[2];
-    UNROLL for (int i = 0; i < 8; i++)
-        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
-                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    UNROLL for (int i = 0; i < 4; i++)
-        c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
-                             _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
-    UNROLL for (int i = 0; i < 2; i++)
-        d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+    UNROLL for (int i = 0; i < 8; i++) b[i] = _mm512_add_ps(
+        _mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    UNROLL for (int i = 0; i < 4; i++) c[i] =
+        _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
+                      _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+    UNROLL for (int i = 0; i < 2; i++) d[i] =
+        _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                      _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
     return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88),
                          _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
 }
@@ -286,7 +291,8 @@ INLINE_AVX512 void attn_regs(const float *q, const cpu_kv_layer *kv, int kv_head
     float pbuf[16];
     const size_t bs = kv->block_size, D = kv->head_dim;
     const __m512 vscale = _mm512_set1_ps(scale);
-    UNROLL for (int v = 0; v < NV; v++) {
+    UNROLL for (int v = 0; v < NV; v++)
+    {
         qv[v] = _mm512_loadu_ps(q + 16 * v);
         acc[v] = _mm512_setzero_ps();
     }
@@ -302,10 +308,11 @@ INLINE_AVX512 void attn_regs(const float *q, const cpu_kv_layer *kv, int kv_head
             vals[t] = kv->v + slot * kv->token_elems + (size_t)kv_head * D;
         }
         __m512 dots[16];
-        UNROLL for (int t = 0; t < 16; t++) {
+        UNROLL for (int t = 0; t < 16; t++)
+        {
             __m512 d = _mm512_mul_ps(qv[0], _mm512_loadu_ps(keys[t]));
-            UNROLL for (int v = 1; v < NV; v++)
-                d = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(keys[t] + 16 * v), d);
+            UNROLL for (int v = 1; v < NV; v++) d =
+                _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(keys[t] + 16 * v), d);
             dots[t] = d;
         }
         __m512 sc = _mm512_mul_ps(reduce16x16(dots), vscale);
@@ -324,8 +331,8 @@ INLINE_AVX512 void attn_regs(const float *q, const cpu_kv_layer *kv, int kv_head
         _mm512_storeu_ps(pbuf, pv);
         for (size_t t = 0; t < cn; t++) {
             __m512 pb = _mm512_set1_ps(pbuf[t]);
-            UNROLL for (int v = 0; v < NV; v++)
-                acc[v] = _mm512_fmadd_ps(pb, _mm512_loadu_ps(vals[t] + 16 * v), acc[v]);
+            UNROLL for (int v = 0; v < NV; v++) acc[v] =
+                _mm512_fmadd_ps(pb, _mm512_loadu_ps(vals[t] + 16 * v), acc[v]);
         }
     }
     __m512 inv = _mm512_set1_ps(1.0f / l);

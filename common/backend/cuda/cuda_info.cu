@@ -16,7 +16,7 @@ extern "C" {
     do {                                                                                           \
         cudaError_t e_ = (expr);                                                                   \
         if (e_ != cudaSuccess)                                                                     \
-            return pd_error(PD_EINTERNAL, "%s: %s (%s:%d)", #expr, cudaGetErrorString(e_),        \
+            return pd_error(PD_EINTERNAL, "%s: %s (%s:%d)", #expr, cudaGetErrorString(e_),         \
                             __FILE__, __LINE__);                                                   \
     } while (0)
 
@@ -29,8 +29,7 @@ __global__ void fill_pattern(uint32_t *dst, size_t n, uint32_t seed)
 }
 
 // Counts words of dst that differ from the pattern.
-__global__ void check_pattern(const uint32_t *dst, size_t n, uint32_t seed,
-                              unsigned long long *bad)
+__global__ void check_pattern(const uint32_t *dst, size_t n, uint32_t seed, unsigned long long *bad)
 {
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     size_t stride = (size_t)gridDim.x * blockDim.x;
@@ -87,7 +86,7 @@ extern "C" int pd_cuda_d2d_bandwidth(int device, size_t bytes, int iters, double
     cudaError_t e;
 #define STEP(expr)                                                                                 \
     if ((e = (expr)) != cudaSuccess) {                                                             \
-        rc = pd_error(PD_EINTERNAL, "%s: %s", #expr, cudaGetErrorString(e));                      \
+        rc = pd_error(PD_EINTERNAL, "%s: %s", #expr, cudaGetErrorString(e));                       \
         goto done;                                                                                 \
     }
     STEP(cudaMalloc(&src, bytes));

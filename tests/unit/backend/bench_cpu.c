@@ -28,7 +28,8 @@
 #include "util/status.h"
 #include "util/threadpool.h"
 
-/* ---- read bandwidth --------------------------------------------------------------------------- */
+/* ---- read bandwidth ---------------------------------------------------------------------------
+ */
 
 typedef struct {
     const float *buf;
@@ -99,7 +100,8 @@ static double measure_bw(pd_threadpool *pool, size_t mib, int reps, int avx512)
     return best;
 }
 
-/* ---- helpers ------------------------------------------------------------------------------------ */
+/* ---- helpers ------------------------------------------------------------------------------------
+ */
 
 typedef struct {
     double v[32];
@@ -120,7 +122,8 @@ static void report(const char *what, const char *unit, const series *s)
         if (s->v[i] > best) best = s->v[i];
         if (s->v[i] < worst) worst = s->v[i];
     }
-    printf(" %s | best %.2f, spread %.1f%%\n", unit, best, best > 0 ? 100.0 * (best - worst) / best : 0);
+    printf(" %s | best %.2f, spread %.1f%%\n", unit, best,
+           best > 0 ? 100.0 * (best - worst) / best : 0);
 }
 
 static double best_of(const series *s)
@@ -142,15 +145,20 @@ static void fill_rand(float *x, size_t n, uint64_t seed)
 /* One sequence: prefill ids, then greedy-free decode of `steps` tokens (the next token is fixed
  * to keep the work identical across reps). Returns prefill and decode seconds. */
 static int run_seq(pd_forward *f, pd_kv *kv, const int32_t *ids, size_t n, size_t steps,
-                   size_t block_size, int32_t *blocks, float *logits, double *t_pre,
-                   double *t_dec)
+                   size_t block_size, int32_t *blocks, float *logits, double *t_pre, double *t_dec)
 {
     int32_t qi[2] = {0, (int32_t)n}, kvl[1] = {(int32_t)n}, bi[2] = {0, 0}, orow[1];
     size_t need = (n + steps + block_size - 1) / block_size;
     bi[1] = (int32_t)need;
     orow[0] = (int32_t)n - 1;
-    pd_step st = {.n_seqs = 1, .token_ids = ids, .q_indptr = qi, .kv_len = kvl,
-                  .block_indptr = bi, .block_ids = blocks, .n_out = 1, .out_rows = orow};
+    pd_step st = {.n_seqs = 1,
+                  .token_ids = ids,
+                  .q_indptr = qi,
+                  .kv_len = kvl,
+                  .block_indptr = bi,
+                  .block_ids = blocks,
+                  .n_out = 1,
+                  .out_rows = orow};
     double t0 = pd_now_s();
     PD_CHECK(pd_forward_run(f, kv, &st, logits));
     *t_pre = pd_now_s() - t0;
@@ -174,14 +182,22 @@ int main(int argc, char **argv)
     size_t prompt_len = 512, steps = 64, bw_mib = 2048;
     for (int i = 1; i + 1 < argc; i += 2) {
         const char *a = argv[i], *v = argv[i + 1];
-        if (!strcmp(a, "--model")) model = v;
-        else if (!strcmp(a, "--threads")) threads = atoi(v);
-        else if (!strcmp(a, "--prompt-len")) prompt_len = (size_t)atol(v);
-        else if (!strcmp(a, "--decode-steps")) steps = (size_t)atol(v);
-        else if (!strcmp(a, "--reps")) reps = atoi(v);
-        else if (!strcmp(a, "--bw-mib")) bw_mib = (size_t)atol(v);
-        else if (!strcmp(a, "--weight-dtype")) wdt_s = v;
-        else if (!strcmp(a, "--isa")) isa_s = v;
+        if (!strcmp(a, "--model"))
+            model = v;
+        else if (!strcmp(a, "--threads"))
+            threads = atoi(v);
+        else if (!strcmp(a, "--prompt-len"))
+            prompt_len = (size_t)atol(v);
+        else if (!strcmp(a, "--decode-steps"))
+            steps = (size_t)atol(v);
+        else if (!strcmp(a, "--reps"))
+            reps = atoi(v);
+        else if (!strcmp(a, "--bw-mib"))
+            bw_mib = (size_t)atol(v);
+        else if (!strcmp(a, "--weight-dtype"))
+            wdt_s = v;
+        else if (!strcmp(a, "--isa"))
+            isa_s = v;
         else {
             fprintf(stderr, "bench_cpu: unknown option %s\n", a);
             return 2;
@@ -260,8 +276,11 @@ int main(int argc, char **argv)
         if (wbuf && xv && yv) {
             fill_rand(wbuf, rows * K, 3);
             fill_rand(xv, K, 4);
-            pd_tensor t = {.name = "gemv", .dtype = PD_DTYPE_F32, .ndim = 2,
-                           .shape = {(int64_t)rows, (int64_t)K}, .data = wbuf,
+            pd_tensor t = {.name = "gemv",
+                           .dtype = PD_DTYPE_F32,
+                           .ndim = 2,
+                           .shape = {(int64_t)rows, (int64_t)K},
+                           .data = wbuf,
                            .nbytes = rows * K * 4};
             rc = o->weight_load(b, &t, NULL, &Wbig);
         }
@@ -283,7 +302,8 @@ int main(int argc, char **argv)
     int32_t *ids = malloc(prompt_len * sizeof(int32_t));
     int32_t *blocks = malloc(per_seq * sizeof(int32_t));
     float *logits = malloc((size_t)c->vocab_size * sizeof(float));
-    for (size_t i = 0; i < prompt_len; i++) ids[i] = (int32_t)((i * 7919 + 13) % (size_t)c->vocab_size);
+    for (size_t i = 0; i < prompt_len; i++)
+        ids[i] = (int32_t)((i * 7919 + 13) % (size_t)c->vocab_size);
     for (size_t i = 0; i < per_seq; i++) blocks[i] = (int32_t)i;
     series dec = {0}, pre = {0}, frac = {0};
     double bytes_tok = (double)pd_forward_bytes_per_step(f);
@@ -323,12 +343,13 @@ int main(int argc, char **argv)
 
     /* the same matmul shapes in isolation: layer 0's seven projections with n = prompt_len */
     const pd_layer_weights *L = &m->weights.layers[0];
-    const pd_tensor *mats[7] = {&L->q_proj, &L->k_proj, &L->v_proj, &L->o_proj,
+    const pd_tensor *mats[7] = {&L->q_proj,    &L->k_proj,  &L->v_proj,   &L->o_proj,
                                 &L->gate_proj, &L->up_proj, &L->down_proj};
     pd_weight *W[7] = {0};
     size_t maxd = (size_t)(Id > Hd ? Id : Hd);
     if (qd > (double)maxd) maxd = (size_t)qd;
-    float *x = aligned_alloc(64, prompt_len * maxd * 4), *y = aligned_alloc(64, prompt_len * maxd * 4);
+    float *x = aligned_alloc(64, prompt_len * maxd * 4),
+          *y = aligned_alloc(64, prompt_len * maxd * 4);
     fill_rand(x, prompt_len * maxd, 1);
     double one_layer_flops = layer_flops_row * (double)prompt_len;
     for (int i = 0; i < 7 && rc == 0; i++) rc = o->weight_load(b, mats[i], NULL, &W[i]);
@@ -357,8 +378,8 @@ int main(int argc, char **argv)
         for (int rep = 0; rep < 4; rep++)
             for (int i = 0; i < 7; i++) {
                 int out = (int)mats[i]->shape[0], in = (int)mats[i]->shape[1];
-                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)prompt_len, out, in,
-                            1.0f, x, in, wf[i], in, 0.0f, y, out);
+                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)prompt_len, out, in, 1.0f,
+                            x, in, wf[i], in, 0.0f, y, out);
             }
         double dt = (pd_now_s() - t0) / 4;
         add(&blas, one_layer_flops / dt / 1e9);
@@ -368,8 +389,8 @@ int main(int argc, char **argv)
     {
         int out = (int)mats[4]->shape[0], in = (int)mats[4]->shape[1];
         float *y1 = malloc((size_t)out * 4);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)prompt_len, out, in, 1.0f, x,
-                    in, wf[4], in, 0.0f, y, out);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)prompt_len, out, in, 1.0f, x, in,
+                    wf[4], in, 0.0f, y, out);
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, 1, out, in, 1.0f, x, in, wf[4], in,
                     0.0f, y1, out);
         int same = memcmp(y, y1, (size_t)out * 4) == 0;

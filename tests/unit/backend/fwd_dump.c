@@ -22,14 +22,14 @@
 #include "model/model.h"
 #include "util/status.h"
 
-#define BLOCK 16
+#define BLOCK  16
 #define MAXSEQ 3
 
 typedef struct {
     pd_backend *b;
     pd_forward *f;
     pd_kv *kv;
-    size_t V, per_seq; /* blocks per sequence */
+    size_t V, per_seq;  /* blocks per sequence */
     int32_t *block_ids; /* (MAXSEQ * per_seq) */
 } rt;
 
@@ -101,8 +101,14 @@ static int step(rt *r, size_t n_seqs, const int32_t *const *toks, const size_t *
     }
     float *logits = malloc(n_out * r->V * sizeof(float) + 1);
     if (!logits) return pd_error(PD_ENOMEM, "out of memory");
-    pd_step st = {.n_seqs = n_seqs, .token_ids = ids, .q_indptr = qi, .kv_len = kvl,
-                  .block_indptr = bi, .block_ids = bl, .n_out = n_out, .out_rows = orow};
+    pd_step st = {.n_seqs = n_seqs,
+                  .token_ids = ids,
+                  .q_indptr = qi,
+                  .kv_len = kvl,
+                  .block_indptr = bi,
+                  .block_ids = bl,
+                  .n_out = n_out,
+                  .out_rows = orow};
     int rc = pd_forward_run(r->f, r->kv, &st, logits);
     size_t k = 0;
     for (size_t s = 0; s < n_seqs && rc == 0; s++)
@@ -150,8 +156,8 @@ static void rt_close(rt *r)
 
 /* Prefill ids[0..n) of sequence 0 in chunks of `chunk` rows (0: one chunk), then `steps`
  * greedy decode steps. last: logits after the prompt; all: every prompt row when non-NULL. */
-static int run_single(rt *r, const int32_t *ids, size_t n, size_t chunk, size_t steps,
-                      float *last, float *all, int32_t *greedy)
+static int run_single(rt *r, const int32_t *ids, size_t n, size_t chunk, size_t steps, float *last,
+                      float *all, int32_t *greedy)
 {
     if (chunk == 0) chunk = n;
     if (all) {
@@ -270,20 +276,29 @@ int main(int argc, char **argv)
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(a, "--all-logits")) all_logits = 1;
-        else if (!strcmp(a, "--check-determinism")) check = 1;
+        if (!strcmp(a, "--all-logits"))
+            all_logits = 1;
+        else if (!strcmp(a, "--check-determinism"))
+            check = 1;
         else if (!v) {
             fprintf(stderr, "fwd_dump: %s needs a value (or is unknown)\n", a);
             return 2;
         } else {
             i++;
-            if (!strcmp(a, "--model")) model = v;
-            else if (!strcmp(a, "--prompt-ids")) ids_s = v;
-            else if (!strcmp(a, "--steps")) steps = (size_t)atol(v);
-            else if (!strcmp(a, "--chunk")) chunk = (size_t)atol(v);
-            else if (!strcmp(a, "--threads")) threads = atoi(v);
-            else if (!strcmp(a, "--isa")) isa_s = v;
-            else if (!strcmp(a, "--weight-dtype")) wdt_s = v;
+            if (!strcmp(a, "--model"))
+                model = v;
+            else if (!strcmp(a, "--prompt-ids"))
+                ids_s = v;
+            else if (!strcmp(a, "--steps"))
+                steps = (size_t)atol(v);
+            else if (!strcmp(a, "--chunk"))
+                chunk = (size_t)atol(v);
+            else if (!strcmp(a, "--threads"))
+                threads = atoi(v);
+            else if (!strcmp(a, "--isa"))
+                isa_s = v;
+            else if (!strcmp(a, "--weight-dtype"))
+                wdt_s = v;
             else {
                 fprintf(stderr, "fwd_dump: unknown option %s\n", a);
                 return 2;

@@ -11,7 +11,8 @@
 #include "harness.h"
 #include "model/dtype.h"
 
-/* ---- helpers ----------------------------------------------------------------------------------- */
+/* ---- helpers -----------------------------------------------------------------------------------
+ */
 
 static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
 
@@ -89,7 +90,8 @@ static int isas(pd_cpu_isa out[2])
     return 1;
 }
 
-/* ---- matmul -------------------------------------------------------------------------------------- */
+/* ---- matmul
+ * -------------------------------------------------------------------------------------- */
 
 /* y = x W^T + bias for every dtype/ISA/size combination vs a double reference with a
  * scale-aware bound: |y - ref| <= 1e-6 * sum_k |x_k w_k| + 1e-30. */
@@ -264,7 +266,8 @@ TEST(weight_slices_and_errors)
     pd_backend_destroy(b);
 }
 
-/* ---- row ops ---------------------------------------------------------------------------------- */
+/* ---- row ops ----------------------------------------------------------------------------------
+ */
 
 TEST(rmsnorm_swiglu_add_match_reference)
 {
@@ -405,8 +408,12 @@ TEST(paged_attention_matches_reference)
         pd_backend *b = make_backend(isa[ii], 2, -1);
         ASSERT(b);
         const pd_backend_ops *o = pd_backend_get_ops(b);
-        pd_kv_params kp = {.n_layers = 2, .n_blocks = NBLK, .block_size = BS, .n_kv_heads = NKV,
-                           .head_dim = HD, .dtype = PD_DTYPE_F32};
+        pd_kv_params kp = {.n_layers = 2,
+                           .n_blocks = NBLK,
+                           .block_size = BS,
+                           .n_kv_heads = NKV,
+                           .head_dim = HD,
+                           .dtype = PD_DTYPE_F32};
         pd_kv *kv = NULL;
         ASSERT_OK(o->kv_create(b, &kp, &kv));
         rng_state = 12345;
@@ -452,7 +459,8 @@ TEST(paged_attention_matches_reference)
                         double sc[8], mx = -1e300, sum = 0;
                         for (int t = 0; t < ctx; t++) {
                             sc[t] = 0;
-                            for (int d = 0; d < HD; d++) sc[t] += (double)qh[d] * kref[sq][t][g * HD + d];
+                            for (int d = 0; d < HD; d++)
+                                sc[t] += (double)qh[d] * kref[sq][t][g * HD + d];
                             sc[t] *= 0.4;
                             if (sc[t] > mx) mx = sc[t];
                         }
@@ -491,7 +499,8 @@ TEST(paged_attention_matches_reference)
                                            2 * vw.token_stride + vw.head_stride);
         ASSERT(memcmp(k0v, kref[1][2] + HD, HD * 4) == 0);
         int32_t badids[1] = {NBLK};
-        pd_kv_range rg3 = {.layer = 0, .block_ids = badids, .n_blocks = 1, .head0 = 0, .n_heads = 1};
+        pd_kv_range rg3 = {
+            .layer = 0, .block_ids = badids, .n_blocks = 1, .head0 = 0, .n_heads = 1};
         ASSERT_ERR(o->kv_export(b, kv, &rg3, host), PD_ERANGE, "block_ids[0] = 16");
         pd_kv_range rg4 = {.layer = 2, .block_ids = ids, .n_blocks = 1, .head0 = 0, .n_heads = 1};
         ASSERT_ERR(o->kv_export(b, kv, &rg4, host), PD_ERANGE, "layer 2");
@@ -551,8 +560,12 @@ TEST(plan_and_step_errors)
     free(ht.buf);
 
     /* KV: slot outside the pool; block table too short; query heads not a multiple */
-    pd_kv_params kp = {.n_layers = 1, .n_blocks = 8, .block_size = BS, .n_kv_heads = NKV,
-                       .head_dim = HD, .dtype = PD_DTYPE_F32};
+    pd_kv_params kp = {.n_layers = 1,
+                       .n_blocks = 8,
+                       .block_size = BS,
+                       .n_kv_heads = NKV,
+                       .head_dim = HD,
+                       .dtype = PD_DTYPE_F32};
     pd_kv *kv = NULL;
     ASSERT_OK(o->kv_create(b, &kp, &kv));
     s.token_ids[2] = 1;
@@ -608,14 +621,28 @@ TEST(attention_head_sizes_and_long_context)
             pd_backend *b = make_backend(isa[ii], 2, -1);
             ASSERT(b);
             const pd_backend_ops *o = pd_backend_get_ops(b);
-            pd_kv_params kp = {.n_layers = 1, .n_blocks = 10, .block_size = B, .n_kv_heads = NKH,
-                               .head_dim = D, .dtype = PD_DTYPE_F32};
+            pd_kv_params kp = {.n_layers = 1,
+                               .n_blocks = 10,
+                               .block_size = B,
+                               .n_kv_heads = NKH,
+                               .head_dim = D,
+                               .dtype = PD_DTYPE_F32};
             pd_kv *kv = NULL;
             ASSERT_OK(o->kv_create(b, &kp, &kv));
-            pd_batch bt = {.n_tokens = T, .token_ids = ids, .positions = pos, .slots = slots,
-                           .rope_cos = cs, .rope_sin = sn, .rope_dim = D % 2 ? D + 1 : D,
-                           .n_seqs = 1, .q_indptr = qi, .kv_len = kl, .block_indptr = bi,
-                           .block_ids = blocks, .n_out = 0, .out_rows = NULL};
+            pd_batch bt = {.n_tokens = T,
+                           .token_ids = ids,
+                           .positions = pos,
+                           .slots = slots,
+                           .rope_cos = cs,
+                           .rope_sin = sn,
+                           .rope_dim = D % 2 ? D + 1 : D,
+                           .n_seqs = 1,
+                           .q_indptr = qi,
+                           .kv_len = kl,
+                           .block_indptr = bi,
+                           .block_ids = blocks,
+                           .n_out = 0,
+                           .out_rows = NULL};
             ASSERT_OK(o->plan(b, &bt));
             ASSERT_OK(o->kv_write(b, kv, 0, k, v));
             ASSERT_OK(o->attention(b, kv, 0, q, NQH, 0.125f, out));

@@ -38,8 +38,7 @@ static const char *only_name; /* run only settings whose name contains this */
 
 static int run(int32_t V, float sigma, const char *name, pd_sampling_params p, int iters)
 {
-    if (only_name && !strstr(name, only_name))
-        return 0;
+    if (only_name && !strstr(name, only_name)) return 0;
     float *l = malloc((size_t)V * sizeof *l);
     if (!l) return pd_error(PD_ENOMEM, "bench: out of memory");
     fill(l, V, sigma);
