@@ -25,6 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include "util/clock.h"
@@ -190,6 +191,29 @@ static int write_full(int fd, const void *buf, size_t n, int64_t deadline_ns)
         if (r <= 0) return PD_ECLOSED;
         p += r;
         n -= (size_t)r;
+    }
+    return PD_OK;
+}
+
+/* writev of the whole vector (iov is consumed). PD_OK, PD_ETIMEOUT or PD_ECLOSED. */
+static int writev_full(int fd, struct iovec *iov, int cnt, int64_t deadline_ns)
+{
+    while (cnt > 0) {
+        int w = wait_fd(fd, POLLOUT, -1, deadline_ns);
+        if (w == 0) return PD_ETIMEOUT;
+        if (w < 0) return PD_ECLOSED;
+        ssize_t n = writev(fd, iov, cnt);
+        if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+        if (n <= 0) return PD_ECLOSED;
+        while (cnt > 0 && (size_t)n >= iov->iov_len) {
+            n -= (ssize_t)iov->iov_len;
+            iov++;
+            cnt--;
+        }
+        if (cnt > 0) {
+            iov->iov_base = (uint8_t *)iov->iov_base + n;
+            iov->iov_len -= (size_t)n;
+        }
     }
     return PD_OK;
 }
@@ -691,6 +715,76 @@ static int dial(const char *host, int port, int64_t deadline, int *out)
     return PD_OK;
 }
 
+static void fill_header(const pd_kv_send_req *r, int layer, size_t per_layer, uint8_t *out)
+{
+    frame_hdr h = {.version = VERSION,
+                   .flags = layer == r->kv_params.n_layers - 1 ? FLAG_LAST : 0,
+                   .layer = (uint32_t)layer,
+                   .head0 = (uint32_t)r->head0,
+                   .n_heads = (uint32_t)r->n_heads,
+                   .block0 = 0,
+                   .n_blocks = (uint32_t)r->n_blocks,
+                   .payload_bytes = per_layer};
+    snprintf(h.request_id, sizeof h.request_id, "%s", r->request_id);
+    hdr_pack(&h, out);
+}
+
+/* Zero-copy frames: when the pool is host memory and the frame carries every head the rank
+ * holds, a block's K (or V) of one layer is one contiguous run of the pool, so the frames are
+ * written straight from the pool with writev (no export copy). Up to IOV_BATCH pieces or
+ * `coalesce` bytes go out per call. */
+#define IOV_BATCH 1024
+static int send_frames_gather(int fd, const pd_kv_send_req *r, size_t per_layer, size_t coalesce,
+                              int64_t deadline, pd_kv_send_stats *st)
+{
+    const pd_kv_params *kp = &r->kv_params;
+    const pd_backend_ops *ops = pd_backend_get_ops(r->backend);
+    uint8_t(*hdrs)[HDR_BYTES] = malloc((size_t)kp->n_layers * HDR_BYTES);
+    struct iovec *iov = malloc(IOV_BATCH * sizeof *iov);
+    if (!hdrs || !iov) {
+        free(hdrs);
+        free(iov);
+        return pd_error(PD_ENOMEM, "kv send: out of memory");
+    }
+    int rc = ops->sync(r->backend), cnt = 0;
+    size_t pending = 0;
+    for (int layer = 0; layer < kp->n_layers && rc == PD_OK; layer++) {
+        pd_kv_layer_view v;
+        rc = ops->kv_layer(r->backend, r->kv, layer, &v);
+        if (rc < 0) break;
+        fill_header(r, layer, per_layer, hdrs[layer]);
+        for (size_t piece = 0; piece < 1 + 2 * r->n_blocks && rc == PD_OK; piece++) {
+            void *base;
+            size_t len;
+            if (piece == 0) {
+                base = hdrs[layer], len = HDR_BYTES;
+            } else {
+                size_t b = (piece - 1) % r->n_blocks;
+                uint8_t *pool = piece <= r->n_blocks ? v.k : v.v;
+                base = pool + (size_t)r->block_ids[b] * v.block_stride, len = v.block_stride;
+            }
+            iov[cnt].iov_base = base;
+            iov[cnt++].iov_len = len;
+            pending += len;
+            bool last = layer == kp->n_layers - 1 && piece == 2 * r->n_blocks;
+            if (cnt == IOV_BATCH || (piece == 2 * r->n_blocks && pending >= coalesce) || last) {
+                rc = writev_full(fd, iov, cnt, deadline);
+                st->writes++;
+                cnt = 0;
+                pending = 0;
+            }
+        }
+        st->frames++;
+        st->bytes += per_layer;
+    }
+    free(hdrs);
+    free(iov);
+    if (rc == PD_ETIMEOUT || rc == PD_ECLOSED)
+        return pd_error(rc, "kv send %s: %s", r->request_id,
+                        rc == PD_ETIMEOUT ? "timed out writing" : "connection lost");
+    return rc;
+}
+
 /* Frames of one request over fd, then the acknowledgement. *keep tells whether the
  * connection is still in sync (success, or a refusal the receiver acknowledged). */
 static int send_on(int fd, const pd_kv_send_req *r, int64_t deadline, pd_kv_send_stats *st,
@@ -700,6 +794,15 @@ static int send_on(int fd, const pd_kv_send_req *r, int64_t deadline, pd_kv_send
     const pd_kv_params *kp = &r->kv_params;
     size_t per_layer = slice_bytes(kp, r->n_blocks, r->n_heads);
     size_t coalesce = r->coalesce_bytes ? r->coalesce_bytes : (size_t)1 << 20;
+    pd_kv_layer_view view;
+    const pd_backend_ops *vops = pd_backend_get_ops(r->backend);
+    bool gather = r->head0 == r->src_head0 && r->n_heads == kp->n_kv_heads &&
+                  vops->kv_layer(r->backend, r->kv, 0, &view) == PD_OK && view.host_visible;
+    if (gather) {
+        int grc = send_frames_gather(fd, r, per_layer, coalesce, deadline, st);
+        if (grc < 0) return grc;
+        goto ack;
+    }
     size_t cap = (coalesce > HDR_BYTES + per_layer ? coalesce : HDR_BYTES + per_layer) + HDR_BYTES +
                  per_layer;
     uint8_t *buf = malloc(cap);
@@ -708,16 +811,7 @@ static int send_on(int fd, const pd_kv_send_req *r, int64_t deadline, pd_kv_send
     size_t used = 0;
     int rc = PD_OK;
     for (int layer = 0; layer < kp->n_layers && rc == PD_OK; layer++) {
-        frame_hdr h = {.version = VERSION,
-                       .flags = layer == kp->n_layers - 1 ? FLAG_LAST : 0,
-                       .layer = (uint32_t)layer,
-                       .head0 = (uint32_t)r->head0,
-                       .n_heads = (uint32_t)r->n_heads,
-                       .block0 = 0,
-                       .n_blocks = (uint32_t)r->n_blocks,
-                       .payload_bytes = per_layer};
-        snprintf(h.request_id, sizeof h.request_id, "%s", r->request_id);
-        hdr_pack(&h, buf + used);
+        fill_header(r, layer, per_layer, buf + used);
         pd_kv_range range = {.layer = layer,
                              .block_ids = r->block_ids,
                              .n_blocks = r->n_blocks,
@@ -740,27 +834,27 @@ static int send_on(int fd, const pd_kv_send_req *r, int64_t deadline, pd_kv_send
             used = 0;
         }
     }
-    if (rc == PD_OK) {
-        uint8_t ack[ACK_BYTES];
-        rc = read_full(fd, ack, ACK_BYTES, -1, deadline);
-        if (rc < 0) {
-            rc = pd_error(rc, "kv send %s: %s waiting for the acknowledgement", r->request_id,
-                          rc == PD_ETIMEOUT ? "timed out" : "connection lost");
-        } else if (memcmp(ack, "PDKA", 4) != 0 ||
-                   strncmp((const char *)ack + 12, r->request_id, PD_KV_REQUEST_ID_MAX) != 0) {
-            rc = pd_error(PD_EINTERNAL, "kv send %s: malformed acknowledgement", r->request_id);
-        } else if ((int32_t)get_u32(ack + 8) != 0) {
-            char msg[ACK_MSG_BYTES];
-            memcpy(msg, ack + 52, sizeof msg);
-            msg[sizeof msg - 1] = '\0';
-            rc = pd_error(PD_EINVAL, "kv send %s: refused by the decode rank: %s", r->request_id,
-                          msg);
-            *keep = true; /* acknowledged: the stream is still in sync */
-        } else {
-            *keep = true;
-        }
-    }
     free(buf);
+    if (rc < 0) return rc;
+ack : {
+    uint8_t ack[ACK_BYTES];
+    rc = read_full(fd, ack, ACK_BYTES, -1, deadline);
+    if (rc < 0) {
+        rc = pd_error(rc, "kv send %s: %s waiting for the acknowledgement", r->request_id,
+                      rc == PD_ETIMEOUT ? "timed out" : "connection lost");
+    } else if (memcmp(ack, "PDKA", 4) != 0 ||
+               strncmp((const char *)ack + 12, r->request_id, PD_KV_REQUEST_ID_MAX) != 0) {
+        rc = pd_error(PD_EINTERNAL, "kv send %s: malformed acknowledgement", r->request_id);
+    } else if ((int32_t)get_u32(ack + 8) != 0) {
+        char msg[ACK_MSG_BYTES];
+        memcpy(msg, ack + 52, sizeof msg);
+        msg[sizeof msg - 1] = '\0';
+        rc = pd_error(PD_EINVAL, "kv send %s: refused by the decode rank: %s", r->request_id, msg);
+        *keep = true; /* acknowledged: the stream is still in sync */
+    } else {
+        *keep = true;
+    }
+}
     return rc;
 }
 

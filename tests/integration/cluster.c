@@ -254,7 +254,7 @@ int cl_start(cl_cluster *c, const char *model_dir, const char *prefill_list,
                          "--port",
                          port,
                          "--max-model-len",
-                         "512",
+                         "1024",
                          "--kv-cache-bytes",
                          "33554432",
                          "--cpu-threads",
@@ -432,6 +432,7 @@ int cl_generate(cl_cluster *c, int pk, int dk, const char *id, const int32_t *pr
     pd__info_reply__free_unpacked(info, NULL);
     pd__reserve_reply__free_unpacked(rr, NULL);
     if (!pr) goto fail;
+    out->t_first = pd_now_s();
     append_event(out, pr->first);
     bool final = pr->first->final;
     uint64_t seed = pr->seed;

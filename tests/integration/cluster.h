@@ -74,7 +74,8 @@ typedef struct {
     size_t n;
     char finish[16];
     char text[8192];
-    int status; /* gRPC status of the failing step, 0 on success */
+    int status;     /* gRPC status of the failing step, 0 on success */
+    double t_first; /* pd_now_s() when the first token (the Prefill reply) arrived */
     char error[512];
 } cl_result;
 

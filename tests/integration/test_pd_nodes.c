@@ -134,7 +134,7 @@ TEST(pd_1p2d_split_equals_colocated)
 
 TEST(pd_prefill_tp2_to_decode_tp1)
 {
-    run_shape("0,1", "2", 8);
+    run_shape("0,1", "2", N_PROMPTS);
 }
 
 static Pd__StatsReply *stats(cl_cluster *c, int k)

@@ -1,0 +1,316 @@
+/* bench_pd: PD-specific figures (not a test; results go to docs/benchmarks.md).
+ *
+ *   bench_pd kv [--tokens 2048] [--layers 12] [--kv-heads 4] [--head-dim 64] [--reps 5]
+ *       KV transfer over TCP on loopback (kv_tcp.h) between two CPU-backend pools, for a prompt
+ *       of --tokens tokens (defaults: the `medium` preset's KV shape), next to a raw TCP copy of
+ *       the same number of bytes over loopback in the same run. Best of --reps.
+ *   bench_pd ttft --model DIR [--prompt-len 512] [--reps 5]
+ *       Time to first token of one prompt split (a real 1P1D cluster started like the
+ *       integration tests, client-side Reserve + Info + Prefill) and colocated (an in-process
+ *       engine: add -> first token), both with one CPU thread. Median of --reps.
+ */
+#define _XOPEN_SOURCE 700
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "cluster.h"
+#include "engine/engine.h"
+#include "transfer/kv_tcp.h"
+#include "harness.h" /* pdt_tmp_dir, provided below: this program has its own main */
+#include "util/clock.h"
+#include "util/status.h"
+
+/* cluster.c keeps its files under the test harness's temporary directory. */
+static char g_tmp[256];
+const char *pdt_tmp_dir(void)
+{
+    if (!g_tmp[0]) {
+        snprintf(g_tmp, sizeof g_tmp, "/tmp/bench_pd.XXXXXX");
+        if (!mkdtemp(g_tmp)) abort();
+    }
+    return g_tmp;
+}
+
+static long arg_long(int argc, char **argv, const char *name, long def)
+{
+    for (int i = 1; i + 1 < argc; i++)
+        if (strcmp(argv[i], name) == 0) return strtol(argv[i + 1], NULL, 10);
+    return def;
+}
+
+static const char *arg_str(int argc, char **argv, const char *name)
+{
+    for (int i = 1; i + 1 < argc; i++)
+        if (strcmp(argv[i], name) == 0) return argv[i + 1];
+    return NULL;
+}
+
+/* ---- KV transfer vs raw TCP ----------------------------------------------------------------- */
+
+typedef struct {
+    int fd;
+    size_t bytes;
+} sink_arg;
+
+static void *raw_sink(void *p)
+{
+    sink_arg *a = p;
+    char *buf = malloc(1 << 20);
+    size_t got = 0;
+    while (got < a->bytes) {
+        ssize_t r = read(a->fd, buf, 1 << 20);
+        if (r <= 0) break;
+        got += (size_t)r;
+    }
+    ssize_t w = write(a->fd, "k", 1); /* the "acknowledgement" */
+    (void)w;
+    free(buf);
+    return NULL;
+}
+
+/* Seconds to push bytes through a loopback TCP connection and get one byte back. */
+static double raw_tcp_copy(size_t bytes)
+{
+    int ls = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t al = sizeof a;
+    bind(ls, (struct sockaddr *)&a, sizeof a);
+    getsockname(ls, (struct sockaddr *)&a, &al);
+    listen(ls, 1);
+    int c = socket(AF_INET, SOCK_STREAM, 0);
+    int one = 1, buf = 4 << 20;
+    setsockopt(c, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    setsockopt(c, SOL_SOCKET, SO_SNDBUF, &buf, sizeof buf);
+    connect(c, (struct sockaddr *)&a, sizeof a);
+    int s = accept(ls, NULL, NULL);
+    setsockopt(s, SOL_SOCKET, SO_RCVBUF, &buf, sizeof buf);
+    sink_arg sa = {.fd = s, .bytes = bytes};
+    pthread_t t;
+    pthread_create(&t, NULL, raw_sink, &sa);
+    char *data = malloc(bytes);
+    memset(data, 7, bytes);
+    double t0 = pd_now_s();
+    size_t off = 0;
+    while (off < bytes) {
+        ssize_t w = write(c, data + off, bytes - off);
+        if (w <= 0) break;
+        off += (size_t)w;
+    }
+    char k;
+    ssize_t r = read(c, &k, 1);
+    (void)r;
+    double dt = pd_now_s() - t0;
+    pthread_join(t, NULL);
+    free(data);
+    close(c);
+    close(s);
+    close(ls);
+    return dt;
+}
+
+static void on_done(void *arg, const char *id, int status)
+{
+    (void)id, (void)status;
+    __atomic_add_fetch((int *)arg, 1, __ATOMIC_SEQ_CST);
+}
+
+static int bench_kv(int argc, char **argv)
+{
+    size_t tokens = (size_t)arg_long(argc, argv, "--tokens", 2048);
+    pd_kv_params kp = {.n_layers = (int)arg_long(argc, argv, "--layers", 12),
+                       .block_size = 16,
+                       .n_kv_heads = (size_t)arg_long(argc, argv, "--kv-heads", 4),
+                       .head_dim = (size_t)arg_long(argc, argv, "--head-dim", 64),
+                       .dtype = PD_DTYPE_F32};
+    int reps = (int)arg_long(argc, argv, "--reps", 5);
+    size_t n_blocks = (tokens + kp.block_size - 1) / kp.block_size;
+    kp.n_blocks = n_blocks + 8;
+    pd_backend_params bp = pd_backend_default_params();
+    bp.n_threads = 1;
+    pd_backend *bs, *bd;
+    pd_kv *ks, *kd;
+    if (pd_backend_cpu_create(&bp, &bs) < 0 || pd_backend_cpu_create(&bp, &bd) < 0 ||
+        pd_backend_get_ops(bs)->kv_create(bs, &kp, &ks) < 0 ||
+        pd_backend_get_ops(bd)->kv_create(bd, &kp, &kd) < 0) {
+        fprintf(stderr, "bench_pd: %s\n", pd_last_error());
+        return 1;
+    }
+    int32_t *blocks = malloc(n_blocks * sizeof *blocks);
+    for (size_t i = 0; i < n_blocks; i++) blocks[i] = (int32_t)i;
+    int done = 0;
+    pd_kv_rx_params rp = {.host = "127.0.0.1", .backend = bd, .kv = kd, .kv_params = kp};
+    pd_kv_tcp_receiver *rx;
+    pd_kv_tcp_sender *tx;
+    if (pd_kv_tcp_receiver_start(&rp, on_done, &done, &rx) < 0 ||
+        pd_kv_tcp_sender_create(&tx) < 0) {
+        fprintf(stderr, "bench_pd: %s\n", pd_last_error());
+        return 1;
+    }
+    size_t bytes =
+        2 * n_blocks * kp.block_size * kp.n_kv_heads * kp.head_dim * 4 * (size_t)kp.n_layers;
+    double best_kv = 1e30, best_raw = 1e30;
+    for (int r = 0; r < reps; r++) {
+        char id[32];
+        snprintf(id, sizeof id, "bench-%d", r);
+        pd_kv_rx_expect(rx, id, blocks, n_blocks);
+        pd_kv_send_req q = {.request_id = id,
+                            .host = "127.0.0.1",
+                            .port = pd_kv_tcp_receiver_port(rx),
+                            .backend = bs,
+                            .kv = ks,
+                            .kv_params = kp,
+                            .block_ids = blocks,
+                            .n_blocks = n_blocks,
+                            .head0 = 0,
+                            .n_heads = kp.n_kv_heads,
+                            .timeout_ms = 60000};
+        pd_kv_send_stats st;
+        if (pd_kv_tcp_send(tx, &q, &st) < 0) {
+            fprintf(stderr, "bench_pd: %s\n", pd_last_error());
+            return 1;
+        }
+        double raw = raw_tcp_copy(bytes);
+        printf("  rep %d: kv transfer %.2f GB/s (%llu bytes, %llu frames in %llu writes, %.2f ms); "
+               "raw tcp copy %.2f GB/s (%.2f ms)\n",
+               r, st.bytes / st.seconds / 1e9, (unsigned long long)st.bytes,
+               (unsigned long long)st.frames, (unsigned long long)st.writes, st.seconds * 1e3,
+               bytes / raw / 1e9, raw * 1e3);
+        if (st.seconds < best_kv) best_kv = st.seconds;
+        if (raw < best_raw) best_raw = raw;
+    }
+    printf("kv transfer of %zu tokens (%d layers x %zu kv heads x %zu, f32; %.1f MiB): best %.2f "
+           "GB/s; raw TCP copy of the same bytes: best %.2f GB/s; ratio %.1f%%\n",
+           tokens, kp.n_layers, kp.n_kv_heads, kp.head_dim, bytes / 1048576.0,
+           bytes / best_kv / 1e9, bytes / best_raw / 1e9, 100.0 * best_raw / best_kv);
+    pd_kv_tcp_sender_destroy(tx);
+    pd_kv_tcp_receiver_stop(rx);
+    pd_backend_get_ops(bs)->kv_free(bs, ks);
+    pd_backend_get_ops(bd)->kv_free(bd, kd);
+    pd_backend_destroy(bs);
+    pd_backend_destroy(bd);
+    free(blocks);
+    return 0;
+}
+
+/* ---- TTFT split vs colocated ------------------------------------------------------------------
+ */
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static int bench_ttft(int argc, char **argv)
+{
+    const char *model = arg_str(argc, argv, "--model");
+    size_t len = (size_t)arg_long(argc, argv, "--prompt-len", 512);
+    int reps = (int)arg_long(argc, argv, "--reps", 5);
+    if (!model || reps < 1 || reps > 64) {
+        fprintf(stderr, "usage: bench_pd ttft --model DIR [--prompt-len N] [--reps N<=64]\n");
+        return 2;
+    }
+    int32_t *prompt = malloc(len * sizeof *prompt);
+    double split[64], colo[64];
+    Pd__SamplingParams sp = PD__SAMPLING_PARAMS__INIT;
+    /* two tokens: the KV moves to the decode side before the first token is answered */
+    sp.n = 1, sp.top_p = 1, sp.repetition_penalty = 1, sp.logprobs = -1, sp.max_tokens = 2;
+    sp.skip_special_tokens = true, sp.has_seed = true;
+
+    /* colocated: one engine in this process, one thread */
+    pd_engine_params ep = pd_engine_default_params();
+    ep.model_dir = model;
+    ep.n_threads = 1;
+    ep.kv_cache_bytes = 64u << 20;
+    ep.max_model_len = 2048;
+    pd_engine *e;
+    if (pd_engine_create(&ep, &e) < 0) {
+        fprintf(stderr, "bench_pd: %s\n", pd_last_error());
+        return 1;
+    }
+    pd_sampling_params gp = pd_sampling_default_params();
+    gp.temperature = 0, gp.max_tokens = 1, gp.has_seed = true;
+    for (int r = 0; r < reps; r++) {
+        for (size_t i = 0; i < len; i++) prompt[i] = (int32_t)(40 + (i * 7 + (size_t)r) % 200);
+        char id[32];
+        snprintf(id, sizeof id, "colo-%d", r);
+        pd_engine_request q = {.request_id = id,
+                               .prompt_ids = prompt,
+                               .n_prompt = len,
+                               .sampling = &gp,
+                               .phase = PD_PHASE_FULL};
+        double t0 = pd_now_s();
+        pd_engine_add(e, &q);
+        bool first = false;
+        while (!first) {
+            bool did;
+            if (pd_engine_step(e, &did) < 0 && !did) break;
+            const pd_engine_event *ev;
+            while (pd_engine_next_event(e, &ev) == 1) {
+                if (ev->n_tokens && !first) {
+                    first = true;
+                    colo[r] = pd_now_s() - t0;
+                }
+                pd_engine_event_done(e);
+            }
+        }
+        while (pd_engine_has_work(e)) { /* let it finish */
+            bool did;
+            pd_engine_step(e, &did);
+            const pd_engine_event *ev;
+            while (pd_engine_next_event(e, &ev) == 1) pd_engine_event_done(e);
+        }
+    }
+    pd_engine_destroy(e);
+
+    /* split: a 1P1D cluster on loopback */
+    cl_cluster c;
+    if (cl_start(&c, model, "0", "1", NULL) < 0) {
+        fprintf(stderr, "bench_pd: %s\n", pd_last_error());
+        cl_stop_all(&c);
+        return 1;
+    }
+    static cl_result res;
+    for (int r = 0; r < reps; r++) {
+        for (size_t i = 0; i < len; i++) prompt[i] = (int32_t)(40 + (i * 7 + (size_t)r) % 200);
+        char id[32];
+        snprintf(id, sizeof id, "split-%d", r);
+        double t0 = pd_now_s();
+        if (cl_generate(&c, 0, 1, id, prompt, len, &sp, &res) < 0) {
+            fprintf(stderr, "bench_pd: %s\n", res.error);
+            cl_stop_all(&c);
+            return 1;
+        }
+        split[r] = res.t_first - t0; /* Reserve + Info + Prefill (KV transfer included) */
+    }
+    cl_stop_all(&c);
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", pdt_tmp_dir());
+    if (system(cmd) != 0) fprintf(stderr, "bench_pd: could not remove %s\n", pdt_tmp_dir());
+    for (int r = 0; r < reps; r++)
+        printf("  rep %d: colocated %.2f ms, split %.2f ms\n", r, colo[r] * 1e3, split[r] * 1e3);
+    qsort(colo, (size_t)reps, sizeof(double), cmp_double);
+    qsort(split, (size_t)reps, sizeof(double), cmp_double);
+    double mc = colo[reps / 2], ms = split[reps / 2];
+    printf("ttft, %zu-token prompt, 1 CPU thread per process: colocated median %.2f ms, split "
+           "median %.2f ms, added by splitting %.2f ms (%.1f%%)\n",
+           len, mc * 1e3, ms * 1e3, (ms - mc) * 1e3, 100.0 * (ms - mc) / mc);
+    free(prompt);
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc >= 2 && strcmp(argv[1], "kv") == 0) return bench_kv(argc, argv);
+    if (argc >= 2 && strcmp(argv[1], "ttft") == 0) return bench_ttft(argc, argv);
+    fprintf(stderr, "usage: bench_pd kv [...] | bench_pd ttft --model DIR [...]\n");
+    return 2;
+}
