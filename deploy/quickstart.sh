@@ -82,7 +82,7 @@ start decode local_ranktable_127.0.0.1_1.json "$dport"
 start scheduler local_ranktable_127.0.0.1_host.json "$port"
 [ "$detach" = 1 ] || trap 'echo; step "stopping"; stop_all; exit 0' INT TERM
 
-for i in $(seq 600); do
+for _ in $(seq 600); do
     code=$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$port/health" || true)
     [ "$code" = 200 ] && break
     for r in prefill decode scheduler; do

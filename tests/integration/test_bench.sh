@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# pd-bench against a real 1P1D cluster (deploy issue, acceptance): starts pd-prefill, pd-decode
+# and pd-scheduler through deploy/start_servers.sh on free ports with the tiny synthetic model,
+# runs pd-bench (16 prompts, concurrency 4) writing its JSON result and the raw SSE timestamps
+# of the same run, then recomputes TTFT and ITL from those raw events with an independent
+# Python parser and requires agreement within 5 %, 16 completed requests, no failure and
+# exactly 16 x output-length generated tokens. Also checks that a bad option and a dead server
+# give clear errors. Bounded in time; stops everything it started; exit 0 = pass.
+set -uo pipefail
+src=${PD_SOURCE_ROOT:?} bin=${PD_BUILD_ROOT:?}
+py=/usr/bin/python3
+work=$(mktemp -d "${TMPDIR:-/tmp}/pdbench.XXXXXX")
+pids=()
+cleanup() {
+    for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
+    for p in "${pids[@]}"; do
+        for _ in $(seq 100); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
+        kill -9 "$p" 2>/dev/null
+    done
+    [ -n "${PD_KEEP_WORK:-}" ] || rm -rf "$work"
+}
+trap cleanup EXIT
+fail() { echo "FAIL: $*"; for f in "$work"/*.log; do echo "--- $f"; tail -n 15 "$f"; done; exit 1; }
+free_port() { $py -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+bench="$bin/tools/bench/pd-bench"
+
+# option errors are clear and exit 1, before any network traffic
+out=$("$bench" --endpoint /v2/foo 2>&1); st=$?
+[ $st = 1 ] && grep -q -- "--endpoint: expected" <<<"$out" || fail "bad --endpoint: status $st, $out"
+out=$("$bench" --random-range-ratio 1.5 --base-url http://127.0.0.1:1 2>&1); st=$?
+[ $st = 1 ] && grep -q -- "--random-range-ratio" <<<"$out" || fail "bad ratio: status $st, $out"
+
+"$bin/tools/mkmodel/pd-mkmodel" --preset tiny --out "$work/tiny" >/dev/null || fail "pd-mkmodel"
+"$bin/ranktable/cli/pd-ranktable" --mode gen --prefill-server-list 0 --decode-server-list 1 \
+    --api-server --server-ip 127.0.0.1 --save-dir "$work" >/dev/null || fail "pd-ranktable"
+pp=$(free_port) dp=$(free_port) sp=$(free_port)
+export GLOBAL_RANK_TABLE_FILE_PATH="$work/global_ranktable_127.0.0.1.json"
+export NODE_PORTS="$pp,$dp" USE_OPENAI=1 PD_BIN_DIR="$bin"
+args=(--model "$work/tiny" --tensor-parallel-size 1 --max-model-len 512 --max-num-seqs 16
+      --max-num-batched-tokens 1024 --host 127.0.0.1 --served-model-name tiny --cpu-threads 1
+      --kv-cache-bytes 16777216)
+for spec in "prefill:0:$pp" "decode:1:$dp" "scheduler:host:$sp"; do
+    IFS=: read -r role table port <<<"$spec"
+    RANK_TABLE_FILE_PATH="$work/local_ranktable_127.0.0.1_$table.json" \
+        "$src/deploy/start_servers.sh" "${args[@]}" --port "$port" >"$work/$role.log" 2>&1 &
+    pids+=($!)
+done
+ok=0
+for _ in $(seq 300); do
+    [ "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$sp/health")" = 200 ] && { ok=1; break; }
+    sleep 0.1
+done
+[ $ok = 1 ] || fail "/health did not become 200 within 30 s"
+
+# the acceptance run: completions with token-id prompts, 16 prompts, 4 in flight
+n=16 olen=24
+"$bench" --base-url "http://127.0.0.1:$sp" --endpoint /v1/completions --model tiny \
+    --num-prompts $n --random-input-len 48 --random-output-len $olen --max-concurrency 4 \
+    --warmup 2 --seed 3 --goodput ttft:60000,e2el:60000 --timeout 60 \
+    --result-file "$work/result.json" --dump-timestamps "$work/ts.jsonl" \
+    >"$work/bench.log" 2>&1 || fail "pd-bench exited with $?: $(cat "$work/bench.log")"
+cat "$work/bench.log"
+$py - "$work/result.json" "$work/ts.jsonl" $n $olen 48 <<'PY' || fail "pd-bench figures disagree"
+import json, sys
+res = json.load(open(sys.argv[1]))
+n, olen, ilen = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+assert res["completed"] == n and res["failed"] == 0, (res["completed"], res["failed"], res["errors"])
+assert res["total_output_tokens"] == n * olen, res["total_output_tokens"]
+assert res["output_lens"] == [olen] * n, res["output_lens"]
+assert res["total_input_tokens"] == n * ilen, res["total_input_tokens"]   # id prompts, no BOS
+assert res["max_concurrency"] == 4 and res["request_goodput"] > 0
+# independent recomputation from the raw stream: classify every SSE payload ourselves
+ttfts, itls, counted = [], [], 0
+for line in open(sys.argv[2]):
+    r = json.loads(line)
+    assert r["ok"], r
+    tok_times, usage, done = [], None, False
+    for t, payload in r["events"]:
+        if payload == "[DONE]":
+            done = True
+            continue
+        ev = json.loads(payload)
+        assert "error" not in ev, ev
+        if ev["choices"]:
+            assert len(ev["choices"]) == 1 and "text" in ev["choices"][0], ev
+            tok_times.append(t)
+        if ev.get("usage"):
+            usage = ev["usage"]
+    assert done and usage and usage["completion_tokens"] == len(tok_times) == olen, (usage, len(tok_times))
+    ttfts.append((tok_times[0] - r["send_ns"]) / 1e6)
+    itls += [(b - a) / 1e6 for a, b in zip(tok_times, tok_times[1:])]
+    counted += 1
+assert counted == n, counted
+mean = lambda v: sum(v) / len(v)
+for name, mine, theirs in (("TTFT", mean(ttfts), res["mean_ttft_ms"]),
+                           ("ITL", mean(itls), res["mean_itl_ms"])):
+    rel = abs(mine - theirs) / max(mine, 1e-9)
+    print(f"{name} mean: from raw SSE {mine:.3f} ms, pd-bench {theirs:.3f} ms, diff {rel*100:.3f} %")
+    assert rel <= 0.05, name
+# the per-request lists agree with the raw stream too
+assert all(abs(a * 1e3 - b) <= 0.05 * b + 1e-6 for a, b in zip(res["ttfts"], ttfts))
+assert len(res["itls"]) == n and all(len(g) == olen - 1 for g in res["itls"])
+# summary statistics as numpy computes them (percentiles with linear interpolation)
+import numpy as np
+e2es = [e * 1e3 for e in res["e2els"]]
+tpots = [(e - t) / (olen - 1) for e, t in zip(e2es, [x * 1e3 for x in res["ttfts"]])]
+for name, v in (("ttft", ttfts), ("itl", itls), ("tpot", tpots), ("e2el", e2es)):
+    for stat, ref in (("mean", np.mean(v)), ("median", np.median(v)), ("std", np.std(v)),
+                      ("p90", np.percentile(v, 90)), ("p99", np.percentile(v, 99))):
+        got = res[f"{stat}_{name}_ms"]
+        assert abs(got - ref) <= 1e-3 * abs(ref) + 1e-6, (stat, name, got, ref)
+dur = res["duration"]
+assert abs(res["output_throughput"] - n * olen / dur) <= 1e-6 * res["output_throughput"]
+assert abs(res["request_throughput"] - n / dur) <= 1e-6 * res["request_throughput"]
+PY
+
+# chat with random words, Poisson arrivals: every request completes with exact lengths
+"$bench" --base-url "http://127.0.0.1:$sp" --endpoint /v1/chat/completions --model tiny \
+    --num-prompts 6 --random-input-len 16 --random-output-len 8 --random-range-ratio 0.5 \
+    --request-rate 20 --seed 5 --timeout 60 --quiet --result-file "$work/chat.json" \
+    >"$work/chat.log" 2>&1 || fail "pd-bench chat exited with $?: $(cat "$work/chat.log")"
+$py - "$work/chat.json" <<'PY' || fail "chat run: $(cat "$work/chat.log")"
+import json, sys
+r = json.load(open(sys.argv[1]))
+assert r["completed"] == 6 and r["failed"] == 0, r["errors"]
+assert all(4 <= o <= 12 for o in r["output_lens"]) and r["total_output_tokens"] == sum(r["output_lens"])
+assert r["request_rate"] == 20 and all(l > 0 for l in r["input_lens"])
+PY
+
+# a JSONL dataset; the wrong model name is counted as a failure with the server's message
+printf '{"prompt":"Hello there","output_len":5}\n{"prompt":"Tell me a story"}\n' >"$work/p.jsonl"
+"$bench" --base-url "http://127.0.0.1:$sp" --model nosuch --dataset jsonl \
+    --dataset-path "$work/p.jsonl" --num-prompts 2 --quiet >"$work/bad.log" 2>&1 && fail "all-failed run exited 0"
+grep -q "Failed requests: *2" "$work/bad.log" && grep -q "HTTP 404" "$work/bad.log" ||
+    fail "unclear failure report: $(cat "$work/bad.log")"
+"$bench" --base-url "http://127.0.0.1:$sp" --model tiny --dataset jsonl --random-output-len 3 \
+    --dataset-path "$work/p.jsonl" --num-prompts 2 --quiet --result-file "$work/jl.json" \
+    >"$work/jl.log" 2>&1 || fail "jsonl run: $(cat "$work/jl.log")"
+$py -c 'import json,sys; r=json.load(open(sys.argv[1])); assert r["output_lens"]==[5,3], r["output_lens"]' \
+    "$work/jl.json" || fail "jsonl output lengths"
+
+for i in 2 0 1; do kill "${pids[$i]}"; done
+for i in 0 1 2; do wait "${pids[$i]}"; done
+pids=()
+# a server that is gone: failures, exit 1, the connect error named
+"$bench" --base-url "http://127.0.0.1:$sp" --num-prompts 2 --random-input-len 4 \
+    --random-output-len 2 --quiet >"$work/dead.log" 2>&1 && fail "dead server: exit 0"
+grep -q "connect 127.0.0.1:$sp" "$work/dead.log" || fail "dead server: $(cat "$work/dead.log")"
+echo "PASS bench: pd-bench against 1P1D agrees with the raw SSE timestamps"

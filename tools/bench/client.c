@@ -1,0 +1,444 @@
+/* pd-bench HTTP client: one blocking connection per streaming request.
+ *
+ * Design: the request is written whole (Content-Length, Connection: close), then the response
+ * is fed to llhttp as it arrives; llhttp strips the chunked framing and hands body bytes to
+ * on_body, which splits them into events (SSE "data:" payloads separated by a blank line, or
+ * NDJSON lines for /generate). An event's timestamp is taken right after the recv() that
+ * completed it, before parsing, so parsing cost never shifts the figures. A token event is
+ * one with a non-empty "choices" array that is not the chat role chunk (the API sends exactly
+ * one such chunk per generated token); the usage chunk gives the token counts.
+ */
+#include <errno.h>
+#include <jansson.h>
+#include <llhttp.h>
+#include <netdb.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include "bench.h"
+#include "util/clock.h"
+#include "util/status.h"
+
+int pdb_target_init(pdb_target *t, const char *base_url, const char *endpoint)
+{
+    memset(t, 0, sizeof *t);
+    const char *p = base_url;
+    if (strncmp(p, "http://", 7) != 0)
+        return pd_error(PD_EINVAL, "--base-url: expected http://HOST:PORT, got \"%s\"", base_url);
+    p += 7;
+    size_t hl = strcspn(p, ":/");
+    if (hl == 0 || hl >= sizeof t->host)
+        return pd_error(PD_EINVAL, "--base-url: bad host in \"%s\"", base_url);
+    memcpy(t->host, p, hl);
+    p += hl;
+    snprintf(t->port, sizeof t->port, "80");
+    if (*p == ':') {
+        p++;
+        size_t pl = strspn(p, "0123456789");
+        if (pl == 0 || pl >= sizeof t->port || atoi(p) < 1 || atoi(p) > 65535)
+            return pd_error(PD_EINVAL, "--base-url: bad port in \"%s\"", base_url);
+        memcpy(t->port, p, pl);
+        t->port[pl] = 0;
+        p += pl;
+    }
+    if (*p && *p != '/')
+        return pd_error(PD_EINVAL, "--base-url: unexpected \"%s\" in \"%s\"", p, base_url);
+    size_t prefix = strlen(p);
+    while (prefix > 0 && p[prefix - 1] == '/') prefix--;
+    if (strcmp(endpoint, "/v1/completions") == 0)
+        t->endpoint = PDB_EP_COMPLETIONS;
+    else if (strcmp(endpoint, "/v1/chat/completions") == 0)
+        t->endpoint = PDB_EP_CHAT;
+    else if (strcmp(endpoint, "/generate") == 0)
+        t->endpoint = PDB_EP_GENERATE;
+    else
+        return pd_error(PD_EINVAL,
+                        "--endpoint: expected /v1/completions, /v1/chat/completions or /generate, "
+                        "got \"%s\"",
+                        endpoint);
+    if (prefix + strlen(endpoint) >= sizeof t->path)
+        return pd_error(PD_EINVAL, "--base-url: path too long");
+    memcpy(t->path, p, prefix);
+    memcpy(t->path + prefix, endpoint, strlen(endpoint) + 1);
+    t->timeout_s = 600;
+    return PD_OK;
+}
+
+/* ---- result buffers ----------------------------------------------------------------------- */
+
+int pdb_result_init(pdb_result *r, int64_t expect_tokens, bool record_events)
+{
+    memset(r, 0, sizeof *r);
+    r->prompt_tokens = -1;
+    r->output_tokens = -1;
+    r->cap_tok = (size_t)(expect_tokens > 0 ? expect_tokens : 16) + 8;
+    r->tok_ns = malloc(r->cap_tok * sizeof *r->tok_ns);
+    if (!r->tok_ns) return pd_error(PD_ENOMEM, "out of memory");
+    if (record_events) {
+        r->cap_ev = r->cap_tok + 8;
+        r->ev = malloc(r->cap_ev * sizeof *r->ev);
+        r->ev_cap = r->cap_ev * 256;
+        r->ev_text = malloc(r->ev_cap);
+        if (!r->ev || !r->ev_text) return pd_error(PD_ENOMEM, "out of memory");
+    }
+    return PD_OK;
+}
+
+void pdb_result_free(pdb_result *r)
+{
+    free(r->tok_ns);
+    free(r->ev);
+    free(r->ev_text);
+    memset(r, 0, sizeof *r);
+}
+
+/* Doubles *cap until it holds need elements; *buf keeps its contents. */
+static int grow(void **buf, size_t *cap, size_t need, size_t elem)
+{
+    if (need <= *cap) return PD_OK;
+    size_t c = *cap ? *cap : 16;
+    while (c < need) c *= 2;
+    void *nb = realloc(*buf, c * elem);
+    if (!nb) return pd_error(PD_ENOMEM, "out of memory");
+    *buf = nb;
+    *cap = c;
+    return PD_OK;
+}
+
+/* ---- the streaming reader ------------------------------------------------------------------ */
+
+typedef struct {
+    const pdb_target *t;
+    pdb_result *r;
+    int status;    /* HTTP status */
+    bool complete; /* llhttp saw the end of the message */
+    bool done;     /* [DONE] seen */
+    bool failed;   /* r->error set */
+    int64_t now;   /* time of the recv() being parsed */
+    char *line;    /* current event / line being assembled (body bytes) */
+    size_t line_len, line_cap;
+    char errbody[200]; /* start of a non-200 body, for the message */
+    size_t errbody_len;
+    int64_t gen_lines; /* /generate: lines seen */
+} reader;
+
+static void fail(reader *rd, const char *fmt, const char *detail)
+{
+    if (rd->failed) return;
+    rd->failed = true;
+    rd->r->ok = false;
+    snprintf(rd->r->error, sizeof rd->r->error, fmt, detail);
+}
+
+static void record_event(reader *rd, const char *data, size_t len)
+{
+    pdb_result *r = rd->r;
+    if (!r->ev) return;
+    if (grow((void **)&r->ev, &r->cap_ev, r->n_ev + 1, sizeof *r->ev) < 0 ||
+        grow((void **)&r->ev_text, &r->ev_cap, r->ev_len + len + 1, 1) < 0) {
+        fail(rd, "%s", "out of memory");
+        return;
+    }
+    r->ev[r->n_ev].ns = rd->now;
+    r->ev[r->n_ev].off = r->ev_len;
+    memcpy(r->ev_text + r->ev_len, data, len);
+    r->ev_text[r->ev_len + len] = 0;
+    r->ev_len += len + 1;
+    r->n_ev++;
+}
+
+static void add_token(reader *rd)
+{
+    pdb_result *r = rd->r;
+    if (grow((void **)&r->tok_ns, &r->cap_tok, r->n_tok + 1, sizeof *r->tok_ns) < 0) {
+        fail(rd, "%s", "out of memory");
+        return;
+    }
+    r->tok_ns[r->n_tok++] = rd->now;
+}
+
+/* One SSE data payload (OpenAI endpoints). */
+static void on_sse_data(reader *rd, const char *data, size_t len)
+{
+    record_event(rd, data, len);
+    if (len == 6 && memcmp(data, "[DONE]", 6) == 0) {
+        rd->done = true;
+        return;
+    }
+    json_error_t je;
+    json_t *ev = json_loadb(data, len, JSON_ALLOW_NUL, &je); /* "\u0000" is valid JSON */
+    if (!ev) {
+        fail(rd, "malformed SSE event: %s", je.text);
+        return;
+    }
+    json_t *err = json_object_get(ev, "error");
+    if (err) {
+        const char *msg = json_string_value(json_object_get(err, "message"));
+        fail(rd, "in-band error: %s", msg ? msg : "(no message)");
+        json_decref(ev);
+        return;
+    }
+    json_t *choices = json_object_get(ev, "choices");
+    if (json_is_array(choices) && json_array_size(choices) > 0) {
+        json_t *delta = json_object_get(json_array_get(choices, 0), "delta");
+        bool role_chunk = delta && json_object_get(delta, "role");
+        if (!role_chunk) add_token(rd);
+    }
+    json_t *usage = json_object_get(ev, "usage");
+    if (json_is_object(usage)) {
+        json_t *pt = json_object_get(usage, "prompt_tokens");
+        json_t *ct = json_object_get(usage, "completion_tokens");
+        if (json_is_integer(pt)) rd->r->prompt_tokens = json_integer_value(pt);
+        if (json_is_integer(ct)) rd->r->output_tokens = json_integer_value(ct);
+    }
+    json_decref(ev);
+}
+
+/* One NDJSON line of the legacy /generate stream: a cumulative text per token. */
+static void on_ndjson_line(reader *rd, const char *data, size_t len)
+{
+    record_event(rd, data, len);
+    if (len >= 9 && memcmp(data, "{\"error\"", 8) == 0) {
+        fail(rd, "in-band error: %.200s", data);
+        return;
+    }
+    rd->gen_lines++;
+    add_token(rd);
+}
+
+/* Splits body bytes into events; rd->line holds the unfinished one. */
+static void feed_body(reader *rd, const char *at, size_t len)
+{
+    for (size_t i = 0; i < len; i++) {
+        char c = at[i];
+        if (grow((void **)&rd->line, &rd->line_cap, rd->line_len + 2, 1) < 0) {
+            fail(rd, "%s", "out of memory");
+            return;
+        }
+        rd->line[rd->line_len++] = c;
+        rd->line[rd->line_len] = 0;
+        if (c != '\n') continue;
+        if (rd->t->endpoint == PDB_EP_GENERATE) {
+            size_t l = rd->line_len - 1;
+            if (l > 0) on_ndjson_line(rd, rd->line, l);
+            rd->line_len = 0;
+        } else if (rd->line_len >= 2 && rd->line[rd->line_len - 2] == '\n') {
+            /* an event ends at a blank line; take its data: lines (one in practice) */
+            char *ev = rd->line;
+            size_t evlen = rd->line_len - 2;
+            ev[evlen] = 0;
+            if (evlen >= 5 && strncmp(ev, "data:", 5) == 0) {
+                const char *d = ev + 5;
+                if (*d == ' ') d++;
+                on_sse_data(rd, d, strlen(d));
+            } else if (evlen > 0 && ev[0] != ':') {
+                fail(rd, "unexpected SSE line: %.100s", ev);
+            }
+            rd->line_len = 0;
+        }
+    }
+}
+
+static int cb_body(llhttp_t *p, const char *at, size_t len)
+{
+    reader *rd = p->data;
+    if (rd->status != 200) {
+        size_t room = sizeof rd->errbody - 1 - rd->errbody_len;
+        size_t k = len < room ? len : room;
+        memcpy(rd->errbody + rd->errbody_len, at, k);
+        rd->errbody_len += k;
+        rd->errbody[rd->errbody_len] = 0;
+        return 0;
+    }
+    feed_body(rd, at, len);
+    return 0;
+}
+
+static int cb_headers_complete(llhttp_t *p)
+{
+    reader *rd = p->data;
+    rd->status = p->status_code;
+    return 0;
+}
+
+static int cb_message_complete(llhttp_t *p)
+{
+    ((reader *)p->data)->complete = true;
+    return 0;
+}
+
+static int connect_to(const pdb_target *t, char *err, size_t errn)
+{
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM}, *res = NULL;
+    int gai = getaddrinfo(t->host, t->port, &hints, &res);
+    if (gai != 0) {
+        snprintf(err, errn, "cannot resolve %s: %s", t->host, gai_strerror(gai));
+        return -1;
+    }
+    int fd = -1, e = 0;
+    for (struct addrinfo *a = res; a; a = a->ai_next) {
+        fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+        if (fd < 0) continue;
+        if (connect(fd, a->ai_addr, a->ai_addrlen) == 0) break;
+        e = errno;
+        close(fd);
+        fd = -1;
+    }
+    freeaddrinfo(res);
+    if (fd < 0) snprintf(err, errn, "connect %s:%s: %s", t->host, t->port, strerror(e));
+    return fd;
+}
+
+/* The JSON body for p (a new string, free()). */
+static char *request_body(const pdb_target *t, const pdb_prompt *p, uint64_t seed)
+{
+    json_t *b = json_object();
+    if (t->model && t->endpoint != PDB_EP_GENERATE)
+        json_object_set_new(b, "model", json_string(t->model));
+    if (t->endpoint == PDB_EP_CHAT) {
+        json_t *msgs = json_pack("[{s:s,s:s}]", "role", "user", "content", p->text ? p->text : "");
+        json_object_set_new(b, "messages", msgs);
+    } else if (p->ids) {
+        json_t *ids = json_array();
+        for (size_t i = 0; i < p->n_ids; i++) json_array_append_new(ids, json_integer(p->ids[i]));
+        json_object_set_new(b, "prompt", ids);
+    } else {
+        json_object_set_new(b, "prompt", json_string(p->text ? p->text : ""));
+    }
+    json_object_set_new(b, "max_tokens", json_integer(p->output_len));
+    json_object_set_new(b, "ignore_eos", json_true());
+    json_object_set_new(b, "temperature", json_real(0.0));
+    json_object_set_new(b, "seed", json_integer((json_int_t)(seed & 0x7fffffffffffffffull)));
+    json_object_set_new(b, "stream", json_true());
+    if (t->endpoint != PDB_EP_GENERATE)
+        json_object_set_new(b, "stream_options", json_pack("{s:b}", "include_usage", 1));
+    char *s = json_dumps(b, JSON_COMPACT);
+    json_decref(b);
+    return s;
+}
+
+static int send_all(int fd, const char *buf, size_t len)
+{
+    while (len > 0) {
+        ssize_t w = send(fd, buf, len, MSG_NOSIGNAL);
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        buf += w;
+        len -= (size_t)w;
+    }
+    return 0;
+}
+
+void pdb_request_run(const pdb_target *t, const pdb_prompt *p, uint64_t seed, pdb_result *r)
+{
+    r->ok = false;
+    r->error[0] = 0;
+    r->n_tok = r->n_ev = r->ev_len = 0;
+    r->prompt_tokens = r->output_tokens = -1;
+    reader rd = {.t = t, .r = r};
+    char *body = request_body(t, p, seed);
+    char head[1200];
+    int fd = -1;
+    r->t_send = pd_now_ns();
+    r->t_end = r->t_send;
+    if (!body) {
+        fail(&rd, "%s", "out of memory");
+        goto out;
+    }
+    char auth[600] = "";
+    if (t->api_key) snprintf(auth, sizeof auth, "Authorization: Bearer %s\r\n", t->api_key);
+    size_t blen = strlen(body);
+    int hn = snprintf(head, sizeof head,
+                      "POST %s HTTP/1.1\r\nHost: %s:%s\r\nContent-Type: application/json\r\n"
+                      "Accept: text/event-stream\r\n%sContent-Length: %zu\r\n"
+                      "Connection: close\r\n\r\n",
+                      t->path, t->host, t->port, auth, blen);
+    if (hn < 0 || (size_t)hn >= sizeof head) {
+        fail(&rd, "%s", "request head too long");
+        goto out;
+    }
+    char err[300];
+    fd = connect_to(t, err, sizeof err);
+    if (fd < 0) {
+        fail(&rd, "%.240s", err);
+        goto out;
+    }
+    if (send_all(fd, head, strlen(head)) < 0 || send_all(fd, body, blen) < 0) {
+        fail(&rd, "send: %s", strerror(errno));
+        goto out;
+    }
+    llhttp_settings_t st;
+    llhttp_settings_init(&st);
+    st.on_body = cb_body;
+    st.on_headers_complete = cb_headers_complete;
+    st.on_message_complete = cb_message_complete;
+    llhttp_t parser;
+    llhttp_init(&parser, HTTP_RESPONSE, &st);
+    parser.data = &rd;
+    char buf[16384];
+    while (!rd.complete && !rd.failed) {
+        struct pollfd pfd = {.fd = fd, .events = POLLIN};
+        int pr = poll(&pfd, 1, t->timeout_s * 1000);
+        if (pr < 0 && errno == EINTR) continue;
+        if (pr == 0) {
+            fail(&rd, "%s", "timed out waiting for the server");
+            break;
+        }
+        ssize_t n = recv(fd, buf, sizeof buf, 0);
+        rd.now = pd_now_ns();
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            fail(&rd, "recv: %s", strerror(errno));
+            break;
+        }
+        if (n == 0) {
+            llhttp_errno_t fe = llhttp_finish(&parser);
+            if (!rd.complete && fe != HPE_OK)
+                fail(&rd, "%s", "connection closed mid-response");
+            else if (!rd.complete)
+                fail(&rd, "%s", "connection closed before a response");
+            break;
+        }
+        llhttp_errno_t pe = llhttp_execute(&parser, buf, (size_t)n);
+        if (pe != HPE_OK && !rd.failed) {
+            fail(&rd, "bad HTTP response: %s", llhttp_errno_name(pe));
+            break;
+        }
+    }
+    r->t_end = pd_now_ns();
+    if (rd.failed) goto out;
+    if (rd.status != 200) {
+        char msg[260];
+        snprintf(msg, sizeof msg, "HTTP %d: %s", rd.status, rd.errbody);
+        fail(&rd, "%.240s", msg);
+        goto out;
+    }
+    if (t->endpoint == PDB_EP_GENERATE) {
+        r->output_tokens = rd.gen_lines;
+    } else {
+        if (!rd.done) {
+            fail(&rd, "%s", "stream ended without [DONE]");
+            goto out;
+        }
+        if (r->output_tokens < 0) {
+            fail(&rd, "%s", "no usage chunk in the stream");
+            goto out;
+        }
+    }
+    if (r->n_tok == 0) {
+        fail(&rd, "%s", "no token arrived");
+        goto out;
+    }
+    r->ok = true;
+out:
+    if (fd >= 0) close(fd);
+    free(body);
+    free(rd.line);
+}
