@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "sched.h"
+#include "util/args.h"
 #include "util/status.h"
 
 static const char USAGE[] =
@@ -57,17 +58,6 @@ static bool is_instance_flag(const char *flag)
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (strcmp(flag, names[i]) == 0) return true;
     return false;
-}
-
-static int parse_i64(const char *flag, const char *v, int64_t lo, int64_t *out)
-{
-    char *end;
-    errno = 0;
-    long long x = strtoll(v, &end, 10);
-    if (!*v || *end || errno || x < lo)
-        return pd_error(PD_EINVAL, "%s: '%s' is not an integer >= %lld", flag, v, (long long)lo);
-    *out = x;
-    return PD_OK;
 }
 
 int pd_sched_parse_args(int argc, char **argv, pd_sched_params *p, bool *help)
@@ -134,7 +124,7 @@ int pd_sched_parse_args(int argc, char **argv, pd_sched_params *p, bool *help)
             p->host = val;
         } else if (strcmp(flag, "--port") == 0) {
             NEED();
-            PD_CHECK(parse_i64(flag, val, 0, &x));
+            PD_CHECK(pd_arg_i64(flag, val, 0, INT64_MAX, &x));
             if (x > 65535) return pd_error(PD_EINVAL, "--port: %lld is not a port", (long long)x);
             p->port = (int)x;
         } else if (strcmp(flag, "--api-key") == 0) {
@@ -142,13 +132,13 @@ int pd_sched_parse_args(int argc, char **argv, pd_sched_params *p, bool *help)
             p->api_key = val;
         } else if (strcmp(flag, "--max-model-len") == 0) {
             NEED();
-            PD_CHECK(parse_i64(flag, val, 1, &p->max_model_len));
+            PD_CHECK(pd_arg_i64(flag, val, 1, INT64_MAX, &p->max_model_len));
         } else if (strcmp(flag, "--max-concurrent-requests") == 0) {
             NEED();
-            PD_CHECK(parse_i64(flag, val, 0, &p->max_concurrent_requests));
+            PD_CHECK(pd_arg_i64(flag, val, 0, INT64_MAX, &p->max_concurrent_requests));
         } else if (strcmp(flag, "--max-request-body-bytes") == 0) {
             NEED();
-            PD_CHECK(parse_i64(flag, val, 1, &p->max_request_body_bytes));
+            PD_CHECK(pd_arg_i64(flag, val, 1, INT64_MAX, &p->max_request_body_bytes));
         } else if (strcmp(flag, "--chat-template") == 0) {
             NEED();
             p->chat_template = val;
@@ -171,7 +161,7 @@ int pd_sched_parse_args(int argc, char **argv, pd_sched_params *p, bool *help)
             p->response_role = val;
         } else if (strcmp(flag, "--max-logprobs") == 0) {
             NEED();
-            PD_CHECK(parse_i64(flag, val, 0, &x));
+            PD_CHECK(pd_arg_i64(flag, val, 0, INT64_MAX, &x));
             p->max_logprobs = x > 1000000 ? 1000000 : (int)x;
         } else if (strcmp(flag, "--log-level") == 0) {
             NEED();

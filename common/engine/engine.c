@@ -837,7 +837,8 @@ int pd_engine_reserve(pd_engine *e, const char *request_id, size_t n_tokens, int
     r->n_prompt = n_tokens;
     r->seqs[0].req = r;
     r->arena = pd_arena_create(0);
-    int32_t *zeros = calloc(n_tokens, sizeof *zeros); /* placeholder prompt until the import */
+    int32_t *zeros = calloc(
+        n_tokens, sizeof *zeros); /* the real prompt ids arrive with pd_engine_add_imported */
     int rc = (r->arena && zeros) ? PD_OK : pd_error(PD_ENOMEM, "engine: out of memory");
     pthread_mutex_lock(&e->mu);
     if (rc >= 0 && e->closing) rc = pd_error(PD_ECLOSED, "engine is shutting down");

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "node/node.h"
+#include "util/args.h"
 #include "util/log.h"
 #include "util/signals.h"
 #include "util/status.h"
@@ -60,18 +61,6 @@ static bool is_scheduler_flag(const char *flag)
     return false;
 }
 
-static int parse_long(const char *flag, const char *v, long long lo, long long hi, long long *out)
-{
-    char *end = NULL;
-    errno = 0;
-    long long x = strtoll(v, &end, 10);
-    if (errno || !end || *end || end == v || x < lo || x > hi)
-        return pd_error(PD_EINVAL, "%s: expected an integer in %lld..%lld, got '%s'", flag, lo, hi,
-                        v);
-    *out = x;
-    return PD_OK;
-}
-
 int pd_node_parse_args(int argc, char **argv, rt_role role, pd_node_params *p)
 {
     *p = pd_node_default_params();
@@ -99,7 +88,7 @@ int pd_node_parse_args(int argc, char **argv, rt_role role, pd_node_params *p)
             if (i + 1 >= argc) return pd_error(PD_EINVAL, "%s: missing value", name);
             v = argv[++i];
         }
-        long long x;
+        int64_t x;
         if (strcmp(name, "--model") == 0) {
             p->model_dir = v;
         } else if (strcmp(name, "--served-model-name") == 0) {
@@ -107,37 +96,37 @@ int pd_node_parse_args(int argc, char **argv, rt_role role, pd_node_params *p)
         } else if (strcmp(name, "--host") == 0) {
             p->host = v;
         } else if (strcmp(name, "--port") == 0) {
-            PD_CHECK(parse_long(name, v, 1, 65535, &x));
+            PD_CHECK(pd_arg_i64(name, v, 1, 65535, &x));
             p->port = (int)x;
         } else if (strcmp(name, "--tensor-parallel-size") == 0) {
-            PD_CHECK(parse_long(name, v, 1, 1024, &x));
+            PD_CHECK(pd_arg_i64(name, v, 1, 1024, &x));
             p->tensor_parallel_size = (int)x;
         } else if (strcmp(name, "--max-model-len") == 0) {
-            PD_CHECK(parse_long(name, v, 1, 1LL << 30, &x));
+            PD_CHECK(pd_arg_i64(name, v, 1, 1LL << 30, &x));
             p->max_model_len = (size_t)x;
         } else if (strcmp(name, "--max-num-seqs") == 0) {
-            PD_CHECK(parse_long(name, v, 1, 1 << 20, &x));
+            PD_CHECK(pd_arg_i64(name, v, 1, 1 << 20, &x));
             p->max_num_seqs = (size_t)x;
         } else if (strcmp(name, "--max-num-batched-tokens") == 0) {
-            PD_CHECK(parse_long(name, v, 1, 1LL << 30, &x));
+            PD_CHECK(pd_arg_i64(name, v, 1, 1LL << 30, &x));
             p->max_num_batched_tokens = (size_t)x;
         } else if (strcmp(name, "--block-size") == 0) {
-            PD_CHECK(parse_long(name, v, 1, 4096, &x));
+            PD_CHECK(pd_arg_i64(name, v, 1, 4096, &x));
             p->block_size = (size_t)x;
         } else if (strcmp(name, "--kv-cache-bytes") == 0) {
-            PD_CHECK(parse_long(name, v, 1, 1LL << 50, &x));
+            PD_CHECK(pd_arg_i64(name, v, 1, 1LL << 50, &x));
             p->kv_cache_bytes = (size_t)x;
         } else if (strcmp(name, "--seed") == 0) {
-            PD_CHECK(parse_long(name, v, -1, 1LL << 62, &x));
+            PD_CHECK(pd_arg_i64(name, v, -1, 1LL << 62, &x));
             p->seed = x;
         } else if (strcmp(name, "--cpu-threads") == 0) {
-            PD_CHECK(parse_long(name, v, 0, 4096, &x));
+            PD_CHECK(pd_arg_i64(name, v, 0, 4096, &x));
             p->cpu_threads = (int)x;
         } else if (strcmp(name, "--shutdown-timeout") == 0) {
-            PD_CHECK(parse_long(name, v, 0, 86400, &x));
+            PD_CHECK(pd_arg_i64(name, v, 0, 86400, &x));
             p->shutdown_timeout_s = (int)x;
         } else if (strcmp(name, "--kv-lease-seconds") == 0) {
-            PD_CHECK(parse_long(name, v, 1, 86400, &x));
+            PD_CHECK(pd_arg_i64(name, v, 1, 86400, &x));
             p->kv_lease_s = (int)x;
         } else if (strcmp(name, "--kv-transport") == 0) {
             if (strcmp(v, "auto") && strcmp(v, "tcp") && strcmp(v, "nccl") && strcmp(v, "cuda_ipc"))

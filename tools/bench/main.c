@@ -34,6 +34,7 @@
 #include "bench.h"
 #include "engine/rng.h"
 #include "json/json.h"
+#include "util/args.h"
 #include "util/clock.h"
 #include "util/status.h"
 
@@ -78,27 +79,6 @@ static void usage(FILE *o)
                "[--quiet]\n");
 }
 
-static int parse_i64(const char *opt, const char *s, int64_t lo, int64_t hi, int64_t *out)
-{
-    char *end;
-    long long v = strtoll(s, &end, 10);
-    if (end == s || *end || v < lo || v > hi)
-        return pd_error(PD_EINVAL, "%s: expected an integer in [%lld, %lld], got \"%s\"", opt,
-                        (long long)lo, (long long)hi, s);
-    *out = v;
-    return PD_OK;
-}
-
-static int parse_f64(const char *opt, const char *s, double *out)
-{
-    char *end;
-    double v = strtod(s, &end);
-    if (end == s || *end || !isfinite(v))
-        return pd_error(PD_EINVAL, "%s: expected a number, got \"%s\"", opt, s);
-    *out = v;
-    return PD_OK;
-}
-
 /* "ttft:200,tpot:50,e2el:2000" -> SLOs in ms. */
 static int parse_goodput(const char *s, bench_args *a)
 {
@@ -111,7 +91,7 @@ static int parse_goodput(const char *s, bench_args *a)
         if (!colon) return pd_error(PD_EINVAL, "--goodput: expected NAME:MS, got \"%s\"", tok);
         *colon = 0;
         double v;
-        PD_CHECK(parse_f64("--goodput", colon + 1, &v));
+        PD_CHECK(pd_arg_f64("--goodput", colon + 1, &v));
         if (v <= 0) return pd_error(PD_EINVAL, "--goodput %s: must be positive", tok);
         if (!strcmp(tok, "ttft"))
             a->slo_ttft_ms = v;
@@ -159,28 +139,28 @@ static int parse_args(int argc, char **argv, bench_args *a)
         else if (!strcmp(o, "--goodput"))
             PD_CHECK(parse_goodput(v, a));
         else if (!strcmp(o, "--num-prompts"))
-            PD_CHECK(parse_i64(o, v, 1, 10000000, &a->num_prompts));
+            PD_CHECK(pd_arg_i64(o, v, 1, 10000000, &a->num_prompts));
         else if (!strcmp(o, "--random-input-len"))
-            PD_CHECK(parse_i64(o, v, 1, 1 << 24, &a->input_len));
+            PD_CHECK(pd_arg_i64(o, v, 1, 1 << 24, &a->input_len));
         else if (!strcmp(o, "--random-output-len"))
-            PD_CHECK(parse_i64(o, v, 1, 1 << 24, &a->output_len));
+            PD_CHECK(pd_arg_i64(o, v, 1, 1 << 24, &a->output_len));
         else if (!strcmp(o, "--random-vocab-size"))
-            PD_CHECK(parse_i64(o, v, 4, 1 << 24, &a->vocab));
+            PD_CHECK(pd_arg_i64(o, v, 4, 1 << 24, &a->vocab));
         else if (!strcmp(o, "--max-concurrency"))
-            PD_CHECK(parse_i64(o, v, 1, 4096, &a->max_concurrency));
+            PD_CHECK(pd_arg_i64(o, v, 1, 4096, &a->max_concurrency));
         else if (!strcmp(o, "--warmup"))
-            PD_CHECK(parse_i64(o, v, 0, 100000, &a->warmup));
+            PD_CHECK(pd_arg_i64(o, v, 0, 100000, &a->warmup));
         else if (!strcmp(o, "--seed"))
-            PD_CHECK(parse_i64(o, v, 0, INT64_MAX, &a->seed));
+            PD_CHECK(pd_arg_i64(o, v, 0, INT64_MAX, &a->seed));
         else if (!strcmp(o, "--timeout"))
-            PD_CHECK(parse_i64(o, v, 1, 86400, &a->timeout_s));
+            PD_CHECK(pd_arg_i64(o, v, 1, 86400, &a->timeout_s));
         else if (!strcmp(o, "--random-range-ratio"))
-            PD_CHECK(parse_f64(o, v, &a->range_ratio));
+            PD_CHECK(pd_arg_f64(o, v, &a->range_ratio));
         else if (!strcmp(o, "--request-rate")) {
             if (!strcmp(v, "inf"))
                 a->request_rate = INFINITY;
             else {
-                PD_CHECK(parse_f64(o, v, &a->request_rate));
+                PD_CHECK(pd_arg_f64(o, v, &a->request_rate));
                 if (a->request_rate <= 0)
                     return pd_error(PD_EINVAL, "--request-rate: must be positive or inf");
             }

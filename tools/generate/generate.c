@@ -22,6 +22,7 @@
 #include "model/model.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
+#include "util/args.h"
 #include "util/clock.h"
 #include "util/log.h"
 #include "util/status.h"
@@ -63,27 +64,6 @@ static void usage(FILE *o)
                "                   [--concurrency N] [--json] [--bench] [--cpu-threads N]\n");
 }
 
-static int parse_i64(const char *opt, const char *s, int64_t lo, int64_t hi, int64_t *out)
-{
-    char *end;
-    long long v = strtoll(s, &end, 10);
-    if (end == s || *end || v < lo || v > hi)
-        return pd_error(PD_EINVAL, "%s: expected an integer in [%lld, %lld], got \"%s\"", opt,
-                        (long long)lo, (long long)hi, s);
-    *out = v;
-    return PD_OK;
-}
-
-static int parse_f64(const char *opt, const char *s, double *out)
-{
-    char *end;
-    double v = strtod(s, &end);
-    if (end == s || *end || v != v)
-        return pd_error(PD_EINVAL, "%s: expected a number, got \"%s\"", opt, s);
-    *out = v;
-    return PD_OK;
-}
-
 static int parse_args(int argc, char **argv, args_t *a)
 {
     memset(a, 0, sizeof *a);
@@ -113,24 +93,24 @@ static int parse_args(int argc, char **argv, args_t *a)
             else if (!strcmp(o, "--prompts-file"))
                 a->prompts_file = v;
             else if (!strcmp(o, "--max-tokens"))
-                PD_CHECK(parse_i64(o, v, 1, 1 << 24, &a->max_tokens));
+                PD_CHECK(pd_arg_i64(o, v, 1, 1 << 24, &a->max_tokens));
             else if (!strcmp(o, "--temperature")) {
-                PD_CHECK(parse_f64(o, v, &a->temperature));
+                PD_CHECK(pd_arg_f64(o, v, &a->temperature));
                 a->has_temperature = true;
             } else if (!strcmp(o, "--top-p")) {
-                PD_CHECK(parse_f64(o, v, &a->top_p));
+                PD_CHECK(pd_arg_f64(o, v, &a->top_p));
                 a->has_top_p = true;
             } else if (!strcmp(o, "--top-k")) {
-                PD_CHECK(parse_i64(o, v, -1, INT32_MAX, &a->top_k));
+                PD_CHECK(pd_arg_i64(o, v, -1, INT32_MAX, &a->top_k));
                 a->has_top_k = true;
             } else if (!strcmp(o, "--seed")) {
-                PD_CHECK(parse_i64(o, v, INT64_MIN, INT64_MAX, &a->seed));
+                PD_CHECK(pd_arg_i64(o, v, INT64_MIN, INT64_MAX, &a->seed));
                 a->has_seed = true;
             } else if (!strcmp(o, "--cpu-threads")) {
-                PD_CHECK(parse_i64(o, v, 1, 4096, &iv));
+                PD_CHECK(pd_arg_i64(o, v, 1, 4096, &iv));
                 a->threads = (int)iv;
             } else if (!strcmp(o, "--concurrency")) {
-                PD_CHECK(parse_i64(o, v, 1, 1 << 20, &a->concurrency));
+                PD_CHECK(pd_arg_i64(o, v, 1, 1 << 20, &a->concurrency));
             } else
                 return pd_error(PD_EINVAL, "unknown option %s", o);
         }

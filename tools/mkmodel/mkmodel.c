@@ -31,6 +31,7 @@
 #include "model/model.h"
 #include "model/safetensors.h"
 #include "util/clock.h"
+#include "util/args.h"
 #include "util/status.h"
 #include "util/threadpool.h"
 
@@ -537,26 +538,10 @@ static void usage(FILE *f)
                "  --threads N                        generation threads (default: all cores)\n");
 }
 
-static int parse_i64(const char *opt, const char *s, int64_t lo, int64_t hi, int64_t *out)
-{
-    char *end;
-    errno = 0;
-    long long v = strtoll(s, &end, 10);
-    if (errno || *end || end == s || v < lo || v > hi)
-        return pd_error(PD_EINVAL, "%s: expected an integer in [%lld, %lld], got \"%s\"", opt,
-                        (long long)lo, (long long)hi, s);
-    *out = v;
-    return PD_OK;
-}
-
 static int parse_f64(const char *opt, const char *s, double *out)
 {
-    char *end;
-    errno = 0;
-    double v = strtod(s, &end);
-    if (errno || *end || end == s || !isfinite(v) || v <= 0)
-        return pd_error(PD_EINVAL, "%s: expected a positive number, got \"%s\"", opt, s);
-    *out = v;
+    PD_CHECK(pd_arg_f64(opt, s, out));
+    if (*out <= 0) return pd_error(PD_EINVAL, "%s: expected a positive number, got \"%s\"", opt, s);
     return PD_OK;
 }
 
@@ -662,16 +647,16 @@ static int run(int argc, char **argv)
             o.has_dtype = true;
             break;
         case O_SEED:
-            PD_CHECK(parse_i64("--seed", optarg, 0, INT64_MAX, &v));
+            PD_CHECK(pd_arg_i64("--seed", optarg, 0, INT64_MAX, &v));
             o.seed = (uint64_t)v;
             break;
         case O_TOKFROM: o.tokenizer_from = optarg; break;
         case O_SHARDS:
-            PD_CHECK(parse_i64("--shards", optarg, 1, 999, &v));
+            PD_CHECK(pd_arg_i64("--shards", optarg, 1, 999, &v));
             o.shards = (int)v;
             break;
         case O_THREADS:
-            PD_CHECK(parse_i64("--threads", optarg, 1, 1024, &v));
+            PD_CHECK(pd_arg_i64("--threads", optarg, 1, 1024, &v));
             o.threads = (int)v;
             break;
         case O_ARCH:
@@ -685,17 +670,17 @@ static int run(int argc, char **argv)
                 return pd_error(PD_EINVAL, "--arch: expected llama, mistral or qwen2, got \"%s\"",
                                 optarg);
             break;
-        case O_HIDDEN: PD_CHECK(parse_i64("--hidden", optarg, 2, big, &ov_hidden)); break;
-        case O_INTER: PD_CHECK(parse_i64("--intermediate", optarg, 1, big, &ov_inter)); break;
-        case O_LAYERS: PD_CHECK(parse_i64("--layers", optarg, 1, 1024, &ov_layers)); break;
-        case O_HEADS: PD_CHECK(parse_i64("--heads", optarg, 1, 4096, &ov_heads)); break;
-        case O_KVHEADS: PD_CHECK(parse_i64("--kv-heads", optarg, 1, 4096, &ov_kv)); break;
-        case O_HEADDIM: PD_CHECK(parse_i64("--head-dim", optarg, 2, 4096, &ov_hd)); break;
+        case O_HIDDEN: PD_CHECK(pd_arg_i64("--hidden", optarg, 2, big, &ov_hidden)); break;
+        case O_INTER: PD_CHECK(pd_arg_i64("--intermediate", optarg, 1, big, &ov_inter)); break;
+        case O_LAYERS: PD_CHECK(pd_arg_i64("--layers", optarg, 1, 1024, &ov_layers)); break;
+        case O_HEADS: PD_CHECK(pd_arg_i64("--heads", optarg, 1, 4096, &ov_heads)); break;
+        case O_KVHEADS: PD_CHECK(pd_arg_i64("--kv-heads", optarg, 1, 4096, &ov_kv)); break;
+        case O_HEADDIM: PD_CHECK(pd_arg_i64("--head-dim", optarg, 2, 4096, &ov_hd)); break;
         case O_VOCAB:
-            PD_CHECK(parse_i64("--vocab", optarg, 256 + N_SPECIALS, 1 << 18, &ov_vocab));
+            PD_CHECK(pd_arg_i64("--vocab", optarg, 256 + N_SPECIALS, 1 << 18, &ov_vocab));
             break;
         case O_MAXPOS:
-            PD_CHECK(parse_i64("--max-pos", optarg, 1, INT64_C(1) << 24, &ov_maxpos));
+            PD_CHECK(pd_arg_i64("--max-pos", optarg, 1, INT64_C(1) << 24, &ov_maxpos));
             break;
         case O_THETA: PD_CHECK(parse_f64("--rope-theta", optarg, &ov_theta)); break;
         case O_EPS: PD_CHECK(parse_f64("--rms-eps", optarg, &ov_eps)); break;
