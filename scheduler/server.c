@@ -862,6 +862,25 @@ static void lp_object(pd_sb *b, bool chat, pd_sb items[4])
     pd_sb_str(b, "}");
 }
 
+/* ,"logprobs":...,"finish_reason":... of a chunk's choice. A non-final chat chunk has no
+ * stop_reason key; a non-final completions chunk has "stop_reason":null (§11.2, §11.3). */
+static void choice_tail(pd_sb *sb, const choice *c, const pd_sb *lp, bool final,
+                        bool null_stop_reason)
+{
+    pd_sb_str(sb, ",\"logprobs\":");
+    if (lp)
+        pd_sb_add(sb, lp->p, lp->len);
+    else
+        pd_sb_str(sb, "null");
+    pd_sb_str(sb, ",\"finish_reason\":");
+    if (final) {
+        pd_sb_printf(sb, "\"%s\",\"stop_reason\":", c->finish);
+        stop_reason_json(sb, c);
+    } else {
+        pd_sb_str(sb, null_stop_reason ? "null,\"stop_reason\":null" : "null");
+    }
+}
+
 /* One token chunk of choice c with text (len bytes); final adds finish and stop reasons.
  * lp: the chunk's logprobs object, or NULL for null. */
 static void token_chunk(sreq *r, choice *c, const char *text, size_t len, bool final,
@@ -873,18 +892,8 @@ static void token_chunk(sreq *r, choice *c, const char *text, size_t len, bool f
     if (chat) {
         pd_sb_str(&r->ev, "\"delta\":{\"content\":");
         pd_sb_json_str(&r->ev, text, len);
-        pd_sb_str(&r->ev, "},\"logprobs\":");
-        if (lp)
-            pd_sb_add(&r->ev, lp->p, lp->len);
-        else
-            pd_sb_str(&r->ev, "null");
-        pd_sb_str(&r->ev, ",\"finish_reason\":");
-        if (final) {
-            pd_sb_printf(&r->ev, "\"%s\",\"stop_reason\":", c->finish);
-            stop_reason_json(&r->ev, c);
-        } else {
-            pd_sb_str(&r->ev, "null");
-        }
+        pd_sb_str(&r->ev, "}");
+        choice_tail(&r->ev, c, lp, final, false);
         pd_sb_str(&r->ev, "}]");
         if (r->req.continuous_usage) {
             pd_sb_str(&r->ev, ",\"usage\":");
@@ -904,18 +913,7 @@ static void token_chunk(sreq *r, choice *c, const char *text, size_t len, bool f
         } else {
             pd_sb_json_str(&r->ev, text, len);
         }
-        pd_sb_str(&r->ev, ",\"logprobs\":");
-        if (lp)
-            pd_sb_add(&r->ev, lp->p, lp->len);
-        else
-            pd_sb_str(&r->ev, "null");
-        pd_sb_str(&r->ev, ",\"finish_reason\":");
-        if (final) {
-            pd_sb_printf(&r->ev, "\"%s\",\"stop_reason\":", c->finish);
-            stop_reason_json(&r->ev, c);
-        } else {
-            pd_sb_str(&r->ev, "null,\"stop_reason\":null");
-        }
+        choice_tail(&r->ev, c, lp, final, true);
         pd_sb_str(&r->ev, "}],\"usage\":");
         if (r->req.continuous_usage)
             usage_obj(&r->ev, choice_prompt_tokens(r, c), c->completion_tokens, true);
