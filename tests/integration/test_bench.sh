@@ -7,21 +7,8 @@
 # exactly 16 x output-length generated tokens. Also checks that a bad option and a dead server
 # give clear errors. Bounded in time; stops everything it started; exit 0 = pass.
 set -uo pipefail
-src=${PD_SOURCE_ROOT:?} bin=${PD_BUILD_ROOT:?}
-py=/usr/bin/python3
-work=$(mktemp -d "${TMPDIR:-/tmp}/pdbench.XXXXXX")
-pids=()
-cleanup() {
-    for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
-    for p in "${pids[@]}"; do
-        for _ in $(seq 100); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
-        kill -9 "$p" 2>/dev/null
-    done
-    [ -n "${PD_KEEP_WORK:-}" ] || rm -rf "$work"
-}
-trap cleanup EXIT
-fail() { echo "FAIL: $*"; for f in "$work"/*.log; do echo "--- $f"; tail -n 15 "$f"; done; exit 1; }
-free_port() { $py -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+# shellcheck source=tests/integration/lib_cluster.sh
+. "$(dirname "$0")/lib_cluster.sh"
 bench="$bin/tools/bench/pd-bench"
 
 # option errors are clear and exit 1, before any network traffic
@@ -30,27 +17,7 @@ out=$("$bench" --endpoint /v2/foo 2>&1); st=$?
 out=$("$bench" --random-range-ratio 1.5 --base-url http://127.0.0.1:1 2>&1); st=$?
 [ $st = 1 ] && grep -q -- "--random-range-ratio" <<<"$out" || fail "bad ratio: status $st, $out"
 
-"$bin/tools/mkmodel/pd-mkmodel" --preset tiny --out "$work/tiny" >/dev/null || fail "pd-mkmodel"
-"$bin/ranktable/cli/pd-ranktable" --mode gen --prefill-server-list 0 --decode-server-list 1 \
-    --api-server --server-ip 127.0.0.1 --save-dir "$work" >/dev/null || fail "pd-ranktable"
-pp=$(free_port) dp=$(free_port) sp=$(free_port)
-export GLOBAL_RANK_TABLE_FILE_PATH="$work/global_ranktable_127.0.0.1.json"
-export NODE_PORTS="$pp,$dp" USE_OPENAI=1 PD_BIN_DIR="$bin"
-args=(--model "$work/tiny" --tensor-parallel-size 1 --max-model-len 512 --max-num-seqs 16
-      --max-num-batched-tokens 1024 --host 127.0.0.1 --served-model-name tiny --cpu-threads 1
-      --kv-cache-bytes 16777216)
-for spec in "prefill:0:$pp" "decode:1:$dp" "scheduler:host:$sp"; do
-    IFS=: read -r role table port <<<"$spec"
-    RANK_TABLE_FILE_PATH="$work/local_ranktable_127.0.0.1_$table.json" \
-        "$src/deploy/start_servers.sh" "${args[@]}" --port "$port" >"$work/$role.log" 2>&1 &
-    pids+=($!)
-done
-ok=0
-for _ in $(seq 300); do
-    [ "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$sp/health")" = 200 ] && { ok=1; break; }
-    sleep 0.1
-done
-[ $ok = 1 ] || fail "/health did not become 200 within 30 s"
+start_1p1d
 
 # the acceptance run: completions with token-id prompts, 16 prompts, 4 in flight
 n=16 olen=24

@@ -1,0 +1,47 @@
+# shellcheck shell=bash
+# Shared by the shell integration tests (source it): a work directory removed at exit (kept
+# with PD_KEEP_WORK=1), process cleanup, fail(), free_port(), and start_1p1d, which starts
+# pd-prefill, pd-decode and pd-scheduler on free ports through deploy/start_servers.sh with one
+# command line (the tiny synthetic model) and waits for /health.
+# Needs PD_SOURCE_ROOT and PD_BUILD_ROOT (set by meson's test_env).
+src=${PD_SOURCE_ROOT:?} bin=${PD_BUILD_ROOT:?}
+py=/usr/bin/python3
+work=$(mktemp -d "${TMPDIR:-/tmp}/pdit.XXXXXX")
+pids=()
+cleanup() {
+    for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
+    for p in "${pids[@]}"; do
+        for _ in $(seq 100); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
+        kill -9 "$p" 2>/dev/null
+    done
+    [ -n "${PD_KEEP_WORK:-}" ] || rm -rf "$work"
+}
+trap cleanup EXIT
+fail() { echo "FAIL: $*"; for f in "$work"/*.log; do echo "--- $f"; tail -n 15 "$f"; done; exit 1; }
+free_port() { $py -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+# Sets pp, dp, sp (ports), args (the common command line) and pids (prefill, decode, scheduler).
+start_1p1d() {
+    "$bin/tools/mkmodel/pd-mkmodel" --preset tiny --out "$work/tiny" >/dev/null || fail "pd-mkmodel"
+    "$bin/ranktable/cli/pd-ranktable" --mode gen --prefill-server-list 0 --decode-server-list 1 \
+        --api-server --server-ip 127.0.0.1 --save-dir "$work" >/dev/null || fail "pd-ranktable"
+    pp=$(free_port) dp=$(free_port) sp=$(free_port)
+    export GLOBAL_RANK_TABLE_FILE_PATH="$work/global_ranktable_127.0.0.1.json"
+    export NODE_PORTS="$pp,$dp" USE_OPENAI=1 PD_BIN_DIR="$bin"
+    # one command line for every role, as in the guide (only the port differs)
+    args=(--model "$work/tiny" --tensor-parallel-size 1 --max-model-len 512 --max-num-seqs 16
+          --max-num-batched-tokens 1024 --host 127.0.0.1 --served-model-name tiny --cpu-threads 1
+          --kv-cache-bytes 16777216)
+    local spec role table port
+    for spec in "prefill:0:$pp" "decode:1:$dp" "scheduler:host:$sp"; do
+        IFS=: read -r role table port <<<"$spec"
+        RANK_TABLE_FILE_PATH="$work/local_ranktable_127.0.0.1_$table.json" \
+            "$src/deploy/start_servers.sh" "${args[@]}" --port "$port" >"$work/$role.log" 2>&1 &
+        pids+=($!)
+    done
+    for _ in $(seq 300); do
+        [ "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$sp/health")" = 200 ] && return 0
+        sleep 0.1
+    done
+    fail "/health did not become 200 within 30 s"
+}
