@@ -19,6 +19,10 @@ static const char USAGE[] =
     "  --max-model-len N             context length L (default: config.json)\n"
     "  --max-concurrent-requests N   default 4096, 0 = no limit\n"
     "  --max-request-body-bytes N    default 16777216\n"
+    "  --queue-timeout S             longest wait for decode KV capacity, then 503 (default 600)\n"
+    "  --timeout-keep-alive S        close an idle keep-alive connection (default 5)\n"
+    "  --header-timeout S            a request's headers must arrive within S (default 10)\n"
+    "  --body-timeout S              a request's body must arrive within S (default 60)\n"
     "  --chat-template FILE|STRING   override the model's chat template\n"
     "  --trust-request-chat-template allow a request's own chat_template\n"
     "  --default-chat-template-kwargs JSON  extra template variables (an object)\n"
@@ -58,6 +62,15 @@ static bool is_instance_flag(const char *flag)
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (strcmp(flag, names[i]) == 0) return true;
     return false;
+}
+
+/* A positive duration in seconds (fractions allowed). */
+static int arg_seconds(const char *flag, const char *val, double *out)
+{
+    PD_CHECK(pd_arg_f64(flag, val, out));
+    if (*out <= 0 || *out > 1e6)
+        return pd_error(PD_EINVAL, "%s: expected seconds in (0, 1e6], got \"%s\"", flag, val);
+    return PD_OK;
 }
 
 int pd_sched_parse_args(int argc, char **argv, pd_sched_params *p, bool *help)
@@ -139,6 +152,18 @@ int pd_sched_parse_args(int argc, char **argv, pd_sched_params *p, bool *help)
         } else if (strcmp(flag, "--max-request-body-bytes") == 0) {
             NEED();
             PD_CHECK(pd_arg_i64(flag, val, 1, INT64_MAX, &p->max_request_body_bytes));
+        } else if (strcmp(flag, "--queue-timeout") == 0) {
+            NEED();
+            PD_CHECK(arg_seconds(flag, val, &p->queue_timeout_s));
+        } else if (strcmp(flag, "--timeout-keep-alive") == 0) {
+            NEED();
+            PD_CHECK(arg_seconds(flag, val, &p->keep_alive_s));
+        } else if (strcmp(flag, "--header-timeout") == 0) {
+            NEED();
+            PD_CHECK(arg_seconds(flag, val, &p->header_timeout_s));
+        } else if (strcmp(flag, "--body-timeout") == 0) {
+            NEED();
+            PD_CHECK(arg_seconds(flag, val, &p->body_timeout_s));
         } else if (strcmp(flag, "--chat-template") == 0) {
             NEED();
             p->chat_template = val;

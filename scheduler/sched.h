@@ -23,14 +23,18 @@ typedef struct {
     const char *model;                            /* --model DIR (required) */
     const char *served_names[PD_SCHED_MAX_NAMES]; /* --served-model-name N [N...]; default model */
     int n_served_names;
-    const char *host;                 /* --host, default "0.0.0.0" */
-    int port;                         /* --port, default 8000; 0 = ephemeral */
-    const char *api_key;              /* --api-key, else VLLM_API_KEY, else NULL */
-    int64_t max_model_len;            /* --max-model-len; 0 = config.json max_position_embeddings */
-    int64_t max_concurrent_requests;  /* --max-concurrent-requests, default 4096, 0 = no limit */
-    int64_t max_request_body_bytes;   /* --max-request-body-bytes, default 16 MiB */
-    const char *chat_template;        /* --chat-template FILE|STRING, or NULL */
-    bool trust_request_chat_template; /* --trust-request-chat-template */
+    const char *host;                /* --host, default "0.0.0.0" */
+    int port;                        /* --port, default 8000; 0 = ephemeral */
+    const char *api_key;             /* --api-key, else VLLM_API_KEY, else NULL */
+    int64_t max_model_len;           /* --max-model-len; 0 = config.json max_position_embeddings */
+    int64_t max_concurrent_requests; /* --max-concurrent-requests, default 4096, 0 = no limit */
+    int64_t max_request_body_bytes;  /* --max-request-body-bytes, default 16 MiB */
+    double queue_timeout_s;  /* --queue-timeout: longest wait for decode KV capacity, default 600 */
+    double keep_alive_s;     /* --timeout-keep-alive: idle keep-alive connection, default 5 */
+    double header_timeout_s; /* --header-timeout: first byte to last header, default 10 */
+    double body_timeout_s;   /* --body-timeout: end of headers to end of body, default 60 */
+    const char *chat_template;                /* --chat-template FILE|STRING, or NULL */
+    bool trust_request_chat_template;         /* --trust-request-chat-template */
     const char *default_chat_template_kwargs; /* --default-chat-template-kwargs JSON, or NULL */
     bool generation_config_vllm;              /* --generation-config vllm (default auto) */
     const char *response_role;                /* --response-role, default "assistant" */

@@ -69,7 +69,7 @@ typedef struct sreq sreq;
 
 enum { PH_RESERVE = 0, PH_PREFILL = 1, PH_DECODE = 2 };
 
-typedef struct {
+typedef struct choice {
     sreq *r;
     int index; /* choice index = prompt_idx * n + i */
     int prompt_idx;
@@ -96,6 +96,11 @@ typedef struct {
     int64_t kv_bytes;
     double kv_seconds, prefill_seconds;
     bool kv_reported;
+    bool admit_wait; /* Reserve was refused for lack of KV: the loop queues the choice */
+    bool admitted;   /* a retried Reserve succeeded */
+    /* admission queue (loop thread) */
+    bool in_queue, retrying;
+    struct choice *q_prev, *q_next;
     /* loop side */
     rec_buf work;
     bool chain_running; /* holds a reference */
@@ -136,7 +141,9 @@ struct sreq {
     bool counted; /* counts against --max-concurrent-requests */
     bool waiting; /* counted in num_requests_waiting */
     bool running; /* counted in num_requests_running */
+    int n_queued; /* choices waiting in the admission queue */
     pd_sb out;    /* unsent stream bytes (backpressure) */
+    bool paused;  /* the decode streams are paused until out drains */
     pd_sb ev;     /* scratch for one event */
     bool drain_registered;
     /* parsing on the libuv threadpool (tokenization and templates never block the loop) */
@@ -177,6 +184,13 @@ struct pd_sched {
     bool stopping;    /* loop: shutdown in progress */
     sreq *live;       /* loop thread */
     int64_t inflight; /* requests counted against the limit (loop thread) */
+    /* admission queue (loop thread): choices waiting for decode KV capacity, oldest first; only
+     * the head is retried, one Reserve at a time */
+    choice *admit_head, *admit_tail;
+    bool admit_busy; /* the head's retry is in flight */
+    bool admit_kick; /* capacity may have been freed: retry the head after this round */
+    uv_timer_t admit_timer;
+    bool admit_timer_on;
     int64_t n_waiting, n_running;
     uint64_t rng;
     /* metrics */
@@ -516,10 +530,17 @@ static void on_reserve_done(void *arg, int st, const char *details, const uint8_
         chain_end(c);
         return;
     }
+    if (st == PD_RPC_RESOURCE_EXHAUSTED) {
+        /* the decode instance has no KV room now: the loop queues the choice and retries */
+        pthread_mutex_lock(&r->mu);
+        c->admit_wait = true;
+        post_ready(r);
+        pthread_mutex_unlock(&r->mu);
+        return;
+    }
     Pd__ReserveReply *m = st == PD_RPC_OK ? pd__reserve_reply__unpack(NULL, len, resp) : NULL;
     if (!m) {
-        chain_fail(c, st == PD_RPC_RESOURCE_EXHAUSTED ? 503 : 500,
-                   "Reserve on the decode instance failed: %s: %s", pd_rpc_status_name(st),
+        chain_fail(c, 500, "Reserve on the decode instance failed: %s: %s", pd_rpc_status_name(st),
                    details && *details ? details : "bad reply");
         return;
     }
@@ -532,6 +553,10 @@ static void on_reserve_done(void *arg, int st, const char *details, const uint8_
     memcpy(c->block_ids, m->block_ids, m->n_block_ids * sizeof *c->block_ids);
     c->n_block_ids = m->n_block_ids;
     pd__reserve_reply__free_unpacked(m, NULL);
+    pthread_mutex_lock(&r->mu);
+    c->admitted = true; /* after a retry from the queue, the next queued choice may go */
+    post_ready(r);
+    pthread_mutex_unlock(&r->mu);
     start_prefill(c);
 }
 
@@ -613,6 +638,58 @@ static void request_close(sreq *r, const char *reason)
     }
 }
 
+/* ---- admission queue (loop thread) ------------------------------------------------------------
+ * A choice whose Reserve every decode instance refused for lack of KV waits here, oldest first.
+ * Only the head is retried, one Reserve at a time: when a chain ends (its KV is freed) and every
+ * ADMIT_RETRY_MS. A request that waited --queue-timeout gets 503. */
+
+enum { ADMIT_RETRY_MS = 10 };
+
+static void admit_enqueue(pd_sched *s, choice *c, bool front)
+{
+    sreq *r = c->r;
+    c->in_queue = true;
+    c->q_prev = front ? NULL : s->admit_tail;
+    c->q_next = front ? s->admit_head : NULL;
+    if (c->q_prev)
+        c->q_prev->q_next = c;
+    else
+        s->admit_head = c;
+    if (c->q_next)
+        c->q_next->q_prev = c;
+    else
+        s->admit_tail = c;
+    if (r->n_queued++ == 0 && r->running) {
+        r->running = false;
+        s->n_running--;
+        r->waiting = true;
+        s->n_waiting++;
+    }
+}
+
+static void admit_unlink(pd_sched *s, choice *c)
+{
+    sreq *r = c->r;
+    if (!c->in_queue) return;
+    c->in_queue = false;
+    if (c->q_prev)
+        c->q_prev->q_next = c->q_next;
+    else
+        s->admit_head = c->q_next;
+    if (c->q_next)
+        c->q_next->q_prev = c->q_prev;
+    else
+        s->admit_tail = c->q_prev;
+    c->q_prev = c->q_next = NULL;
+    if (--r->n_queued == 0 && r->waiting) {
+        r->waiting = false;
+        s->n_waiting--;
+        r->running = true;
+        s->n_running++;
+        r->t_prefill = pd_now_ns(); /* admitted: the queue time ends here */
+    }
+}
+
 /* Aborts every chain of r (cancels calls, sends Abort to P and D). */
 static void abort_chains(sreq *r)
 {
@@ -625,6 +702,11 @@ static void abort_chains(sreq *r)
     for (int i = 0; i < r->n_choices; i++) {
         choice *c = &r->choices[i];
         if (!c->chain_running) continue;
+        if (c->in_queue) { /* nothing in flight and nothing held on any instance */
+            admit_unlink(s, c);
+            chain_end(c);
+            continue;
+        }
         pthread_mutex_lock(&r->mu);
         uint64_t ids[3];
         bool in[3];
@@ -668,6 +750,26 @@ static void reject(sreq *r, int status, const char *msg, const char *extra)
 
 static void flush_out(sreq *r);
 
+/* Stream bytes a slow client may leave unsent here (on top of the HTTP layer's own bound)
+ * before its decode streams stop being read. */
+enum { SSE_PAUSE_BYTES = 256 * 1024 };
+
+/* Stops or resumes reading r's decode streams (backpressure towards the decode instances). */
+static void pause_decode(sreq *r, bool paused)
+{
+    if (r->paused != paused)
+        PD_DEBUG(r->id, "%s reading the decode streams (%zu stream bytes unsent)",
+                 paused ? "the client reads slowly: pausing" : "resuming", r->out.len);
+    r->paused = paused;
+    for (int i = 0; i < r->n_choices; i++) {
+        choice *c = &r->choices[i];
+        pthread_mutex_lock(&r->mu);
+        uint64_t id = c->in_phase[PH_DECODE] ? c->call_id[PH_DECODE] : 0;
+        pthread_mutex_unlock(&r->mu);
+        if (id) pd_rpc_stream_pause(r->s->rpc, id, paused);
+    }
+}
+
 static void on_drain(void *arg)
 {
     sreq *r = arg;
@@ -682,6 +784,8 @@ static void flush_out(sreq *r)
     if (r->out.len > 0) {
         int rc = pd_http_stream_write(r->ex, r->out.p, r->out.len);
         if (rc == PD_EBUSY) {
+            /* again on every flush: a decode stream may have started since */
+            if (r->out.len > SSE_PAUSE_BYTES) pause_decode(r, true);
             if (!r->drain_registered) {
                 r->drain_registered = true;
                 pd_http_on_drain(r->ex, on_drain, r);
@@ -690,6 +794,7 @@ static void flush_out(sreq *r)
         }
         pd_sb_reset(&r->out);
     }
+    if (r->paused) pause_decode(r, false);
     if (r->done && !r->drain_registered) {
         pd_http_stream_end(r->ex);
         end_exchange_ref(r);
@@ -1106,6 +1211,91 @@ static void request_complete(sreq *r)
     flush_out(r);
 }
 
+/* Asks c's decode instance to reserve the prompt's KV (the first step of the chain). */
+static void send_reserve(choice *c)
+{
+    sreq *r = c->r;
+    pd_sched *s = r->s;
+    Pd__ReserveRequest q = PD__RESERVE_REQUEST__INIT;
+    q.request_id = c->sub_id;
+    q.num_prompt_tokens = (int64_t)r->req.prompts[c->prompt_idx].n_ids;
+    q.ttl_ms = s->p.prefill_timeout_ms;
+    uint8_t buf[256];
+    size_t len = pd__reserve_request__pack(&q, buf);
+    pthread_mutex_lock(&r->mu);
+    c->in_phase[PH_RESERVE] = true;
+    pthread_mutex_unlock(&r->mu);
+    uint64_t id = 0;
+    pd_reg_unary(s->reg, c->d_node, "/pd.PD/Reserve", buf, len, s->p.rpc_timeout_ms,
+                 on_reserve_done, c, &id);
+    pthread_mutex_lock(&r->mu);
+    c->call_id[PH_RESERVE] = id;
+    pthread_mutex_unlock(&r->mu);
+}
+
+/* Fails the requests that waited --queue-timeout in the admission queue. */
+static void admit_expire(pd_sched *s)
+{
+    int64_t limit = (int64_t)(s->p.queue_timeout_s * 1e9);
+    int64_t now = pd_now_ns();
+    for (bool again = true; again;) {
+        again = false;
+        for (choice *c = s->admit_head; c; c = c->q_next) {
+            if (now - c->r->t_accept < limit) continue;
+            char msg[96];
+            snprintf(msg, sizeof msg, "Timed out after %g s waiting for capacity.",
+                     s->p.queue_timeout_s);
+            request_fail(c->r, 503, msg); /* unlinks every queued choice of the request */
+            again = true;
+            break;
+        }
+    }
+}
+
+/* Retries the head of the admission queue on the least loaded decode instance. */
+static void admit_pump(pd_sched *s)
+{
+    s->admit_kick = false;
+    if (s->admit_busy || !s->admit_head) return;
+    choice *c = s->admit_head;
+    sreq *r = c->r;
+    admit_unlink(s, c);
+    int old = c->d_node;
+    pd_reg_release(s->reg, old, c->d_tokens);
+    c->d_node = pd_reg_pick(s->reg, RT_ROLE_DECODE, c->d_tokens, -1);
+    if (c->d_node < 0 ||
+        (c->d_node != old &&
+         pd_reg_decode_targets(s->reg, c->d_node, r->a, &c->targets, &c->n_targets) < 0)) {
+        chain_end(c);
+        request_fail(r, 503, "No healthy decode instance is available.");
+        return;
+    }
+    c->retrying = true;
+    s->admit_busy = true;
+    send_reserve(c);
+}
+
+static void on_admit_timer(uv_timer_t *t)
+{
+    pd_sched *s = t->data;
+    admit_expire(s);
+    admit_pump(s);
+    if (!s->admit_head && !s->admit_busy) {
+        uv_timer_stop(t);
+        s->admit_timer_on = false;
+    }
+}
+
+/* Puts c in the admission queue (at the front when it was the head being retried). */
+static void admit_wait(pd_sched *s, choice *c, bool front)
+{
+    admit_enqueue(s, c, front);
+    if (!s->admit_timer_on) {
+        s->admit_timer_on = true;
+        uv_timer_start(&s->admit_timer, on_admit_timer, ADMIT_RETRY_MS, ADMIT_RETRY_MS);
+    }
+}
+
 /* Applies the pending records of every choice of r (loop thread). */
 static void process(sreq *r)
 {
@@ -1126,6 +1316,8 @@ static void process(sreq *r)
         int err_http = c->err_http;
         char err[256];
         snprintf(err, sizeof err, "%s", c->err);
+        bool wait = c->admit_wait, admitted = c->admitted;
+        c->admit_wait = c->admitted = false;
         bool kv = !c->kv_reported && c->kv_bytes > 0;
         int64_t kv_bytes = c->kv_bytes;
         double kv_secs = c->kv_seconds;
@@ -1146,6 +1338,7 @@ static void process(sreq *r)
                 if (!r->t_first) {
                     r->t_first = now;
                     pd_metric_observe(s->m_ttft, s->labels, since(r->t_accept, now));
+                    pd_metric_observe(s->m_queue, s->labels, since(r->t_accept, r->t_prefill));
                     if (r->t_prefill)
                         pd_metric_observe(s->m_prefill, s->labels, since(r->t_prefill, now));
                 }
@@ -1190,7 +1383,20 @@ static void process(sreq *r)
             c->text_cps += (int64_t)code_points(text, t->text_len);
         }
         c->work.n = 0;
+        bool was_head = c->retrying;
+        if (c->retrying && (wait || admitted || chain_done)) { /* the retry has its answer */
+            c->retrying = false;
+            s->admit_busy = false;
+            if (!wait) s->admit_kick = true; /* admitted: the next one may fit too */
+        }
+        if (wait && !chain_done) {
+            if (r->done)
+                chain_end(c);
+            else
+                admit_wait(s, c, was_head);
+        }
         if (chain_done) {
+            s->admit_kick = true; /* KV was freed (or never taken): the head may fit now */
             c->chain_running = false;
             pd_reg_release(s->reg, c->d_node, c->d_tokens);
             if (!r->done && err_http) {
@@ -1230,7 +1436,7 @@ static void instance_lost(pd_sched *s, int k)
         bool fail = false;
         for (int i = 0; i < r->n_choices; i++) {
             choice *c = &r->choices[i];
-            if (!c->chain_running) continue;
+            if (!c->chain_running || c->in_queue) continue; /* queued: picks again on retry */
             pthread_mutex_lock(&r->mu);
             bool pre = c->p_node == k && c->in_phase[PH_PREFILL] && !c->in_phase[PH_DECODE];
             uint64_t id = c->call_id[PH_PREFILL];
@@ -1278,6 +1484,7 @@ static void on_async(uv_async_t *h)
         process(r);
         sreq_unref(r);
     }
+    if (s->admit_kick) admit_pump(s);
 }
 
 /* ---- request entry (loop thread) --------------------------------------------------------------
@@ -1375,30 +1582,22 @@ static void dispatch(sreq *r)
         }
     }
     r->t_prefill = pd_now_ns();
-    pd_metric_observe(s->m_queue, s->labels, since(r->t_accept, r->t_prefill));
     if (r->waiting) {
         r->waiting = false;
         s->n_waiting--;
     }
     r->running = true;
     s->n_running++;
+    /* requests already waiting for KV capacity go first */
+    bool queue = s->admit_head || s->admit_busy;
     for (int i = 0; i < r->n_choices; i++) {
         choice *c = &r->choices[i];
-        Pd__ReserveRequest q = PD__RESERVE_REQUEST__INIT;
-        q.request_id = c->sub_id;
-        q.num_prompt_tokens = (int64_t)r->req.prompts[c->prompt_idx].n_ids;
-        q.ttl_ms = s->p.prefill_timeout_ms;
-        uint8_t buf[256];
-        size_t len = pd__reserve_request__pack(&q, buf);
         c->chain_running = true;
         r->refs++;
-        c->in_phase[PH_RESERVE] = true;
-        uint64_t id = 0;
-        pd_reg_unary(s->reg, c->d_node, "/pd.PD/Reserve", buf, len, s->p.rpc_timeout_ms,
-                     on_reserve_done, c, &id);
-        pthread_mutex_lock(&r->mu);
-        c->call_id[PH_RESERVE] = id;
-        pthread_mutex_unlock(&r->mu);
+        if (queue)
+            admit_wait(s, c, false);
+        else
+            send_reserve(c);
     }
 }
 
@@ -1771,6 +1970,10 @@ pd_sched_params pd_sched_default_params(void)
     p.port = 8000;
     p.max_concurrent_requests = 4096;
     p.max_request_body_bytes = 16 * 1024 * 1024;
+    p.queue_timeout_s = 600;
+    p.keep_alive_s = 5;
+    p.header_timeout_s = 10;
+    p.body_timeout_s = 60;
     p.response_role = "assistant";
     p.max_logprobs = 20;
     p.use_openai = true;
@@ -1879,6 +2082,8 @@ int pd_sched_create(const pd_sched_params *p, pd_sched **out)
     uv_loop_init(&s->loop);
     s->async.data = s;
     uv_async_init(&s->loop, &s->async, on_async);
+    s->admit_timer.data = s;
+    uv_timer_init(&s->loop, &s->admit_timer);
     int rc;
     PD_CHECK_GOTO(load_model(s), rc, fail);
     PD_CHECK_GOTO(pd_rpc_client_create(&s->rpc), rc, fail);
@@ -1894,6 +2099,9 @@ int pd_sched_create(const pd_sched_params *p, pd_sched **out)
     hp.host = p->host;
     hp.port = p->port;
     hp.max_body_bytes = (size_t)p->max_request_body_bytes;
+    hp.idle_timeout_ms = (int)(p->keep_alive_s * 1000 + 0.5);
+    hp.header_timeout_ms = (int)(p->header_timeout_s * 1000 + 0.5);
+    hp.body_timeout_ms = (int)(p->body_timeout_s * 1000 + 0.5);
     PD_CHECK_GOTO(pd_http_server_start(&s->loop, &hp, on_http, s, &s->http), rc, fail);
     s->port = pd_http_server_port(s->http);
     PD_CHECK_GOTO(pd_reg_start(s->reg, p->heartbeat_ms, p->heartbeat_ms, on_instance_change, s), rc,
@@ -1921,6 +2129,7 @@ static void on_http_stopped(void *arg)
     s->closing = true;
     pthread_mutex_unlock(&s->qmu);
     uv_close((uv_handle_t *)&s->async, NULL);
+    uv_close((uv_handle_t *)&s->admit_timer, NULL);
     if (s->signals) {
         uv_close((uv_handle_t *)&s->sig_int, NULL);
         uv_close((uv_handle_t *)&s->sig_term, NULL);
@@ -1977,6 +2186,8 @@ void pd_sched_free(pd_sched *s)
         if (s->http) pd_http_server_stop(s->http, NULL, NULL);
         s->http = NULL;
         if (!uv_is_closing((uv_handle_t *)&s->async)) uv_close((uv_handle_t *)&s->async, NULL);
+        if (!uv_is_closing((uv_handle_t *)&s->admit_timer))
+            uv_close((uv_handle_t *)&s->admit_timer, NULL);
         uv_run(&s->loop, UV_RUN_DEFAULT);
     }
     pthread_mutex_lock(&s->qmu);

@@ -55,6 +55,10 @@ static bool is_scheduler_flag(const char *flag)
         "--generation-config",
         "--response-role",
         "--max-logprobs",
+        "--queue-timeout",
+        "--timeout-keep-alive",
+        "--header-timeout",
+        "--body-timeout",
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (strcmp(flag, names[i]) == 0) return true;

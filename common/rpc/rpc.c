@@ -701,6 +701,8 @@ typedef struct cpending {
     grpc_byte_buffer *req_bb, *resp_bb;
     atomic_int ops; /* batches outstanding */
     bool recv_done, status_done;
+    bool paused, parked; /* under cl->mu: reading stopped; parked: no RECV_MESSAGE posted */
+    bool finishing;      /* under cl->mu: the last batch completed; p is about to go */
     pd_rpc_msg_fn on_msg;
     pd_rpc_done_fn done;
     void *arg;
@@ -809,15 +811,31 @@ static void *client_main(void *arg)
                 p->resp_bb = NULL;
                 if (m && p->on_msg) p->on_msg(p->arg, m, len);
                 free(m);
-                client_post_recv(p);
+                pthread_mutex_lock(&cl->mu);
+                p->parked = p->paused;
+                if (!p->parked) client_post_recv(p);
+                pthread_mutex_unlock(&cl->mu);
             } else {
                 p->recv_done = true;
             }
             break;
-        case T_CSTATUS: p->status_done = true; break;
+        case T_CSTATUS:
+            pthread_mutex_lock(&cl->mu);
+            p->status_done = true;
+            if (p->parked) { /* the stream ended: read what is left */
+                p->parked = p->paused = false;
+                client_post_recv(p);
+            }
+            pthread_mutex_unlock(&cl->mu);
+            break;
         default: break;
         }
-        if (atomic_fetch_sub(&p->ops, 1) == 1) client_finish(p);
+        /* decided under the lock: pd_rpc_stream_pause must not post on a finishing call */
+        pthread_mutex_lock(&cl->mu);
+        bool last = atomic_fetch_sub(&p->ops, 1) == 1;
+        p->finishing = last;
+        pthread_mutex_unlock(&cl->mu);
+        if (last) client_finish(p);
     }
     return NULL;
 }
@@ -996,6 +1014,22 @@ void pd_rpc_cancel(pd_rpc_client *cl, uint64_t id)
             grpc_call_cancel(p->call, NULL);
             break;
         }
+    pthread_mutex_unlock(&cl->mu);
+}
+
+void pd_rpc_stream_pause(pd_rpc_client *cl, uint64_t id, bool paused)
+{
+    pthread_mutex_lock(&cl->mu);
+    for (cpending *p = cl->live; p; p = p->next) {
+        if (p->id != id) continue;
+        if (!p->stream || p->finishing) break;
+        p->paused = paused;
+        if (!paused && p->parked) {
+            p->parked = false;
+            client_post_recv(p);
+        }
+        break;
+    }
     pthread_mutex_unlock(&cl->mu);
 }
 

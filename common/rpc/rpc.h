@@ -16,6 +16,7 @@
 #ifndef PD_RPC_RPC_H
 #define PD_RPC_RPC_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -124,6 +125,10 @@ int pd_rpc_stream_async(pd_rpc_channel *ch, const char *method, const void *req,
 /* Cancels call id if it is still in flight (done then runs with CANCELLED); a no-op for a call
  * that has ended. Any thread. */
 void pd_rpc_cancel(pd_rpc_client *c, uint64_t id);
+/* Flow control of a server stream: while paused, no further message is read, so HTTP/2 flow
+ * control holds the server's sends back (its unsent messages wait on its side). Resuming reads
+ * on. A no-op for a call that has ended. Any thread. */
+void pd_rpc_stream_pause(pd_rpc_client *c, uint64_t id, bool paused);
 /* Calls in flight on this client. */
 int pd_rpc_client_inflight(pd_rpc_client *c);
 

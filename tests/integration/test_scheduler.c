@@ -11,6 +11,7 @@
 #include <limits.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/socket.h>
@@ -1152,6 +1153,109 @@ TEST(sched_concurrency_limit)
         pd_sleep_ns(50 * PD_NS_PER_MS);
     }
     ASSERT_EQ_INT(st, 200);
+}
+
+/* ---- admission: requests wait for decode KV capacity ---------------------------------------- */
+
+typedef struct {
+    int port;
+    const char *body;
+    int status;
+    char retry_after[16];
+    char message[160];
+} adm_call;
+
+static void *adm_thread(void *arg)
+{
+    adm_call *a = arg;
+    http_resp r;
+    a->status = -1;
+    if (http_do(a->port, "POST", "/v1/completions", NULL, a->body, &r) != 0) return NULL;
+    a->status = r.status;
+    header(&r, "Retry-After", a->retry_after, sizeof a->retry_after);
+    json_t *j = json_loads(r.body, 0, NULL);
+    const char *m = json_string_value(json_object_get(json_object_get(j, "error"), "message"));
+    snprintf(a->message, sizeof a->message, "%s", m ? m : "");
+    json_decref(j);
+    resp_free(&r);
+    return NULL;
+}
+
+/* Runs n copies of body at once; counts 200s and the 503s whose message is want_503. */
+static int adm_burst(int port, const char *body, int n, const char *want_503, int *ok, int *timed)
+{
+    adm_call calls[16];
+    pthread_t th[16];
+    *ok = *timed = 0;
+    for (int i = 0; i < n; i++) {
+        calls[i] = (adm_call){.port = port, .body = body};
+        pthread_create(&th[i], NULL, adm_thread, &calls[i]);
+    }
+    int other = 0;
+    for (int i = 0; i < n; i++) {
+        pthread_join(th[i], NULL);
+        if (calls[i].status == 200) {
+            (*ok)++;
+        } else if (calls[i].status == 503 && want_503 && strcmp(calls[i].message, want_503) == 0 &&
+                   strcmp(calls[i].retry_after, "5") == 0) {
+            (*timed)++;
+        } else {
+            printf("    request %d: HTTP %d Retry-After '%s': %s\n", i, calls[i].status,
+                   calls[i].retry_after, calls[i].message);
+            other++;
+        }
+    }
+    return other;
+}
+
+/* A decode instance with room for one request's KV at a time: concurrent requests wait in the
+ * scheduler's admission queue instead of failing, and --queue-timeout ends a wait with 503. */
+TEST(sched_admission_queue)
+{
+    FIXTURE();
+    /* tiny: 2 KiB of KV per token, 16-token blocks -> 16 blocks = 256 tokens per rank */
+    char *node_args[] = {"--kv-cache-bytes", "524288", "--max-model-len", "256", NULL};
+    cl_cluster c2;
+    ASSERT_OK(cl_start(&c2, g_model, "0", "1", node_args));
+    cl_proc sp, sq;
+    int port = 0, port_q = 0;
+    char *patient[] = {"--max-model-len", "256", NULL};
+    char *hasty[] = {"--max-model-len", "256", "--queue-timeout", "0.05", NULL};
+    if (start_scheduler_on(&c2, &sp, &port, "scheduler_admit", patient, "1") < 0 ||
+        start_scheduler_on(&c2, &sq, &port_q, "scheduler_admit_q", hasty, "1") < 0) {
+        cl_stop(&sp, 5000);
+        cl_stop_all(&c2);
+        ASSERT_MSG(0, "schedulers on the small-KV cluster did not start");
+    }
+    /* 200 prompt tokens (13 blocks): only one request's prompt fits at a time */
+    char body[2048];
+    size_t at = (size_t)snprintf(body, sizeof body, "{\"prompt\":[");
+    for (int i = 0; i < 200; i++)
+        at += (size_t)snprintf(body + at, sizeof body - at, "%s%d", i ? "," : "", 10 + i % 90);
+    snprintf(body + at, sizeof body - at, "],\"max_tokens\":24,\"ignore_eos\":true}");
+    int ok = 0, timed = 0;
+    int bad = adm_burst(port, body, 8, NULL, &ok, &timed);
+    int ok_q = 0, timed_q = 0;
+    int bad_q = adm_burst(port_q, body, 16, "Timed out after 0.05 s waiting for capacity.", &ok_q,
+                          &timed_q);
+    http_resp r;
+    bool got = http_do(port, "GET", "/metrics", NULL, NULL, &r) == 0;
+    int a = cl_stop(&sp, 10000), b = cl_stop(&sq, 10000);
+    int nodes = cl_stop_all(&c2);
+    ASSERT(got);
+    printf("    patient: %d ok; queue-timeout 0.05 s: %d ok, %d timed out\n", ok, ok_q, timed_q);
+    ASSERT_EQ_INT(bad, 0);
+    ASSERT_EQ_INT(ok, 8); /* every request waited its turn and completed */
+    ASSERT_EQ_INT(bad_q, 0);
+    ASSERT(ok_q >= 1);
+    ASSERT(timed_q >= 1);
+    /* the queue time is measured */
+    ASSERT_CONTAINS(r.body,
+                    "vllm:request_queue_time_seconds_count{model_name=\"tiny\",engine=\"0\"} 8.0");
+    resp_free(&r);
+    ASSERT_EQ_INT(a, 0);
+    ASSERT_EQ_INT(b, 0);
+    ASSERT_EQ_INT(nodes, 0);
 }
 
 TEST(sched_y_decode_lost)
