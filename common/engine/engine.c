@@ -24,6 +24,10 @@
 #include <sys/stat.h>
 
 #include "backend/forward.h"
+#include "pd_config.h"
+#if PD_HAVE_CUDA
+#include "backend/cuda/cuda_backend.h"
+#endif
 #include "engine/kvpool.h"
 #include "engine/rng.h"
 #include "engine/sched.h"
@@ -196,6 +200,9 @@ pd_engine_params pd_engine_default_params(void)
         .backend = NULL,
         .tp_size = 1,
         .n_threads = 0,
+        .n_cuda_devices = 0,
+        .gpu_memory_utilization = 0.9,
+        .cuda_weight_dtype = -1,
         .block_size = 16,
         .kv_cache_bytes = 0,
         .kv_cache_fraction = 0.4,
@@ -1229,6 +1236,27 @@ static int check_params(pd_engine *e)
                         "tensor_parallel_size %d needs engine-created CPU backends "
                         "(params.backend must be NULL)",
                         p->tp_size);
+    if (p->n_cuda_devices < 0 || p->n_cuda_devices > PD_ENGINE_MAX_CUDA_DEVICES)
+        return pd_error(PD_EINVAL, "n_cuda_devices must be 0 to %d, got %d",
+                        PD_ENGINE_MAX_CUDA_DEVICES, p->n_cuda_devices);
+    if (p->n_cuda_devices > 0) {
+        if (!PD_HAVE_CUDA)
+            return pd_error(PD_EUNSUPPORTED,
+                            "this build has no CUDA backend (configure with meson "
+                            "-Dcuda=enabled on a machine with nvcc, cuBLAS and NCCL)");
+        if (p->backend)
+            return pd_error(PD_EINVAL, "a borrowed backend and CUDA devices are exclusive");
+        if (p->n_cuda_devices != p->tp_size)
+            return pd_error(PD_EINVAL, "%d CUDA devices for tensor_parallel_size %d",
+                            p->n_cuda_devices, p->tp_size);
+        if (p->tp_size > 1)
+            return pd_error(PD_EUNSUPPORTED,
+                            "tensor parallelism on CUDA devices is not supported yet (it needs "
+                            "NCCL all-reduce); use --tensor-parallel-size 1 per GPU instance");
+        if (!(p->gpu_memory_utilization > 0 && p->gpu_memory_utilization <= 1))
+            return pd_error(PD_EINVAL, "gpu_memory_utilization must be in (0, 1], got %g",
+                            p->gpu_memory_utilization);
+    }
     if (c->num_attention_heads % p->tp_size)
         return pd_error(PD_EINVAL,
                         "Total number of attention heads (%lld) must be divisible by tensor "
@@ -1276,7 +1304,14 @@ static int create_ranks(pd_engine *e)
             bp.max_tokens = p->max_num_batched_tokens;
             bp.max_seqs = p->max_num_seqs;
             bp.max_blocks = p->max_num_seqs * e->max_blocks_per_seq;
-            PD_CHECK(pd_backend_cpu_create(&bp, &rk->b));
+#if PD_HAVE_CUDA
+            if (p->n_cuda_devices > 0) {
+                bp.device = p->cuda_devices[r];
+                bp.weight_dtype = p->cuda_weight_dtype;
+                PD_CHECK(pd_backend_cuda_create(&bp, &rk->b));
+            } else
+#endif
+                PD_CHECK(pd_backend_cpu_create(&bp, &rk->b));
             rk->own_backend = true;
         }
         pd_forward_params fp = pd_forward_default_params();
@@ -1299,6 +1334,19 @@ static int create_kv(pd_engine *e)
     pd_kv_params kp = pd_forward_kv_params(e->ranks[0].f, 0, p->block_size);
     size_t block_bytes = pd_kv_block_bytes(&kp);
     size_t n_blocks = p->num_kv_blocks;
+#if PD_HAVE_CUDA
+    if (n_blocks == 0 && p->kv_cache_bytes == 0 && p->n_cuda_devices > 0) {
+        /* what --gpu-memory-utilization leaves after the weights and buffers; the smallest
+         * rank decides (every rank holds the same block ids) */
+        for (int r = 0; r < e->tp; r++) {
+            size_t nb = 0;
+            PD_CHECK(pd_backend_cuda_kv_blocks(e->ranks[r].b, &kp, p->gpu_memory_utilization, &nb));
+            if (r == 0 || nb < n_blocks) n_blocks = nb;
+        }
+        size_t useful = p->max_num_seqs * e->max_blocks_per_seq;
+        if (n_blocks > useful) n_blocks = useful;
+    }
+#endif
     if (n_blocks == 0) {
         size_t budget = p->kv_cache_bytes;
         if (budget == 0) {

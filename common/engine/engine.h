@@ -48,7 +48,8 @@
 
 typedef struct pd_engine pd_engine;
 
-#define PD_ENGINE_MAX_REQUEST_ID 128 /* bytes of a request id, NUL excluded */
+#define PD_ENGINE_MAX_REQUEST_ID   128 /* bytes of a request id, NUL excluded */
+#define PD_ENGINE_MAX_CUDA_DEVICES 16
 
 typedef void (*pd_engine_wakeup_fn)(void *ctx);
 /* Observer of the raw logits row of a sequence before it is sampled (tests, debugging); called
@@ -68,6 +69,14 @@ typedef struct {
     int tp_size;           /* CPU tensor parallel size (1); > 1 needs backend NULL */
     int n_threads;         /* CPU threads in total, split evenly across ranks; <= 0 = all
                               online cores */
+    /* -- device: CPU backends (n_cuda_devices 0) or one CUDA backend per rank --------------- */
+    int n_cuda_devices;                           /* 0, or tp_size (only 1 for now: tensor
+                                                     parallelism on CUDA needs NCCL) */
+    int cuda_devices[PD_ENGINE_MAX_CUDA_DEVICES]; /* CUDA ordinal of each rank */
+    double gpu_memory_utilization; /* (0.9) CUDA: sizes the KV pool as vLLM does, when
+                                      kv_cache_bytes and num_kv_blocks are 0 */
+    int cuda_weight_dtype;         /* CUDA: -1 (default) the backend's choice (bf16 compute);
+                                      PD_DTYPE_F32 the f32 precision mode (--dtype float32) */
     /* -- KV cache ------------------------------------------------------------------------- */
     size_t block_size;        /* tokens per block (16) */
     size_t kv_cache_bytes;    /* KV budget per rank in bytes; 0 = kv_cache_fraction of the

@@ -846,3 +846,25 @@ TEST(engine_bad_parameters_vllm_wording)
     ASSERT_ERR(pd_engine_add_imported(e, &rq, 5), PD_EINVAL, "seed");
     pd_engine_destroy(e); /* with a request still queued: freed, no leak */
 }
+
+/* CUDA devices: refused with a clear error where no GPU can serve (a build without the CUDA
+ * backend, or no usable device); bad combinations are refused before anything is allocated. */
+TEST(engine_cuda_device_errors)
+{
+    ASSERT_OK(tiny());
+    pd_engine_params p = base_params();
+    pd_engine *e = NULL;
+    p.n_cuda_devices = 1;
+    p.cuda_devices[0] = 0;
+    int rc = pd_engine_create(&p, &e);
+    if (rc == PD_OK) { /* a machine with a GPU and a CUDA build: that path is tests/gpu's */
+        pd_engine_destroy(e);
+    } else {
+        ASSERT(rc == PD_EUNSUPPORTED || rc == PD_ENOTFOUND);
+        ASSERT_CONTAINS(pd_last_error(), "CUDA");
+    }
+    p.n_cuda_devices = 2; /* != tp_size */
+    ASSERT(pd_engine_create(&p, &e) < 0);
+    p.n_cuda_devices = 17;
+    ASSERT_ERR(pd_engine_create(&p, &e), PD_EINVAL, "n_cuda_devices must be 0 to 16");
+}
