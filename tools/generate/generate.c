@@ -3,6 +3,7 @@
  *   pd-generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3 | --prompts-file F) [--chat]
  *               [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S]
  *               [--concurrency N] [--json] [--bench] [--cpu-threads N]
+ *               [--cuda-device N [--dtype auto|float32|bfloat16|float16]]
  *
  * Design: a thin driver over the engine (engine.h) — the same scheduler, sampler, detokenizer
  * and stop checker that pd-decode runs, so split and colocated serving agree token for token.
@@ -39,6 +40,8 @@ typedef struct {
     double temperature, top_p;
     int64_t top_k, seed;
     int threads;
+    int cuda_device;     /* --cuda-device N: run on this GPU; -1 = the CPU backend */
+    int cuda_dtype;      /* --dtype on CUDA: -1 = bfloat16 (auto), or a pd_dtype */
     int64_t concurrency; /* requests in flight at once; 0 = all */
 } args_t;
 
@@ -61,13 +64,16 @@ static void usage(FILE *o)
                "--prompts-file F) [--chat]\n"
                "                   [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] "
                "[--seed S]\n"
-               "                   [--concurrency N] [--json] [--bench] [--cpu-threads N]\n");
+               "                   [--concurrency N] [--json] [--bench] [--cpu-threads N]\n"
+               "                   [--cuda-device N [--dtype auto|float32|bfloat16|float16]]\n");
 }
 
 static int parse_args(int argc, char **argv, args_t *a)
 {
     memset(a, 0, sizeof *a);
     a->max_tokens = -1;
+    a->cuda_device = -1;
+    a->cuda_dtype = -1;
     for (int i = 1; i < argc; i++) {
         const char *o = argv[i];
         if (!strcmp(o, "--chat"))
@@ -109,6 +115,20 @@ static int parse_args(int argc, char **argv, args_t *a)
             } else if (!strcmp(o, "--cpu-threads")) {
                 PD_CHECK(pd_arg_i64(o, v, 1, 4096, &iv));
                 a->threads = (int)iv;
+            } else if (!strcmp(o, "--cuda-device")) {
+                PD_CHECK(pd_arg_i64(o, v, 0, 1023, &iv));
+                a->cuda_device = (int)iv;
+            } else if (!strcmp(o, "--dtype")) {
+                if (!strcmp(v, "float32"))
+                    a->cuda_dtype = PD_DTYPE_F32;
+                else if (!strcmp(v, "bfloat16"))
+                    a->cuda_dtype = PD_DTYPE_BF16;
+                else if (!strcmp(v, "float16"))
+                    a->cuda_dtype = PD_DTYPE_F16;
+                else if (strcmp(v, "auto") != 0)
+                    return pd_error(
+                        PD_EINVAL, "--dtype: expected auto, float32, bfloat16 or float16, got '%s'",
+                        v);
             } else if (!strcmp(o, "--concurrency")) {
                 PD_CHECK(pd_arg_i64(o, v, 1, 1 << 20, &a->concurrency));
             } else
@@ -338,6 +358,15 @@ int main(int argc, char **argv)
     ep.model = m;
     ep.tok = tok;
     ep.n_threads = a.threads;
+    if (a.cuda_device >= 0) { /* the engine explains when this build or machine has no GPU */
+        ep.n_cuda_devices = 1;
+        ep.cuda_devices[0] = a.cuda_device;
+        ep.cuda_weight_dtype = a.cuda_dtype;
+    } else if (a.cuda_dtype >= 0 && a.cuda_dtype != PD_DTYPE_F32) {
+        fprintf(stderr, "pd-generate: --dtype: the CPU backend computes in float32 (or use "
+                        "--cuda-device)\n");
+        return 2;
+    }
     if (ep.max_num_seqs < n_seqs && a.concurrency == 0) ep.max_num_seqs = n_seqs;
     PD_CHECK_GOTO(pd_engine_create(&ep, &e), rc, out);
     size_t max_len = pd_engine_max_model_len(e);
