@@ -1519,6 +1519,9 @@ static void dispatch(sreq *r)
     for (size_t i = 0; i < r->req.n_prompts; i++)
         r->prompt_tokens += (int64_t)r->req.prompts[i].n_ids;
     pd_metric_observe(s->m_h_n, s->labels, n);
+    /* once per request (n choices are one request): the first prompt's max_tokens (prompts
+     * differ only with max_tokens:null, which leaves each prompt the rest of the context) */
+    pd_metric_observe(s->m_h_max, s->labels, (double)r->req.prompts[0].max_tokens);
     pd_metric_inc(s->m_prompt, s->labels, (double)r->prompt_tokens);
     pd_metric_observe(s->m_h_prompt, s->labels, (double)r->prompt_tokens);
     for (int i = 0; i < r->n_choices; i++) {
@@ -1531,7 +1534,6 @@ static void dispatch(sreq *r)
             snprintf(c->sub_id, sizeof c->sub_id, "%s", r->id);
         else
             snprintf(c->sub_id, sizeof c->sub_id, "%s-%d", r->id, i);
-        pd_metric_observe(s->m_h_max, s->labels, (double)r->req.prompts[c->prompt_idx].max_tokens);
     }
     /* completions max_tokens 0 with echo: the prompt only, nothing generated */
     if (r->req.max_tokens == 0) {
