@@ -6,11 +6,17 @@
  * the exchange ends, which is how pipelined requests are answered in order. Reading continues
  * meanwhile (bounded), so EOF during an exchange is seen and reported as an abort.
  * One timer per connection enforces the header, body and idle timeouts.
+ *
+ * The parser (http_parse: llhttp, the request being assembled, the header/body limits) knows
+ * nothing of sockets: it reports to its owner through three hooks (a request begins, its headers
+ * are complete, it is complete). A connection is one owner; pd_http_parse_buffer is the other,
+ * so tests and the fuzzer run exactly the code that parses what clients send.
  */
 #include "http/http_server.h"
 
 #include <jansson.h>
 #include <llhttp.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -59,20 +65,22 @@ struct pd_http_server {
     void *stopped_arg;
 };
 
-struct conn {
-    uv_tcp_t tcp;
-    uv_timer_t timer;
-    llhttp_t parser;
-    pd_http_server *srv;
-    conn *prev, *next;
-    int handles_open;
-    bool closing, close_after_write, in_execute, reading;
-    bool in_message; /* the parser is inside a request (between begin and complete) */
-    enum timer_kind timer_kind;
-    /* input not yet parsed */
-    char *in;
-    size_t in_len, in_cap;
-    /* the request being parsed: url + header names/values in one scratch buffer */
+/* What a parser tells its owner (a connection, or pd_http_parse_buffer). */
+typedef struct {
+    void (*begin)(void *owner);                           /* a request starts */
+    void (*headers_done)(void *owner, bool continue_100); /* "Expect: 100-continue" was sent */
+    void (*request)(void *owner, pd_http_exchange *ex);   /* complete; the owner takes ex */
+} parse_hooks;
+
+/* One connection's request parser: llhttp plus the request being assembled. */
+typedef struct {
+    llhttp_t llp; /* .data = this struct */
+    const pd_http_params *lim;
+    const parse_hooks *hooks;
+    void *owner;
+    bool in_message;  /* inside a request (between begin and complete) */
+    bool in_trailers; /* after the last chunk of a chunked body: trailer fields */
+    /* url + header names/values, each NUL-terminated, in one scratch buffer */
     char *scratch;
     size_t scratch_len, scratch_cap;
     size_t url_len;
@@ -82,7 +90,21 @@ struct conn {
     size_t header_bytes;
     char *body;
     size_t body_len, body_cap;
-    int err_status;       /* a limit hit inside a callback: 413 / 431 */
+    int err_status; /* a limit hit inside a callback: 413 / 431 */
+} http_parse;
+
+struct conn {
+    uv_tcp_t tcp;
+    uv_timer_t timer;
+    http_parse ps;
+    pd_http_server *srv;
+    conn *prev, *next;
+    int handles_open;
+    bool closing, close_after_write, in_execute, reading;
+    enum timer_kind timer_kind;
+    /* input not yet parsed */
+    char *in;
+    size_t in_len, in_cap;
     pd_http_exchange *ex; /* in flight */
     size_t write_pending; /* bytes handed to uv_write, not yet written */
 };
@@ -94,10 +116,10 @@ typedef struct {
     char data[];
 } wreq;
 
-static llhttp_settings_t g_settings;
 static void conn_process(conn *c);
 static void conn_close(conn *c);
 static void conn_read_start(conn *c);
+static void parse_free(http_parse *ps);
 
 pd_http_params pd_http_default_params(void)
 {
@@ -150,6 +172,8 @@ const char *pd_http_error_type(int status)
 
 /* ---- writing ------------------------------------------------------------------------------ */
 
+static void conn_arm(conn *c, enum timer_kind k);
+
 static void on_write(uv_write_t *req, int status)
 {
     wreq *w = (wreq *)req;
@@ -166,7 +190,11 @@ static void on_write(uv_write_t *req, int status)
         ex->drain_cb = NULL;
         cb(ex->drain_arg);
     }
-    if (c->close_after_write && c->write_pending == 0) conn_close(c);
+    if (c->close_after_write && c->write_pending == 0)
+        conn_close(c);
+    else if (c->write_pending == 0 && !c->ex && !c->ps.in_message && !c->closing &&
+             c->timer_kind == T_NONE)
+        conn_arm(c, T_IDLE); /* an idle timeout that fired during the write starts over */
 }
 
 /* Queues the concatenation of n parts as one write (copied). */
@@ -243,7 +271,9 @@ static void on_timer(uv_timer_t *t)
     enum timer_kind k = c->timer_kind;
     c->timer_kind = T_NONE;
     if (k == T_IDLE) {
-        conn_close(c);
+        /* the last response may still be on its way to a slow reader: the idle time starts
+         * once it has been written out (on_write re-arms) */
+        if (c->write_pending == 0) conn_close(c);
     } else if (k == T_HEADER || k == T_BODY) {
         PD_DEBUG(NULL, "http: %s timeout, closing connection", k == T_HEADER ? "header" : "body");
         conn_fail(c, 408, "Request timed out.");
@@ -285,9 +315,7 @@ static void on_conn_handle_closed(uv_handle_t *h)
     if (--c->handles_open > 0) return;
     pd_http_server *s = c->srv;
     free(c->in);
-    free(c->scratch);
-    free(c->hdrs);
-    free(c->body);
+    parse_free(&c->ps);
     free(c);
     server_handle_closed(s);
 }
@@ -333,206 +361,309 @@ static int grow(char **buf, size_t *cap, size_t need)
     return 0;
 }
 
-static int scratch_append(conn *c, const char *at, size_t len)
+static int scratch_append(http_parse *ps, const char *at, size_t len)
 {
-    c->header_bytes += len;
-    if (c->header_bytes > c->srv->p.max_header_bytes) {
-        c->err_status = 431;
+    ps->header_bytes += len;
+    if (ps->header_bytes > ps->lim->max_header_bytes) {
+        ps->err_status = 431;
         return -1;
     }
-    if (grow(&c->scratch, &c->scratch_cap, c->scratch_len + len + 1) < 0) return -1;
-    memcpy(c->scratch + c->scratch_len, at, len);
-    c->scratch_len += len;
+    if (grow(&ps->scratch, &ps->scratch_cap, ps->scratch_len + len + 1) < 0) return -1;
+    memcpy(ps->scratch + ps->scratch_len, at, len);
+    ps->scratch_len += len;
     return 0;
 }
 
 static int on_message_begin(llhttp_t *p)
 {
-    conn *c = p->data;
-    c->scratch_len = 0;
-    c->url_len = 0;
-    c->n_hdrs = 0;
-    c->last_was_value = false;
-    c->header_bytes = 0;
-    c->body_len = 0;
-    c->err_status = 0;
-    c->in_message = true;
-    conn_arm(c, T_HEADER);
+    http_parse *ps = p->data;
+    ps->scratch_len = 0;
+    ps->url_len = 0;
+    ps->n_hdrs = 0;
+    ps->last_was_value = false;
+    ps->header_bytes = 0;
+    ps->body_len = 0;
+    ps->err_status = 0;
+    ps->in_message = true;
+    ps->in_trailers = false;
+    ps->hooks->begin(ps->owner);
     return 0;
 }
 
 static int on_url(llhttp_t *p, const char *at, size_t len)
 {
-    conn *c = p->data;
-    if (scratch_append(c, at, len) < 0) return -1;
-    c->url_len += len;
+    http_parse *ps = p->data;
+    if (scratch_append(ps, at, len) < 0) return -1;
+    ps->url_len += len;
+    return 0;
+}
+
+/* Trailer fields (after a chunked body) count towards max_header_bytes but are not kept: no
+ * handler reads them, and the request's headers must not change after its body. */
+static int skip_trailer(http_parse *ps, size_t len)
+{
+    ps->header_bytes += len;
+    if (ps->header_bytes > ps->lim->max_header_bytes) {
+        ps->err_status = 431;
+        return -1;
+    }
     return 0;
 }
 
 static int on_header_field(llhttp_t *p, const char *at, size_t len)
 {
-    conn *c = p->data;
-    if (c->n_hdrs == 0 || c->last_was_value) { /* a new header: NUL-end the previous value */
-        if (c->n_hdrs == 0 && scratch_append(c, "", 1) < 0) return -1; /* end of url */
-        if (c->n_hdrs > 0 && scratch_append(c, "", 1) < 0) return -1;
-        if (c->n_hdrs == c->hdrs_cap) {
-            size_t cap = c->hdrs_cap ? c->hdrs_cap * 2 : 16;
-            hdr_ref *h = realloc(c->hdrs, cap * sizeof *h);
+    http_parse *ps = p->data;
+    if (ps->in_trailers) return skip_trailer(ps, len);
+    if (ps->n_hdrs == 0 || ps->last_was_value) {
+        /* a new header: NUL-end the url (first header) or the previous value */
+        if (scratch_append(ps, "", 1) < 0) return -1;
+        if (ps->n_hdrs == ps->hdrs_cap) {
+            size_t cap = ps->hdrs_cap ? ps->hdrs_cap * 2 : 16;
+            hdr_ref *h = realloc(ps->hdrs, cap * sizeof *h);
             if (!h) return -1;
-            c->hdrs = h;
-            c->hdrs_cap = cap;
+            ps->hdrs = h;
+            ps->hdrs_cap = cap;
         }
-        c->hdrs[c->n_hdrs].name = c->scratch_len;
-        c->hdrs[c->n_hdrs].value = (size_t)-1;
-        c->n_hdrs++;
-        c->last_was_value = false;
+        ps->hdrs[ps->n_hdrs].name = ps->scratch_len;
+        ps->hdrs[ps->n_hdrs].value = (size_t)-1;
+        ps->n_hdrs++;
+        ps->last_was_value = false;
     }
-    return scratch_append(c, at, len);
+    return scratch_append(ps, at, len);
 }
 
 static int on_header_value(llhttp_t *p, const char *at, size_t len)
 {
-    conn *c = p->data;
-    if (c->n_hdrs == 0) return -1;
-    hdr_ref *h = &c->hdrs[c->n_hdrs - 1];
-    if (!c->last_was_value) {
-        if (scratch_append(c, "", 1) < 0) return -1; /* end of the name */
-        h->value = c->scratch_len;
-        c->last_was_value = true;
+    http_parse *ps = p->data;
+    if (ps->in_trailers) return skip_trailer(ps, len);
+    if (ps->n_hdrs == 0) return -1;
+    hdr_ref *h = &ps->hdrs[ps->n_hdrs - 1];
+    if (!ps->last_was_value) {
+        if (scratch_append(ps, "", 1) < 0) return -1; /* end of the name */
+        h->value = ps->scratch_len;
+        ps->last_was_value = true;
     }
-    return scratch_append(c, at, len);
+    return scratch_append(ps, at, len);
 }
 
-static const char *scratch_header(conn *c, const char *name)
+static const char *scratch_header(const http_parse *ps, const char *name)
 {
-    for (size_t i = 0; i < c->n_hdrs; i++)
-        if (c->hdrs[i].value != (size_t)-1 && strcasecmp(c->scratch + c->hdrs[i].name, name) == 0)
-            return c->scratch + c->hdrs[i].value;
+    for (size_t i = 0; i < ps->n_hdrs; i++)
+        if (ps->hdrs[i].value != (size_t)-1 &&
+            strcasecmp(ps->scratch + ps->hdrs[i].name, name) == 0)
+            return ps->scratch + ps->hdrs[i].value;
     return NULL;
 }
 
 static int on_headers_complete(llhttp_t *p)
 {
-    conn *c = p->data;
+    http_parse *ps = p->data;
     /* NUL-terminate the url (no headers) or the last value */
-    if (scratch_append(c, "", 1) < 0) return -1;
-    if (c->n_hdrs > 0 && !c->last_was_value) { /* a name without a value */
-        c->hdrs[c->n_hdrs - 1].value = c->scratch_len - 1;
+    if (scratch_append(ps, "", 1) < 0) return -1;
+    if (ps->n_hdrs > 0 && !ps->last_was_value) { /* a name without a value */
+        ps->hdrs[ps->n_hdrs - 1].value = ps->scratch_len - 1;
     }
-    const pd_http_params *sp = &c->srv->p;
-    if ((p->flags & F_CONTENT_LENGTH) && p->content_length > sp->max_body_bytes) {
-        c->err_status = 413;
+    if ((p->flags & F_CONTENT_LENGTH) && p->content_length > ps->lim->max_body_bytes) {
+        ps->err_status = 413;
         return -1;
     }
-    const char *expect = scratch_header(c, "expect");
-    if (expect && strcasecmp(expect, "100-continue") == 0) {
-        static const char cont[] = "HTTP/1.1 100 Continue\r\n\r\n";
-        conn_write(c, cont, sizeof cont - 1);
-    }
-    conn_arm(c, T_BODY);
+    ps->in_trailers = true; /* any field from now on is a trailer */
+    const char *expect = scratch_header(ps, "expect");
+    ps->hooks->headers_done(ps->owner, expect && strcasecmp(expect, "100-continue") == 0);
     return 0;
 }
 
 static int on_body(llhttp_t *p, const char *at, size_t len)
 {
-    conn *c = p->data;
-    if (c->body_len + len > c->srv->p.max_body_bytes) {
-        c->err_status = 413;
+    http_parse *ps = p->data;
+    if (ps->body_len + len > ps->lim->max_body_bytes) {
+        ps->err_status = 413;
         return -1;
     }
-    if (grow(&c->body, &c->body_cap, c->body_len + len + 1) < 0) return -1;
-    memcpy(c->body + c->body_len, at, len);
-    c->body_len += len;
+    if (grow(&ps->body, &ps->body_cap, ps->body_len + len + 1) < 0) return -1;
+    memcpy(ps->body + ps->body_len, at, len);
+    ps->body_len += len;
     return 0;
 }
 
-static char *arena_copy(pd_arena *a, const char *s, size_t n)
+static void exchange_free(pd_http_exchange *ex)
 {
-    return pd_arena_strndup(a, s, n);
+    pd_arena_destroy(ex->arena);
+    free(ex);
 }
 
-static int on_message_complete(llhttp_t *p)
+/* The complete request as an exchange with everything copied into its arena; NULL when out of
+ * memory. ex->c is left NULL for the owner to set. */
+static pd_http_exchange *exchange_build(const http_parse *ps)
 {
-    conn *c = p->data;
-    c->in_message = false;
-    conn_arm(c, T_NONE);
     pd_http_exchange *ex = calloc(1, sizeof *ex);
     pd_arena *a = pd_arena_create(4096);
     if (!ex || !a) {
         free(ex);
         pd_arena_destroy(a);
-        return -1;
+        return NULL;
     }
-    ex->c = c;
     ex->arena = a;
-    ex->keep_alive = llhttp_should_keep_alive(p);
-    ex->max_stream_buffer = c->srv->p.max_stream_buffer;
-    ex->method = (char *)llhttp_method_name((llhttp_method_t)p->method);
-    const char *url = c->scratch;
-    const char *q = memchr(url, '?', c->url_len);
-    size_t plen = q ? (size_t)(q - url) : c->url_len;
-    ex->path = arena_copy(a, url, plen);
-    ex->query = q ? arena_copy(a, q + 1, c->url_len - plen - 1) : "";
-    ex->n_headers = c->n_hdrs;
-    ex->hnames = pd_arena_calloc(a, c->n_hdrs + 1, sizeof(char *));
-    ex->hvalues = pd_arena_calloc(a, c->n_hdrs + 1, sizeof(char *));
-    ex->body = c->body_len ? arena_copy(a, c->body, c->body_len) : "";
-    ex->body_len = c->body_len;
+    ex->keep_alive = llhttp_should_keep_alive(&ps->llp);
+    ex->max_stream_buffer = ps->lim->max_stream_buffer;
+    ex->method = (char *)llhttp_method_name((llhttp_method_t)ps->llp.method);
+    const char *url = ps->scratch;
+    const char *q = memchr(url, '?', ps->url_len);
+    size_t plen = q ? (size_t)(q - url) : ps->url_len;
+    ex->path = pd_arena_strndup(a, url, plen);
+    ex->query = q ? pd_arena_strndup(a, q + 1, ps->url_len - plen - 1) : "";
+    ex->n_headers = ps->n_hdrs;
+    ex->hnames = pd_arena_calloc(a, ps->n_hdrs + 1, sizeof(char *));
+    ex->hvalues = pd_arena_calloc(a, ps->n_hdrs + 1, sizeof(char *));
+    ex->body = ps->body_len ? pd_arena_strndup(a, ps->body, ps->body_len) : "";
+    ex->body_len = ps->body_len;
     if (!ex->path || !ex->query || !ex->hnames || !ex->hvalues || !ex->body) {
-        pd_arena_destroy(a);
-        free(ex);
-        return -1;
+        exchange_free(ex);
+        return NULL;
     }
-    for (size_t i = 0; i < c->n_hdrs; i++) {
-        ex->hnames[i] = c->scratch + c->hdrs[i].name;
-        ex->hvalues[i] = c->scratch + c->hdrs[i].value;
-        ex->hnames[i] = pd_arena_strdup(a, ex->hnames[i]);
-        ex->hvalues[i] = pd_arena_strdup(a, ex->hvalues[i]);
+    for (size_t i = 0; i < ps->n_hdrs; i++) {
+        ex->hnames[i] = pd_arena_strdup(a, ps->scratch + ps->hdrs[i].name);
+        ex->hvalues[i] = pd_arena_strdup(a, ps->scratch + ps->hdrs[i].value);
         if (!ex->hnames[i] || !ex->hvalues[i]) {
-            pd_arena_destroy(a);
-            free(ex);
-            return -1;
+            exchange_free(ex);
+            return NULL;
         }
     }
-    c->ex = ex;
-    c->srv->handler(c->srv->ctx, ex);
+    return ex;
+}
+
+static int on_message_complete(llhttp_t *p)
+{
+    http_parse *ps = p->data;
+    ps->in_message = false;
+    pd_http_exchange *ex = exchange_build(ps);
+    if (!ex) return -1;
+    ps->hooks->request(ps->owner, ex);
     return HPE_PAUSED;
 }
+
+static llhttp_settings_t g_settings;
+static pthread_once_t g_settings_once = PTHREAD_ONCE_INIT;
+
+static void settings_init(void)
+{
+    llhttp_settings_init(&g_settings);
+    g_settings.on_message_begin = on_message_begin;
+    g_settings.on_url = on_url;
+    g_settings.on_header_field = on_header_field;
+    g_settings.on_header_value = on_header_value;
+    g_settings.on_headers_complete = on_headers_complete;
+    g_settings.on_body = on_body;
+    g_settings.on_message_complete = on_message_complete;
+}
+
+static void parse_init(http_parse *ps, const pd_http_params *lim, const parse_hooks *hooks,
+                       void *owner)
+{
+    pthread_once(&g_settings_once, settings_init);
+    memset(ps, 0, sizeof *ps);
+    llhttp_init(&ps->llp, HTTP_REQUEST, &g_settings);
+    ps->llp.data = ps;
+    ps->lim = lim;
+    ps->hooks = hooks;
+    ps->owner = owner;
+}
+
+static void parse_free(http_parse *ps)
+{
+    free(ps->scratch);
+    free(ps->hdrs);
+    free(ps->body);
+}
+
+typedef enum { FEED_MORE, FEED_REQUEST, FEED_ERROR } feed_result;
+
+/* Runs the parser over in[0, len). FEED_MORE: every byte consumed, a request may be under way.
+ * FEED_REQUEST: a request completed and went to the owner after *used bytes; the parser stays
+ * paused until llhttp_resume. FEED_ERROR: the bytes break HTTP or a limit (parse_error). */
+static feed_result parse_feed(http_parse *ps, const char *in, size_t len, size_t *used)
+{
+    llhttp_errno_t err = llhttp_execute(&ps->llp, in, len);
+    if (err == HPE_OK) {
+        *used = len;
+        return FEED_MORE;
+    }
+    if (err == HPE_PAUSED) {
+        *used = (size_t)(llhttp_get_error_pos(&ps->llp) - in);
+        return FEED_REQUEST;
+    }
+    *used = len;
+    return FEED_ERROR;
+}
+
+/* After FEED_ERROR: the status to answer and its message. */
+static int parse_error(const http_parse *ps, char *msg, size_t n)
+{
+    int status = ps->err_status ? ps->err_status : 400;
+    if (status == 413)
+        snprintf(msg, n, "Request body exceeds %zu bytes.", ps->lim->max_body_bytes);
+    else
+        snprintf(msg, n, "%s",
+                 status == 431 ? "Request headers too large." : "Malformed HTTP request.");
+    return status;
+}
+
+/* ---- a connection as the parser's owner ---------------------------------------------------- */
+
+static void conn_on_begin(void *owner)
+{
+    conn_arm(owner, T_HEADER);
+}
+
+static void conn_on_headers(void *owner, bool continue_100)
+{
+    conn *c = owner;
+    if (continue_100) {
+        static const char cont[] = "HTTP/1.1 100 Continue\r\n\r\n";
+        conn_write(c, cont, sizeof cont - 1);
+    }
+    conn_arm(c, T_BODY);
+}
+
+static void conn_on_request(void *owner, pd_http_exchange *ex)
+{
+    conn *c = owner;
+    conn_arm(c, T_NONE);
+    ex->c = c;
+    c->ex = ex;
+    c->srv->handler(c->srv->ctx, ex);
+}
+
+static const parse_hooks g_conn_hooks = {conn_on_begin, conn_on_headers, conn_on_request};
 
 /* Feeds buffered input to the parser while no exchange is in flight. */
 static void conn_process(conn *c)
 {
     while (!c->closing && !c->close_after_write && !c->ex && c->in_len > 0) {
+        size_t used = 0;
         c->in_execute = true;
-        llhttp_errno_t err = llhttp_execute(&c->parser, c->in, c->in_len);
+        feed_result fr = parse_feed(&c->ps, c->in, c->in_len, &used);
         c->in_execute = false;
         if (c->closing) return;
-        if (err == HPE_OK) {
+        if (fr == FEED_MORE) {
             c->in_len = 0;
-        } else if (err == HPE_PAUSED) {
-            size_t used = (size_t)(llhttp_get_error_pos(&c->parser) - c->in);
+        } else if (fr == FEED_REQUEST) {
             memmove(c->in, c->in + used, c->in_len - used);
             c->in_len -= used;
-            if (!c->ex) llhttp_resume(&c->parser); /* answered synchronously */
+            if (!c->ex) llhttp_resume(&c->ps.llp); /* answered synchronously */
         } else {
-            int status = c->err_status ? c->err_status : 400;
-            const char *msg = status == 413   ? "Request body too large."
-                              : status == 431 ? "Request headers too large."
-                                              : "Malformed HTTP request.";
-            char buf[256];
-            if (status == 413) {
-                snprintf(buf, sizeof buf, "Request body exceeds %zu bytes.",
-                         c->srv->p.max_body_bytes);
-                msg = buf;
-            }
-            PD_DEBUG(NULL, "http: %d: %s (%s)", status, msg, llhttp_errno_name(err));
+            char msg[160];
+            int status = parse_error(&c->ps, msg, sizeof msg);
+            PD_DEBUG(NULL, "http: %d: %s (%s)", status, msg,
+                     llhttp_errno_name(llhttp_get_errno(&c->ps.llp)));
             c->in_len = 0;
             conn_fail(c, status, msg);
             return;
         }
     }
     /* between requests: the idle timeout runs (inside one, the header/body timeout does) */
-    if (!c->closing && !c->close_after_write && !c->ex && !c->in_message && c->timer_kind != T_IDLE)
+    if (!c->closing && !c->close_after_write && !c->ex && !c->ps.in_message &&
+        c->timer_kind != T_IDLE)
         conn_arm(c, T_IDLE);
     /* resume reading once the input buffer has room again */
     if (!c->closing && !c->close_after_write && !c->reading &&
@@ -540,6 +671,78 @@ static void conn_process(conn *c)
         c->reading = true;
         conn_read_start(c);
     }
+}
+
+/* ---- the parser over a buffer -------------------------------------------------------------- */
+
+typedef struct {
+    pd_http_parse_result *res;
+    pd_http_exchange *ex; /* the request just completed */
+} buf_owner;
+
+static void buf_on_begin(void *owner)
+{
+    (void)owner;
+}
+
+static void buf_on_headers(void *owner, bool continue_100)
+{
+    buf_owner *b = owner;
+    if (continue_100) b->res->n_continue++;
+}
+
+static void buf_on_request(void *owner, pd_http_exchange *ex)
+{
+    buf_owner *b = owner;
+    b->ex = ex;
+}
+
+static const parse_hooks g_buf_hooks = {buf_on_begin, buf_on_headers, buf_on_request};
+
+int pd_http_parse_buffer(const pd_http_params *params, const char *buf, size_t len, size_t piece,
+                         void (*on_request)(void *arg, pd_http_exchange *ex), void *arg,
+                         pd_http_parse_result *out)
+{
+    memset(out, 0, sizeof *out);
+    buf_owner b = {.res = out};
+    http_parse ps;
+    parse_init(&ps, params, &g_buf_hooks, &b);
+    int rc = PD_OK;
+    size_t off = 0;
+    while (off < len) {
+        /* one read's worth; what a read leaves unparsed goes first into the next execute in
+         * the server, which for llhttp (a streaming parser) is the same as continuing here */
+        size_t end = piece && len - off > piece ? off + piece : len;
+        while (off < end) {
+            size_t used = 0;
+            feed_result fr = parse_feed(&ps, buf + off, end - off, &used);
+            off += used;
+            if (fr == FEED_ERROR) {
+                if (!b.ex && !ps.err_status &&
+                    llhttp_get_errno(&ps.llp) == HPE_CB_MESSAGE_COMPLETE) {
+                    rc = pd_error(PD_ENOMEM, "http: out of memory for a request");
+                    goto done;
+                }
+                out->error_status = parse_error(&ps, out->error_message, sizeof out->error_message);
+                goto done;
+            }
+            if (fr == FEED_REQUEST) {
+                pd_http_exchange *ex = b.ex;
+                b.ex = NULL;
+                out->n_requests++;
+                bool keep = ex->keep_alive;
+                if (on_request) on_request(arg, ex);
+                exchange_free(ex);
+                if (!keep) goto done; /* the server answers, then closes: the rest is unread */
+                llhttp_resume(&ps.llp);
+            }
+        }
+    }
+    out->partial = ps.in_message;
+done:
+    out->consumed = off;
+    parse_free(&ps);
+    return rc;
 }
 
 static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
@@ -602,8 +805,7 @@ static void on_connection(uv_stream_t *server, int status)
         return;
     }
     uv_tcp_nodelay(&c->tcp, 1);
-    llhttp_init(&c->parser, HTTP_REQUEST, &g_settings);
-    c->parser.data = c;
+    parse_init(&c->ps, &s->p, &g_conn_hooks, c);
     c->reading = true;
     conn_read_start(c);
     conn_arm(c, T_HEADER); /* a connection that never sends a request is a slowloris too */
@@ -615,8 +817,7 @@ static void exchange_end(pd_http_exchange *ex)
 {
     conn *c = ex->c;
     bool keep = ex->keep_alive;
-    pd_arena_destroy(ex->arena);
-    free(ex);
+    exchange_free(ex);
     if (!c) return;
     c->ex = NULL;
     if (!keep) {
@@ -628,7 +829,7 @@ static void exchange_end(pd_http_exchange *ex)
         if (c->write_pending == 0) conn_close(c);
         return;
     }
-    llhttp_resume(&c->parser);
+    llhttp_resume(&c->ps.llp);
     if (!c->in_execute) conn_process(c);
 }
 
@@ -768,18 +969,6 @@ int pd_http_stream_end(pd_http_exchange *ex)
 int pd_http_server_start(uv_loop_t *loop, const pd_http_params *params, pd_http_handler handler,
                          void *ctx, pd_http_server **out)
 {
-    static bool settings_ready;
-    if (!settings_ready) {
-        llhttp_settings_init(&g_settings);
-        g_settings.on_message_begin = on_message_begin;
-        g_settings.on_url = on_url;
-        g_settings.on_header_field = on_header_field;
-        g_settings.on_header_value = on_header_value;
-        g_settings.on_headers_complete = on_headers_complete;
-        g_settings.on_body = on_body;
-        g_settings.on_message_complete = on_message_complete;
-        settings_ready = true;
-    }
     pd_http_server *s = calloc(1, sizeof *s);
     if (!s) return pd_error(PD_ENOMEM, "http: out of memory");
     s->loop = loop;

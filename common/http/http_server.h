@@ -11,7 +11,8 @@
  *
  * Limits (each answered as the API contract says, then the connection is closed): body over
  * max_body_bytes -> 413 (straight away when Content-Length or 100-continue announce it), headers
- * over max_header_bytes -> 431, malformed HTTP -> 400, headers not complete within
+ * over max_header_bytes -> 431 (trailer fields after a chunked body count too; they are dropped,
+ * never seen as headers), malformed HTTP -> 400, headers not complete within
  * header_timeout_ms or body not complete within body_timeout_ms -> 408 (slowloris), an idle
  * keep-alive connection is closed after idle_timeout_ms. A stream never queues more than
  * max_stream_buffer unsent bytes: pd_http_stream_write refuses with PD_EBUSY and the drain
@@ -23,6 +24,7 @@
 #ifndef PD_HTTP_SERVER_H
 #define PD_HTTP_SERVER_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <uv.h>
 
@@ -101,6 +103,29 @@ size_t pd_http_stream_pending(const pd_http_exchange *ex);
 void pd_http_on_drain(pd_http_exchange *ex, void (*cb)(void *arg), void *arg);
 /* Ends the chunked response and the exchange. */
 int pd_http_stream_end(pd_http_exchange *ex);
+
+/* ---- the parser without a socket (tests, fuzzing) --------------------------------------- */
+
+typedef struct {
+    int n_requests;          /* complete requests handed to on_request */
+    int n_continue;          /* "100 Continue" interim responses the server would have sent */
+    int error_status;        /* 0, or what the server answers before closing: 400 malformed,
+                                413 body over max_body_bytes, 431 headers over max_header_bytes */
+    char error_message[160]; /* the message of that answer's error body */
+    bool partial;            /* buf ends inside a request (the server waits for more, then 408) */
+    size_t consumed;         /* bytes parsed; after a request without keep-alive the server
+                                closes, so the bytes after it are never parsed */
+} pd_http_parse_result;
+
+/* Runs one connection's request parser (the code every connection runs, with params' limits)
+ * over buf as if it had arrived on the socket in reads of piece bytes (0: one read). Each
+ * complete request is handed to on_request (may be NULL) as an exchange to read with the
+ * accessors above; it is freed when the callback returns, so it must not be responded to.
+ * Stops at the first error or after a request that does not keep the connection alive, as the
+ * server does. PD_OK with *out filled (a rejected request is not a failure), or PD_ENOMEM. */
+int pd_http_parse_buffer(const pd_http_params *params, const char *buf, size_t len, size_t piece,
+                         void (*on_request)(void *arg, pd_http_exchange *ex), void *arg,
+                         pd_http_parse_result *out);
 
 /* Reason phrase for a status code ("Not Found"); "Unknown" for others. */
 const char *pd_http_reason(int status);

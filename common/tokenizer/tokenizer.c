@@ -184,7 +184,7 @@ static int fill_vocab(loader *L, json_t *vocab)
 static int load_merges(loader *L, json_t *model)
 {
     pd_tok *t = L->t;
-    json_t *merges;
+    json_t *merges = NULL; /* absent: no merges (the getter leaves it untouched) */
     PD_CHECK(lwrap(L, pdj_get_array(model, "model", "merges", PDJ_OPTIONAL, &merges)));
     size_t n = merges ? json_array_size(merges) : 0;
     if (n >= (1u << 30)) return lerr(L, PD_ERANGE, "model.merges: too many merges (%zu)", n);
@@ -572,7 +572,7 @@ static int add_post(loader *L, json_t *n, const char *path, int depth)
                     "%s.type: unsupported post-processor \"%s\" (supported: TemplateProcessing, "
                     "ByteLevel, Sequence)",
                     path, type);
-    json_t *single, *specials;
+    json_t *single, *specials = NULL; /* absent special_tokens: each token's own id */
     PD_CHECK(lwrap(L, pdj_get_array(n, path, "single", PDJ_REQUIRED, &single)));
     PD_CHECK(lwrap(L, pdj_get_object(n, path, "special_tokens", PDJ_OPTIONAL, &specials)));
     bool seen_a = false;
