@@ -178,6 +178,7 @@ struct pd_sched {
     pthread_mutex_t qmu;
     sreq *ready_head, *ready_tail;
     bool closing;       /* under qmu: the loop is gone; posts are dropped */
+    bool wake_pending;  /* under qmu: posted from the rpc thread, the loop not yet woken */
     uint8_t *went_down; /* (n instances,) under qmu: left the routing set, not yet handled */
     bool any_down;      /* under qmu */
     atomic_bool shutdown_requested;
@@ -288,8 +289,23 @@ static void post_ready(sreq *r)
             s->ready_head = r;
         s->ready_tail = r;
     }
-    /* under the lock: the loop sets closing under it before closing the handle */
-    if (!s->closing) uv_async_send(&s->async);
+    /* on the rpc thread the wake-up waits for the end of the burst (on_rpc_idle): one loop
+     * wake-up per burst of tokens, not per token. Under the lock: the loop sets closing under
+     * it before closing the handle. */
+    if (pd_rpc_on_client_thread())
+        s->wake_pending = true;
+    else if (!s->closing)
+        uv_async_send(&s->async);
+    pthread_mutex_unlock(&s->qmu);
+}
+
+/* The rpc thread's burst of callbacks is over: wake the loop once for all of it. */
+static void on_rpc_idle(void *arg)
+{
+    pd_sched *s = arg;
+    pthread_mutex_lock(&s->qmu);
+    if (s->wake_pending && !s->closing) uv_async_send(&s->async);
+    s->wake_pending = false;
     pthread_mutex_unlock(&s->qmu);
 }
 
@@ -783,6 +799,7 @@ static void flush_out(sreq *r)
     if (!r->ex) return;
     if (r->out.len > 0) {
         int rc = pd_http_stream_write(r->ex, r->out.p, r->out.len);
+        if (!r->ex) return; /* the write found the client gone: the abort ended the exchange */
         if (rc == PD_EBUSY) {
             /* again on every flush: a decode stream may have started since */
             if (r->out.len > SSE_PAUSE_BYTES) pause_decode(r, true);
@@ -2089,6 +2106,7 @@ int pd_sched_create(const pd_sched_params *p, pd_sched **out)
     int rc;
     PD_CHECK_GOTO(load_model(s), rc, fail);
     PD_CHECK_GOTO(pd_rpc_client_create(&s->rpc), rc, fail);
+    pd_rpc_client_set_idle_hook(s->rpc, on_rpc_idle, s);
     PD_CHECK_GOTO(pd_reg_create(p->global_ranktable, p->node_ports, s->rpc, &s->reg), rc, fail);
     PD_CHECK_GOTO(check_host_table(p, pd_reg_global(s->reg)), rc, fail);
     s->went_down = calloc((size_t)pd_reg_count(s->reg), 1);

@@ -203,23 +203,37 @@ static int conn_writev(conn *c, const void *const *parts, const size_t *lens, in
     if (c->closing) return PD_ECLOSED;
     size_t total = 0;
     for (int i = 0; i < n; i++) total += lens[i];
-    wreq *w = malloc(sizeof *w + total);
+    /* nothing queued: write straight from the callers' buffers; only what the socket does not
+     * take now is copied and queued (the common SSE case costs one writev, no allocation) */
+    size_t done = 0;
+    if (c->write_pending == 0 && n <= 4) {
+        uv_buf_t now[4];
+        for (int i = 0; i < n; i++) now[i] = uv_buf_init((char *)parts[i], (unsigned)lens[i]);
+        int w = uv_try_write((uv_stream_t *)&c->tcp, now, (unsigned)n);
+        if (w > 0) done = (size_t)w;
+        if (done == total) return PD_OK;
+        /* an error (a peer gone) surfaces through the queued write's callback, as without
+         * this shortcut: closing here would run the abort callback inside the caller's write */
+    }
+    wreq *w = malloc(sizeof *w + (total - done));
     if (!w) return pd_error(PD_ENOMEM, "http: out of memory for a %zu-byte write", total);
     w->c = c;
-    w->len = total;
-    size_t off = 0;
+    w->len = total - done;
+    size_t off = 0, skip = done;
     for (int i = 0; i < n; i++) {
-        memcpy(w->data + off, parts[i], lens[i]);
-        off += lens[i];
+        size_t from = skip < lens[i] ? skip : lens[i];
+        skip -= from;
+        memcpy(w->data + off, (const char *)parts[i] + from, lens[i] - from);
+        off += lens[i] - from;
     }
-    uv_buf_t b = uv_buf_init(w->data, (unsigned)total);
+    uv_buf_t b = uv_buf_init(w->data, (unsigned)w->len);
     int rc = uv_write(&w->req, (uv_stream_t *)&c->tcp, &b, 1, on_write);
     if (rc < 0) {
         free(w);
         conn_close(c);
         return pd_error(PD_ECLOSED, "http: write failed: %s", uv_strerror(rc));
     }
-    c->write_pending += total;
+    c->write_pending += w->len;
     return PD_OK;
 }
 

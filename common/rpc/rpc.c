@@ -711,6 +711,8 @@ typedef struct cpending {
 
 struct pd_rpc_client {
     grpc_completion_queue *cq;
+    void (*idle_fn)(void *arg);
+    void *idle_arg;
     pthread_t thread;
     pthread_mutex_t mu;
     cpending *live;
@@ -785,14 +787,36 @@ static void client_post_recv(cpending *p)
     }
 }
 
+static _Thread_local bool t_client_thread;
+
+bool pd_rpc_on_client_thread(void)
+{
+    return t_client_thread;
+}
+
+void pd_rpc_client_set_idle_hook(pd_rpc_client *cl, void (*fn)(void *arg), void *arg)
+{
+    cl->idle_fn = fn;
+    cl->idle_arg = arg;
+}
+
 static void *client_main(void *arg)
 {
     pd_rpc_client *cl = arg;
+    t_client_thread = true;
+    int burst = 0;
     for (;;) {
-        grpc_event ev =
-            grpc_completion_queue_next(cl->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+        /* what is ready now first; before blocking, the idle hook ends the burst */
+        grpc_event ev = grpc_completion_queue_next(cl->cq, gpr_time_0(GPR_CLOCK_REALTIME), NULL);
+        if (ev.type == GRPC_QUEUE_TIMEOUT || burst >= 64) {
+            if (burst > 0 && cl->idle_fn) cl->idle_fn(cl->idle_arg);
+            burst = 0;
+            if (ev.type == GRPC_QUEUE_TIMEOUT)
+                ev = grpc_completion_queue_next(cl->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+        }
         if (ev.type == GRPC_QUEUE_SHUTDOWN) break;
         if (ev.type != GRPC_OP_COMPLETE) continue;
+        burst++;
         tag *t = ev.tag;
         cpending *p = t->obj;
         switch (t->kind) {

@@ -96,6 +96,12 @@ typedef struct pd_rpc_client pd_rpc_client;   /* a completion-queue thread; many
 typedef struct pd_rpc_channel pd_rpc_channel; /* one target "host:port" */
 
 int pd_rpc_client_create(pd_rpc_client **out);
+/* Batching hook: fn(arg) runs on the client thread after a burst of callbacks, when no further
+ * completion is ready at once (or after every 64 callbacks of a longer burst), so a consumer can
+ * wake its own thread once per burst instead of once per message. Set before any call starts. */
+void pd_rpc_client_set_idle_hook(pd_rpc_client *c, void (*fn)(void *arg), void *arg);
+/* True on the client thread of any pd_rpc_client (inside callbacks and the idle hook). */
+bool pd_rpc_on_client_thread(void);
 /* Cancels every call in flight (their callbacks run with CANCELLED), joins the thread, frees.
  * Channels must be destroyed first. */
 void pd_rpc_client_destroy(pd_rpc_client *c);
