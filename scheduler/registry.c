@@ -403,6 +403,14 @@ bool pd_reg_is_up(pd_reg *r, int k)
     return up;
 }
 
+void pd_reg_report_failure(pd_reg *r, int k, const char *why)
+{
+    if (k < 0 || k >= r->n) return;
+    char reason[300];
+    snprintf(reason, sizeof reason, "%s", why && *why ? why : "a call failed");
+    set_state(r, k, false, reason);
+}
+
 int pd_reg_up_count(pd_reg *r, rt_role role)
 {
     int n = 0;
@@ -429,10 +437,17 @@ int pd_reg_pick(pd_reg *r, rt_role role, int64_t tokens, int exclude)
     pthread_mutex_lock(&r->mu);
     int best = -1;
     int64_t best_load = 0;
-    /* scan from the round-robin cursor so that ties rotate */
+    /* the role's instances are contiguous (prefill first, then decode); scan them from the
+     * role's round-robin cursor so that ties take turns */
+    int first = -1, n_role = 0;
+    for (int k = 0; k < r->n; k++)
+        if (r->nodes[k].inst->role == role) {
+            if (first < 0) first = k;
+            n_role++;
+        }
     unsigned start = r->rr[role]++;
-    for (int i = 0; i < r->n; i++) {
-        int k = (int)((start + (unsigned)i) % (unsigned)r->n);
+    for (int i = 0; i < n_role; i++) {
+        int k = first + (int)((start + (unsigned)i) % (unsigned)n_role);
         reg_node *nd = &r->nodes[k];
         if (nd->inst->role != role || !nd->up || k == exclude) continue;
         int64_t load = nd->load_tokens + nd->inflight_tokens;

@@ -57,6 +57,10 @@ int pd_reg_stream(pd_reg *r, int k, const char *method, const void *req, size_t 
  * client is destroyed); later calls are refused. Call before pd_rpc_client_destroy. */
 void pd_reg_close(pd_reg *r);
 bool pd_reg_is_up(pd_reg *r, int k);
+/* A call to instance k failed because it cannot be reached (UNAVAILABLE): takes it out of the
+ * routing set now, with why as the logged reason, instead of at the next heartbeat; it rejoins
+ * once it answers the heartbeat again (its identity is checked again first). */
+void pd_reg_report_failure(pd_reg *r, int k, const char *why);
 /* Instances of a role in the routing set. */
 int pd_reg_up_count(pd_reg *r, rt_role role);
 /* Blocks until one heartbeat round has completed (or timeout_ms). true when it has. */

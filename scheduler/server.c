@@ -96,8 +96,10 @@ typedef struct choice {
     int64_t kv_bytes;
     double kv_seconds, prefill_seconds;
     bool kv_reported;
-    bool admit_wait; /* Reserve was refused for lack of KV: the loop queues the choice */
-    bool admitted;   /* a retried Reserve succeeded */
+    bool admit_wait;    /* Reserve was refused for lack of KV: the loop queues the choice */
+    bool reserve_retry; /* Reserve found its decode instance gone: the loop picks another */
+    int reserve_tries;  /* rpc thread */
+    bool admitted;      /* a retried Reserve succeeded */
     /* admission queue (loop thread) */
     bool in_queue, retrying;
     struct choice *q_prev, *q_next;
@@ -544,6 +546,18 @@ static void on_reserve_done(void *arg, int st, const char *details, const uint8_
     if (aborted) {
         if (st == PD_RPC_OK) send_abort(r->s, c->d_node, c->sub_id);
         chain_end(c);
+        return;
+    }
+    if (st == PD_RPC_UNAVAILABLE && c->reserve_tries < 2) {
+        /* the instance died since the last heartbeat: out of routing now, and another one */
+        c->reserve_tries++;
+        PD_WARN(r->id, "Reserve of %s on %s failed: %s; trying another decode instance", c->sub_id,
+                pd_reg_name(r->s->reg, c->d_node), details);
+        pd_reg_report_failure(r->s->reg, c->d_node, details);
+        pthread_mutex_lock(&r->mu);
+        c->reserve_retry = true;
+        post_ready(r);
+        pthread_mutex_unlock(&r->mu);
         return;
     }
     if (st == PD_RPC_RESOURCE_EXHAUSTED) {
@@ -1333,8 +1347,8 @@ static void process(sreq *r)
         int err_http = c->err_http;
         char err[256];
         snprintf(err, sizeof err, "%s", c->err);
-        bool wait = c->admit_wait, admitted = c->admitted;
-        c->admit_wait = c->admitted = false;
+        bool wait = c->admit_wait, admitted = c->admitted, retry = c->reserve_retry;
+        c->admit_wait = c->admitted = c->reserve_retry = false;
         bool kv = !c->kv_reported && c->kv_bytes > 0;
         int64_t kv_bytes = c->kv_bytes;
         double kv_secs = c->kv_seconds;
@@ -1401,16 +1415,19 @@ static void process(sreq *r)
         }
         c->work.n = 0;
         bool was_head = c->retrying;
-        if (c->retrying && (wait || admitted || chain_done)) { /* the retry has its answer */
+        if (c->retrying && (wait || retry || admitted || chain_done)) { /* it has its answer */
             c->retrying = false;
             s->admit_busy = false;
             if (!wait) s->admit_kick = true; /* admitted: the next one may fit too */
         }
-        if (wait && !chain_done) {
-            if (r->done)
+        if ((wait || retry) && !chain_done) {
+            if (r->done) {
                 chain_end(c);
-            else
-                admit_wait(s, c, was_head);
+            } else {
+                /* a lost instance's choice goes first, to the pick of another instance */
+                admit_wait(s, c, was_head || retry);
+                if (retry) s->admit_kick = true;
+            }
         }
         if (chain_done) {
             s->admit_kick = true; /* KV was freed (or never taken): the head may fit now */
@@ -1457,7 +1474,7 @@ static void instance_lost(pd_sched *s, int k)
             pthread_mutex_lock(&r->mu);
             bool pre = c->p_node == k && c->in_phase[PH_PREFILL] && !c->in_phase[PH_DECODE];
             uint64_t id = c->call_id[PH_PREFILL];
-            bool done = c->chain_done;
+            bool done = c->chain_done || c->reserve_retry; /* retry: picks another instance */
             pthread_mutex_unlock(&r->mu);
             if (done) continue;
             if (!decode && pre && id) pd_rpc_cancel(s->rpc, id);

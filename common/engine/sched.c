@@ -338,6 +338,26 @@ static void preempt(pd_sched *s, pd_sched_seq *seq)
     list_insert_sorted(&s->waiting, seq);
 }
 
+/* Nothing runs and the oldest waiting sequence does not fit: younger waiting sequences that
+ * hold KV (imported from a prefill instance, or reserved for one) give it up, youngest first,
+ * until need blocks are free; they recompute it when their turn comes. Without this, waiting
+ * sequences holding KV could fill the pool so that none of them can take its next block and
+ * nothing ever runs again. Returns how many gave their KV up. */
+static size_t evict_waiting(pd_sched *s, const pd_sched_seq *head, size_t need)
+{
+    size_t n = 0;
+    for (pd_sched_seq *v = s->waiting.tail; v && v != head && need > pd_kvpool_num_free(s->pool);
+         v = v->q.prev) {
+        if (pd_kvtable_num_blocks(v->table) == 0) continue;
+        pd_kvtable_clear(v->table);
+        v->n_computed = 0;
+        v->n_preempt++;
+        s->n_preemptions++;
+        n++;
+    }
+    return n;
+}
+
 /* Rows seq may take now: its uncomputed tokens, capped by the budget and, while prefilling, by
  * max_prefill_chunk. */
 static size_t rows_for(const pd_sched *s, const pd_sched_seq *seq, size_t budget)
@@ -398,9 +418,10 @@ int pd_sched_schedule(pd_sched *s, pd_sched_out *out)
         if (s->running_slots + 1 + seq->pending_children > s->p.max_num_seqs) break;
         size_t n_new = rows_for(s, seq, budget);
         if (n_new == 0) break;
-        if (pd_kvtable_blocks_needed(seq->table, seq->n_computed + n_new) >
-            pd_kvpool_num_free(s->pool))
-            break;
+        size_t need = pd_kvtable_blocks_needed(seq->table, seq->n_computed + n_new);
+        if (need > pd_kvpool_num_free(s->pool) && !s->running.head)
+            n_preempted += evict_waiting(s, seq, need);
+        if (need > pd_kvpool_num_free(s->pool)) break;
         list_remove(&s->waiting, seq);
         seq->state = PD_SEQ_RUNNING;
         s->running_slots += 1 + seq->pending_children;

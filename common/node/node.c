@@ -10,6 +10,9 @@
 
 #include "engine/engine.h"
 #include "pd_config.h"
+#if PD_HAVE_CUDA
+#include "backend/cuda/cuda_info.h"
+#endif
 #include "rpc/pd_msg.h"
 #include "rpc/rpc.h"
 #include "transfer/kv_tcp.h"
@@ -34,6 +37,7 @@ typedef struct req {
     size_t n_targets;
     int32_t *dst_blocks; /* (n_dst_blocks) */
     size_t n_dst_blocks;
+    size_t n_prompt; /* tokens whose KV moves */
     int lease_ms;
     /* decode */
     int64_t deadline_ns; /* reservation TTL */
@@ -41,7 +45,8 @@ typedef struct req {
     size_t n_blocks;
     int kv_ranks_done;
     bool decoding, first_seen;
-    bool handed_over; /* prefill: a transfer worker owns the request now */
+    bool handed_over;   /* prefill: a transfer worker owns the request now */
+    atomic_bool cancel; /* prefill: aborted while its KV is being sent; the send gives up */
 } req;
 
 /* A finished prefill waiting for its KV hand-over. */
@@ -252,6 +257,7 @@ static void on_call_cancelled(void *arg, pd_rpc_call *call)
     pthread_mutex_lock(&n->mu);
     req *r = table_find_call(n, call);
     if (r) snprintf(id, sizeof id, "%s", r->id);
+    if (r && r->handed_over) atomic_store(&r->cancel, true); /* the transfer frees the KV */
     pthread_mutex_unlock(&n->mu);
     if (id[0]) {
         PD_INFO(id, "%s: call cancelled by the caller; aborting", pd_rpc_method_name(call));
@@ -351,6 +357,15 @@ static void h_abort(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len)
     }
     Pd__AbortReply m = PD__ABORT_REPLY__INIT;
     m.found = pd_engine_abort(n->e, q->request_id) == PD_OK;
+    if (n->tx) {
+        pthread_mutex_lock(&n->mu);
+        req *r = table_find(n, q->request_id);
+        if (r && r->handed_over) { /* its KV is being sent: stop the send, which frees the KV */
+            atomic_store(&r->cancel, true);
+            m.found = true;
+        }
+        pthread_mutex_unlock(&n->mu);
+    }
     if (n->rx) {
         pthread_mutex_lock(&n->mu);
         req *r = table_find(n, q->request_id);
@@ -401,6 +416,7 @@ static void h_prefill(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len
         r->n_targets = q->n_targets;
         r->targets = pd_arena_calloc(r->arena, q->n_targets, sizeof *r->targets);
         r->n_dst_blocks = q->n_decode_block_ids;
+        r->n_prompt = q->n_prompt_ids;
         r->dst_blocks = pd_arena_alloc(r->arena, need * sizeof(int32_t), 0);
         for (size_t i = 0; r->targets && i < q->n_targets; i++) {
             r->targets[i] = *q->targets[i];
@@ -455,9 +471,11 @@ static int transfer_kv(pd_node *n, job *j, int64_t *bytes, double *seconds)
                                  .src_head0 = p_heads * (size_t)rank,
                                  .block_ids = j->src_blocks,
                                  .n_blocks = j->n_src_blocks,
+                                 .n_tokens = r->n_prompt,
                                  .head0 = h0,
                                  .n_heads = nh,
-                                 .timeout_ms = r->lease_ms};
+                                 .timeout_ms = r->lease_ms,
+                                 .cancel = &r->cancel};
             pd_kv_send_stats st;
             int rc = pd_kv_tcp_send(n->tx, &sr, &st);
             *bytes += (int64_t)st.bytes;
@@ -605,7 +623,8 @@ static void h_reserve(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len
                        : pd_error(PD_ENOMEM, "out of memory");
         int k = 0;
         for (; rc == PD_OK && k < n->tp; k++)
-            rc = pd_kv_rx_expect(n->rx[k], r->id, r->blocks, r->n_blocks);
+            rc = pd_kv_rx_expect(n->rx[k], r->id, r->blocks, r->n_blocks,
+                                 (size_t)q->num_prompt_tokens);
         if (rc < 0) {
             char keep[512];
             snprintf(keep, sizeof keep, "%s", pd_last_error());
@@ -807,6 +826,9 @@ pd_node_params pd_node_default_params(void)
         .shutdown_timeout_s = 30,
         .kv_lease_s = 30,
         .kv_transport = "auto",
+        .device = "cpu",
+        .dtype = "auto",
+        .gpu_memory_utilization = 0.9,
         .transfer_workers = 4,
     };
 }
@@ -837,6 +859,48 @@ static int node_load_ranktables(pd_node *n)
                         p->tensor_parallel_size, n->tp, rt_role_name(role), index,
                         p->global_ranktable);
     return PD_OK;
+}
+
+/* --device and --dtype into the engine's parameters. On CUDA, rank r runs on the ranktable's
+ * device_id when every id of the instance is a visible ordinal (the whole host's GPUs are
+ * visible), else on ordinal r (a container that sees only this instance's GPUs, as
+ * deploy/run_instance.sh starts them). */
+static int node_device(pd_node *n, pd_engine_params *ep)
+{
+    const pd_node_params *p = &n->p;
+    bool cuda = strcmp(p->device, "cuda") == 0;
+    if (!cuda) {
+        if (strcmp(p->dtype, "auto") != 0 && strcmp(p->dtype, "float32") != 0)
+            return pd_error(PD_EINVAL,
+                            "--dtype %s: the CPU backend computes in float32 (use auto or "
+                            "float32, or --device cuda)",
+                            p->dtype);
+        return PD_OK;
+    }
+#if PD_HAVE_CUDA
+    pd_cuda_info info;
+    if (pd_cuda_query(0, &info) < 0) return pd_error_prefix(PD_ENOTFOUND, "--device cuda");
+    bool physical = true;
+    for (int r = 0; r < n->tp; r++)
+        physical = physical && n->inst->devices[r].ordinal < info.device_count;
+    ep->n_cuda_devices = n->tp;
+    for (int r = 0; r < n->tp && r < PD_ENGINE_MAX_CUDA_DEVICES; r++) {
+        ep->cuda_devices[r] = physical ? n->inst->devices[r].ordinal : r;
+        PD_INFO(NULL, "rank %d: device_id %s -> CUDA device %d (%d visible)", r,
+                n->inst->devices[r].device_id, ep->cuda_devices[r], info.device_count);
+    }
+    ep->gpu_memory_utilization = p->gpu_memory_utilization;
+    ep->cuda_weight_dtype = strcmp(p->dtype, "float32") == 0    ? PD_DTYPE_F32
+                            : strcmp(p->dtype, "float16") == 0  ? PD_DTYPE_F16
+                            : strcmp(p->dtype, "bfloat16") == 0 ? PD_DTYPE_BF16
+                                                                : -1;
+    return PD_OK;
+#else
+    (void)ep;
+    return pd_error(PD_EUNSUPPORTED,
+                    "--device cuda: this build has no CUDA backend (configure with meson "
+                    "-Dcuda=enabled on a machine with nvcc, cuBLAS and NCCL)");
+#endif
 }
 
 int pd_node_create(const pd_node_params *p, pd_node **out)
@@ -874,6 +938,8 @@ int pd_node_create(const pd_node_params *p, pd_node **out)
     ep.seed = p->seed;
     ep.on_event = on_engine_event;
     ep.on_event_ctx = n;
+    rc = node_device(n, &ep);
+    if (rc < 0) goto fail;
     rc = pd_engine_create(&ep, &n->e);
     if (rc < 0) goto fail;
     n->cfg = pd_engine_model_config(n->e);

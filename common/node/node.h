@@ -45,6 +45,9 @@ typedef struct {
     int shutdown_timeout_s;        /* --shutdown-timeout (30) */
     int kv_lease_s;                /* --kv-lease-seconds (30) */
     const char *kv_transport;      /* --kv-transport auto|tcp|nccl|cuda_ipc (auto) */
+    const char *device;            /* --device cpu|cuda (cpu) */
+    const char *dtype;             /* --dtype auto|float32|bfloat16|float16 (auto) */
+    double gpu_memory_utilization; /* --gpu-memory-utilization (0.9): CUDA KV pool sizing */
     int transfer_workers;          /* prefill: concurrent KV sends (4) */
     unsigned ranktable_flags;      /* RT_ALLOW_SHARED_DEVICES for single-GPU setups */
 } pd_node_params;

@@ -31,9 +31,11 @@ void pd_node_usage(const char *prog, rt_role role)
         "  --kv-cache-bytes N             KV budget per rank (default: 40%% of free memory)\n"
         "  --seed N                       base seed of requests without one (default: random)\n"
         "  --cpu-threads N                CPU threads (default: all cores)\n"
-        "  --dtype auto|float32           activation dtype; the CPU backend computes in float32\n"
+        "  --device cpu|cuda              backend of the engine (cpu); cuda: one GPU per rank\n"
+        "  --dtype auto|float32|bfloat16|float16  CUDA compute dtype (auto: bfloat16); the CPU\n"
+        "                                 backend computes in float32 (auto or float32)\n"
         "  --quantization none            weight quantization (none is supported)\n"
-        "  --gpu-memory-utilization F     GPU KV sizing; not used by the CPU backend\n"
+        "  --gpu-memory-utilization F     CUDA: share of GPU memory for weights + KV (0.9)\n"
         "  --kv-transport auto|tcp        KV data plane (auto = tcp on the CPU backend)\n"
         "  --kv-lease-seconds S           prefill: KV held at most S s for the decode side (30)\n"
         "  --shutdown-timeout S           drain time after SIGTERM before aborting (30)\n"
@@ -139,12 +141,16 @@ int pd_node_parse_args(int argc, char **argv, rt_role role, pd_node_params *p)
                                 "got '%s'",
                                 v);
             p->kv_transport = v;
+        } else if (strcmp(name, "--device") == 0) {
+            if (strcmp(v, "cpu") && strcmp(v, "cuda"))
+                return pd_error(PD_EINVAL, "--device: expected cpu or cuda, got '%s'", v);
+            p->device = v;
         } else if (strcmp(name, "--dtype") == 0) {
-            if (strcmp(v, "auto") && strcmp(v, "float32"))
-                return pd_error(PD_EINVAL,
-                                "--dtype %s: the CPU backend computes in float32 "
-                                "(use auto or float32)",
-                                v);
+            if (strcmp(v, "auto") && strcmp(v, "float32") && strcmp(v, "bfloat16") &&
+                strcmp(v, "float16"))
+                return pd_error(
+                    PD_EINVAL, "--dtype: expected auto, float32, bfloat16 or float16, got '%s'", v);
+            p->dtype = v;
         } else if (strcmp(name, "--quantization") == 0) {
             if (strcmp(v, "none") != 0)
                 return pd_error(PD_EINVAL, "--quantization %s: not supported (none)", v);
@@ -156,10 +162,7 @@ int pd_node_parse_args(int argc, char **argv, rt_role role, pd_node_params *p)
                                 "--gpu-memory-utilization: expected a number in "
                                 "(0, 1], got '%s'",
                                 v);
-            PD_INFO(NULL,
-                    "--gpu-memory-utilization %s: not used by the CPU backend "
-                    "(--kv-cache-bytes sizes its KV pool)",
-                    v);
+            p->gpu_memory_utilization = f;
         } else if (strcmp(name, "--log-level") == 0) {
             pd_log_level lv;
             PD_CHECK(pd_log_parse_level(v, &lv));

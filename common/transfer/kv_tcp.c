@@ -1,10 +1,11 @@
 /* KV transfer over TCP (see kv_tcp.h).
  *
  * Wire format, little-endian:
- *   frame   = header (80 bytes) + payload; payload = K then V, each
- *             (n_blocks, block_size, n_heads, head_dim) in the pool dtype (pd_kv_range layout)
+ *   frame   = header (80 bytes) + payload; payload = K then V, each (n_tokens, n_heads,
+ *             head_dim) in the pool dtype: the pd_kv_range layout of the blocks cut after the
+ *             prompt's last token (the unused slots of the last block do not move)
  *   header  = "PDKV" u16 version u16 flags char request_id[40] u32 layer u32 head0 u32 n_heads
- *             u32 block0 u32 n_blocks u32 reserved u64 payload_bytes
+ *             u32 block0 u32 n_blocks u32 n_tokens u64 payload_bytes
  *   ack     = "PDKA" u16 version u16 pad i32 status char request_id[40] char message[204]
  *             (256 bytes), sent for a sender's frame flagged LAST
  * One connection carries one request at a time; the sender reads the acknowledgement before
@@ -20,6 +21,7 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -35,16 +37,17 @@
 #define HDR_BYTES             80
 #define ACK_BYTES             256
 #define ACK_MSG_BYTES         204
-#define VERSION               1
+#define VERSION               2
 #define FLAG_LAST             1u
 #define SOCK_BUF              (4 << 20)
 #define FRAME_READ_TIMEOUT_MS 30000
+#define CANCEL_POLL_MS        50 /* how often a send in progress looks at its cancel flag */
 #define DONE_RING             256
 
 typedef struct {
     uint16_t version, flags;
     char request_id[PD_KV_REQUEST_ID_MAX];
-    uint32_t layer, head0, n_heads, block0, n_blocks;
+    uint32_t layer, head0, n_heads, block0, n_blocks, n_tokens;
     uint64_t payload_bytes;
 } frame_hdr;
 
@@ -90,7 +93,7 @@ static void hdr_pack(const frame_hdr *h, uint8_t *p)
     put_u32(p + 56, h->n_heads);
     put_u32(p + 60, h->block0);
     put_u32(p + 64, h->n_blocks);
-    put_u32(p + 68, 0);
+    put_u32(p + 68, h->n_tokens);
     put_u64(p + 72, h->payload_bytes);
 }
 
@@ -107,6 +110,7 @@ static bool hdr_unpack(const uint8_t *p, frame_hdr *h)
     h->n_heads = get_u32(p + 56);
     h->block0 = get_u32(p + 60);
     h->n_blocks = get_u32(p + 64);
+    h->n_tokens = get_u32(p + 68);
     h->payload_bytes = get_u64(p + 72);
     return true;
 }
@@ -142,33 +146,39 @@ void pd_kv_head_overlap(size_t a0, size_t an, size_t b0, size_t bn, size_t *h0, 
 
 /* ---- sockets ---- */
 
-/* Waits for fd (and, when stop_fd >= 0, for a stop signal). 1 ready, 0 timeout, -1 stop. */
-static int wait_fd(int fd, short events, int stop_fd, int64_t deadline_ns)
+/* Waits for fd (and, when stop_fd >= 0, for a stop signal; when cancel is not NULL, for it to
+ * turn true, looked at every CANCEL_POLL_MS). 1 ready, 0 timeout, -1 stop, -2 cancelled. */
+static int wait_fd(int fd, short events, int stop_fd, const atomic_bool *cancel,
+                   int64_t deadline_ns)
 {
     for (;;) {
+        if (cancel && atomic_load(cancel)) return -2;
         int ms = -1;
         if (deadline_ns != INT64_MAX) {
             int64_t left = deadline_ns - pd_now_ns();
             if (left <= 0) return 0;
             ms = (int)((left + PD_NS_PER_MS - 1) / PD_NS_PER_MS);
         }
+        if (cancel && (ms < 0 || ms > CANCEL_POLL_MS)) ms = CANCEL_POLL_MS;
         struct pollfd p[2] = {{.fd = fd, .events = events}, {.fd = stop_fd, .events = POLLIN}};
         int r = poll(p, stop_fd >= 0 ? 2 : 1, ms);
         if (r < 0 && errno == EINTR) continue;
         if (r < 0) return -1;
-        if (r == 0) return 0;
+        if (r == 0) continue; /* the deadline and the cancel flag are looked at above */
         if (stop_fd >= 0 && p[1].revents) return -1;
         return 1;
     }
 }
 
-/* PD_OK, PD_ETIMEOUT, PD_ECLOSED (peer closed / error / stop). */
-static int read_full(int fd, void *buf, size_t n, int stop_fd, int64_t deadline_ns)
+/* PD_OK, PD_ETIMEOUT, PD_ECANCELLED, PD_ECLOSED (peer closed / error / stop). */
+static int read_full(int fd, void *buf, size_t n, int stop_fd, const atomic_bool *cancel,
+                     int64_t deadline_ns)
 {
     uint8_t *p = buf;
     while (n > 0) {
-        int w = wait_fd(fd, POLLIN, stop_fd, deadline_ns);
+        int w = wait_fd(fd, POLLIN, stop_fd, cancel, deadline_ns);
         if (w == 0) return PD_ETIMEOUT;
+        if (w == -2) return PD_ECANCELLED;
         if (w < 0) return PD_ECLOSED;
         ssize_t r = read(fd, p, n);
         if (r < 0 && (errno == EINTR || errno == EAGAIN)) continue;
@@ -179,12 +189,14 @@ static int read_full(int fd, void *buf, size_t n, int stop_fd, int64_t deadline_
     return PD_OK;
 }
 
-static int write_full(int fd, const void *buf, size_t n, int64_t deadline_ns)
+static int write_full(int fd, const void *buf, size_t n, const atomic_bool *cancel,
+                      int64_t deadline_ns)
 {
     const uint8_t *p = buf;
     while (n > 0) {
-        int w = wait_fd(fd, POLLOUT, -1, deadline_ns);
+        int w = wait_fd(fd, POLLOUT, -1, cancel, deadline_ns);
         if (w == 0) return PD_ETIMEOUT;
+        if (w == -2) return PD_ECANCELLED;
         if (w < 0) return PD_ECLOSED;
         ssize_t r = send(fd, p, n, MSG_NOSIGNAL);
         if (r < 0 && (errno == EINTR || errno == EAGAIN)) continue;
@@ -195,12 +207,15 @@ static int write_full(int fd, const void *buf, size_t n, int64_t deadline_ns)
     return PD_OK;
 }
 
-/* writev of the whole vector (iov is consumed). PD_OK, PD_ETIMEOUT or PD_ECLOSED. */
-static int writev_full(int fd, struct iovec *iov, int cnt, int64_t deadline_ns)
+/* writev of the whole vector (iov is consumed). PD_OK, PD_ETIMEOUT, PD_ECANCELLED or
+ * PD_ECLOSED. */
+static int writev_full(int fd, struct iovec *iov, int cnt, const atomic_bool *cancel,
+                       int64_t deadline_ns)
 {
     while (cnt > 0) {
-        int w = wait_fd(fd, POLLOUT, -1, deadline_ns);
+        int w = wait_fd(fd, POLLOUT, -1, cancel, deadline_ns);
         if (w == 0) return PD_ETIMEOUT;
+        if (w == -2) return PD_ECANCELLED;
         if (w < 0) return PD_ECLOSED;
         ssize_t n = writev(fd, iov, cnt);
         if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
@@ -228,9 +243,28 @@ static void tune_socket(int fd)
     fcntl(fd, F_SETFD, FD_CLOEXEC);
 }
 
-static size_t slice_bytes(const pd_kv_params *kp, size_t n_blocks, size_t n_heads)
+/* The prompt's tokens in n_blocks blocks: n_tokens, or every slot when it is 0. PD_EINVAL when
+ * the last token does not fall in the last block. */
+static int tokens_in(const pd_kv_params *kp, size_t n_blocks, size_t n_tokens, size_t *out)
 {
-    return 2 * n_blocks * kp->block_size * n_heads * kp->head_dim * pd_dtype_size(kp->dtype);
+    size_t bs = kp->block_size;
+    if (n_tokens && (n_tokens > n_blocks * bs || n_tokens <= (n_blocks - 1) * bs))
+        return pd_error(PD_EINVAL, "kv: %zu tokens do not end in the last of %zu %zu-token blocks",
+                        n_tokens, n_blocks, bs);
+    *out = n_tokens ? n_tokens : n_blocks * bs;
+    return PD_OK;
+}
+
+/* Bytes of one token of n_heads heads (K or V). */
+static size_t token_bytes(const pd_kv_params *kp, size_t n_heads)
+{
+    return n_heads * kp->head_dim * pd_dtype_size(kp->dtype);
+}
+
+/* Payload of one frame: K and V of n_tokens tokens. */
+static size_t slice_bytes(const pd_kv_params *kp, size_t n_tokens, size_t n_heads)
+{
+    return 2 * n_tokens * token_bytes(kp, n_heads);
 }
 
 /* ====================================================================== receiver ========== */
@@ -240,9 +274,16 @@ typedef struct expect_entry {
     char id[PD_KV_REQUEST_ID_MAX];
     int32_t *blocks;
     size_t n_blocks;
-    uint8_t *got; /* (n_layers, n_local_heads) flags */
+    size_t n_tokens; /* the prompt's tokens in those blocks */
+    uint8_t *got;    /* (n_layers, n_local_heads) flags */
     size_t n_got, n_need;
 } expect_entry;
+
+/* The last DONE_RING request ids of a kind (a ring). */
+typedef struct {
+    char ids[DONE_RING][PD_KV_REQUEST_ID_MAX];
+    int pos;
+} id_ring;
 
 typedef struct rx_conn {
     struct rx_conn *next;
@@ -262,8 +303,8 @@ struct pd_kv_tcp_receiver {
     pthread_t accept_thread;
     pthread_mutex_t mu;
     expect_entry *expected;
-    char done_ring[DONE_RING][PD_KV_REQUEST_ID_MAX];
-    int ring_pos;
+    id_ring imported;  /* requests imported lately */
+    id_ring cancelled; /* requests cancelled lately (their frames may still be on the way) */
     rx_conn *conns;
     pd_kv_rx_stats stats;
 };
@@ -279,10 +320,16 @@ static expect_entry *find_expected(pd_kv_tcp_receiver *rx, const char *id, expec
     return NULL;
 }
 
-static bool recently_done(pd_kv_tcp_receiver *rx, const char *id)
+static void ring_add(id_ring *r, const char *id)
+{
+    snprintf(r->ids[r->pos], PD_KV_REQUEST_ID_MAX, "%s", id);
+    r->pos = (r->pos + 1) % DONE_RING;
+}
+
+static bool ring_has(const id_ring *r, const char *id)
 {
     for (int i = 0; i < DONE_RING; i++)
-        if (rx->done_ring[i][0] && strcmp(rx->done_ring[i], id) == 0) return true;
+        if (r->ids[i][0] && strcmp(r->ids[i], id) == 0) return true;
     return false;
 }
 
@@ -294,12 +341,14 @@ static void entry_free(expect_entry *e)
 }
 
 int pd_kv_rx_expect(pd_kv_tcp_receiver *rx, const char *request_id, const int32_t *block_ids,
-                    size_t n_blocks)
+                    size_t n_blocks, size_t n_tokens)
 {
     if (!request_id[0] || strlen(request_id) >= PD_KV_REQUEST_ID_MAX)
         return pd_error(PD_EINVAL, "kv receive: request id must be 1..%d bytes",
                         PD_KV_REQUEST_ID_MAX - 1);
     if (n_blocks == 0) return pd_error(PD_EINVAL, "kv receive %s: no blocks", request_id);
+    size_t tokens = 0;
+    PD_CHECK(tokens_in(&rx->p.kv_params, n_blocks, n_tokens, &tokens));
     for (size_t i = 0; i < n_blocks; i++)
         if (block_ids[i] < 0 || (size_t)block_ids[i] >= rx->p.kv_params.n_blocks)
             return pd_error(PD_EINVAL, "kv receive %s: block id %d outside the pool of %zu",
@@ -317,12 +366,13 @@ int pd_kv_rx_expect(pd_kv_tcp_receiver *rx, const char *request_id, const int32_
     snprintf(e->id, sizeof e->id, "%s", request_id);
     memcpy(e->blocks, block_ids, n_blocks * sizeof *block_ids);
     e->n_blocks = n_blocks;
+    e->n_tokens = tokens;
     e->n_need = n_need;
     pthread_mutex_lock(&rx->mu);
     int rc = PD_OK;
     if (find_expected(rx, request_id, NULL))
         rc = pd_error(PD_EEXIST, "kv receive %s: already expected", request_id);
-    else if (recently_done(rx, request_id))
+    else if (ring_has(&rx->imported, request_id))
         rc = pd_error(PD_EEXIST, "kv receive %s: already imported", request_id);
     if (rc == PD_OK) {
         e->next = rx->expected;
@@ -342,6 +392,7 @@ int pd_kv_rx_cancel(pd_kv_tcp_receiver *rx, const char *request_id)
     if (e) {
         *link = e->next;
         rx->stats.expected--;
+        ring_add(&rx->cancelled, request_id);
     }
     pthread_mutex_unlock(&rx->mu);
     if (!e) return pd_error(PD_ENOTFOUND, "kv receive %s: not expected", request_id);
@@ -364,9 +415,14 @@ static int rx_import(pd_kv_tcp_receiver *rx, const frame_hdr *h, const uint8_t *
     const pd_kv_params *kp = &rx->p.kv_params;
     expect_entry **link = NULL;
     expect_entry *e = find_expected(rx, h->request_id, &link);
-    if (!e)
+    if (!e) {
+        if (ring_has(&rx->cancelled, h->request_id))
+            return pd_error(PD_ECANCELLED, "kv frame for request %s dropped: it was cancelled",
+                            h->request_id);
         return pd_error(PD_EINVAL, "kv frame for request %s refused: %s", h->request_id,
-                        recently_done(rx, h->request_id) ? "already imported" : "not expected");
+                        ring_has(&rx->imported, h->request_id) ? "already imported"
+                                                               : "not expected");
+    }
     if (h->layer >= (uint32_t)kp->n_layers)
         return pd_error(PD_EINVAL, "kv frame %s: layer %u outside 0..%d", h->request_id, h->layer,
                         kp->n_layers - 1);
@@ -375,35 +431,50 @@ static int rx_import(pd_kv_tcp_receiver *rx, const frame_hdr *h, const uint8_t *
         return pd_error(PD_EINVAL, "kv frame %s: heads %u..%u outside this rank's %zu..%zu",
                         h->request_id, h->head0, h->head0 + h->n_heads - 1, rx->p.head0,
                         rx->p.head0 + rx->n_local_heads - 1);
-    if (h->block0 != 0 || h->n_blocks != e->n_blocks)
-        return pd_error(PD_EINVAL, "kv frame %s: blocks %u+%u, expected 0+%zu", h->request_id,
-                        h->block0, h->n_blocks, e->n_blocks);
-    size_t want = slice_bytes(kp, e->n_blocks, h->n_heads);
+    if (h->block0 != 0 || h->n_blocks != e->n_blocks || h->n_tokens != e->n_tokens)
+        return pd_error(PD_EINVAL,
+                        "kv frame %s: blocks %u+%u holding %u tokens, expected 0+%zu "
+                        "holding %zu",
+                        h->request_id, h->block0, h->n_blocks, h->n_tokens, e->n_blocks,
+                        e->n_tokens);
+    size_t want = slice_bytes(kp, e->n_tokens, h->n_heads);
     if (h->payload_bytes != want)
         return pd_error(PD_EINVAL, "kv frame %s: payload of %llu bytes, expected %zu",
                         h->request_id, (unsigned long long)h->payload_bytes, want);
+    /* the blocks' slots past the prompt did not move: import whole blocks with those empty */
+    size_t half = want / 2, full_half = e->n_blocks * kp->block_size * token_bytes(kp, h->n_heads);
+    uint8_t *whole = NULL;
+    if (half < full_half) {
+        whole = calloc(2, full_half);
+        if (!whole) return pd_error(PD_ENOMEM, "kv receive: out of memory");
+        memcpy(whole, payload, half);
+        memcpy(whole + full_half, payload + half, half);
+        payload = whole;
+    }
     size_t local0 = h->head0 - rx->p.head0;
     uint8_t *got = e->got + (size_t)h->layer * rx->n_local_heads + local0;
-    for (size_t i = 0; i < h->n_heads; i++)
-        if (got[i])
-            return pd_error(PD_EINVAL, "kv frame %s: layer %u head %zu sent twice", h->request_id,
-                            h->layer, h->head0 + i);
+    /* A (layer, head) that arrives again before the request is complete comes from a prefill
+     * retried on another instance after a transfer broke half-way (the scheduler keeps the
+     * reservation): it is the same prompt's KV, so it overwrites the first copy and counts once. */
+    size_t fresh = 0;
+    for (size_t i = 0; i < h->n_heads; i++) fresh += !got[i];
     pd_kv_range r = {.layer = (int)h->layer,
                      .block_ids = e->blocks,
                      .n_blocks = e->n_blocks,
                      .head0 = local0,
                      .n_heads = h->n_heads};
-    PD_CHECK(pd_backend_get_ops(rx->p.backend)->kv_import(rx->p.backend, rx->p.kv, &r, payload));
+    int rc = pd_backend_get_ops(rx->p.backend)->kv_import(rx->p.backend, rx->p.kv, &r, payload);
+    free(whole);
+    if (rc < 0) return rc;
     memset(got, 1, h->n_heads);
-    e->n_got += h->n_heads;
+    e->n_got += fresh;
     rx->stats.frames++;
     rx->stats.bytes += h->payload_bytes;
     if (e->n_got == e->n_need) {
         *link = e->next;
         rx->stats.expected--;
         rx->stats.completed++;
-        snprintf(rx->done_ring[rx->ring_pos], PD_KV_REQUEST_ID_MAX, "%s", e->id);
-        rx->ring_pos = (rx->ring_pos + 1) % DONE_RING;
+        ring_add(&rx->imported, e->id);
         *complete = e;
     }
     return PD_OK;
@@ -421,9 +492,10 @@ static void *rx_conn_main(void *arg)
     char cur_msg[ACK_MSG_BYTES] = "";
     for (;;) {
         /* idle between frames: no deadline; inside a frame: FRAME_READ_TIMEOUT_MS */
-        if (read_full(c->fd, hb, 1, rx->stop_pipe[0], INT64_MAX) != PD_OK) break;
+        if (read_full(c->fd, hb, 1, rx->stop_pipe[0], NULL, INT64_MAX) != PD_OK) break;
         int64_t deadline = pd_now_ns() + FRAME_READ_TIMEOUT_MS * PD_NS_PER_MS;
-        if (read_full(c->fd, hb + 1, HDR_BYTES - 1, rx->stop_pipe[0], deadline) != PD_OK) break;
+        if (read_full(c->fd, hb + 1, HDR_BYTES - 1, rx->stop_pipe[0], NULL, deadline) != PD_OK)
+            break;
         frame_hdr h;
         if (!hdr_unpack(hb, &h) || h.version != VERSION) {
             PD_ERROR(NULL, "kv receive: bad frame header (magic or version); closing connection");
@@ -446,7 +518,7 @@ static void *rx_conn_main(void *arg)
             buf = nb;
             cap = h.payload_bytes;
         }
-        if (read_full(c->fd, buf, h.payload_bytes, rx->stop_pipe[0], deadline) != PD_OK) {
+        if (read_full(c->fd, buf, h.payload_bytes, rx->stop_pipe[0], NULL, deadline) != PD_OK) {
             PD_WARN(h.request_id, "kv receive: connection lost inside a frame");
             break;
         }
@@ -464,7 +536,10 @@ static void *rx_conn_main(void *arg)
             if (rc < 0) {
                 cur_status = rc;
                 snprintf(cur_msg, sizeof cur_msg, "%s", pd_last_error());
-                PD_ERROR(h.request_id, "%s", cur_msg);
+                if (rc == PD_ECANCELLED) /* an abort raced the transfer: expected */
+                    PD_INFO(h.request_id, "%s", cur_msg);
+                else
+                    PD_ERROR(h.request_id, "%s", cur_msg);
             }
         } else {
             pthread_mutex_lock(&rx->mu);
@@ -477,7 +552,8 @@ static void *rx_conn_main(void *arg)
         }
         if (h.flags & FLAG_LAST) {
             ack_pack(ack, cur_status, cur_id, cur_msg);
-            if (write_full(c->fd, ack, ACK_BYTES, pd_now_ns() + 5 * PD_NS_PER_S) != PD_OK) break;
+            if (write_full(c->fd, ack, ACK_BYTES, NULL, pd_now_ns() + 5 * PD_NS_PER_S) != PD_OK)
+                break;
             cur_id[0] = '\0';
         }
     }
@@ -512,7 +588,7 @@ static void *rx_accept_main(void *arg)
 {
     pd_kv_tcp_receiver *rx = arg;
     for (;;) {
-        if (wait_fd(rx->listen_fd, POLLIN, rx->stop_pipe[0], INT64_MAX) <= 0) break;
+        if (wait_fd(rx->listen_fd, POLLIN, rx->stop_pipe[0], NULL, INT64_MAX) <= 0) break;
         int fd = accept(rx->listen_fd, NULL, NULL);
         if (fd < 0) continue;
         tune_socket(fd);
@@ -688,7 +764,19 @@ static void give_conn(pd_kv_tcp_sender *tx, const char *addr, int fd)
     pthread_mutex_unlock(&tx->mu);
 }
 
-static int dial(const char *host, int port, int64_t deadline, int *out)
+/* What a failed socket wait means, for the messages of the sender. */
+static const char *io_failure(int rc, const char *what)
+{
+    static _Thread_local char buf[96];
+    snprintf(buf, sizeof buf, "%s %s",
+             rc == PD_ETIMEOUT     ? "timed out"
+             : rc == PD_ECANCELLED ? "cancelled"
+                                   : "connection lost",
+             what);
+    return buf;
+}
+
+static int dial(const char *host, int port, const atomic_bool *cancel, int64_t deadline, int *out)
 {
     struct sockaddr_storage ss;
     socklen_t sl;
@@ -701,21 +789,23 @@ static int dial(const char *host, int port, int64_t deadline, int *out)
         close(fd);
         return pd_error(PD_ECLOSED, "kv send: connect %s:%d: %s", host, port, strerror(e));
     }
-    int w = wait_fd(fd, POLLOUT, -1, deadline);
+    int w = wait_fd(fd, POLLOUT, -1, cancel, deadline);
     int err = 0;
     socklen_t el = sizeof err;
     if (w == 1) getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &el);
     if (w != 1 || err) {
         close(fd);
-        return w == 0 ? pd_error(PD_ETIMEOUT, "kv send: connect %s:%d timed out", host, port)
-                      : pd_error(PD_ECLOSED, "kv send: connect %s:%d: %s", host, port,
-                                 strerror(err ? err : ECONNREFUSED));
+        if (w == 0) return pd_error(PD_ETIMEOUT, "kv send: connect %s:%d timed out", host, port);
+        if (w == -2) return pd_error(PD_ECANCELLED, "kv send: connect %s:%d cancelled", host, port);
+        return pd_error(PD_ECLOSED, "kv send: connect %s:%d: %s", host, port,
+                        strerror(err ? err : ECONNREFUSED));
     }
     *out = fd;
     return PD_OK;
 }
 
-static void fill_header(const pd_kv_send_req *r, int layer, size_t per_layer, uint8_t *out)
+static void fill_header(const pd_kv_send_req *r, int layer, size_t tokens, size_t per_layer,
+                        uint8_t *out)
 {
     frame_hdr h = {.version = VERSION,
                    .flags = layer == r->kv_params.n_layers - 1 ? FLAG_LAST : 0,
@@ -724,6 +814,7 @@ static void fill_header(const pd_kv_send_req *r, int layer, size_t per_layer, ui
                    .n_heads = (uint32_t)r->n_heads,
                    .block0 = 0,
                    .n_blocks = (uint32_t)r->n_blocks,
+                   .n_tokens = (uint32_t)tokens,
                    .payload_bytes = per_layer};
     snprintf(h.request_id, sizeof h.request_id, "%s", r->request_id);
     hdr_pack(&h, out);
@@ -734,8 +825,8 @@ static void fill_header(const pd_kv_send_req *r, int layer, size_t per_layer, ui
  * written straight from the pool with writev (no export copy). Up to IOV_BATCH pieces or
  * `coalesce` bytes go out per call. */
 #define IOV_BATCH 1024
-static int send_frames_gather(int fd, const pd_kv_send_req *r, size_t per_layer, size_t coalesce,
-                              int64_t deadline, pd_kv_send_stats *st)
+static int send_frames_gather(int fd, const pd_kv_send_req *r, size_t tokens, size_t per_layer,
+                              size_t coalesce, int64_t deadline, pd_kv_send_stats *st)
 {
     const pd_kv_params *kp = &r->kv_params;
     const pd_backend_ops *ops = pd_backend_get_ops(r->backend);
@@ -752,7 +843,7 @@ static int send_frames_gather(int fd, const pd_kv_send_req *r, size_t per_layer,
         pd_kv_layer_view v;
         rc = ops->kv_layer(r->backend, r->kv, layer, &v);
         if (rc < 0) break;
-        fill_header(r, layer, per_layer, hdrs[layer]);
+        fill_header(r, layer, tokens, per_layer, hdrs[layer]);
         for (size_t piece = 0; piece < 1 + 2 * r->n_blocks && rc == PD_OK; piece++) {
             void *base;
             size_t len;
@@ -762,13 +853,15 @@ static int send_frames_gather(int fd, const pd_kv_send_req *r, size_t per_layer,
                 size_t b = (piece - 1) % r->n_blocks;
                 uint8_t *pool = piece <= r->n_blocks ? v.k : v.v;
                 base = pool + (size_t)r->block_ids[b] * v.block_stride, len = v.block_stride;
+                if (b == r->n_blocks - 1) /* the prompt's part of its last block */
+                    len = (tokens - b * kp->block_size) * v.token_stride;
             }
             iov[cnt].iov_base = base;
             iov[cnt++].iov_len = len;
             pending += len;
             bool last = layer == kp->n_layers - 1 && piece == 2 * r->n_blocks;
             if (cnt == IOV_BATCH || (piece == 2 * r->n_blocks && pending >= coalesce) || last) {
-                rc = writev_full(fd, iov, cnt, deadline);
+                rc = writev_full(fd, iov, cnt, r->cancel, deadline);
                 st->writes++;
                 cnt = 0;
                 pending = 0;
@@ -779,9 +872,8 @@ static int send_frames_gather(int fd, const pd_kv_send_req *r, size_t per_layer,
     }
     free(hdrs);
     free(iov);
-    if (rc == PD_ETIMEOUT || rc == PD_ECLOSED)
-        return pd_error(rc, "kv send %s: %s", r->request_id,
-                        rc == PD_ETIMEOUT ? "timed out writing" : "connection lost");
+    if (rc == PD_ETIMEOUT || rc == PD_ECLOSED || rc == PD_ECANCELLED)
+        return pd_error(rc, "kv send %s: %s", r->request_id, io_failure(rc, "writing"));
     return rc;
 }
 
@@ -792,42 +884,48 @@ static int send_on(int fd, const pd_kv_send_req *r, int64_t deadline, pd_kv_send
 {
     *keep = false;
     const pd_kv_params *kp = &r->kv_params;
-    size_t per_layer = slice_bytes(kp, r->n_blocks, r->n_heads);
+    size_t tokens = 0;
+    PD_CHECK(tokens_in(kp, r->n_blocks, r->n_tokens, &tokens));
+    size_t per_layer = slice_bytes(kp, tokens, r->n_heads);
+    /* kv_export writes whole blocks; the frame keeps the prompt's tokens of K and of V */
+    size_t full_layer = slice_bytes(kp, r->n_blocks * kp->block_size, r->n_heads);
     size_t coalesce = r->coalesce_bytes ? r->coalesce_bytes : (size_t)1 << 20;
     pd_kv_layer_view view;
     const pd_backend_ops *vops = pd_backend_get_ops(r->backend);
     bool gather = r->head0 == r->src_head0 && r->n_heads == kp->n_kv_heads &&
                   vops->kv_layer(r->backend, r->kv, 0, &view) == PD_OK && view.host_visible;
     if (gather) {
-        int grc = send_frames_gather(fd, r, per_layer, coalesce, deadline, st);
+        int grc = send_frames_gather(fd, r, tokens, per_layer, coalesce, deadline, st);
         if (grc < 0) return grc;
         goto ack;
     }
     size_t cap = (coalesce > HDR_BYTES + per_layer ? coalesce : HDR_BYTES + per_layer) + HDR_BYTES +
-                 per_layer;
+                 full_layer;
     uint8_t *buf = malloc(cap);
     if (!buf) return pd_error(PD_ENOMEM, "kv send: out of memory for %zu bytes", cap);
     const pd_backend_ops *ops = pd_backend_get_ops(r->backend);
     size_t used = 0;
     int rc = PD_OK;
     for (int layer = 0; layer < kp->n_layers && rc == PD_OK; layer++) {
-        fill_header(r, layer, per_layer, buf + used);
+        fill_header(r, layer, tokens, per_layer, buf + used);
         pd_kv_range range = {.layer = layer,
                              .block_ids = r->block_ids,
                              .n_blocks = r->n_blocks,
                              .head0 = r->head0 - r->src_head0,
                              .n_heads = r->n_heads};
-        rc = ops->kv_export(r->backend, r->kv, &range, buf + used + HDR_BYTES);
+        uint8_t *payload = buf + used + HDR_BYTES;
+        rc = ops->kv_export(r->backend, r->kv, &range, payload);
         if (rc == PD_OK) rc = ops->sync(r->backend);
         if (rc < 0) break;
+        if (per_layer < full_layer) /* V right after the prompt's part of K */
+            memmove(payload + per_layer / 2, payload + full_layer / 2, per_layer / 2);
         used += HDR_BYTES + per_layer;
         st->frames++;
         st->bytes += per_layer;
         if (used >= coalesce || layer == kp->n_layers - 1) {
-            rc = write_full(fd, buf, used, deadline);
+            rc = write_full(fd, buf, used, r->cancel, deadline);
             if (rc < 0) {
-                rc = pd_error(rc, "kv send %s: %s", r->request_id,
-                              rc == PD_ETIMEOUT ? "timed out writing" : "connection lost");
+                rc = pd_error(rc, "kv send %s: %s", r->request_id, io_failure(rc, "writing"));
                 break;
             }
             st->writes++;
@@ -838,10 +936,10 @@ static int send_on(int fd, const pd_kv_send_req *r, int64_t deadline, pd_kv_send
     if (rc < 0) return rc;
 ack : {
     uint8_t ack[ACK_BYTES];
-    rc = read_full(fd, ack, ACK_BYTES, -1, deadline);
+    rc = read_full(fd, ack, ACK_BYTES, -1, r->cancel, deadline);
     if (rc < 0) {
-        rc = pd_error(rc, "kv send %s: %s waiting for the acknowledgement", r->request_id,
-                      rc == PD_ETIMEOUT ? "timed out" : "connection lost");
+        rc = pd_error(rc, "kv send %s: %s", r->request_id,
+                      io_failure(rc, "waiting for the acknowledgement"));
     } else if (memcmp(ack, "PDKA", 4) != 0 ||
                strncmp((const char *)ack + 12, r->request_id, PD_KV_REQUEST_ID_MAX) != 0) {
         rc = pd_error(PD_EINTERNAL, "kv send %s: malformed acknowledgement", r->request_id);
@@ -876,13 +974,13 @@ int pd_kv_tcp_send(pd_kv_tcp_sender *tx, const pd_kv_send_req *r, pd_kv_send_sta
     int64_t deadline = t0 + (int64_t)(r->timeout_ms > 0 ? r->timeout_ms : 30000) * PD_NS_PER_MS;
     int fd = take_conn(tx, addr);
     bool reused = fd >= 0;
-    if (!reused) PD_CHECK(dial(r->host, r->port, deadline, &fd));
+    if (!reused) PD_CHECK(dial(r->host, r->port, r->cancel, deadline, &fd));
     bool keep;
     int rc = send_on(fd, r, deadline, &st, &keep);
     if (rc == PD_ECLOSED && reused) { /* the pooled connection had gone stale: one fresh try */
         close(fd);
         st = (pd_kv_send_stats){0};
-        PD_CHECK(dial(r->host, r->port, deadline, &fd));
+        PD_CHECK(dial(r->host, r->port, r->cancel, deadline, &fd));
         rc = send_on(fd, r, deadline, &st, &keep);
     }
     if (keep)

@@ -1,22 +1,25 @@
 /* KV-cache transfer over TCP: the data plane used when prefill and decode run without GPUs
  * (host staging through the backend's kv_export / kv_import).
  *
- * What moves is planned as (layer, kv-head range, block range): a prefill rank holding kv heads
+ * What moves is planned as (layer, kv-head range, token range): a prefill rank holding kv heads
  * [p0, p0 + pn) sends to a decode rank holding [d0, d0 + dn) the overlap of the two ranges, for
- * every layer and every block of the prompt, so instances with different tensor-parallel sizes
- * exchange KV. The sender (P rank) exports each layer's slice straight into a send buffer behind
- * an 80-byte frame header (request id, layer, head range, block range, payload length) and
- * writes frames coalesced into messages of at least coalesce_bytes (1 MiB). The receiver (D
- * rank) accepts frames only for requests it expects (blocks reserved before the prefill ran),
- * checks every header field against the reservation and its pool, imports the payload into the
- * reserved blocks, and acknowledges the sender's last frame once everything that sender sent is
- * imported. A wrong header, a frame for an unknown or already imported request, or a duplicate
- * (layer, head) is refused: logged, answered with an error acknowledgement, never a crash; the
- * connection is dropped when the stream cannot be resynchronized.
+ * every layer and every token of the prompt (the blocks' slots past the prompt stay behind), so
+ * instances with different tensor-parallel sizes exchange KV. The sender (P rank) exports each
+ * layer's slice straight into a send buffer behind an 80-byte frame header (request id, layer, head
+ * range, block range, payload length) and writes frames coalesced into messages of at least
+ * coalesce_bytes (1 MiB). The receiver (D rank) accepts frames only for requests it expects (blocks
+ * reserved before the prefill ran), checks every header field against the reservation and its pool,
+ * imports the payload into the reserved blocks, and acknowledges the sender's last frame once
+ * everything that sender sent is imported. A wrong header or a frame for an unknown or already
+ * imported request is refused: logged, answered with an error acknowledgement, never a crash; the
+ * connection is dropped when the stream cannot be resynchronized. A (layer, head) sent again before
+ * the request is complete (a prefill retried on another instance after a transfer broke half-way)
+ * overwrites the first copy, so the retry completes the import.
  */
 #ifndef PD_TRANSFER_KV_TCP_H
 #define PD_TRANSFER_KV_TCP_H
 
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -53,10 +56,12 @@ int pd_kv_tcp_receiver_port(const pd_kv_tcp_receiver *rx);
 /* Closes the listener and every connection, joins the threads. */
 void pd_kv_tcp_receiver_stop(pd_kv_tcp_receiver *rx);
 
-/* Registers an expected import: the prompt's n_blocks blocks go into block_ids (copied), all
- * layers and all the rank's heads. PD_EEXIST when the id is already expected or was imported. */
+/* Registers an expected import: the prompt's n_tokens tokens go into the n_blocks blocks of
+ * block_ids (copied; n_tokens 0 = every slot of every block), all layers and all the rank's
+ * heads. PD_EEXIST when the id is already expected or was imported; PD_EINVAL when n_tokens
+ * does not end in the last block. */
 int pd_kv_rx_expect(pd_kv_tcp_receiver *rx, const char *request_id, const int32_t *block_ids,
-                    size_t n_blocks);
+                    size_t n_blocks, size_t n_tokens);
 /* Forgets an expected import (abort, reservation expired). Frames arriving later are refused.
  * Returns PD_ENOTFOUND when it was not expected. */
 int pd_kv_rx_cancel(pd_kv_tcp_receiver *rx, const char *request_id);
@@ -86,9 +91,13 @@ typedef struct {
     size_t src_head0;         /* first global kv head the prefill rank holds */
     const int32_t *block_ids; /* (n_blocks) prefill-side blocks of the prompt, in order */
     size_t n_blocks;
+    size_t n_tokens;       /* the prompt's tokens in those blocks (as the receiver expects them);
+                              0 = every slot of every block */
     size_t head0, n_heads; /* global head range to send (the overlap with the decode rank) */
     int timeout_ms;        /* for the whole send, acknowledgement included */
     size_t coalesce_bytes; /* 0 = 1 MiB */
+    const atomic_bool *cancel; /* NULL, or a flag another thread may set: the send then gives up
+                                * within ~50 ms with PD_ECANCELLED (an aborted request) */
 } pd_kv_send_req;
 
 typedef struct {
@@ -99,7 +108,8 @@ typedef struct {
 } pd_kv_send_stats;
 
 /* Sends and waits for the acknowledgement. PD_ETIMEOUT, PD_ECLOSED (connection lost),
- * PD_EINVAL (refused by the receiver: its reason is in the message). Thread-safe: one sender
+ * PD_ECANCELLED (r->cancel was set), PD_EINVAL (refused by the receiver: its reason is in the
+ * message). Thread-safe: one sender
  * may serve several threads (connections are taken from a per-address pool). */
 int pd_kv_tcp_send(pd_kv_tcp_sender *tx, const pd_kv_send_req *r, pd_kv_send_stats *stats);
 

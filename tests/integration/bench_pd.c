@@ -8,6 +8,11 @@
  *       Time to first token of one prompt split (a real 1P1D cluster started like the
  *       integration tests, client-side Reserve + Info + Prefill) and colocated (an in-process
  *       engine: add -> first token), both with one CPU thread. Median of --reps.
+ *   bench_pd sched --model DIR [--prompt-len 64] [--reps 100] [--streams 32] [--tokens 512]
+ *       pd-scheduler's cost: time to first token of a streaming completions request through
+ *       pd-scheduler against the same request sent to the nodes directly (Reserve + Prefill),
+ *       in alternating pairs; then --streams concurrent streams of --tokens tokens and the
+ *       scheduler's CPU time (utime + stime) per streamed token.
  */
 #define _XOPEN_SOURCE 700
 #include <arpa/inet.h>
@@ -160,7 +165,7 @@ static int bench_kv(int argc, char **argv)
     for (int r = 0; r < reps; r++) {
         char id[32];
         snprintf(id, sizeof id, "bench-%d", r);
-        pd_kv_rx_expect(rx, id, blocks, n_blocks);
+        pd_kv_rx_expect(rx, id, blocks, n_blocks, 0);
         pd_kv_send_req q = {.request_id = id,
                             .host = "127.0.0.1",
                             .port = pd_kv_tcp_receiver_port(rx),
@@ -307,10 +312,157 @@ static int bench_ttft(int argc, char **argv)
     return 0;
 }
 
+/* ---- pd-scheduler: TTFT overhead and relay cost -------------------------------------------- */
+
+/* utime + stime of pid in seconds (/proc/<pid>/stat fields 14 and 15). */
+static double proc_cpu_s(pid_t pid)
+{
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (!f) return -1;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    const char *p = strrchr(buf, ')'); /* the command name may hold spaces */
+    unsigned long ut = 0, st = 0;
+    if (!p || sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %lu %lu", &ut, &st) != 2)
+        return -1;
+    return (double)(ut + st) / (double)sysconf(_SC_CLK_TCK);
+}
+
+/* A streaming completions request whose prompt is the token ids given (no tokenizer work). */
+static void ids_body(char *body, size_t cap, const int32_t *ids, size_t n, int max_tokens)
+{
+    size_t at = (size_t)snprintf(body, cap, "{\"model\":\"tiny\",\"prompt\":[");
+    for (size_t i = 0; i < n && at < cap; i++)
+        at += (size_t)snprintf(body + at, cap - at, "%s%d", i ? "," : "", ids[i]);
+    snprintf(body + at, cap - at, "],\"max_tokens\":%d,\"ignore_eos\":true,\"stream\":true}",
+             max_tokens);
+}
+
+static int bench_sched(int argc, char **argv)
+{
+    const char *model = arg_str(argc, argv, "--model");
+    size_t len = (size_t)arg_long(argc, argv, "--prompt-len", 64);
+    int reps = (int)arg_long(argc, argv, "--reps", 100);
+    int streams = (int)arg_long(argc, argv, "--streams", 32);
+    int tokens = (int)arg_long(argc, argv, "--tokens", 512);
+    if (!model || reps < 1 || reps > 1000 || len < 1 || len > 900 || streams < 1 || streams > 256 ||
+        tokens < 2 || tokens + (int)len > 1024) {
+        fprintf(stderr, "usage: bench_pd sched --model DIR [--prompt-len N<=900] [--reps N<=1000] "
+                        "[--streams N<=256] [--tokens N] (prompt-len + tokens <= 1024)\n");
+        return 2;
+    }
+    cl_cluster c;
+    cl_proc sp;
+    int port = 0;
+    if (cl_start(&c, model, "0", "1", NULL) < 0 ||
+        cl_sched_start(&c, &sp, "sched", NULL, &port) < 0) {
+        fprintf(stderr, "bench_pd: %s\n", pd_last_error());
+        cl_stop_all(&c);
+        return 1;
+    }
+    int32_t *prompt = malloc(len * sizeof *prompt);
+    size_t cap = len * 8 + 256;
+    char *body = malloc(cap);
+    double *direct = malloc((size_t)reps * sizeof(double));
+    double *via = malloc((size_t)reps * sizeof(double));
+    double *diff = malloc((size_t)reps * sizeof(double));
+    static cl_result res;
+    Pd__SamplingParams sp2 = PD__SAMPLING_PARAMS__INIT;
+    sp2.n = 1, sp2.top_p = 1, sp2.repetition_penalty = 1, sp2.logprobs = -1, sp2.max_tokens = 2;
+    sp2.skip_special_tokens = true, sp2.ignore_eos = true;
+    int rc = 0;
+    /* pairs: the same prompt length sent to the nodes directly (Reserve + Prefill, as the
+     * scheduler does) and through pd-scheduler (HTTP, parse, route, relay), alternating */
+    for (int r = -5; r < reps && rc == 0; r++) { /* 5 warm-up pairs */
+        for (size_t i = 0; i < len; i++)
+            prompt[i] = (int32_t)(40 + (i * 7 + (size_t)(r + 5)) % 200);
+        char id[32];
+        snprintf(id, sizeof id, "direct-%d", r + 5);
+        if (cl_generate(&c, 0, 1, id, prompt, len, &sp2, &res) < 0) {
+            fprintf(stderr, "bench_pd: direct: %s\n", res.error);
+            rc = 1;
+            break;
+        }
+        double d = res.t_first - res.t_start;
+        ids_body(body, cap, prompt, len, 2);
+        cl_conn k;
+        if (cl_conn_open(&k, port, "POST", "/v1/completions", NULL, body, true) < 0) {
+            fprintf(stderr, "bench_pd: %s\n", pd_last_error());
+            rc = 1;
+            break;
+        }
+        int64_t deadline = pd_now_ns() + 30 * PD_NS_PER_S;
+        while (!k.t_first_ns && k.fd >= 0 && pd_now_ns() < deadline) cl_conn_poll(&k, 1, 100, 0);
+        bool first = k.t_first_ns != 0;
+        double v = first ? (double)(k.t_first_ns - k.t_open_ns) / 1e9 : 0;
+        bool done = first && cl_conn_wait_all(&k, 1, 30000);
+        bool ok = done && k.status == 200;
+        cl_conn_close(&k);
+        if (!ok) {
+            fprintf(stderr, "bench_pd: a request through pd-scheduler failed\n");
+            rc = 1;
+            break;
+        }
+        if (r < 0) continue;
+        direct[r] = d, via[r] = v, diff[r] = v - d;
+    }
+    /* relay: concurrent streams of `tokens` tokens each; the scheduler's CPU time per token */
+    double cpu0 = proc_cpu_s(sp.pid), t0 = pd_now_s();
+    cl_conn *ks = calloc((size_t)streams, sizeof *ks);
+    for (int i = 0; i < streams && rc == 0; i++) {
+        for (size_t j = 0; j < len; j++) prompt[j] = (int32_t)(40 + (j * 11 + (size_t)i) % 200);
+        ids_body(body, cap, prompt, len, tokens);
+        if (cl_conn_open(&ks[i], port, "POST", "/v1/completions", NULL, body, false) < 0) rc = 1;
+    }
+    bool all = rc == 0 && cl_conn_wait_all(ks, (size_t)streams, 300000);
+    double cpu1 = proc_cpu_s(sp.pid), t1 = pd_now_s();
+    long chunks = 0;
+    for (int i = 0; i < streams; i++) {
+        for (const char *q = ks[i].buf; q && (q = strstr(q, "\"text\":")); q++) chunks++;
+        cl_conn_close(&ks[i]);
+    }
+    free(ks);
+    cl_stop(&sp, 10000);
+    cl_stop_all(&c);
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", pdt_tmp_dir());
+    if (system(cmd) != 0) fprintf(stderr, "bench_pd: could not remove %s\n", pdt_tmp_dir());
+    if (rc == 0 && all) {
+        qsort(direct, (size_t)reps, sizeof(double), cmp_double);
+        qsort(via, (size_t)reps, sizeof(double), cmp_double);
+        qsort(diff, (size_t)reps, sizeof(double), cmp_double);
+        int p90 = reps * 9 / 10;
+        printf("ttft, %zu-token prompt, %d pairs: direct (Reserve + Prefill) p50 %.3f ms p90 %.3f "
+               "ms; through pd-scheduler (HTTP) p50 %.3f ms p90 %.3f ms; overhead p50(via) - "
+               "p50(direct) %.3f ms, median of paired differences %.3f ms\n",
+               len, reps, direct[reps / 2] * 1e3, direct[p90] * 1e3, via[reps / 2] * 1e3,
+               via[p90] * 1e3, (via[reps / 2] - direct[reps / 2]) * 1e3, diff[reps / 2] * 1e3);
+        printf(
+            "relay: %d streams x %d tokens = %ld token chunks in %.2f s; pd-scheduler CPU %.3f s "
+            "= %.1f us per streamed token\n",
+            streams, tokens, chunks, t1 - t0, cpu1 - cpu0,
+            chunks ? (cpu1 - cpu0) / (double)chunks * 1e6 : 0.0);
+    } else if (rc == 0) {
+        fprintf(stderr, "bench_pd: the relay streams did not finish\n");
+        rc = 1;
+    }
+    free(prompt);
+    free(body);
+    free(direct);
+    free(via);
+    free(diff);
+    return rc;
+}
+
 int main(int argc, char **argv)
 {
+    if (argc >= 2 && strcmp(argv[1], "sched") == 0) return bench_sched(argc, argv);
     if (argc >= 2 && strcmp(argv[1], "kv") == 0) return bench_kv(argc, argv);
     if (argc >= 2 && strcmp(argv[1], "ttft") == 0) return bench_ttft(argc, argv);
-    fprintf(stderr, "usage: bench_pd kv [...] | bench_pd ttft --model DIR [...]\n");
+    fprintf(stderr,
+            "usage: bench_pd kv [...] | bench_pd ttft --model DIR [...] | bench_pd sched ...\n");
     return 2;
 }

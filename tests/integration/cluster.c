@@ -3,16 +3,19 @@
 #include "cluster.h"
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <jansson.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
 #include <spawn.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -31,6 +34,50 @@ const char *cl_bin(const char *rel)
     const char *root = getenv("PD_BUILD_ROOT");
     snprintf(buf, sizeof buf, "%s/%s", root ? root : "build", rel);
     return buf;
+}
+
+/* Every process the harness starts is remembered: whatever happens to the test (a failed check,
+ * meson's timeout), none outlives it - SIGKILL from atexit and from SIGTERM/SIGINT to each one
+ * that is still our child. */
+#define MAX_CHILDREN 1024
+static pid_t g_children[MAX_CHILDREN];
+static size_t g_n_children;
+
+static bool is_our_child(pid_t pid)
+{
+    char path[64], buf[512];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (!f) return false;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    const char *p = strrchr(buf, ')'); /* the command name may hold spaces */
+    int ppid = 0;
+    return p && sscanf(p + 2, "%*c %d", &ppid) == 1 && ppid == (int)getpid();
+}
+
+static void kill_children(void)
+{
+    for (size_t i = 0; i < g_n_children; i++)
+        if (is_our_child(g_children[i])) kill(g_children[i], SIGKILL);
+}
+
+static void on_fatal_signal(int sig)
+{
+    kill_children();
+    signal(sig, SIG_DFL);
+    raise(sig);
+}
+
+static void remember_child(pid_t pid)
+{
+    if (g_n_children == 0) {
+        atexit(kill_children);
+        signal(SIGTERM, on_fatal_signal);
+        signal(SIGINT, on_fatal_signal);
+    }
+    if (g_n_children < MAX_CHILDREN) g_children[g_n_children++] = pid;
 }
 
 static int spawn_with(pid_t *pid, char *const argv[], char *const extra_env[], const char *out)
@@ -57,15 +104,37 @@ static int spawn_with(pid_t *pid, char *const argv[], char *const extra_env[], c
         if (!overridden) env[k++] = environ[i];
     }
     for (size_t j = 0; j < n_extra; j++) env[k++] = extra_env[j];
-    int rc = posix_spawn(pid, argv[0], &fa, NULL, argv, env);
+    /* PD_TEST_WRAPPER="valgrind --flags ...": every pd-* executable runs under that command
+     * (tests/valgrind.sh); words split on spaces, the wrapper found on PATH */
+    const char *wrap = getenv("PD_TEST_WRAPPER"), *base = strrchr(argv[0], '/');
+    base = base ? base + 1 : argv[0];
+    char wstore[1024], *wargv[160];
+    int rc;
+    if (wrap && *wrap && strncmp(base, "pd-", 3) == 0) {
+        int n = 0;
+        snprintf(wstore, sizeof wstore, "%s", wrap);
+        for (char *save = NULL, *t = strtok_r(wstore, " ", &save); t && n < 32;
+             t = strtok_r(NULL, " ", &save))
+            wargv[n++] = t;
+        for (int i = 0; argv[i] && n < 159; i++) wargv[n++] = argv[i];
+        wargv[n] = NULL;
+        rc = posix_spawnp(pid, wargv[0], &fa, NULL, wargv, env);
+    } else {
+        rc = posix_spawn(pid, argv[0], &fa, NULL, argv, env);
+    }
     posix_spawn_file_actions_destroy(&fa);
     free(env);
+    if (rc == 0) remember_child(*pid);
     return rc == 0 ? 0 : -1;
 }
 
-/* waitpid with a deadline: the exit status, or -2 when still running at the deadline. */
+/* waitpid with a deadline: the exit status, or -2 when still running at the deadline.
+ * PD_TEST_TIME_SCALE=F (valgrind runs) stretches the time left by F. */
 static int wait_until(pid_t pid, int64_t deadline_ns)
 {
+    const char *scale = getenv("PD_TEST_TIME_SCALE");
+    double f = scale ? atof(scale) : 1.0;
+    if (f > 1.0) deadline_ns = pd_now_ns() + (int64_t)((double)(deadline_ns - pd_now_ns()) * f);
     for (;;) {
         int st;
         pid_t r = waitpid(pid, &st, WNOHANG);
@@ -196,6 +265,22 @@ static int split_args(const char *list, char *store, size_t cap, char **argv, in
     return n;
 }
 
+/* A malloc'd copy of a NULL-terminated string vector (NULL when out of memory). */
+static char **dup_strv(char *const v[])
+{
+    size_t n = 0;
+    while (v[n]) n++;
+    char **d = calloc(n + 1, sizeof *d);
+    for (size_t i = 0; d && i < n; i++) d[i] = strdup(v[i]);
+    return d;
+}
+
+static void free_strv(char **v)
+{
+    for (size_t i = 0; v && v[i]; i++) free(v[i]);
+    free(v);
+}
+
 int cl_start(cl_cluster *c, const char *model_dir, const char *prefill_list,
              const char *decode_list, char *const extra_args[])
 {
@@ -269,6 +354,8 @@ int cl_start(cl_cluster *c, const char *model_dir, const char *prefill_list,
         nargv[m] = NULL;
         char *env[] = {genv, lenv, NULL};
         int rc = cl_spawn(&c->procs[k], prefill ? "pd-prefill" : "pd-decode", nargv, env, log);
+        c->argv[k] = dup_strv(nargv);
+        c->env[k] = dup_strv(env);
         free(nargv[0]);
         if (rc != 0) {
             rt_global_free(g);
@@ -324,6 +411,11 @@ int cl_stop_all(cl_cluster *c)
     }
     memset(c->ch, 0, sizeof c->ch);
     c->client = NULL;
+    for (int k = 0; k < 16; k++) {
+        free_strv(c->argv[k]);
+        free_strv(c->env[k]);
+        c->argv[k] = c->env[k] = NULL;
+    }
     return bad;
 }
 
@@ -381,6 +473,13 @@ static void on_stream_done(void *arg, int st, const char *details, const uint8_t
 int cl_generate(cl_cluster *c, int pk, int dk, const char *id, const int32_t *prompt,
                 size_t n_prompt, const Pd__SamplingParams *sampling, cl_result *out)
 {
+    return cl_generate_hook(c, pk, dk, id, prompt, n_prompt, sampling, NULL, NULL, out);
+}
+
+int cl_generate_hook(cl_cluster *c, int pk, int dk, const char *id, const int32_t *prompt,
+                     size_t n_prompt, const Pd__SamplingParams *sampling, cl_reserved_fn hook,
+                     void *hook_arg, cl_result *out)
+{
     memset(out, 0, sizeof *out);
     int st = 0;
     /* the decode instance's ranks */
@@ -388,6 +487,7 @@ int cl_generate(cl_cluster *c, int pk, int dk, const char *id, const int32_t *pr
     Pd__InfoReply *info = (Pd__InfoReply *)cl_call(c->ch[dk], "/pd.PD/Info", &iq.base,
                                                    &pd__info_reply__descriptor, 5000, &st);
     if (!info) goto fail;
+    out->t_start = pd_now_s();
     Pd__ReserveRequest rq = PD__RESERVE_REQUEST__INIT;
     rq.request_id = (char *)id;
     rq.num_prompt_tokens = (int64_t)n_prompt;
@@ -396,6 +496,11 @@ int cl_generate(cl_cluster *c, int pk, int dk, const char *id, const int32_t *pr
                                                        &pd__reserve_reply__descriptor, 5000, &st);
     if (!rr) {
         pd__info_reply__free_unpacked(info, NULL);
+        goto fail;
+    }
+    if (hook && hook(hook_arg, info, rr) < 0) {
+        pd__info_reply__free_unpacked(info, NULL);
+        pd__reserve_reply__free_unpacked(rr, NULL);
         goto fail;
     }
     Pd__DecodeTarget tg[16], *tp[16];
@@ -526,4 +631,339 @@ int cl_reference(const char *model, const int32_t *const *prompts, const size_t 
     if (k != n)
         return pd_error(PD_EINTERNAL, "pd-generate printed %zu results for %zu prompts", k, n);
     return PD_OK;
+}
+
+/* ---- faults, HTTP clients, process figures ------------------------------------------------ */
+
+/* Waits up to timeout_ms until node k answers Info; fails early when its process exited. */
+static int wait_info(cl_cluster *c, int k, int timeout_ms)
+{
+    int64_t deadline = pd_now_ns() + (int64_t)timeout_ms * PD_NS_PER_MS;
+    for (;;) {
+        Pd__InfoRequest q = PD__INFO_REQUEST__INIT;
+        int st;
+        ProtobufCMessage *r =
+            cl_call(c->ch[k], "/pd.PD/Info", &q.base, &pd__info_reply__descriptor, 1000, &st);
+        if (r) {
+            protobuf_c_message_free_unpacked(r, NULL);
+            return PD_OK;
+        }
+        int status;
+        if (waitpid(c->procs[k].pid, &status, WNOHANG) == c->procs[k].pid) {
+            c->procs[k].pid = 0;
+            cl_dump_log(&c->procs[k], 20);
+            return pd_error(PD_EINTERNAL, "node %d exited during start-up", k);
+        }
+        if (pd_now_ns() > deadline) {
+            cl_dump_log(&c->procs[k], 20);
+            return pd_error(PD_ETIMEOUT, "node %d did not answer Info within %d ms", k, timeout_ms);
+        }
+        pd_sleep_ns(50 * PD_NS_PER_MS);
+    }
+}
+
+int cl_restart(cl_cluster *c, int k, int timeout_ms)
+{
+    if (k < 0 || k >= c->n_prefill + c->n_decode || !c->argv[k] || !c->env[k])
+        return pd_error(PD_EINVAL, "node %d was not started by cl_start", k);
+    if (c->procs[k].pid > 0) return pd_error(PD_EEXIST, "node %d is still running", k);
+    char name[64], log[512];
+    snprintf(name, sizeof name, "%s", c->procs[k].name);
+    snprintf(log, sizeof log, "%s", c->procs[k].log);
+    if (cl_spawn(&c->procs[k], name, c->argv[k], c->env[k], log) != 0)
+        return pd_error(PD_EINTERNAL, "cannot start node %d again", k);
+    return wait_info(c, k, timeout_ms);
+}
+
+Pd__StatsReply *cl_stats(cl_cluster *c, int k)
+{
+    Pd__StatsRequest q = PD__STATS_REQUEST__INIT;
+    int st;
+    return (Pd__StatsReply *)cl_call(c->ch[k], "/pd.PD/Stats", &q.base,
+                                     &pd__stats_reply__descriptor, 2000, &st);
+}
+
+int cl_sched_start(cl_cluster *c, cl_proc *p, const char *name, char *const extra[], int *port)
+{
+    char genv[700], penv[256], henv[700];
+    snprintf(genv, sizeof genv, "GLOBAL_RANK_TABLE_FILE_PATH=%s", c->global);
+    size_t at = (size_t)snprintf(penv, sizeof penv, "NODE_PORTS=");
+    for (int k = 0; k < c->n_prefill + c->n_decode && at < sizeof penv; k++)
+        at += (size_t)snprintf(penv + at, sizeof penv - at, "%s%d", k ? "," : "", c->ports[k]);
+    snprintf(henv, sizeof henv, "RANK_TABLE_FILE_PATH=%s/local_ranktable_127.0.0.1_host.json",
+             c->dir);
+    char *env[] = {genv, penv, henv, "VLLM_API_KEY=", "USE_OPENAI=1", NULL};
+    *port = cl_free_port();
+    char port_s[16], log[512], bin[1024];
+    snprintf(port_s, sizeof port_s, "%d", *port);
+    snprintf(log, sizeof log, "%s/%s.log", c->dir, name);
+    snprintf(bin, sizeof bin, "%s", cl_bin("scheduler/pd-scheduler"));
+    char *argv[64];
+    int a = 0;
+    char *fixed[] = {bin,      "--model",   c->model,          "--port", port_s,
+                     "--host", "127.0.0.1", "--max-model-len", "1024",   "--served-model-name",
+                     "tiny",   NULL};
+    for (int i = 0; fixed[i]; i++) argv[a++] = fixed[i];
+    for (int i = 0; extra && extra[i] && a < 63; i++) argv[a++] = extra[i];
+    argv[a] = NULL;
+    if (cl_spawn(p, name, argv, env, log) != 0)
+        return pd_error(PD_EINTERNAL, "cannot start pd-scheduler");
+    int64_t deadline = pd_now_ns() + 30 * PD_NS_PER_S;
+    while (pd_now_ns() < deadline) {
+        if (cl_http(*port, "GET", "/health", NULL, 2000, NULL, NULL) == 200) return PD_OK;
+        int status;
+        if (waitpid(p->pid, &status, WNOHANG) == p->pid) {
+            p->pid = 0;
+            cl_dump_log(p, 20);
+            return pd_error(PD_EINTERNAL, "pd-scheduler exited during start-up (%s)", log);
+        }
+        pd_sleep_ns(100 * PD_NS_PER_MS);
+    }
+    cl_dump_log(p, 20);
+    cl_stop(p, 5000);
+    return pd_error(PD_ETIMEOUT, "pd-scheduler did not become healthy within 30 s (%s)", log);
+}
+
+int cl_conn_open_raw(cl_conn *c, int port, const char *req, size_t len)
+{
+    memset(c, 0, sizeof *c);
+    c->fd = -1;
+    c->t_open_ns = pd_now_ns();
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return pd_error(PD_EIO, "socket: %s", strerror(errno));
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (connect(fd, (struct sockaddr *)&a, sizeof a) != 0) {
+        int e = errno;
+        close(fd);
+        return pd_error(PD_EIO, "connect 127.0.0.1:%d: %s", port, strerror(e));
+    }
+    c->fd = fd;
+    size_t off = 0;
+    while (off < len) {
+        ssize_t w = send(fd, req + off, len - off, MSG_NOSIGNAL);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) {
+            int e = errno;
+            cl_conn_close(c);
+            return pd_error(PD_EIO, "send to 127.0.0.1:%d: %s", port, strerror(e));
+        }
+        off += (size_t)w;
+    }
+    return PD_OK;
+}
+
+int cl_conn_open(cl_conn *c, int port, const char *method, const char *path,
+                 const char *extra_headers, const char *body, bool keep_alive)
+{
+    size_t bl = body ? strlen(body) : 0;
+    size_t cap = bl + 1024 + (extra_headers ? strlen(extra_headers) : 0);
+    char *req = malloc(cap);
+    if (!req) return pd_error(PD_ENOMEM, "out of memory");
+    int n = snprintf(
+        req, cap, "%s %s HTTP/1.1\r\nHost: 127.0.0.1\r\n%s%s%sContent-Length: %zu\r\n\r\n", method,
+        path, keep_alive ? "" : "Connection: close\r\n", extra_headers ? extra_headers : "",
+        body ? "Content-Type: application/json\r\n" : "", bl);
+    if (body) memcpy(req + n, body, bl);
+    int rc = cl_conn_open_raw(c, port, req, (size_t)n + bl);
+    free(req);
+    return rc;
+}
+
+void cl_conn_close(cl_conn *c)
+{
+    if (c->fd >= 0) close(c->fd);
+    c->fd = -1;
+    free(c->buf);
+    c->buf = NULL;
+    c->len = c->cap = 0;
+}
+
+/* Reads what one readable connection has (up to max_read bytes; 0 = until it would block). */
+static void conn_read(cl_conn *c, size_t max_read)
+{
+    size_t got = 0;
+    for (;;) {
+        if (c->len + 4097 > c->cap) {
+            size_t cap = c->cap ? c->cap * 2 : 65536;
+            char *b = realloc(c->buf, cap);
+            if (!b) return;
+            c->buf = b;
+            c->cap = cap;
+        }
+        size_t want = c->cap - c->len - 1;
+        if (max_read && want > max_read - got) want = max_read - got;
+        ssize_t r = recv(c->fd, c->buf + c->len, want, MSG_DONTWAIT);
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+        if (r <= 0) { /* EOF or reset */
+            c->eof = true;
+            close(c->fd);
+            c->fd = -1;
+            if (!c->t_done_ns) c->t_done_ns = pd_now_ns();
+            break;
+        }
+        if (!c->t_first_ns) c->t_first_ns = pd_now_ns();
+        size_t from = c->len > 16 ? c->len - 16 : 0;
+        c->len += (size_t)r;
+        got += (size_t)r;
+        c->buf[c->len] = '\0';
+        if (!c->status) sscanf(c->buf, "HTTP/1.1 %d", &c->status);
+        if (!c->t_done_ns && strstr(c->buf + from, "data: [DONE]")) c->t_done_ns = pd_now_ns();
+        if (max_read && got >= max_read) break;
+    }
+}
+
+int cl_conn_poll(cl_conn *cs, size_t n, int timeout_ms, size_t max_read)
+{
+    struct pollfd *p = calloc(n ? n : 1, sizeof *p);
+    size_t *idx = calloc(n ? n : 1, sizeof *idx);
+    size_t m = 0;
+    for (size_t i = 0; p && idx && i < n; i++) {
+        if (cs[i].fd < 0) continue;
+        p[m] = (struct pollfd){.fd = cs[i].fd, .events = POLLIN};
+        idx[m++] = i;
+    }
+    if (m > 0 && poll(p, (nfds_t)m, timeout_ms) > 0)
+        for (size_t j = 0; j < m; j++)
+            if (p[j].revents) conn_read(&cs[idx[j]], max_read);
+    int open = 0;
+    for (size_t i = 0; i < n; i++) open += cs[i].fd >= 0;
+    free(p);
+    free(idx);
+    return open;
+}
+
+bool cl_conn_wait_all(cl_conn *cs, size_t n, int timeout_ms)
+{
+    int64_t deadline = pd_now_ns() + (int64_t)timeout_ms * PD_NS_PER_MS;
+    for (;;) {
+        bool all = true;
+        for (size_t i = 0; i < n; i++) all = all && (cs[i].t_done_ns || cs[i].fd < 0);
+        if (all) return true;
+        int left = (int)((deadline - pd_now_ns()) / PD_NS_PER_MS);
+        if (left <= 0) return false;
+        cl_conn_poll(cs, n, left < 100 ? left : 100, 0);
+    }
+}
+
+/* Case-insensitive search for needle in hay. */
+static const char *find_ci(const char *hay, const char *needle)
+{
+    size_t nl = strlen(needle);
+    for (; *hay; hay++)
+        if (strncasecmp(hay, needle, nl) == 0) return hay;
+    return NULL;
+}
+
+const char *cl_conn_header(const cl_conn *c, const char *name, char *buf, size_t n)
+{
+    if (!c->buf) return NULL;
+    const char *end = strstr(c->buf, "\r\n\r\n");
+    if (!end) return NULL;
+    char key[128];
+    snprintf(key, sizeof key, "\r\n%s:", name);
+    const char *p = find_ci(c->buf, key);
+    if (!p || p > end) return NULL;
+    p += strlen(key);
+    while (*p == ' ') p++;
+    size_t l = strcspn(p, "\r\n");
+    snprintf(buf, n, "%.*s", (int)l, p);
+    return buf;
+}
+
+char *cl_conn_body(const cl_conn *c)
+{
+    if (!c->buf) return NULL;
+    const char *hend = strstr(c->buf, "\r\n\r\n");
+    if (!hend) return NULL;
+    const char *b = hend + 4;
+    size_t bl = c->len - (size_t)(b - c->buf);
+    char *out = malloc(bl + 1);
+    if (!out) return NULL;
+    size_t hl = (size_t)(hend - c->buf);
+    char *hdr = strndup(c->buf, hl);
+    bool chunked = hdr && find_ci(hdr, "\r\ntransfer-encoding: chunked");
+    free(hdr);
+    if (!chunked) {
+        memcpy(out, b, bl);
+        out[bl] = '\0';
+        return out;
+    }
+    size_t o = 0;
+    const char *p = b, *end = b + bl;
+    while (p < end) {
+        char *after;
+        unsigned long sz = strtoul(p, &after, 16);
+        const char *nl = strstr(p, "\r\n");
+        if (!nl || after == p || sz == 0 || nl + 2 + sz > end) break;
+        memcpy(out + o, nl + 2, sz);
+        o += sz;
+        p = nl + 2 + sz + 2;
+    }
+    out[o] = '\0';
+    return out;
+}
+
+int cl_http(int port, const char *method, const char *path, const char *body, int timeout_ms,
+            char **out_body, char *retry_after)
+{
+    if (out_body) *out_body = NULL;
+    if (retry_after) retry_after[0] = '\0';
+    cl_conn c;
+    if (cl_conn_open(&c, port, method, path, NULL, body, false) < 0) return -1;
+    int64_t deadline = pd_now_ns() + (int64_t)timeout_ms * PD_NS_PER_MS;
+    while (c.fd >= 0) {
+        int left = (int)((deadline - pd_now_ns()) / PD_NS_PER_MS);
+        if (left <= 0) break;
+        cl_conn_poll(&c, 1, left, 0);
+    }
+    int st = c.eof ? c.status : -1;
+    if (st > 0 && out_body) *out_body = cl_conn_body(&c);
+    if (st > 0 && retry_after) cl_conn_header(&c, "Retry-After", retry_after, 16);
+    cl_conn_close(&c);
+    return st > 0 ? st : -1;
+}
+
+double cl_metric(const char *metrics, const char *prefix, double def)
+{
+    size_t pl = strlen(prefix);
+    for (const char *p = metrics; p && *p;) {
+        if (strncmp(p, prefix, pl) == 0) return atof(p + pl);
+        p = strchr(p, '\n');
+        if (p) p++;
+    }
+    return def;
+}
+
+double cl_time_scale(void)
+{
+    const char *e = getenv("PD_TEST_TIME_SCALE");
+    double f = e ? atof(e) : 1.0;
+    return f > 1.0 ? f : 1.0;
+}
+
+long cl_rss_kb(pid_t pid)
+{
+    char path[64], line[256];
+    snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (!f) return -1;
+    long kb = -1;
+    while (fgets(line, sizeof line, f))
+        if (sscanf(line, "VmRSS: %ld kB", &kb) == 1) break;
+    fclose(f);
+    return kb;
+}
+
+int cl_fd_count(pid_t pid)
+{
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/fd", (int)pid);
+    DIR *d = opendir(path);
+    if (!d) return -1;
+    int n = 0;
+    for (struct dirent *e; (e = readdir(d));) n += e->d_name[0] != '.';
+    closedir(d);
+    return n;
 }

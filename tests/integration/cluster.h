@@ -47,6 +47,8 @@ typedef struct {
     int ports[16];
     pd_rpc_client *client;
     pd_rpc_channel *ch[16];
+    char **argv[16]; /* each node's command line and extra environment, for cl_restart */
+    char **env[16];
 } cl_cluster;
 
 /* Makes the tiny model (once per process, cached in the tmp dir) and ranktables with
@@ -75,6 +77,7 @@ typedef struct {
     char finish[16];
     char text[8192];
     int status;     /* gRPC status of the failing step, 0 on success */
+    double t_start; /* pd_now_s() just before Reserve (after the Info call) */
     double t_first; /* pd_now_s() when the first token (the Prefill reply) arrived */
     char error[512];
 } cl_result;
@@ -82,9 +85,78 @@ typedef struct {
 int cl_generate(cl_cluster *c, int pk, int dk, const char *request_id, const int32_t *prompt,
                 size_t n_prompt, const Pd__SamplingParams *sampling, cl_result *out);
 
+/* cl_generate with hook(arg, decode Info, Reserve reply) called between Reserve and Prefill
+ * (fault injection on the reservation); a negative return fails the request with the message. */
+typedef int (*cl_reserved_fn)(void *arg, const Pd__InfoReply *info, const Pd__ReserveReply *rr);
+int cl_generate_hook(cl_cluster *c, int pk, int dk, const char *request_id, const int32_t *prompt,
+                     size_t n_prompt, const Pd__SamplingParams *sampling, cl_reserved_fn hook,
+                     void *hook_arg, cl_result *out);
+
 /* Colocated reference: pd-generate --json on the same model for prompts (one per line of
  * comma-separated ids), same sampling. Returns the token ids per prompt in out[i]. */
 int cl_reference(const char *model, const int32_t *const *prompts, const size_t *n_prompt, size_t n,
                  int max_tokens, double temperature, int64_t seed, const char *dir, cl_result *out);
+
+/* ---- faults, HTTP clients, process figures (reliability tests) -------------------------- */
+
+/* Starts node k again with the command line and environment of its first start (so on the same
+ * gRPC port) after it exited or was killed (cl_signal SIGKILL), and waits up to timeout_ms until
+ * it answers Info. */
+int cl_restart(cl_cluster *c, int k, int timeout_ms);
+/* Stats of node k (free with pd__stats_reply__free_unpacked), or NULL. */
+Pd__StatsReply *cl_stats(cl_cluster *c, int k);
+
+/* Starts pd-scheduler in front of c on a free port (*port) with USE_OPENAI=1, served model name
+ * "tiny", --max-model-len 1024 and extra flags (NULL ok), and waits up to 30 s for /health 200.
+ * Log in c->dir/<name>.log. */
+int cl_sched_start(cl_cluster *c, cl_proc *p, const char *name, char *const extra[], int *port);
+
+/* One client connection: the request is written at open; cl_conn_poll reads what arrives. */
+typedef struct {
+    int fd;    /* -1 once closed */
+    char *buf; /* (len,) every byte received, NUL-terminated; malloc'd */
+    size_t len, cap;
+    int status;         /* HTTP status once the status line arrived, else 0 */
+    bool eof;           /* the server closed the connection */
+    int64_t t_open_ns;  /* pd_now_ns() at open */
+    int64_t t_first_ns; /* first byte received, 0 before */
+    int64_t t_done_ns;  /* "data: [DONE]" seen or EOF, 0 before */
+} cl_conn;
+
+/* Connects to 127.0.0.1:port and writes len bytes of req (all of them, or an error). */
+int cl_conn_open_raw(cl_conn *c, int port, const char *req, size_t len);
+/* A request with Content-Length (Content-Type: application/json when body is given) and
+ * extra_headers (complete "Name: value\r\n" lines, NULL ok); keep_alive false sends
+ * "Connection: close". */
+int cl_conn_open(cl_conn *c, int port, const char *method, const char *path,
+                 const char *extra_headers, const char *body, bool keep_alive);
+/* Waits up to timeout_ms for data on the open connections of cs[0..n) and reads what is there
+ * (max_read bytes per connection and call; 0 = no limit). Returns the number still open. */
+int cl_conn_poll(cl_conn *cs, size_t n, int timeout_ms, size_t max_read);
+/* Polls until every connection is done (EOF or [DONE]) or timeout_ms passed; true when done. */
+bool cl_conn_wait_all(cl_conn *cs, size_t n, int timeout_ms);
+void cl_conn_close(cl_conn *c);
+/* The body after the headers, de-chunked when chunked, into a malloc'd NUL-terminated string
+ * (NULL before the headers are complete). */
+char *cl_conn_body(const cl_conn *c);
+/* Header value (name case-insensitive) into buf; NULL when absent. */
+const char *cl_conn_header(const cl_conn *c, const char *name, char *buf, size_t n);
+
+/* A whole request on a fresh connection (Connection: close) within timeout_ms: the status, or -1
+ * (no response). *body (malloc'd, de-chunked) and retry_after (the Retry-After value, "" when
+ * absent; 16 bytes) may be NULL. */
+int cl_http(int port, const char *method, const char *path, const char *body, int timeout_ms,
+            char **out_body, char *retry_after);
+/* Value of the first exposition line that starts with prefix (e.g. "pd:instance_up{...} "), or
+ * def when there is none. */
+double cl_metric(const char *metrics, const char *prefix, double def);
+
+/* PD_TEST_TIME_SCALE (>= 1; valgrind runs set it): tests multiply their time bounds by it. */
+double cl_time_scale(void);
+
+/* Resident set size of pid in KiB (VmRSS), or -1. */
+long cl_rss_kb(pid_t pid);
+/* Open file descriptors of pid (entries of /proc/<pid>/fd), or -1. */
+int cl_fd_count(pid_t pid);
 
 #endif

@@ -5,7 +5,9 @@
 # of the same run, then recomputes TTFT and ITL from those raw events with an independent
 # Python parser and requires agreement within 5 %, 16 completed requests, no failure and
 # exactly 16 x output-length generated tokens. Also checks that a bad option and a dead server
-# give clear errors. Bounded in time; stops everything it started; exit 0 = pass.
+# give clear errors, and runs the soak's mixed workload (--workload mixed --duration, client
+# aborts) with every request shape seen in the raw events and both KV pools whole afterwards
+# (--node-stats). Bounded in time; stops everything it started; exit 0 = pass.
 set -uo pipefail
 # shellcheck source=tests/integration/lib_cluster.sh
 . "$(dirname "$0")/lib_cluster.sh"
@@ -105,6 +107,52 @@ grep -q "Failed requests: *2" "$work/bad.log" && grep -q "HTTP 404" "$work/bad.l
     >"$work/jl.log" 2>&1 || fail "jsonl run: $(cat "$work/jl.log")"
 $py -c 'import json,sys; r=json.load(open(sys.argv[1])); assert r["output_lens"]==[5,3], r["output_lens"]' \
     "$work/jl.json" || fail "jsonl output lengths"
+
+# a mixed workload for a fixed duration (the soak's traffic, tests/soak/soak.sh): completions and
+# chat, streaming and not, n = 2, logprobs, client aborts; then both KV pools are whole again
+"$bench" --base-url "http://127.0.0.1:$sp" --model tiny --workload mixed --abort-ratio 0.3 \
+    --num-prompts 40 --random-input-len 24 --random-output-len 12 --random-range-ratio 0.5 \
+    --request-rate 25 --duration 3 --max-concurrency 8 --seed 9 --timeout 60 --quiet \
+    --result-file "$work/mixed.json" --dump-timestamps "$work/mixed.jsonl" >"$work/mixed.log" 2>&1 ||
+    fail "mixed run: $(cat "$work/mixed.log")"
+grep -q "Aborted requests (by the client):" "$work/mixed.log" || fail "no abort count: $(cat "$work/mixed.log")"
+$py - "$work/mixed.json" "$work/mixed.jsonl" <<'PY' || fail "mixed run: $(cat "$work/mixed.log")"
+import json, sys
+r = json.load(open(sys.argv[1]))
+n = r["num_prompts"]
+assert r["failed"] == 0, r["error_kinds"]
+assert 40 <= n <= 120 and r["completed"] + r["aborted"] == n and r["aborted"] > 0, (n, r["completed"], r["aborted"])
+kinds = {"chat stream": 0, "chat body": 0, "completion stream": 0, "completion body": 0, "n=2": 0, "logprobs": 0}
+for line in open(sys.argv[2]):
+    d = json.loads(line)
+    if not d["events"]:
+        continue
+    first = json.loads(d["events"][0][1])
+    chunk = first["object"].endswith(".chunk") or first["object"] == "text_completion" and len(d["events"]) > 1
+    kind = ("chat " if first["object"].startswith("chat") else "completion ") + ("stream" if chunk else "body")
+    kinds[kind] += 1
+    bodies = [json.loads(p) for _, p in d["events"] if p != "[DONE]"]
+    if any(c.get("index") == 1 for b in bodies for c in b.get("choices", [])):
+        kinds["n=2"] += 1
+    if any(c.get("logprobs") for b in bodies for c in b.get("choices", [])):
+        kinds["logprobs"] += 1
+assert all(v > 0 for v in kinds.values()), kinds
+print(f"mixed: {n} requests, {r['aborted']} aborted, shapes {kinds}")
+PY
+for port in "$pp" "$dp"; do
+    for _ in $(seq 50); do
+        "$bench" --node-stats "127.0.0.1:$port" >"$work/stats.json" || fail "--node-stats 127.0.0.1:$port"
+        $py -c 'import json,sys; s=json.load(open(sys.argv[1])); sys.exit(0 if s["kv_blocks_free"]==s["kv_blocks_total"]>0 and s["num_running"]==0 else 1)' \
+            "$work/stats.json" && break
+        sleep 0.1
+    done
+    $py -c 'import json,sys; s=json.load(open(sys.argv[1])); assert s["kv_blocks_free"]==s["kv_blocks_total"]>0, s' \
+        "$work/stats.json" || fail "KV pool of 127.0.0.1:$port not whole after the mixed run"
+done
+out=$("$bench" --duration 5 2>&1); st=$?
+[ $st = 2 ] && grep -q -- "--duration needs a finite --request-rate" <<<"$out" || fail "--duration without a rate: $st, $out"
+out=$("$bench" --abort-ratio 0.1 2>&1); st=$?
+[ $st = 2 ] && grep -q -- "--abort-ratio needs --workload mixed" <<<"$out" || fail "--abort-ratio alone: $st, $out"
 
 for i in 2 0 1; do kill "${pids[$i]}"; done
 for i in 0 1 2; do wait "${pids[$i]}"; done

@@ -26,7 +26,8 @@ typedef enum {
 typedef struct {
     char host[256];
     char port[16];
-    char path[512];
+    char path[512];   /* prefix + the endpoint's path */
+    char prefix[512]; /* path prefix of --base-url (no trailing '/'), for per-request endpoints */
     pdb_endpoint endpoint;
     const char *model;   /* --model NAME, sent as "model" (NULL: omitted) */
     const char *api_key; /* sent as "Authorization: Bearer KEY" (NULL: none) */
@@ -37,6 +38,18 @@ typedef struct {
  * Fails with PD_EINVAL naming the bad option. */
 int pdb_target_init(pdb_target *t, const char *base_url, const char *endpoint);
 
+/* The shape of one request in a mixed workload (--workload mixed); a zeroed shape (set false)
+ * means the target's endpoint, streaming, n = 1, no logprobs, read to the end. */
+typedef struct {
+    bool set;
+    pdb_endpoint ep;     /* completions or chat */
+    bool stream;         /* false: one JSON body */
+    int n;               /* choices (n > 1: every choice streams its own chunks) */
+    int logprobs;        /* 0: none; k: completions "logprobs":k, chat top_logprobs k */
+    int64_t abort_after; /* > 0 (streams only): the client closes the connection after this
+                          * many token chunks, a deliberate client abort */
+} pdb_shape;
+
 /* One prompt of the dataset. Exactly one of text / ids is set. */
 typedef struct {
     char *text;   /* UTF-8 prompt (chat, /generate, JSONL prompts); owned */
@@ -44,6 +57,7 @@ typedef struct {
     size_t n_ids;
     int64_t input_len;  /* intended prompt length in tokens (ids or words); -1 unknown */
     int64_t output_len; /* max_tokens to request (ignore_eos makes it exact) */
+    pdb_shape shape;
 } pdb_prompt;
 
 typedef struct {
@@ -60,6 +74,11 @@ int pdb_dataset_random(pdb_dataset *d, size_t n, int64_t input_len, int64_t outp
 /* JSONL: one object per line with "prompt" (string) and optional "output_len" (integer,
  * default default_out). Takes the first n lines (all when n == 0); errors name file:line. */
 int pdb_dataset_jsonl(pdb_dataset *d, const char *file, size_t n, int64_t default_out);
+/* Mixed workload: gives every prompt a shape drawn from seed (rng stream 4): chat or
+ * completions 1:1, streaming 3 in 4, n = 2 for 1 in 10, logprobs (2) for 3 in 20, and for a
+ * fraction abort_ratio of the streaming requests a client abort after a uniform number of token
+ * chunks in [1, max(1, n * output_len / 2)]. Text prompts serve both endpoints. */
+int pdb_dataset_mix(pdb_dataset *d, double abort_ratio, uint64_t seed);
 void pdb_dataset_free(pdb_dataset *d);
 
 /* One raw stream event: when it arrived and where its payload lies in pdb_result.ev_text. */
@@ -71,11 +90,14 @@ typedef struct {
 /* What happened to one request. Times are pd_now_ns() values. */
 typedef struct {
     bool ok;
+    bool aborted;    /* ok and closed by the client on purpose (pdb_shape.abort_after) */
+    bool streamed;   /* false: a non-streaming answer, which has no token times (n_tok == 0) */
     char error[256]; /* first error, when !ok */
     int64_t t_send;  /* before connect() */
     int64_t t_end;   /* after the last byte ([DONE] or end of body) */
     int64_t *tok_ns; /* (n_tok) arrival time of each token chunk */
     size_t n_tok, cap_tok;
+    size_t n_choices;      /* non-streaming answers: choices in the body */
     int64_t prompt_tokens; /* from usage; -1 when the endpoint reports none */
     int64_t output_tokens; /* from usage; token chunk count when the endpoint reports none */
     /* --dump-timestamps only: every event's arrival time and raw payload */
@@ -89,8 +111,10 @@ typedef struct {
 int pdb_result_init(pdb_result *r, int64_t expect_tokens, bool record_events);
 void pdb_result_free(pdb_result *r);
 
-/* Sends one streaming request for p and reads the whole answer into r. Never fails as a
- * function: a transport, HTTP or in-band error is recorded as r->ok = false with r->error. */
+/* Sends one request for p (streaming unless p->shape says otherwise) and reads the whole
+ * answer into r. Never fails as a function: a transport, HTTP or in-band error is recorded as
+ * r->ok = false with r->error. On the OpenAI endpoints the answer must hold exactly
+ * n * output_len completion tokens (ignore_eos), and logprobs where they were asked for. */
 void pdb_request_run(const pdb_target *t, const pdb_prompt *p, uint64_t seed, pdb_result *r);
 
 /* Summary statistics over n values (copied and sorted internally; n may be 0 -> zeros).

@@ -6,8 +6,12 @@
  * NDJSON lines for /generate). An event's timestamp is taken right after the recv() that
  * completed it, before parsing, so parsing cost never shifts the figures. A token event is
  * one with a non-empty "choices" array that is not the chat role chunk (the API sends exactly
- * one such chunk per generated token); the usage chunk gives the token counts.
+ * one such chunk per generated token); the usage chunk gives the token counts. A request of a
+ * mixed workload (pdb_shape) picks its own endpoint, may ask for one JSON body instead of a
+ * stream (kept whole and parsed at the end), and may close its connection after k token chunks
+ * on purpose: that is how a client abort reaches the server.
  */
+#define _GNU_SOURCE /* memmem */
 #include <errno.h>
 #include <jansson.h>
 #include <llhttp.h>
@@ -65,6 +69,8 @@ int pdb_target_init(pdb_target *t, const char *base_url, const char *endpoint)
         return pd_error(PD_EINVAL, "--base-url: path too long");
     memcpy(t->path, p, prefix);
     memcpy(t->path + prefix, endpoint, strlen(endpoint) + 1);
+    memcpy(t->prefix, p, prefix);
+    t->prefix[prefix] = 0;
     t->timeout_s = 600;
     return PD_OK;
 }
@@ -114,6 +120,13 @@ static int grow(void **buf, size_t *cap, size_t need, size_t elem)
 
 typedef struct {
     const pdb_target *t;
+    pdb_endpoint ep;     /* this request's endpoint */
+    bool stream;         /* false: the body is one JSON document, kept in body */
+    int logprobs;        /* logprobs asked for: token chunks must carry them */
+    int64_t abort_after; /* > 0: stop reading after this many token chunks */
+    bool abort_now;      /* abort_after reached */
+    char *body;          /* (body_len) non-streaming body */
+    size_t body_len, body_cap;
     pdb_result *r;
     int status;    /* HTTP status */
     bool complete; /* llhttp saw the end of the message */
@@ -162,6 +175,22 @@ static void add_token(reader *rd)
     r->tok_ns[r->n_tok++] = rd->now;
 }
 
+/* Parses a payload that jansson refused because an object key holds "\u0000" (a token's text
+ * as a top_logprobs key; valid JSON, but jansson keeps keys NUL-terminated): every "\u0000"
+ * escape becomes "\ufffd", which changes no count this reader takes. NULL if still invalid. */
+static json_t *load_nul_keys(const char *data, size_t len, json_error_t *je)
+{
+    if (!memmem(data, len, "\\u0000", 6)) return NULL;
+    char *copy = malloc(len);
+    if (!copy) return NULL;
+    memcpy(copy, data, len);
+    for (char *p = copy; (p = memmem(p, len - (size_t)(p - copy), "\\u0000", 6)) != NULL; p += 6)
+        memcpy(p, "\\ufffd", 6);
+    json_t *o = json_loadb(copy, len, JSON_ALLOW_NUL, je);
+    free(copy);
+    return o;
+}
+
 /* One SSE data payload (OpenAI endpoints). */
 static void on_sse_data(reader *rd, const char *data, size_t len)
 {
@@ -172,6 +201,7 @@ static void on_sse_data(reader *rd, const char *data, size_t len)
     }
     json_error_t je;
     json_t *ev = json_loadb(data, len, JSON_ALLOW_NUL, &je); /* "\u0000" is valid JSON */
+    if (!ev) ev = load_nul_keys(data, len, &je);
     if (!ev) {
         fail(rd, "malformed SSE event: %s", je.text);
         return;
@@ -185,9 +215,16 @@ static void on_sse_data(reader *rd, const char *data, size_t len)
     }
     json_t *choices = json_object_get(ev, "choices");
     if (json_is_array(choices) && json_array_size(choices) > 0) {
-        json_t *delta = json_object_get(json_array_get(choices, 0), "delta");
+        json_t *c = json_array_get(choices, 0);
+        json_t *delta = json_object_get(c, "delta");
         bool role_chunk = delta && json_object_get(delta, "role");
-        if (!role_chunk) add_token(rd);
+        if (!role_chunk) {
+            add_token(rd);
+            if (rd->logprobs > 0 && !json_is_object(json_object_get(c, "logprobs")))
+                fail(rd, "%s", "token chunk without the logprobs asked for");
+            if (rd->abort_after > 0 && (int64_t)rd->r->n_tok >= rd->abort_after)
+                rd->abort_now = true;
+        }
     }
     json_t *usage = json_object_get(ev, "usage");
     if (json_is_object(usage)) {
@@ -244,9 +281,62 @@ static void feed_body(reader *rd, const char *at, size_t len)
     }
 }
 
+/* The whole non-streaming answer: counts from usage, one entry per choice with its text and,
+ * when asked for, its logprobs. */
+static void on_json_body(reader *rd)
+{
+    record_event(rd, rd->body ? rd->body : "", rd->body_len);
+    json_error_t je;
+    json_t *o = json_loadb(rd->body ? rd->body : "", rd->body_len, JSON_ALLOW_NUL, &je);
+    if (!o) o = load_nul_keys(rd->body ? rd->body : "", rd->body_len, &je);
+    if (!o) {
+        fail(rd, "malformed JSON body: %s", je.text);
+        return;
+    }
+    json_t *choices = json_object_get(o, "choices");
+    json_t *usage = json_object_get(o, "usage");
+    if (!json_is_array(choices) || !json_is_object(usage)) {
+        fail(rd, "%s", "JSON body without choices or usage");
+        json_decref(o);
+        return;
+    }
+    json_t *pt = json_object_get(usage, "prompt_tokens");
+    json_t *ct = json_object_get(usage, "completion_tokens");
+    if (json_is_integer(pt)) rd->r->prompt_tokens = json_integer_value(pt);
+    if (json_is_integer(ct)) rd->r->output_tokens = json_integer_value(ct);
+    size_t i;
+    json_t *c;
+    json_array_foreach(choices, i, c)
+    {
+        json_t *text = rd->ep == PDB_EP_CHAT
+                           ? json_object_get(json_object_get(c, "message"), "content")
+                           : json_object_get(c, "text");
+        if (!json_is_string(text)) {
+            fail(rd, "%s", "a choice without its text");
+            break;
+        }
+        if (rd->logprobs > 0 && !json_is_object(json_object_get(c, "logprobs"))) {
+            fail(rd, "%s", "a choice without the logprobs asked for");
+            break;
+        }
+    }
+    rd->r->n_choices = json_array_size(choices);
+    json_decref(o);
+}
+
 static int cb_body(llhttp_t *p, const char *at, size_t len)
 {
     reader *rd = p->data;
+    if (rd->status == 200 && !rd->stream) {
+        if (grow((void **)&rd->body, &rd->body_cap, rd->body_len + len + 1, 1) < 0) {
+            fail(rd, "%s", "out of memory");
+            return 0;
+        }
+        memcpy(rd->body + rd->body_len, at, len);
+        rd->body_len += len;
+        rd->body[rd->body_len] = 0;
+        return 0;
+    }
     if (rd->status != 200) {
         size_t room = sizeof rd->errbody - 1 - rd->errbody_len;
         size_t k = len < room ? len : room;
@@ -294,13 +384,14 @@ static int connect_to(const pdb_target *t, char *err, size_t errn)
     return fd;
 }
 
-/* The JSON body for p (a new string, free()). */
-static char *request_body(const pdb_target *t, const pdb_prompt *p, uint64_t seed)
+/* The JSON body for p sent to endpoint ep (a new string, free()). */
+static char *request_body(const pdb_target *t, pdb_endpoint ep, const pdb_prompt *p, uint64_t seed)
 {
+    const pdb_shape *sh = &p->shape;
+    bool stream = !sh->set || sh->stream;
     json_t *b = json_object();
-    if (t->model && t->endpoint != PDB_EP_GENERATE)
-        json_object_set_new(b, "model", json_string(t->model));
-    if (t->endpoint == PDB_EP_CHAT) {
+    if (t->model && ep != PDB_EP_GENERATE) json_object_set_new(b, "model", json_string(t->model));
+    if (ep == PDB_EP_CHAT) {
         json_t *msgs = json_pack("[{s:s,s:s}]", "role", "user", "content", p->text ? p->text : "");
         json_object_set_new(b, "messages", msgs);
     } else if (p->ids) {
@@ -314,9 +405,18 @@ static char *request_body(const pdb_target *t, const pdb_prompt *p, uint64_t see
     json_object_set_new(b, "ignore_eos", json_true());
     json_object_set_new(b, "temperature", json_real(0.0));
     json_object_set_new(b, "seed", json_integer((json_int_t)(seed & 0x7fffffffffffffffull)));
-    json_object_set_new(b, "stream", json_true());
-    if (t->endpoint != PDB_EP_GENERATE)
+    json_object_set_new(b, "stream", json_boolean(stream));
+    if (stream && ep != PDB_EP_GENERATE)
         json_object_set_new(b, "stream_options", json_pack("{s:b}", "include_usage", 1));
+    if (sh->set && sh->n > 1) json_object_set_new(b, "n", json_integer(sh->n));
+    if (sh->set && sh->logprobs > 0) {
+        if (ep == PDB_EP_CHAT) {
+            json_object_set_new(b, "logprobs", json_true());
+            json_object_set_new(b, "top_logprobs", json_integer(sh->logprobs));
+        } else {
+            json_object_set_new(b, "logprobs", json_integer(sh->logprobs));
+        }
+    }
     char *s = json_dumps(b, JSON_COMPACT);
     json_decref(b);
     return s;
@@ -338,12 +438,24 @@ static int send_all(int fd, const char *buf, size_t len)
 
 void pdb_request_run(const pdb_target *t, const pdb_prompt *p, uint64_t seed, pdb_result *r)
 {
-    r->ok = false;
+    const pdb_shape *sh = &p->shape;
+    r->ok = r->aborted = false;
+    r->streamed = !sh->set || sh->stream;
     r->error[0] = 0;
-    r->n_tok = r->n_ev = r->ev_len = 0;
+    r->n_tok = r->n_ev = r->ev_len = r->n_choices = 0;
     r->prompt_tokens = r->output_tokens = -1;
-    reader rd = {.t = t, .r = r};
-    char *body = request_body(t, p, seed);
+    reader rd = {.t = t,
+                 .r = r,
+                 .ep = sh->set ? sh->ep : t->endpoint,
+                 .stream = r->streamed,
+                 .logprobs = sh->set ? sh->logprobs : 0,
+                 .abort_after = sh->set && sh->stream ? sh->abort_after : 0};
+    char path[600];
+    snprintf(path, sizeof path, "%s%s", t->prefix,
+             rd.ep == PDB_EP_CHAT          ? "/v1/chat/completions"
+             : rd.ep == PDB_EP_COMPLETIONS ? "/v1/completions"
+                                           : "/generate");
+    char *body = request_body(t, rd.ep, p, seed);
     char head[1200];
     int fd = -1;
     r->t_send = pd_now_ns();
@@ -357,9 +469,10 @@ void pdb_request_run(const pdb_target *t, const pdb_prompt *p, uint64_t seed, pd
     size_t blen = strlen(body);
     int hn = snprintf(head, sizeof head,
                       "POST %s HTTP/1.1\r\nHost: %s:%s\r\nContent-Type: application/json\r\n"
-                      "Accept: text/event-stream\r\n%sContent-Length: %zu\r\n"
+                      "Accept: %s\r\n%sContent-Length: %zu\r\n"
                       "Connection: close\r\n\r\n",
-                      t->path, t->host, t->port, auth, blen);
+                      sh->set ? path : t->path, t->host, t->port,
+                      rd.stream ? "text/event-stream" : "application/json", auth, blen);
     if (hn < 0 || (size_t)hn >= sizeof head) {
         fail(&rd, "%s", "request head too long");
         goto out;
@@ -383,7 +496,7 @@ void pdb_request_run(const pdb_target *t, const pdb_prompt *p, uint64_t seed, pd
     llhttp_init(&parser, HTTP_RESPONSE, &st);
     parser.data = &rd;
     char buf[16384];
-    while (!rd.complete && !rd.failed) {
+    while (!rd.complete && !rd.failed && !rd.abort_now) {
         struct pollfd pfd = {.fd = fd, .events = POLLIN};
         int pr = poll(&pfd, 1, t->timeout_s * 1000);
         if (pr < 0 && errno == EINTR) continue;
@@ -414,13 +527,20 @@ void pdb_request_run(const pdb_target *t, const pdb_prompt *p, uint64_t seed, pd
     }
     r->t_end = pd_now_ns();
     if (rd.failed) goto out;
+    if (rd.abort_now) { /* closing the socket below is the abort */
+        r->ok = r->aborted = true;
+        goto out;
+    }
     if (rd.status != 200) {
         char msg[260];
         snprintf(msg, sizeof msg, "HTTP %d: %s", rd.status, rd.errbody);
         fail(&rd, "%.240s", msg);
         goto out;
     }
-    if (t->endpoint == PDB_EP_GENERATE) {
+    if (!rd.stream) {
+        on_json_body(&rd);
+        if (rd.failed) goto out;
+    } else if (rd.ep == PDB_EP_GENERATE) {
         r->output_tokens = rd.gen_lines;
     } else {
         if (!rd.done) {
@@ -432,13 +552,37 @@ void pdb_request_run(const pdb_target *t, const pdb_prompt *p, uint64_t seed, pd
             goto out;
         }
     }
-    if (r->n_tok == 0) {
+    if (rd.stream && r->n_tok == 0) {
         fail(&rd, "%s", "no token arrived");
         goto out;
+    }
+    if (rd.ep != PDB_EP_GENERATE) {
+        /* ignore_eos: every choice runs to max_tokens */
+        int n = sh->set && sh->n > 1 ? sh->n : 1;
+        int64_t want = (int64_t)n * p->output_len;
+        char msg[160];
+        if (r->output_tokens != want) {
+            snprintf(msg, sizeof msg, "usage says %lld completion tokens, expected %d x %lld",
+                     (long long)r->output_tokens, n, (long long)p->output_len);
+            fail(&rd, "%s", msg);
+            goto out;
+        }
+        if (rd.stream && (int64_t)r->n_tok != want) {
+            snprintf(msg, sizeof msg, "%zu token chunks for %lld completion tokens", r->n_tok,
+                     (long long)want);
+            fail(&rd, "%s", msg);
+            goto out;
+        }
+        if (!rd.stream && r->n_choices != (size_t)n) {
+            snprintf(msg, sizeof msg, "%zu choices, expected %d", r->n_choices, n);
+            fail(&rd, "%s", msg);
+            goto out;
+        }
     }
     r->ok = true;
 out:
     if (fd >= 0) close(fd);
     free(body);
     free(rd.line);
+    free(rd.body);
 }

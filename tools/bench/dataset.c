@@ -15,7 +15,8 @@
 #include "json/json.h"
 #include "util/status.h"
 
-enum { STREAM_LEN = 1, STREAM_TOKEN = 2 }; /* rng streams: lengths vs. prompt contents */
+/* rng streams: lengths, prompt contents, request shapes (stream 3 is main.c's arrivals) */
+enum { STREAM_LEN = 1, STREAM_TOKEN = 2, STREAM_SHAPE = 4 };
 
 /* Words for text prompts (chat, /generate): common English words, each usually one token. */
 static const char *const k_words[] = {
@@ -167,6 +168,30 @@ bad:
     fclose(f);
     pdb_dataset_free(d);
     return pd_error_prefix(rc, "--dataset-path %s", file);
+}
+
+int pdb_dataset_mix(pdb_dataset *d, double abort_ratio, uint64_t seed)
+{
+    if (!(abort_ratio >= 0.0 && abort_ratio <= 1.0))
+        return pd_error(PD_EINVAL, "--abort-ratio: must be in [0, 1], got %g", abort_ratio);
+    for (size_t i = 0; i < d->n; i++) {
+        pdb_prompt *p = &d->items[i];
+        if (!p->text)
+            return pd_error(PD_EINVAL, "--workload mixed: prompt %zu is not text (token ids)", i);
+        uint32_t idx = (uint32_t)i;
+        pdb_shape *s = &p->shape;
+        s->set = true;
+        s->ep = pd_rng_uniform(seed, idx, 0, STREAM_SHAPE) < 0.5 ? PDB_EP_COMPLETIONS : PDB_EP_CHAT;
+        s->stream = pd_rng_uniform(seed, idx, 1, STREAM_SHAPE) < 0.75;
+        s->n = pd_rng_uniform(seed, idx, 2, STREAM_SHAPE) < 0.10 ? 2 : 1;
+        s->logprobs = pd_rng_uniform(seed, idx, 3, STREAM_SHAPE) < 0.15 ? 2 : 0;
+        s->abort_after = 0;
+        if (s->stream && pd_rng_uniform(seed, idx, 4, STREAM_SHAPE) < abort_ratio) {
+            int64_t hi = (int64_t)s->n * p->output_len / 2;
+            s->abort_after = uniform_int(seed, idx, 5, STREAM_SHAPE, 1, hi < 1 ? 1 : hi);
+        }
+    }
+    return PD_OK;
 }
 
 void pdb_dataset_free(pdb_dataset *d)

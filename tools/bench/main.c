@@ -6,7 +6,16 @@
  *            [--random-vocab-size 2048] [--request-rate inf] [--max-concurrency C]
  *            [--warmup N] [--seed 0] [--goodput ttft:MS,tpot:MS,e2el:MS] [--api-key KEY]
  *            [--result-file F.json] [--dump-timestamps F.jsonl] [--save-dataset F]
- *            [--timeout S] [--quiet]
+ *            [--timeout S] [--quiet] [--workload plain|mixed] [--abort-ratio R] [--duration S]
+ *   pd-bench --node-stats HOST:PORT     (one pd-prefill/pd-decode Stats reply as JSON, then exit)
+ *
+ * --workload mixed gives every request its own shape (pdb_dataset_mix: completions or chat,
+ * streaming or one JSON body, n = 2, logprobs, and with --abort-ratio some client aborts
+ * mid-stream); an aborted request is counted apart, neither completed nor failed. --duration S
+ * keeps sending at --request-rate (finite) for S seconds instead of --num-prompts requests; the
+ * --num-prompts prompts are then reused in turn. Non-streaming answers have no token times:
+ * they count in E2EL and throughput, not in TTFT/TPOT/ITL. --summary-only leaves the
+ * per-request arrays out of --result-file (long runs); "first_errors" (at most 20) stays.
  *
  * --save-dataset writes the prompts, one per line, in pd-generate's --prompts-file format
  * (comma-separated ids for id prompts: name the file *.ids), so the colocated baseline can
@@ -34,16 +43,20 @@
 #include "bench.h"
 #include "engine/rng.h"
 #include "json/json.h"
+#include "rpc/pd.pb-c.h"
+#include "rpc/rpc.h"
 #include "util/args.h"
 #include "util/clock.h"
 #include "util/status.h"
 
 typedef struct {
     const char *base_url, *endpoint, *model, *dataset, *dataset_path, *result_file, *dump_file,
-        *api_key, *goodput, *save_dataset;
+        *api_key, *goodput, *save_dataset, *node_stats;
     int64_t num_prompts, input_len, output_len, vocab, max_concurrency, warmup, seed, timeout_s;
     double range_ratio, request_rate; /* request_rate: INFINITY = all at once */
-    bool quiet;
+    double duration_s;                /* > 0: send for this long (finite rate) */
+    double abort_ratio;               /* mixed workload: share of streams aborted */
+    bool quiet, mixed, summary_only;
     double slo_ttft_ms, slo_tpot_ms, slo_e2el_ms; /* < 0: not set */
 } bench_args;
 
@@ -76,7 +89,10 @@ static void usage(FILE *o)
                "                [--goodput ttft:MS,tpot:MS,e2el:MS] [--api-key KEY] "
                "[--result-file F.json]\n"
                "                [--dump-timestamps F.jsonl] [--save-dataset F] [--timeout S] "
-               "[--quiet]\n");
+               "[--quiet]\n"
+               "                [--workload plain|mixed] [--abort-ratio R] [--duration S] "
+               "[--summary-only]\n"
+               "       pd-bench --node-stats HOST:PORT\n");
 }
 
 /* "ttft:200,tpot:50,e2el:2000" -> SLOs in ms. */
@@ -116,6 +132,10 @@ static int parse_args(int argc, char **argv, bench_args *a)
             a->quiet = true;
             continue;
         }
+        if (!strcmp(o, "--summary-only")) {
+            a->summary_only = true;
+            continue;
+        }
         if (i + 1 >= argc) return pd_error(PD_EINVAL, "%s: needs a value (see --help)", o);
         const char *v = argv[++i];
         if (!strcmp(o, "--base-url"))
@@ -136,7 +156,21 @@ static int parse_args(int argc, char **argv, bench_args *a)
             a->dump_file = v;
         else if (!strcmp(o, "--api-key"))
             a->api_key = v;
-        else if (!strcmp(o, "--goodput"))
+        else if (!strcmp(o, "--node-stats"))
+            a->node_stats = v;
+        else if (!strcmp(o, "--workload")) {
+            if (strcmp(v, "plain") && strcmp(v, "mixed"))
+                return pd_error(PD_EINVAL, "--workload: expected plain or mixed, got \"%s\"", v);
+            a->mixed = !strcmp(v, "mixed");
+        } else if (!strcmp(o, "--abort-ratio")) {
+            PD_CHECK(pd_arg_f64(o, v, &a->abort_ratio));
+            if (!(a->abort_ratio >= 0 && a->abort_ratio <= 1))
+                return pd_error(PD_EINVAL, "--abort-ratio: must be in [0, 1], got %s", v);
+        } else if (!strcmp(o, "--duration")) {
+            PD_CHECK(pd_arg_f64(o, v, &a->duration_s));
+            if (!(a->duration_s > 0 && a->duration_s <= 7 * 86400.0))
+                return pd_error(PD_EINVAL, "--duration: must be in (0, 604800] seconds, got %s", v);
+        } else if (!strcmp(o, "--goodput"))
             PD_CHECK(parse_goodput(v, a));
         else if (!strcmp(o, "--num-prompts"))
             PD_CHECK(pd_arg_i64(o, v, 1, 10000000, &a->num_prompts));
@@ -173,6 +207,12 @@ static int parse_args(int argc, char **argv, bench_args *a)
         return pd_error(PD_EINVAL, "--dataset jsonl needs --dataset-path F");
     if (a->api_key && strlen(a->api_key) > 512)
         return pd_error(PD_EINVAL, "--api-key: longer than 512 bytes");
+    if (a->duration_s > 0 && isinf(a->request_rate))
+        return pd_error(PD_EINVAL, "--duration needs a finite --request-rate");
+    if (a->abort_ratio > 0 && !a->mixed)
+        return pd_error(PD_EINVAL, "--abort-ratio needs --workload mixed");
+    if (a->mixed && strcmp(a->endpoint, "/generate") == 0)
+        return pd_error(PD_EINVAL, "--workload mixed: the OpenAI endpoints only (not /generate)");
     return PD_OK;
 }
 
@@ -262,7 +302,7 @@ static int run_batch(const pdb_target *t, const pdb_dataset *d, pdb_result *res,
 /* ---- metrics and output --------------------------------------------------------------------- */
 
 typedef struct {
-    size_t completed, failed, good;
+    size_t completed, failed, good, aborted, streamed; /* streamed: completed with token times */
     int64_t in_tokens, out_tokens;
     double duration_s;
     pdb_stats ttft, tpot, itl, e2el;      /* ms */
@@ -298,17 +338,23 @@ static int summarize(const bench_args *a, const pdb_dataset *d, const pdb_result
             m->failed++;
             continue;
         }
-        double ttft = (double)(r->tok_ns[0] - r->t_send) / 1e6;
+        if (r->aborted) {
+            m->aborted++;
+            continue;
+        }
         double e2el = (double)(r->t_end - r->t_send) / 1e6;
         int64_t out = r->output_tokens;
-        double tpot = 0.0;
-        if (out > 1) {
-            tpot = (e2el - ttft) / (double)(out - 1);
-            m->tpots[m->n_tpot++] = tpot;
+        double ttft = e2el, tpot = 0.0;
+        if (r->streamed && r->n_tok > 0) {
+            ttft = (double)(r->tok_ns[0] - r->t_send) / 1e6;
+            if (out > 1) {
+                tpot = (e2el - ttft) / (double)(out - 1);
+                m->tpots[m->n_tpot++] = tpot;
+            }
+            for (size_t k = 1; k < r->n_tok; k++)
+                m->itls[m->n_itl++] = (double)(r->tok_ns[k] - r->tok_ns[k - 1]) / 1e6;
+            m->ttfts[m->streamed++] = ttft;
         }
-        for (size_t k = 1; k < r->n_tok; k++)
-            m->itls[m->n_itl++] = (double)(r->tok_ns[k] - r->tok_ns[k - 1]) / 1e6;
-        m->ttfts[m->completed] = ttft;
         m->e2els[m->completed] = e2el;
         m->completed++;
         m->out_tokens += out;
@@ -319,7 +365,7 @@ static int summarize(const bench_args *a, const pdb_dataset *d, const pdb_result
                     (a->slo_e2el_ms < 0 || e2el <= a->slo_e2el_ms);
         if (good) m->good++;
     }
-    PD_CHECK(pdb_stats_compute(m->ttfts, m->completed, &m->ttft));
+    PD_CHECK(pdb_stats_compute(m->ttfts, m->streamed, &m->ttft));
     PD_CHECK(pdb_stats_compute(m->tpots, m->n_tpot, &m->tpot));
     PD_CHECK(pdb_stats_compute(m->itls, m->n_itl, &m->itl));
     PD_CHECK(pdb_stats_compute(m->e2els, m->completed, &m->e2el));
@@ -353,6 +399,7 @@ static void print_report(const bench_args *a, const summary *m, const char *firs
     printf("============ Serving Benchmark Result ============\n");
     printf("%-40s %-10zu\n", "Successful requests:", m->completed);
     printf("%-40s %-10zu\n", "Failed requests:", m->failed);
+    if (a->mixed) printf("%-40s %-10zu\n", "Aborted requests (by the client):", m->aborted);
     if (first_error) printf("%-40s %s\n", "First error:", first_error);
     if (a->max_concurrency)
         printf("%-40s %-10lld\n", "Maximum request concurrency:", (long long)a->max_concurrency);
@@ -417,6 +464,10 @@ static int write_result(const bench_args *a, const pdb_dataset *d, const pdb_res
     json_object_set_new(o, "duration", json_real(m->duration_s));
     json_object_set_new(o, "completed", json_integer((json_int_t)m->completed));
     json_object_set_new(o, "failed", json_integer((json_int_t)m->failed));
+    json_object_set_new(o, "aborted", json_integer((json_int_t)m->aborted));
+    json_object_set_new(o, "workload", json_string(a->mixed ? "mixed" : "plain"));
+    json_object_set_new(o, "duration_limit",
+                        a->duration_s > 0 ? json_real(a->duration_s) : json_null());
     json_object_set_new(o, "total_input_tokens", json_integer(m->in_tokens));
     json_object_set_new(o, "total_output_tokens", json_integer(m->out_tokens));
     json_object_set_new(o, "request_throughput", json_real((double)m->completed / dur));
@@ -434,22 +485,47 @@ static int write_result(const bench_args *a, const pdb_dataset *d, const pdb_res
     set_stats(o, "tpot", &m->tpot);
     set_stats(o, "itl", &m->itl);
     set_stats(o, "e2el", &m->e2el);
+    json_t *first = json_array();
+    for (size_t i = 0; i < n && json_array_size(first) < 20; i++)
+        if (!res[i].ok) json_array_append_new(first, json_string(res[i].error));
+    json_object_set_new(o, "first_errors", first);
+    /* failures by kind: the message up to its first digit (ids and counts vary) */
+    json_t *kinds = json_object();
+    for (size_t i = 0; i < n; i++) {
+        if (res[i].ok) continue;
+        char k[64];
+        snprintf(k, sizeof k, "%.*s", (int)strcspn(res[i].error, "0123456789"), res[i].error);
+        json_t *c = json_object_get(kinds, k);
+        json_object_set_new(kinds, k, json_integer(c ? json_integer_value(c) + 1 : 1));
+    }
+    json_object_set_new(o, "error_kinds", kinds);
+    if (a->summary_only) {
+        int rc = pdj_dump_file(o, a->result_file, 2);
+        json_decref(o);
+        return rc < 0 ? pd_error_prefix(rc, "--result-file %s", a->result_file) : PD_OK;
+    }
     /* per request, in request order (vLLM keeps seconds here) */
     json_t *ins = json_array(), *outs = json_array(), *ttfts = json_array(), *itls = json_array(),
            *e2es = json_array(), *errs = json_array();
     for (size_t i = 0; i < n; i++) {
         const pdb_result *r = &res[i];
+        bool ok = r->ok && !r->aborted;
+        bool timed = ok && r->streamed && r->n_tok > 0;
         int64_t pin = r->prompt_tokens >= 0 ? r->prompt_tokens : d->items[i % d->n].input_len;
-        json_array_append_new(ins, json_integer(r->ok ? pin : 0));
-        json_array_append_new(outs, json_integer(r->ok ? r->output_tokens : 0));
-        json_array_append_new(ttfts,
-                              json_real(r->ok ? (double)(r->tok_ns[0] - r->t_send) / 1e9 : 0.0));
-        json_array_append_new(e2es, json_real(r->ok ? (double)(r->t_end - r->t_send) / 1e9 : 0.0));
+        json_array_append_new(ins, json_integer(ok ? pin : 0));
+        json_array_append_new(outs, json_integer(ok ? r->output_tokens : 0));
+        /* TTFT: seconds when streamed, null for a non-streaming answer, 0 when failed */
+        json_t *ttft = !ok      ? json_real(0.0)
+                       : !timed ? json_null()
+                                : json_real((double)(r->tok_ns[0] - r->t_send) / 1e9);
+        json_array_append_new(ttfts, ttft);
+        json_array_append_new(e2es, json_real(ok ? (double)(r->t_end - r->t_send) / 1e9 : 0.0));
         json_t *gaps = json_array();
-        for (size_t k = 1; r->ok && k < r->n_tok; k++)
+        for (size_t k = 1; timed && k < r->n_tok; k++)
             json_array_append_new(gaps, json_real((double)(r->tok_ns[k] - r->tok_ns[k - 1]) / 1e9));
         json_array_append_new(itls, gaps);
-        json_array_append_new(errs, json_string(r->ok ? "" : r->error));
+        json_array_append_new(
+            errs, json_string(r->ok ? (r->aborted ? "aborted by the client" : "") : r->error));
     }
     json_object_set_new(o, "input_lens", ins);
     json_object_set_new(o, "output_lens", outs);
@@ -512,6 +588,46 @@ static int write_dump(const char *file, const pdb_result *res, size_t n)
     return rc;
 }
 
+/* --node-stats: one Stats call to a pd-prefill/pd-decode instance, printed as one JSON line
+ * (the soak test checks that the KV pools are whole again at the end). */
+static int node_stats(const char *target, int timeout_s)
+{
+    pd_rpc_client *c = NULL;
+    pd_rpc_channel *ch = NULL;
+    uint8_t *resp = NULL, req[16];
+    size_t rlen = 0;
+    Pd__StatsRequest q = PD__STATS_REQUEST__INIT;
+    size_t qlen = pd__stats_request__pack(&q, req);
+    int rc = pd_rpc_client_create(&c);
+    if (rc == PD_OK) rc = pd_rpc_channel_create(c, target, 0, &ch);
+    if (rc == PD_OK)
+        rc = pd_rpc_unary(ch, "/pd.PD/Stats", req, qlen, timeout_s * 1000, &resp, &rlen, NULL);
+    if (ch) pd_rpc_channel_destroy(ch);
+    if (c) pd_rpc_client_destroy(c);
+    if (rc < 0) return pd_error_prefix(rc, "--node-stats %s", target);
+    Pd__StatsReply *st = pd__stats_reply__unpack(NULL, rlen, resp);
+    free(resp);
+    if (!st) return pd_error(PD_EPARSE, "--node-stats %s: the Stats reply does not parse", target);
+    json_t *o = json_pack(
+        "{s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:b}", "num_running",
+        (json_int_t)st->num_running, "num_waiting", (json_int_t)st->num_waiting, "num_held",
+        (json_int_t)st->num_held, "kv_blocks_total", (json_int_t)st->kv_blocks_total,
+        "kv_blocks_free", (json_int_t)st->kv_blocks_free, "num_preemptions",
+        (json_int_t)st->num_preemptions, "queued_tokens", (json_int_t)st->queued_tokens,
+        "running_tokens", (json_int_t)st->running_tokens, "reserved_tokens",
+        (json_int_t)st->reserved_tokens, "leases_held", (json_int_t)st->leases_held,
+        "kv_transfer_bytes", (json_int_t)st->kv_transfer_bytes, "prompt_tokens",
+        (json_int_t)st->prompt_tokens, "requests_finished", (json_int_t)st->requests_finished,
+        "draining", (int)st->draining);
+    pd__stats_reply__free_unpacked(st, NULL);
+    char *text = o ? json_dumps(o, JSON_COMPACT) : NULL;
+    json_decref(o);
+    if (!text) return pd_error(PD_ENOMEM, "out of memory");
+    printf("%s\n", text);
+    free(text);
+    return PD_OK;
+}
+
 int main(int argc, char **argv)
 {
     bench_args a;
@@ -531,19 +647,38 @@ int main(int argc, char **argv)
         usage(stderr);
         return 2;
     }
+    if (a.node_stats) {
+        rc = node_stats(a.node_stats, (int)a.timeout_s);
+        goto out;
+    }
     PD_CHECK_GOTO(pdb_target_init(&t, a.base_url, a.endpoint), rc, out);
     t.model = a.model;
     t.api_key = a.api_key;
     t.timeout_s = (int)a.timeout_s;
-    n = (size_t)a.num_prompts;
+    size_t n_prompts = (size_t)a.num_prompts;
     if (!strcmp(a.dataset, "random"))
-        rc = pdb_dataset_random(&d, n, a.input_len, a.output_len, a.range_ratio, a.vocab,
-                                t.endpoint == PDB_EP_COMPLETIONS, (uint64_t)a.seed);
+        rc = pdb_dataset_random(&d, n_prompts, a.input_len, a.output_len, a.range_ratio, a.vocab,
+                                t.endpoint == PDB_EP_COMPLETIONS && !a.mixed, (uint64_t)a.seed);
     else
-        rc = pdb_dataset_jsonl(&d, a.dataset_path, n, a.output_len);
+        rc = pdb_dataset_jsonl(&d, a.dataset_path, n_prompts, a.output_len);
     if (rc < 0) goto out;
+    if (a.mixed) PD_CHECK_GOTO(pdb_dataset_mix(&d, a.abort_ratio, (uint64_t)a.seed), rc, out);
 
     if (a.save_dataset) PD_CHECK_GOTO(write_dataset(a.save_dataset, &d), rc, out);
+    /* Poisson process: exponential gaps with mean 1/rate (rng stream 3, one draw per request);
+     * with --duration, as many requests as arrive before it ends */
+    n = a.duration_s > 0 ? 0 : d.n;
+    if (a.duration_s > 0) {
+        for (double ts = 0.0;; n++) {
+            ts += -log1p(-pd_rng_uniform((uint64_t)a.seed, (uint32_t)n, 0, 3)) / a.request_rate;
+            if (ts >= a.duration_s || n >= UINT32_MAX) break;
+        }
+        if (n == 0) {
+            rc = pd_error(PD_EINVAL, "--duration %g s at --request-rate %g: no request arrives",
+                          a.duration_s, a.request_rate);
+            goto out;
+        }
+    }
     res = calloc(n, sizeof *res);
     arrive = calloc(n, sizeof *arrive);
     if (!res || !arrive) {
@@ -551,9 +686,8 @@ int main(int argc, char **argv)
         goto out;
     }
     for (size_t i = 0; i < n; i++)
-        PD_CHECK_GOTO(pdb_result_init(&res[i], d.items[i].output_len, a.dump_file != NULL), rc,
-                      out);
-    /* Poisson process: exponential gaps with mean 1/rate (rng stream 3, one draw per request) */
+        PD_CHECK_GOTO(pdb_result_init(&res[i], d.items[i % d.n].output_len, a.dump_file != NULL),
+                      rc, out);
     double tsum = 0.0;
     for (size_t i = 0; i < n; i++) {
         if (!isinf(a.request_rate)) {

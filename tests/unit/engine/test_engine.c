@@ -536,6 +536,31 @@ TEST(engine_tp2_matches_tp1)
                    i);
 }
 
+/* The KV transfer between two engines: every layer's blocks, through host memory. */
+static int move_kv(pd_engine *P, const int32_t *pblocks, pd_engine *D, const int32_t *dblocks,
+                   size_t n_blocks)
+{
+    pd_backend *bp = pd_engine_backend(P, 0), *bd = pd_engine_backend(D, 0);
+    const pd_backend_ops *op = pd_backend_get_ops(bp), *od = pd_backend_get_ops(bd);
+    size_t heads = (size_t)g_model->config.num_key_value_heads;
+    size_t hd = (size_t)g_model->config.head_dim;
+    void *host = malloc(2 * n_blocks * 16 * heads * hd * sizeof(float));
+    if (!host) return pd_error(PD_ENOMEM, "out of memory");
+    int rc = PD_OK;
+    for (int l = 0; l < (int)g_model->config.num_hidden_layers && rc >= 0; l++) {
+        pd_kv_range src = {
+            .layer = l, .block_ids = pblocks, .n_blocks = n_blocks, .head0 = 0, .n_heads = heads};
+        pd_kv_range dst = src;
+        dst.block_ids = dblocks;
+        rc = op->kv_export(bp, pd_engine_kv(P, 0), &src, host);
+        if (rc >= 0) rc = op->sync(bp);
+        if (rc >= 0) rc = od->kv_import(bd, pd_engine_kv(D, 0), &dst, host);
+        if (rc >= 0) rc = od->sync(bd);
+    }
+    free(host);
+    return rc;
+}
+
 TEST(engine_prefill_then_decode_through_exported_kv)
 {
     ASSERT_OK(tiny());
@@ -572,30 +597,7 @@ TEST(engine_prefill_then_decode_through_exported_kv)
     ASSERT_EQ_INT(n_dblocks, pre[7].n_blocks);
     ASSERT_ERR(pd_engine_reserve(D, r.id, r.n_prompt, dblocks, 64, &n_dblocks), PD_EEXIST,
                "already in use");
-    /* the transfer: every layer's blocks, through host memory */
-    pd_backend *bp = pd_engine_backend(P, 0), *bd = pd_engine_backend(D, 0);
-    const pd_backend_ops *op = pd_backend_get_ops(bp), *od = pd_backend_get_ops(bd);
-    size_t heads = (size_t)g_model->config.num_key_value_heads;
-    size_t hd = (size_t)g_model->config.head_dim;
-    size_t bytes = 2 * n_dblocks * 16 * heads * hd * sizeof(float);
-    void *host = malloc(bytes);
-    ASSERT(host);
-    int rc = PD_OK;
-    for (int l = 0; l < (int)g_model->config.num_hidden_layers && rc >= 0; l++) {
-        pd_kv_range src = {.layer = l,
-                           .block_ids = pre[7].blocks,
-                           .n_blocks = n_dblocks,
-                           .head0 = 0,
-                           .n_heads = heads};
-        pd_kv_range dst = src;
-        dst.block_ids = dblocks;
-        rc = op->kv_export(bp, pd_engine_kv(P, 0), &src, host);
-        if (rc >= 0) rc = op->sync(bp);
-        if (rc >= 0) rc = od->kv_import(bd, pd_engine_kv(D, 0), &dst, host);
-        if (rc >= 0) rc = od->sync(bd);
-    }
-    free(host);
-    ASSERT_OK(rc);
+    ASSERT_OK(move_kv(P, pre[7].blocks, D, dblocks, n_dblocks));
     ASSERT_ERR(pd_engine_release(P, "nope"), PD_ENOTFOUND, "no held");
     ASSERT_OK(pd_engine_release(P, r.id));
     pd_engine_get_stats(P, &st);
@@ -867,4 +869,65 @@ TEST(engine_cuda_device_errors)
     ASSERT(pd_engine_create(&p, &e) < 0);
     p.n_cuda_devices = 17;
     ASSERT_ERR(pd_engine_create(&p, &e), PD_EINVAL, "n_cuda_devices must be 0 to 16");
+}
+
+/* A decode engine whose pool is filled by imported prompts (each waiting with its KV, none able
+ * to take the block for its next token): the youngest give their KV up and recompute it, and
+ * every request's tokens equal the colocated run's. Regression: nothing ran again. */
+TEST(engine_imports_filling_the_pool_recompute_and_match)
+{
+    ASSERT_OK(tiny());
+    enum { N = 6 };
+    static treq r[N];
+    static tout full[MAX_REQ], pre[MAX_REQ], dec[MAX_REQ];
+    memset(full, 0, sizeof full);
+    memset(pre, 0, sizeof pre);
+    memset(dec, 0, sizeof dec);
+    pd_engine_params p = base_params();
+    pd_engine *P, *D;
+    ASSERT_OK(pd_engine_create(&p, &P));
+    p.num_kv_blocks = 2 * N; /* each 32-token prompt fills two blocks: the pool, exactly */
+    p.max_model_len = 64;
+    ASSERT_OK(pd_engine_create(&p, &D));
+    for (int i = 0; i < N; i++) {
+        make_req(&r[i], i, pd_tok_vocab_size(g_tok));
+        r[i].n_prompt = 32;
+        r[i].sp.max_tokens = 12;
+        r[i].sp.ignore_eos = true;
+        r[i].sp.has_seed = true;
+        r[i].sp.seed = 500 + i;
+        ASSERT_OK(add_req(P, &r[i], PD_PHASE_PREFILL_ONLY));
+    }
+    ASSERT_OK(run_to_end(P, pre));
+    for (int i = 0; i < N; i++) {
+        ASSERT(pre[i].held && pre[i].n_blocks == 2);
+        int32_t dblocks[2];
+        size_t nb = 0;
+        ASSERT_OK(pd_engine_reserve(D, r[i].id, 32, dblocks, 2, &nb));
+        ASSERT_OK(move_kv(P, pre[i].blocks, D, dblocks, nb));
+        ASSERT_OK(pd_engine_release(P, r[i].id));
+        pd_engine_request rq = {.request_id = r[i].id,
+                                .prompt_ids = r[i].prompt,
+                                .n_prompt = 32,
+                                .sampling = &r[i].sp,
+                                .phase = PD_PHASE_FULL};
+        ASSERT_OK(pd_engine_add_imported(D, &rq, pre[i].toks[0][0]));
+    }
+    pd_engine_stats st;
+    pd_engine_get_stats(D, &st);
+    ASSERT_EQ_INT(st.kv_blocks_free, 0);
+    ASSERT_OK(run_to_end(D, dec));
+    pd_engine_get_stats(D, &st);
+    ASSERT_EQ_INT(st.kv_blocks_free, st.kv_blocks_total);
+    ASSERT(st.num_preemptions > 0);
+    printf("    %d imports on a %d-block pool: %llu preemptions\n", N, 2 * N,
+           (unsigned long long)st.num_preemptions);
+    p.num_kv_blocks = 0;
+    ASSERT_OK(run_alone(&p, r, N, full));
+    for (int i = 0; i < N; i++) {
+        ASSERT_EQ_INT(dec[i].n[0], 12);
+        ASSERT_MSG(same_tokens(&full[i], &dec[i], 1), "request %d differs from colocated", i);
+    }
+    pd_engine_destroy(D);
+    pd_engine_destroy(P);
 }

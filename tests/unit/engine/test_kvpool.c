@@ -446,3 +446,40 @@ TEST(sched_fork_shares_prompt_and_imported_sequences_continue)
     ASSERT(pd_kvpool_all_free(pool));
     pd_kvpool_destroy(pool);
 }
+
+/* Imported sequences (KV from a prefill instance) wait holding their prompt's blocks. When they
+ * fill the pool, none can take the block for its next token and nothing runs: the youngest give
+ * their KV up (recomputed later) so that the oldest runs, and every sequence finishes with its
+ * tokens. Regression: a decode instance under overload stalled for good with 0 running. */
+TEST(sched_waiting_imports_filling_the_pool_still_finish)
+{
+    pd_kvpool *pool;
+    ASSERT_OK(pd_kvpool_create(16, 4, &pool));
+    pd_sched_params p = {.max_num_seqs = 8,
+                         .max_num_batched_tokens = 64,
+                         .max_model_len = 32,
+                         .max_prefill_chunk = 0};
+    pd_sched *s;
+    ASSERT_OK(pd_sched_create(&p, pool, &s));
+    sim m;
+    sim_init(&m, 8);
+    int32_t prompt[8];
+    for (size_t i = 0; i < m.n; i++) {
+        m.prompt_len[i] = 8; /* two full blocks: the next token needs a third */
+        m.out_len[i] = 6;
+        for (size_t k = 0; k < 8; k++) prompt[k] = (int32_t)(i + k);
+        ASSERT_OK(pd_sched_seq_create(s, prompt, 8, (void *)(uintptr_t)i, &m.seqs[i]));
+        ASSERT_OK(pd_sched_reserve(s, m.seqs[i], 8));
+        ASSERT_OK(pd_sched_append(s, m.seqs[i], (int32_t)(1000 * i))); /* the first token */
+        ASSERT_OK(pd_sched_admit_computed(s, m.seqs[i], 8));
+    }
+    ASSERT_EQ_INT(pd_kvpool_num_free(pool), 0);
+    int steps = sim_run(s, pool, &m, 1000);
+    ASSERT(steps > 0);
+    ASSERT(sim_tokens_ok(&m));
+    ASSERT(pd_sched_num_preemptions(s) > 0);
+    ASSERT(pd_kvpool_all_free(pool));
+    pd_sched_destroy(s);
+    sim_free(&m);
+    pd_kvpool_destroy(pool);
+}

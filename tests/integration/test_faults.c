@@ -1,0 +1,762 @@
+/* Fault injection on a real 2P2D cluster on loopback (issue #9 item 1), driven through
+ * pd-scheduler over HTTP and, for the KV lease, straight through the pd.proto control plane:
+ *   - kill -9 a decode instance under 32 concurrent streams: the streams on it end with the
+ *     in-band error and [DONE] within 5 s, the others finish, new requests are served by the
+ *     other decode instance, and the killed one rejoins when started again on its port;
+ *   - kill -9 a prefill instance that holds requests which have not streamed anything: they are
+ *     retried on the other prefill instance and succeed;
+ *   - SIGSTOP a decode and a prefill instance: deadlines fire, no client hangs, both rejoin
+ *     after SIGCONT and hold no state for the requests that were failed over;
+ *   - a decode instance killed and restarted while the prefill instance holds the KV of a
+ *     prompt under its lease: the prefill instance frees it (Stats: nothing held).
+ * Every wait is bounded; every process is stopped at the end, also when a check fails. */
+#define _GNU_SOURCE
+#include "harness.h"
+
+#include <pthread.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "backend/backend.h"
+#include "cluster.h"
+#include "../../scheduler/registry.h"
+#include "transfer/kv_tcp.h"
+#include "util/clock.h"
+
+/* ---- the fixture: 2 prefill + 2 decode instances and one scheduler --------------------------- */
+
+enum { P0 = 0, P1 = 1, D0 = 2, D1 = 3 };
+
+static cl_cluster g_c;
+static cl_proc g_sched;
+static int g_port;
+static bool g_ready, g_failed;
+static char g_model[512];
+
+static bool fixture(void)
+{
+    if (g_ready || g_failed) return g_ready;
+    g_failed = true;
+    snprintf(g_model, sizeof g_model, "%s/tiny", pdt_tmp_dir());
+    char *mk[] = {
+        (char *)cl_bin("tools/mkmodel/pd-mkmodel"), "--preset", "tiny", "--out", g_model, NULL};
+    char log[600];
+    snprintf(log, sizeof log, "%s/mkmodel.log", pdt_tmp_dir());
+    if (cl_run(mk, log, 120) != 0) {
+        printf("    pd-mkmodel failed (%s)\n", log);
+        return false;
+    }
+    if (cl_start(&g_c, g_model, "0 1", "2 3", NULL) < 0) {
+        printf("    cl_start: %s\n", pd_last_error());
+        cl_stop_all(&g_c);
+        return false;
+    }
+    if (cl_sched_start(&g_c, &g_sched, "scheduler", NULL, &g_port) < 0) {
+        printf("    %s\n", pd_last_error());
+        cl_stop_all(&g_c);
+        return false;
+    }
+    g_failed = false;
+    g_ready = true;
+    return true;
+}
+
+#define FIXTURE()                                                                                  \
+    do {                                                                                           \
+        if (!fixture()) ASSERT_MSG(0, "the cluster did not start");                                \
+    } while (0)
+
+/* ---- helpers --------------------------------------------------------------------------------- */
+
+/* Milliseconds and seconds of the time bounds, stretched under valgrind (cl_time_scale). */
+#define MS(ms) ((int)((ms)*cl_time_scale()))
+#define SEC(s) ((s)*cl_time_scale())
+
+static const char *const LOST_EVENT =
+    "data: {\"error\":{\"message\":\"Generation failed: the decode instance stopped "
+    "responding.\",\"type\":\"InternalServerError\",\"param\":null,\"code\":500}}\n\n"
+    "data: [DONE]\n\n";
+
+/* pd:instance_up of node k as the scheduler reports it (-1 when /metrics fails). */
+static double instance_up(int k)
+{
+    char *m = NULL;
+    if (cl_http(g_port, "GET", "/metrics", NULL, 5000, &m, NULL) != 200) {
+        free(m);
+        return -1;
+    }
+    char prefix[160];
+    snprintf(prefix, sizeof prefix, "pd:instance_up{role=\"%s\",instance=\"127.0.0.1:%d\"} ",
+             k < g_c.n_prefill ? "prefill" : "decode", g_c.ports[k]);
+    double v = cl_metric(m, prefix, -1);
+    free(m);
+    return v;
+}
+
+/* Waits up to timeout_ms until the scheduler reports node k up (want 1) or out (want 0). */
+static bool wait_instance(int k, double want, int timeout_ms)
+{
+    int64_t deadline = pd_now_ns() + (int64_t)MS(timeout_ms) * PD_NS_PER_MS;
+    while (pd_now_ns() < deadline) {
+        if (instance_up(k) == want) return true;
+        pd_sleep_ns(100 * PD_NS_PER_MS);
+    }
+    return false;
+}
+
+/* Opens n streaming completions of max_tokens tokens each. */
+static int open_streams(cl_conn *cs, int n, int max_tokens)
+{
+    for (int i = 0; i < n; i++) {
+        char body[256];
+        snprintf(body, sizeof body,
+                 "{\"prompt\":\"Once upon a time %d\",\"max_tokens\":%d,\"ignore_eos\":true,"
+                 "\"stream\":true}",
+                 i, max_tokens);
+        if (cl_conn_open(&cs[i], g_port, "POST", "/v1/completions", NULL, body, false) < 0) {
+            printf("    stream %d: %s\n", i, pd_last_error());
+            for (int j = 0; j < i; j++) cl_conn_close(&cs[j]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Polls until every stream has its first bytes (true) or timeout_ms passed. */
+static bool wait_first_bytes(cl_conn *cs, int n, int timeout_ms)
+{
+    int64_t deadline = pd_now_ns() + (int64_t)MS(timeout_ms) * PD_NS_PER_MS;
+    for (;;) {
+        int have = 0;
+        for (int i = 0; i < n; i++) have += cs[i].t_first_ns != 0;
+        if (have == n) return true;
+        if (pd_now_ns() > deadline) return false;
+        cl_conn_poll(cs, (size_t)n, 100, 0);
+    }
+}
+
+typedef struct {
+    int ok, lost, other;
+    double worst_lost_s; /* latest [DONE] of a lost stream after t0 */
+} stream_tally;
+
+/* Sorts finished streams into completed (finish_reason length, [DONE], no error), lost (the
+ * contract's in-band error, then [DONE], and nothing after) and anything else (printed). */
+static stream_tally tally(cl_conn *cs, int n, int64_t t0)
+{
+    stream_tally t = {0};
+    for (int i = 0; i < n; i++) {
+        char *b = cl_conn_body(&cs[i]);
+        size_t bl = b ? strlen(b) : 0, ll = strlen(LOST_EVENT);
+        bool done = bl >= 14 && strcmp(b + bl - 14, "data: [DONE]\n\n") == 0;
+        if (cs[i].status == 200 && done && bl >= ll && strcmp(b + bl - ll, LOST_EVENT) == 0) {
+            t.lost++;
+            double s = (double)(cs[i].t_done_ns - t0) / 1e9;
+            if (s > t.worst_lost_s) t.worst_lost_s = s;
+        } else if (cs[i].status == 200 && done && strstr(b, "\"finish_reason\":\"length\"") &&
+                   !strstr(b, "\"error\"")) {
+            t.ok++;
+        } else {
+            t.other++;
+            printf("    stream %d: status %d, %zu body bytes, ends \"%s\"\n", i, cs[i].status, bl,
+                   b && bl > 200 ? b + bl - 200 : (b ? b : "(no body)"));
+        }
+        free(b);
+    }
+    return t;
+}
+
+static void close_all(cl_conn *cs, int n)
+{
+    for (int i = 0; i < n; i++) cl_conn_close(&cs[i]);
+}
+
+/* Sends n short completions one after the other; returns how many got 200. */
+static int short_requests(int n)
+{
+    int ok = 0;
+    for (int i = 0; i < n; i++) {
+        char *b = NULL;
+        int st =
+            cl_http(g_port, "POST", "/v1/completions",
+                    "{\"prompt\":\"Hello\",\"max_tokens\":4,\"ignore_eos\":true}", 30000, &b, NULL);
+        if (st == 200)
+            ok++;
+        else
+            printf("    short request %d: status %d: %s\n", i, st, b ? b : "");
+        free(b);
+    }
+    return ok;
+}
+
+static int64_t stat_of(int k, int64_t (*get)(const Pd__StatsReply *))
+{
+    Pd__StatsReply *s = cl_stats(&g_c, k);
+    if (!s) return -1;
+    int64_t v = get(s);
+    pd__stats_reply__free_unpacked(s, NULL);
+    return v;
+}
+
+static int64_t st_finished(const Pd__StatsReply *s)
+{
+    return s->requests_finished;
+}
+
+/* Node k holds nothing: no running, waiting or held sequence, no lease, every KV block free. */
+static bool node_idle(int k)
+{
+    Pd__StatsReply *s = cl_stats(&g_c, k);
+    if (!s) return false;
+    bool idle = s->num_running == 0 && s->num_waiting == 0 && s->num_held == 0 &&
+                s->leases_held == 0 && s->kv_blocks_free == s->kv_blocks_total &&
+                s->reserved_tokens == 0;
+    pd__stats_reply__free_unpacked(s, NULL);
+    return idle;
+}
+
+static bool wait_idle(int k, int timeout_ms)
+{
+    int64_t deadline = pd_now_ns() + (int64_t)MS(timeout_ms) * PD_NS_PER_MS;
+    while (pd_now_ns() < deadline) {
+        if (node_idle(k)) return true;
+        pd_sleep_ns(100 * PD_NS_PER_MS);
+    }
+    Pd__StatsReply *s = cl_stats(&g_c, k);
+    if (s) {
+        printf(
+            "    node %d not idle: running %lld, waiting %lld, held %lld, leases %lld, KV blocks "
+            "free %lld of %lld, reserved tokens %lld\n",
+            k, (long long)s->num_running, (long long)s->num_waiting, (long long)s->num_held,
+            (long long)s->leases_held, (long long)s->kv_blocks_free, (long long)s->kv_blocks_total,
+            (long long)s->reserved_tokens);
+        pd__stats_reply__free_unpacked(s, NULL);
+    }
+    return false;
+}
+
+/* Short requests until node k has finished one more request than before (for up to 10 s:
+ * routing weighs the load each instance reported at its last heartbeat, up to 1 s old). */
+static bool reaches(int k)
+{
+    int64_t before = stat_of(k, st_finished);
+    int64_t deadline = pd_now_ns() + (int64_t)MS(10000) * PD_NS_PER_MS;
+    while (pd_now_ns() < deadline) {
+        if (short_requests(1) != 1) return false;
+        if (stat_of(k, st_finished) > before) return true;
+        pd_sleep_ns(50 * PD_NS_PER_MS);
+    }
+    return false;
+}
+
+static bool log_has(const cl_proc *p, const char *text)
+{
+    char cmd[1200];
+    snprintf(cmd, sizeof cmd, "grep -qF '%s' '%s'", text, p->log);
+    return system(cmd) == 0;
+}
+
+/* ---- tests ----------------------------------------------------------------------------------- */
+
+#define N_STREAMS 32
+
+TEST(faults_decode_kill_midstream)
+{
+    FIXTURE();
+    cl_conn cs[N_STREAMS];
+    ASSERT(open_streams(cs, N_STREAMS, 1000) == 0);
+    bool started = wait_first_bytes(cs, N_STREAMS, 30000);
+    int running = 0;
+    for (int i = 0; i < N_STREAMS; i++) running += cs[i].t_done_ns == 0;
+    int64_t t_kill = pd_now_ns();
+    cl_signal(&g_c.procs[D0], SIGKILL);
+    bool all_done = cl_conn_wait_all(cs, N_STREAMS, MS(60000));
+    stream_tally t = tally(cs, N_STREAMS, t_kill);
+    close_all(cs, N_STREAMS);
+    printf("    %d streams running at the kill: %d completed, %d got the in-band error (last "
+           "[DONE] %.3f s after the kill), %d other\n",
+           running, t.ok, t.lost, t.worst_lost_s, t.other);
+    ASSERT_MSG(started, "not every stream started within 30 s");
+    ASSERT_MSG(running == N_STREAMS, "only %d of %d streams were still running at the kill",
+               running, N_STREAMS);
+    ASSERT_MSG(all_done, "a stream did not end within 60 s of the kill");
+    ASSERT_EQ_INT(t.other, 0);
+    ASSERT_MSG(t.lost >= 1 && t.ok >= 1, "expected streams on both decode instances");
+    ASSERT_EQ_INT(t.ok + t.lost, N_STREAMS);
+    ASSERT_MSG(t.worst_lost_s < SEC(5.0), "in-band error %.3f s after the kill", t.worst_lost_s);
+
+    /* once the heartbeat has taken it out (the window before that is
+     * faults_y_decode_kill_before_heartbeat), new requests go to the remaining instance */
+    ASSERT_MSG(wait_instance(D0, 0, 5000), "the killed decode instance is still in routing");
+    int64_t d1_before = stat_of(D1, st_finished);
+    ASSERT_EQ_INT(short_requests(8), 8);
+    ASSERT_EQ_INT(stat_of(D1, st_finished) - d1_before, 8);
+
+    /* started again on its port, it rejoins and serves */
+    ASSERT_OK(cl_restart(&g_c, D0, MS(30000)));
+    ASSERT_MSG(wait_instance(D0, 1, 10000), "the restarted decode instance did not rejoin");
+    ASSERT_MSG(reaches(D0), "no request reached the restarted decode instance");
+    ASSERT(wait_idle(D1, 5000));
+}
+
+TEST(faults_prefill_kill_retry)
+{
+    FIXTURE();
+    /* P0 hangs first, so that the requests routed to it have streamed nothing when it dies */
+    cl_signal(&g_c.procs[P0], SIGSTOP);
+    cl_conn cs[8];
+    if (open_streams(cs, 8, 16) < 0) {
+        cl_signal(&g_c.procs[P0], SIGCONT);
+        ASSERT_MSG(0, "cannot open the streams");
+    }
+    cl_conn_poll(cs, 8, 300, 0);
+    cl_signal(&g_c.procs[P0], SIGKILL);
+    bool all_done = cl_conn_wait_all(cs, 8, MS(30000));
+    stream_tally t = tally(cs, 8, 0);
+    close_all(cs, 8);
+    ASSERT_MSG(all_done, "a request did not end within 30 s of the kill");
+    ASSERT_EQ_INT(t.ok, 8);
+    ASSERT_MSG(log_has(&g_sched, "retrying the prefill"), "no prefill was retried");
+    ASSERT_EQ_INT(short_requests(4), 4);
+    ASSERT_OK(cl_restart(&g_c, P0, MS(30000)));
+    ASSERT_MSG(wait_instance(P0, 1, 10000), "the restarted prefill instance did not rejoin");
+    ASSERT_MSG(reaches(P0), "no request reached the restarted prefill instance");
+}
+
+TEST(faults_sigstop_rejoin)
+{
+    FIXTURE();
+    /* a decode instance hangs under 16 streams */
+    cl_conn cs[16];
+    ASSERT(open_streams(cs, 16, 1000) == 0);
+    bool started = wait_first_bytes(cs, 16, 30000);
+    int64_t t_stop = pd_now_ns();
+    cl_signal(&g_c.procs[D1], SIGSTOP);
+    bool all_done = cl_conn_wait_all(cs, 16, MS(30000));
+    stream_tally t = tally(cs, 16, t_stop);
+    close_all(cs, 16);
+    printf("    SIGSTOP decode: %d completed, %d got the in-band error (last %.3f s after the "
+           "stop), %d other\n",
+           t.ok, t.lost, t.worst_lost_s, t.other);
+    bool out = wait_instance(D1, 0, 5000);
+    int served = short_requests(4);
+    cl_signal(&g_c.procs[D1], SIGCONT);
+    ASSERT_MSG(started, "not every stream started within 30 s");
+    ASSERT_MSG(all_done, "a stream hung for 30 s behind the stopped decode instance");
+    ASSERT_EQ_INT(t.other, 0);
+    ASSERT_MSG(t.lost >= 1, "no stream was on the stopped decode instance");
+    ASSERT_MSG(t.worst_lost_s < SEC(10.0), "in-band error %.3f s after the stop", t.worst_lost_s);
+    ASSERT_MSG(out, "the stopped decode instance stayed in routing");
+    ASSERT_EQ_INT(served, 4);
+    /* after SIGCONT: back in routing, nothing left of the failed-over streams, serving again */
+    ASSERT_MSG(wait_instance(D1, 1, 10000), "the decode instance did not rejoin after SIGCONT");
+    ASSERT_MSG(wait_idle(D1, 10000), "the decode instance still holds the failed-over streams");
+    ASSERT_MSG(reaches(D1), "no request reached the decode instance after SIGCONT");
+
+    /* a prefill instance hangs: requests still complete (routed or retried elsewhere) */
+    cl_signal(&g_c.procs[P1], SIGSTOP);
+    int64_t t0 = pd_now_ns();
+    served = short_requests(6);
+    double took = (double)(pd_now_ns() - t0) / 1e9;
+    bool p_out = wait_instance(P1, 0, 5000);
+    cl_signal(&g_c.procs[P1], SIGCONT);
+    printf("    SIGSTOP prefill: 6 requests served in %.3f s\n", took);
+    ASSERT_EQ_INT(served, 6);
+    ASSERT_MSG(p_out, "the stopped prefill instance stayed in routing");
+    ASSERT_MSG(wait_instance(P1, 1, 10000), "the prefill instance did not rejoin after SIGCONT");
+    ASSERT_MSG(wait_idle(P1, 10000), "the prefill instance still holds state");
+    ASSERT_MSG(reaches(P1), "no request reached the prefill instance after SIGCONT");
+}
+
+/* ---- KV lease: driven through the control plane ---------------------------------------------- */
+
+typedef struct {
+    const char *id;
+    int pk, dk;
+    int lease_ms;
+    Pd__ReserveReply *rr;
+    Pd__InfoReply *info;
+    int status; /* gRPC status of Prefill */
+    double seconds;
+} prefill_job;
+
+static void *prefill_thread(void *arg)
+{
+    prefill_job *j = arg;
+    static const int32_t prompt[] = {11, 12, 13, 14, 15, 16, 17, 18, 19, 20};
+    Pd__DecodeTarget tg[16], *tp[16];
+    for (size_t r = 0; r < j->info->n_ranks && r < 16; r++) {
+        pd__decode_target__init(&tg[r]);
+        tg[r].host = j->info->ranks[r]->device_ip;
+        tg[r].port = j->info->ranks[r]->data_port;
+        tg[r].kv_head0 = j->info->ranks[r]->kv_head0;
+        tg[r].kv_heads = j->info->ranks[r]->kv_heads;
+        tp[r] = &tg[r];
+    }
+    Pd__SamplingParams sp = PD__SAMPLING_PARAMS__INIT;
+    sp.n = 1;
+    sp.top_p = 1;
+    sp.repetition_penalty = 1;
+    sp.logprobs = -1;
+    sp.max_tokens = 16;
+    sp.ignore_eos = true;
+    Pd__PrefillRequest q = PD__PREFILL_REQUEST__INIT;
+    q.request_id = (char *)j->id;
+    q.prompt_ids = (int32_t *)prompt;
+    q.n_prompt_ids = sizeof prompt / sizeof prompt[0];
+    q.sampling = &sp;
+    q.targets = tp;
+    q.n_targets = j->info->n_ranks;
+    q.decode_block_ids = j->rr->block_ids;
+    q.n_decode_block_ids = j->rr->n_block_ids;
+    q.lease_ms = j->lease_ms;
+    int64_t t0 = pd_now_ns();
+    ProtobufCMessage *m = cl_call(cl_node(&g_c, j->pk), "/pd.PD/Prefill", &q.base,
+                                  &pd__prefill_reply__descriptor, 60000, &j->status);
+    j->seconds = (double)(pd_now_ns() - t0) / 1e9;
+    if (m) protobuf_c_message_free_unpacked(m, NULL);
+    return NULL;
+}
+
+static int64_t st_leases(const Pd__StatsReply *s)
+{
+    return s->leases_held;
+}
+
+/* Reserve on dk and Info of dk, for a Prefill that targets it. */
+static bool reserve_on(int dk, const char *id, Pd__ReserveReply **rr, Pd__InfoReply **info)
+{
+    int st;
+    Pd__InfoRequest iq = PD__INFO_REQUEST__INIT;
+    *info = (Pd__InfoReply *)cl_call(cl_node(&g_c, dk), "/pd.PD/Info", &iq.base,
+                                     &pd__info_reply__descriptor, 5000, &st);
+    Pd__ReserveRequest q = PD__RESERVE_REQUEST__INIT;
+    q.request_id = (char *)id;
+    q.num_prompt_tokens = 10;
+    q.ttl_ms = 60000;
+    *rr = (Pd__ReserveReply *)cl_call(cl_node(&g_c, dk), "/pd.PD/Reserve", &q.base,
+                                      &pd__reserve_reply__descriptor, 5000, &st);
+    if (!*info || !*rr) printf("    Info/Reserve on node %d: %s\n", dk, pd_last_error());
+    return *info && *rr;
+}
+
+static void free_reserve(prefill_job *j)
+{
+    if (j->rr) pd__reserve_reply__free_unpacked(j->rr, NULL);
+    if (j->info) pd__info_reply__free_unpacked(j->info, NULL);
+    j->rr = NULL;
+    j->info = NULL;
+}
+
+static void abort_on(int k, const char *id)
+{
+    Pd__AbortRequest q = PD__ABORT_REQUEST__INIT;
+    q.request_id = (char *)id;
+    int st;
+    ProtobufCMessage *m =
+        cl_call(cl_node(&g_c, k), "/pd.PD/Abort", &q.base, &pd__abort_reply__descriptor, 5000, &st);
+    if (m) protobuf_c_message_free_unpacked(m, NULL);
+}
+
+/* The decode side stops acknowledging while the prefill instance holds the KV under its lease:
+ * (a) it stays stopped: the lease runs out and frees the KV; (b) it is killed and started again
+ * on its port: the broken transfer frees the KV at once. Stats must show nothing held. */
+TEST(faults_lease_freed_on_decode_restart)
+{
+    FIXTURE();
+    ASSERT(wait_idle(P1, 10000));
+    /* (a) lease expiry */
+    prefill_job j = {.id = "lease-expires", .pk = P1, .dk = D0, .lease_ms = 1500};
+    ASSERT(reserve_on(D0, j.id, &j.rr, &j.info));
+    cl_signal(&g_c.procs[D0], SIGSTOP);
+    pthread_t th;
+    pthread_create(&th, NULL, prefill_thread, &j);
+    int64_t leases_seen = 0;
+    int64_t deadline = pd_now_ns() + 5 * PD_NS_PER_S;
+    while (leases_seen == 0 && pd_now_ns() < deadline) {
+        leases_seen = stat_of(P1, st_leases);
+        pd_sleep_ns(20 * PD_NS_PER_MS);
+    }
+    pthread_join(th, NULL);
+    bool idle = wait_idle(P1, 5000);
+    cl_signal(&g_c.procs[D0], SIGCONT);
+    abort_on(D0, j.id);
+    free_reserve(&j);
+    printf("    lease of 1.5 s: Prefill failed with %d after %.3f s\n", j.status, j.seconds);
+    ASSERT_EQ_INT(leases_seen, 1);
+    ASSERT_MSG(j.status != PD_RPC_OK, "Prefill succeeded without the decode side");
+    ASSERT_MSG(j.seconds < SEC(5.0), "the lease did not expire in time (%.3f s)", j.seconds);
+    ASSERT_MSG(idle, "the prefill instance still holds KV after the lease ran out");
+    ASSERT(wait_idle(D0, 5000));
+
+    /* (b) the decode instance dies and comes back while the lease is held */
+    prefill_job k = {.id = "lease-broken", .pk = P1, .dk = D0, .lease_ms = 30000};
+    ASSERT(reserve_on(D0, k.id, &k.rr, &k.info));
+    cl_signal(&g_c.procs[D0], SIGSTOP);
+    pthread_create(&th, NULL, prefill_thread, &k);
+    leases_seen = 0;
+    deadline = pd_now_ns() + 5 * PD_NS_PER_S;
+    while (leases_seen == 0 && pd_now_ns() < deadline) {
+        leases_seen = stat_of(P1, st_leases);
+        pd_sleep_ns(20 * PD_NS_PER_MS);
+    }
+    int64_t t_kill = pd_now_ns();
+    cl_signal(&g_c.procs[D0], SIGKILL);
+    int rs = cl_restart(&g_c, D0, MS(30000));
+    idle = wait_idle(P1, 10000);
+    double freed_s = (double)(pd_now_ns() - t_kill) / 1e9;
+    pthread_join(th, NULL);
+    free_reserve(&k);
+    printf("    decode restarted under a 30 s lease: KV freed within %.3f s, Prefill status %d\n",
+           freed_s, k.status);
+    ASSERT_EQ_INT(leases_seen, 1);
+    ASSERT_OK(rs);
+    ASSERT_MSG(idle, "the prefill instance still holds KV after the decode instance restarted");
+    ASSERT_MSG(k.status != PD_RPC_OK, "Prefill succeeded although its decode side died");
+    ASSERT_MSG(freed_s < SEC(10.0), "KV freed %.3f s after the kill", freed_s);
+    /* the restarted decode instance takes KV from the same prefill instance */
+    static const int32_t prompt[] = {21, 22, 23, 24, 25};
+    cl_result res;
+    ASSERT_OK(cl_generate(&g_c, P1, D0, "lease-after", prompt, 5, NULL, &res));
+    ASSERT_EQ_INT(res.n, 16);
+    ASSERT(wait_idle(P1, 5000));
+    ASSERT(wait_idle(D0, 5000));
+}
+
+/* A decode instance hangs while prefill instance P1 is sending it the KV of as many prompts as P1
+ * has transfer workers; the scheduler gives up on them (cancels the Prefill calls and sends
+ * Abort, as it does when the instance leaves the routing set). P1 must free their KV and
+ * workers at once, not when the 30 s leases run out, and serve a request for the other decode
+ * instance meanwhile. Regression: Abort did not reach a transfer in progress, so the KV stayed
+ * held and every other request on P1 waited for a transfer worker until the leases expired. */
+TEST(faults_stuck_transfer_aborted)
+{
+    FIXTURE();
+    enum { N = 4 }; /* pd-prefill's transfer workers */
+    ASSERT(wait_idle(P1, 10000));
+    prefill_job jobs[N];
+    char ids[N][32];
+    pthread_t th[N];
+    int reserved = 0;
+    for (; reserved < N; reserved++) {
+        snprintf(ids[reserved], sizeof ids[reserved], "stuck-%d", reserved);
+        jobs[reserved] = (prefill_job){.id = ids[reserved], .pk = P1, .dk = D0, .lease_ms = 30000};
+        if (!reserve_on(D0, ids[reserved], &jobs[reserved].rr, &jobs[reserved].info)) break;
+    }
+    if (reserved < N) {
+        for (int i = 0; i < reserved; i++) free_reserve(&jobs[i]);
+        ASSERT_MSG(0, "Reserve on the decode instance failed");
+    }
+    cl_signal(&g_c.procs[D0], SIGSTOP);
+    for (int i = 0; i < N; i++) pthread_create(&th[i], NULL, prefill_thread, &jobs[i]);
+    int64_t leases = 0;
+    int64_t deadline = pd_now_ns() + 10 * PD_NS_PER_S;
+    while (leases < N && pd_now_ns() < deadline) {
+        leases = stat_of(P1, st_leases);
+        pd_sleep_ns(20 * PD_NS_PER_MS);
+    }
+    int64_t t0 = pd_now_ns();
+    for (int i = 0; i < N; i++) abort_on(P1, ids[i]);
+    bool idle = wait_idle(P1, 3000);
+    double freed_s = (double)(pd_now_ns() - t0) / 1e9;
+    /* the other decode instance is served by P1 meanwhile */
+    static const int32_t prompt[] = {61, 62, 63, 64, 65, 66};
+    cl_result res;
+    int rc = cl_generate(&g_c, P1, D1, "beside-stuck", prompt, 6, NULL, &res);
+    double other_s = (double)(pd_now_ns() - t0) / 1e9;
+    cl_signal(&g_c.procs[D0], SIGCONT);
+    int failed = 0;
+    for (int i = 0; i < N; i++) {
+        pthread_join(th[i], NULL);
+        failed += jobs[i].status != PD_RPC_OK;
+        abort_on(D0, ids[i]);
+        free_reserve(&jobs[i]);
+    }
+    printf("    %d transfers stuck on a stopped decode instance: KV freed %.3f s after Abort, a "
+           "request for the other decode instance done %.3f s after it\n",
+           N, freed_s, other_s);
+    ASSERT_EQ_INT(leases, N);
+    ASSERT_MSG(idle, "the prefill instance still holds the aborted requests' KV after 3 s");
+    ASSERT_OK(rc);
+    ASSERT_MSG(other_s < SEC(5.0), "the request beside the stuck transfers took %.3f s", other_s);
+    ASSERT_EQ_INT(failed, N);
+    ASSERT(wait_idle(D0, 5000));
+}
+
+/* ---- a prefill retried after a broken KV transfer -------------------------------------------- */
+
+typedef struct {
+    const char *id;
+    size_t n_tokens; /* the prompt's */
+    int status;      /* of the partial send */
+} partial_kv;
+
+/* Plays a prefill instance that dies half-way through its transfer: sends the reservation's
+ * first KV head of every layer (zeros, not the prompt's KV) to decode rank 0, then hangs up. */
+static int send_partial_kv(void *arg, const Pd__InfoReply *info, const Pd__ReserveReply *rr)
+{
+    partial_kv *pk = arg;
+    pk->status = PD_EINTERNAL;
+    if (info->n_ranks < 1 || info->ranks[0]->kv_heads < 2)
+        return pd_error(PD_EINVAL, "the decode rank holds fewer than 2 KV heads");
+    const Pd__RankInfo *rk = info->ranks[0];
+    pd_backend_params bp = pd_backend_default_params();
+    bp.n_threads = 1;
+    pd_backend *b = NULL;
+    PD_CHECK(pd_backend_cpu_create(&bp, &b));
+    pd_kv_params kp = {.n_layers = info->num_layers,
+                       .n_blocks = rr->n_block_ids,
+                       .block_size = (size_t)info->block_size,
+                       .n_kv_heads = (size_t)rk->kv_heads,
+                       .head_dim = (size_t)info->head_dim,
+                       .dtype = PD_DTYPE_F32};
+    pd_kv *kv = NULL;
+    int32_t blocks[64];
+    for (size_t i = 0; i < rr->n_block_ids && i < 64; i++) blocks[i] = (int32_t)i;
+    int rc = rr->n_block_ids <= 64 ? pd_backend_get_ops(b)->kv_create(b, &kp, &kv)
+                                   : pd_error(PD_ERANGE, "too many blocks");
+    pd_kv_tcp_sender *tx = NULL;
+    if (rc == PD_OK) rc = pd_kv_tcp_sender_create(&tx);
+    if (rc == PD_OK) {
+        pd_kv_send_req r = {.request_id = pk->id,
+                            .host = rk->device_ip,
+                            .port = rk->data_port,
+                            .backend = b,
+                            .kv = kv,
+                            .kv_params = kp,
+                            .src_head0 = (size_t)rk->kv_head0,
+                            .block_ids = blocks,
+                            .n_blocks = rr->n_block_ids,
+                            .n_tokens = pk->n_tokens,
+                            .head0 = (size_t)rk->kv_head0,
+                            .n_heads = 1,
+                            .timeout_ms = 10000};
+        pd_kv_send_stats st;
+        rc = pd_kv_tcp_send(tx, &r, &st);
+    }
+    pk->status = rc;
+    pd_kv_tcp_sender_destroy(tx); /* hangs up */
+    if (kv) pd_backend_get_ops(b)->kv_free(b, kv);
+    pd_backend_destroy(b);
+    return rc;
+}
+
+/* A prefill instance dies after part of the prompt's KV reached the decode instance, and the
+ * prefill is retried on another instance with the same reservation (DESIGN.md, lifecycle step
+ * 6): the decode side must take the retry's frames, also for the (layer, head) pairs that had
+ * arrived, and the output must be the one of an undisturbed run. Regression: they were refused
+ * ("layer 0 head 0 sent twice") and the retried request failed. */
+TEST(faults_prefill_retry_after_partial_kv)
+{
+    FIXTURE();
+    static const int32_t prompt[] = {31, 32, 33, 34, 35, 36, 37, 38, 39, 40,
+                                     41, 42, 43, 44, 45, 46, 47, 48, 49, 50};
+    size_t n = sizeof prompt / sizeof prompt[0];
+    cl_result ref, got;
+    ASSERT_OK(cl_generate(&g_c, P0, D1, "partial-ref", prompt, n, NULL, &ref));
+    partial_kv pk = {.id = "partial-kv", .n_tokens = n};
+    int rc = cl_generate_hook(&g_c, P1, D1, pk.id, prompt, n, NULL, send_partial_kv, &pk, &got);
+    if (rc < 0) abort_on(D1, pk.id); /* the reservation, when the request failed before Decode */
+    ASSERT_MSG(pk.status == PD_OK, "the partial transfer itself failed");
+    ASSERT_MSG(rc == PD_OK, "the prefill after a broken transfer failed: %s", got.error);
+    ASSERT_EQ_INT(got.n, ref.n);
+    ASSERT(memcmp(got.tokens, ref.tokens, ref.n * sizeof ref.tokens[0]) == 0);
+    ASSERT(wait_idle(P1, 5000));
+    ASSERT(wait_idle(D1, 5000));
+}
+
+/* The scheduler's registry against the live cluster: with every instance idle (equal load),
+ * picks take turns over the instances of a role, and an instance out of the routing set is never
+ * picked. Regression: the round-robin cursor ran over all instances, not the role's, so with
+ * 2 prefill + 2 decode instances ties went 3:1 to the first one of each role. */
+TEST(faults_registry_round_robin)
+{
+    FIXTURE();
+    for (int k = 0; k < 4; k++) ASSERT(wait_idle(k, 5000));
+    pd_rpc_client *cl = NULL;
+    ASSERT_OK(pd_rpc_client_create(&cl));
+    char ports[64];
+    snprintf(ports, sizeof ports, "%d,%d,%d,%d", g_c.ports[0], g_c.ports[1], g_c.ports[2],
+             g_c.ports[3]);
+    pd_reg *reg = NULL;
+    int rc = pd_reg_create(g_c.global, ports, cl, &reg);
+    if (rc == PD_OK) rc = pd_reg_start(reg, 200, 2000, NULL, NULL);
+    bool round = rc == PD_OK && pd_reg_wait_round(reg, 10000);
+    int picks[4] = {0}, none = 0;
+    for (int i = 0; round && i < 8; i++) {
+        int p = pd_reg_pick(reg, RT_ROLE_PREFILL, 0, -1),
+            d = pd_reg_pick(reg, RT_ROLE_DECODE, 0, -1);
+        if (p < 0 || d < 0) none++;
+        if (p >= 0) picks[p]++;
+        if (d >= 0) picks[d]++;
+    }
+    /* an instance that stops answering leaves the routing set and is not picked */
+    cl_signal(&g_c.procs[D1], SIGSTOP);
+    int64_t deadline = pd_now_ns() + (int64_t)MS(10000) * PD_NS_PER_MS;
+    while (round && pd_reg_is_up(reg, D1) && pd_now_ns() < deadline) pd_sleep_ns(50 * PD_NS_PER_MS);
+    bool out = round && !pd_reg_is_up(reg, D1);
+    int to_d0 = 0;
+    for (int i = 0; out && i < 4; i++) to_d0 += pd_reg_pick(reg, RT_ROLE_DECODE, 0, -1) == D0;
+    cl_signal(&g_c.procs[D1], SIGCONT);
+    /* back after SIGCONT; a failure reported by a caller takes it out at once, and the next
+     * heartbeat that it answers brings it back */
+    deadline = pd_now_ns() + (int64_t)MS(10000) * PD_NS_PER_MS;
+    while (round && !pd_reg_is_up(reg, D1) && pd_now_ns() < deadline)
+        pd_sleep_ns(50 * PD_NS_PER_MS);
+    bool back = round && pd_reg_is_up(reg, D1);
+    if (back) pd_reg_report_failure(reg, D1, "Reserve failed: UNAVAILABLE (test)");
+    bool reported_out = back && !pd_reg_is_up(reg, D1);
+    while (back && !pd_reg_is_up(reg, D1) && pd_now_ns() < deadline) pd_sleep_ns(50 * PD_NS_PER_MS);
+    bool rejoined = back && pd_reg_is_up(reg, D1);
+    pd_reg_free(reg);
+    pd_rpc_client_destroy(cl);
+    printf("    8 picks per role among idle instances: prefill %d/%d, decode %d/%d\n", picks[P0],
+           picks[P1], picks[D0], picks[D1]);
+    ASSERT_OK(rc);
+    ASSERT(round);
+    ASSERT_EQ_INT(none, 0);
+    ASSERT_EQ_INT(picks[P0], 4);
+    ASSERT_EQ_INT(picks[P1], 4);
+    ASSERT_EQ_INT(picks[D0], 4);
+    ASSERT_EQ_INT(picks[D1], 4);
+    ASSERT(out);
+    ASSERT_EQ_INT(to_d0, 4);
+    ASSERT_MSG(back, "decode instance 1 did not rejoin after SIGCONT");
+    ASSERT(reported_out);
+    ASSERT_MSG(rejoined, "decode instance 1 did not rejoin after a reported failure");
+    ASSERT_MSG(wait_instance(D1, 1, 10000), "decode instance 1 did not rejoin after SIGCONT");
+}
+
+/* A decode instance dies while idle and requests arrive before the heartbeat has noticed:
+ * nothing has been streamed for them, so a failed Reserve should be tried on the other decode
+ * instance, as a failed Prefill is tried on another prefill instance (DESIGN.md lifecycle step
+ * 6; issue #9: "new requests go to the remaining decode instance"). Regression: a Reserve
+ * that failed with UNAVAILABLE ended the request with a 500 (scheduler/server.c on_reserve_done
+ * now takes the instance out of routing and picks another). */
+TEST(faults_y_decode_kill_before_heartbeat)
+{
+    FIXTURE();
+    ASSERT(wait_idle(D0, 5000) && wait_idle(D1, 5000));
+    ASSERT_MSG(wait_instance(D0, 1, 5000), "decode instance 0 is not in routing");
+    cl_signal(&g_c.procs[D0], SIGKILL);
+    int served = short_requests(8);
+    bool out = wait_instance(D0, 0, 5000);
+    int rs = cl_restart(&g_c, D0, MS(30000));
+    bool back = rs == PD_OK && wait_instance(D0, 1, 10000);
+    printf("    decode instance killed while idle: %d of 8 requests right after served\n", served);
+    ASSERT(out);
+    ASSERT(back);
+    ASSERT_EQ_INT(served, 8);
+}
+
+TEST(faults_zz_shutdown)
+{
+    if (!g_ready) SKIP("no cluster");
+    int s = cl_stop(&g_sched, 10000);
+    if (s != 0) cl_dump_log(&g_sched, 30);
+    int bad = cl_stop_all(&g_c);
+    g_ready = false;
+    ASSERT_EQ_INT(s, 0);
+    ASSERT_EQ_INT(bad, 0);
+}
