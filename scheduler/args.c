@@ -30,6 +30,7 @@ static const char USAGE[] =
     "  --response-role ROLE          default assistant\n"
     "  --max-logprobs N              default 20\n"
     "  --log-level LEVEL             debug, info, warn, error\n"
+    "  --heartbeat-ms N              instance heartbeat period and deadline (default 1000)\n"
     "flags of pd-prefill/pd-decode (--tensor-parallel-size, --max-num-seqs, ...) are accepted\n"
     "and not used, so one command line serves every role\n"
     "environment: GLOBAL_RANK_TABLE_FILE_PATH (required), RANK_TABLE_FILE_PATH (the _host\n"
@@ -188,6 +189,10 @@ int pd_sched_parse_args(int argc, char **argv, pd_sched_params *p, bool *help)
             NEED();
             PD_CHECK(pd_arg_i64(flag, val, 0, INT64_MAX, &x));
             p->max_logprobs = x > 1000000 ? 1000000 : (int)x;
+        } else if (strcmp(flag, "--heartbeat-ms") == 0) {
+            NEED();
+            PD_CHECK(pd_arg_i64(flag, val, 10, 3600000, &x));
+            p->heartbeat_ms = (int)x;
         } else if (strcmp(flag, "--log-level") == 0) {
             NEED();
             p->log_level = val;

@@ -4,7 +4,8 @@
 #   valgrind --leak-check=full --errors-for-leak-kinds=definite --error-exitcode=99
 # and so does every pd-* process the integration harness (tests/integration/cluster.c) spawns:
 # PD_TEST_WRAPPER carries the valgrind command line to it, PD_TEST_TIME_SCALE stretches the
-# harness's process deadlines and meson's --timeout-multiplier the test timeouts. Shell and
+# harness's process deadlines (and the --heartbeat-ms it gives pd-scheduler) and meson's
+# --timeout-multiplier the test timeouts. Shell and
 # Python tests are not run (they test scripts, not memory). Each process writes its own log;
 # at the end every log with an error or a definite leak is listed with its first stack.
 # Exit 0 = every test passed and no process reported an error or a definitely lost block.

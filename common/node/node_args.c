@@ -61,6 +61,7 @@ static bool is_scheduler_flag(const char *flag)
         "--timeout-keep-alive",
         "--header-timeout",
         "--body-timeout",
+        "--heartbeat-ms",
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (strcmp(flag, names[i]) == 0) return true;

@@ -116,7 +116,14 @@ static int spawn_with(pid_t *pid, char *const argv[], char *const extra_env[], c
         for (char *save = NULL, *t = strtok_r(wstore, " ", &save); t && n < 32;
              t = strtok_r(NULL, " ", &save))
             wargv[n++] = t;
-        for (int i = 0; argv[i] && n < 159; i++) wargv[n++] = argv[i];
+        for (int i = 0; argv[i] && n < 157; i++) wargv[n++] = argv[i];
+        /* the nodes answer heartbeats that much later too: stretch the scheduler's */
+        static char hb[32];
+        if (strcmp(base, "pd-scheduler") == 0 && cl_time_scale() > 1.0) {
+            snprintf(hb, sizeof hb, "%d", (int)(1000 * cl_time_scale()));
+            wargv[n++] = "--heartbeat-ms";
+            wargv[n++] = hb;
+        }
         wargv[n] = NULL;
         rc = posix_spawnp(pid, wargv[0], &fa, NULL, wargv, env);
     } else {
@@ -132,8 +139,7 @@ static int spawn_with(pid_t *pid, char *const argv[], char *const extra_env[], c
  * PD_TEST_TIME_SCALE=F (valgrind runs) stretches the time left by F. */
 static int wait_until(pid_t pid, int64_t deadline_ns)
 {
-    const char *scale = getenv("PD_TEST_TIME_SCALE");
-    double f = scale ? atof(scale) : 1.0;
+    double f = cl_time_scale();
     if (f > 1.0) deadline_ns = pd_now_ns() + (int64_t)((double)(deadline_ns - pd_now_ns()) * f);
     for (;;) {
         int st;
@@ -201,6 +207,18 @@ void cl_signal(cl_proc *p, int sig)
         waitpid(p->pid, NULL, 0);
         p->pid = 0;
     }
+}
+
+int cl_make_tiny(char *out, size_t n)
+{
+    snprintf(out, n, "%s/tiny", pdt_tmp_dir());
+    char *mk[] = {
+        (char *)cl_bin("tools/mkmodel/pd-mkmodel"), "--preset", "tiny", "--out", out, NULL};
+    char log[600];
+    snprintf(log, sizeof log, "%s/mkmodel.log", pdt_tmp_dir());
+    if (cl_run(mk, log, 120) == 0) return 0;
+    printf("    pd-mkmodel failed (%s)\n", log);
+    return -1;
 }
 
 void cl_dump_log(const cl_proc *p, int lines)
@@ -966,4 +984,20 @@ int cl_fd_count(pid_t pid)
     for (struct dirent *e; (e = readdir(d));) n += e->d_name[0] != '.';
     closedir(d);
     return n;
+}
+
+int cl_sse_events(char *body, char **ev, int cap)
+{
+    int n = 0;
+    char *p = body;
+    while (*p && n < cap) {
+        if (strncmp(p, "data: ", 6) != 0) return -1;
+        p += 6;
+        char *end = strstr(p, "\n\n");
+        if (!end) return -1;
+        *end = '\0';
+        ev[n++] = p;
+        p = end + 2;
+    }
+    return *p ? -1 : n;
 }

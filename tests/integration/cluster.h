@@ -36,6 +36,10 @@ void cl_dump_log(const cl_proc *p, int lines);
 /* A TCP port that was free a moment ago on 127.0.0.1. */
 int cl_free_port(void);
 
+/* Makes the `tiny` synthetic model with pd-mkmodel under the test's temporary directory; its
+ * path into out. 0, or -1 with the reason printed. */
+int cl_make_tiny(char *out, size_t n);
+
 /* ---- a cluster ---------------------------------------------------------------------------- */
 
 typedef struct {
@@ -153,6 +157,13 @@ double cl_metric(const char *metrics, const char *prefix, double def);
 
 /* PD_TEST_TIME_SCALE (>= 1; valgrind runs set it): tests multiply their time bounds by it. */
 double cl_time_scale(void);
+/* Milliseconds and seconds of a test's time bounds, stretched by cl_time_scale (valgrind). */
+#define CL_MS(ms) ((int)((ms)*cl_time_scale()))
+#define CL_SEC(s) ((s)*cl_time_scale())
+
+/* SSE events of a body: each "data: X\n\n" -> X (pointers into body, which is modified).
+ * -1 when the framing is not exactly that. */
+int cl_sse_events(char *body, char **ev, int cap);
 
 /* Resident set size of pid in KiB (VmRSS), or -1. */
 long cl_rss_kb(pid_t pid);

@@ -38,15 +38,7 @@ static bool fixture(void)
 {
     if (g_ready || g_failed) return g_ready;
     g_failed = true;
-    snprintf(g_model, sizeof g_model, "%s/tiny", pdt_tmp_dir());
-    char *mk[] = {
-        (char *)cl_bin("tools/mkmodel/pd-mkmodel"), "--preset", "tiny", "--out", g_model, NULL};
-    char log[600];
-    snprintf(log, sizeof log, "%s/mkmodel.log", pdt_tmp_dir());
-    if (cl_run(mk, log, 120) != 0) {
-        printf("    pd-mkmodel failed (%s)\n", log);
-        return false;
-    }
+    if (cl_make_tiny(g_model, sizeof g_model) < 0) return false;
     if (cl_start(&g_c, g_model, "0 1", "2 3", NULL) < 0) {
         printf("    cl_start: %s\n", pd_last_error());
         cl_stop_all(&g_c);
@@ -68,10 +60,6 @@ static bool fixture(void)
     } while (0)
 
 /* ---- helpers --------------------------------------------------------------------------------- */
-
-/* Milliseconds and seconds of the time bounds, stretched under valgrind (cl_time_scale). */
-#define MS(ms) ((int)((ms)*cl_time_scale()))
-#define SEC(s) ((s)*cl_time_scale())
 
 static const char *const LOST_EVENT =
     "data: {\"error\":{\"message\":\"Generation failed: the decode instance stopped "
@@ -97,7 +85,7 @@ static double instance_up(int k)
 /* Waits up to timeout_ms until the scheduler reports node k up (want 1) or out (want 0). */
 static bool wait_instance(int k, double want, int timeout_ms)
 {
-    int64_t deadline = pd_now_ns() + (int64_t)MS(timeout_ms) * PD_NS_PER_MS;
+    int64_t deadline = pd_now_ns() + (int64_t)CL_MS(timeout_ms) * PD_NS_PER_MS;
     while (pd_now_ns() < deadline) {
         if (instance_up(k) == want) return true;
         pd_sleep_ns(100 * PD_NS_PER_MS);
@@ -126,7 +114,7 @@ static int open_streams(cl_conn *cs, int n, int max_tokens)
 /* Polls until every stream has its first bytes (true) or timeout_ms passed. */
 static bool wait_first_bytes(cl_conn *cs, int n, int timeout_ms)
 {
-    int64_t deadline = pd_now_ns() + (int64_t)MS(timeout_ms) * PD_NS_PER_MS;
+    int64_t deadline = pd_now_ns() + (int64_t)CL_MS(timeout_ms) * PD_NS_PER_MS;
     for (;;) {
         int have = 0;
         for (int i = 0; i < n; i++) have += cs[i].t_first_ns != 0;
@@ -218,7 +206,7 @@ static bool node_idle(int k)
 
 static bool wait_idle(int k, int timeout_ms)
 {
-    int64_t deadline = pd_now_ns() + (int64_t)MS(timeout_ms) * PD_NS_PER_MS;
+    int64_t deadline = pd_now_ns() + (int64_t)CL_MS(timeout_ms) * PD_NS_PER_MS;
     while (pd_now_ns() < deadline) {
         if (node_idle(k)) return true;
         pd_sleep_ns(100 * PD_NS_PER_MS);
@@ -241,7 +229,7 @@ static bool wait_idle(int k, int timeout_ms)
 static bool reaches(int k)
 {
     int64_t before = stat_of(k, st_finished);
-    int64_t deadline = pd_now_ns() + (int64_t)MS(10000) * PD_NS_PER_MS;
+    int64_t deadline = pd_now_ns() + (int64_t)CL_MS(10000) * PD_NS_PER_MS;
     while (pd_now_ns() < deadline) {
         if (short_requests(1) != 1) return false;
         if (stat_of(k, st_finished) > before) return true;
@@ -271,7 +259,7 @@ TEST(faults_decode_kill_midstream)
     for (int i = 0; i < N_STREAMS; i++) running += cs[i].t_done_ns == 0;
     int64_t t_kill = pd_now_ns();
     cl_signal(&g_c.procs[D0], SIGKILL);
-    bool all_done = cl_conn_wait_all(cs, N_STREAMS, MS(60000));
+    bool all_done = cl_conn_wait_all(cs, N_STREAMS, CL_MS(60000));
     stream_tally t = tally(cs, N_STREAMS, t_kill);
     close_all(cs, N_STREAMS);
     printf("    %d streams running at the kill: %d completed, %d got the in-band error (last "
@@ -284,7 +272,7 @@ TEST(faults_decode_kill_midstream)
     ASSERT_EQ_INT(t.other, 0);
     ASSERT_MSG(t.lost >= 1 && t.ok >= 1, "expected streams on both decode instances");
     ASSERT_EQ_INT(t.ok + t.lost, N_STREAMS);
-    ASSERT_MSG(t.worst_lost_s < SEC(5.0), "in-band error %.3f s after the kill", t.worst_lost_s);
+    ASSERT_MSG(t.worst_lost_s < CL_SEC(5.0), "in-band error %.3f s after the kill", t.worst_lost_s);
 
     /* once the heartbeat has taken it out (the window before that is
      * faults_y_decode_kill_before_heartbeat), new requests go to the remaining instance */
@@ -294,7 +282,7 @@ TEST(faults_decode_kill_midstream)
     ASSERT_EQ_INT(stat_of(D1, st_finished) - d1_before, 8);
 
     /* started again on its port, it rejoins and serves */
-    ASSERT_OK(cl_restart(&g_c, D0, MS(30000)));
+    ASSERT_OK(cl_restart(&g_c, D0, CL_MS(30000)));
     ASSERT_MSG(wait_instance(D0, 1, 10000), "the restarted decode instance did not rejoin");
     ASSERT_MSG(reaches(D0), "no request reached the restarted decode instance");
     ASSERT(wait_idle(D1, 5000));
@@ -312,14 +300,14 @@ TEST(faults_prefill_kill_retry)
     }
     cl_conn_poll(cs, 8, 300, 0);
     cl_signal(&g_c.procs[P0], SIGKILL);
-    bool all_done = cl_conn_wait_all(cs, 8, MS(30000));
+    bool all_done = cl_conn_wait_all(cs, 8, CL_MS(30000));
     stream_tally t = tally(cs, 8, 0);
     close_all(cs, 8);
     ASSERT_MSG(all_done, "a request did not end within 30 s of the kill");
     ASSERT_EQ_INT(t.ok, 8);
     ASSERT_MSG(log_has(&g_sched, "retrying the prefill"), "no prefill was retried");
     ASSERT_EQ_INT(short_requests(4), 4);
-    ASSERT_OK(cl_restart(&g_c, P0, MS(30000)));
+    ASSERT_OK(cl_restart(&g_c, P0, CL_MS(30000)));
     ASSERT_MSG(wait_instance(P0, 1, 10000), "the restarted prefill instance did not rejoin");
     ASSERT_MSG(reaches(P0), "no request reached the restarted prefill instance");
 }
@@ -333,7 +321,7 @@ TEST(faults_sigstop_rejoin)
     bool started = wait_first_bytes(cs, 16, 30000);
     int64_t t_stop = pd_now_ns();
     cl_signal(&g_c.procs[D1], SIGSTOP);
-    bool all_done = cl_conn_wait_all(cs, 16, MS(30000));
+    bool all_done = cl_conn_wait_all(cs, 16, CL_MS(30000));
     stream_tally t = tally(cs, 16, t_stop);
     close_all(cs, 16);
     printf("    SIGSTOP decode: %d completed, %d got the in-band error (last %.3f s after the "
@@ -346,7 +334,8 @@ TEST(faults_sigstop_rejoin)
     ASSERT_MSG(all_done, "a stream hung for 30 s behind the stopped decode instance");
     ASSERT_EQ_INT(t.other, 0);
     ASSERT_MSG(t.lost >= 1, "no stream was on the stopped decode instance");
-    ASSERT_MSG(t.worst_lost_s < SEC(10.0), "in-band error %.3f s after the stop", t.worst_lost_s);
+    ASSERT_MSG(t.worst_lost_s < CL_SEC(10.0), "in-band error %.3f s after the stop",
+               t.worst_lost_s);
     ASSERT_MSG(out, "the stopped decode instance stayed in routing");
     ASSERT_EQ_INT(served, 4);
     /* after SIGCONT: back in routing, nothing left of the failed-over streams, serving again */
@@ -486,7 +475,7 @@ TEST(faults_lease_freed_on_decode_restart)
     printf("    lease of 1.5 s: Prefill failed with %d after %.3f s\n", j.status, j.seconds);
     ASSERT_EQ_INT(leases_seen, 1);
     ASSERT_MSG(j.status != PD_RPC_OK, "Prefill succeeded without the decode side");
-    ASSERT_MSG(j.seconds < SEC(5.0), "the lease did not expire in time (%.3f s)", j.seconds);
+    ASSERT_MSG(j.seconds < CL_SEC(5.0), "the lease did not expire in time (%.3f s)", j.seconds);
     ASSERT_MSG(idle, "the prefill instance still holds KV after the lease ran out");
     ASSERT(wait_idle(D0, 5000));
 
@@ -503,7 +492,7 @@ TEST(faults_lease_freed_on_decode_restart)
     }
     int64_t t_kill = pd_now_ns();
     cl_signal(&g_c.procs[D0], SIGKILL);
-    int rs = cl_restart(&g_c, D0, MS(30000));
+    int rs = cl_restart(&g_c, D0, CL_MS(30000));
     idle = wait_idle(P1, 10000);
     double freed_s = (double)(pd_now_ns() - t_kill) / 1e9;
     pthread_join(th, NULL);
@@ -514,7 +503,7 @@ TEST(faults_lease_freed_on_decode_restart)
     ASSERT_OK(rs);
     ASSERT_MSG(idle, "the prefill instance still holds KV after the decode instance restarted");
     ASSERT_MSG(k.status != PD_RPC_OK, "Prefill succeeded although its decode side died");
-    ASSERT_MSG(freed_s < SEC(10.0), "KV freed %.3f s after the kill", freed_s);
+    ASSERT_MSG(freed_s < CL_SEC(10.0), "KV freed %.3f s after the kill", freed_s);
     /* the restarted decode instance takes KV from the same prefill instance */
     static const int32_t prompt[] = {21, 22, 23, 24, 25};
     cl_result res;
@@ -579,7 +568,8 @@ TEST(faults_stuck_transfer_aborted)
     ASSERT_EQ_INT(leases, N);
     ASSERT_MSG(idle, "the prefill instance still holds the aborted requests' KV after 3 s");
     ASSERT_OK(rc);
-    ASSERT_MSG(other_s < SEC(5.0), "the request beside the stuck transfers took %.3f s", other_s);
+    ASSERT_MSG(other_s < CL_SEC(5.0), "the request beside the stuck transfers took %.3f s",
+               other_s);
     ASSERT_EQ_INT(failed, N);
     ASSERT(wait_idle(D0, 5000));
 }
@@ -693,7 +683,7 @@ TEST(faults_registry_round_robin)
     }
     /* an instance that stops answering leaves the routing set and is not picked */
     cl_signal(&g_c.procs[D1], SIGSTOP);
-    int64_t deadline = pd_now_ns() + (int64_t)MS(10000) * PD_NS_PER_MS;
+    int64_t deadline = pd_now_ns() + (int64_t)CL_MS(10000) * PD_NS_PER_MS;
     while (round && pd_reg_is_up(reg, D1) && pd_now_ns() < deadline) pd_sleep_ns(50 * PD_NS_PER_MS);
     bool out = round && !pd_reg_is_up(reg, D1);
     int to_d0 = 0;
@@ -701,7 +691,7 @@ TEST(faults_registry_round_robin)
     cl_signal(&g_c.procs[D1], SIGCONT);
     /* back after SIGCONT; a failure reported by a caller takes it out at once, and the next
      * heartbeat that it answers brings it back */
-    deadline = pd_now_ns() + (int64_t)MS(10000) * PD_NS_PER_MS;
+    deadline = pd_now_ns() + (int64_t)CL_MS(10000) * PD_NS_PER_MS;
     while (round && !pd_reg_is_up(reg, D1) && pd_now_ns() < deadline)
         pd_sleep_ns(50 * PD_NS_PER_MS);
     bool back = round && pd_reg_is_up(reg, D1);
@@ -742,7 +732,7 @@ TEST(faults_y_decode_kill_before_heartbeat)
     cl_signal(&g_c.procs[D0], SIGKILL);
     int served = short_requests(8);
     bool out = wait_instance(D0, 0, 5000);
-    int rs = cl_restart(&g_c, D0, MS(30000));
+    int rs = cl_restart(&g_c, D0, CL_MS(30000));
     bool back = rs == PD_OK && wait_instance(D0, 1, 10000);
     printf("    decode instance killed while idle: %d of 8 requests right after served\n", served);
     ASSERT(out);

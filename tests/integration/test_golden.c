@@ -180,15 +180,7 @@ static bool fixture(void)
 {
     if (g_ready || g_failed) return g_ready;
     g_failed = true;
-    snprintf(g_model, sizeof g_model, "%s/tiny", pdt_tmp_dir());
-    char *mk[] = {
-        (char *)cl_bin("tools/mkmodel/pd-mkmodel"), "--preset", "tiny", "--out", g_model, NULL};
-    char log[600];
-    snprintf(log, sizeof log, "%s/mkmodel.log", pdt_tmp_dir());
-    if (cl_run(mk, log, 120) != 0) {
-        printf("    pd-mkmodel failed (%s)\n", log);
-        return false;
-    }
+    if (cl_make_tiny(g_model, sizeof g_model) < 0) return false;
     if (!read_eos_ids() || !make_model_gen()) {
         printf("    cannot read the EOS ids or write model dir B\n");
         return false;
@@ -280,24 +272,6 @@ static int post(int port, const char *path, const char *body, resp *r)
 static const char *hdr(const resp *r, const char *name, char *buf, size_t n)
 {
     return cl_conn_header(&r->conn, name, buf, n);
-}
-
-/* SSE events of a body: each "data: X\n\n" -> X (pointers into body, which is modified).
- * -1 when the framing is not exactly that. */
-static int sse_events(char *body, char **ev, int cap)
-{
-    int n = 0;
-    char *p = body;
-    while (*p && n < cap) {
-        if (strncmp(p, "data: ", 6) != 0) return -1;
-        p += 6;
-        char *end = strstr(p, "\n\n");
-        if (!end) return -1;
-        *end = '\0';
-        ev[n++] = p;
-        p = end + 2;
-    }
-    return *p ? -1 : n;
 }
 
 static bool is_hex_id(const char *s, const char *prefix)
@@ -498,7 +472,7 @@ TEST(golden_13_chat_stream_bytes)
     ASSERT(hdr(&r, "X-Request-Id", rid, sizeof rid));
     char *copy = strdup(r.body);
     char *ev[64];
-    int n = sse_events(copy, ev, 64);
+    int n = cl_sse_events(copy, ev, 64);
     ASSERT_MSG(n == 1 + 7 + 1 + 1, "%d events in %s", n, r.body);
     json_t *e0 = json_loads(ev[0], 0, NULL);
     ASSERT(e0);
@@ -587,7 +561,7 @@ TEST(golden_14_completions_stream_bytes)
     ASSERT(hdr(&r, "X-Request-Id", rid, sizeof rid));
     char *copy = strdup(r.body);
     char *ev[16];
-    int n = sse_events(copy, ev, 16);
+    int n = cl_sse_events(copy, ev, 16);
     ASSERT_MSG(n == 3 + 1 + 1, "%d events", n);
     json_t *e0 = json_loads(ev[0], 0, NULL);
     ASSERT(e0);
@@ -640,7 +614,7 @@ static int stream_events(int port, const char *path, const char *body, json_t **
         return -1;
     }
     char *raw[256];
-    int n = sse_events(r.body, raw, 256);
+    int n = cl_sse_events(r.body, raw, 256);
     int k = 0;
     *done_last = n > 0 && strcmp(raw[n - 1], "[DONE]") == 0;
     for (int i = 0; i < n && k < cap; i++) {

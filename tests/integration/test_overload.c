@@ -42,15 +42,7 @@ static bool fixture(void)
     snprintf(opts, sizeof opts, "%s%squarantine_size_mb=8:thread_local_quarantine_size_kb=64",
              asan ? asan : "", asan && *asan ? ":" : "");
     setenv("ASAN_OPTIONS", opts, 1);
-    snprintf(g_model, sizeof g_model, "%s/tiny", pdt_tmp_dir());
-    char *mk[] = {
-        (char *)cl_bin("tools/mkmodel/pd-mkmodel"), "--preset", "tiny", "--out", g_model, NULL};
-    char log[600];
-    snprintf(log, sizeof log, "%s/mkmodel.log", pdt_tmp_dir());
-    if (cl_run(mk, log, 120) != 0) {
-        printf("    pd-mkmodel failed (%s)\n", log);
-        return false;
-    }
+    if (cl_make_tiny(g_model, sizeof g_model) < 0) return false;
     if (cl_start(&g_c, g_model, "0", "1", NULL) < 0) {
         printf("    cl_start: %s\n", pd_last_error());
         cl_stop_all(&g_c);
@@ -87,8 +79,6 @@ static bool fixture(void)
 /* ---- helpers --------------------------------------------------------------------------------- */
 
 /* Time bounds stretched under valgrind (cl_time_scale), where VmRSS says nothing either. */
-#define MS(ms)     ((int)((ms)*cl_time_scale()))
-#define SEC(s)     ((s)*cl_time_scale())
 #define RSS_CHECKS (cl_time_scale() == 1.0)
 /* VmRSS growth allowed where a bounded process should not grow. Under ASan, freed memory goes
  * through a quarantine first (kept to 8 MiB in the processes this test starts). */
@@ -123,7 +113,7 @@ static int settle_fds(int want, int timeout_ms)
 /* Decode instance D0 holds nothing (no sequence, no reservation, every KV block free). */
 static bool decode_idle(int timeout_ms)
 {
-    int64_t deadline = pd_now_ns() + (int64_t)MS(timeout_ms) * PD_NS_PER_MS;
+    int64_t deadline = pd_now_ns() + (int64_t)CL_MS(timeout_ms) * PD_NS_PER_MS;
     while (pd_now_ns() < deadline) {
         Pd__StatsReply *s = cl_stats(&g_c, D0);
         bool idle = s && s->num_running == 0 && s->num_waiting == 0 && s->reserved_tokens == 0 &&
@@ -185,7 +175,7 @@ static wave_result overload_wave(void)
         w.bad = N;
         return w;
     }
-    bool done = cl_conn_wait_all(cs, N, MS(60000));
+    bool done = cl_conn_wait_all(cs, N, CL_MS(60000));
     for (int i = 0; i < N; i++) {
         char ra[16];
         if (cs[i].status == 200 && stream_complete(&cs[i], 400)) {
@@ -305,7 +295,7 @@ TEST(overload_queue_timeout)
     const char *body = "{\"prompt\":\"Queued request\",\"max_tokens\":8,\"ignore_eos\":true}";
     cl_conn a;
     int rc = cl_conn_open(&a, g_port, "POST", "/v1/completions", NULL, body, false);
-    bool a_done = rc == 0 && cl_conn_wait_all(&a, 1, MS(10000));
+    bool a_done = rc == 0 && cl_conn_wait_all(&a, 1, CL_MS(10000));
     double a_s = secs(a.t_open_ns, a.t_done_ns);
     char *a_body = rc == 0 ? cl_conn_body(&a) : NULL;
     char ra[16] = "";
@@ -318,7 +308,7 @@ TEST(overload_queue_timeout)
     if (rb == 0) cl_conn_poll(&b, 1, 400, 0);
     int b_early = b.status;
     unhog_kv(hogs);
-    bool b_done = rb == 0 && cl_conn_wait_all(&b, 1, MS(10000));
+    bool b_done = rb == 0 && cl_conn_wait_all(&b, 1, CL_MS(10000));
     double b_s = secs(b.t_open_ns, b.t_done_ns);
     int b_status = b.status;
     if (rb == 0) cl_conn_close(&b);
@@ -332,7 +322,7 @@ TEST(overload_queue_timeout)
                           "\"type\":\"ServiceUnavailableError\",\"param\":null,\"code\":503}}");
     free(a_body);
     ASSERT_STR_EQ(ra, "5");
-    ASSERT_MSG(a_s >= 0.9 && a_s < SEC(3.0), "timed out after %.3f s, not ~1 s", a_s);
+    ASSERT_MSG(a_s >= 0.9 && a_s < CL_SEC(3.0), "timed out after %.3f s, not ~1 s", a_s);
     ASSERT_MSG(b_early == 0, "the request was answered (%d) while it should wait", b_early);
     ASSERT_MSG(b_done, "the request did not end after the KV was freed");
     ASSERT_EQ_INT(b_status, 200);
@@ -345,7 +335,7 @@ TEST(overload_queue_timeout)
  * seconds from open to the server's close (or -1 after limit_ms). */
 static double trickle(cl_conn *c, const char *s, int gap_ms, int limit_ms)
 {
-    int64_t deadline = c->t_open_ns + (int64_t)MS(limit_ms) * PD_NS_PER_MS;
+    int64_t deadline = c->t_open_ns + (int64_t)CL_MS(limit_ms) * PD_NS_PER_MS;
     for (size_t i = 0; s[i] && c->fd >= 0 && pd_now_ns() < deadline; i++) {
         if (send(c->fd, s + i, 1, MSG_NOSIGNAL) != 1) break;
         cl_conn_poll(c, 1, gap_ms, 0);
@@ -409,7 +399,7 @@ TEST(clients_slowloris)
     for (int64_t until = pd_now_ns() + 900 * PD_NS_PER_MS;
          fd_peak < fd0 + opened && pd_now_ns() < until; fd_peak = cl_fd_count(g_sched.pid))
         pd_sleep_ns(10 * PD_NS_PER_MS);
-    bool all_closed = cl_conn_wait_all(many, (size_t)opened, MS(5000));
+    bool all_closed = cl_conn_wait_all(many, (size_t)opened, CL_MS(5000));
     int n408 = 0;
     for (int i = 0; i < opened; i++) n408 += many[i].status == 408;
     close_all(many, opened);
@@ -419,17 +409,18 @@ TEST(clients_slowloris)
            "fds %d before, %d at the peak, %d after\n",
            t_idle, st_idle, t_hdr, st_hdr, t_body, st_body, t_ka, st_ka, opened, n408, fd0, fd_peak,
            fd1);
-    ASSERT_MSG(t_idle >= 0.9 && t_idle < SEC(3.0), "idle connection closed after %.3f s", t_idle);
+    ASSERT_MSG(t_idle >= 0.9 && t_idle < CL_SEC(3.0), "idle connection closed after %.3f s",
+               t_idle);
     ASSERT_EQ_INT(st_idle, 408);
-    ASSERT_MSG(t_hdr >= 0.9 && t_hdr < SEC(3.0), "trickled headers closed after %.3f s", t_hdr);
+    ASSERT_MSG(t_hdr >= 0.9 && t_hdr < CL_SEC(3.0), "trickled headers closed after %.3f s", t_hdr);
     ASSERT_EQ_INT(st_hdr, 408);
     ASSERT_STR_EQ(hdr_body, "{\"error\":{\"message\":\"Request timed out.\",\"type\":"
                             "\"RequestTimeoutError\",\"param\":null,\"code\":408}}");
     free(hdr_body);
-    ASSERT_MSG(t_body >= 0.9 && t_body < SEC(3.0), "trickled body closed after %.3f s", t_body);
+    ASSERT_MSG(t_body >= 0.9 && t_body < CL_SEC(3.0), "trickled body closed after %.3f s", t_body);
     ASSERT_EQ_INT(st_body, 408);
     ASSERT_EQ_INT(st_ka, 200);
-    ASSERT_MSG(t_ka >= 0.9 && t_ka < SEC(3.0), "idle keep-alive closed after %.3f s", t_ka);
+    ASSERT_MSG(t_ka >= 0.9 && t_ka < CL_SEC(3.0), "idle keep-alive closed after %.3f s", t_ka);
     ASSERT_EQ_INT(opened, M);
     ASSERT(all_closed);
     ASSERT_EQ_INT(n408, M);
@@ -476,7 +467,7 @@ static slow_reader_result slow_reader(const cl_proc *sched, int port, int choice
     }
     o.read_slow = c.len;
     int64_t t_fast = pd_now_ns();
-    o.done = cl_conn_wait_all(&c, 1, MS(60000));
+    o.done = cl_conn_wait_all(&c, 1, CL_MS(60000));
     o.fast_s = secs(t_fast, pd_now_ns());
     o.unread = c.len - o.read_slow;
     o.complete = c.status == 200 && stream_complete(&c, TOKENS * choices);

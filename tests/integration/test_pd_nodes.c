@@ -17,14 +17,7 @@ static char g_model[512];
 
 static const char *model_dir(void)
 {
-    if (!g_model[0]) {
-        snprintf(g_model, sizeof g_model, "%s/tiny", pdt_tmp_dir());
-        char *argv[] = {
-            (char *)cl_bin("tools/mkmodel/pd-mkmodel"), "--preset", "tiny", "--out", g_model, NULL};
-        char log[600];
-        snprintf(log, sizeof log, "%s/mkmodel.log", pdt_tmp_dir());
-        if (cl_run(argv, log, 120) != 0) g_model[0] = '\0';
-    }
+    if (!g_model[0] && cl_make_tiny(g_model, sizeof g_model) < 0) g_model[0] = '\0';
     return g_model[0] ? g_model : NULL;
 }
 

@@ -230,15 +230,7 @@ static bool fixture(void)
 {
     if (g_ready || g_failed) return g_ready;
     g_failed = true;
-    snprintf(g_model, sizeof g_model, "%s/tiny", pdt_tmp_dir());
-    char *mk[] = {
-        (char *)cl_bin("tools/mkmodel/pd-mkmodel"), "--preset", "tiny", "--out", g_model, NULL};
-    char log[600];
-    snprintf(log, sizeof log, "%s/mkmodel.log", pdt_tmp_dir());
-    if (cl_run(mk, log, 120) != 0) {
-        printf("    pd-mkmodel failed (%s)\n", log);
-        return false;
-    }
+    if (cl_make_tiny(g_model, sizeof g_model) < 0) return false;
     if (cl_start(&g_c, g_model, "0", "1", NULL) < 0) {
         printf("    cl_start: %s\n", pd_last_error());
         return false;
@@ -292,23 +284,6 @@ static bool is_id(const char *s, const char *prefix)
     for (size_t i = pl; s[i]; i++)
         if (!isxdigit((unsigned char)s[i]) || isupper((unsigned char)s[i])) return false;
     return true;
-}
-
-/* SSE events of a body: each "data: X\n\n" -> X (pointers into body, which is modified). */
-static int sse_events(char *body, char **ev, int cap)
-{
-    int n = 0;
-    char *p = body;
-    while (*p && n < cap) {
-        if (strncmp(p, "data: ", 6) != 0) return -1;
-        p += 6;
-        char *end = strstr(p, "\n\n");
-        if (!end) return -1;
-        *end = '\0';
-        ev[n++] = p;
-        p = end + 2;
-    }
-    return n;
 }
 
 /* ---- tests --------------------------------------------------------------------------------- */
@@ -476,7 +451,7 @@ TEST(sched_completions_stream_equals_full)
     char h[128];
     ASSERT_STR_EQ(header(&r, "Content-Type", h, sizeof h), "text/event-stream; charset=utf-8");
     char *ev[64];
-    int n = sse_events(r.body, ev, 64);
+    int n = cl_sse_events(r.body, ev, 64);
     ASSERT_MSG(n == 12 + 2, "%d events", n);
     ASSERT_STR_EQ(ev[n - 1], "[DONE]");
     char text[8192] = "";
@@ -550,7 +525,7 @@ TEST(sched_chat_full_and_stream)
     ASSERT(http_do(g_port, "POST", "/v1/chat/completions", NULL, req, &r) == 0);
     ASSERT_MSG(r.status == 200, "status %d: %s", r.status, r.body);
     char *ev[64];
-    int n = sse_events(r.body, ev, 64);
+    int n = cl_sse_events(r.body, ev, 64);
     ASSERT_MSG(n == 1 + 10 + 1 + 1, "%d events", n);
     ASSERT_STR_EQ(ev[n - 1], "[DONE]");
     /* role chunk, byte for byte after the id/created prefix */
@@ -835,7 +810,7 @@ TEST(sched_logprobs)
                    &r) == 0);
     ASSERT_MSG(r.status == 200, "status %d: %s", r.status, r.body);
     char *ev[16];
-    int n = sse_events(r.body, ev, 16);
+    int n = cl_sse_events(r.body, ev, 16);
     ASSERT_EQ_INT(n, 1 + 3 + 1);
     for (int i = 1; i <= 3; i++) {
         json_t *e = json_loads(ev[i], 0, NULL);
