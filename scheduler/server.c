@@ -98,6 +98,7 @@ typedef struct choice {
     bool kv_reported;
     bool admit_wait;    /* Reserve was refused for lack of KV: the loop queues the choice */
     bool reserve_retry; /* Reserve found its decode instance gone: the loop picks another */
+    bool rx_paused;     /* its Decode stream waits until the loop has taken the pending records */
     int reserve_tries;  /* rpc thread */
     bool admitted;      /* a retried Reserve succeeded */
     /* admission queue (loop thread) */
@@ -200,7 +201,7 @@ struct pd_sched {
     pd_metrics *m;
     pd_metric *m_running, *m_waiting, *m_kv, *m_gpu_kv, *m_preempt, *m_prompt, *m_gen, *m_success,
         *m_h_prompt, *m_h_gen, *m_h_n, *m_h_max, *m_ttft, *m_tpot, *m_e2e, *m_queue, *m_prefill,
-        *m_decode, *m_infer, *m_kv_bytes, *m_kv_secs, *m_up;
+        *m_decode, *m_infer, *m_kv_bytes, *m_kv_secs, *m_up, *m_unsent;
     int64_t preempt_seen;
     pd_sb tokbuf, lpbuf[4]; /* loop-thread scratch for logprob token texts and fragments */
     const char *labels[2];  /* model_name, engine */
@@ -414,6 +415,10 @@ static void start_prefill(choice *c)
     chain_started(c, PH_PREFILL, id);
 }
 
+/* Token records of one choice the rpc thread may hold for the loop before it stops reading that
+ * Decode stream (about 100 KiB of SSE with 20 top logprobs). */
+enum { PENDING_PAUSE = 64 };
+
 static void on_decode_msg(void *arg, const uint8_t *msg, size_t len)
 {
     choice *c = arg;
@@ -428,8 +433,16 @@ static void on_decode_msg(void *arg, const uint8_t *msg, size_t len)
     } else {
         rec_push(&c->pending, ev);
     }
+    /* the loop is behind: stop reading this stream until it has caught up (what waits here
+     * stays bounded; the rest waits on the decode instance) */
+    uint64_t pause_id = 0;
+    if (c->pending.n >= PENDING_PAUSE && !c->rx_paused) {
+        c->rx_paused = true;
+        pause_id = c->call_id[PH_DECODE];
+    }
     pthread_mutex_unlock(&c->r->mu);
     pd__token_event__free_unpacked(ev, NULL);
+    if (pause_id) pd_rpc_stream_pause(c->r->s->rpc, pause_id, true);
     post_ready(c->r);
 }
 
@@ -795,6 +808,7 @@ static void pause_decode(sreq *r, bool paused)
         choice *c = &r->choices[i];
         pthread_mutex_lock(&r->mu);
         uint64_t id = c->in_phase[PH_DECODE] ? c->call_id[PH_DECODE] : 0;
+        if (!paused) c->rx_paused = false; /* the loop has caught up too */
         pthread_mutex_unlock(&r->mu);
         if (id) pd_rpc_stream_pause(r->s->rpc, id, paused);
     }
@@ -1343,6 +1357,9 @@ static void process(sreq *r)
         c->pending.n = 0;
         c->pending.n_top = 0;
         pd_sb_reset(&c->pending.text);
+        /* caught up: read the stream again, unless the client's own backpressure holds it */
+        uint64_t resume_id = c->rx_paused && !r->paused ? c->call_id[PH_DECODE] : 0;
+        if (resume_id) c->rx_paused = false;
         bool chain_done = c->chain_done;
         int err_http = c->err_http;
         char err[256];
@@ -1354,6 +1371,7 @@ static void process(sreq *r)
         double kv_secs = c->kv_seconds;
         if (kv) c->kv_reported = true;
         pthread_mutex_unlock(&r->mu);
+        if (resume_id) pd_rpc_stream_pause(s->rpc, resume_id, false);
         if (kv) {
             char tr[16];
             pd_reg_transport(s->reg, c->d_node, tr, sizeof tr);
@@ -1810,6 +1828,10 @@ static void handle_metrics(pd_sched *s, pd_http_exchange *ex)
 {
     pd_metric_set(s->m_running, s->labels, (double)s->n_running);
     pd_metric_set(s->m_waiting, s->labels, (double)s->n_waiting);
+    double unsent = 0;
+    for (const sreq *r = s->live; r; r = r->next)
+        unsent += (double)r->out.len + (r->ex ? (double)pd_http_stream_pending(r->ex) : 0.0);
+    pd_metric_set(s->m_unsent, s->labels, unsent); /* its one label: model_name */
     double kv = pd_reg_kv_usage(s->reg);
     pd_metric_set(s->m_kv, s->labels, kv);
     pd_metric_set(s->m_gpu_kv, s->labels, kv);
@@ -1977,12 +1999,16 @@ static int metrics_init(pd_sched *s)
         "model_name,transport,prefill_instance,decode_instance", KV_BUCKETS, NB(KV_BUCKETS));
     ADD(s->m_up, PD_METRIC_GAUGE, "pd:instance_up", "1 while the instance is in the routing set.",
         "role,instance", NULL, 0);
+    ADD(s->m_unsent, PD_METRIC_GAUGE, "pd:stream_unsent_bytes",
+        "Bytes of streamed responses held for clients that read slowly (relay and HTTP layer).",
+        "model_name", NULL, 0);
 #undef ADD
     pd_metric *zero[] = {s->m_running, s->m_waiting, s->m_kv,       s->m_gpu_kv, s->m_preempt,
                          s->m_prompt,  s->m_gen,     s->m_h_prompt, s->m_h_gen,  s->m_h_n,
                          s->m_h_max,   s->m_ttft,    s->m_tpot,     s->m_e2e,    s->m_queue,
                          s->m_prefill, s->m_decode,  s->m_infer};
     for (size_t i = 0; i < NB(zero); i++) pd_metric_touch(zero[i], s->labels);
+    pd_metric_touch(s->m_unsent, s->labels);
     static const char *const reasons[] = {"stop", "length", "abort"};
     for (size_t i = 0; i < 3; i++) {
         const char *lv[3] = {s->labels[0], s->labels[1], reasons[i]};
