@@ -150,7 +150,7 @@ static char g_model[512];
 
 static bool wait_health(cl_proc *p, int port, int timeout_s)
 {
-    int64_t deadline = pd_now_ns() + (int64_t)timeout_s * PD_NS_PER_S;
+    int64_t deadline = pd_now_ns() + (int64_t)(CL_SEC((double)timeout_s) * PD_NS_PER_S);
     while (pd_now_ns() < deadline) {
         http_resp r;
         if (http_do(port, "GET", "/health", NULL, NULL, &r) == 0) {
@@ -956,7 +956,7 @@ TEST(sched_client_disconnect_aborts)
     close(fd);
     /* the abort is counted and the instances are free again */
     double after = before;
-    int64_t deadline = pd_now_ns() + 10 * PD_NS_PER_S;
+    int64_t deadline = pd_now_ns() + (int64_t)(CL_SEC(10.0) * PD_NS_PER_S);
     while (after == before && pd_now_ns() < deadline) {
         pd_sleep_ns(100 * PD_NS_PER_MS);
         ASSERT(http_do(g_port, "GET", "/metrics", NULL, NULL, &r) == 0);
@@ -966,13 +966,14 @@ TEST(sched_client_disconnect_aborts)
     }
     ASSERT_NEAR(after, before + 1, 0.01);
     /* the decode instance holds no sequence for it any more */
-    deadline = pd_now_ns() + 10 * PD_NS_PER_S;
+    deadline = pd_now_ns() + (int64_t)(CL_SEC(10.0) * PD_NS_PER_S);
     int64_t running = -1;
     while (pd_now_ns() < deadline) {
         Pd__StatsRequest q = PD__STATS_REQUEST__INIT;
         int st;
-        Pd__StatsReply *s = (Pd__StatsReply *)cl_call(cl_node(&g_c, 1), "/pd.PD/Stats", &q.base,
-                                                      &pd__stats_reply__descriptor, 2000, &st);
+        Pd__StatsReply *s =
+            (Pd__StatsReply *)cl_call(cl_node(&g_c, 1), "/pd.PD/Stats", &q.base,
+                                      &pd__stats_reply__descriptor, CL_MS(2000), &st);
         ASSERT(s);
         running = s->num_running + s->num_held;
         bool all_free = s->kv_blocks_free == s->kv_blocks_total;
@@ -1078,7 +1079,7 @@ TEST(sched_startup_checks)
     char *env2[] = {genv, penv, NULL};
     ASSERT(cl_spawn(&p, "swapped", argv, env2, log) == 0);
     int port = atoi(port_s);
-    int64_t deadline = pd_now_ns() + 20 * PD_NS_PER_S;
+    int64_t deadline = pd_now_ns() + (int64_t)(CL_SEC(20.0) * PD_NS_PER_S);
     int status = 0;
     while (pd_now_ns() < deadline) {
         http_resp r;
@@ -1117,7 +1118,7 @@ TEST(sched_concurrency_limit)
                           "\"param\":null,\"code\":503}}");
     resp_free(&r);
     /* once the first request is gone (client closed), the next one is served */
-    int64_t deadline = pd_now_ns() + 10 * PD_NS_PER_S;
+    int64_t deadline = pd_now_ns() + (int64_t)(CL_SEC(10.0) * PD_NS_PER_S);
     int st = 0;
     while (pd_now_ns() < deadline) {
         ASSERT(http_do(g_port_key, "POST", "/v1/completions", auth,
@@ -1243,7 +1244,7 @@ TEST(sched_y_decode_lost)
     cl_signal(&g_c.procs[1], SIGSTOP);
     char buf[1 << 16];
     size_t n = 0;
-    int64_t deadline = pd_now_ns() + 20 * PD_NS_PER_S;
+    int64_t deadline = pd_now_ns() + (int64_t)(CL_SEC(20.0) * PD_NS_PER_S);
     while (n < sizeof buf - 1 && pd_now_ns() < deadline) {
         struct pollfd pfd = {.fd = fd, .events = POLLIN};
         if (poll(&pfd, 1, 200) != 1) continue;
