@@ -110,6 +110,28 @@ typedef struct {
     size_t head0, n_heads;
 } pd_kv_range;
 
+/* A pool's device memory described for another process on the same host (CUDA IPC): filled by
+ * kv_share in the owner, carried over the KV data plane, mapped by kv_peer_open in the peer.
+ * The handle is opaque bytes; id tells pools apart (a restarted process shares a new pool). */
+#define PD_KV_SHARE_HANDLE_BYTES 64
+typedef struct {
+    uint8_t handle[PD_KV_SHARE_HANDLE_BYTES]; /* cudaIpcMemHandle_t of the pool's allocation */
+    uint64_t id;                              /* random per pool */
+    pd_kv_params p;                           /* the pool's geometry (layout as above) */
+} pd_kv_share;
+
+typedef struct pd_kv_peer pd_kv_peer; /* another process's pool, mapped into this one */
+
+/* A device-to-device copy out of a peer's pool into this backend's pool: for every layer, K and
+ * V of the first n_tokens tokens of src_blocks (peer) into the same slots of dst_blocks (local),
+ * heads [src_head0, src_head0 + n_heads) of the peer's pool into [dst_head0, ...) of the local
+ * pool. */
+typedef struct {
+    const int32_t *src_blocks, *dst_blocks; /* (n_blocks) host */
+    size_t n_blocks, n_tokens;
+    size_t src_head0, dst_head0, n_heads;
+} pd_kv_pull;
+
 /* One forward step, as the backend sees it. All arrays are host memory; see "Ordering" above
  * for their lifetime. Rows of one sequence are contiguous and in position order. */
 typedef struct {
@@ -168,9 +190,24 @@ typedef struct pd_backend_ops {
     void (*kv_free)(pd_backend *b, pd_kv *kv);
     int (*kv_layer)(pd_backend *b, const pd_kv *kv, int layer, pd_kv_layer_view *out);
     /* Copies a block/head range of one layer to host memory / from host memory (see
-     * pd_kv_range for the host layout). Block ids and heads are checked against the pool. */
+     * pd_kv_range for the host layout). Block ids and heads are checked against the pool.
+     * Callable from any thread, also while another thread runs a step: they see what every
+     * step synchronized so far (sync/download returned) wrote, and are complete on return. */
     int (*kv_export)(pd_backend *b, const pd_kv *kv, const pd_kv_range *r, void *host);
     int (*kv_import)(pd_backend *b, pd_kv *kv, const pd_kv_range *r, const void *host);
+    /* KV between processes on one host without host staging (CUDA IPC). NULL where the
+     * backend has no such path (CPU). Same threading as kv_export/kv_import.
+     * kv_share: describes kv for another process (cheap; the same description every call).
+     * kv_peer_open: maps a pool another process shared; one mapping per pool however many
+     * opens (reference counted), released by as many kv_peer_close. PD_EUNSUPPORTED when the
+     * memory cannot be mapped here (another host, no peer access); PD_EINVAL for a pool whose
+     * dtype or head_dim differs from kv's.
+     * kv_pull: copies plan (checked against both pools) from the peer into kv; complete on
+     * return. */
+    int (*kv_share)(pd_backend *b, const pd_kv *kv, pd_kv_share *out);
+    int (*kv_peer_open)(pd_backend *b, const pd_kv *kv, const pd_kv_share *s, pd_kv_peer **out);
+    void (*kv_peer_close)(pd_backend *b, pd_kv_peer *peer);
+    int (*kv_pull)(pd_backend *b, pd_kv *kv, pd_kv_peer *peer, const pd_kv_pull *plan);
 
     /* -- one step ---------------------------------------------------------------------------- */
     /* Hands over the step's metadata. Checks it against the capacities and, at attention time,

@@ -85,6 +85,10 @@ struct pd_node {
     pthread_t dispatcher, reaper;
     /* prefill */
     pd_kv_tcp_sender *tx;
+    pd_kv_share *shares;   /* (tp) the ranks' pools for CUDA IPC; NULL: KV moves over TCP */
+    bool ipc_fallback;     /* --kv-transport auto: a destination that refuses IPC gets TCP */
+    char no_ipc[32][300];  /* "host:port" of decode ranks that refused IPC (under mu) */
+    int n_no_ipc;
     job *jobs_head, *jobs_tail;
     pthread_t *workers;
     int n_workers;
@@ -450,6 +454,18 @@ static void h_prefill(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len
     pd__prefill_request__free_unpacked(q, NULL);
 }
 
+/* Whether addr ("host:port") has refused CUDA IPC before; remember = mark it so. */
+static bool ipc_refused(pd_node *n, const char *addr, bool remember)
+{
+    pthread_mutex_lock(&n->mu);
+    bool found = false;
+    for (int i = 0; i < n->n_no_ipc && !found; i++) found = strcmp(n->no_ipc[i], addr) == 0;
+    if (!found && remember && n->n_no_ipc < (int)(sizeof n->no_ipc / sizeof n->no_ipc[0]))
+        snprintf(n->no_ipc[n->n_no_ipc++], sizeof n->no_ipc[0], "%s", addr);
+    pthread_mutex_unlock(&n->mu);
+    return found;
+}
+
 /* Sends the held KV of j to every decode rank; returns a status. */
 static int transfer_kv(pd_node *n, job *j, int64_t *bytes, double *seconds)
 {
@@ -457,6 +473,8 @@ static int transfer_kv(pd_node *n, job *j, int64_t *bytes, double *seconds)
     size_t p_heads = n->kvp.n_kv_heads;
     for (size_t t = 0; t < r->n_targets; t++) {
         const Pd__DecodeTarget *dt = &r->targets[t];
+        char addr[300];
+        snprintf(addr, sizeof addr, "%s:%d", dt->host, dt->port);
         for (int rank = 0; rank < n->tp; rank++) {
             size_t h0, nh;
             pd_kv_head_overlap(p_heads * (size_t)rank, p_heads, (size_t)dt->kv_head0,
@@ -476,13 +494,20 @@ static int transfer_kv(pd_node *n, job *j, int64_t *bytes, double *seconds)
                                  .n_heads = nh,
                                  .timeout_ms = r->lease_ms,
                                  .cancel = &r->cancel};
+            if (n->shares && !(n->ipc_fallback && ipc_refused(n, addr, false)))
+                sr.share = &n->shares[rank];
             pd_kv_send_stats st;
             int rc = pd_kv_tcp_send(n->tx, &sr, &st);
+            if (rc == PD_EUNSUPPORTED && sr.share && n->ipc_fallback) {
+                PD_INFO(r->id, "%s; KV to %s moves over TCP from now on", pd_last_error(), addr);
+                ipc_refused(n, addr, true);
+                sr.share = NULL;
+                rc = pd_kv_tcp_send(n->tx, &sr, &st);
+            }
             *bytes += (int64_t)st.bytes;
             *seconds += st.seconds;
             if (rc < 0)
-                return pd_error_prefix(rc, "KV transfer to %s:%d (rank %d -> %zu)", dt->host,
-                                       dt->port, rank, t);
+                return pd_error_prefix(rc, "KV transfer to %s (rank %d -> %zu)", addr, rank, t);
         }
     }
     return PD_OK;
@@ -903,17 +928,48 @@ static int node_device(pd_node *n, pd_engine_params *ep)
 #endif
 }
 
+/* --kv-transport on a prefill instance: cuda_ipc shares every rank's pool, auto does so on
+ * CUDA and falls back to TCP per decode rank that cannot map it, tcp never shares. */
+static int node_shares(pd_node *n, const char *xport, bool on_cuda)
+{
+    if (strcmp(xport, "tcp") == 0 || !on_cuda) return PD_OK;
+    n->ipc_fallback = strcmp(xport, "auto") == 0;
+    n->shares = calloc((size_t)n->tp, sizeof *n->shares);
+    if (!n->shares) return pd_error(PD_ENOMEM, "out of memory");
+    for (int r = 0; r < n->tp; r++) {
+        pd_backend *b = pd_engine_backend(n->e, r);
+        const pd_backend_ops *o = pd_backend_get_ops(b);
+        int rc = o->kv_share ? o->kv_share(b, pd_engine_kv(n->e, r), &n->shares[r])
+                             : pd_error(PD_EUNSUPPORTED, "the %s backend cannot share its KV pool",
+                                        pd_backend_name(b));
+        if (rc < 0 && !n->ipc_fallback)
+            return pd_error_prefix(rc, "--kv-transport cuda_ipc (rank %d)", r);
+        if (rc < 0) {
+            PD_WARN(NULL, "--kv-transport auto: %s; KV moves over TCP", pd_last_error());
+            free(n->shares);
+            n->shares = NULL;
+            return PD_OK;
+        }
+    }
+    PD_INFO(NULL, "KV transport: CUDA IPC (device to device)%s",
+            n->ipc_fallback ? ", TCP for decode ranks that cannot map it" : "");
+    return PD_OK;
+}
+
 int pd_node_create(const pd_node_params *p, pd_node **out)
 {
     if (!p->model_dir) return pd_error(PD_EINVAL, "--model is required");
     if (p->port <= 0 || p->port > 65535)
         return pd_error(PD_EINVAL, "--port is required (1..65535)");
-    if (p->kv_transport && strcmp(p->kv_transport, "auto") != 0 &&
-        strcmp(p->kv_transport, "tcp") != 0)
+    const char *xport = p->kv_transport ? p->kv_transport : "auto";
+    bool on_cuda = p->device && strcmp(p->device, "cuda") == 0;
+    if (strcmp(xport, "nccl") == 0)
         return pd_error(PD_EUNSUPPORTED,
-                        "--kv-transport %s: this build's nodes run the CPU "
-                        "backend, whose KV moves over tcp (use auto or tcp)",
-                        p->kv_transport);
+                        "--kv-transport nccl: the NCCL KV transport is not available in this "
+                        "release; use cuda_ipc (prefill and decode on one host) or tcp");
+    if (strcmp(xport, "cuda_ipc") == 0 && !on_cuda)
+        return pd_error(PD_EINVAL, "--kv-transport cuda_ipc needs --device cuda (the KV pool "
+                                   "must be in GPU memory)");
     pd_node *n = calloc(1, sizeof *n);
     if (!n) return pd_error(PD_ENOMEM, "out of memory");
     n->p = *p;
@@ -970,6 +1026,8 @@ int pd_node_create(const pd_node_params *p, pd_node **out)
         }
     } else {
         rc = pd_kv_tcp_sender_create(&n->tx);
+        if (rc < 0) goto fail;
+        rc = node_shares(n, xport, on_cuda);
         if (rc < 0) goto fail;
         n->n_workers = p->transfer_workers > 0 ? p->transfer_workers : 1;
         n->workers = calloc((size_t)n->n_workers, sizeof *n->workers);
@@ -1081,6 +1139,7 @@ void pd_node_destroy(pd_node *n)
     for (int r = 0; n->rx && r < n->tp; r++) pd_kv_tcp_receiver_stop(n->rx[r]);
     free(n->rx);
     pd_kv_tcp_sender_destroy(n->tx);
+    free(n->shares);
     for (size_t b = 0; b < REQ_BUCKETS; b++)
         while (n->table[b]) table_remove(n, n->table[b]);
     pd_engine_destroy(n->e);

@@ -10,6 +10,18 @@
  *             (256 bytes), sent for a sender's frame flagged LAST
  * One connection carries one request at a time; the sender reads the acknowledgement before
  * it reuses the connection, so acknowledgements never cross requests.
+ *
+ * CUDA IPC (a sender given a pd_kv_share): one frame flagged IPC | LAST, layer 0, the usual
+ * head and block fields, whose payload describes the prefill pool instead of carrying KV:
+ *   char boot_id[40] u8 handle[64] u64 pool_id u32 n_layers u32 block_size u64 n_blocks
+ *   u32 n_kv_heads u32 head_dim u32 dtype u32 src_head0 (pool-local) u32 src_blocks[n_blocks]
+ * The receiver maps the pool (kv_peer_open, kept per connection), copies every layer device to
+ * device into the reserved blocks (kv_pull) and acknowledges; the prefill side keeps its blocks
+ * under the lease until then, and the receiver writes only blocks it reserved, under the same
+ * lock that a cancel takes, so an abort never races a copy. boot_id (the kernel's, shared by the
+ * containers of one host) tells another host apart before any CUDA call: such frames, and frames
+ * to a receiver whose backend has no kv_pull (CPU), are refused with PD_EUNSUPPORTED, which the
+ * sender reports as such so the caller can fall back to host staging.
  */
 #include "transfer/kv_tcp.h"
 
@@ -39,6 +51,8 @@
 #define ACK_MSG_BYTES         204
 #define VERSION               2
 #define FLAG_LAST             1u
+#define FLAG_IPC              2u
+#define IPC_FIXED             144 /* IPC payload bytes before the block ids */
 #define SOCK_BUF              (4 << 20)
 #define FRAME_READ_TIMEOUT_MS 30000
 #define CANCEL_POLL_MS        50 /* how often a send in progress looks at its cancel flag */
@@ -291,6 +305,8 @@ typedef struct rx_conn {
     int fd;
     pthread_t thread;
     bool finished;
+    pd_kv_peer *peer; /* the sender's pool, mapped at its first IPC frame (NULL: none) */
+    uint64_t peer_id;
 } rx_conn;
 
 struct pd_kv_tcp_receiver {
@@ -407,6 +423,65 @@ void pd_kv_rx_get_stats(pd_kv_tcp_receiver *rx, pd_kv_rx_stats *out)
     pthread_mutex_unlock(&rx->mu);
 }
 
+/* Checks a frame's header against the reservation. Called with rx->mu held. Returns the
+ * expected entry (and *link to it) or NULL with the refusal's message set in *rc. */
+static expect_entry *rx_check(pd_kv_tcp_receiver *rx, const frame_hdr *h, expect_entry ***link,
+                              int *rc)
+{
+    const pd_kv_params *kp = &rx->p.kv_params;
+    expect_entry *e = find_expected(rx, h->request_id, link);
+    if (!e) {
+        if (ring_has(&rx->cancelled, h->request_id))
+            *rc = pd_error(PD_ECANCELLED, "kv frame for request %s dropped: it was cancelled",
+                           h->request_id);
+        else
+            *rc = pd_error(PD_EINVAL, "kv frame for request %s refused: %s", h->request_id,
+                           ring_has(&rx->imported, h->request_id) ? "already imported"
+                                                                  : "not expected");
+        return NULL;
+    }
+    if (h->layer >= (uint32_t)kp->n_layers)
+        *rc = pd_error(PD_EINVAL, "kv frame %s: layer %u outside 0..%d", h->request_id, h->layer,
+                       kp->n_layers - 1);
+    else if (h->n_heads == 0 || h->head0 < rx->p.head0 ||
+             (size_t)h->head0 + h->n_heads > rx->p.head0 + rx->n_local_heads)
+        *rc = pd_error(PD_EINVAL, "kv frame %s: heads %u..%u outside this rank's %zu..%zu",
+                       h->request_id, h->head0, h->head0 + h->n_heads - 1, rx->p.head0,
+                       rx->p.head0 + rx->n_local_heads - 1);
+    else if (h->block0 != 0 || h->n_blocks != e->n_blocks || h->n_tokens != e->n_tokens)
+        *rc = pd_error(PD_EINVAL,
+                       "kv frame %s: blocks %u+%u holding %u tokens, expected 0+%zu "
+                       "holding %zu",
+                       h->request_id, h->block0, h->n_blocks, h->n_tokens, e->n_blocks,
+                       e->n_tokens);
+    else
+        return e;
+    return NULL;
+}
+
+/* Marks layers [l0, l0 + nl) x the frame's heads imported; *complete when that was the rest. */
+static void rx_mark(pd_kv_tcp_receiver *rx, expect_entry *e, expect_entry **link,
+                    const frame_hdr *h, uint32_t l0, uint32_t nl, expect_entry **complete)
+{
+    size_t local0 = h->head0 - rx->p.head0;
+    /* A (layer, head) that arrives again before the request is complete comes from a prefill
+     * retried on another instance after a transfer broke half-way (the scheduler keeps the
+     * reservation): it is the same prompt's KV, so it overwrites the first copy and counts once. */
+    for (uint32_t l = l0; l < l0 + nl; l++) {
+        uint8_t *got = e->got + (size_t)l * rx->n_local_heads + local0;
+        for (size_t i = 0; i < h->n_heads; i++) e->n_got += !got[i];
+        memset(got, 1, h->n_heads);
+    }
+    rx->stats.frames++;
+    if (e->n_got == e->n_need) {
+        *link = e->next;
+        rx->stats.expected--;
+        rx->stats.completed++;
+        ring_add(&rx->imported, e->id);
+        *complete = e;
+    }
+}
+
 /* Checks a frame against the reservation and imports it. Called with rx->mu held.
  * Returns PD_OK or a refusal with the message set; *complete is set when the request is done. */
 static int rx_import(pd_kv_tcp_receiver *rx, const frame_hdr *h, const uint8_t *payload,
@@ -414,29 +489,9 @@ static int rx_import(pd_kv_tcp_receiver *rx, const frame_hdr *h, const uint8_t *
 {
     const pd_kv_params *kp = &rx->p.kv_params;
     expect_entry **link = NULL;
-    expect_entry *e = find_expected(rx, h->request_id, &link);
-    if (!e) {
-        if (ring_has(&rx->cancelled, h->request_id))
-            return pd_error(PD_ECANCELLED, "kv frame for request %s dropped: it was cancelled",
-                            h->request_id);
-        return pd_error(PD_EINVAL, "kv frame for request %s refused: %s", h->request_id,
-                        ring_has(&rx->imported, h->request_id) ? "already imported"
-                                                               : "not expected");
-    }
-    if (h->layer >= (uint32_t)kp->n_layers)
-        return pd_error(PD_EINVAL, "kv frame %s: layer %u outside 0..%d", h->request_id, h->layer,
-                        kp->n_layers - 1);
-    if (h->n_heads == 0 || h->head0 < rx->p.head0 ||
-        (size_t)h->head0 + h->n_heads > rx->p.head0 + rx->n_local_heads)
-        return pd_error(PD_EINVAL, "kv frame %s: heads %u..%u outside this rank's %zu..%zu",
-                        h->request_id, h->head0, h->head0 + h->n_heads - 1, rx->p.head0,
-                        rx->p.head0 + rx->n_local_heads - 1);
-    if (h->block0 != 0 || h->n_blocks != e->n_blocks || h->n_tokens != e->n_tokens)
-        return pd_error(PD_EINVAL,
-                        "kv frame %s: blocks %u+%u holding %u tokens, expected 0+%zu "
-                        "holding %zu",
-                        h->request_id, h->block0, h->n_blocks, h->n_tokens, e->n_blocks,
-                        e->n_tokens);
+    int rc = PD_OK;
+    expect_entry *e = rx_check(rx, h, &link, &rc);
+    if (!e) return rc;
     size_t want = slice_bytes(kp, e->n_tokens, h->n_heads);
     if (h->payload_bytes != want)
         return pd_error(PD_EINVAL, "kv frame %s: payload of %llu bytes, expected %zu",
@@ -451,32 +506,91 @@ static int rx_import(pd_kv_tcp_receiver *rx, const frame_hdr *h, const uint8_t *
         memcpy(whole + full_half, payload + half, half);
         payload = whole;
     }
-    size_t local0 = h->head0 - rx->p.head0;
-    uint8_t *got = e->got + (size_t)h->layer * rx->n_local_heads + local0;
-    /* A (layer, head) that arrives again before the request is complete comes from a prefill
-     * retried on another instance after a transfer broke half-way (the scheduler keeps the
-     * reservation): it is the same prompt's KV, so it overwrites the first copy and counts once. */
-    size_t fresh = 0;
-    for (size_t i = 0; i < h->n_heads; i++) fresh += !got[i];
     pd_kv_range r = {.layer = (int)h->layer,
                      .block_ids = e->blocks,
                      .n_blocks = e->n_blocks,
-                     .head0 = local0,
+                     .head0 = h->head0 - rx->p.head0,
                      .n_heads = h->n_heads};
-    int rc = pd_backend_get_ops(rx->p.backend)->kv_import(rx->p.backend, rx->p.kv, &r, payload);
+    rc = pd_backend_get_ops(rx->p.backend)->kv_import(rx->p.backend, rx->p.kv, &r, payload);
     free(whole);
     if (rc < 0) return rc;
-    memset(got, 1, h->n_heads);
-    e->n_got += fresh;
-    rx->stats.frames++;
     rx->stats.bytes += h->payload_bytes;
-    if (e->n_got == e->n_need) {
-        *link = e->next;
-        rx->stats.expected--;
-        rx->stats.completed++;
-        ring_add(&rx->imported, e->id);
-        *complete = e;
+    rx_mark(rx, e, link, h, h->layer, 1, complete);
+    return PD_OK;
+}
+
+/* This host's identity for IPC frames: the kernel's boot id (empty when unreadable). */
+static void boot_id(char out[40])
+{
+    memset(out, 0, 40);
+    FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
+    if (!f) return;
+    if (!fgets(out, 40, f)) out[0] = '\0';
+    fclose(f);
+    out[strcspn(out, "\n")] = '\0';
+}
+
+/* An IPC frame (see the file-top comment): maps the sender's pool on this connection and pulls
+ * every layer into the reserved blocks. Called with rx->mu held. */
+static int rx_import_ipc(pd_kv_tcp_receiver *rx, rx_conn *c, const frame_hdr *h,
+                         const uint8_t *payload, expect_entry **complete)
+{
+    const pd_kv_params *kp = &rx->p.kv_params;
+    const pd_backend_ops *ops = pd_backend_get_ops(rx->p.backend);
+    expect_entry **link = NULL;
+    int rc = PD_OK;
+    expect_entry *e = rx_check(rx, h, &link, &rc);
+    if (!e) return rc;
+    if (h->payload_bytes != IPC_FIXED + 4 * (uint64_t)e->n_blocks)
+        return pd_error(PD_EINVAL, "kv IPC frame %s: payload of %llu bytes, expected %zu",
+                        h->request_id, (unsigned long long)h->payload_bytes,
+                        IPC_FIXED + 4 * e->n_blocks);
+    if (!ops->kv_pull)
+        return pd_error(PD_EUNSUPPORTED,
+                        "kv IPC frame %s: this decode rank's %s backend cannot take KV by CUDA "
+                        "IPC",
+                        h->request_id, pd_backend_name(rx->p.backend));
+    char mine[40];
+    boot_id(mine);
+    if (strncmp(mine, (const char *)payload, 39) != 0)
+        return pd_error(PD_EUNSUPPORTED,
+                        "kv IPC frame %s: the prefill rank runs on another host (boot id %.36s, "
+                        "here %.36s)",
+                        h->request_id, (const char *)payload, mine);
+    pd_kv_share sh;
+    memcpy(sh.handle, payload + 40, PD_KV_SHARE_HANDLE_BYTES);
+    sh.id = get_u64(payload + 104);
+    sh.p = (pd_kv_params){.n_layers = (int)get_u32(payload + 112),
+                          .block_size = get_u32(payload + 116),
+                          .n_blocks = get_u64(payload + 120),
+                          .n_kv_heads = get_u32(payload + 128),
+                          .head_dim = get_u32(payload + 132),
+                          .dtype = (pd_dtype)get_u32(payload + 136)};
+    size_t src_head0 = get_u32(payload + 140);
+    if (sh.p.n_layers != kp->n_layers)
+        return pd_error(PD_EINVAL, "kv IPC frame %s: the prefill pool has %d layers, this one %d",
+                        h->request_id, sh.p.n_layers, kp->n_layers);
+    if (!c->peer || c->peer_id != sh.id) { /* first IPC frame, or the sender restarted */
+        if (c->peer) ops->kv_peer_close(rx->p.backend, c->peer);
+        c->peer = NULL;
+        PD_CHECK(ops->kv_peer_open(rx->p.backend, rx->p.kv, &sh, &c->peer));
+        c->peer_id = sh.id;
     }
+    int32_t *src = malloc(e->n_blocks * sizeof *src);
+    if (!src) return pd_error(PD_ENOMEM, "kv receive: out of memory");
+    for (size_t i = 0; i < e->n_blocks; i++) src[i] = (int32_t)get_u32(payload + IPC_FIXED + 4 * i);
+    pd_kv_pull pl = {.src_blocks = src,
+                     .dst_blocks = e->blocks,
+                     .n_blocks = e->n_blocks,
+                     .n_tokens = e->n_tokens,
+                     .src_head0 = src_head0,
+                     .dst_head0 = h->head0 - rx->p.head0,
+                     .n_heads = h->n_heads};
+    rc = ops->kv_pull(rx->p.backend, rx->p.kv, c->peer, &pl);
+    free(src);
+    if (rc < 0) return rc;
+    rx->stats.bytes += (uint64_t)kp->n_layers * slice_bytes(kp, e->n_tokens, h->n_heads);
+    rx_mark(rx, e, link, h, 0, (uint32_t)kp->n_layers, complete);
     return PD_OK;
 }
 
@@ -530,13 +644,15 @@ static void *rx_conn_main(void *arg)
         expect_entry *complete = NULL;
         if (cur_status == PD_OK) {
             pthread_mutex_lock(&rx->mu);
-            int rc = rx_import(rx, &h, buf, &complete);
+            int rc = h.flags & FLAG_IPC ? rx_import_ipc(rx, c, &h, buf, &complete)
+                                        : rx_import(rx, &h, buf, &complete);
             if (rc < 0) rx->stats.refused++;
             pthread_mutex_unlock(&rx->mu);
             if (rc < 0) {
                 cur_status = rc;
                 snprintf(cur_msg, sizeof cur_msg, "%s", pd_last_error());
-                if (rc == PD_ECANCELLED) /* an abort raced the transfer: expected */
+                if (rc == PD_ECANCELLED || rc == PD_EUNSUPPORTED) /* an abort raced the
+                                     transfer; an IPC frame the sender will resend over TCP */
                     PD_INFO(h.request_id, "%s", cur_msg);
                 else
                     PD_ERROR(h.request_id, "%s", cur_msg);
@@ -560,6 +676,8 @@ static void *rx_conn_main(void *arg)
     free(buf);
     close(c->fd);
     pthread_mutex_lock(&rx->mu);
+    if (c->peer) pd_backend_get_ops(rx->p.backend)->kv_peer_close(rx->p.backend, c->peer);
+    c->peer = NULL;
     c->finished = true;
     pthread_mutex_unlock(&rx->mu);
     return NULL;
@@ -877,6 +995,49 @@ static int send_frames_gather(int fd, const pd_kv_send_req *r, size_t tokens, si
     return rc;
 }
 
+/* The IPC frame of r (see the file-top comment). */
+static int send_frame_ipc(int fd, const pd_kv_send_req *r, size_t tokens, int64_t deadline,
+                          pd_kv_send_stats *st)
+{
+    const pd_kv_params *kp = &r->kv_params;
+    size_t n = HDR_BYTES + IPC_FIXED + 4 * r->n_blocks;
+    uint8_t *buf = calloc(1, n);
+    if (!buf) return pd_error(PD_ENOMEM, "kv send: out of memory");
+    frame_hdr h = {.version = VERSION,
+                   .flags = FLAG_LAST | FLAG_IPC,
+                   .layer = 0,
+                   .head0 = (uint32_t)r->head0,
+                   .n_heads = (uint32_t)r->n_heads,
+                   .block0 = 0,
+                   .n_blocks = (uint32_t)r->n_blocks,
+                   .n_tokens = (uint32_t)tokens,
+                   .payload_bytes = IPC_FIXED + 4 * r->n_blocks};
+    snprintf(h.request_id, sizeof h.request_id, "%s", r->request_id);
+    hdr_pack(&h, buf);
+    uint8_t *p = buf + HDR_BYTES;
+    boot_id((char *)p);
+    memcpy(p + 40, r->share->handle, PD_KV_SHARE_HANDLE_BYTES);
+    put_u64(p + 104, r->share->id);
+    put_u32(p + 112, (uint32_t)kp->n_layers);
+    put_u32(p + 116, (uint32_t)kp->block_size);
+    put_u64(p + 120, kp->n_blocks);
+    put_u32(p + 128, (uint32_t)kp->n_kv_heads);
+    put_u32(p + 132, (uint32_t)kp->head_dim);
+    put_u32(p + 136, (uint32_t)kp->dtype);
+    put_u32(p + 140, (uint32_t)(r->head0 - r->src_head0));
+    for (size_t i = 0; i < r->n_blocks; i++) put_u32(p + IPC_FIXED + 4 * i, (uint32_t)r->block_ids[i]);
+    /* the prefill step that wrote these blocks has completed (its first token was sampled) */
+    int rc = write_full(fd, buf, n, r->cancel, deadline);
+    free(buf);
+    if (rc == PD_ETIMEOUT || rc == PD_ECLOSED || rc == PD_ECANCELLED)
+        return pd_error(rc, "kv send %s: %s", r->request_id, io_failure(rc, "writing"));
+    if (rc < 0) return rc;
+    st->frames = 1;
+    st->writes = 1;
+    st->bytes = (uint64_t)kp->n_layers * slice_bytes(kp, tokens, r->n_heads);
+    return PD_OK;
+}
+
 /* Frames of one request over fd, then the acknowledgement. *keep tells whether the
  * connection is still in sync (success, or a refusal the receiver acknowledged). */
 static int send_on(int fd, const pd_kv_send_req *r, int64_t deadline, pd_kv_send_stats *st,
@@ -890,6 +1051,10 @@ static int send_on(int fd, const pd_kv_send_req *r, int64_t deadline, pd_kv_send
     /* kv_export writes whole blocks; the frame keeps the prompt's tokens of K and of V */
     size_t full_layer = slice_bytes(kp, r->n_blocks * kp->block_size, r->n_heads);
     size_t coalesce = r->coalesce_bytes ? r->coalesce_bytes : (size_t)1 << 20;
+    if (r->share) {
+        PD_CHECK(send_frame_ipc(fd, r, tokens, deadline, st));
+        goto ack;
+    }
     pd_kv_layer_view view;
     const pd_backend_ops *vops = pd_backend_get_ops(r->backend);
     bool gather = r->head0 == r->src_head0 && r->n_heads == kp->n_kv_heads &&
@@ -914,8 +1079,7 @@ static int send_on(int fd, const pd_kv_send_req *r, int64_t deadline, pd_kv_send
                              .head0 = r->head0 - r->src_head0,
                              .n_heads = r->n_heads};
         uint8_t *payload = buf + used + HDR_BYTES;
-        rc = ops->kv_export(r->backend, r->kv, &range, payload);
-        if (rc == PD_OK) rc = ops->sync(r->backend);
+        rc = ops->kv_export(r->backend, r->kv, &range, payload); /* complete on return */
         if (rc < 0) break;
         if (per_layer < full_layer) /* V right after the prompt's part of K */
             memmove(payload + per_layer / 2, payload + full_layer / 2, per_layer / 2);
@@ -947,7 +1111,8 @@ ack : {
         char msg[ACK_MSG_BYTES];
         memcpy(msg, ack + 52, sizeof msg);
         msg[sizeof msg - 1] = '\0';
-        rc = pd_error(PD_EINVAL, "kv send %s: refused by the decode rank: %s", r->request_id, msg);
+        int st_code = (int32_t)get_u32(ack + 8) == PD_EUNSUPPORTED ? PD_EUNSUPPORTED : PD_EINVAL;
+        rc = pd_error(st_code, "kv send %s: refused by the decode rank: %s", r->request_id, msg);
         *keep = true; /* acknowledged: the stream is still in sync */
     } else {
         *keep = true;

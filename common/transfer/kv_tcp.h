@@ -15,6 +15,10 @@
  * connection is dropped when the stream cannot be resynchronized. A (layer, head) sent again before
  * the request is complete (a prefill retried on another instance after a transfer broke half-way)
  * overwrites the first copy, so the retry completes the import.
+ *
+ * With a pool shared by CUDA IPC (pd_kv_send_req.share) the same connection carries one small
+ * frame instead of the KV: the receiver maps the prefill pool and copies device to device
+ * (kv_pull), writing only its reserved blocks; see kv_tcp.c.
  */
 #ifndef PD_TRANSFER_KV_TCP_H
 #define PD_TRANSFER_KV_TCP_H
@@ -98,6 +102,9 @@ typedef struct {
     size_t coalesce_bytes; /* 0 = 1 MiB */
     const atomic_bool *cancel; /* NULL, or a flag another thread may set: the send then gives up
                                 * within ~50 ms with PD_ECANCELLED (an aborted request) */
+    const pd_kv_share *share;  /* NULL: the KV moves in frames (host staging). Else CUDA IPC: one
+                                * frame describes the pool (this share) and the blocks; the
+                                * receiver copies device to device and acknowledges */
 } pd_kv_send_req;
 
 typedef struct {
@@ -109,7 +116,8 @@ typedef struct {
 
 /* Sends and waits for the acknowledgement. PD_ETIMEOUT, PD_ECLOSED (connection lost),
  * PD_ECANCELLED (r->cancel was set), PD_EINVAL (refused by the receiver: its reason is in the
- * message). Thread-safe: one sender
+ * message), PD_EUNSUPPORTED (an IPC send the receiver cannot take: another host, a receiver
+ * without CUDA; host staging works there). Thread-safe: one sender
  * may serve several threads (connections are taken from a per-address pool). */
 int pd_kv_tcp_send(pd_kv_tcp_sender *tx, const pd_kv_send_req *r, pd_kv_send_stats *stats);
 

@@ -4,10 +4,12 @@
  *       KV transfer over TCP on loopback (kv_tcp.h) between two CPU-backend pools, for a prompt
  *       of --tokens tokens (defaults: the `medium` preset's KV shape), next to a raw TCP copy of
  *       the same number of bytes over loopback in the same run. Best of --reps.
- *   bench_pd ttft --model DIR [--prompt-len 512] [--reps 5]
+ *   bench_pd ttft --model DIR [--prompt-len 512] [--reps 5] [--device cpu|cuda] [--kv-transport T]
  *       Time to first token of one prompt split (a real 1P1D cluster started like the
  *       integration tests, client-side Reserve + Info + Prefill) and colocated (an in-process
- *       engine: add -> first token), both with one CPU thread. Median of --reps.
+ *       engine: add -> first token), both with one CPU thread, or both on GPU 0 with --device
+ *       cuda (each with a quarter of its memory; --kv-transport picks the nodes' transport).
+ *       Median of --reps.
  *   bench_pd sched --model DIR [--prompt-len 64] [--reps 100] [--streams 32] [--tokens 512]
  *       pd-scheduler's cost: time to first token of a streaming completions request through
  *       pd-scheduler against the same request sent to the nodes directly (Reserve + Prefill),
@@ -219,8 +221,11 @@ static int bench_ttft(int argc, char **argv)
     const char *model = arg_str(argc, argv, "--model");
     size_t len = (size_t)arg_long(argc, argv, "--prompt-len", 512);
     int reps = (int)arg_long(argc, argv, "--reps", 5);
-    if (!model || reps < 1 || reps > 64) {
-        fprintf(stderr, "usage: bench_pd ttft --model DIR [--prompt-len N] [--reps N<=64]\n");
+    const char *device = arg_str(argc, argv, "--device"), *xport = arg_str(argc, argv, "--kv-transport");
+    bool cuda = device && strcmp(device, "cuda") == 0;
+    if (!model || reps < 1 || reps > 64 || (device && !cuda && strcmp(device, "cpu") != 0)) {
+        fprintf(stderr, "usage: bench_pd ttft --model DIR [--prompt-len N] [--reps N<=64] "
+                        "[--device cpu|cuda] [--kv-transport T]\n");
         return 2;
     }
     int32_t *prompt = malloc(len * sizeof *prompt);
@@ -235,7 +240,12 @@ static int bench_ttft(int argc, char **argv)
     ep.model_dir = model;
     ep.n_threads = 1;
     ep.kv_cache_bytes = 64u << 20;
-    ep.max_model_len = 2048;
+    ep.max_model_len = len + 64 > 2048 ? len + 64 : 2048;
+    if (cuda) { /* GPU 0, bf16, the pool sized like the nodes' below */
+        ep.n_cuda_devices = 1;
+        ep.cuda_devices[0] = 0;
+        ep.gpu_memory_utilization = 0.25;
+    }
     pd_engine *e;
     if (pd_engine_create(&ep, &e) < 0) {
         fprintf(stderr, "bench_pd: %s\n", pd_last_error());
@@ -253,7 +263,12 @@ static int bench_ttft(int argc, char **argv)
                                .sampling = &gp,
                                .phase = PD_PHASE_FULL};
         double t0 = pd_now_s();
-        pd_engine_add(e, &q);
+        if (pd_engine_add(e, &q) < 0) {
+            fprintf(stderr, "bench_pd: %s\n", pd_last_error());
+            pd_engine_destroy(e);
+            free(prompt);
+            return 1;
+        }
         bool first = false;
         while (!first) {
             bool did;
@@ -276,9 +291,15 @@ static int bench_ttft(int argc, char **argv)
     }
     pd_engine_destroy(e);
 
-    /* split: a 1P1D cluster on loopback */
+    /* split: a 1P1D cluster on loopback (on GPU 0 both, with --device cuda) */
     cl_cluster c;
-    if (cl_start(&c, model, "0", "1", NULL) < 0) {
+    char mml[32];
+    snprintf(mml, sizeof mml, "%zu", (size_t)ep.max_model_len);
+    char *gpu_args[] = {"--device", "cuda", "--gpu-memory-utilization", "0.25", "--kv-transport",
+                        (char *)(xport ? xport : "auto"), "--max-model-len", mml, NULL};
+    char *cpu_args[] = {"--kv-transport", (char *)(xport ? xport : "auto"), "--max-model-len", mml,
+                        NULL};
+    if (cl_start(&c, model, "0", "1", cuda ? gpu_args : cpu_args) < 0) {
         fprintf(stderr, "bench_pd: %s\n", pd_last_error());
         cl_stop_all(&c);
         return 1;
@@ -305,9 +326,10 @@ static int bench_ttft(int argc, char **argv)
     qsort(colo, (size_t)reps, sizeof(double), cmp_double);
     qsort(split, (size_t)reps, sizeof(double), cmp_double);
     double mc = colo[reps / 2], ms = split[reps / 2];
-    printf("ttft, %zu-token prompt, 1 CPU thread per process: colocated median %.2f ms, split "
+    printf("ttft, %zu-token prompt, %s, KV transport %s: colocated median %.2f ms, split "
            "median %.2f ms, added by splitting %.2f ms (%.1f%%)\n",
-           len, mc * 1e3, ms * 1e3, (ms - mc) * 1e3, 100.0 * (ms - mc) / mc);
+           len, cuda ? "GPU 0 (bf16)" : "1 CPU thread per process", xport ? xport : "auto",
+           mc * 1e3, ms * 1e3, (ms - mc) * 1e3, 100.0 * (ms - mc) / mc);
     free(prompt);
     return 0;
 }

@@ -595,6 +595,14 @@ fail:
 int cl_reference(const char *model, const int32_t *const *prompts, const size_t *n_prompt, size_t n,
                  int max_tokens, double temperature, int64_t seed, const char *dir, cl_result *out)
 {
+    return cl_reference_ex(model, prompts, n_prompt, n, max_tokens, temperature, seed, dir, NULL,
+                           out);
+}
+
+int cl_reference_ex(const char *model, const int32_t *const *prompts, const size_t *n_prompt,
+                    size_t n, int max_tokens, double temperature, int64_t seed, const char *dir,
+                    char *const extra[], cl_result *out)
+{
     char ids[600], json[600], mt[16], tt[32], sd[32];
     snprintf(ids, sizeof ids, "%s/prompts.ids", dir);
     snprintf(json, sizeof json, "%s/reference.jsonl", dir);
@@ -623,7 +631,17 @@ int cl_reference(const char *model, const int32_t *const *prompts, const size_t 
                     sd,
                     "--cpu-threads",
                     "1",
+                    NULL,
+                    NULL,
+                    NULL,
+                    NULL,
+                    NULL,
+                    NULL,
+                    NULL,
+                    NULL,
                     NULL};
+    for (size_t i = 0, k = 14; extra && extra[i] && k + 1 < sizeof argv / sizeof argv[0]; i++, k++)
+        argv[k] = extra[i];
     int st = cl_run(argv, json, 300);
     if (st != 0) return pd_error(PD_EINTERNAL, "pd-generate exited with %d (see %s)", st, json);
     f = fopen(json, "r");

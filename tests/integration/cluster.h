@@ -100,6 +100,10 @@ int cl_generate_hook(cl_cluster *c, int pk, int dk, const char *request_id, cons
  * comma-separated ids), same sampling. Returns the token ids per prompt in out[i]. */
 int cl_reference(const char *model, const int32_t *const *prompts, const size_t *n_prompt, size_t n,
                  int max_tokens, double temperature, int64_t seed, const char *dir, cl_result *out);
+/* The same with more pd-generate flags (at most 8, NULL-terminated; e.g. --cuda-device 0). */
+int cl_reference_ex(const char *model, const int32_t *const *prompts, const size_t *n_prompt,
+                    size_t n, int max_tokens, double temperature, int64_t seed, const char *dir,
+                    char *const extra[], cl_result *out);
 
 /* ---- faults, HTTP clients, process figures (reliability tests) -------------------------- */
 

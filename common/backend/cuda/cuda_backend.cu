@@ -10,11 +10,16 @@
 // work list depends on the head layout, so it is built on the host at the step's first
 // attention call and copied with the first attention launch. Matrix products take our GEMV for
 // n <= 8 rows (decode) and cuBLAS GemmEx (f32 accumulation) otherwise. Repeated decode-only
-// steps are captured into CUDA graphs and replayed (see "graphs" below).
+// steps are captured into CUDA graphs and replayed (see "graphs" below). KV transfers
+// (kv_export/kv_import/kv_pull) run on a second stream of their own under a mutex, so the
+// transfer threads of a node never touch the step's stream or its graph state (see "KV pool").
 #include <cublas_v2.h>
+#include <fcntl.h>
 #include <limits.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "backend/cuda/cuda_common.cuh"
 
@@ -67,6 +72,19 @@ struct pd_kv {
                        // the activation dtype
     size_t elem;       // bytes per element
     size_t half_bytes; // bytes of one layer's K (or V)
+    uint64_t share_id; // random: names this pool to other processes (kv_share)
+};
+
+// Another process's pool mapped with cudaIpcOpenMemHandle. One mapping per (device, pool) in
+// the process, however many opens (CUDA maps a handle once per context); kept in a list.
+struct pd_kv_peer {
+    struct pd_kv_peer *next;
+    int device;
+    uint64_t id;
+    pd_kv_params p;
+    void *base;
+    size_t half_bytes;
+    int refs;
 };
 
 enum { G_EAGER = 0, G_RECORD = 1, G_REPLAY = 2 };
@@ -162,6 +180,14 @@ typedef struct {
 
     void *mm_ws;  // MM_WS_BYTES
     float *dl_ws; // (DL_WS_ELEMS) f32 (bf16 mode only)
+
+    // KV transfers: their own stream, one at a time (xfer_mu), any thread.
+    pthread_mutex_t xfer_mu;
+    cudaStream_t xfer_stream;
+    int32_t *h_pull_ids, *d_pull_ids; // (2 * pull_ids_cap) pinned / device: a pull's source
+    size_t pull_ids_cap;              // then destination blocks
+
+    size_t free_at_create; // device memory free before this backend allocated anything
 } cuda_be;
 
 static cuda_be *BE(pd_backend *b)
@@ -216,6 +242,10 @@ static void be_free_state(cuda_be *cb)
     cudaFree(cb->dl_ws);
     if (cb->stage_done) cudaEventDestroy(cb->stage_done);
     if (cb->stream) cudaStreamDestroy(cb->stream);
+    if (cb->xfer_stream) cudaStreamDestroy(cb->xfer_stream);
+    cudaFree(cb->d_pull_ids);
+    cudaFreeHost(cb->h_pull_ids);
+    pthread_mutex_destroy(&cb->xfer_mu);
     free(cb);
 }
 
@@ -247,10 +277,13 @@ static size_t stage_bytes(const pd_backend_params *p)
 static int be_init(cuda_be *cb)
 {
     CUDA_TRY(cudaSetDevice(cb->device));
+    size_t total_b = 0;
+    CUDA_TRY(cudaMemGetInfo(&cb->free_at_create, &total_b));
     cudaDeviceProp prop;
     CUDA_TRY(cudaGetDeviceProperties(&prop, cb->device));
     cb->sm_count = prop.multiProcessorCount;
     CUDA_TRY(cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking));
+    CUDA_TRY(cudaStreamCreateWithFlags(&cb->xfer_stream, cudaStreamNonBlocking));
     CUDA_TRY(cudaEventCreateWithFlags(&cb->stage_done, cudaEventDisableTiming));
     CUBLAS_TRY(cublasCreate(&cb->cublas));
     CUBLAS_TRY(cublasSetStream(cb->cublas, cb->stream));
@@ -471,6 +504,8 @@ static size_t op_weight_nbytes(const pd_backend *b, const pd_weight *w)
 
 // ---- KV pool ------------------------------------------------------------------------------------
 
+static uint64_t random_id(void);
+
 static int op_kv_create(pd_backend *b, const pd_kv_params *p, pd_kv **out)
 {
     cuda_be *cb = BE(b);
@@ -497,6 +532,7 @@ static int op_kv_create(pd_backend *b, const pd_kv_params *p, pd_kv **out)
     if (!kv) return pd_error(PD_ENOMEM, "cuda kv pool: out of host memory");
     kv->p = *p;
     kv->elem = cb->act_size;
+    kv->share_id = random_id();
     kv->half_bytes = p->n_blocks * p->block_size * tok;
     size_t total = kv->half_bytes * 2 * (size_t)p->n_layers;
     cudaError_t e = cudaMalloc(&kv->base, total);
@@ -576,7 +612,7 @@ static int kv_range_check(const pd_kv *kv, const pd_kv_range *r, const char *wha
 // Copies the range between the pool and host (to_host: export). Runs of consecutive blocks with
 // all heads are one contiguous copy; otherwise one 2-D copy per block (a head sub-range is a
 // strided slice of every token).
-static int kv_copy(cuda_be *cb, const pd_kv *kv, const pd_kv_range *r, unsigned char *host,
+static int kv_copy(cudaStream_t st, const pd_kv *kv, const pd_kv_range *r, unsigned char *host,
                    int to_host)
 {
     const pd_kv_params *p = &kv->p;
@@ -598,39 +634,218 @@ static int kv_copy(cuda_be *cb, const pd_kv *kv, const pd_kv_range *r, unsigned 
             unsigned char *h = hbase + i * hblk_b;
             if (full) {
                 if (to_host)
-                    CUDA_TRY(cudaMemcpyAsync(h, d, run * blk_b, kind, cb->stream));
+                    CUDA_TRY(cudaMemcpyAsync(h, d, run * blk_b, kind, st));
                 else
-                    CUDA_TRY(cudaMemcpyAsync(d, h, run * blk_b, kind, cb->stream));
+                    CUDA_TRY(cudaMemcpyAsync(d, h, run * blk_b, kind, st));
             } else if (to_host) {
                 CUDA_TRY(cudaMemcpy2DAsync(h, hrow_b, d, tok_b, hrow_b, p->block_size, kind,
-                                           cb->stream));
+                                           st));
             } else {
                 CUDA_TRY(cudaMemcpy2DAsync(d, tok_b, h, hrow_b, hrow_b, p->block_size, kind,
-                                           cb->stream));
+                                           st));
             }
             i += run;
         }
     }
-    CUDA_TRY(cudaStreamSynchronize(cb->stream));
+    CUDA_TRY(cudaStreamSynchronize(st));
     return PD_OK;
 }
 
+// The transfer ops below hold xfer_mu and use xfer_stream: see the file-top comment.
 static int op_kv_export(pd_backend *b, const pd_kv *kv, const pd_kv_range *r, void *host)
 {
     cuda_be *cb = BE(b);
-    PD_CHECK(graph_flush(cb));
-    ENTER(cb);
     PD_CHECK(kv_range_check(kv, r, "kv_export"));
-    return kv_copy(cb, kv, r, (unsigned char *)host, 1);
+    pthread_mutex_lock(&cb->xfer_mu);
+    int rc = cuda_status(cudaSetDevice(cb->device), "cudaSetDevice", __FILE__, __LINE__);
+    if (rc == PD_OK) rc = kv_copy(cb->xfer_stream, kv, r, (unsigned char *)host, 1);
+    pthread_mutex_unlock(&cb->xfer_mu);
+    return rc;
 }
 
 static int op_kv_import(pd_backend *b, pd_kv *kv, const pd_kv_range *r, const void *host)
 {
     cuda_be *cb = BE(b);
-    PD_CHECK(graph_flush(cb));
-    ENTER(cb);
     PD_CHECK(kv_range_check(kv, r, "kv_import"));
-    return kv_copy(cb, kv, r, (unsigned char *)host, 0);
+    pthread_mutex_lock(&cb->xfer_mu);
+    int rc = cuda_status(cudaSetDevice(cb->device), "cudaSetDevice", __FILE__, __LINE__);
+    if (rc == PD_OK) rc = kv_copy(cb->xfer_stream, kv, r, (unsigned char *)host, 0);
+    pthread_mutex_unlock(&cb->xfer_mu);
+    return rc;
+}
+
+// ---- KV between processes (CUDA IPC) ------------------------------------------------------------
+
+static pthread_mutex_t peers_mu = PTHREAD_MUTEX_INITIALIZER;
+static pd_kv_peer *peers; // every mapped peer pool of this process
+
+static uint64_t random_id(void)
+{
+    uint64_t v = 0;
+    int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+    if (fd >= 0) {
+        if (read(fd, &v, sizeof v) != (ssize_t)sizeof v) v = 0;
+        close(fd);
+    }
+    static uint64_t counter;
+    return v ^ ((uint64_t)getpid() << 32) ^ __atomic_add_fetch(&counter, 1, __ATOMIC_RELAXED);
+}
+
+static int op_kv_share(pd_backend *b, const pd_kv *kv, pd_kv_share *out)
+{
+    cuda_be *cb = BE(b);
+    ENTER(cb);
+    memset(out, 0, sizeof *out);
+    cudaIpcMemHandle_t h;
+    CUDA_TRY(cudaIpcGetMemHandle(&h, kv->base));
+    static_assert(sizeof h == PD_KV_SHARE_HANDLE_BYTES, "cudaIpcMemHandle_t is 64 bytes");
+    memcpy(out->handle, &h, sizeof h);
+    out->id = kv->share_id;
+    out->p = kv->p;
+    return PD_OK;
+}
+
+static int op_kv_peer_open(pd_backend *b, const pd_kv *kv, const pd_kv_share *s,
+                           pd_kv_peer **out)
+{
+    cuda_be *cb = BE(b);
+    *out = NULL;
+    const pd_kv_params *sp = &s->p;
+    if (sp->n_layers != kv->p.n_layers || sp->head_dim != kv->p.head_dim ||
+        sp->dtype != kv->p.dtype || sp->block_size != kv->p.block_size || sp->n_blocks < 1 ||
+        sp->n_kv_heads < 1)
+        return pd_error(PD_EINVAL,
+                        "cuda kv peer: its pool (%d layers, block %zu, %zu heads x %zu, %s) does "
+                        "not match this one (%d layers, block %zu, head_dim %zu, %s)",
+                        sp->n_layers, sp->block_size, sp->n_kv_heads, sp->head_dim,
+                        pd_dtype_name(sp->dtype), kv->p.n_layers, kv->p.block_size,
+                        kv->p.head_dim, pd_dtype_name(kv->p.dtype));
+    size_t tok = sp->n_kv_heads * sp->head_dim * kv->elem;
+    if (sp->n_blocks > SIZE_MAX / sp->block_size / tok / 2 / (size_t)sp->n_layers)
+        return pd_error(PD_EINVAL, "cuda kv peer: pool of %zu blocks overflows", sp->n_blocks);
+    ENTER(cb);
+    pthread_mutex_lock(&peers_mu);
+    pd_kv_peer *p = peers;
+    while (p && !(p->device == cb->device && p->id == s->id)) p = p->next;
+    int rc = PD_OK;
+    if (p) {
+        p->refs++;
+    } else if (!(p = (pd_kv_peer *)calloc(1, sizeof *p))) {
+        rc = pd_error(PD_ENOMEM, "cuda kv peer: out of host memory");
+    } else {
+        cudaIpcMemHandle_t h;
+        memcpy(&h, s->handle, sizeof h);
+        cudaError_t e = cudaIpcOpenMemHandle(&p->base, h, cudaIpcMemLazyEnablePeerAccess);
+        if (e != cudaSuccess) {
+            cudaGetLastError();
+            free(p);
+            p = NULL;
+            rc = pd_error(PD_EUNSUPPORTED,
+                          "cuda kv peer: cannot map the peer's KV pool on device %d: %s (another "
+                          "host, another container without --ipc=host, or no peer access)",
+                          cb->device, cudaGetErrorString(e));
+        } else {
+            p->device = cb->device;
+            p->id = s->id;
+            p->p = *sp;
+            p->half_bytes = sp->n_blocks * sp->block_size * tok;
+            p->refs = 1;
+            p->next = peers;
+            peers = p;
+        }
+    }
+    pthread_mutex_unlock(&peers_mu);
+    *out = p;
+    return rc;
+}
+
+static void op_kv_peer_close(pd_backend *b, pd_kv_peer *peer)
+{
+    if (!peer) return;
+    pthread_mutex_lock(&peers_mu);
+    if (--peer->refs == 0) {
+        pd_kv_peer **pp = &peers;
+        while (*pp != peer) pp = &(*pp)->next;
+        *pp = peer->next;
+        cudaSetDevice(BE(b)->device);
+        cudaIpcCloseMemHandle(peer->base);
+        cudaGetLastError();
+        free(peer);
+    }
+    pthread_mutex_unlock(&peers_mu);
+}
+
+static int pull_check(const char *side, const int32_t *ids, size_t n, size_t pool_blocks,
+                      size_t head0, size_t n_heads, size_t pool_heads)
+{
+    for (size_t i = 0; i < n; i++)
+        if (ids[i] < 0 || (size_t)ids[i] >= pool_blocks)
+            return pd_error(PD_EINVAL, "cuda kv_pull: %s block %zu is %d, outside the pool of %zu",
+                            side, i, ids[i], pool_blocks);
+    if (n_heads == 0 || head0 > pool_heads || n_heads > pool_heads - head0)
+        return pd_error(PD_EINVAL, "cuda kv_pull: %s heads %zu+%zu outside the pool's %zu", side,
+                        head0, n_heads, pool_heads);
+    return PD_OK;
+}
+
+static int op_kv_pull(pd_backend *b, pd_kv *kv, pd_kv_peer *peer, const pd_kv_pull *pl)
+{
+    cuda_be *cb = BE(b);
+    size_t bs = kv->p.block_size;
+    if (pl->n_blocks == 0 || pl->n_tokens == 0 || pl->n_tokens > pl->n_blocks * bs ||
+        pl->n_blocks > INT_MAX)
+        return pd_error(PD_EINVAL, "cuda kv_pull: %zu tokens in %zu blocks of %zu", pl->n_tokens,
+                        pl->n_blocks, bs);
+    PD_CHECK(pull_check("source", pl->src_blocks, pl->n_blocks, peer->p.n_blocks, pl->src_head0,
+                        pl->n_heads, peer->p.n_kv_heads));
+    PD_CHECK(pull_check("destination", pl->dst_blocks, pl->n_blocks, kv->p.n_blocks,
+                        pl->dst_head0, pl->n_heads, kv->p.n_kv_heads));
+    size_t head_b = kv->p.head_dim * kv->elem;
+    cuda_kv_pull_args a;
+    a.src = (const unsigned char *)peer->base;
+    a.dst = (unsigned char *)kv->base;
+    a.src_half = peer->half_bytes;
+    a.dst_half = kv->half_bytes;
+    a.src_tok = peer->p.n_kv_heads * head_b;
+    a.dst_tok = kv->p.n_kv_heads * head_b;
+    a.src_off = pl->src_head0 * head_b;
+    a.dst_off = pl->dst_head0 * head_b;
+    a.row = pl->n_heads * head_b;
+    a.block_size = bs;
+    a.n_tokens = pl->n_tokens;
+    a.n_layers = kv->p.n_layers;
+    size_t ids = pl->n_blocks * sizeof(int32_t);
+    pthread_mutex_lock(&cb->xfer_mu);
+    int rc = cuda_status(cudaSetDevice(cb->device), "cudaSetDevice", __FILE__, __LINE__);
+    if (rc == PD_OK && pl->n_blocks > cb->pull_ids_cap) {
+        cudaFree(cb->d_pull_ids);
+        cudaFreeHost(cb->h_pull_ids);
+        cb->d_pull_ids = cb->h_pull_ids = NULL;
+        cb->pull_ids_cap = 0;
+        rc = cuda_status(cudaMalloc(&cb->d_pull_ids, 2 * ids), "cudaMalloc(pull ids)", __FILE__,
+                         __LINE__);
+        if (rc == PD_OK)
+            rc = cuda_status(cudaMallocHost(&cb->h_pull_ids, 2 * ids), "cudaMallocHost(pull ids)",
+                             __FILE__, __LINE__);
+        if (rc == PD_OK) cb->pull_ids_cap = pl->n_blocks;
+    }
+    if (rc == PD_OK) { // one copy of both lists, from pinned memory (no staging)
+        memcpy(cb->h_pull_ids, pl->src_blocks, ids);
+        memcpy(cb->h_pull_ids + pl->n_blocks, pl->dst_blocks, ids);
+        rc = cuda_status(cudaMemcpyAsync(cb->d_pull_ids, cb->h_pull_ids, 2 * ids,
+                                         cudaMemcpyHostToDevice, cb->xfer_stream),
+                         "cudaMemcpyAsync(pull ids)", __FILE__, __LINE__);
+    }
+    if (rc == PD_OK) {
+        a.src_blocks = cb->d_pull_ids;
+        a.dst_blocks = cb->d_pull_ids + pl->n_blocks;
+        rc = cuda_kv_pull(cb->xfer_stream, &a);
+    }
+    if (rc == PD_OK)
+        rc = cuda_status(cudaStreamSynchronize(cb->xfer_stream), "cudaStreamSynchronize(pull)",
+                         __FILE__, __LINE__);
+    pthread_mutex_unlock(&cb->xfer_mu);
+    return rc;
 }
 
 // ---- plan ---------------------------------------------------------------------------------------
@@ -1406,7 +1621,8 @@ static int op_gather_rows(pd_backend *b, const void *x, size_t dim, void *out)
 static const pd_backend_ops cuda_ops = {
     "cuda",       op_destroy,      op_act_dtype,   op_buf_alloc,   op_buf_free,    op_upload,
     op_download,  op_download_f32, op_sync,        op_weight_load, op_weight_free, op_weight_nbytes,
-    op_kv_create, op_kv_free,      op_kv_layer,    op_kv_export,   op_kv_import,   op_plan,
+    op_kv_create, op_kv_free,      op_kv_layer,    op_kv_export,   op_kv_import,   op_kv_share,
+    op_kv_peer_open, op_kv_peer_close, op_kv_pull, op_plan,
     op_embed,     op_rmsnorm,      op_matmul,      op_rope,        op_kv_write,    op_attention,
     op_swiglu,    op_add,          op_gather_rows,
 };
@@ -1428,13 +1644,20 @@ extern "C" int pd_backend_cuda_kv_blocks(pd_backend *b, const pd_kv_params *p, d
     CUDA_TRY(cudaMemGetInfo(&free_b, &total_b));
     size_t block_b = 2 * (size_t)p->n_layers * p->block_size * p->n_kv_heads * p->head_dim *
                      pd_dtype_size(p->dtype);
-    double budget = (double)total_b * util - (double)(total_b - free_b);
+    // This instance's share (vLLM's meaning, also when several instances share the GPU): what
+    // this backend took since it was created (weights, workspaces, the CUDA context's growth)
+    // counts against total * util; memory of other processes does not, but the pool must fit
+    // in what is free now, less a margin for the allocator.
+    double mine = cb->free_at_create > free_b ? (double)(cb->free_at_create - free_b) : 0.0;
+    double budget = (double)total_b * util - mine;
+    double room = (double)free_b - (double)((size_t)256 << 20);
+    if (budget > room) budget = room;
     if (budget < (double)block_b)
         return pd_error(PD_ENOMEM,
-                        "--gpu-memory-utilization %.2f: %.2f GiB of %.2f GiB is already in use, "
-                        "no room for one KV block of %zu bytes",
-                        util, (double)(total_b - free_b) / 1073741824.0,
-                        (double)total_b / 1073741824.0, block_b);
+                        "--gpu-memory-utilization %.2f: this instance uses %.2f GiB of %.2f GiB "
+                        "and %.2f GiB are free; no room for one KV block of %zu bytes",
+                        util, mine / 1073741824.0, (double)total_b / 1073741824.0,
+                        (double)free_b / 1073741824.0, block_b);
     *n_blocks = (size_t)(budget / (double)block_b);
     PD_INFO(NULL,
             "cuda kv pool: %zu blocks of %zu tokens (%.2f GiB, %zu tokens) at "
@@ -1469,6 +1692,7 @@ extern "C" int pd_backend_cuda_create(const pd_backend_params *params, pd_backen
                         count);
     cuda_be *cb = (cuda_be *)calloc(1, sizeof *cb);
     if (!cb) return pd_error(PD_ENOMEM, "cuda backend: out of host memory");
+    pthread_mutex_init(&cb->xfer_mu, NULL);
     cb->device = p.device;
     cb->params = p;
     cb->wdtype = p.weight_dtype == -1 ? PD_DTYPE_BF16 : (pd_dtype)p.weight_dtype;

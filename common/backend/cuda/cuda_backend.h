@@ -34,12 +34,12 @@ extern "C" {
  * buffers do not fit, PD_EINTERNAL for any other CUDA/cuBLAS failure. */
 int pd_backend_cuda_create(const pd_backend_params *params, pd_backend **out);
 
-/* KV-pool sizing by --gpu-memory-utilization (vLLM's meaning): call after the weights and all
- * other buffers are allocated. With total and free device memory from cudaMemGetInfo, the pool
- * gets total * util - (total - free) bytes, i.e. what is left of the utilization budget after
- * everything already resident (weights, workspaces, other processes). *n_blocks = that budget
- * divided by the bytes of one block of a pool shaped like p (p->n_blocks is ignored); the
- * capacity is logged. PD_EINVAL for util outside (0, 1] or an empty p, PD_ENOMEM (with the
+/* KV-pool sizing by --gpu-memory-utilization (vLLM's meaning: this instance's share of the
+ * device, also when other instances share it): call after the weights and all other buffers
+ * are allocated. The pool gets total * util minus what this backend has taken since it was
+ * created (weights, workspaces), capped by the memory free now less 256 MiB. *n_blocks = that
+ * budget divided by the bytes of one block of a pool shaped like p (p->n_blocks is ignored);
+ * the capacity is logged. PD_EINVAL for util outside (0, 1] or an empty p, PD_ENOMEM (with the
  * figures) when not even one block fits. b must be a CUDA backend. */
 int pd_backend_cuda_kv_blocks(pd_backend *b, const pd_kv_params *p, double util, size_t *n_blocks);
 

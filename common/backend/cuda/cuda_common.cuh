@@ -151,6 +151,23 @@ int cuda_rope(cudaStream_t s, int act, void *x, size_t n, size_t n_heads, size_t
 int cuda_kv_write(cudaStream_t s, int act, const void *k, const void *v, size_t n, size_t kvh,
                   size_t D, const int64_t *slots, void *kc, void *vc);
 
+// k_kv.cu: device-to-device copy of a prompt's KV between two pools (CUDA IPC pull): for every
+// layer and K/V, token t of the prompt moves from slot src_blocks[t / block_size] * block_size +
+// t % block_size of src to the same offset of dst_blocks' block in dst, `row` bytes starting
+// src_off / dst_off bytes into the token (a head range).
+typedef struct {
+    const unsigned char *src;
+    unsigned char *dst;
+    size_t src_half, dst_half; // bytes of one layer's K (or V) in each pool
+    size_t src_tok, dst_tok;   // bytes of one token (all heads) in each pool
+    size_t src_off, dst_off;   // bytes from a token's start to the first copied head
+    size_t row;                // bytes copied per token
+    size_t block_size, n_tokens;
+    int n_layers;
+    const int32_t *src_blocks, *dst_blocks; // device
+} cuda_kv_pull_args;
+int cuda_kv_pull(cudaStream_t s, const cuda_kv_pull_args *a);
+
 // k_attention.cu
 typedef struct {
     int act;                     // activation / pool type (ACT_F32 or ACT_BF16)

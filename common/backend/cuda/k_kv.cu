@@ -1,4 +1,5 @@
-// KV-cache write kernel and launcher: scatters this step's k and v rows into the paged pool.
+// KV-cache kernels and launchers: the write that scatters this step's k and v rows into the
+// paged pool, and the pull that copies a prompt's KV out of another process's pool (CUDA IPC).
 //
 // Design: the pool (bf16, or f32 in the f32 mode) is vLLM's layout (n_blocks, block_size,
 // n_kv_heads, head_dim) per layer, so a slot s = block * block_size + offset is simply row s
@@ -31,4 +32,60 @@ int cuda_kv_write(cudaStream_t s, int act, const void *k, const void *v, size_t 
                  kv_write_kernel<<<(unsigned)blocks, 256, 0, s>>>(
                      (const T *)k, (const T *)v, n, kvh * D, slots, (T *)kc, (T *)vc));
     CUDA_LAUNCH_CHECK("kv_write_kernel");
+}
+
+// Grid: y = layer * 2 + (0: K, 1: V), x = runs of 32 tokens; each warp moves 4 tokens' rows,
+// all 4 loads of a lane in flight before its stores, in words of W (16 bytes when the offsets
+// allow; a row of 4 heads of 64 bf16 is 512 bytes = one word per lane). Only 32-bit division
+// by the block size per row: the copy is bound by memory, not by index arithmetic.
+#define PULL_WARPS 8
+#define PULL_ROWS  4
+template <typename W> __global__ void __launch_bounds__(PULL_WARPS * 32)
+    kv_pull_kernel(cuda_kv_pull_args a)
+{
+    const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const unsigned wpr = (unsigned)(a.row / sizeof(W)), bs = (unsigned)a.block_size;
+    const unsigned t0 = (blockIdx.x * PULL_WARPS + warp) * PULL_ROWS;
+    const unsigned char *sl = a.src + (size_t)blockIdx.y * a.src_half + a.src_off;
+    unsigned char *dl = a.dst + (size_t)blockIdx.y * a.dst_half + a.dst_off;
+    const W *s[PULL_ROWS];
+    W *d[PULL_ROWS];
+#pragma unroll
+    for (int j = 0; j < PULL_ROWS; j++) {
+        unsigned t = t0 + j, blk = t / bs, off = t - blk * bs;
+        s[j] = NULL;
+        d[j] = NULL;
+        if (t < a.n_tokens) {
+            s[j] = (const W *)(sl + ((size_t)a.src_blocks[blk] * bs + off) * a.src_tok);
+            d[j] = (W *)(dl + ((size_t)a.dst_blocks[blk] * bs + off) * a.dst_tok);
+        }
+    }
+    for (unsigned w = lane; w < wpr; w += 32) {
+        W v[PULL_ROWS];
+#pragma unroll
+        for (int j = 0; j < PULL_ROWS; j++)
+            if (s[j]) v[j] = s[j][w];
+#pragma unroll
+        for (int j = 0; j < PULL_ROWS; j++)
+            if (d[j]) d[j][w] = v[j];
+    }
+}
+
+int cuda_kv_pull(cudaStream_t s, const cuda_kv_pull_args *a)
+{
+    if (a->n_tokens == 0 || a->n_layers == 0) return PD_OK;
+    if (a->n_layers > 32767 || a->n_tokens > 0x7fffffffu)
+        return pd_error(PD_EINVAL, "cuda kv_pull: %d layers / %zu tokens out of range",
+                        a->n_layers, a->n_tokens);
+    const size_t per_block = PULL_WARPS * PULL_ROWS;
+    dim3 grid((unsigned)((a->n_tokens + per_block - 1) / per_block), (unsigned)(2 * a->n_layers));
+    size_t align = a->row | a->src_tok | a->dst_tok | a->src_off | a->dst_off | a->src_half |
+                   a->dst_half | (size_t)a->src | (size_t)a->dst;
+    if (align % 16 == 0)
+        kv_pull_kernel<uint4><<<grid, PULL_WARPS * 32, 0, s>>>(*a);
+    else if (align % 4 == 0)
+        kv_pull_kernel<uint32_t><<<grid, PULL_WARPS * 32, 0, s>>>(*a);
+    else
+        kv_pull_kernel<uint16_t><<<grid, PULL_WARPS * 32, 0, s>>>(*a);
+    CUDA_LAUNCH_CHECK("kv_pull_kernel");
 }

@@ -444,3 +444,40 @@ TEST(kv_tcp_dead_receiver_fails_fast)
     pool_free(&p);
     pool_free(&d);
 }
+
+/* A CUDA IPC frame to a receiver whose backend cannot map device memory (CPU) is refused as
+ * PD_EUNSUPPORTED (what the prefill node's `auto` transport falls back on), the reservation
+ * stays, the connection stays in sync, and the same request then moves over TCP. */
+TEST(kv_tcp_ipc_frame_refused_by_cpu_receiver)
+{
+    pool p, d;
+    ASSERT_OK(pool_make(&p, HEADS));
+    ASSERT_OK(pool_make(&d, HEADS));
+    int32_t pb[2] = {4, 6}, db[2] = {1, 9};
+    ASSERT_OK(fill(&p, pb, 2, 0));
+    pd_kv_tcp_receiver *rx = rx_start(&d, 0);
+    ASSERT(rx);
+    atomic_store(&g_done, 0);
+    ASSERT_OK(pd_kv_rx_expect(rx, "ipc-1", db, 2, 7));
+    pd_kv_tcp_sender *tx;
+    ASSERT_OK(pd_kv_tcp_sender_create(&tx));
+    pd_kv_share share = {.id = 42, .p = p.p};
+    memset(share.handle, 0x5a, sizeof share.handle);
+    pd_kv_send_req r = req_for("ipc-1", &p, 0, pb, 2, rx, 0, HEADS);
+    r.n_tokens = 7;
+    r.share = &share;
+    pd_kv_send_stats st;
+    ASSERT_ERR(pd_kv_tcp_send(tx, &r, &st), PD_EUNSUPPORTED, "cannot take KV by CUDA IPC");
+    pd_kv_rx_stats rs;
+    pd_kv_rx_get_stats(rx, &rs);
+    ASSERT_EQ_INT(rs.expected, 1);
+    ASSERT_EQ_INT(rs.refused, 1);
+    r.share = NULL;
+    ASSERT_OK(pd_kv_tcp_send(tx, &r, &st));
+    ASSERT(wait_done(1));
+    ASSERT_EQ_INT(mismatches_upto(&d, db, 2, 0, 7), 0);
+    pd_kv_tcp_sender_destroy(tx);
+    pd_kv_tcp_receiver_stop(rx);
+    pool_free(&p);
+    pool_free(&d);
+}

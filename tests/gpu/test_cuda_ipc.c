@@ -1,0 +1,118 @@
+/* KV transfer by CUDA IPC between two processes on one GPU (the transport of prefill and decode
+ * instances sharing a host): this process is the prefill side (a CUDA pool filled with
+ * kv_ipc_util's pattern, a pd_kv_tcp sender given the pool's share); kv_ipc_peer is the decode
+ * side (its own pool and receiver), which checks every copied element. Cases: all heads with
+ * a prompt that ends inside its last block and blocks numbered differently on both sides; the
+ * head overlap of a prefill rank holding 4 heads and a decode rank holding heads 2..3 (TP 1 to
+ * TP 2); the same connection reused for a second request (the mapping is kept). Exits 77
+ * without a GPU. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+
+#include "harness.h"
+
+#include "backend/cuda/cuda_backend.h"
+#include "cuda_test_util.h"
+#include "kv_ipc_util.h"
+#include "transfer/kv_tcp.h"
+
+enum { LAYERS = 3, BLOCKS = 32, HEADS = 4, HD = 64 };
+
+/* Sends n_tokens of src_ids (heads [h0, h0 + nh) of a 4-head pool) to a peer holding nh heads
+ * from global head h0 in dst_ids, reps times, and returns the peer's verdict. */
+static void transfer_case(const int32_t *src_ids, const int32_t *dst_ids, size_t n,
+                          size_t n_tokens, size_t h0, size_t nh, int reps)
+{
+    pd_backend *b = NULL;
+    ASSERT_OK(pd_backend_cuda_create(NULL, &b));
+    const pd_backend_ops *o = pd_backend_get_ops(b);
+    pd_kv_params p = {.n_layers = LAYERS, .n_blocks = BLOCKS, .block_size = 16,
+                      .n_kv_heads = HEADS, .head_dim = HD, .dtype = PD_DTYPE_BF16};
+    pd_kv *kv = NULL;
+    int rc = o->kv_create(b, &p, &kv);
+    if (rc == PD_OK) rc = kv_ipc_fill(b, kv, &p, 0, src_ids, n);
+    pd_kv_share share;
+    if (rc == PD_OK) rc = o->kv_share(b, kv, &share);
+    char args[1024];
+    int off = snprintf(args, sizeof args,
+                       "--layers %d --heads %zu --head0 %zu --head-dim %d --blocks %d "
+                       "--tokens %zu --reps %d --ids ",
+                       LAYERS, nh, h0, HD, BLOCKS, n_tokens, reps);
+    for (size_t i = 0; i < n; i++)
+        off += snprintf(args + off, sizeof args - (size_t)off, "%s%d", i ? "," : "", dst_ids[i]);
+    FILE *peer = NULL;
+    int port = 0;
+    if (rc == PD_OK) rc = kv_ipc_spawn_peer(args, &peer, &port);
+    pd_kv_tcp_sender *tx = NULL;
+    if (rc == PD_OK) rc = pd_kv_tcp_sender_create(&tx);
+    for (int r = 0; r < reps && rc == PD_OK; r++) {
+        char id[32];
+        snprintf(id, sizeof id, "r%d", r);
+        pd_kv_send_req sr = {.request_id = id, .host = "127.0.0.1", .port = port, .backend = b,
+                             .kv = kv, .kv_params = p, .src_head0 = 0, .block_ids = src_ids,
+                             .n_blocks = n, .n_tokens = n_tokens, .head0 = h0, .n_heads = nh,
+                             .timeout_ms = 20000, .share = &share};
+        pd_kv_send_stats st;
+        rc = pd_kv_tcp_send(tx, &sr, &st);
+        if (rc == PD_OK) {
+            printf("    %s: %llu bytes in %.3f ms (%llu frame)\n", id,
+                   (unsigned long long)st.bytes, st.seconds * 1e3, (unsigned long long)st.frames);
+            ASSERT_EQ_INT(st.bytes, 2ull * LAYERS * n_tokens * nh * HD * 2);
+        }
+    }
+    char verdict[512] = "";
+    if (peer) {
+        while (fgets(verdict, sizeof verdict, peer))
+            if (strcmp(verdict, "ok\n") == 0 || verdict[0]) break;
+    }
+    int st = peer ? pclose(peer) : -1;
+    pd_kv_tcp_sender_destroy(tx);
+    if (kv) o->kv_free(b, kv);
+    pd_backend_destroy(b);
+    ASSERT_OK(rc);
+    printf("    peer: %s", verdict);
+    ASSERT(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+}
+
+TEST(cuda_ipc_all_heads_partial_last_block)
+{
+    if (!ctu_have_gpu()) SKIP(pd_last_error());
+    const int32_t src[3] = {5, 2, 17}, dst[3] = {30, 0, 9};
+    transfer_case(src, dst, 3, 37, 0, HEADS, 2);
+}
+
+TEST(cuda_ipc_head_overlap_tp1_to_tp2)
+{
+    if (!ctu_have_gpu()) SKIP(pd_last_error());
+    const int32_t src[2] = {1, 3}, dst[2] = {7, 6};
+    transfer_case(src, dst, 2, 32, 2, 2, 1);
+}
+
+TEST(cuda_ipc_peer_checks)
+{
+    if (!ctu_have_gpu()) SKIP(pd_last_error());
+    pd_backend *b = NULL;
+    ASSERT_OK(pd_backend_cuda_create(NULL, &b));
+    const pd_backend_ops *o = pd_backend_get_ops(b);
+    pd_kv_params p = {.n_layers = LAYERS, .n_blocks = BLOCKS, .block_size = 16,
+                      .n_kv_heads = HEADS, .head_dim = HD, .dtype = PD_DTYPE_BF16};
+    pd_kv *kv = NULL;
+    ASSERT_OK(o->kv_create(b, &p, &kv));
+    pd_kv_share share, again;
+    ASSERT_OK(o->kv_share(b, kv, &share));
+    ASSERT_OK(o->kv_share(b, kv, &again));
+    ASSERT(share.id == again.id && memcmp(share.handle, again.handle, sizeof share.handle) == 0);
+    pd_kv_peer *peer = NULL;
+    /* a pool of another geometry is refused before any mapping */
+    pd_kv_share other = share;
+    other.p.head_dim = 128;
+    int rc = o->kv_peer_open(b, kv, &other, &peer);
+    /* mapping this process's own pool is not what IPC is for: CUDA refuses it */
+    int rc2 = o->kv_peer_open(b, kv, &share, &peer);
+    o->kv_free(b, kv);
+    pd_backend_destroy(b);
+    ASSERT_EQ_INT(rc, PD_EINVAL);
+    ASSERT_EQ_INT(rc2, PD_EUNSUPPORTED);
+}
