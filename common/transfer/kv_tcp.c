@@ -644,8 +644,10 @@ static void *rx_conn_main(void *arg)
         expect_entry *complete = NULL;
         if (cur_status == PD_OK) {
             pthread_mutex_lock(&rx->mu);
+            int64_t t0 = pd_now_ns();
             int rc = h.flags & FLAG_IPC ? rx_import_ipc(rx, c, &h, buf, &complete)
                                         : rx_import(rx, &h, buf, &complete);
+            if (rc == PD_OK) rx->stats.import_seconds += (double)(pd_now_ns() - t0) / 1e9;
             if (rc < 0) rx->stats.refused++;
             pthread_mutex_unlock(&rx->mu);
             if (rc < 0) {

@@ -74,6 +74,7 @@ typedef struct {
     uint64_t frames, bytes; /* accepted frames and payload bytes */
     uint64_t refused;       /* frames refused */
     uint64_t completed;     /* requests fully imported */
+    double import_seconds;  /* time spent importing accepted frames (copies into the pool) */
     int expected;           /* requests expected now */
 } pd_kv_rx_stats;
 void pd_kv_rx_get_stats(pd_kv_tcp_receiver *rx, pd_kv_rx_stats *out);

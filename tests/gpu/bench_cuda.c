@@ -1,6 +1,7 @@
 /* bench_cuda: GPU figures for docs/benchmarks.md (CUDA backend section).
  *
  *   bench_cuda --model DIR [--prompt 128] [--gen 128] [--prefill 2048] [--batch 64]
+ *              [--ops-only] [--iters 200]
  *
  * Prints, for the model in DIR (made by `pd-mkmodel --preset 1b`):
  *   - device-to-device copy bandwidth (GB/s, read + write, 1 GiB) measured in the same run;
@@ -13,8 +14,10 @@
  *     layer + lm_head for one row): prefill efficiency = GEMM time / prefill time;
  *   - decode throughput at --batch sequences (tokens/s over --gen steps, step time only);
  *   - per-op timings at decode shapes (matmul through the op table vs cuBLAS's GemmEx called
- *     directly, and the cost of one small element-wise op = the launch floor), to show where a
- *     decode step's time goes.
+ *     directly, the cost of one small element-wise op = the launch floor, attention at decode
+ *     contexts 64 / 512 / 4096 for batch 1 and 64, RMSNorm of 1 and 64 rows), to show where a
+ *     decode step's time goes; --ops-only prints these alone (--iters calls each), e.g. under
+ *     Nsight Compute for kernel times without the host's launch cost.
  * Design: the model is driven through the same ctu_runner the GPU tests use (pd_forward over
  * the backend op table), so the figures are those of the code the engine runs.
  */
@@ -33,6 +36,8 @@
 typedef struct {
     const char *model;
     int prompt, gen, prefill, batch;
+    int ops_only; /* --ops-only: only the per-op timings (e.g. under a profiler) */
+    int iters;    /* --iters: calls timed per op (200) */
 } bench_opts;
 
 /* Times the GEMMs of one prefill step of n rows on weights shaped like cfg's. */
@@ -99,12 +104,13 @@ static int gemm_time(pd_backend *b, const pd_model_config *c, size_t n, double *
 }
 
 /* Per-op timings (us per call, wall clock over 200 calls + sync). */
-static int op_micro(pd_backend *b, const pd_model_config *c)
+static int op_micro(pd_backend *b, const pd_model_config *c, int iters)
 {
     const pd_backend_ops *o = pd_backend_get_ops(b);
     size_t H = (size_t)c->hidden_size, I = (size_t)c->intermediate_size;
     size_t V = (size_t)c->vocab_size;
-    size_t shapes[4][2] = {{H, H}, {I, H}, {H, I}, {V, H}}; /* out, in */
+    size_t KV = (size_t)c->num_key_value_heads * (size_t)c->head_dim;
+    size_t shapes[5][2] = {{KV, H}, {H, H}, {I, H}, {H, I}, {V, H}}; /* out, in */
     size_t maxw = V * H > I * H ? V * H : I * H;
     uint16_t *host = malloc(maxw * 2);
     if (!host) return pd_error(PD_ENOMEM, "op_micro: out of memory");
@@ -119,8 +125,7 @@ static int op_micro(pd_backend *b, const pd_model_config *c)
         rc = pd_error(PD_EINTERNAL, "op_micro: cublasCreate failed");
     void *wdev = NULL;
     if (rc == 0) rc = o->buf_alloc(b, maxw * 2, &wdev);
-    const int iters = 200;
-    for (int si = 0; si < 4 && rc == 0; si++) {
+    for (int si = 0; si < 5 && rc == 0; si++) {
         size_t out = shapes[si][0], in = shapes[si][1];
         pd_tensor t;
         memset(&t, 0, sizeof t);
@@ -189,6 +194,176 @@ static int op_micro(pd_backend *b, const pd_model_config *c)
     return rc;
 }
 
+/* Wall-clock us per call of fn(b, ctx) over `iters` calls after 10 warm-up calls, + sync. When the
+ * GPU work of a call is shorter than the host's cost of issuing it, this reads the launch floor
+ * (printed by op_micro as "add of 4096 elements"). */
+typedef int (*bench_fn)(pd_backend *b, void *ctx);
+static int time_calls(pd_backend *b, bench_fn fn, void *ctx, int iters, double *us)
+{
+    const pd_backend_ops *o = pd_backend_get_ops(b);
+    int rc = PD_OK;
+    double t0 = 0;
+    for (int it = 0; it < iters + 10 && rc == 0; it++) {
+        if (it == 10) {
+            rc = o->sync(b);
+            t0 = pd_now_s();
+        }
+        if (rc == 0) rc = fn(b, ctx);
+    }
+    if (rc == 0) rc = o->sync(b);
+    *us = (pd_now_s() - t0) / iters * 1e6;
+    return rc;
+}
+
+typedef struct {
+    const pd_kv *kv;
+    const void *q;
+    void *out;
+    size_t nqh;
+    float scale;
+} attn_call;
+
+static int attn_once(pd_backend *b, void *ctx)
+{
+    attn_call *a = ctx;
+    return pd_backend_get_ops(b)->attention(b, a->kv, 0, a->q, a->nqh, a->scale, a->out);
+}
+
+typedef struct {
+    const void *x;
+    const pd_weight *w;
+    size_t n, dim;
+    void *y;
+} norm_call;
+
+static int norm_once(pd_backend *b, void *ctx)
+{
+    norm_call *a = ctx;
+    return pd_backend_get_ops(b)->rmsnorm(b, a->x, a->w, 1e-5f, a->n, a->dim, a->y);
+}
+
+/* Attention at decode shapes of the model's head layout: `batch` sequences of one new row each at
+ * context ctx (block size 16, each sequence's blocks interleaved with the others' in the pool),
+ * through the op table (host planning of the work list included, once per step as in decode);
+ * and RMSNorm of n rows of the hidden size. us per op, and the KV (or activation) bytes read per
+ * us as GB/s. */
+static int attn_norm_micro(pd_backend *b, const pd_model_config *c, int iters)
+{
+    const pd_backend_ops *o = pd_backend_get_ops(b);
+    const size_t nqh = (size_t)c->num_attention_heads, kvh = (size_t)c->num_key_value_heads;
+    const size_t D = (size_t)c->head_dim, H = (size_t)c->hidden_size, bs = 16;
+    static const int ctxs[3] = {64, 512, 4096}, batches[2] = {1, 64};
+    size_t max_blocks = 64 * ((4096 + bs - 1) / bs);
+    size_t nq = 64 * nqh * D;
+    pd_kv *kv = NULL;
+    pd_kv_params kp = {1, max_blocks, bs, kvh, D, o->act_dtype(b)};
+    int rc = o->kv_create(b, &kp, &kv);
+    size_t esz = o->act_dtype(b) == PD_DTYPE_F32 ? 4 : 2;
+    void *q = NULL, *out = NULL;
+    int32_t *tok = malloc(64 * 4), *pos = malloc(64 * 4), *qip = malloc(65 * 4);
+    int32_t *kvl = malloc(64 * 4), *bip = malloc(65 * 4), *bid = malloc(max_blocks * 4);
+    int32_t *orow = malloc(64 * 4);
+    int64_t *slots = malloc(64 * 8);
+    float *cs = malloc(64 * (D / 2 + 1) * sizeof(float));
+    uint16_t *host = malloc((nq > H * 64 ? nq : H * 64) * 2);
+    if (!tok || !pos || !qip || !kvl || !bip || !bid || !orow || !slots || !cs || !host)
+        rc = rc < 0 ? rc : pd_error(PD_ENOMEM, "attn_norm_micro: out of memory");
+    uint64_t seed = 7;
+    if (rc == 0) {
+        for (size_t i = 0; i < (nq > H * 64 ? nq : H * 64); i++)
+            host[i] = pd_f32_to_bf16(ctu_rand(&seed, 1.0f));
+        for (size_t i = 0; i < 64 * (D / 2 + 1); i++) cs[i] = 1.0f;
+    }
+    if (rc == 0) {
+        float *qf = malloc(nq * sizeof(float));
+        if (!qf) rc = pd_error(PD_ENOMEM, "attn_norm_micro: out of memory");
+        for (size_t i = 0; qf && i < nq; i++) qf[i] = pd_bf16_to_f32(host[i]);
+        if (rc == 0) rc = ctu_act_upload(b, qf, nq, &q); /* (64, nqh, D) activations */
+        free(qf);
+    }
+    if (rc == 0) rc = ctu_act_alloc(b, nq, &out); /* (64, nqh, D) activations */
+    for (int bi = 0; bi < 2 && rc == 0; bi++)
+        for (int ci = 0; ci < 3 && rc == 0; ci++) {
+            size_t nb = (size_t)batches[bi], ctx = (size_t)ctxs[ci];
+            size_t per = (ctx + bs - 1) / bs;
+            for (size_t s = 0; s < nb; s++) {
+                tok[s] = 1;
+                pos[s] = (int32_t)ctx - 1;
+                qip[s] = (int32_t)s;
+                kvl[s] = (int32_t)ctx;
+                bip[s] = (int32_t)(s * per);
+                orow[s] = (int32_t)s;
+                for (size_t k = 0; k < per; k++) bid[s * per + k] = (int32_t)(k * nb + s);
+                slots[s] = (int64_t)bid[s * per + (ctx - 1) / bs] * (int64_t)bs +
+                           (int64_t)((ctx - 1) % bs);
+            }
+            qip[nb] = (int32_t)nb;
+            bip[nb] = (int32_t)(nb * per);
+            pd_batch bt;
+            memset(&bt, 0, sizeof bt);
+            bt.n_tokens = nb;
+            bt.token_ids = tok;
+            bt.positions = pos;
+            bt.slots = slots;
+            bt.rope_cos = cs;
+            bt.rope_sin = cs;
+            bt.rope_dim = D;
+            bt.n_seqs = nb;
+            bt.q_indptr = qip;
+            bt.kv_len = kvl;
+            bt.block_indptr = bip;
+            bt.block_ids = bid;
+            bt.n_out = nb;
+            bt.out_rows = orow;
+            rc = o->plan(b, &bt);
+            /* a repeated step shape starts a graph capture: the sync ends it, ops run eagerly */
+            if (rc == 0) rc = o->sync(b);
+            attn_call a = {kv, q, out, nqh, 1.0f / 8.0f};
+            double us = 0;
+            if (rc == 0) rc = time_calls(b, attn_once, &a, iters, &us);
+            if (rc == 0)
+                printf("  attention decode batch %-2zu ctx %4zu (%zu/%zu heads x %zu): %7.1f us "
+                       "(%5.0f GB/s of KV)\n",
+                       nb, ctx, nqh, kvh, D, us, 2.0 * nb * ctx * kvh * D * esz / us / 1e3);
+        }
+    pd_weight *w = NULL;
+    if (rc == 0) {
+        pd_tensor t;
+        memset(&t, 0, sizeof t);
+        t.name = "micro.norm";
+        t.dtype = PD_DTYPE_BF16;
+        t.ndim = 1;
+        t.shape[0] = (int64_t)H;
+        t.data = host;
+        t.nbytes = H * 2;
+        rc = o->weight_load(b, &t, NULL, &w);
+    }
+    for (int ni = 0; ni < 2 && rc == 0; ni++) {
+        size_t n = ni ? 64 : 1;
+        norm_call a = {q, w, n, H, out};
+        double us = 0;
+        rc = time_calls(b, norm_once, &a, iters, &us);
+        if (rc == 0)
+            printf("  rmsnorm n=%-2zu dim %zu: %7.2f us (%5.0f GB/s read + write)\n", n, H, us,
+                   2.0 * n * H * esz / us / 1e3);
+    }
+    if (w) o->weight_free(b, w);
+    if (q) o->buf_free(b, q);
+    if (out) o->buf_free(b, out);
+    if (kv) o->kv_free(b, kv);
+    free(tok);
+    free(pos);
+    free(qip);
+    free(kvl);
+    free(bip);
+    free(bid);
+    free(orow);
+    free(slots);
+    free(cs);
+    free(host);
+    return rc;
+}
+
 static int fill_prompt(int32_t *p, size_t n, size_t vocab, uint64_t *seed)
 {
     for (size_t i = 0; i < n; i++)
@@ -230,6 +405,13 @@ static int run(const bench_opts *op)
            (long long)c->vocab_size, pd_forward_weight_bytes(r.f) / 1048576.0, "bf16",
            pd_now_s() - t0);
     size_t V = r.vocab;
+    if (op->ops_only) {
+        printf("per-op timings at decode shapes:\n");
+        rc = op_micro(b, c, op->iters);
+        if (rc == 0) rc = attn_norm_micro(b, c, op->iters);
+        ctu_runner_close(&r);
+        goto out_model;
+    }
     int32_t *prompt = malloc((size_t)(op->prefill + op->prompt * (int)nseq + 16) * 4);
     int32_t *seqs = malloc(nseq * 4), *rows = malloc(nseq * 4), *next = malloc(nseq * 4);
     const int32_t **toks = malloc(nseq * sizeof *toks);
@@ -331,7 +513,8 @@ static int run(const bench_opts *op)
                op->prompt + op->gen + 2);
     }
     printf("per-op timings at decode shapes:\n");
-    rc = op_micro(b, c);
+    rc = op_micro(b, c, op->iters);
+    if (rc == 0) rc = attn_norm_micro(b, c, op->iters);
 out:
     free(prompt);
     free(seqs);
@@ -347,11 +530,12 @@ out_model:
 
 int main(int argc, char **argv)
 {
-    bench_opts op = {NULL, 128, 128, 2048, 64};
+    bench_opts op = {NULL, 128, 128, 2048, 64, 0, 200};
     static const struct option lo[] = {
         {"model", required_argument, 0, 'm'}, {"prompt", required_argument, 0, 'p'},
         {"gen", required_argument, 0, 'g'},   {"prefill", required_argument, 0, 'f'},
-        {"batch", required_argument, 0, 'b'}, {0, 0, 0, 0}};
+        {"batch", required_argument, 0, 'b'}, {"ops-only", no_argument, 0, 'o'},
+        {"iters", required_argument, 0, 'i'}, {0, 0, 0, 0}};
     int ch;
     while ((ch = getopt_long(argc, argv, "", lo, NULL)) != -1) {
         switch (ch) {
@@ -360,16 +544,18 @@ int main(int argc, char **argv)
         case 'g': op.gen = atoi(optarg); break;
         case 'f': op.prefill = atoi(optarg); break;
         case 'b': op.batch = atoi(optarg); break;
+        case 'o': op.ops_only = 1; break;
+        case 'i': op.iters = atoi(optarg); break;
         default:
             fprintf(stderr, "usage: bench_cuda --model DIR [--prompt N] [--gen N] "
-                            "[--prefill N] [--batch N]\n");
+                            "[--prefill N] [--batch N] [--ops-only] [--iters N]\n");
             return 2;
         }
     }
     if (!op.model || op.prompt < 1 || op.gen < 8 || op.prefill < 1 || op.batch < 1 ||
-        op.prompt > 2048) {
+        op.prompt > 2048 || op.iters < 1) {
         fprintf(stderr, "bench_cuda: --model is required; --prompt in [1, 2048], --gen >= 8, "
-                        "--prefill >= 1, --batch >= 1\n");
+                        "--prefill >= 1, --batch >= 1, --iters >= 1\n");
         return 2;
     }
     int rc = run(&op);

@@ -88,9 +88,11 @@ int main(int argc, char **argv)
         secs[r] = st.seconds;
         bytes = st.bytes;
     }
-    char verdict[512] = "(no peer)\n";
+    char verdict[512] = "(no peer)\n", imports[512] = "";
     if (peer) {
-        if (!fgets(verdict, sizeof verdict, peer)) snprintf(verdict, sizeof verdict, "(none)\n");
+        snprintf(verdict, sizeof verdict, "(none)\n");
+        while (fgets(verdict, sizeof verdict, peer) && strncmp(verdict, "imports:", 8) == 0)
+            snprintf(imports, sizeof imports, "%s", verdict);
         int st = pclose(peer);
         if (rc == PD_OK && !(WIFEXITED(st) && WEXITSTATUS(st) == 0))
             rc = pd_error(PD_EINTERNAL, "kv_ipc_peer: %s", verdict);
@@ -110,6 +112,7 @@ int main(int argc, char **argv)
                "GB/s, %.1f%%)\n",
                reps - 1, best * 1e3, bytes / best / 1e9, 100.0 * bytes / best / 1e9 / copy,
                med * 1e3, bytes / med / 1e9, 100.0 * bytes / med / 1e9 / copy);
+        printf("  decode side %s", imports);
         printf("  peer check: %s", verdict);
     } else {
         fprintf(stderr, "bench_kv_ipc: %s\n", pd_last_error());

@@ -5,7 +5,7 @@
  * Makes a CUDA backend (device 0, bf16) with an N-block pool of H heads (global heads H0..),
  * starts a KV receiver on 127.0.0.1 and prints "port P"; expects requests r0..r{R-1} of T tokens
  * into blocks ids (all layers, its heads), waits for them all (30 s), then checks the pool against
- * kv_ipc_val and prints "ok" or the first mismatch. Exit 0 only when everything passed. */
+ * kv_ipc_val and prints the mean import time, then "ok" or the first mismatch. Exit 0 only when everything passed. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -82,7 +82,13 @@ int main(int argc, char **argv)
         rc = pd_error(PD_ETIMEOUT, "%d of %d requests imported within 30 s (%d failed)", n_done,
                       reps, n_failed);
     pthread_mutex_unlock(&mu);
-    if (rc == PD_OK) rc = kv_ipc_check(b, kv, &p, 0, head0, p.n_kv_heads, ids, n, tokens);
+    if (rc == PD_OK) {
+        pd_kv_rx_stats st;
+        pd_kv_rx_get_stats(rx, &st);
+        printf("imports: %llu requests, %.3f ms each on average (frame checks, mapping, pull)\n",
+               (unsigned long long)st.completed, 1e3 * st.import_seconds / (double)st.completed);
+        rc = kv_ipc_check(b, kv, &p, 0, head0, p.n_kv_heads, ids, n, tokens);
+    }
     printf("%s\n", rc == PD_OK ? "ok" : pd_last_error());
     if (rx) pd_kv_tcp_receiver_stop(rx);
     if (kv) pd_backend_get_ops(b)->kv_free(b, kv);

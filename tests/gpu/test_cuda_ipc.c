@@ -65,7 +65,7 @@ static void transfer_case(const int32_t *src_ids, const int32_t *dst_ids, size_t
     char verdict[512] = "";
     if (peer) {
         while (fgets(verdict, sizeof verdict, peer))
-            if (strcmp(verdict, "ok\n") == 0 || verdict[0]) break;
+            if (strncmp(verdict, "imports:", 8) != 0) break;
     }
     int st = peer ? pclose(peer) : -1;
     pd_kv_tcp_sender_destroy(tx);

@@ -78,7 +78,9 @@ static void elementwise_case(int mode)
 {
     cuda_pair p;
     ASSERT_OK(ctu_pair_open(&p, mode));
-    static const size_t shapes[][2] = {{1, 64}, {7, 100}, {33, 4097}, {130, 2048}};
+    /* 2048 .. 16384: the register-resident kernel's block sizes; the rest the general one */
+    static const size_t shapes[][2] = {{1, 64},    {7, 100},   {33, 4097}, {130, 2048},
+                                       {3, 12288}, {2, 6144}, {2, 16384}};
     uint64_t seed = 1;
     for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
         size_t n = shapes[si][0], dim = shapes[si][1], ne = n * dim;
@@ -137,7 +139,8 @@ static void matmul_case(int gpu_wdtype)
     /* n <= 8 with in % 8 == 0 takes the GEMV kernel, the others cuBLAS */
     static const size_t shapes[][3] = {{1, 64, 96},     {5, 100, 37},    {64, 512, 1408},
                                        {130, 257, 513}, {3, 2048, 4099}, {8, 256, 300},
-                                       {2, 5632, 77}};
+                                       {2, 5632, 77},   {2, 20480, 33},  {1, 4096, 3},
+                                       {7, 12288, 5}}; /* in > 2048: the GEMV split over warps */
     uint64_t seed = 7 + (uint64_t)gpu_wdtype;
     for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
         size_t n = shapes[si][0], in = shapes[si][1], out = shapes[si][2];
@@ -552,6 +555,17 @@ TEST(cuda_attention_d96_d256)
     static const seq_spec s[] = {{0, 70}, {333, 1}, {64, 33}};
     attention_case(16, 2, 96, 16, s, 3, "d96");
     attention_case(8, 1, 256, 16, s, 3, "d256");
+}
+
+/* head_dim not a multiple of 8 (bf16) or 4 (f32): the scalar chunk path; 200: wide heads */
+TEST(cuda_attention_odd_head_dims)
+{
+    NEED_GPU();
+    static const seq_spec s[] = {{0, 70}, {333, 1}, {64, 33}, {1500, 1}};
+    attention_case(8, 2, 36, 16, s, 4, "d36");
+    attention_case_mode(PD_DTYPE_F32, 8, 2, 34, 16, s, 4, "d34 f32");
+    attention_case_mode(PD_DTYPE_F32, 8, 2, 36, 5, s, 4, "d36 f32, block 5");
+    attention_case(16, 2, 200, 16, s, 4, "d200");
 }
 
 TEST(cuda_attention_long_decode_split)

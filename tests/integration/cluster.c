@@ -28,11 +28,30 @@
 
 extern char **environ;
 
+/* BUILD/tests/<suite>/<exe>: the build directory this program belongs to ("build" when
+ * /proc/self/exe cannot be read). */
+static char g_exe_root[900];
+static void find_exe_root(void)
+{
+    ssize_t n = readlink("/proc/self/exe", g_exe_root, sizeof g_exe_root - 1);
+    g_exe_root[n > 0 ? n : 0] = '\0';
+    for (int up = 0; up < 3; up++) {
+        char *slash = strrchr(g_exe_root, '/');
+        if (slash) *slash = '\0';
+    }
+    if (!g_exe_root[0]) snprintf(g_exe_root, sizeof g_exe_root, "build");
+}
+
 const char *cl_bin(const char *rel)
 {
     static _Thread_local char buf[1024];
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
     const char *root = getenv("PD_BUILD_ROOT");
-    snprintf(buf, sizeof buf, "%s/%s", root ? root : "build", rel);
+    if (!root) {
+        pthread_once(&once, find_exe_root);
+        root = g_exe_root;
+    }
+    snprintf(buf, sizeof buf, "%s/%s", root, rel);
     return buf;
 }
 

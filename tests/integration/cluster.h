@@ -18,7 +18,8 @@ typedef struct {
     char log[512];
 } cl_proc;
 
-/* Path of a built executable, e.g. cl_bin("tools/mkmodel/pd-mkmodel"). Static buffer. */
+/* Path of a built executable, e.g. cl_bin("tools/mkmodel/pd-mkmodel"), under $PD_BUILD_ROOT or
+ * else the build directory of the running program. Thread-local buffer. */
 const char *cl_bin(const char *rel);
 /* Runs argv to completion within timeout_s; stdout (and stderr) go to out_file when not NULL.
  * Returns the exit status, or -1 (timeout, spawn failure: killed and reaped). */

@@ -2,88 +2,146 @@
 // launcher.
 //
 // Design: decode is bound by reading the weights once per step, and cuBLAS's GEMM tiles waste
-// most of their work (and grid) when n is 1..8, so small n takes this kernel: one warp per
-// output row streams the weight row with 16-byte loads, 4 loads in flight per lane, applies it
-// to all n input rows (each weight element read once per step), then reduces across the warp.
-// The reduction order depends only on `in` (never on n or on other rows), so a row's result is
-// the same whatever the batch; the bias is added in f32 before the single rounding of y.
+// most of their work (and grid) when n is 1..8, so small n takes this kernel: warps stream the
+// weight rows with 16-byte loads, apply them to all n input rows (each weight element read once
+// per step) and reduce. A decode matrix is a few MiB, so the time is mostly memory latency and
+// the kernel keeps many bytes in flight: a lane issues GEMV_UNROLL (8) raw 16-byte loads before
+// using any, so a warp covers a segment of 256 chunks (2048 elements, 4 KiB of bf16) per round
+// trip; rows longer than one segment are split over S = ceil(segments) warps (at most
+// GEMV_MAX_SPLIT, each then taking consecutive segments) whose partial sums meet in shared
+// memory; blocks are small (4 warps, or the S warps of one row) so that matrices of a few
+// hundred rows still spread over most SMs.
+// The reduction order depends only on `in`: a lane sums its chunks in increasing order, a fixed
+// shuffle tree reduces the warp, and the S partials are added in split order; S and the
+// segment bounds are functions of `in` alone. So a row's result is the same whatever n and the
+// other rows are; the bias is added in f32 before the single rounding of y.
 #include <stdint.h>
 
 #include "backend/cuda/cuda_common.cuh"
 
-#define GEMV_WARPS  8
-#define GEMV_UNROLL 4
+#define GEMV_WARPS     4                  // warps of a block when a row is one segment
+#define GEMV_UNROLL    8                  // 16-byte loads in flight per lane
+#define GEMV_SEG       (32 * GEMV_UNROLL) // chunks of 8 elements one warp covers per pass
+#define GEMV_MAX_SPLIT 8                  // most warps sharing one row
+#define GEMV_MAX_WARPS (GEMV_MAX_SPLIT > GEMV_WARPS ? GEMV_MAX_SPLIT : GEMV_WARPS)
 
-__device__ __forceinline__ void load8(const bf16 *p, float f[8])
-{
-    uint4 u = __ldg((const uint4 *)p);
-    const __nv_bfloat162 *h = (const __nv_bfloat162 *)&u;
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        float2 v = __bfloat1622float2(h[i]);
-        f[2 * i] = v.x;
-        f[2 * i + 1] = v.y;
+// 8 consecutive elements of a row in their storage type (16 bytes, or 32 for f32), loaded with
+// read-only 16-byte loads and turned into f32 only when used.
+template <typename T> struct gemv_chunk;
+template <> struct gemv_chunk<bf16> {
+    uint4 u;
+    __device__ __forceinline__ void load(const bf16 *p)
+    {
+        u = __ldg((const uint4 *)p);
     }
-}
-
-__device__ __forceinline__ void load8(const __half *p, float f[8])
-{
-    uint4 u = __ldg((const uint4 *)p);
-    const __half2 *h = (const __half2 *)&u;
+    __device__ __forceinline__ void get(float f[8]) const
+    {
+        const __nv_bfloat162 *h = (const __nv_bfloat162 *)&u;
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
-        float2 v = __half22float2(h[i]);
-        f[2 * i] = v.x;
-        f[2 * i + 1] = v.y;
+        for (int i = 0; i < 4; i++) {
+            float2 v = __bfloat1622float2(h[i]);
+            f[2 * i] = v.x;
+            f[2 * i + 1] = v.y;
+        }
     }
-}
+};
+template <> struct gemv_chunk<__half> {
+    uint4 u;
+    __device__ __forceinline__ void load(const __half *p)
+    {
+        u = __ldg((const uint4 *)p);
+    }
+    __device__ __forceinline__ void get(float f[8]) const
+    {
+        const __half2 *h = (const __half2 *)&u;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            float2 v = __half22float2(h[i]);
+            f[2 * i] = v.x;
+            f[2 * i + 1] = v.y;
+        }
+    }
+};
+template <> struct gemv_chunk<float> {
+    float4 a, b;
+    __device__ __forceinline__ void load(const float *p)
+    {
+        a = __ldg((const float4 *)p);
+        b = __ldg((const float4 *)p + 1);
+    }
+    __device__ __forceinline__ void get(float f[8]) const
+    {
+        f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w;
+        f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
+    }
+};
 
-__device__ __forceinline__ void load8(const float *p, float f[8])
-{
-    float4 a = __ldg((const float4 *)p), b = __ldg((const float4 *)p + 1);
-    f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w;
-    f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
-}
-
+// Block: R rows x S warps per row (blockDim.x = 32 * S * R); warp (r, sp) covers chunks
+// [sp * per, min((sp + 1) * per, in / 8)) of row blockIdx.x * R + r, per = a multiple of
+// GEMV_SEG (a function of in only).
 template <typename TW, typename TX, int N>
-__global__ void __launch_bounds__(GEMV_WARPS * 32)
-    gemv_kernel(const TX *x, const TW *W, size_t out, size_t in, const float *bias, TX *y)
+__global__ void __launch_bounds__(GEMV_MAX_WARPS * 32)
+    gemv_kernel(const TX *x, const TW *W, size_t out, size_t in, int S, size_t per,
+                const float *bias, TX *y)
 {
+    __shared__ float part[GEMV_MAX_WARPS][N]; // per warp: its partial for each input row
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const size_t j = (size_t)blockIdx.x * GEMV_WARPS + warp;
-    if (j >= out) return;
-    const TW *wr = W + j * in;
+    const int R = (int)(blockDim.x >> 5) / S;
+    const int sp = warp % S;
+    const size_t j = (size_t)blockIdx.x * R + warp / S;
+    const bool active = j < out;
     float acc[N];
 #pragma unroll
     for (int r = 0; r < N; r++) acc[r] = 0.0f;
     const size_t chunks = in / 8; // 8-element chunks of the row
-    for (size_t c0 = lane; c0 < chunks; c0 += 32 * GEMV_UNROLL) {
-        float w[GEMV_UNROLL][8];
+    const size_t c_end = min(chunks, (size_t)(sp + 1) * per);
+    const TW *wr = W + (active ? j : 0) * in;
+    for (size_t c0 = (size_t)sp * per + lane; active && c0 < c_end; c0 += GEMV_SEG) {
+        gemv_chunk<TW> w[GEMV_UNROLL];
 #pragma unroll
         for (int u = 0; u < GEMV_UNROLL; u++) {
             size_t c = c0 + (size_t)u * 32;
-            if (c < chunks) load8(wr + c * 8, w[u]);
+            if (c < c_end) w[u].load(wr + c * 8);
         }
 #pragma unroll
         for (int u = 0; u < GEMV_UNROLL; u++) {
             size_t c = c0 + (size_t)u * 32;
-            if (c >= chunks) break;
+            if (c >= c_end) break;
+            float wf[8];
+            w[u].get(wf);
 #pragma unroll
             for (int r = 0; r < N; r++) {
+                gemv_chunk<TX> xc;
+                xc.load(x + (size_t)r * in + c * 8);
                 float xv[8];
-                load8(x + (size_t)r * in + c * 8, xv);
+                xc.get(xv);
                 float s = 0.0f;
 #pragma unroll
-                for (int e = 0; e < 8; e++) s += w[u][e] * xv[e];
+                for (int e = 0; e < 8; e++) s += wf[e] * xv[e];
                 acc[r] += s;
             }
         }
     }
 #pragma unroll
+    for (int r = 0; r < N; r++)
+        for (int o = 16; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
+    if (S == 1) { // grid-uniform
+        if (active && lane == 0)
+#pragma unroll
+            for (int r = 0; r < N; r++)
+                stf(y, (size_t)r * out + j, bias ? acc[r] + bias[j] : acc[r]);
+        return;
+    }
+    if (lane == 0)
+#pragma unroll
+        for (int r = 0; r < N; r++) part[warp][r] = acc[r];
+    __syncthreads();
+    if (!active || sp != 0 || lane != 0) return;
+#pragma unroll
     for (int r = 0; r < N; r++) {
-        float v = acc[r];
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-        if (lane == 0) stf(y, (size_t)r * out + j, bias ? v + bias[j] : v);
+        float v = part[warp][r];
+        for (int q = 1; q < S; q++) v += part[warp + q][r];
+        stf(y, (size_t)r * out + j, bias ? v + bias[j] : v);
     }
 }
 
@@ -91,17 +149,21 @@ template <typename TW, typename TX>
 static void gemv_launch(cudaStream_t s, const TX *x, size_t n, const TW *W, size_t out, size_t in,
                         const float *bias, TX *y)
 {
-    unsigned grid = (unsigned)((out + GEMV_WARPS - 1) / GEMV_WARPS);
-    const unsigned th = GEMV_WARPS * 32;
+    // split and segment bounds from `in` alone (see the file comment)
+    const size_t segs = (in / 8 + GEMV_SEG - 1) / GEMV_SEG;
+    const int S = segs <= 1 ? 1 : segs < GEMV_MAX_SPLIT ? (int)segs : GEMV_MAX_SPLIT;
+    const size_t per = (segs + S - 1) / S * GEMV_SEG;
+    const int R = S >= GEMV_WARPS ? 1 : GEMV_WARPS / S;
+    const unsigned grid = (unsigned)((out + R - 1) / R), th = (unsigned)(32 * S * R);
     switch (n) {
-    case 1: gemv_kernel<TW, TX, 1><<<grid, th, 0, s>>>(x, W, out, in, bias, y); break;
-    case 2: gemv_kernel<TW, TX, 2><<<grid, th, 0, s>>>(x, W, out, in, bias, y); break;
-    case 3: gemv_kernel<TW, TX, 3><<<grid, th, 0, s>>>(x, W, out, in, bias, y); break;
-    case 4: gemv_kernel<TW, TX, 4><<<grid, th, 0, s>>>(x, W, out, in, bias, y); break;
-    case 5: gemv_kernel<TW, TX, 5><<<grid, th, 0, s>>>(x, W, out, in, bias, y); break;
-    case 6: gemv_kernel<TW, TX, 6><<<grid, th, 0, s>>>(x, W, out, in, bias, y); break;
-    case 7: gemv_kernel<TW, TX, 7><<<grid, th, 0, s>>>(x, W, out, in, bias, y); break;
-    default: gemv_kernel<TW, TX, 8><<<grid, th, 0, s>>>(x, W, out, in, bias, y); break;
+    case 1: gemv_kernel<TW, TX, 1><<<grid, th, 0, s>>>(x, W, out, in, S, per, bias, y); break;
+    case 2: gemv_kernel<TW, TX, 2><<<grid, th, 0, s>>>(x, W, out, in, S, per, bias, y); break;
+    case 3: gemv_kernel<TW, TX, 3><<<grid, th, 0, s>>>(x, W, out, in, S, per, bias, y); break;
+    case 4: gemv_kernel<TW, TX, 4><<<grid, th, 0, s>>>(x, W, out, in, S, per, bias, y); break;
+    case 5: gemv_kernel<TW, TX, 5><<<grid, th, 0, s>>>(x, W, out, in, S, per, bias, y); break;
+    case 6: gemv_kernel<TW, TX, 6><<<grid, th, 0, s>>>(x, W, out, in, S, per, bias, y); break;
+    case 7: gemv_kernel<TW, TX, 7><<<grid, th, 0, s>>>(x, W, out, in, S, per, bias, y); break;
+    default: gemv_kernel<TW, TX, 8><<<grid, th, 0, s>>>(x, W, out, in, S, per, bias, y); break;
     }
 }
 
@@ -109,7 +171,7 @@ int cuda_gemv(cudaStream_t s, int act, const void *x, size_t n, const void *W, i
               size_t out, size_t in, const float *bias, void *y)
 {
     if (n < 1 || n > CUDA_GEMV_MAX_N || in % 8 || ((uintptr_t)x | (uintptr_t)W) % 16 ||
-        out > (size_t)0x7fffffff * GEMV_WARPS)
+        out > (size_t)0x7fffffff)
         return PD_EUNSUPPORTED; // the caller takes the GEMM path; no message needed
     if (act == ACT_BF16 && wdtype == ACT_BF16)
         gemv_launch(s, (const bf16 *)x, n, (const bf16 *)W, out, in, bias, (bf16 *)y);
