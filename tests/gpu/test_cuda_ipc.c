@@ -20,19 +20,30 @@
 
 enum { LAYERS = 3, BLOCKS = 32, HEADS = 4, HD = 64 };
 
+static const pd_kv_params k_pool = {.n_layers = LAYERS, .n_blocks = BLOCKS, .block_size = 16,
+                                    .n_kv_heads = HEADS, .head_dim = HD, .dtype = PD_DTYPE_BF16};
+
+/* A CUDA backend on device 0 with a k_pool-shaped pool. */
+static int open_pool(pd_backend **b, pd_kv **kv)
+{
+    *kv = NULL;
+    PD_CHECK(pd_backend_cuda_create(NULL, b));
+    int rc = pd_backend_get_ops(*b)->kv_create(*b, &k_pool, kv);
+    if (rc < 0) pd_backend_destroy(*b);
+    return rc;
+}
+
 /* Sends n_tokens of src_ids (heads [h0, h0 + nh) of a 4-head pool) to a peer holding nh heads
  * from global head h0 in dst_ids, reps times, and returns the peer's verdict. */
 static void transfer_case(const int32_t *src_ids, const int32_t *dst_ids, size_t n,
                           size_t n_tokens, size_t h0, size_t nh, int reps)
 {
     pd_backend *b = NULL;
-    ASSERT_OK(pd_backend_cuda_create(NULL, &b));
-    const pd_backend_ops *o = pd_backend_get_ops(b);
-    pd_kv_params p = {.n_layers = LAYERS, .n_blocks = BLOCKS, .block_size = 16,
-                      .n_kv_heads = HEADS, .head_dim = HD, .dtype = PD_DTYPE_BF16};
     pd_kv *kv = NULL;
-    int rc = o->kv_create(b, &p, &kv);
-    if (rc == PD_OK) rc = kv_ipc_fill(b, kv, &p, 0, src_ids, n);
+    const pd_kv_params p = k_pool;
+    ASSERT_OK(open_pool(&b, &kv));
+    const pd_backend_ops *o = pd_backend_get_ops(b);
+    int rc = kv_ipc_fill(b, kv, &p, 0, src_ids, n);
     pd_kv_share share;
     if (rc == PD_OK) rc = o->kv_share(b, kv, &share);
     char args[1024];
@@ -94,12 +105,9 @@ TEST(cuda_ipc_peer_checks)
 {
     if (!ctu_have_gpu()) SKIP(pd_last_error());
     pd_backend *b = NULL;
-    ASSERT_OK(pd_backend_cuda_create(NULL, &b));
-    const pd_backend_ops *o = pd_backend_get_ops(b);
-    pd_kv_params p = {.n_layers = LAYERS, .n_blocks = BLOCKS, .block_size = 16,
-                      .n_kv_heads = HEADS, .head_dim = HD, .dtype = PD_DTYPE_BF16};
     pd_kv *kv = NULL;
-    ASSERT_OK(o->kv_create(b, &p, &kv));
+    ASSERT_OK(open_pool(&b, &kv));
+    const pd_backend_ops *o = pd_backend_get_ops(b);
     pd_kv_share share, again;
     ASSERT_OK(o->kv_share(b, kv, &share));
     ASSERT_OK(o->kv_share(b, kv, &again));

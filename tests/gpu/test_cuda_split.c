@@ -37,16 +37,7 @@ static int compare(cl_cluster *c, const char *transport, double temperature, int
         printf("    reference: %s\n", pd_last_error());
         return N_PROMPTS;
     }
-    Pd__SamplingParams sp = PD__SAMPLING_PARAMS__INIT;
-    sp.n = 1;
-    sp.temperature = temperature;
-    sp.top_p = 1;
-    sp.repetition_penalty = 1;
-    sp.logprobs = -1;
-    sp.max_tokens = MAX_TOKENS;
-    sp.skip_special_tokens = true;
-    sp.has_seed = true;
-    sp.seed = seed;
+    Pd__SamplingParams sp = cl_sampling(temperature, seed, MAX_TOKENS);
     int bad = 0;
     for (int i = 0; i < N_PROMPTS; i++) {
         char id[64];

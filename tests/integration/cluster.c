@@ -611,6 +611,21 @@ fail:
     return pd_error(PD_EINTERNAL, "%s", out->error);
 }
 
+Pd__SamplingParams cl_sampling(double temperature, int64_t seed, int max_tokens)
+{
+    Pd__SamplingParams s = PD__SAMPLING_PARAMS__INIT;
+    s.n = 1;
+    s.temperature = temperature;
+    s.top_p = 1;
+    s.repetition_penalty = 1;
+    s.logprobs = -1;
+    s.max_tokens = max_tokens;
+    s.skip_special_tokens = true;
+    s.has_seed = true;
+    s.seed = seed;
+    return s;
+}
+
 int cl_reference(const char *model, const int32_t *const *prompts, const size_t *n_prompt, size_t n,
                  int max_tokens, double temperature, int64_t seed, const char *dir, cl_result *out)
 {

@@ -87,6 +87,10 @@ typedef struct {
     char error[512];
 } cl_result;
 
+/* Sampling for cl_generate: n 1, the given temperature and seed, top_p 1, no penalties, no
+ * logprobs, max_tokens, special tokens skipped. */
+Pd__SamplingParams cl_sampling(double temperature, int64_t seed, int max_tokens);
+
 int cl_generate(cl_cluster *c, int pk, int dk, const char *request_id, const int32_t *prompt,
                 size_t n_prompt, const Pd__SamplingParams *sampling, cl_result *out);
 

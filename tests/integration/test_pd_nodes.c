@@ -38,17 +38,7 @@ static void make_prompts(int32_t buf[N_PROMPTS][64], size_t *len, const int32_t 
 
 static Pd__SamplingParams sampling(double temperature, int64_t seed)
 {
-    Pd__SamplingParams s = PD__SAMPLING_PARAMS__INIT;
-    s.n = 1;
-    s.temperature = temperature;
-    s.top_p = 1;
-    s.repetition_penalty = 1;
-    s.logprobs = -1;
-    s.max_tokens = MAX_TOKENS;
-    s.skip_special_tokens = true;
-    s.has_seed = true;
-    s.seed = seed;
-    return s;
+    return cl_sampling(temperature, seed, MAX_TOKENS);
 }
 
 /* Runs n prompts through the cluster (prefill/decode instances chosen round-robin) and compares
@@ -242,46 +232,52 @@ TEST(pd_decode_stalled_prefill_lease_frees_kv)
     ASSERT_EQ_INT(cl_stop_all(&c), 0);
 }
 
+/* Runs argv (a node that must refuse to start) and returns its log in text (cap bytes), or
+ * "" when it did not exit with status 1 within 30 s. */
+static void refused(char *const argv[], char *const env[], const char *log, char *text, size_t cap)
+{
+    cl_proc p;
+    text[0] = '\0';
+    unlink(log);
+    if (cl_spawn(&p, "refused", argv, env, log) != 0 || cl_wait(&p, 30000) != 1) return;
+    FILE *f = fopen(log, "r");
+    size_t n = f ? fread(text, 1, cap - 1, f) : 0;
+    text[n] = '\0';
+    if (f) fclose(f);
+}
+
 TEST(pd_node_refuses_wrong_tp_and_unknown_instance)
 {
     const char *model = model_dir();
     ASSERT(model);
     cl_cluster c;
     ASSERT_OK(cl_start(&c, model, "0", "1", NULL));
-    char log[600], local[600], genv[700], lenv[700];
+    char log[600], local[600], genv[700], lenv[700], text[4096];
     snprintf(local, sizeof local, "%s/local_ranktable_127.0.0.1_0.json", c.dir);
     snprintf(genv, sizeof genv, "GLOBAL_RANK_TABLE_FILE_PATH=%s", c.global);
     snprintf(lenv, sizeof lenv, "RANK_TABLE_FILE_PATH=%s", local);
     snprintf(log, sizeof log, "%s/bad.log", c.dir);
     char *env[] = {genv, lenv, NULL};
+    char prefill[1024]; /* cl_bin's buffer is reused by the next call */
+    snprintf(prefill, sizeof prefill, "%s", cl_bin("prefill_node/pd-prefill"));
     /* TP 2 for a one-device instance */
-    char *argv[] = {(char *)cl_bin("prefill_node/pd-prefill"),
-                    "--model",
-                    (char *)model,
-                    "--port",
-                    "1",
-                    "--tensor-parallel-size",
-                    "2",
-                    NULL};
-    cl_proc p;
-    ASSERT_EQ_INT(cl_spawn(&p, "bad-tp", argv, env, log), 0);
-    ASSERT_EQ_INT(cl_wait(&p, 30000), 1); /* refuses to start: exit status 1 */
-    FILE *f = fopen(log, "r");
-    char text[4096] = "";
-    size_t n = f ? fread(text, 1, sizeof text - 1, f) : 0;
-    text[n] = '\0';
-    if (f) fclose(f);
+    char *tp2[] = {prefill, "--model", (char *)model, "--port", "1", "--tensor-parallel-size", "2",
+                   NULL};
+    refused(tp2, env, log, text, sizeof text);
     ASSERT_CONTAINS(text, "--tensor-parallel-size 2 does not match the 1 device(s)");
     /* a decode binary pointed at the prefill instance's table */
-    char *argv2[] = {
+    char *role[] = {
         (char *)cl_bin("decode_node/pd-decode"), "--model", (char *)model, "--port", "1", NULL};
-    unlink(log);
-    ASSERT_EQ_INT(cl_spawn(&p, "bad-role", argv2, env, log), 0);
-    ASSERT_EQ_INT(cl_wait(&p, 30000), 1);
-    f = fopen(log, "r");
-    n = f ? fread(text, 1, sizeof text - 1, f) : 0;
-    text[n] = '\0';
-    if (f) fclose(f);
+    refused(role, env, log, text, sizeof text);
     ASSERT_CONTAINS(text, "is a prefill instance, not a decode one");
+    /* KV transports this instance cannot use */
+    char *ipc[] = {prefill, "--model", (char *)model, "--port", "1", "--kv-transport", "cuda_ipc",
+                   NULL};
+    refused(ipc, env, log, text, sizeof text);
+    ASSERT_CONTAINS(text, "--kv-transport cuda_ipc needs --device cuda");
+    char *nccl[] = {prefill, "--model", (char *)model, "--port", "1", "--kv-transport", "nccl",
+                    NULL};
+    refused(nccl, env, log, text, sizeof text);
+    ASSERT_CONTAINS(text, "--kv-transport nccl: the NCCL KV transport is not available");
     ASSERT_EQ_INT(cl_stop_all(&c), 0);
 }
