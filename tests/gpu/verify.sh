@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The GPU verification pass in one command, on a GPU machine (docs/gpu.md): runs the test suites
+# from a pack made by tests/gpu/devpack.sh, then every GPU benchmark of docs/benchmarks.md, and
+# writes each one's output under OUT_DIR. Run from a copy of the source tree:
+#   tests/gpu/verify.sh [--pack .devpack] [--out DIR] [--model DIR] [--skip-suites] [--ncu]
+# Steps (each bounded by `timeout`): gpu, unit and integration suites; pd-mkmodel --preset 1b
+# (unless --model names a model);
+# bench_cuda; bench_kv_ipc; bench_pd ttft (CUDA IPC, then TCP); hf_decode_bench.py (transformers
+# generate on the same weights); serve_bench.sh (1P1D on the GPU behind pd-scheduler, CUDA IPC);
+# with --ncu, per-kernel times of two eager decode steps (ncu CSV). Ends with the list of steps
+# and their exit status; exit 1 when any failed.
+set -uo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+pack=$root/.devpack out=${OUT:-/tmp/pdserve-verify} suites=1 ncu=0 model=/tmp/pdserve-1b
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --pack) pack=$(cd "$2" && pwd); shift ;;
+    --out) out=$2; shift ;;
+    --model) model=$2; shift ;;
+    --skip-suites) suites=0 ;;
+    --ncu) ncu=1 ;;
+    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    *) echo "verify.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+[ -f "$pack/run_tests.py" ] || { echo "verify.sh: no pack in $pack (tests/gpu/devpack.sh makes one)" >&2; exit 2; }
+mkdir -p "$out"
+unpack=/tmp/pdserve-pack
+B=$unpack/build
+# Tests call /usr/bin/python3 with numpy; where only another python3 on PATH has it (the lent
+# machines' PyTorch environment), run them with that one's site-packages.
+if ! /usr/bin/python3 -c 'import numpy' 2>/dev/null && python3 -c 'import numpy' 2>/dev/null; then
+  sp=$(python3 -c 'import numpy,os;print(os.path.dirname(os.path.dirname(numpy.__file__)))')
+  export PYTHONPATH=$sp${PYTHONPATH:+:$PYTHONPATH}
+fi
+summary=()
+step() { # name, timeout, command...
+  local name=$1 t=$2; shift 2
+  echo "== $name ($(date -u +%H:%M:%S))"
+  timeout "$t" "$@" >"$out/$name.txt" 2>&1
+  local rc=$?
+  grep -vE " INFO |^\s*$" "$out/$name.txt" | tail -n 25
+  summary+=("$name: exit $rc")
+}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+step gpu_suite 900 python3 "$pack/run_tests.py" --suite gpu --unpack "$unpack" --logs "$out/gpu_logs.tgz"
+if [ "$suites" = 1 ]; then
+  step other_suites 900 python3 "$pack/run_tests.py" --suite unit --suite integration --jobs 12 --unpack "$unpack"
+fi
+nv=$(python3 -c 'import site,glob,os;print(":".join(d for sp in site.getsitepackages() for d in glob.glob(os.path.join(sp,"nvidia","*","lib"))))' 2>/dev/null)
+export LD_LIBRARY_PATH=$unpack/lib:/usr/local/cuda/lib64:$nv:${LD_LIBRARY_PATH:-}
+export PD_BUILD_ROOT=$B
+[ -f "$model/config.json" ] || step mkmodel 300 "$B/tools/mkmodel/pd-mkmodel" --preset 1b --out "$model" --threads "$(nproc)"
+step bench_cuda 300 "$B/tests/gpu/bench_cuda" --model "$model"
+step bench_kv_ipc 120 "$B/tests/gpu/bench_kv_ipc"
+for t in cuda_ipc tcp; do
+  step "ttft_$t" 200 "$B/tests/integration/bench_pd" ttft --model "$model" --prompt-len 1984 --reps 7 --device cuda --kv-transport "$t"
+done
+step hf_generate 300 python3 "$root/tests/gpu/hf_decode_bench.py" "$model"
+step serve_bench 600 "$root/tests/gpu/serve_bench.sh" --bin-dir "$B" --model "$model" --device cuda --dtype bfloat16 --kv-transport cuda_ipc --timeout 580 --work-dir "$out/serve"
+if [ "$ncu" = 1 ] && command -v ncu >/dev/null; then
+  PD_CUDA_GRAPHS=0 step ncu_decode 300 ncu --launch-skip 1200 --launch-count 760 --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv --page raw "$B/tests/gpu/bench_cuda" --model "$model" --prompt 32 --gen 8 --prefill 16 --batch 1
+fi
+echo "== summary"
+printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
+! grep -qv "exit 0$" "$out/summary.txt"
