@@ -5,7 +5,8 @@
  * identical (only reduction orders differ); with bf16 compute the match is reported. Seeded
  * sampling gives the same tokens alone and among 15 batch neighbours in the f32 mode (reported
  * with bf16 compute, whose rounding depends on the batch's shape). The KV pool is
- * sized by gpu_memory_utilization and every block is free again at the end. Exits 77 without a
+ * sized by gpu_memory_utilization and every block is free again at the end. The CPU engine's
+ * preemption and abort tests run here on the GPU backend too. Exits 77 without a
  * GPU. Models go under the test's temporary directory (or $PD_CUDA_TEST_MODELS). */
 #include <stdio.h>
 #include <stdlib.h>
@@ -187,6 +188,106 @@ TEST(cuda_engine_seeded_sampling_bf16_reported)
     int same = 0;
     seeded_case(-1, &same);
     ASSERT(same >= 0);
+}
+
+/* The CPU engine's preemption test on the GPU: a 12-block pool for 16 requests forces
+ * preemption by recompute (prefill of prompt + generated tokens through cuBLAS where the
+ * original step ran the GEMV); in the f32 mode the tokens must still match each request run
+ * alone (>= 95%: only reduction orders differ) and every block is free at the end. */
+TEST(cuda_engine_small_pool_preempts)
+{
+    if (!ctu_have_gpu()) SKIP(pd_last_error());
+    char dir[4096];
+    ASSERT_OK(ctu_make_model(model_base(), "small", "bfloat16", dir, sizeof dir));
+    pd_engine_params p = pd_engine_default_params();
+    p.model_dir = dir;
+    p.max_model_len = 256;
+    p.max_num_seqs = N_REQ;
+    p.n_cuda_devices = 1;
+    p.cuda_devices[0] = 0;
+    p.cuda_weight_dtype = PD_DTYPE_F32;
+    p.num_kv_blocks = 12; /* 192 tokens; 16 requests of up to 63 + 32 tokens */
+    pd_engine *e = NULL;
+    ASSERT_OK(pd_engine_create(&p, &e));
+    static run_out alone, batched;
+    memset(&alone, 0, sizeof alone);
+    memset(&batched, 0, sizeof batched);
+    int rc = PD_OK;
+    for (int i = 0; i < N_REQ && rc == PD_OK; i++) rc = run(e, i, i + 1, false, &alone);
+    if (rc == PD_OK) rc = run(e, 0, N_REQ, false, &batched);
+    pd_engine_stats st;
+    pd_engine_get_stats(e, &st);
+    pd_engine_destroy(e);
+    ASSERT_OK(rc);
+    int same = compare(&alone, &batched, 0, N_REQ);
+    printf("    %llu preemptions; %d of %d tokens identical to the requests run alone\n",
+           (unsigned long long)st.num_preemptions, same, N_REQ * N_GEN);
+    ASSERT(st.num_preemptions > 0);
+    ASSERT_EQ_INT(st.kv_blocks_free, st.kv_blocks_total);
+    ASSERT(same * 100 >= N_REQ * N_GEN * 95);
+}
+
+/* Aborts on the GPU engine (running, waiting, twice the same id, then the rest) return every
+ * block; aborted requests end with PD_ECANCELLED. */
+TEST(cuda_engine_abort_returns_pool)
+{
+    if (!ctu_have_gpu()) SKIP(pd_last_error());
+    char dir[4096];
+    ASSERT_OK(ctu_make_model(model_base(), "small", "bfloat16", dir, sizeof dir));
+    pd_engine_params p = pd_engine_default_params();
+    p.model_dir = dir;
+    p.max_model_len = 256;
+    p.max_num_seqs = 4; /* some wait while others run */
+    p.n_cuda_devices = 1;
+    p.cuda_devices[0] = 0;
+    p.gpu_memory_utilization = 0.5;
+    pd_engine *e = NULL;
+    ASSERT_OK(pd_engine_create(&p, &e));
+    int cancelled = 0, finished = 0, rc = PD_OK;
+    for (int i = 0; i < 12 && rc == PD_OK; i++) {
+        int32_t prompt[8] = {5, 9, 13, 17, 21, 25, 29, 33 + i};
+        pd_sampling_params sp = pd_sampling_default_params();
+        sp.max_tokens = 30;
+        sp.ignore_eos = true;
+        char id[16];
+        snprintf(id, sizeof id, "r%d", i);
+        pd_engine_request q = {.request_id = id, .prompt_ids = prompt, .n_prompt = 8,
+                               .sampling = &sp};
+        rc = pd_engine_add(e, &q);
+    }
+    for (int step = 0; rc == PD_OK && step < 10000 && pd_engine_has_work(e); step++) {
+        bool did;
+        rc = pd_engine_step(e, &did);
+        if (step == 4) { /* r0 runs, r11 waits */
+            pd_engine_abort(e, "r0");
+            pd_engine_abort(e, "r0");
+            pd_engine_abort(e, "r11");
+        }
+        if (step == 8)
+            for (int i = 1; i < 6; i++) {
+                char id[16];
+                snprintf(id, sizeof id, "r%d", i);
+                pd_engine_abort(e, id);
+            }
+        const pd_engine_event *ev;
+        while (pd_engine_next_event(e, &ev)) {
+            if (ev->final) {
+                finished++;
+                cancelled += ev->status == PD_ECANCELLED;
+            }
+            pd_engine_event_done(e);
+        }
+    }
+    pd_engine_stats st;
+    pd_engine_get_stats(e, &st);
+    pd_engine_destroy(e);
+    ASSERT_OK(rc);
+    printf("    %d requests finished, %d of them cancelled; %zu of %zu blocks free\n", finished,
+           cancelled, (size_t)st.kv_blocks_free, (size_t)st.kv_blocks_total);
+    ASSERT_EQ_INT(finished, 12);
+    ASSERT(cancelled >= 2 && cancelled <= 7);
+    ASSERT_EQ_INT(st.kv_blocks_free, st.kv_blocks_total);
+    ASSERT_EQ_INT(st.num_running + st.num_waiting + st.num_held, 0);
 }
 
 TEST(cuda_engine_refuses_tp_without_nccl)
