@@ -114,7 +114,9 @@ typedef struct choice {
     char *stop_string; /* malloc'd */
     int64_t completion_tokens;
     pd_sb text;       /* non-streaming: the whole text */
-    int64_t text_cps; /* code points of the text emitted so far (logprob text_offset) */
+    int64_t text_cps; /* code points of the token strings listed so far: a completions
+                         logprob's text_offset (the previous one + its token's length, as
+                         vLLM counts; a byte token held back still counts its "\ufffd") */
     pd_sb lp[4];      /* non-streaming logprobs: completions text_offset, token_logprobs,
                        * tokens, top_logprobs items; chat: lp[0] holds the content items */
     bool first_sent;  /* streaming: this choice's first chunk went out */
@@ -971,6 +973,7 @@ static void lp_items(sreq *r, choice *c, const rec_buf *w, const tok_rec *t, pd_
     pd_sb_printf(&out[0], "%lld", (long long)c->text_cps);
     lp_value(&out[1], t->logprob);
     token_text(s, ids, t->token);
+    c->text_cps += (int64_t)code_points(s->tokbuf.p, s->tokbuf.len);
     pd_sb_json_str(&out[2], s->tokbuf.p, s->tokbuf.len);
     /* {sampled: lp, then the top ones; a text that repeats appears once} */
     pd_sb_str(&out[3], "{");
@@ -1429,7 +1432,6 @@ static void process(sreq *r)
                 if (want_lp) lp_items(r, c, &c->work, t, c->lp);
                 pd_sb_add(&c->text, text, t->text_len);
             }
-            c->text_cps += (int64_t)code_points(text, t->text_len);
         }
         c->work.n = 0;
         bool was_head = c->retrying;

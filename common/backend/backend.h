@@ -61,6 +61,8 @@ typedef struct {
     size_t max_seqs;     /* sequences per step (default 256) */
     size_t max_blocks;   /* block-table entries per step, all sequences (default 65536) */
     size_t max_rope_dim; /* largest head_dim the cos/sin tables carry (default 256) */
+    int no_graphs;       /* CUDA: never capture steps into graphs (1 when steps synchronize with the
+                            host half-way, as tensor parallelism's host-staged all-reduce does) */
 } pd_backend_params;
 
 /* Defaults as documented on each field. */
@@ -171,6 +173,8 @@ typedef struct pd_backend_ops {
     int (*download)(pd_backend *b, void *dst_host, const void *src_dev, size_t bytes);
     /* n activation elements -> host f32 (converted from act_dtype). */
     int (*download_f32)(pd_backend *b, float *dst_host, const void *src_dev, size_t n);
+    /* host f32 -> n activation elements (converted to act_dtype): download_f32's counterpart. */
+    int (*upload_f32)(pd_backend *b, void *dst_dev, const float *src_host, size_t n);
     /* Waits for every op issued so far. */
     int (*sync)(pd_backend *b);
 

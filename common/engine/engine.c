@@ -375,7 +375,7 @@ static int tp_allreduce(void *ctx, pd_backend *b, void *buf, size_t n_elems)
         e->tp_sum[j] = s;
     }
     PD_CHECK(barrier_wait(&e->bar));
-    PD_CHECK(o->upload(b, buf, e->tp_sum, n_elems * sizeof(float)));
+    PD_CHECK(o->upload_f32(b, buf, e->tp_sum, n_elems)); /* into the activation dtype */
     PD_CHECK(o->sync(b));
     return PD_OK;
 }
@@ -1249,10 +1249,6 @@ static int check_params(pd_engine *e)
         if (p->n_cuda_devices != p->tp_size)
             return pd_error(PD_EINVAL, "%d CUDA devices for tensor_parallel_size %d",
                             p->n_cuda_devices, p->tp_size);
-        if (p->tp_size > 1)
-            return pd_error(PD_EUNSUPPORTED,
-                            "tensor parallelism on CUDA devices is not supported yet (it needs "
-                            "NCCL all-reduce); use --tensor-parallel-size 1 per GPU instance");
         if (!(p->gpu_memory_utilization > 0 && p->gpu_memory_utilization <= 1))
             return pd_error(PD_EINVAL, "gpu_memory_utilization must be in (0, 1], got %g",
                             p->gpu_memory_utilization);
@@ -1304,6 +1300,7 @@ static int create_ranks(pd_engine *e)
             bp.max_tokens = p->max_num_batched_tokens;
             bp.max_seqs = p->max_num_seqs;
             bp.max_blocks = p->max_num_seqs * e->max_blocks_per_seq;
+            bp.no_graphs = e->tp > 1; /* the all-reduce synchronizes with the host mid-step */
 #if PD_HAVE_CUDA
             if (p->n_cuda_devices > 0) {
                 bp.device = p->cuda_devices[r];
@@ -1322,8 +1319,6 @@ static int create_ranks(pd_engine *e)
         fp.max_seqs = p->max_num_seqs;
         fp.max_out = p->max_num_seqs;
         PD_CHECK(pd_forward_create(rk->b, e->model, &fp, &rk->f));
-        if (e->tp > 1 && pd_backend_act_dtype(rk->b) != PD_DTYPE_F32)
-            return pd_error(PD_EUNSUPPORTED, "CPU tensor parallelism needs f32 activations");
     }
     return PD_OK;
 }

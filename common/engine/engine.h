@@ -21,10 +21,12 @@
  * with others, prefilled in one chunk or many, preempted or not, with TP = 1 or t (up to the
  * float reduction order of the TP sum, which is fixed: rank 0 + rank 1 + ...).
  *
- * CPU tensor parallelism: with tp_size = t the engine creates t CPU backends (threads split
- * between them) and t pd_forward instances with shard {r, t}, each with a KV pool of its own head
- * range and the same block ids; rank 0 runs on the engine thread, ranks 1..t-1 on their own
- * threads, and partial sums meet in a host allreduce (barrier, then a fixed-order sum).
+ * Tensor parallelism: with tp_size = t the engine creates t backends (CPU: threads split between
+ * them; CUDA: one per cuda_devices entry) and t pd_forward instances with shard {r, t}, each with
+ * a KV pool of its own head range and the same block ids; rank 0 runs on the engine thread, ranks
+ * 1..t-1 on their own threads, and partial sums meet in a host allreduce (download as f32,
+ * barrier, a fixed-order sum, upload converted back; CUDA steps are then not captured into
+ * graphs). NCCL all-reduce is not used yet.
  *
  * PD phases: a PD_PHASE_PREFILL_ONLY request runs its prompt, samples the first token and stops
  * there with its blocks kept (HELD) for the KV hand-over; its final event carries the first
@@ -66,12 +68,11 @@ typedef struct {
                               strings are refused */
     pd_backend *backend;   /* borrowed backend for TP = 1; NULL: the engine creates CPU
                               backend(s) */
-    int tp_size;           /* CPU tensor parallel size (1); > 1 needs backend NULL */
+    int tp_size;           /* tensor parallel size (1); > 1 needs backend NULL */
     int n_threads;         /* CPU threads in total, split evenly across ranks; <= 0 = all
                               online cores */
     /* -- device: CPU backends (n_cuda_devices 0) or one CUDA backend per rank --------------- */
-    int n_cuda_devices;                           /* 0, or tp_size (only 1 for now: tensor
-                                                     parallelism on CUDA needs NCCL) */
+    int n_cuda_devices;                           /* 0, or tp_size (ranks may share a GPU) */
     int cuda_devices[PD_ENGINE_MAX_CUDA_DEVICES]; /* CUDA ordinal of each rank */
     double gpu_memory_utilization; /* (0.9) CUDA: sizes the KV pool as vLLM does, when
                                       kv_cache_bytes and num_kv_blocks are 0 */

@@ -85,9 +85,9 @@ struct pd_node {
     pthread_t dispatcher, reaper;
     /* prefill */
     pd_kv_tcp_sender *tx;
-    pd_kv_share *shares;   /* (tp) the ranks' pools for CUDA IPC; NULL: KV moves over TCP */
-    bool ipc_fallback;     /* --kv-transport auto: a destination that refuses IPC gets TCP */
-    char no_ipc[32][300];  /* "host:port" of decode ranks that refused IPC (under mu) */
+    pd_kv_share *shares;  /* (tp) the ranks' pools for CUDA IPC; NULL: KV moves over TCP */
+    bool ipc_fallback;    /* --kv-transport auto: a destination that refuses IPC gets TCP */
+    char no_ipc[32][300]; /* "host:port" of decode ranks that refused IPC (under mu) */
     int n_no_ipc;
     job *jobs_head, *jobs_tail;
     pthread_t *workers;

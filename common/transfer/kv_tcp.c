@@ -449,11 +449,11 @@ static expect_entry *rx_check(pd_kv_tcp_receiver *rx, const frame_hdr *h, expect
                        h->request_id, h->head0, h->head0 + h->n_heads - 1, rx->p.head0,
                        rx->p.head0 + rx->n_local_heads - 1);
     else if (h->block0 != 0 || h->n_blocks != e->n_blocks || h->n_tokens != e->n_tokens)
-        *rc = pd_error(PD_EINVAL,
-                       "kv frame %s: blocks %u+%u holding %u tokens, expected 0+%zu "
-                       "holding %zu",
-                       h->request_id, h->block0, h->n_blocks, h->n_tokens, e->n_blocks,
-                       e->n_tokens);
+        *rc =
+            pd_error(PD_EINVAL,
+                     "kv frame %s: blocks %u+%u holding %u tokens, expected 0+%zu "
+                     "holding %zu",
+                     h->request_id, h->block0, h->n_blocks, h->n_tokens, e->n_blocks, e->n_tokens);
     else
         return e;
     return NULL;
@@ -1027,7 +1027,8 @@ static int send_frame_ipc(int fd, const pd_kv_send_req *r, size_t tokens, int64_
     put_u32(p + 132, (uint32_t)kp->head_dim);
     put_u32(p + 136, (uint32_t)kp->dtype);
     put_u32(p + 140, (uint32_t)(r->head0 - r->src_head0));
-    for (size_t i = 0; i < r->n_blocks; i++) put_u32(p + IPC_FIXED + 4 * i, (uint32_t)r->block_ids[i]);
+    for (size_t i = 0; i < r->n_blocks; i++)
+        put_u32(p + IPC_FIXED + 4 * i, (uint32_t)r->block_ids[i]);
     /* the prefill step that wrote these blocks has completed (its first token was sampled) */
     int rc = write_full(fd, buf, n, r->cancel, deadline);
     free(buf);

@@ -79,10 +79,19 @@ int main(int argc, char **argv)
     for (int r = 0; r < reps && rc == PD_OK; r++) {
         char id[32];
         snprintf(id, sizeof id, "r%d", r);
-        pd_kv_send_req sr = {.request_id = id, .host = "127.0.0.1", .port = port, .backend = b,
-                             .kv = kv, .kv_params = p, .block_ids = src, .n_blocks = n,
-                             .n_tokens = tokens, .head0 = 0, .n_heads = p.n_kv_heads,
-                             .timeout_ms = 20000, .share = &share};
+        pd_kv_send_req sr = {.request_id = id,
+                             .host = "127.0.0.1",
+                             .port = port,
+                             .backend = b,
+                             .kv = kv,
+                             .kv_params = p,
+                             .block_ids = src,
+                             .n_blocks = n,
+                             .n_tokens = tokens,
+                             .head0 = 0,
+                             .n_heads = p.n_kv_heads,
+                             .timeout_ms = 20000,
+                             .share = &share};
         pd_kv_send_stats st;
         rc = pd_kv_tcp_send(tx, &sr, &st);
         secs[r] = st.seconds;
@@ -102,8 +111,7 @@ int main(int argc, char **argv)
         qsort(secs + 1, (size_t)reps - 1, sizeof *secs, cmp_d);
         double best = secs[1], med = secs[1 + (reps - 1) / 2];
         double copy = bw / 2; /* bytes copied per second, GB/s */
-        printf("d2d copy: %.0f GB/s read+write = %.0f GB/s copied (1 GiB, best of 20)\n", bw,
-               copy);
+        printf("d2d copy: %.0f GB/s read+write = %.0f GB/s copied (1 GiB, best of 20)\n", bw, copy);
         printf("cuda_ipc KV transfer, %zu tokens x %d layers x %zu heads x %zu (bf16): %.1f MB "
                "per request\n",
                tokens, p.n_layers, p.n_kv_heads, p.head_dim, bytes / 1e6);

@@ -5,7 +5,8 @@
  * Makes a CUDA backend (device 0, bf16) with an N-block pool of H heads (global heads H0..),
  * starts a KV receiver on 127.0.0.1 and prints "port P"; expects requests r0..r{R-1} of T tokens
  * into blocks ids (all layers, its heads), waits for them all (30 s), then checks the pool against
- * kv_ipc_val and prints the mean import time, then "ok" or the first mismatch. Exit 0 only when everything passed. */
+ * kv_ipc_val and prints the mean import time, then "ok" or the first mismatch. Exit 0 only when
+ * everything passed. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -45,7 +46,8 @@ int main(int argc, char **argv)
                       .n_kv_heads = (size_t)opt(argc, argv, "--heads", 4),
                       .head_dim = (size_t)opt(argc, argv, "--head-dim", 64),
                       .dtype = PD_DTYPE_BF16};
-    size_t head0 = (size_t)opt(argc, argv, "--head0", 0), tokens = (size_t)opt(argc, argv, "--tokens", 1);
+    size_t head0 = (size_t)opt(argc, argv, "--head0", 0),
+           tokens = (size_t)opt(argc, argv, "--tokens", 1);
     int reps = (int)opt(argc, argv, "--reps", 1);
     int32_t ids[4096];
     size_t n = 0;
@@ -58,8 +60,8 @@ int main(int argc, char **argv)
     pd_kv_tcp_receiver *rx = NULL;
     int rc = pd_backend_cuda_create(NULL, &b);
     if (rc == PD_OK) rc = pd_backend_get_ops(b)->kv_create(b, &p, &kv);
-    pd_kv_rx_params rp = {.host = "127.0.0.1", .backend = b, .kv = kv, .kv_params = p,
-                          .head0 = head0};
+    pd_kv_rx_params rp = {
+        .host = "127.0.0.1", .backend = b, .kv = kv, .kv_params = p, .head0 = head0};
     if (rc == PD_OK) rc = pd_kv_tcp_receiver_start(&rp, on_done, NULL, &rx);
     if (rc == PD_OK) {
         printf("port %d\n", pd_kv_tcp_receiver_port(rx));

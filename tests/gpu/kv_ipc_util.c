@@ -55,10 +55,9 @@ int kv_ipc_check(pd_backend *b, const pd_kv *kv, const pd_kv_params *p, size_t l
                         size_t i = (((size_t)kv_i * n * bs + t) * nh + k) * hd + d;
                         float want = kv_ipc_val(l, kv_i, gh0 + k, t, d);
                         if (pd_bf16_to_f32(h[i]) != want) {
-                            rc = pd_error(PD_EINTERNAL,
-                                          "layer %d %s token %zu head %zu dim %zu: %g, want %g", l,
-                                          kv_i ? "V" : "K", t, gh0 + k, d, pd_bf16_to_f32(h[i]),
-                                          want);
+                            rc = pd_error(
+                                PD_EINTERNAL, "layer %d %s token %zu head %zu dim %zu: %g, want %g",
+                                l, kv_i ? "V" : "K", t, gh0 + k, d, pd_bf16_to_f32(h[i]), want);
                             break;
                         }
                     }

@@ -20,8 +20,12 @@
 
 enum { LAYERS = 3, BLOCKS = 32, HEADS = 4, HD = 64 };
 
-static const pd_kv_params k_pool = {.n_layers = LAYERS, .n_blocks = BLOCKS, .block_size = 16,
-                                    .n_kv_heads = HEADS, .head_dim = HD, .dtype = PD_DTYPE_BF16};
+static const pd_kv_params k_pool = {.n_layers = LAYERS,
+                                    .n_blocks = BLOCKS,
+                                    .block_size = 16,
+                                    .n_kv_heads = HEADS,
+                                    .head_dim = HD,
+                                    .dtype = PD_DTYPE_BF16};
 
 /* A CUDA backend on device 0 with a k_pool-shaped pool. */
 static int open_pool(pd_backend **b, pd_kv **kv)
@@ -35,8 +39,8 @@ static int open_pool(pd_backend **b, pd_kv **kv)
 
 /* Sends n_tokens of src_ids (heads [h0, h0 + nh) of a 4-head pool) to a peer holding nh heads
  * from global head h0 in dst_ids, reps times, and returns the peer's verdict. */
-static void transfer_case(const int32_t *src_ids, const int32_t *dst_ids, size_t n,
-                          size_t n_tokens, size_t h0, size_t nh, int reps)
+static void transfer_case(const int32_t *src_ids, const int32_t *dst_ids, size_t n, size_t n_tokens,
+                          size_t h0, size_t nh, int reps)
 {
     pd_backend *b = NULL;
     pd_kv *kv = NULL;
@@ -61,15 +65,25 @@ static void transfer_case(const int32_t *src_ids, const int32_t *dst_ids, size_t
     for (int r = 0; r < reps && rc == PD_OK; r++) {
         char id[32];
         snprintf(id, sizeof id, "r%d", r);
-        pd_kv_send_req sr = {.request_id = id, .host = "127.0.0.1", .port = port, .backend = b,
-                             .kv = kv, .kv_params = p, .src_head0 = 0, .block_ids = src_ids,
-                             .n_blocks = n, .n_tokens = n_tokens, .head0 = h0, .n_heads = nh,
-                             .timeout_ms = 20000, .share = &share};
+        pd_kv_send_req sr = {.request_id = id,
+                             .host = "127.0.0.1",
+                             .port = port,
+                             .backend = b,
+                             .kv = kv,
+                             .kv_params = p,
+                             .src_head0 = 0,
+                             .block_ids = src_ids,
+                             .n_blocks = n,
+                             .n_tokens = n_tokens,
+                             .head0 = h0,
+                             .n_heads = nh,
+                             .timeout_ms = 20000,
+                             .share = &share};
         pd_kv_send_stats st;
         rc = pd_kv_tcp_send(tx, &sr, &st);
         if (rc == PD_OK) {
-            printf("    %s: %llu bytes in %.3f ms (%llu frame)\n", id,
-                   (unsigned long long)st.bytes, st.seconds * 1e3, (unsigned long long)st.frames);
+            printf("    %s: %llu bytes in %.3f ms (%llu frame)\n", id, (unsigned long long)st.bytes,
+                   st.seconds * 1e3, (unsigned long long)st.frames);
             ASSERT_EQ_INT(st.bytes, 2ull * LAYERS * n_tokens * nh * HD * 2);
         }
     }

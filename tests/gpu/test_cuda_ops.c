@@ -79,7 +79,7 @@ static void elementwise_case(int mode)
     cuda_pair p;
     ASSERT_OK(ctu_pair_open(&p, mode));
     /* 2048 .. 16384: the register-resident kernel's block sizes; the rest the general one */
-    static const size_t shapes[][2] = {{1, 64},    {7, 100},   {33, 4097}, {130, 2048},
+    static const size_t shapes[][2] = {{1, 64},    {7, 100},  {33, 4097}, {130, 2048},
                                        {3, 12288}, {2, 6144}, {2, 16384}};
     uint64_t seed = 1;
     for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {

@@ -63,8 +63,14 @@ static void split_case(const char *transport)
     if (!ctu_have_gpu()) SKIP(pd_last_error());
     char model[512];
     ASSERT_OK(cl_make_tiny(model, sizeof model));
-    char *extra[] = {"--device",       "cuda",    "--dtype", "bfloat16",
-                     "--kv-transport", (char *)transport, "--gpu-memory-utilization", "0.25",
+    char *extra[] = {"--device",
+                     "cuda",
+                     "--dtype",
+                     "bfloat16",
+                     "--kv-transport",
+                     (char *)transport,
+                     "--gpu-memory-utilization",
+                     "0.25",
                      NULL};
     cl_cluster c;
     int rc = cl_start(&c, model, "0", "1", extra);

@@ -221,7 +221,8 @@ static int bench_ttft(int argc, char **argv)
     const char *model = arg_str(argc, argv, "--model");
     size_t len = (size_t)arg_long(argc, argv, "--prompt-len", 512);
     int reps = (int)arg_long(argc, argv, "--reps", 5);
-    const char *device = arg_str(argc, argv, "--device"), *xport = arg_str(argc, argv, "--kv-transport");
+    const char *device = arg_str(argc, argv, "--device"),
+               *xport = arg_str(argc, argv, "--kv-transport");
     bool cuda = device && strcmp(device, "cuda") == 0;
     if (!model || reps < 1 || reps > 64 || (device && !cuda && strcmp(device, "cpu") != 0)) {
         fprintf(stderr, "usage: bench_pd ttft --model DIR [--prompt-len N] [--reps N<=64] "
@@ -295,8 +296,15 @@ static int bench_ttft(int argc, char **argv)
     cl_cluster c;
     char mml[32];
     snprintf(mml, sizeof mml, "%zu", (size_t)ep.max_model_len);
-    char *gpu_args[] = {"--device", "cuda", "--gpu-memory-utilization", "0.25", "--kv-transport",
-                        (char *)(xport ? xport : "auto"), "--max-model-len", mml, NULL};
+    char *gpu_args[] = {"--device",
+                        "cuda",
+                        "--gpu-memory-utilization",
+                        "0.25",
+                        "--kv-transport",
+                        (char *)(xport ? xport : "auto"),
+                        "--max-model-len",
+                        mml,
+                        NULL};
     char *cpu_args[] = {"--kv-transport", (char *)(xport ? xport : "auto"), "--max-model-len", mml,
                         NULL};
     if (cl_start(&c, model, "0", "1", cuda ? gpu_args : cpu_args) < 0) {

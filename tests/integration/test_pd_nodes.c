@@ -261,8 +261,8 @@ TEST(pd_node_refuses_wrong_tp_and_unknown_instance)
     char prefill[1024]; /* cl_bin's buffer is reused by the next call */
     snprintf(prefill, sizeof prefill, "%s", cl_bin("prefill_node/pd-prefill"));
     /* TP 2 for a one-device instance */
-    char *tp2[] = {prefill, "--model", (char *)model, "--port", "1", "--tensor-parallel-size", "2",
-                   NULL};
+    char *tp2[] = {prefill, "--model", (char *)model, "--port", "1", "--tensor-parallel-size",
+                   "2",     NULL};
     refused(tp2, env, log, text, sizeof text);
     ASSERT_CONTAINS(text, "--tensor-parallel-size 2 does not match the 1 device(s)");
     /* a decode binary pointed at the prefill instance's table */
@@ -271,12 +271,12 @@ TEST(pd_node_refuses_wrong_tp_and_unknown_instance)
     refused(role, env, log, text, sizeof text);
     ASSERT_CONTAINS(text, "is a prefill instance, not a decode one");
     /* KV transports this instance cannot use */
-    char *ipc[] = {prefill, "--model", (char *)model, "--port", "1", "--kv-transport", "cuda_ipc",
-                   NULL};
+    char *ipc[] = {prefill, "--model",        (char *)model, "--port",
+                   "1",     "--kv-transport", "cuda_ipc",    NULL};
     refused(ipc, env, log, text, sizeof text);
     ASSERT_CONTAINS(text, "--kv-transport cuda_ipc needs --device cuda");
-    char *nccl[] = {prefill, "--model", (char *)model, "--port", "1", "--kv-transport", "nccl",
-                    NULL};
+    char *nccl[] = {prefill, "--model",        (char *)model, "--port",
+                    "1",     "--kv-transport", "nccl",        NULL};
     refused(nccl, env, log, text, sizeof text);
     ASSERT_CONTAINS(text, "--kv-transport nccl: the NCCL KV transport is not available");
     ASSERT_EQ_INT(cl_stop_all(&c), 0);

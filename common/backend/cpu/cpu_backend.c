@@ -97,6 +97,11 @@ static int cpu_download_f32(pd_backend *b, float *dst, const void *src, size_t n
     return cpu_copy(b, dst, src, n * sizeof(float));
 }
 
+static int cpu_upload_f32(pd_backend *b, void *dst, const float *src, size_t n)
+{
+    return cpu_copy(b, dst, src, n * sizeof(float));
+}
+
 static int cpu_sync(pd_backend *b)
 {
     return PD_OK;
@@ -647,6 +652,7 @@ static const pd_backend_ops cpu_ops = {
     .upload = cpu_copy,
     .download = cpu_copy,
     .download_f32 = cpu_download_f32,
+    .upload_f32 = cpu_upload_f32,
     .sync = cpu_sync,
     .weight_load = cpu_weight_load,
     .weight_free = cpu_weight_free,

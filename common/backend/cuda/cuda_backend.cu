@@ -306,7 +306,7 @@ static int be_init(cuda_be *cb)
     CUDA_TRY(cudaMallocHost(&cb->h_counts, 4 * sizeof(int32_t)));
     CUDA_TRY(cudaMalloc(&cb->d_counts, 4 * sizeof(int32_t)));
     const char *g = getenv("PD_CUDA_GRAPHS");
-    cb->graphs_on = !(g && strcmp(g, "0") == 0);
+    cb->graphs_on = !(g && strcmp(g, "0") == 0) && !cb->params.no_graphs;
     PD_CHECK(cuda_attention_init());
     return PD_OK;
 }
@@ -388,6 +388,27 @@ static int op_download_f32(pd_backend *b, float *dst_host, const void *src_dev, 
         PD_CHECK(cuda_act_convert(cb->stream, ACT_BF16, src + i, c, ACT_F32, cb->dl_ws));
         CUDA_TRY(cudaMemcpyAsync(dst_host + i, cb->dl_ws, c * sizeof(float), cudaMemcpyDeviceToHost,
                                  cb->stream));
+    }
+    return PD_OK;
+}
+
+static int op_upload_f32(pd_backend *b, void *dst_dev, const float *src_host, size_t n)
+{
+    cuda_be *cb = BE(b);
+    PD_CHECK(graph_flush(cb));
+    ENTER(cb);
+    if (cb->act == ACT_F32) {
+        if (n)
+            CUDA_TRY(cudaMemcpyAsync(dst_dev, src_host, n * sizeof(float), cudaMemcpyHostToDevice,
+                                     cb->stream));
+        return PD_OK;
+    }
+    bf16 *dst = (bf16 *)dst_dev;
+    for (size_t i = 0; i < n; i += DL_WS_ELEMS) { // through dl_ws, converted on the device
+        size_t c = n - i < DL_WS_ELEMS ? n - i : DL_WS_ELEMS;
+        CUDA_TRY(cudaMemcpyAsync(cb->dl_ws, src_host + i, c * sizeof(float), cudaMemcpyHostToDevice,
+                                 cb->stream));
+        PD_CHECK(cuda_act_convert(cb->stream, ACT_F32, cb->dl_ws, c, ACT_BF16, dst + i));
     }
     return PD_OK;
 }
@@ -638,11 +659,9 @@ static int kv_copy(cudaStream_t st, const pd_kv *kv, const pd_kv_range *r, unsig
                 else
                     CUDA_TRY(cudaMemcpyAsync(d, h, run * blk_b, kind, st));
             } else if (to_host) {
-                CUDA_TRY(cudaMemcpy2DAsync(h, hrow_b, d, tok_b, hrow_b, p->block_size, kind,
-                                           st));
+                CUDA_TRY(cudaMemcpy2DAsync(h, hrow_b, d, tok_b, hrow_b, p->block_size, kind, st));
             } else {
-                CUDA_TRY(cudaMemcpy2DAsync(d, tok_b, h, hrow_b, hrow_b, p->block_size, kind,
-                                           st));
+                CUDA_TRY(cudaMemcpy2DAsync(d, tok_b, h, hrow_b, hrow_b, p->block_size, kind, st));
             }
             i += run;
         }
@@ -705,8 +724,7 @@ static int op_kv_share(pd_backend *b, const pd_kv *kv, pd_kv_share *out)
     return PD_OK;
 }
 
-static int op_kv_peer_open(pd_backend *b, const pd_kv *kv, const pd_kv_share *s,
-                           pd_kv_peer **out)
+static int op_kv_peer_open(pd_backend *b, const pd_kv *kv, const pd_kv_share *s, pd_kv_peer **out)
 {
     cuda_be *cb = BE(b);
     *out = NULL;
@@ -718,8 +736,8 @@ static int op_kv_peer_open(pd_backend *b, const pd_kv *kv, const pd_kv_share *s,
                         "cuda kv peer: its pool (%d layers, block %zu, %zu heads x %zu, %s) does "
                         "not match this one (%d layers, block %zu, head_dim %zu, %s)",
                         sp->n_layers, sp->block_size, sp->n_kv_heads, sp->head_dim,
-                        pd_dtype_name(sp->dtype), kv->p.n_layers, kv->p.block_size,
-                        kv->p.head_dim, pd_dtype_name(kv->p.dtype));
+                        pd_dtype_name(sp->dtype), kv->p.n_layers, kv->p.block_size, kv->p.head_dim,
+                        pd_dtype_name(kv->p.dtype));
     size_t tok = sp->n_kv_heads * sp->head_dim * kv->elem;
     if (sp->n_blocks > SIZE_MAX / sp->block_size / tok / 2 / (size_t)sp->n_layers)
         return pd_error(PD_EINVAL, "cuda kv peer: pool of %zu blocks overflows", sp->n_blocks);
@@ -798,8 +816,8 @@ static int op_kv_pull(pd_backend *b, pd_kv *kv, pd_kv_peer *peer, const pd_kv_pu
                         pl->n_blocks, bs);
     PD_CHECK(pull_check("source", pl->src_blocks, pl->n_blocks, peer->p.n_blocks, pl->src_head0,
                         pl->n_heads, peer->p.n_kv_heads));
-    PD_CHECK(pull_check("destination", pl->dst_blocks, pl->n_blocks, kv->p.n_blocks,
-                        pl->dst_head0, pl->n_heads, kv->p.n_kv_heads));
+    PD_CHECK(pull_check("destination", pl->dst_blocks, pl->n_blocks, kv->p.n_blocks, pl->dst_head0,
+                        pl->n_heads, kv->p.n_kv_heads));
     size_t head_b = kv->p.head_dim * kv->elem;
     cuda_kv_pull_args a;
     a.src = (const unsigned char *)peer->base;
@@ -1619,12 +1637,13 @@ static int op_gather_rows(pd_backend *b, const void *x, size_t dim, void *out)
 }
 
 static const pd_backend_ops cuda_ops = {
-    "cuda",       op_destroy,      op_act_dtype,   op_buf_alloc,   op_buf_free,    op_upload,
-    op_download,  op_download_f32, op_sync,        op_weight_load, op_weight_free, op_weight_nbytes,
-    op_kv_create, op_kv_free,      op_kv_layer,    op_kv_export,   op_kv_import,   op_kv_share,
-    op_kv_peer_open, op_kv_peer_close, op_kv_pull, op_plan,
-    op_embed,     op_rmsnorm,      op_matmul,      op_rope,        op_kv_write,    op_attention,
-    op_swiglu,    op_add,          op_gather_rows,
+    "cuda",           op_destroy,     op_act_dtype,     op_buf_alloc,  op_buf_free,
+    op_upload,        op_download,    op_download_f32,  op_upload_f32, op_sync,
+    op_weight_load,   op_weight_free, op_weight_nbytes, op_kv_create,  op_kv_free,
+    op_kv_layer,      op_kv_export,   op_kv_import,     op_kv_share,   op_kv_peer_open,
+    op_kv_peer_close, op_kv_pull,     op_plan,          op_embed,      op_rmsnorm,
+    op_matmul,        op_rope,        op_kv_write,      op_attention,  op_swiglu,
+    op_add,           op_gather_rows,
 };
 
 extern "C" int pd_backend_cuda_kv_blocks(pd_backend *b, const pd_kv_params *p, double util,

@@ -40,8 +40,8 @@ int cuda_kv_write(cudaStream_t s, int act, const void *k, const void *v, size_t 
 // by the block size per row: the copy is bound by memory, not by index arithmetic.
 #define PULL_WARPS 8
 #define PULL_ROWS  4
-template <typename W> __global__ void __launch_bounds__(PULL_WARPS * 32)
-    kv_pull_kernel(cuda_kv_pull_args a)
+template <typename W>
+__global__ void __launch_bounds__(PULL_WARPS * 32) kv_pull_kernel(cuda_kv_pull_args a)
 {
     const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const unsigned wpr = (unsigned)(a.row / sizeof(W)), bs = (unsigned)a.block_size;
@@ -75,8 +75,8 @@ int cuda_kv_pull(cudaStream_t s, const cuda_kv_pull_args *a)
 {
     if (a->n_tokens == 0 || a->n_layers == 0) return PD_OK;
     if (a->n_layers > 32767 || a->n_tokens > 0x7fffffffu)
-        return pd_error(PD_EINVAL, "cuda kv_pull: %d layers / %zu tokens out of range",
-                        a->n_layers, a->n_tokens);
+        return pd_error(PD_EINVAL, "cuda kv_pull: %d layers / %zu tokens out of range", a->n_layers,
+                        a->n_tokens);
     const size_t per_block = PULL_WARPS * PULL_ROWS;
     dim3 grid((unsigned)((a->n_tokens + per_block - 1) / per_block), (unsigned)(2 * a->n_layers));
     size_t align = a->row | a->src_tok | a->dst_tok | a->src_off | a->dst_off | a->src_half |
