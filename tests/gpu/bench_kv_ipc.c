@@ -13,7 +13,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/wait.h>
 
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_info.h"
@@ -77,35 +76,15 @@ int main(int argc, char **argv)
     double *secs = calloc((size_t)reps, sizeof *secs);
     uint64_t bytes = 0;
     for (int r = 0; r < reps && rc == PD_OK; r++) {
-        char id[32];
-        snprintf(id, sizeof id, "r%d", r);
-        pd_kv_send_req sr = {.request_id = id,
-                             .host = "127.0.0.1",
-                             .port = port,
-                             .backend = b,
-                             .kv = kv,
-                             .kv_params = p,
-                             .block_ids = src,
-                             .n_blocks = n,
-                             .n_tokens = tokens,
-                             .head0 = 0,
-                             .n_heads = p.n_kv_heads,
-                             .timeout_ms = 20000,
-                             .share = &share};
         pd_kv_send_stats st;
-        rc = pd_kv_tcp_send(tx, &sr, &st);
+        rc = kv_ipc_send(tx, port, r, b, kv, &p, &share, src, n, tokens, 0, p.n_kv_heads, &st);
         secs[r] = st.seconds;
         bytes = st.bytes;
     }
     char verdict[512] = "(no peer)\n", imports[512] = "";
-    if (peer) {
-        snprintf(verdict, sizeof verdict, "(none)\n");
-        while (fgets(verdict, sizeof verdict, peer) && strncmp(verdict, "imports:", 8) == 0)
-            snprintf(imports, sizeof imports, "%s", verdict);
-        int st = pclose(peer);
-        if (rc == PD_OK && !(WIFEXITED(st) && WEXITSTATUS(st) == 0))
-            rc = pd_error(PD_EINTERNAL, "kv_ipc_peer: %s", verdict);
-    }
+    if (peer && kv_ipc_peer_finish(peer, imports, sizeof imports, verdict, sizeof verdict) != 0 &&
+        rc == PD_OK)
+        rc = pd_error(PD_EINTERNAL, "kv_ipc_peer: %s", verdict);
     if (rc == PD_OK) {
         double first = secs[0];
         qsort(secs + 1, (size_t)reps - 1, sizeof *secs, cmp_d);

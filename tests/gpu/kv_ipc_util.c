@@ -2,6 +2,7 @@
 #include "kv_ipc_util.h"
 
 #include <limits.h>
+#include <sys/wait.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -88,4 +89,37 @@ int kv_ipc_spawn_peer(const char *args, FILE **out, int *port)
     }
     *out = f;
     return PD_OK;
+}
+
+int kv_ipc_send(pd_kv_tcp_sender *tx, int port, int rep, pd_backend *b, const pd_kv *kv,
+                const pd_kv_params *p, const pd_kv_share *share, const int32_t *ids, size_t n,
+                size_t n_tokens, size_t h0, size_t nh, pd_kv_send_stats *st)
+{
+    char id[32];
+    snprintf(id, sizeof id, "r%d", rep);
+    pd_kv_send_req sr = {.request_id = id,
+                         .host = "127.0.0.1",
+                         .port = port,
+                         .backend = b,
+                         .kv = kv,
+                         .kv_params = *p,
+                         .src_head0 = 0,
+                         .block_ids = ids,
+                         .n_blocks = n,
+                         .n_tokens = n_tokens,
+                         .head0 = h0,
+                         .n_heads = nh,
+                         .timeout_ms = 20000,
+                         .share = share};
+    return pd_kv_tcp_send(tx, &sr, st);
+}
+
+int kv_ipc_peer_finish(FILE *peer, char *imports, size_t ni, char *verdict, size_t nv)
+{
+    imports[0] = '\0';
+    snprintf(verdict, nv, "(no verdict)\n");
+    while (fgets(verdict, (int)nv, peer) && strncmp(verdict, "imports:", 8) == 0)
+        snprintf(imports, ni, "%s", verdict);
+    int st = pclose(peer);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : 128;
 }

@@ -12,6 +12,7 @@
 #include <sys/types.h>
 
 #include "backend/backend.h"
+#include "transfer/kv_tcp.h"
 
 static inline float kv_ipc_val(int layer, int kv, size_t head, size_t tok, size_t d)
 {
@@ -31,5 +32,15 @@ int kv_ipc_check(pd_backend *b, const pd_kv *kv, const pd_kv_params *p, size_t l
 /* Starts kv_ipc_peer (next to this executable) with args and reads its "port N" line.
  * *out is the peer's stdout (pclose it: its exit status says whether its check passed). */
 int kv_ipc_spawn_peer(const char *args, FILE **out, int *port);
+
+/* Sends request "r<rep>" (n_tokens of blocks ids, global heads [h0, h0 + nh) of a pool holding
+ * heads from 0) by CUDA IPC with share to the peer on 127.0.0.1:port; 20 s timeout. */
+int kv_ipc_send(pd_kv_tcp_sender *tx, int port, int rep, pd_backend *b, const pd_kv *kv,
+                const pd_kv_params *p, const pd_kv_share *share, const int32_t *ids, size_t n,
+                size_t n_tokens, size_t h0, size_t nh, pd_kv_send_stats *st);
+
+/* Reads the peer's last lines (its "imports: ..." line into imports, then its verdict) and waits
+ * for it; returns its exit status (0: every import completed and the check passed). */
+int kv_ipc_peer_finish(FILE *peer, char *imports, size_t ni, char *verdict, size_t nv);
 
 #endif

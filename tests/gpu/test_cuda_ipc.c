@@ -9,7 +9,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/wait.h>
 
 #include "harness.h"
 
@@ -63,42 +62,22 @@ static void transfer_case(const int32_t *src_ids, const int32_t *dst_ids, size_t
     pd_kv_tcp_sender *tx = NULL;
     if (rc == PD_OK) rc = pd_kv_tcp_sender_create(&tx);
     for (int r = 0; r < reps && rc == PD_OK; r++) {
-        char id[32];
-        snprintf(id, sizeof id, "r%d", r);
-        pd_kv_send_req sr = {.request_id = id,
-                             .host = "127.0.0.1",
-                             .port = port,
-                             .backend = b,
-                             .kv = kv,
-                             .kv_params = p,
-                             .src_head0 = 0,
-                             .block_ids = src_ids,
-                             .n_blocks = n,
-                             .n_tokens = n_tokens,
-                             .head0 = h0,
-                             .n_heads = nh,
-                             .timeout_ms = 20000,
-                             .share = &share};
         pd_kv_send_stats st;
-        rc = pd_kv_tcp_send(tx, &sr, &st);
+        rc = kv_ipc_send(tx, port, r, b, kv, &p, &share, src_ids, n, n_tokens, h0, nh, &st);
         if (rc == PD_OK) {
-            printf("    %s: %llu bytes in %.3f ms (%llu frame)\n", id, (unsigned long long)st.bytes,
+            printf("    r%d: %llu bytes in %.3f ms (%llu frame)\n", r, (unsigned long long)st.bytes,
                    st.seconds * 1e3, (unsigned long long)st.frames);
             ASSERT_EQ_INT(st.bytes, 2ull * LAYERS * n_tokens * nh * HD * 2);
         }
     }
-    char verdict[512] = "";
-    if (peer) {
-        while (fgets(verdict, sizeof verdict, peer))
-            if (strncmp(verdict, "imports:", 8) != 0) break;
-    }
-    int st = peer ? pclose(peer) : -1;
+    char imports[256], verdict[512] = "(no peer)\n";
+    int st = peer ? kv_ipc_peer_finish(peer, imports, sizeof imports, verdict, sizeof verdict) : -1;
     pd_kv_tcp_sender_destroy(tx);
     if (kv) o->kv_free(b, kv);
     pd_backend_destroy(b);
     ASSERT_OK(rc);
     printf("    peer: %s", verdict);
-    ASSERT(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    ASSERT_EQ_INT(st, 0);
 }
 
 TEST(cuda_ipc_all_heads_partial_last_block)
