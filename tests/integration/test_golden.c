@@ -891,6 +891,52 @@ TEST(golden_20_scheduler_equals_colocated)
     }
 }
 
+/* §18.20, the numpy leg: greedy token ids through pd-scheduler equal the independent float64
+ * numpy forward pass (tests/reference/llama_ref.py) on the same model and prompt ids. */
+TEST(golden_20_scheduler_equals_numpy)
+{
+    FIXTURE();
+    if (access("/usr/bin/python3", X_OK) != 0) SKIP("/usr/bin/python3 (numpy) not available");
+    static const char *const prompts[] = {"12,200,37,5,90", "1,2,3,4,5,6,7,8,9,10,11", "777"};
+    const char *root = getenv("PD_SOURCE_ROOT");
+    for (int i = 0; i < 3; i++) {
+        char cmd[2048], got[512] = "", want[512] = "";
+        snprintf(cmd, sizeof cmd,
+                 "/usr/bin/python3 '%s/tests/reference/llama_ref.py' --model '%s' --prompt-ids %s "
+                 "--steps 12",
+                 root ? root : ".", g_model, prompts[i]);
+        FILE *f = popen(cmd, "r");
+        ASSERT(f);
+        static char out[1 << 20];
+        size_t n = fread(out, 1, sizeof out - 1, f);
+        out[n] = '\0';
+        ASSERT_EQ_INT(pclose(f), 0);
+        json_t *ref = json_loads(out, 0, NULL);
+        ASSERT_MSG(ref, "llama_ref.py printed no JSON");
+        size_t k;
+        json_t *v;
+        json_array_foreach(json_object_get(ref, "greedy_tokens"), k, v) snprintf(
+            want + strlen(want), sizeof want - strlen(want), "%d,", (int)json_integer_value(v));
+        json_decref(ref);
+        char body[512];
+        snprintf(body, sizeof body,
+                 "{\"prompt\":[%s],\"max_tokens\":12,\"temperature\":0,\"ignore_eos\":true,"
+                 "\"logprobs\":0,\"return_tokens_as_token_ids\":true}",
+                 prompts[i]);
+        json_t *o = post_ok(g_port, "/v1/completions", body);
+        ASSERT(o);
+        json_t *c = json_array_get(json_object_get(o, "choices"), 0);
+        json_array_foreach(json_object_get(json_object_get(c, "logprobs"), "tokens"), k, v)
+        {
+            int id = -1;
+            sscanf(json_string_value(v) ? json_string_value(v) : "", "token_id:%d", &id);
+            snprintf(got + strlen(got), sizeof got - strlen(got), "%d,", id);
+        }
+        json_decref(o);
+        ASSERT_MSG(strcmp(got, want) == 0, "prompt %d: scheduler %s, numpy %s", i, got, want);
+    }
+}
+
 /* §18.21: completions default to 16 tokens; chat without a limit runs to L - P ("length");
  * generation_config.json max_new_tokens caps both. */
 TEST(golden_21_default_max_tokens)
