@@ -519,15 +519,23 @@ static int rx_import(pd_kv_tcp_receiver *rx, const frame_hdr *h, const uint8_t *
     return PD_OK;
 }
 
-/* This host's identity for IPC frames: the kernel's boot id (empty when unreadable). */
-static void boot_id(char out[40])
+/* This host's identity for IPC frames: the kernel's boot id (empty when unreadable), read once
+ * per process (both ends of every IPC frame need it). */
+static char g_boot_id[40];
+static void read_boot_id(void)
 {
-    memset(out, 0, 40);
     FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
     if (!f) return;
-    if (!fgets(out, 40, f)) out[0] = '\0';
+    if (!fgets(g_boot_id, sizeof g_boot_id, f)) g_boot_id[0] = '\0';
     fclose(f);
-    out[strcspn(out, "\n")] = '\0';
+    g_boot_id[strcspn(g_boot_id, "\n")] = '\0';
+}
+
+static void boot_id(char out[40])
+{
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, read_boot_id);
+    memcpy(out, g_boot_id, 40);
 }
 
 /* An IPC frame (see the file-top comment): maps the sender's pool on this connection and pulls
