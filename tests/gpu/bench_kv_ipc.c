@@ -20,13 +20,6 @@
 #include "transfer/kv_tcp.h"
 #include "util/status.h"
 
-static long opt(int argc, char **argv, const char *name, long def)
-{
-    for (int i = 1; i + 1 < argc; i++)
-        if (strcmp(argv[i], name) == 0) return strtol(argv[i + 1], NULL, 10);
-    return def;
-}
-
 static int cmp_d(const void *a, const void *b)
 {
     double x = *(const double *)a, y = *(const double *)b;
@@ -35,12 +28,12 @@ static int cmp_d(const void *a, const void *b)
 
 int main(int argc, char **argv)
 {
-    size_t tokens = (size_t)opt(argc, argv, "--tokens", 2048);
-    int reps = (int)opt(argc, argv, "--reps", 20);
-    pd_kv_params p = {.n_layers = (int)opt(argc, argv, "--layers", 22),
+    size_t tokens = (size_t)kv_ipc_opt(argc, argv, "--tokens", 2048);
+    int reps = (int)kv_ipc_opt(argc, argv, "--reps", 20);
+    pd_kv_params p = {.n_layers = (int)kv_ipc_opt(argc, argv, "--layers", 22),
                       .block_size = 16,
-                      .n_kv_heads = (size_t)opt(argc, argv, "--heads", 4),
-                      .head_dim = (size_t)opt(argc, argv, "--head-dim", 64),
+                      .n_kv_heads = (size_t)kv_ipc_opt(argc, argv, "--heads", 4),
+                      .head_dim = (size_t)kv_ipc_opt(argc, argv, "--head-dim", 64),
                       .dtype = PD_DTYPE_BF16};
     size_t n = (tokens + 15) / 16;
     p.n_blocks = 2 * n + 8;

@@ -31,24 +31,17 @@ static void on_done(void *arg, const char *id, int status)
     pthread_mutex_unlock(&mu);
 }
 
-static long opt(int argc, char **argv, const char *name, long def)
-{
-    for (int i = 1; i + 1 < argc; i++)
-        if (strcmp(argv[i], name) == 0) return strtol(argv[i + 1], NULL, 10);
-    return def;
-}
-
 int main(int argc, char **argv)
 {
-    pd_kv_params p = {.n_layers = (int)opt(argc, argv, "--layers", 2),
-                      .n_blocks = (size_t)opt(argc, argv, "--blocks", 16),
+    pd_kv_params p = {.n_layers = (int)kv_ipc_opt(argc, argv, "--layers", 2),
+                      .n_blocks = (size_t)kv_ipc_opt(argc, argv, "--blocks", 16),
                       .block_size = 16,
-                      .n_kv_heads = (size_t)opt(argc, argv, "--heads", 4),
-                      .head_dim = (size_t)opt(argc, argv, "--head-dim", 64),
+                      .n_kv_heads = (size_t)kv_ipc_opt(argc, argv, "--heads", 4),
+                      .head_dim = (size_t)kv_ipc_opt(argc, argv, "--head-dim", 64),
                       .dtype = PD_DTYPE_BF16};
-    size_t head0 = (size_t)opt(argc, argv, "--head0", 0),
-           tokens = (size_t)opt(argc, argv, "--tokens", 1);
-    int reps = (int)opt(argc, argv, "--reps", 1);
+    size_t head0 = (size_t)kv_ipc_opt(argc, argv, "--head0", 0),
+           tokens = (size_t)kv_ipc_opt(argc, argv, "--tokens", 1);
+    int reps = (int)kv_ipc_opt(argc, argv, "--reps", 1);
     int32_t ids[4096];
     size_t n = 0;
     for (int i = 1; i + 1 < argc; i++)

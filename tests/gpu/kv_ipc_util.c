@@ -67,6 +67,13 @@ int kv_ipc_check(pd_backend *b, const pd_kv *kv, const pd_kv_params *p, size_t l
     return rc;
 }
 
+long kv_ipc_opt(int argc, char **argv, const char *name, long def)
+{
+    for (int i = 1; i + 1 < argc; i++)
+        if (strcmp(argv[i], name) == 0) return strtol(argv[i + 1], NULL, 10);
+    return def;
+}
+
 int kv_ipc_spawn_peer(const char *args, FILE **out, int *port)
 {
     char self[PATH_MAX];

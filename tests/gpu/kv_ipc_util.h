@@ -29,6 +29,9 @@ int kv_ipc_fill(pd_backend *b, pd_kv *kv, const pd_kv_params *p, size_t head0, c
 int kv_ipc_check(pd_backend *b, const pd_kv *kv, const pd_kv_params *p, size_t lh0, size_t gh0,
                  size_t nh, const int32_t *ids, size_t n, size_t n_tokens);
 
+/* The integer after flag `name` in argv, or def. */
+long kv_ipc_opt(int argc, char **argv, const char *name, long def);
+
 /* Starts kv_ipc_peer (next to this executable) with args and reads its "port N" line.
  * *out is the peer's stdout (pclose it: its exit status says whether its check passed). */
 int kv_ipc_spawn_peer(const char *args, FILE **out, int *port);

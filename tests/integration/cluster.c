@@ -318,6 +318,33 @@ static void free_strv(char **v)
     free(v);
 }
 
+/* Waits up to timeout_ms until node k answers Info; fails early when its process exited. */
+static int wait_info(cl_cluster *c, int k, int timeout_ms)
+{
+    int64_t deadline = pd_now_ns() + (int64_t)timeout_ms * PD_NS_PER_MS;
+    for (;;) {
+        Pd__InfoRequest q = PD__INFO_REQUEST__INIT;
+        int st;
+        ProtobufCMessage *r =
+            cl_call(c->ch[k], "/pd.PD/Info", &q.base, &pd__info_reply__descriptor, 1000, &st);
+        if (r) {
+            protobuf_c_message_free_unpacked(r, NULL);
+            return PD_OK;
+        }
+        int status;
+        if (waitpid(c->procs[k].pid, &status, WNOHANG) == c->procs[k].pid) {
+            c->procs[k].pid = 0;
+            cl_dump_log(&c->procs[k], 20);
+            return pd_error(PD_EINTERNAL, "node %d exited during start-up", k);
+        }
+        if (pd_now_ns() > deadline) {
+            cl_dump_log(&c->procs[k], 20);
+            return pd_error(PD_ETIMEOUT, "node %d did not answer Info within %d ms", k, timeout_ms);
+        }
+        pd_sleep_ns(50 * PD_NS_PER_MS);
+    }
+}
+
 int cl_start(cl_cluster *c, const char *model_dir, const char *prefill_list,
              const char *decode_list, char *const extra_args[])
 {
@@ -403,30 +430,11 @@ int cl_start(cl_cluster *c, const char *model_dir, const char *prefill_list,
         PD_CHECK(pd_rpc_channel_create(c->client, target, 0, &c->ch[k]));
     }
     rt_global_free(g);
-    /* wait until every node answers Info (model load included) */
+    /* wait until every node answers Info (model load included), 60 s for all of them */
     int64_t deadline = pd_now_ns() + 60 * PD_NS_PER_S;
     for (int k = 0; k < c->n_prefill + c->n_decode; k++) {
-        for (;;) {
-            Pd__InfoRequest q = PD__INFO_REQUEST__INIT;
-            int st;
-            ProtobufCMessage *r =
-                cl_call(c->ch[k], "/pd.PD/Info", &q.base, &pd__info_reply__descriptor, 1000, &st);
-            if (r) {
-                protobuf_c_message_free_unpacked(r, NULL);
-                break;
-            }
-            int status;
-            if (waitpid(c->procs[k].pid, &status, WNOHANG) == c->procs[k].pid) {
-                c->procs[k].pid = 0;
-                cl_dump_log(&c->procs[k], 20);
-                return pd_error(PD_EINTERNAL, "node %d exited during start-up", k);
-            }
-            if (pd_now_ns() > deadline) {
-                cl_dump_log(&c->procs[k], 20);
-                return pd_error(PD_ETIMEOUT, "node %d did not answer Info within 60 s", k);
-            }
-            pd_sleep_ns(50 * PD_NS_PER_MS);
-        }
+        int64_t left_ms = (deadline - pd_now_ns()) / PD_NS_PER_MS;
+        PD_CHECK(wait_info(c, k, left_ms > 0 ? (int)left_ms : 0));
     }
     return PD_OK;
 }
@@ -704,33 +712,6 @@ int cl_reference_ex(const char *model, const int32_t *const *prompts, const size
 }
 
 /* ---- faults, HTTP clients, process figures ------------------------------------------------ */
-
-/* Waits up to timeout_ms until node k answers Info; fails early when its process exited. */
-static int wait_info(cl_cluster *c, int k, int timeout_ms)
-{
-    int64_t deadline = pd_now_ns() + (int64_t)timeout_ms * PD_NS_PER_MS;
-    for (;;) {
-        Pd__InfoRequest q = PD__INFO_REQUEST__INIT;
-        int st;
-        ProtobufCMessage *r =
-            cl_call(c->ch[k], "/pd.PD/Info", &q.base, &pd__info_reply__descriptor, 1000, &st);
-        if (r) {
-            protobuf_c_message_free_unpacked(r, NULL);
-            return PD_OK;
-        }
-        int status;
-        if (waitpid(c->procs[k].pid, &status, WNOHANG) == c->procs[k].pid) {
-            c->procs[k].pid = 0;
-            cl_dump_log(&c->procs[k], 20);
-            return pd_error(PD_EINTERNAL, "node %d exited during start-up", k);
-        }
-        if (pd_now_ns() > deadline) {
-            cl_dump_log(&c->procs[k], 20);
-            return pd_error(PD_ETIMEOUT, "node %d did not answer Info within %d ms", k, timeout_ms);
-        }
-        pd_sleep_ns(50 * PD_NS_PER_MS);
-    }
-}
 
 int cl_restart(cl_cluster *c, int k, int timeout_ms)
 {
