@@ -891,6 +891,40 @@ TEST(golden_20_scheduler_equals_colocated)
     }
 }
 
+/* Greedy token ids of the independent float64 numpy forward pass (tests/reference/llama_ref.py)
+ * on model for the prompt ids (comma-separated), as "a,b,c," in want; false with a message in
+ * want when the reference did not run. */
+static bool numpy_greedy(const char *model, const char *prompt_ids, int steps, char *want,
+                         size_t wn)
+{
+    const char *root = getenv("PD_SOURCE_ROOT");
+    char path[700];
+    snprintf(path, sizeof path, "%s/numpy_ref.json", pdt_tmp_dir());
+    size_t cl = strlen(prompt_ids) + strlen(model) + 1536;
+    char *cmd = malloc(cl);
+    snprintf(cmd, cl,
+             "/usr/bin/python3 '%s/tests/reference/llama_ref.py' --model '%s' --prompt-ids %s "
+             "--steps %d --out '%s'",
+             root ? root : ".", model, prompt_ids, steps, path);
+    int rc = system(cmd);
+    free(cmd);
+    json_t *ref = rc == 0 ? json_load_file(path, 0, NULL) : NULL;
+    json_t *ids = json_object_get(ref, "greedy_tokens");
+    if (!json_is_array(ids)) {
+        snprintf(want, wn, "llama_ref.py on %s failed (exit %d) or printed no greedy_tokens", model,
+                 rc);
+        json_decref(ref);
+        return false;
+    }
+    want[0] = '\0';
+    size_t k;
+    json_t *v;
+    json_array_foreach(ids, k, v)
+        snprintf(want + strlen(want), wn - strlen(want), "%d,", (int)json_integer_value(v));
+    json_decref(ref);
+    return true;
+}
+
 /* §18.20, the numpy leg: greedy token ids through pd-scheduler equal the independent float64
  * numpy forward pass (tests/reference/llama_ref.py) on the same model and prompt ids. */
 TEST(golden_20_scheduler_equals_numpy)
@@ -898,26 +932,9 @@ TEST(golden_20_scheduler_equals_numpy)
     FIXTURE();
     if (access("/usr/bin/python3", X_OK) != 0) SKIP("/usr/bin/python3 (numpy) not available");
     static const char *const prompts[] = {"12,200,37,5,90", "1,2,3,4,5,6,7,8,9,10,11", "777"};
-    const char *root = getenv("PD_SOURCE_ROOT");
     for (int i = 0; i < 3; i++) {
-        char cmd[2048], got[512] = "", want[512] = "";
-        snprintf(cmd, sizeof cmd,
-                 "/usr/bin/python3 '%s/tests/reference/llama_ref.py' --model '%s' --prompt-ids %s "
-                 "--steps 12",
-                 root ? root : ".", g_model, prompts[i]);
-        FILE *f = popen(cmd, "r");
-        ASSERT(f);
-        static char out[1 << 20];
-        size_t n = fread(out, 1, sizeof out - 1, f);
-        out[n] = '\0';
-        ASSERT_EQ_INT(pclose(f), 0);
-        json_t *ref = json_loads(out, 0, NULL);
-        ASSERT_MSG(ref, "llama_ref.py printed no JSON");
-        size_t k;
-        json_t *v;
-        json_array_foreach(json_object_get(ref, "greedy_tokens"), k, v) snprintf(
-            want + strlen(want), sizeof want - strlen(want), "%d,", (int)json_integer_value(v));
-        json_decref(ref);
+        char got[512] = "", want[512] = "";
+        ASSERT_MSG(numpy_greedy(g_model, prompts[i], 12, want, sizeof want), "%s", want);
         char body[512];
         snprintf(body, sizeof body,
                  "{\"prompt\":[%s],\"max_tokens\":12,\"temperature\":0,\"ignore_eos\":true,"
@@ -926,6 +943,8 @@ TEST(golden_20_scheduler_equals_numpy)
         json_t *o = post_ok(g_port, "/v1/completions", body);
         ASSERT(o);
         json_t *c = json_array_get(json_object_get(o, "choices"), 0);
+        size_t k;
+        json_t *v;
         json_array_foreach(json_object_get(json_object_get(c, "logprobs"), "tokens"), k, v)
         {
             int id = -1;
@@ -2094,8 +2113,10 @@ static void response_ids(json_t *o, char *out, size_t n)
  * BOS), Llama-3.2 (GQA 4:1, llama3 RoPE scaling, tied embeddings, byte-level BPE) and Qwen2.5
  * (QKV bias, tied, Qwen tokenizer) shapes, greedy output through pd-scheduler, completions
  * (text prompts) and chat (messages), equals colocated pd-generate run on the independent
- * reference's prompt ids (families.json): the same token ids and the same text. The scheduler
- * tokenizes and renders itself, so its tokenizer and template are in the comparison too. */
+ * reference's prompt ids (families.json): the same token ids and the same text; and those
+ * pd-generate ids equal the float64 numpy forward pass (llama_ref.py) on the same ids. The
+ * scheduler tokenizes and renders itself, so its tokenizer and template are in the comparison
+ * too. */
 TEST(golden_20_families_equal_colocated)
 {
     for (size_t f = 0; f < N_FAM; f++) {
@@ -2117,6 +2138,21 @@ TEST(golden_20_families_equal_colocated)
         ASSERT_MSG(cl_reference(x->model, prompts, lens, np, FAM_MAX_TOKENS, 0.0, 0, pdt_tmp_dir(),
                                 out) == 0,
                    "pd-generate on %s: %s", x->name, pd_last_error());
+        for (size_t i = 0; i < np; i++) { /* the numpy leg: pd-generate = float64 reference */
+            char csv[4096] = "", ref_ids[1024], gen_ids[1024] = "";
+            for (size_t j = 0; j < lens[i]; j++)
+                snprintf(csv + strlen(csv), sizeof csv - strlen(csv), "%s%d", j ? "," : "",
+                         ids[i][j]);
+            ASSERT_MSG(numpy_greedy(x->model, csv, FAM_MAX_TOKENS, ref_ids, sizeof ref_ids), "%s",
+                       ref_ids);
+            for (size_t j = 0; j < out[i].n; j++)
+                snprintf(gen_ids + strlen(gen_ids), sizeof gen_ids - strlen(gen_ids), "%d,",
+                         out[i].tokens[j]);
+            /* pd-generate may stop early on EOS; the reference always runs FAM_MAX_TOKENS */
+            ASSERT_MSG(out[i].n > 0, "%s prompt %zu: pd-generate made no token", x->name, i);
+            ASSERT_MSG(strncmp(ref_ids, gen_ids, strlen(gen_ids)) == 0,
+                       "%s prompt %zu: pd-generate %s, numpy %s", x->name, i, gen_ids, ref_ids);
+        }
         for (size_t i = 0; i < np; i++) {
             bool is_chat = i >= nc;
             json_t *e = is_chat ? json_array_get(chat, i - nc) : json_array_get(comp, i);
