@@ -134,6 +134,32 @@ typedef struct {
     size_t src_head0, dst_head0, n_heads;
 } pd_kv_pull;
 
+/* KV over a device link (NCCL) between this process and another: a 2-rank communicator, rank 0
+ * the prefill side (sends), rank 1 the decode side (receives). What moves is a chunk of layers
+ * [layer0, layer0 + n_layers) of one prompt, in the chunk layout: for each layer of the chunk,
+ * K then V, each (n_tokens, n_heads, head_dim) in the pool dtype (the TCP frame payload of
+ * kv_tcp.c, layers concatenated): 2 * n_layers * n_tokens * n_heads * head_dim * elem bytes. */
+typedef struct pd_kv_link pd_kv_link;
+#define PD_KV_LINK_ID_BYTES 128 /* ncclUniqueId */
+
+typedef struct {
+    const int32_t *blocks;     /* (n_blocks) host: the pool's blocks of the prompt, in order */
+    size_t n_blocks, n_tokens; /* the prompt's tokens in those blocks (the last may be partial) */
+    size_t head0, n_heads;     /* pool-local head range */
+    int layer0, n_layers;      /* the layers this call moves */
+} pd_kv_xfer;
+
+/* How a link operation's wait ends besides completion. The operation polls check (when not
+ * NULL) every few milliseconds while it waits; a negative status from it (message set) ends the
+ * wait with that status. Past deadline_ns (pd_now_ns clock) the wait ends with PD_ETIMEOUT.
+ * Either way, and on an asynchronous NCCL error, the link is aborted: every later operation on
+ * it fails at once and the caller closes it. */
+typedef struct {
+    int64_t deadline_ns;
+    int (*check)(void *arg);
+    void *check_arg;
+} pd_kv_link_wait;
+
 /* One forward step, as the backend sees it. All arrays are host memory; see "Ordering" above
  * for their lifetime. Rows of one sequence are contiguous and in position order. */
 typedef struct {
@@ -243,6 +269,32 @@ typedef struct pd_backend_ops {
     int (*add)(pd_backend *b, void *y, const void *x, size_t n_elems);
     /* out (n_out, dim) = x[out_rows[i]] for the planned out_rows; x: (n_tokens, dim). */
     int (*gather_rows)(pd_backend *b, const void *x, size_t dim, void *out);
+
+    /* -- KV over a device link (NCCL; see pd_kv_link). NULL where the backend has none (CPU).
+     * Called from transfer threads, never the step's: they use a stream of the link's own.
+     * kv_link_id: a fresh link id for rank 0 to hand to rank 1 out of band (any channel).
+     * kv_link_open: joins the link of id as rank (0 or 1) with the device of b; both processes
+     *   call it with the same id; returns once both joined. A watchdog thread of the backend
+     *   watches every open link (asynchronous errors, deadlines) and aborts a failed one, so a
+     *   dead peer never blocks a caller past its deadline. PD_EUNSUPPORTED when no link can
+     *   join these two devices (the same GPU twice), PD_ETIMEOUT, or the check's status.
+     * kv_link_close: aborts whatever is in flight and frees the link; never waits for the peer.
+     * kv_link_send (rank 0): moves x's layers in chunks of at most chunk_layers layers: each
+     *   chunk is gathered from kv into device staging and sent; complete (received) on return.
+     * kv_link_recv (rank 1): receives the chunk of x (its layer range) into the link's staging,
+     *   growing it when needed; touches no pool.
+     * kv_link_scatter (rank 1): writes the received chunk into x's blocks and heads of kv;
+     *   complete on return. Callers hold the lock that frees blocks, so no freed block is
+     *   written. */
+    int (*kv_link_id)(pd_backend *b, uint8_t id[PD_KV_LINK_ID_BYTES]);
+    int (*kv_link_open)(pd_backend *b, const uint8_t id[PD_KV_LINK_ID_BYTES], int rank,
+                        const pd_kv_link_wait *w, pd_kv_link **out);
+    void (*kv_link_close)(pd_backend *b, pd_kv_link *l);
+    int (*kv_link_send)(pd_backend *b, const pd_kv *kv, pd_kv_link *l, const pd_kv_xfer *x,
+                        int chunk_layers, const pd_kv_link_wait *w);
+    int (*kv_link_recv)(pd_backend *b, const pd_kv *kv, pd_kv_link *l, const pd_kv_xfer *x,
+                        const pd_kv_link_wait *w);
+    int (*kv_link_scatter)(pd_backend *b, pd_kv *kv, pd_kv_link *l, const pd_kv_xfer *x);
 } pd_backend_ops;
 
 /* ---- instances ------------------------------------------------------------------------------ */

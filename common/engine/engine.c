@@ -13,6 +13,11 @@
  *   - Tensor-parallel ranks 1..t-1 run on their own threads, started per step through a
  *     generation counter (rmu/rcv) and joined the same way; their allreduce meets in a
  *     barrier that a failing rank can break so no rank waits forever.
+ *   - All-reduce: on CUDA with every rank on its own GPU, NCCL (pd_nccl.h: ncclAllReduce in
+ *     place on each rank's stream, no host round trip); otherwise (CPU, or ranks sharing a GPU,
+ *     which NCCL refuses) the host-staged sum below. A rank that fails mid-step under NCCL
+ *     cannot break a barrier: it gives the others RANK_FAIL_WAIT_MS to finish, then aborts the
+ *     communicators so their waits end (the instance then refuses further steps).
  */
 #include "engine/engine.h"
 
@@ -27,6 +32,7 @@
 #include "pd_config.h"
 #if PD_HAVE_CUDA
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/pd_nccl.h"
 #endif
 #include "engine/kvpool.h"
 #include "engine/rng.h"
@@ -37,7 +43,8 @@
 #include "util/status.h"
 #include "util/threadpool.h"
 
-#define REQ_BUCKETS 4096 /* request table: chained hash buckets */
+#define REQ_BUCKETS       4096 /* request table: chained hash buckets */
+#define RANK_FAIL_WAIT_MS 2000 /* NCCL: how long a failed rank waits for the others to finish */
 
 /* ---- requests and sequences ------------------------------------------------------------------ */
 
@@ -150,6 +157,10 @@ struct pd_engine {
     pthread_cond_t rcv;
     uint64_t job_gen; /* bumped to start a rank job */
     int jobs_done;
+    int ranks_running; /* ranks whose job of this step has not ended (under rmu) */
+#if PD_HAVE_CUDA
+    pd_nccl_tp *nccl; /* NCCL all-reduce over the ranks' GPUs; NULL: host-staged */
+#endif
     bool ranks_quit;
     /* scheduling state (under mu) */
     pthread_mutex_t mu;
@@ -380,6 +391,48 @@ static int tp_allreduce(void *ctx, pd_backend *b, void *buf, size_t n_elems)
     return PD_OK;
 }
 
+/* Whether the all-reduce goes through host staging (rk->stage, e->tp_sum). */
+static bool host_staged(const pd_engine *e)
+{
+#if PD_HAVE_CUDA
+    if (e->nccl) return false;
+#endif
+    return e->tp > 1;
+}
+
+#if PD_HAVE_CUDA
+/* pd_allreduce_fn over NCCL (see the file-top comment). */
+static int nccl_allreduce(void *ctx, pd_backend *b, void *buf, size_t n_elems)
+{
+    pd_engine_rank *rk = ctx;
+    (void)b;
+    return pd_nccl_tp_allreduce(rk->e->nccl, rk->r, buf, n_elems);
+}
+#endif
+
+/* A rank failed: under NCCL, ranks waiting for its contribution would wait forever, so unless every
+ * other rank ends its job within RANK_FAIL_WAIT_MS (they failed the same way, before any
+ * all-reduce) the communicators are aborted. */
+static void rank_failed(pd_engine *e)
+{
+    if (e->tp > 1) barrier_break(&e->bar);
+#if PD_HAVE_CUDA
+    if (!e->nccl) return;
+    int64_t deadline = pd_now_ns() + (int64_t)RANK_FAIL_WAIT_MS * PD_NS_PER_MS;
+    pthread_mutex_lock(&e->rmu);
+    while (e->ranks_running > 1 && pd_now_ns() < deadline) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 20 * 1000000L;
+        if (ts.tv_nsec >= 1000000000L) ts.tv_sec++, ts.tv_nsec -= 1000000000L;
+        pthread_cond_timedwait(&e->rcv, &e->rmu, &ts);
+    }
+    bool stuck = e->ranks_running > 1;
+    pthread_mutex_unlock(&e->rmu);
+    if (stuck) pd_nccl_tp_abort(e->nccl);
+#endif
+}
+
 /* ---- one rank's share of a step: copy-on-write copies, then the forward pass --------------------
  */
 
@@ -411,9 +464,15 @@ static void rank_job(pd_engine_rank *rk)
     rk->rc = rc;
     if (rc < 0) {
         snprintf(rk->err, sizeof rk->err, "rank %d: %s", rk->r, pd_last_error());
-        if (e->tp > 1) barrier_break(&e->bar);
+        rank_failed(e);
     } else {
         rk->err[0] = '\0';
+    }
+    if (e->tp > 1) {
+        pthread_mutex_lock(&e->rmu);
+        e->ranks_running--;
+        pthread_cond_broadcast(&e->rcv);
+        pthread_mutex_unlock(&e->rmu);
     }
 }
 
@@ -445,6 +504,7 @@ static int run_ranks(pd_engine *e)
     if (e->tp > 1) {
         pthread_mutex_lock(&e->rmu);
         e->jobs_done = 0;
+        e->ranks_running = e->tp;
         e->job_gen++;
         pthread_cond_broadcast(&e->rcv);
         pthread_mutex_unlock(&e->rmu);
@@ -1281,6 +1341,35 @@ static int check_params(pd_engine *e)
     return PD_OK;
 }
 
+/* NCCL when every rank has a GPU of its own, else the host-staged all-reduce; logged. */
+static int choose_allreduce(pd_engine *e)
+{
+    if (e->tp < 2) return PD_OK;
+#if PD_HAVE_CUDA
+    if (e->p.n_cuda_devices > 0) {
+        bool distinct = true;
+        for (int r = 0; r < e->tp; r++)
+            for (int q = 0; q < r; q++)
+                distinct = distinct && e->p.cuda_devices[q] != e->p.cuda_devices[r];
+        if (distinct) {
+            pd_backend *bs[PD_ENGINE_MAX_CUDA_DEVICES];
+            for (int r = 0; r < e->tp; r++) bs[r] = e->ranks[r].b;
+            if (pd_nccl_tp_create(bs, e->tp, &e->nccl) == PD_OK) return PD_OK;
+            PD_WARN("-", "tensor parallel: NCCL unavailable (%s); host-staged all-reduce",
+                    pd_last_error());
+        } else {
+            PD_INFO("-",
+                    "tensor parallel: ranks share a GPU (NCCL takes one rank per GPU); "
+                    "host-staged all-reduce over %d ranks",
+                    e->tp);
+            return PD_OK;
+        }
+    }
+#endif
+    PD_INFO("-", "tensor parallel: host-staged all-reduce over %d ranks", e->tp);
+    return PD_OK;
+}
+
 static int create_ranks(pd_engine *e)
 {
     pd_engine_params *p = &e->p;
@@ -1311,9 +1400,16 @@ static int create_ranks(pd_engine *e)
                 PD_CHECK(pd_backend_cpu_create(&bp, &rk->b));
             rk->own_backend = true;
         }
+    }
+    PD_CHECK(choose_allreduce(e));
+    for (int r = 0; r < e->tp; r++) {
+        pd_engine_rank *rk = &e->ranks[r];
         pd_forward_params fp = pd_forward_default_params();
         fp.shard = (pd_shard){r, e->tp};
         fp.allreduce = e->tp > 1 ? tp_allreduce : NULL;
+#if PD_HAVE_CUDA
+        if (e->nccl) fp.allreduce = nccl_allreduce;
+#endif
         fp.allreduce_ctx = rk;
         fp.max_tokens = p->max_num_batched_tokens;
         fp.max_seqs = p->max_num_seqs;
@@ -1363,7 +1459,7 @@ static int create_kv(pd_engine *e)
         rk->bounce = malloc(rk->bounce_bytes);
         rk->logits = malloc(p->max_num_seqs * e->vocab * sizeof(float));
         if (!rk->bounce || !rk->logits) return pd_error(PD_ENOMEM, "engine: out of memory");
-        if (e->tp > 1) {
+        if (host_staged(e)) {
             rk->stage = malloc(e->stage_elems * sizeof(float));
             if (!rk->stage) return pd_error(PD_ENOMEM, "engine: out of memory for TP staging");
         }
@@ -1403,7 +1499,7 @@ static int create_buffers(pd_engine *e)
         if (!sl->top_ids || !sl->top_lp || !sl->blocks)
             return pd_error(PD_ENOMEM, "engine: out of memory for the output queue");
     }
-    if (e->tp > 1) {
+    if (host_staged(e)) {
         e->tp_sum = malloc(e->stage_elems * sizeof(float));
         if (!e->tp_sum) return pd_error(PD_ENOMEM, "engine: out of memory for TP staging");
     }
@@ -1503,6 +1599,10 @@ void pd_engine_destroy(pd_engine *e)
         pthread_mutex_unlock(&e->rmu);
         for (int r = 0; r < e->tp; r++)
             if (e->ranks[r].thread_started) pthread_join(e->ranks[r].thread, NULL);
+#if PD_HAVE_CUDA
+        pd_nccl_tp_destroy(e->nccl); /* before the backends whose streams it used */
+        e->nccl = NULL;
+#endif
         for (int r = 0; r < e->tp; r++) {
             pd_engine_rank *rk = &e->ranks[r];
             if (rk->kv) pd_backend_get_ops(rk->b)->kv_free(rk->b, rk->kv);

@@ -89,6 +89,9 @@ struct pd_node {
     bool ipc_fallback;    /* --kv-transport auto: a destination that refuses IPC gets TCP */
     char no_ipc[32][300]; /* "host:port" of decode ranks that refused IPC (under mu) */
     int n_no_ipc;
+    bool nccl;             /* KV over NCCL links (--kv-transport nccl, or auto on CUDA) */
+    char no_nccl[32][300]; /* "host:port" of decode ranks that refused NCCL (under mu) */
+    int n_no_nccl;
     job *jobs_head, *jobs_tail;
     pthread_t *workers;
     int n_workers;
@@ -454,16 +457,27 @@ static void h_prefill(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len
     pd__prefill_request__free_unpacked(q, NULL);
 }
 
-/* Whether addr ("host:port") has refused CUDA IPC before; remember = mark it so. */
-static bool ipc_refused(pd_node *n, const char *addr, bool remember)
+/* Whether addr ("host:port") is in list (32 entries, *count used); remember = add it. */
+static bool addr_listed(pd_node *n, char (*list)[300], int *count, const char *addr, bool remember)
 {
     pthread_mutex_lock(&n->mu);
     bool found = false;
-    for (int i = 0; i < n->n_no_ipc && !found; i++) found = strcmp(n->no_ipc[i], addr) == 0;
-    if (!found && remember && n->n_no_ipc < (int)(sizeof n->no_ipc / sizeof n->no_ipc[0]))
-        snprintf(n->no_ipc[n->n_no_ipc++], sizeof n->no_ipc[0], "%s", addr);
+    for (int i = 0; i < *count && !found; i++) found = strcmp(list[i], addr) == 0;
+    if (!found && remember && *count < 32) snprintf(list[(*count)++], 300, "%s", addr);
     pthread_mutex_unlock(&n->mu);
     return found;
+}
+
+/* Whether addr ("host:port") has refused CUDA IPC before; remember = mark it so. */
+static bool ipc_refused(pd_node *n, const char *addr, bool remember)
+{
+    return addr_listed(n, n->no_ipc, &n->n_no_ipc, addr, remember);
+}
+
+/* The same for NCCL links. */
+static bool nccl_refused(pd_node *n, const char *addr, bool remember)
+{
+    return addr_listed(n, n->no_nccl, &n->n_no_nccl, addr, remember);
 }
 
 /* Sends the held KV of j to every decode rank; returns a status. */
@@ -494,14 +508,29 @@ static int transfer_kv(pd_node *n, job *j, int64_t *bytes, double *seconds)
                                  .n_heads = nh,
                                  .timeout_ms = r->lease_ms,
                                  .cancel = &r->cancel};
+            /* auto: CUDA IPC, else NCCL, else TCP, per decode rank (what it accepted before) */
+            bool use_nccl = n->nccl && !(n->ipc_fallback && nccl_refused(n, addr, false));
             if (n->shares && !(n->ipc_fallback && ipc_refused(n, addr, false)))
                 sr.share = &n->shares[rank];
+            else
+                sr.nccl = use_nccl;
             pd_kv_send_stats st;
             int rc = pd_kv_tcp_send(n->tx, &sr, &st);
             if (rc == PD_EUNSUPPORTED && sr.share && n->ipc_fallback) {
-                PD_INFO(r->id, "%s; KV to %s moves over TCP from now on", pd_last_error(), addr);
+                PD_INFO(r->id, "%s; KV to %s moves over %s from now on", pd_last_error(), addr,
+                        use_nccl ? "NCCL (TCP where it fails)" : "TCP");
                 ipc_refused(n, addr, true);
                 sr.share = NULL;
+                sr.nccl = use_nccl;
+                rc = pd_kv_tcp_send(n->tx, &sr, &st);
+            }
+            /* auto: a decode rank that refused NCCL, or whose link could not be made (no request
+             * frame went out), gets TCP */
+            if (rc < 0 && rc != PD_ECANCELLED && sr.nccl && n->ipc_fallback &&
+                (rc == PD_EUNSUPPORTED || st.frames == 0)) {
+                PD_INFO(r->id, "%s; KV to %s moves over TCP from now on", pd_last_error(), addr);
+                nccl_refused(n, addr, true);
+                sr.nccl = 0;
                 rc = pd_kv_tcp_send(n->tx, &sr, &st);
             }
             *bytes += (int64_t)st.bytes;
@@ -928,12 +957,24 @@ static int node_device(pd_node *n, pd_engine_params *ep)
 #endif
 }
 
-/* --kv-transport on a prefill instance: cuda_ipc shares every rank's pool, auto does so on
- * CUDA and falls back to TCP per decode rank that cannot map it, tcp never shares. */
+/* --kv-transport on a prefill instance: cuda_ipc shares every rank's pool, nccl sends over NCCL
+ * links, auto does both on CUDA (IPC first) and falls back per decode rank (IPC -> NCCL -> TCP),
+ * tcp never shares. */
 static int node_shares(pd_node *n, const char *xport, bool on_cuda)
 {
     if (strcmp(xport, "tcp") == 0 || !on_cuda) return PD_OK;
     n->ipc_fallback = strcmp(xport, "auto") == 0;
+    if (strcmp(xport, "nccl") == 0 || n->ipc_fallback) {
+        const pd_backend_ops *o = pd_backend_get_ops(pd_engine_backend(n->e, 0));
+        n->nccl = o->kv_link_send != NULL;
+        if (!n->nccl && !n->ipc_fallback)
+            return pd_error(PD_EUNSUPPORTED, "--kv-transport nccl: the %s backend has no NCCL",
+                            pd_backend_name(pd_engine_backend(n->e, 0)));
+        if (strcmp(xport, "nccl") == 0) {
+            PD_INFO(NULL, "KV transport: NCCL (device to device, one link per decode rank)");
+            return PD_OK;
+        }
+    }
     n->shares = calloc((size_t)n->tp, sizeof *n->shares);
     if (!n->shares) return pd_error(PD_ENOMEM, "out of memory");
     for (int r = 0; r < n->tp; r++) {
@@ -952,7 +993,10 @@ static int node_shares(pd_node *n, const char *xport, bool on_cuda)
         }
     }
     PD_INFO(NULL, "KV transport: CUDA IPC (device to device)%s",
-            n->ipc_fallback ? ", TCP for decode ranks that cannot map it" : "");
+            n->ipc_fallback ? (n->nccl ? ", NCCL for decode ranks that cannot map it, TCP for "
+                                         "those that refuse NCCL"
+                                       : ", TCP for decode ranks that cannot map it")
+                            : "");
     return PD_OK;
 }
 
@@ -963,10 +1007,9 @@ int pd_node_create(const pd_node_params *p, pd_node **out)
         return pd_error(PD_EINVAL, "--port is required (1..65535)");
     const char *xport = p->kv_transport ? p->kv_transport : "auto";
     bool on_cuda = p->device && strcmp(p->device, "cuda") == 0;
-    if (strcmp(xport, "nccl") == 0)
-        return pd_error(PD_EUNSUPPORTED,
-                        "--kv-transport nccl: the NCCL KV transport is not available in this "
-                        "release; use cuda_ipc (prefill and decode on one host) or tcp");
+    if (strcmp(xport, "nccl") == 0 && !on_cuda)
+        return pd_error(PD_EINVAL, "--kv-transport nccl needs --device cuda (NCCL moves the KV "
+                                   "between GPU memories)");
     if (strcmp(xport, "cuda_ipc") == 0 && !on_cuda)
         return pd_error(PD_EINVAL, "--kv-transport cuda_ipc needs --device cuda (the KV pool "
                                    "must be in GPU memory)");

@@ -22,6 +22,35 @@
  * containers of one host) tells another host apart before any CUDA call: such frames, and frames
  * to a receiver whose backend has no kv_pull (CPU), are refused with PD_EUNSUPPORTED, which the
  * sender reports as such so the caller can fall back to host staging.
+ *
+ * NCCL (a sender given nccl = 1): the KV moves device to device over a 2-rank NCCL communicator
+ * (the backend's kv_link_* ops) bound to the TCP connection: one communicator per (prefill rank,
+ * decode rank) connection, created on the connection's first NCCL request and dropped with it.
+ *   link set-up: a frame flagged NCCL_INIT | LAST whose payload is the link id (ncclUniqueId,
+ *     128 bytes) the sender generated; the receiver acknowledges it (status 0, or
+ *     PD_EUNSUPPORTED from a backend without kv_link ops: CPU) and both sides then join the link
+ *     (non-blocking communicator, bounded by a deadline; a failure drops the connection).
+ *   per request: a frame flagged NCCL | LAST with the usual head and block fields and a 16-byte
+ *     payload: u32 chunk_layers u32 0 u64 link_bytes (pd_kv_nccl_desc). Then the sender gathers
+ *     the prompt's tokens of its blocks, layers in chunks of chunk_layers (coalesced to at most
+ *     PD_KV_NCCL_CHUNK_BYTES, at least one layer), into device staging and sends each chunk
+ *     (ncclSend); chunk layout = the TCP payloads of its layers concatenated. The receiver
+ *     checks the frame against the reservation, receives each chunk (ncclRecv) into staging
+ *     without holding its lock, then takes the lock that a cancel takes, checks that the
+ *     request is still expected, and scatters the chunk into the reserved blocks; the request
+ *     counts as imported after its last chunk. A request refused or cancelled after the frame is
+ *     still drained (received, not written) so the link stays in step, then refused in the
+ *     acknowledgement. A frame whose chunks cannot be sized safely, a link error or a deadline
+ *     drops the connection and its link. Both sides bound every NCCL wait by a deadline and by
+ *     a check of the TCP connection (closed = the peer is gone), and the backend's watchdog
+ *     aborts a communicator with an asynchronous error, so a dead peer fails the transfer with
+ *     a message and never blocks a thread of either process.
+ * Deviations from DESIGN.md (KV cache and transfer): the link id travels on the KV data
+ * connection, not over gRPC; it is the channel that already pairs one prefill rank with one
+ * decode rank, and it keeps the communicator's life equal to the connection's. And a
+ * communicator belongs to a connection, not to the (prefill rank, decode rank) pair: a pair with
+ * several transfers in flight at once (transfer workers) has one connection, and so one
+ * communicator, per concurrent transfer; pooled connections keep theirs for the next request.
  */
 #include "transfer/kv_tcp.h"
 
@@ -52,7 +81,10 @@
 #define VERSION               2
 #define FLAG_LAST             1u
 #define FLAG_IPC              2u
-#define IPC_FIXED             144 /* IPC payload bytes before the block ids */
+#define FLAG_NCCL             4u
+#define FLAG_NCCL_INIT        8u
+#define IPC_FIXED             144   /* IPC payload bytes before the block ids */
+#define LINK_OPEN_MS          30000 /* joining an NCCL link, both sides */
 #define SOCK_BUF              (4 << 20)
 #define FRAME_READ_TIMEOUT_MS 30000
 #define CANCEL_POLL_MS        50 /* how often a send in progress looks at its cancel flag */
@@ -156,6 +188,42 @@ void pd_kv_head_overlap(size_t a0, size_t an, size_t b0, size_t bn, size_t *h0, 
     size_t lo = a0 > b0 ? a0 : b0, hi = a0 + an < b0 + bn ? a0 + an : b0 + bn;
     *h0 = lo;
     *n = hi > lo ? hi - lo : 0;
+}
+
+int pd_kv_nccl_chunk_layers(size_t layer_bytes, int n_layers, size_t cap)
+{
+    if (!cap) cap = PD_KV_NCCL_CHUNK_BYTES;
+    if (n_layers < 1) return 1;
+    size_t k = layer_bytes ? cap / layer_bytes : (size_t)n_layers;
+    if (k < 1) k = 1;
+    if (k > (size_t)n_layers) k = (size_t)n_layers;
+    return (int)k;
+}
+
+void pd_kv_nccl_desc_pack(const pd_kv_nccl_desc *d, uint8_t out[PD_KV_NCCL_DESC_BYTES])
+{
+    put_u32(out, d->chunk_layers);
+    put_u32(out + 4, 0);
+    put_u64(out + 8, d->link_bytes);
+}
+
+int pd_kv_nccl_desc_unpack(const uint8_t in[PD_KV_NCCL_DESC_BYTES], int n_layers,
+                           size_t layer_bytes, pd_kv_nccl_desc *out)
+{
+    out->chunk_layers = get_u32(in);
+    out->link_bytes = get_u64(in + 8);
+    if (out->chunk_layers < 1 || n_layers < 1 || out->chunk_layers > (uint32_t)n_layers)
+        return pd_error(PD_EINVAL, "kv NCCL frame: chunk_layers %u outside 1..%d",
+                        out->chunk_layers, n_layers);
+    if (get_u32(in + 4) != 0)
+        return pd_error(PD_EINVAL, "kv NCCL frame: reserved field is %u, expected 0",
+                        get_u32(in + 4));
+    if (out->link_bytes != (uint64_t)n_layers * layer_bytes)
+        return pd_error(
+            PD_EINVAL, "kv NCCL frame: link_bytes %llu, expected %llu (%d layers of %zu)",
+            (unsigned long long)out->link_bytes,
+            (unsigned long long)((uint64_t)n_layers * layer_bytes), n_layers, layer_bytes);
+    return PD_OK;
 }
 
 /* ---- sockets ---- */
@@ -307,6 +375,7 @@ typedef struct rx_conn {
     bool finished;
     pd_kv_peer *peer; /* the sender's pool, mapped at its first IPC frame (NULL: none) */
     uint64_t peer_id;
+    pd_kv_link *link; /* the NCCL link of this connection (NULL: none yet) */
 } rx_conn;
 
 struct pd_kv_tcp_receiver {
@@ -602,6 +671,151 @@ static int rx_import_ipc(pd_kv_tcp_receiver *rx, rx_conn *c, const frame_hdr *h,
     return PD_OK;
 }
 
+/* pd_kv_link_wait check of one TCP connection: PD_ECLOSED once the peer closed it (or, with
+ * stop_fd >= 0, once the receiver is stopping); PD_ECANCELLED once cancel is set. Data waiting on
+ * the socket (an early acknowledgement) is left alone. */
+typedef struct {
+    int fd, stop_fd;
+    const atomic_bool *cancel;
+} conn_watch;
+
+static int conn_check(void *arg)
+{
+    const conn_watch *cw = arg;
+    if (cw->cancel && atomic_load(cw->cancel))
+        return pd_error(PD_ECANCELLED, "the request was cancelled");
+    struct pollfd p[2] = {{.fd = cw->fd, .events = POLLIN}, {.fd = cw->stop_fd, .events = POLLIN}};
+    if (poll(p, cw->stop_fd >= 0 ? 2 : 1, 0) <= 0) return PD_OK;
+    if (cw->stop_fd >= 0 && p[1].revents) return pd_error(PD_ECLOSED, "the receiver is stopping");
+    if (p[0].revents & (POLLHUP | POLLERR)) return pd_error(PD_ECLOSED, "the peer hung up");
+    if (p[0].revents & POLLIN) {
+        uint8_t b;
+        ssize_t r = recv(cw->fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
+        if (r == 0 || (r < 0 && errno != EAGAIN && errno != EINTR))
+            return pd_error(PD_ECLOSED, "the peer closed the KV connection");
+    }
+    return PD_OK;
+}
+
+/* An NCCL_INIT frame: acknowledges it (refused with PD_EUNSUPPORTED when the backend has no
+ * links), then joins the link. Returns false when the connection must be dropped. */
+static bool rx_nccl_init(pd_kv_tcp_receiver *rx, rx_conn *c, const frame_hdr *h,
+                         const uint8_t *payload)
+{
+    const pd_backend_ops *ops = pd_backend_get_ops(rx->p.backend);
+    uint8_t ack[ACK_BYTES];
+    int st = PD_OK;
+    char msg[ACK_MSG_BYTES] = "";
+    if (h->payload_bytes != PD_KV_LINK_ID_BYTES) {
+        st = pd_error(PD_EINVAL, "kv NCCL link frame: payload of %llu bytes, expected %d",
+                      (unsigned long long)h->payload_bytes, PD_KV_LINK_ID_BYTES);
+    } else if (!ops->kv_link_open) {
+        st = pd_error(PD_EUNSUPPORTED,
+                      "kv NCCL link: this decode rank's %s backend cannot take KV over NCCL",
+                      pd_backend_name(rx->p.backend));
+    }
+    if (st < 0) {
+        snprintf(msg, sizeof msg, "%s", pd_last_error());
+        PD_INFO(h->request_id, "%s", msg);
+        pthread_mutex_lock(&rx->mu);
+        rx->stats.refused++;
+        pthread_mutex_unlock(&rx->mu);
+    }
+    ack_pack(ack, st, h->request_id, msg);
+    if (write_full(c->fd, ack, ACK_BYTES, NULL, pd_now_ns() + 5 * PD_NS_PER_S) != PD_OK)
+        return false;
+    if (st < 0) return true; /* refused and acknowledged: the stream is in sync */
+    if (c->link) { /* the sender made a new link on this connection: the old one is done */
+        ops->kv_link_close(rx->p.backend, c->link);
+        c->link = NULL;
+    }
+    conn_watch cw = {.fd = c->fd, .stop_fd = rx->stop_pipe[0], .cancel = NULL};
+    pd_kv_link_wait w = {.deadline_ns = pd_now_ns() + LINK_OPEN_MS * PD_NS_PER_MS,
+                         .check = conn_check,
+                         .check_arg = &cw};
+    if (ops->kv_link_open(rx->p.backend, payload, 1, &w, &c->link) < 0) {
+        PD_ERROR(h->request_id, "kv NCCL link: %s; closing connection", pd_last_error());
+        return false;
+    }
+    PD_INFO(h->request_id, "kv NCCL link up (decode rank head %zu)", rx->p.head0);
+    return true;
+}
+
+/* An NCCL request frame (see the file-top comment): receives every chunk, scatters the chunks
+ * of an accepted request. Returns the acknowledgement's status (message set); *drop when the
+ * connection and its link must go (the link is out of step or failed). */
+static int rx_nccl(pd_kv_tcp_receiver *rx, rx_conn *c, const frame_hdr *h, const uint8_t *payload,
+                   int64_t deadline, expect_entry **complete, bool *drop)
+{
+    const pd_kv_params *kp = &rx->p.kv_params;
+    const pd_backend_ops *ops = pd_backend_get_ops(rx->p.backend);
+    *drop = false;
+    if (!c->link || h->payload_bytes != PD_KV_NCCL_DESC_BYTES) {
+        /* nothing follows on a link that does not exist; a wrong payload cannot be sized */
+        *drop = c->link != NULL;
+        return pd_error(PD_EINVAL, "kv NCCL frame %s: %s", h->request_id,
+                        c->link ? "wrong payload size" : "no NCCL link on this connection");
+    }
+    /* the chunks' sizes come from the header alone, so a refused request is drained too */
+    if (h->n_heads == 0 || h->n_heads > rx->n_local_heads || h->n_tokens == 0 ||
+        (size_t)h->n_tokens > kp->n_blocks * kp->block_size) {
+        *drop = true;
+        return pd_error(PD_EINVAL, "kv NCCL frame %s: %u heads x %u tokens cannot be received",
+                        h->request_id, h->n_heads, h->n_tokens);
+    }
+    size_t layer_b = slice_bytes(kp, h->n_tokens, h->n_heads);
+    pd_kv_nccl_desc d;
+    int rc = pd_kv_nccl_desc_unpack(payload, kp->n_layers, layer_b, &d);
+    if (rc == PD_OK && (size_t)d.chunk_layers * layer_b > rx->p.max_frame_bytes)
+        rc = pd_error(PD_EINVAL, "kv NCCL frame %s: chunks of %zu bytes over the %zu-byte limit",
+                      h->request_id, (size_t)d.chunk_layers * layer_b, rx->p.max_frame_bytes);
+    if (rc < 0) {
+        *drop = true;
+        return rc;
+    }
+    pthread_mutex_lock(&rx->mu);
+    expect_entry **link = NULL;
+    int status = PD_OK;
+    char msg[ACK_MSG_BYTES] = "";
+    if (!rx_check(rx, h, &link, &status)) snprintf(msg, sizeof msg, "%s", pd_last_error());
+    pthread_mutex_unlock(&rx->mu);
+    conn_watch cw = {.fd = c->fd, .stop_fd = rx->stop_pipe[0], .cancel = NULL};
+    pd_kv_link_wait w = {.deadline_ns = deadline, .check = conn_check, .check_arg = &cw};
+    for (int l0 = 0; l0 < kp->n_layers; l0 += (int)d.chunk_layers) {
+        int n = kp->n_layers - l0 < (int)d.chunk_layers ? kp->n_layers - l0 : (int)d.chunk_layers;
+        pd_kv_xfer x = {.blocks = NULL,
+                        .n_blocks = 0,
+                        .n_tokens = h->n_tokens,
+                        .head0 = h->head0 >= rx->p.head0 ? h->head0 - rx->p.head0 : 0,
+                        .n_heads = h->n_heads,
+                        .layer0 = l0,
+                        .n_layers = n};
+        rc = ops->kv_link_recv(rx->p.backend, rx->p.kv, c->link, &x, &w);
+        if (rc < 0) {
+            *drop = true;
+            return pd_error_prefix(rc, "kv NCCL receive %s", h->request_id);
+        }
+        if (status < 0) continue; /* drained, not written */
+        pthread_mutex_lock(&rx->mu);
+        int64_t t0 = pd_now_ns();
+        expect_entry *e = rx_check(rx, h, &link, &status); /* a cancel may have come meanwhile */
+        if (e) {
+            x.blocks = e->blocks;
+            x.n_blocks = e->n_blocks;
+            status = ops->kv_link_scatter(rx->p.backend, rx->p.kv, c->link, &x);
+            if (status == PD_OK && l0 + n == kp->n_layers) {
+                rx->stats.bytes += (uint64_t)kp->n_layers * layer_b;
+                rx_mark(rx, e, link, h, 0, (uint32_t)kp->n_layers, complete);
+            }
+            if (status == PD_OK) rx->stats.import_seconds += (double)(pd_now_ns() - t0) / 1e9;
+        }
+        if (status < 0) snprintf(msg, sizeof msg, "%s", pd_last_error());
+        pthread_mutex_unlock(&rx->mu);
+    }
+    if (status < 0) return pd_error(status, "%s", msg);
+    return PD_OK;
+}
+
 static void *rx_conn_main(void *arg)
 {
     rx_conn *c = arg;
@@ -649,8 +863,34 @@ static void *rx_conn_main(void *arg)
             cur_status = PD_OK;
             cur_msg[0] = '\0';
         }
+        if (h.flags & FLAG_NCCL_INIT) {
+            if (!rx_nccl_init(rx, c, &h, buf)) break;
+            cur_id[0] = '\0';
+            continue;
+        }
         expect_entry *complete = NULL;
-        if (cur_status == PD_OK) {
+        if (h.flags & FLAG_NCCL) {
+            /* always run, also after an earlier refusal: the chunks must be drained */
+            bool drop = false;
+            int rc = rx_nccl(rx, c, &h, buf, deadline, &complete, &drop);
+            if (rc < 0 && cur_status == PD_OK) {
+                cur_status = rc;
+                snprintf(cur_msg, sizeof cur_msg, "%s", pd_last_error());
+                if (rc == PD_ECANCELLED)
+                    PD_INFO(h.request_id, "%s", cur_msg);
+                else
+                    PD_ERROR(h.request_id, "%s", cur_msg);
+            }
+            if (rc < 0) {
+                pthread_mutex_lock(&rx->mu);
+                rx->stats.refused++;
+                pthread_mutex_unlock(&rx->mu);
+            }
+            if (drop) {
+                PD_ERROR(h.request_id, "kv NCCL: closing the connection and its link");
+                break;
+            }
+        } else if (cur_status == PD_OK) {
             pthread_mutex_lock(&rx->mu);
             int64_t t0 = pd_now_ns();
             int rc = h.flags & FLAG_IPC ? rx_import_ipc(rx, c, &h, buf, &complete)
@@ -684,6 +924,9 @@ static void *rx_conn_main(void *arg)
         }
     }
     free(buf);
+    if (c->link) /* only this thread uses it; closing aborts whatever it had in flight */
+        pd_backend_get_ops(rx->p.backend)->kv_link_close(rx->p.backend, c->link);
+    c->link = NULL;
     close(c->fd);
     pthread_mutex_lock(&rx->mu);
     if (c->peer) pd_backend_get_ops(rx->p.backend)->kv_peer_close(rx->p.backend, c->peer);
@@ -832,7 +1075,24 @@ typedef struct idle_conn {
     struct idle_conn *next;
     char addr[300];
     int fd;
+    pd_backend *owner; /* NCCL connections: the prefill rank's backend (NULL: plain TCP) */
+    pd_kv_link *link;  /* its NCCL link (NULL: none yet) */
 } idle_conn;
+
+/* A connection a send works on: the socket, and for NCCL sends the backend that owns its link. */
+typedef struct {
+    int fd;
+    pd_backend *owner;
+    pd_kv_link *link;
+} tx_conn;
+
+static void tx_conn_close(tx_conn *c)
+{
+    if (c->link) pd_backend_get_ops(c->owner)->kv_link_close(c->owner, c->link);
+    c->link = NULL;
+    if (c->fd >= 0) close(c->fd);
+    c->fd = -1;
+}
 
 struct pd_kv_tcp_sender {
     pthread_mutex_t mu;
@@ -854,38 +1114,42 @@ void pd_kv_tcp_sender_destroy(pd_kv_tcp_sender *tx)
     while (tx->idle) {
         idle_conn *c = tx->idle;
         tx->idle = c->next;
-        close(c->fd);
+        tx_conn tc = {.fd = c->fd, .owner = c->owner, .link = c->link};
+        tx_conn_close(&tc);
         free(c);
     }
     pthread_mutex_destroy(&tx->mu);
     free(tx);
 }
 
-static int take_conn(pd_kv_tcp_sender *tx, const char *addr)
+/* An idle connection to addr owned by owner (NULL: a plain one); false when there is none. */
+static bool take_conn(pd_kv_tcp_sender *tx, const char *addr, pd_backend *owner, tx_conn *out)
 {
     pthread_mutex_lock(&tx->mu);
     for (idle_conn **pp = &tx->idle; *pp; pp = &(*pp)->next)
-        if (strcmp((*pp)->addr, addr) == 0) {
+        if (strcmp((*pp)->addr, addr) == 0 && (*pp)->owner == owner) {
             idle_conn *c = *pp;
             *pp = c->next;
             pthread_mutex_unlock(&tx->mu);
-            int fd = c->fd;
+            *out = (tx_conn){.fd = c->fd, .owner = c->owner, .link = c->link};
             free(c);
-            return fd;
+            return true;
         }
     pthread_mutex_unlock(&tx->mu);
-    return -1;
+    return false;
 }
 
-static void give_conn(pd_kv_tcp_sender *tx, const char *addr, int fd)
+static void give_conn(pd_kv_tcp_sender *tx, const char *addr, tx_conn *tc)
 {
     idle_conn *c = malloc(sizeof *c);
     if (!c) {
-        close(fd);
+        tx_conn_close(tc);
         return;
     }
     snprintf(c->addr, sizeof c->addr, "%s", addr);
-    c->fd = fd;
+    c->fd = tc->fd;
+    c->owner = tc->owner;
+    c->link = tc->link;
     pthread_mutex_lock(&tx->mu);
     c->next = tx->idle;
     tx->idle = c;
@@ -1049,11 +1313,109 @@ static int send_frame_ipc(int fd, const pd_kv_send_req *r, size_t tokens, int64_
     return PD_OK;
 }
 
+/* Reads the acknowledgement of r's last frame. *keep = the stream is in sync after it. */
+static int read_ack(int fd, const pd_kv_send_req *r, int64_t deadline, bool *keep)
+{
+    uint8_t ack[ACK_BYTES];
+    int rc = read_full(fd, ack, ACK_BYTES, -1, r->cancel, deadline);
+    if (rc < 0)
+        return pd_error(rc, "kv send %s: %s", r->request_id,
+                        io_failure(rc, "waiting for the acknowledgement"));
+    if (memcmp(ack, "PDKA", 4) != 0 ||
+        strncmp((const char *)ack + 12, r->request_id, PD_KV_REQUEST_ID_MAX) != 0)
+        return pd_error(PD_EINTERNAL, "kv send %s: malformed acknowledgement", r->request_id);
+    *keep = true; /* acknowledged: the stream is still in sync */
+    if ((int32_t)get_u32(ack + 8) != 0) {
+        char msg[ACK_MSG_BYTES];
+        memcpy(msg, ack + 52, sizeof msg);
+        msg[sizeof msg - 1] = '\0';
+        int st_code = (int32_t)get_u32(ack + 8) == PD_EUNSUPPORTED ? PD_EUNSUPPORTED : PD_EINVAL;
+        return pd_error(st_code, "kv send %s: refused by the decode rank: %s", r->request_id, msg);
+    }
+    return PD_OK;
+}
+
+/* Sets up the NCCL link of connection c (see the file-top comment). */
+static int nccl_link_up(tx_conn *c, const pd_kv_send_req *r, int64_t deadline, bool *keep)
+{
+    const pd_backend_ops *ops = pd_backend_get_ops(r->backend);
+    uint8_t buf[HDR_BYTES + PD_KV_LINK_ID_BYTES];
+    frame_hdr h = {.version = VERSION,
+                   .flags = FLAG_NCCL_INIT | FLAG_LAST,
+                   .payload_bytes = PD_KV_LINK_ID_BYTES};
+    snprintf(h.request_id, sizeof h.request_id, "%s", r->request_id);
+    hdr_pack(&h, buf);
+    PD_CHECK(ops->kv_link_id(r->backend, buf + HDR_BYTES));
+    int rc = write_full(c->fd, buf, sizeof buf, r->cancel, deadline);
+    if (rc < 0) return pd_error(rc, "kv send %s: %s", r->request_id, io_failure(rc, "writing"));
+    PD_CHECK(read_ack(c->fd, r, deadline, keep)); /* PD_EUNSUPPORTED: a CPU receiver */
+    *keep = false; /* from here a failure leaves the two sides out of step */
+    conn_watch cw = {.fd = c->fd, .stop_fd = -1, .cancel = r->cancel};
+    pd_kv_link_wait w = {.deadline_ns = deadline, .check = conn_check, .check_arg = &cw};
+    int64_t t0 = pd_now_ns();
+    rc = ops->kv_link_open(r->backend, buf + HDR_BYTES, 0, &w, &c->link);
+    if (rc < 0)
+        return pd_error_prefix(rc, "kv send %s: NCCL link to %s:%d", r->request_id, r->host,
+                               r->port);
+    PD_INFO(r->request_id, "kv NCCL link to %s:%d up in %.3f s", r->host, r->port,
+            (double)(pd_now_ns() - t0) / 1e9);
+    return PD_OK;
+}
+
+/* r over the NCCL link of c (made first when the connection has none), then the
+ * acknowledgement. */
+static int send_nccl(tx_conn *c, const pd_kv_send_req *r, size_t tokens, int64_t deadline,
+                     pd_kv_send_stats *st, bool *keep)
+{
+    const pd_kv_params *kp = &r->kv_params;
+    const pd_backend_ops *ops = pd_backend_get_ops(r->backend);
+    if (!ops->kv_link_send)
+        return pd_error(PD_EUNSUPPORTED, "kv send %s: the %s backend cannot send KV over NCCL",
+                        r->request_id, pd_backend_name(r->backend));
+    if (!c->link) PD_CHECK(nccl_link_up(c, r, deadline, keep));
+    *keep = false;
+    size_t layer_b = slice_bytes(kp, tokens, r->n_heads);
+    pd_kv_nccl_desc d = {
+        .chunk_layers = (uint32_t)pd_kv_nccl_chunk_layers(layer_b, kp->n_layers, r->coalesce_bytes),
+        .link_bytes = (uint64_t)kp->n_layers * layer_b};
+    uint8_t buf[HDR_BYTES + PD_KV_NCCL_DESC_BYTES];
+    frame_hdr h = {.version = VERSION,
+                   .flags = FLAG_NCCL | FLAG_LAST,
+                   .layer = 0,
+                   .head0 = (uint32_t)r->head0,
+                   .n_heads = (uint32_t)r->n_heads,
+                   .block0 = 0,
+                   .n_blocks = (uint32_t)r->n_blocks,
+                   .n_tokens = (uint32_t)tokens,
+                   .payload_bytes = PD_KV_NCCL_DESC_BYTES};
+    snprintf(h.request_id, sizeof h.request_id, "%s", r->request_id);
+    hdr_pack(&h, buf);
+    pd_kv_nccl_desc_pack(&d, buf + HDR_BYTES);
+    int rc = write_full(c->fd, buf, sizeof buf, r->cancel, deadline);
+    if (rc < 0) return pd_error(rc, "kv send %s: %s", r->request_id, io_failure(rc, "writing"));
+    st->frames = 1; /* the request is on its way: a failure from here is not the link's set-up */
+    conn_watch cw = {.fd = c->fd, .stop_fd = -1, .cancel = r->cancel};
+    pd_kv_link_wait w = {.deadline_ns = deadline, .check = conn_check, .check_arg = &cw};
+    pd_kv_xfer x = {.blocks = r->block_ids,
+                    .n_blocks = r->n_blocks,
+                    .n_tokens = tokens,
+                    .head0 = r->head0 - r->src_head0,
+                    .n_heads = r->n_heads,
+                    .layer0 = 0,
+                    .n_layers = kp->n_layers};
+    rc = ops->kv_link_send(r->backend, r->kv, c->link, &x, (int)d.chunk_layers, &w);
+    if (rc < 0) return pd_error_prefix(rc, "kv send %s over NCCL", r->request_id);
+    st->writes = ((uint64_t)kp->n_layers + d.chunk_layers - 1) / d.chunk_layers; /* chunks */
+    st->bytes = d.link_bytes;
+    return read_ack(c->fd, r, deadline, keep);
+}
+
 /* Frames of one request over fd, then the acknowledgement. *keep tells whether the
  * connection is still in sync (success, or a refusal the receiver acknowledged). */
-static int send_on(int fd, const pd_kv_send_req *r, int64_t deadline, pd_kv_send_stats *st,
+static int send_on(tx_conn *c, const pd_kv_send_req *r, int64_t deadline, pd_kv_send_stats *st,
                    bool *keep)
 {
+    int fd = c->fd;
     *keep = false;
     const pd_kv_params *kp = &r->kv_params;
     size_t tokens = 0;
@@ -1066,6 +1428,7 @@ static int send_on(int fd, const pd_kv_send_req *r, int64_t deadline, pd_kv_send
         PD_CHECK(send_frame_ipc(fd, r, tokens, deadline, st));
         goto ack;
     }
+    if (r->nccl) return send_nccl(c, r, tokens, deadline, st, keep);
     pd_kv_layer_view view;
     const pd_backend_ops *vops = pd_backend_get_ops(r->backend);
     bool gather = r->head0 == r->src_head0 && r->n_heads == kp->n_kv_heads &&
@@ -1109,32 +1472,14 @@ static int send_on(int fd, const pd_kv_send_req *r, int64_t deadline, pd_kv_send
     }
     free(buf);
     if (rc < 0) return rc;
-ack : {
-    uint8_t ack[ACK_BYTES];
-    rc = read_full(fd, ack, ACK_BYTES, -1, r->cancel, deadline);
-    if (rc < 0) {
-        rc = pd_error(rc, "kv send %s: %s", r->request_id,
-                      io_failure(rc, "waiting for the acknowledgement"));
-    } else if (memcmp(ack, "PDKA", 4) != 0 ||
-               strncmp((const char *)ack + 12, r->request_id, PD_KV_REQUEST_ID_MAX) != 0) {
-        rc = pd_error(PD_EINTERNAL, "kv send %s: malformed acknowledgement", r->request_id);
-    } else if ((int32_t)get_u32(ack + 8) != 0) {
-        char msg[ACK_MSG_BYTES];
-        memcpy(msg, ack + 52, sizeof msg);
-        msg[sizeof msg - 1] = '\0';
-        int st_code = (int32_t)get_u32(ack + 8) == PD_EUNSUPPORTED ? PD_EUNSUPPORTED : PD_EINVAL;
-        rc = pd_error(st_code, "kv send %s: refused by the decode rank: %s", r->request_id, msg);
-        *keep = true; /* acknowledged: the stream is still in sync */
-    } else {
-        *keep = true;
-    }
-}
-    return rc;
+ack:
+    return read_ack(fd, r, deadline, keep);
 }
 
 int pd_kv_tcp_send(pd_kv_tcp_sender *tx, const pd_kv_send_req *r, pd_kv_send_stats *stats)
 {
     pd_kv_send_stats st = {0};
+    if (stats) *stats = st; /* also for the early returns below */
     if (r->n_heads == 0 || r->n_blocks == 0)
         return pd_error(PD_EINVAL, "kv send %s: nothing to send (heads %zu, blocks %zu)",
                         r->request_id, r->n_heads, r->n_blocks);
@@ -1148,21 +1493,26 @@ int pd_kv_tcp_send(pd_kv_tcp_sender *tx, const pd_kv_send_req *r, pd_kv_send_sta
     snprintf(addr, sizeof addr, "%s:%d", r->host, r->port);
     int64_t t0 = pd_now_ns();
     int64_t deadline = t0 + (int64_t)(r->timeout_ms > 0 ? r->timeout_ms : 30000) * PD_NS_PER_MS;
-    int fd = take_conn(tx, addr);
-    bool reused = fd >= 0;
-    if (!reused) PD_CHECK(dial(r->host, r->port, r->cancel, deadline, &fd));
-    bool keep;
-    int rc = send_on(fd, r, deadline, &st, &keep);
-    if (rc == PD_ECLOSED && reused) { /* the pooled connection had gone stale: one fresh try */
-        close(fd);
+    /* NCCL sends keep connections of their own per prefill rank: each carries that rank's link */
+    pd_backend *owner = r->nccl && !r->share ? r->backend : NULL;
+    if (owner && !pd_backend_get_ops(owner)->kv_link_send)
+        return pd_error(PD_EUNSUPPORTED, "kv send %s: the %s backend cannot send KV over NCCL",
+                        r->request_id, pd_backend_name(owner));
+    tx_conn c = {.fd = -1, .owner = owner, .link = NULL};
+    bool reused = take_conn(tx, addr, owner, &c);
+    if (!reused) PD_CHECK(dial(r->host, r->port, r->cancel, deadline, &c.fd));
+    bool keep = false;
+    int rc = send_on(&c, r, deadline, &st, &keep);
+    if (rc == PD_ECLOSED && reused && !keep) { /* the pooled connection had gone stale */
+        tx_conn_close(&c);
         st = (pd_kv_send_stats){0};
-        PD_CHECK(dial(r->host, r->port, r->cancel, deadline, &fd));
-        rc = send_on(fd, r, deadline, &st, &keep);
+        PD_CHECK(dial(r->host, r->port, r->cancel, deadline, &c.fd));
+        rc = send_on(&c, r, deadline, &st, &keep);
     }
     if (keep)
-        give_conn(tx, addr, fd);
+        give_conn(tx, addr, &c);
     else
-        close(fd);
+        tx_conn_close(&c);
     st.seconds = (double)(pd_now_ns() - t0) / 1e9;
     if (stats) *stats = st;
     return rc;

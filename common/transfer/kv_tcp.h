@@ -106,6 +106,9 @@ typedef struct {
     const pd_kv_share *share;  /* NULL: the KV moves in frames (host staging). Else CUDA IPC: one
                                 * frame describes the pool (this share) and the blocks; the
                                 * receiver copies device to device and acknowledges */
+    int nccl;                  /* 1 (and share NULL): the KV moves over an NCCL link of the
+                                * connection (backend kv_link_* ops), created on first use;
+                                * PD_EUNSUPPORTED when the receiver or this backend cannot */
 } pd_kv_send_req;
 
 typedef struct {
@@ -121,5 +124,25 @@ typedef struct {
  * without CUDA; host staging works there). Thread-safe: one sender
  * may serve several threads (connections are taken from a per-address pool). */
 int pd_kv_tcp_send(pd_kv_tcp_sender *tx, const pd_kv_send_req *r, pd_kv_send_stats *stats);
+
+/* ---- NCCL frames (see kv_tcp.c) ------------------------------------------------------------ */
+
+#define PD_KV_NCCL_CHUNK_BYTES ((size_t)64 << 20) /* coalesced NCCL message, at most (bytes) */
+
+/* Layers per NCCL chunk for a request whose layers are layer_bytes each (K and V): as many as
+ * fit in cap bytes (0 = PD_KV_NCCL_CHUNK_BYTES), at least 1, at most n_layers. */
+int pd_kv_nccl_chunk_layers(size_t layer_bytes, int n_layers, size_t cap);
+
+/* The payload of an NCCL request frame: how the KV that follows on the link is cut. */
+typedef struct {
+    uint32_t chunk_layers; /* layers per chunk (the last chunk may have fewer) */
+    uint64_t link_bytes;   /* bytes the request moves over the link, all chunks */
+} pd_kv_nccl_desc;
+#define PD_KV_NCCL_DESC_BYTES 16
+void pd_kv_nccl_desc_pack(const pd_kv_nccl_desc *d, uint8_t out[PD_KV_NCCL_DESC_BYTES]);
+/* PD_EINVAL (message names the field) when the description is not one for a request of
+ * n_layers layers of layer_bytes each. */
+int pd_kv_nccl_desc_unpack(const uint8_t in[PD_KV_NCCL_DESC_BYTES], int n_layers,
+                           size_t layer_bytes, pd_kv_nccl_desc *out);
 
 #endif

@@ -17,6 +17,12 @@ int ctu_have_gpu(void)
     return pd_cuda_query(0, &info) == PD_OK;
 }
 
+int ctu_gpu_count(void)
+{
+    pd_cuda_info info;
+    return pd_cuda_query(0, &info) == PD_OK ? info.device_count : 0;
+}
+
 pd_backend_params ctu_cpu_ref_params(void)
 {
     pd_backend_params cp = pd_backend_default_params();

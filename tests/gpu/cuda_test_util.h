@@ -24,6 +24,8 @@ typedef struct {
 
 /* 1 when a CUDA device is usable; else 0 with the reason in pd_last_error(). */
 int ctu_have_gpu(void);
+/* Usable CUDA devices (0 without a GPU or driver). */
+int ctu_gpu_count(void);
 /* Parameters of the CPU reference: f32 weights, one thread. One thread because the reference
  * must not depend on scheduling: on a 16-core host the CPU backend's threaded matmul returned
  * wrong results and crashed in mm_task (a pd_pool_run race, reported to the lead). */

@@ -290,12 +290,11 @@ TEST(cuda_engine_abort_returns_pool)
     ASSERT_EQ_INT(st.num_running + st.num_waiting + st.num_held, 0);
 }
 
-/* Tensor parallelism on CUDA backends (both ranks on device 0 here: the host-staged all-reduce
- * does not care where they are): TP 2 against TP 1 in the f32 mode, >= 95% of the tokens
- * identical (the sharded GEMMs and the TP sum round differently), every block free after. */
-TEST(cuda_engine_tp2_matches_tp1_f32_mode)
+/* Tensor parallelism on CUDA backends, ranks on devices dev0 and dev1: TP 2 against TP 1 in the
+ * f32 mode, >= 95% of the tokens identical (the sharded GEMMs and the TP sum round differently),
+ * every block free after. One device twice: the host-staged all-reduce; two devices: NCCL. */
+static void tp2_case(int dev0, int dev1, const char *allreduce)
 {
-    if (!ctu_have_gpu()) SKIP(pd_last_error());
     char dir[4096];
     ASSERT_OK(ctu_make_model(model_base(), "small", "bfloat16", dir, sizeof dir));
     static run_out one, two;
@@ -309,7 +308,8 @@ TEST(cuda_engine_tp2_matches_tp1_f32_mode)
         p.max_num_seqs = N_REQ;
         p.tp_size = tp;
         p.n_cuda_devices = tp;
-        p.cuda_devices[0] = p.cuda_devices[1] = 0;
+        p.cuda_devices[0] = dev0;
+        p.cuda_devices[1] = dev1;
         p.cuda_weight_dtype = PD_DTYPE_F32;
         p.gpu_memory_utilization = 0.2;
         pd_engine *e = NULL;
@@ -321,6 +321,22 @@ TEST(cuda_engine_tp2_matches_tp1_f32_mode)
         ASSERT_EQ_INT(st.kv_blocks_free, st.kv_blocks_total);
     }
     int same = compare(&one, &two, 0, N_REQ);
-    printf("    TP 2 on CUDA: %d of %d greedy tokens identical to TP 1\n", same, N_REQ * N_GEN);
+    printf("    TP 2 on CUDA (%s all-reduce): %d of %d greedy tokens identical to TP 1\n",
+           allreduce, same, N_REQ * N_GEN);
     ASSERT(same * 100 >= N_REQ * N_GEN * 95);
+}
+
+TEST(cuda_engine_tp2_matches_tp1_f32_mode)
+{
+    if (!ctu_have_gpu()) SKIP(pd_last_error());
+    tp2_case(0, 0, "host-staged");
+}
+
+/* The same over two GPUs: the engine takes NCCL's all-reduce (its log says so). */
+TEST(cuda_engine_tp2_nccl_matches_tp1_f32_mode)
+{
+    if (!ctu_have_gpu()) SKIP(pd_last_error());
+    if (ctu_gpu_count() < 2)
+        SKIP("the NCCL all-reduce needs 2 GPUs (NCCL takes one rank per GPU); 1 present");
+    tp2_case(0, 1, "NCCL");
 }

@@ -3,7 +3,14 @@
  * CUDA IPC (and, in the second case, through host memory over TCP); every greedy and seeded
  * request's tokens must equal pd-generate's on the same GPU, one request at a time (bf16
  * rounding depends on the batch's shape, so the reference runs the same shapes). Exits 77
- * without a GPU. */
+ * without a GPU.
+ *
+ * With two GPUs (skipped with the reason otherwise): the same over NCCL, prefill on GPU 0 and
+ * decode on GPU 1; and the NCCL watchdog: a decode process frozen then killed while the prefill
+ * side's ncclSend waits for it leaves the prefill process serving (the transfer fails fast, the
+ * next request succeeds over a restarted decode on a fresh connection and link). */
+#include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -11,6 +18,7 @@
 
 #include "cluster.h"
 #include "cuda_test_util.h"
+#include "util/clock.h"
 
 #define N_PROMPTS  12
 #define MAX_TOKENS 24
@@ -94,4 +102,96 @@ TEST(cuda_split_ipc_equals_colocated)
 TEST(cuda_split_tcp_equals_colocated)
 {
     split_case("tcp");
+}
+
+static int need_two_gpus(void)
+{
+    if (!ctu_have_gpu()) return 0;
+    return ctu_gpu_count() >= 2;
+}
+
+TEST(cuda_split_nccl_equals_colocated)
+{
+    if (!ctu_have_gpu()) SKIP(pd_last_error());
+    if (!need_two_gpus())
+        SKIP("NCCL KV transfer needs 2 GPUs (NCCL takes one rank per GPU); 1 present");
+    split_case("nccl");
+}
+
+/* ---- watchdog ---- */
+
+#define D_NODE 1 /* the decode instance in the cluster (prefill first) */
+
+static cl_cluster g_wd;
+static pthread_t g_killer;
+static int g_killer_started;
+
+static void *kill_decode_later(void *arg)
+{
+    (void)arg;
+    pd_sleep_ns(1500 * PD_NS_PER_MS); /* the prefill side is inside ncclSend by then */
+    cl_signal(&g_wd.procs[D_NODE], SIGKILL);
+    return NULL;
+}
+
+/* cl_generate_hook: after Reserve, freeze the decode process (its link stops answering) and kill
+ * it 1.5 s later, while the prefill's send waits on it. */
+static int freeze_then_kill(void *arg, const Pd__InfoReply *info, const Pd__ReserveReply *rr)
+{
+    (void)arg, (void)info, (void)rr;
+    cl_signal(&g_wd.procs[D_NODE], SIGSTOP);
+    g_killer_started = pthread_create(&g_killer, NULL, kill_decode_later, NULL) == 0;
+    return 0;
+}
+
+TEST(cuda_split_nccl_dead_decode_leaves_prefill_serving)
+{
+    if (!ctu_have_gpu()) SKIP(pd_last_error());
+    if (!need_two_gpus())
+        SKIP("NCCL KV transfer needs 2 GPUs (NCCL takes one rank per GPU); 1 present");
+    char model[512];
+    ASSERT_OK(cl_make_tiny(model, sizeof model));
+    char *extra[] = {"--device",
+                     "cuda",
+                     "--dtype",
+                     "bfloat16",
+                     "--kv-transport",
+                     "nccl",
+                     "--gpu-memory-utilization",
+                     "0.25",
+                     "--kv-lease-seconds",
+                     "20",
+                     NULL};
+    int rc = cl_start(&g_wd, model, "0", "1", extra);
+    if (rc < 0) {
+        printf("    %s\n", pd_last_error());
+        cl_stop_all(&g_wd);
+        ASSERT_OK(rc);
+    }
+    int32_t prompt[40];
+    for (int i = 0; i < 40; i++) prompt[i] = 32 + (i * 7) % 90;
+    Pd__SamplingParams sp = cl_sampling(0.0, 7, 16);
+    static cl_result warm, dead, after;
+    /* the first request makes the NCCL link */
+    ASSERT_OK(cl_generate(&g_wd, 0, 1, "wd-warm", prompt, 40, &sp, &warm));
+    int64_t t0 = pd_now_ns();
+    rc = cl_generate_hook(&g_wd, 0, 1, "wd-dead", prompt, 40, &sp, freeze_then_kill, NULL, &dead);
+    double failed_after = (double)(pd_now_ns() - t0) / 1e9;
+    if (g_killer_started) pthread_join(g_killer, NULL);
+    printf("    decode frozen then killed mid-transfer: request %s after %.2f s (%s)\n",
+           rc < 0 ? "failed" : "succeeded", failed_after, rc < 0 ? dead.error : "");
+    ASSERT(rc < 0);
+    ASSERT_MSG(failed_after < 10.0,
+               "the prefill side waited %.1f s (the lease is 20 s): the dead "
+               "peer was not noticed",
+               failed_after);
+    /* the prefill process still serves: a restarted decode gets the next request */
+    ASSERT_OK(cl_restart(&g_wd, D_NODE, 60000));
+    ASSERT_OK(cl_generate(&g_wd, 0, 1, "wd-after", prompt, 40, &sp, &after));
+    ASSERT_EQ_INT(after.n, warm.n);
+    ASSERT(memcmp(after.tokens, warm.tokens, warm.n * sizeof(int32_t)) == 0);
+    int bad = cl_stop_all(&g_wd);
+    if (bad)
+        for (int k = 0; k < 2; k++) cl_dump_log(&g_wd.procs[k], 20);
+    ASSERT_EQ_INT(bad, 0);
 }

@@ -278,6 +278,6 @@ TEST(pd_node_refuses_wrong_tp_and_unknown_instance)
     char *nccl[] = {prefill, "--model",        (char *)model, "--port",
                     "1",     "--kv-transport", "nccl",        NULL};
     refused(nccl, env, log, text, sizeof text);
-    ASSERT_CONTAINS(text, "--kv-transport nccl: the NCCL KV transport is not available");
+    ASSERT_CONTAINS(text, "--kv-transport nccl needs --device cuda");
     ASSERT_EQ_INT(cl_stop_all(&c), 0);
 }

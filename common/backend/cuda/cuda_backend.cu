@@ -27,6 +27,7 @@ extern "C" {
 #include "backend/backend.h"
 #include "util/log.h"
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/pd_nccl.h"
 }
 
 // ---- error helpers ------------------------------------------------------------------------------
@@ -1637,14 +1638,65 @@ static int op_gather_rows(pd_backend *b, const void *x, size_t dim, void *out)
 }
 
 static const pd_backend_ops cuda_ops = {
-    "cuda",           op_destroy,     op_act_dtype,     op_buf_alloc,  op_buf_free,
-    op_upload,        op_download,    op_download_f32,  op_upload_f32, op_sync,
-    op_weight_load,   op_weight_free, op_weight_nbytes, op_kv_create,  op_kv_free,
-    op_kv_layer,      op_kv_export,   op_kv_import,     op_kv_share,   op_kv_peer_open,
-    op_kv_peer_close, op_kv_pull,     op_plan,          op_embed,      op_rmsnorm,
-    op_matmul,        op_rope,        op_kv_write,      op_attention,  op_swiglu,
-    op_add,           op_gather_rows,
+    "cuda",
+    op_destroy,
+    op_act_dtype,
+    op_buf_alloc,
+    op_buf_free,
+    op_upload,
+    op_download,
+    op_download_f32,
+    op_upload_f32,
+    op_sync,
+    op_weight_load,
+    op_weight_free,
+    op_weight_nbytes,
+    op_kv_create,
+    op_kv_free,
+    op_kv_layer,
+    op_kv_export,
+    op_kv_import,
+    op_kv_share,
+    op_kv_peer_open,
+    op_kv_peer_close,
+    op_kv_pull,
+    op_plan,
+    op_embed,
+    op_rmsnorm,
+    op_matmul,
+    op_rope,
+    op_kv_write,
+    op_attention,
+    op_swiglu,
+    op_add,
+    op_gather_rows,
+    pd_nccl_link_id,
+    pd_nccl_link_open,
+    pd_nccl_link_close,
+    pd_nccl_link_send,
+    pd_nccl_link_recv,
+    pd_nccl_link_scatter,
 };
+
+extern "C" int pd_backend_cuda_device(const pd_backend *b)
+{
+    return ((const cuda_be *)pd_backend_impl(b))->device;
+}
+
+extern "C" int pd_backend_cuda_step_stream(pd_backend *b, void **stream)
+{
+    cuda_be *cb = BE(b);
+    PD_CHECK(graph_flush(cb));
+    ENTER(cb);
+    *stream = (void *)cb->stream;
+    return PD_OK;
+}
+
+extern "C" int pd_backend_cuda_kv_params(const pd_kv *kv, pd_kv_params *out)
+{
+    *out = kv->p;
+    return PD_OK;
+}
 
 extern "C" int pd_backend_cuda_kv_blocks(pd_backend *b, const pd_kv_params *p, double util,
                                          size_t *n_blocks)

@@ -43,6 +43,15 @@ int pd_backend_cuda_create(const pd_backend_params *params, pd_backend **out);
  * figures) when not even one block fits. b must be a CUDA backend. */
 int pd_backend_cuda_kv_blocks(pd_backend *b, const pd_kv_params *p, double util, size_t *n_blocks);
 
+/* The CUDA device ordinal of b (a CUDA backend). */
+int pd_backend_cuda_device(const pd_backend *b);
+/* For code that enqueues work on b's step stream between its ops (the NCCL all-reduce of tensor
+ * parallelism): leaves graph mode, makes b's device current on the calling thread and sets
+ * *stream to the step stream (a cudaStream_t). Call from the thread that runs b's steps. */
+int pd_backend_cuda_step_stream(pd_backend *b, void **stream);
+/* The geometry of a CUDA backend's pool (n_blocks included). */
+int pd_backend_cuda_kv_params(const pd_kv *kv, pd_kv_params *out);
+
 #ifdef __cplusplus
 }
 #endif

@@ -481,3 +481,455 @@ TEST(kv_tcp_ipc_frame_refused_by_cpu_receiver)
     pool_free(&p);
     pool_free(&d);
 }
+
+/* ---- NCCL frames ---------------------------------------------------------------------------
+ * The NCCL protocol of kv_tcp.c (link set-up frame, request frame, chunks, drains, refusals) is
+ * exercised here on the CPU through a host-memory stand-in for the backend's link ops: a backend
+ * that wraps a CPU backend's state with the CPU op table plus kv_link_* ops moving chunks through
+ * an in-process channel keyed by the link id, one chunk in flight (like NCCL's matched send and
+ * receive). The real NCCL ops (pd_nccl.cu) run only on GPUs (tests/gpu). */
+
+TEST(kv_nccl_desc_and_chunking)
+{
+    ASSERT_EQ_INT(pd_kv_nccl_chunk_layers((size_t)10 << 20, 32, 0), 6); /* 64 MiB / 10 MiB */
+    ASSERT_EQ_INT(pd_kv_nccl_chunk_layers((size_t)100 << 20, 4, 0), 1); /* one layer at least */
+    ASSERT_EQ_INT(pd_kv_nccl_chunk_layers(1024, 3, 0), 3);              /* all layers at most */
+    ASSERT_EQ_INT(pd_kv_nccl_chunk_layers(1000, 8, 2500), 2);
+    pd_kv_nccl_desc d = {.chunk_layers = 2, .link_bytes = 3 * 4096}, e;
+    uint8_t b[PD_KV_NCCL_DESC_BYTES];
+    pd_kv_nccl_desc_pack(&d, b);
+    ASSERT_OK(pd_kv_nccl_desc_unpack(b, 3, 4096, &e));
+    ASSERT_EQ_INT(e.chunk_layers, 2);
+    ASSERT_EQ_INT(e.link_bytes, 3 * 4096);
+    ASSERT_ERR(pd_kv_nccl_desc_unpack(b, 3, 4000, &e), PD_EINVAL,
+               "link_bytes 12288, expected 12000");
+    ASSERT_ERR(pd_kv_nccl_desc_unpack(b, 1, 12288, &e), PD_EINVAL, "chunk_layers 2 outside 1..1");
+    d.chunk_layers = 0;
+    pd_kv_nccl_desc_pack(&d, b);
+    ASSERT_ERR(pd_kv_nccl_desc_unpack(b, 3, 4096, &e), PD_EINVAL, "chunk_layers 0");
+    d.chunk_layers = 1;
+    pd_kv_nccl_desc_pack(&d, b);
+    b[4] = 1;
+    ASSERT_ERR(pd_kv_nccl_desc_unpack(b, 3, 4096, &e), PD_EINVAL, "reserved field is 1");
+}
+
+#define FAKE_CHANS 16
+typedef struct {
+    uint8_t id[PD_KV_LINK_ID_BYTES];
+    int used, joined, refs, dead;
+    uint8_t *data; /* the chunk in flight (malloc), NULL: none */
+    size_t bytes;
+} fake_chan;
+
+struct pd_kv_link { /* the test's link: one end of a channel */
+    fake_chan *ch;
+    int rank;
+    uint8_t *staging; /* the chunk received last */
+    size_t staging_bytes;
+};
+
+static pthread_mutex_t g_chan_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_chan_cv = PTHREAD_COND_INITIALIZER;
+static fake_chan g_chans[FAKE_CHANS];
+static atomic_int g_link_opens, g_fail_recv_after = -1, g_recvs;
+
+/* Waits on g_chan_cv (g_chan_mu held) for up to 5 ms, then looks at w: PD_OK to go on. */
+static int chan_wait(const pd_kv_link_wait *w, fake_chan *ch)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_nsec += 5 * 1000000L;
+    if (ts.tv_nsec >= 1000000000L) ts.tv_sec++, ts.tv_nsec -= 1000000000L;
+    pthread_cond_timedwait(&g_chan_cv, &g_chan_mu, &ts);
+    if (ch && ch->dead) return pd_error(PD_ECLOSED, "fake link: the peer closed the link");
+    if (w->check) {
+        pthread_mutex_unlock(&g_chan_mu);
+        int c = w->check(w->check_arg);
+        pthread_mutex_lock(&g_chan_mu);
+        if (c < 0) return c;
+    }
+    if (pd_now_ns() > w->deadline_ns) return pd_error(PD_ETIMEOUT, "fake link: timed out");
+    return PD_OK;
+}
+
+static int fake_link_id(pd_backend *b, uint8_t id[PD_KV_LINK_ID_BYTES])
+{
+    (void)b;
+    static atomic_int counter;
+    memset(id, 0, PD_KV_LINK_ID_BYTES);
+    int v = atomic_fetch_add(&counter, 1) + 1;
+    memcpy(id, &v, sizeof v);
+    return PD_OK;
+}
+
+static int fake_link_open(pd_backend *b, const uint8_t id[PD_KV_LINK_ID_BYTES], int rank,
+                          const pd_kv_link_wait *w, pd_kv_link **out)
+{
+    (void)b;
+    pthread_mutex_lock(&g_chan_mu);
+    fake_chan *ch = NULL;
+    for (int i = 0; i < FAKE_CHANS && !ch; i++)
+        if (g_chans[i].used && memcmp(g_chans[i].id, id, PD_KV_LINK_ID_BYTES) == 0)
+            ch = &g_chans[i];
+    for (int i = 0; i < FAKE_CHANS && !ch; i++)
+        if (!g_chans[i].used) {
+            ch = &g_chans[i];
+            memset(ch, 0, sizeof *ch);
+            ch->used = 1;
+            memcpy(ch->id, id, PD_KV_LINK_ID_BYTES);
+        }
+    int rc = ch ? PD_OK : pd_error(PD_ENOMEM, "fake link: no free channel");
+    if (ch) {
+        ch->joined |= 1 << rank;
+        ch->refs++;
+        pthread_cond_broadcast(&g_chan_cv);
+        while (rc == PD_OK && ch->joined != 3) rc = chan_wait(w, ch);
+    }
+    pd_kv_link *l = NULL;
+    if (rc == PD_OK && !(l = calloc(1, sizeof *l))) rc = pd_error(PD_ENOMEM, "fake link: memory");
+    if (rc < 0 && ch && --ch->refs == 0) ch->used = 0;
+    pthread_mutex_unlock(&g_chan_mu);
+    if (rc < 0) return rc;
+    l->ch = ch;
+    l->rank = rank;
+    atomic_fetch_add(&g_link_opens, 1);
+    *out = l;
+    return PD_OK;
+}
+
+static void fake_link_close(pd_backend *b, pd_kv_link *l)
+{
+    (void)b;
+    pthread_mutex_lock(&g_chan_mu);
+    l->ch->dead = 1;
+    if (--l->ch->refs == 0) {
+        free(l->ch->data);
+        l->ch->data = NULL;
+        l->ch->used = 0;
+    }
+    pthread_cond_broadcast(&g_chan_cv);
+    pthread_mutex_unlock(&g_chan_mu);
+    free(l->staging);
+    free(l);
+}
+
+/* The chunk of x (layers [layer0, +n_layers)) in the chunk layout, through kv_export. */
+static int chunk_gather(pd_backend *b, const pd_kv *kv, const pd_kv_xfer *x, int layer0, int n,
+                        uint8_t *out)
+{
+    size_t row = x->n_heads * HDIM * sizeof(float), whole = x->n_blocks * BLOCK * row;
+    uint8_t *tmp = malloc(2 * whole);
+    if (!tmp) return pd_error(PD_ENOMEM, "fake link: memory");
+    for (int l = layer0; l < layer0 + n; l++) {
+        pd_kv_range r = {.layer = l,
+                         .block_ids = x->blocks,
+                         .n_blocks = x->n_blocks,
+                         .head0 = x->head0,
+                         .n_heads = x->n_heads};
+        int rc = pd_backend_get_ops(b)->kv_export(b, kv, &r, tmp);
+        if (rc < 0) {
+            free(tmp);
+            return rc;
+        }
+        memcpy(out, tmp, x->n_tokens * row);
+        memcpy(out + x->n_tokens * row, tmp + whole, x->n_tokens * row);
+        out += 2 * x->n_tokens * row;
+    }
+    free(tmp);
+    return PD_OK;
+}
+
+static int fake_link_send(pd_backend *b, const pd_kv *kv, pd_kv_link *l, const pd_kv_xfer *x,
+                          int chunk_layers, const pd_kv_link_wait *w)
+{
+    size_t layer_b = 2 * x->n_tokens * x->n_heads * HDIM * sizeof(float);
+    for (int l0 = x->layer0; l0 < x->layer0 + x->n_layers; l0 += chunk_layers) {
+        int n = x->layer0 + x->n_layers - l0 < chunk_layers ? x->layer0 + x->n_layers - l0
+                                                            : chunk_layers;
+        uint8_t *buf = malloc(layer_b * (size_t)n);
+        if (!buf) return pd_error(PD_ENOMEM, "fake link: memory");
+        int rc = chunk_gather(b, kv, x, l0, n, buf);
+        pthread_mutex_lock(&g_chan_mu);
+        while (rc == PD_OK && l->ch->data) rc = chan_wait(w, l->ch); /* one chunk in flight */
+        if (rc == PD_OK) {
+            l->ch->data = buf;
+            l->ch->bytes = layer_b * (size_t)n;
+            buf = NULL;
+            pthread_cond_broadcast(&g_chan_cv);
+        }
+        pthread_mutex_unlock(&g_chan_mu);
+        free(buf);
+        if (rc < 0) return rc;
+    }
+    pthread_mutex_lock(&g_chan_mu); /* complete when the last chunk was taken */
+    int rc = PD_OK;
+    while (rc == PD_OK && l->ch->data) rc = chan_wait(w, l->ch);
+    pthread_mutex_unlock(&g_chan_mu);
+    return rc;
+}
+
+static int fake_link_recv(pd_backend *b, const pd_kv *kv, pd_kv_link *l, const pd_kv_xfer *x,
+                          const pd_kv_link_wait *w)
+{
+    (void)b, (void)kv;
+    if (atomic_fetch_add(&g_recvs, 1) == atomic_load(&g_fail_recv_after))
+        return pd_error(PD_EINTERNAL, "fake link: receiver failure (test)");
+    size_t want = 2 * (size_t)x->n_layers * x->n_tokens * x->n_heads * HDIM * sizeof(float);
+    pthread_mutex_lock(&g_chan_mu);
+    int rc = PD_OK;
+    while (rc == PD_OK && !l->ch->data) rc = chan_wait(w, l->ch);
+    if (rc == PD_OK && l->ch->bytes != want)
+        rc = pd_error(PD_EINVAL, "fake link: chunk of %zu bytes, receiver expects %zu",
+                      l->ch->bytes, want);
+    if (rc == PD_OK) {
+        free(l->staging);
+        l->staging = l->ch->data;
+        l->staging_bytes = l->ch->bytes;
+        l->ch->data = NULL;
+        pthread_cond_broadcast(&g_chan_cv);
+    }
+    pthread_mutex_unlock(&g_chan_mu);
+    return rc;
+}
+
+static int fake_link_scatter(pd_backend *b, pd_kv *kv, pd_kv_link *l, const pd_kv_xfer *x)
+{
+    size_t row = x->n_heads * HDIM * sizeof(float), whole = x->n_blocks * BLOCK * row;
+    uint8_t *tmp = calloc(2, whole);
+    if (!tmp) return pd_error(PD_ENOMEM, "fake link: memory");
+    const uint8_t *in = l->staging;
+    int rc = PD_OK;
+    for (int ly = x->layer0; ly < x->layer0 + x->n_layers && rc == PD_OK; ly++) {
+        memcpy(tmp, in, x->n_tokens * row);
+        memcpy(tmp + whole, in + x->n_tokens * row, x->n_tokens * row);
+        in += 2 * x->n_tokens * row;
+        pd_kv_range r = {.layer = ly,
+                         .block_ids = x->blocks,
+                         .n_blocks = x->n_blocks,
+                         .head0 = x->head0,
+                         .n_heads = x->n_heads};
+        rc = pd_backend_get_ops(b)->kv_import(b, kv, &r, tmp);
+    }
+    free(tmp);
+    return rc;
+}
+
+static void fake_destroy(pd_backend *b)
+{
+    (void)b; /* the wrapped CPU backend is destroyed by its own handle */
+}
+
+static pd_backend_ops g_fake_ops;
+
+/* p with a second handle f over the same CPU state whose op table has the fake link ops. */
+static pd_backend *fake_linked(pool *p)
+{
+    g_fake_ops = *pd_backend_get_ops(p->b);
+    g_fake_ops.name = "fake-link";
+    g_fake_ops.destroy = fake_destroy;
+    g_fake_ops.kv_link_id = fake_link_id;
+    g_fake_ops.kv_link_open = fake_link_open;
+    g_fake_ops.kv_link_close = fake_link_close;
+    g_fake_ops.kv_link_send = fake_link_send;
+    g_fake_ops.kv_link_recv = fake_link_recv;
+    g_fake_ops.kv_link_scatter = fake_link_scatter;
+    return pd_backend_wrap(&g_fake_ops, pd_backend_impl(p->b));
+}
+
+static pd_kv_tcp_receiver *rx_start_on(pd_backend *b, pool *d, size_t head0)
+{
+    pd_kv_rx_params p = {.host = "127.0.0.1",
+                         .port = 0,
+                         .backend = b,
+                         .kv = d->kv,
+                         .kv_params = d->p,
+                         .head0 = head0};
+    pd_kv_tcp_receiver *rx = NULL;
+    if (pd_kv_tcp_receiver_start(&p, on_done, NULL, &rx) < 0) return NULL;
+    return rx;
+}
+
+/* A prefill rank whose backend has no links (CPU) cannot send over NCCL: refused before any I/O. */
+TEST(kv_nccl_cpu_sender_refused)
+{
+    pool p, d;
+    ASSERT_OK(pool_make(&p, HEADS));
+    ASSERT_OK(pool_make(&d, HEADS));
+    int32_t blocks[1] = {2};
+    pd_kv_tcp_receiver *rx = rx_start(&d, 0);
+    ASSERT(rx);
+    pd_kv_tcp_sender *tx;
+    ASSERT_OK(pd_kv_tcp_sender_create(&tx));
+    pd_kv_send_req r = req_for("cpu-nccl", &p, 0, blocks, 1, rx, 0, HEADS);
+    r.nccl = 1;
+    pd_kv_send_stats st;
+    ASSERT_ERR(pd_kv_tcp_send(tx, &r, &st), PD_EUNSUPPORTED,
+               "cpu backend cannot send KV over NCCL");
+    ASSERT_EQ_INT(st.frames, 0);
+    pd_kv_tcp_sender_destroy(tx);
+    pd_kv_tcp_receiver_stop(rx);
+    pool_free(&p);
+    pool_free(&d);
+}
+
+/* The link set-up frame to a receiver whose backend has no links (CPU) is refused with
+ * PD_EUNSUPPORTED before any request frame (what `auto` falls back on), the reservation stays,
+ * and the same request then moves over TCP. */
+TEST(kv_nccl_frame_refused_by_cpu_receiver)
+{
+    pool p, d;
+    ASSERT_OK(pool_make(&p, HEADS));
+    ASSERT_OK(pool_make(&d, HEADS));
+    pd_backend *pf = fake_linked(&p);
+    ASSERT(pf);
+    int32_t pb[2] = {4, 6}, db[2] = {1, 9};
+    ASSERT_OK(fill(&p, pb, 2, 0));
+    pd_kv_tcp_receiver *rx = rx_start(&d, 0);
+    ASSERT(rx);
+    atomic_store(&g_done, 0);
+    atomic_store(&g_link_opens, 0);
+    ASSERT_OK(pd_kv_rx_expect(rx, "nccl-cpu", db, 2, 7));
+    pd_kv_tcp_sender *tx;
+    ASSERT_OK(pd_kv_tcp_sender_create(&tx));
+    pd_kv_send_req r = req_for("nccl-cpu", &p, 0, pb, 2, rx, 0, HEADS);
+    r.backend = pf;
+    r.n_tokens = 7;
+    r.nccl = 1;
+    pd_kv_send_stats st;
+    ASSERT_ERR(pd_kv_tcp_send(tx, &r, &st), PD_EUNSUPPORTED, "cannot take KV over NCCL");
+    ASSERT_EQ_INT(st.frames, 0); /* no request frame: the link was never made */
+    ASSERT_EQ_INT(atomic_load(&g_link_opens), 0);
+    pd_kv_rx_stats rs;
+    pd_kv_rx_get_stats(rx, &rs);
+    ASSERT_EQ_INT(rs.expected, 1);
+    ASSERT_EQ_INT(rs.refused, 1);
+    r.nccl = 0;
+    ASSERT_OK(pd_kv_tcp_send(tx, &r, &st));
+    ASSERT(wait_done(1));
+    ASSERT_EQ_INT(mismatches_upto(&d, db, 2, 0, 7), 0);
+    pd_kv_tcp_sender_destroy(tx);
+    pd_kv_tcp_receiver_stop(rx);
+    pd_backend_destroy(pf);
+    pool_free(&p);
+    pool_free(&d);
+}
+
+/* The whole NCCL protocol over the host stand-in: one link per connection made on the first
+ * request and reused, chunks of one layer, only the prompt's tokens, a refused request drained
+ * so the link stays in step, and P TP 2 -> D TP 1 head ranges (two prefill ranks, two links). */
+TEST(kv_nccl_protocol_over_host_link)
+{
+    pool p0, p1, d;
+    ASSERT_OK(pool_make(&p0, HEADS / 2));
+    ASSERT_OK(pool_make(&p1, HEADS / 2));
+    ASSERT_OK(pool_make(&d, HEADS));
+    pd_backend *f0 = fake_linked(&p0), *f1 = pd_backend_wrap(&g_fake_ops, pd_backend_impl(p1.b));
+    pd_backend *fd = pd_backend_wrap(&g_fake_ops, pd_backend_impl(d.b));
+    ASSERT(f0 && f1 && fd);
+    int32_t pb[2] = {3, 5}, db[2] = {8, 2}, db2[2] = {11, 12};
+    ASSERT_OK(fill(&p0, pb, 2, 0));
+    ASSERT_OK(fill(&p1, pb, 2, HEADS / 2));
+    pd_kv_tcp_receiver *rx = rx_start_on(fd, &d, 0);
+    ASSERT(rx);
+    atomic_store(&g_done, 0);
+    atomic_store(&g_link_opens, 0);
+    atomic_store(&g_fail_recv_after, -1);
+    pd_kv_tcp_sender *tx;
+    ASSERT_OK(pd_kv_tcp_sender_create(&tx));
+    /* an unexpected request: its chunks are drained, then it is refused */
+    pd_kv_send_req r = req_for("nope", &p0, 0, pb, 2, rx, 0, HEADS / 2);
+    r.backend = f0;
+    r.n_tokens = 6;
+    r.nccl = 1;
+    r.coalesce_bytes = 1; /* one layer per chunk */
+    pd_kv_send_stats st;
+    ASSERT_ERR(pd_kv_tcp_send(tx, &r, &st), PD_EINVAL, "not expected");
+    ASSERT_EQ_INT(atomic_load(&g_link_opens), 2); /* both ends of one link */
+    /* the real request, from both prefill ranks (their halves of the heads) */
+    ASSERT_OK(pd_kv_rx_expect(rx, "n1", db, 2, 6));
+    r.request_id = "n1";
+    ASSERT_OK(pd_kv_tcp_send(tx, &r, &st));
+    ASSERT_EQ_INT(st.bytes, (uint64_t)LAYERS * 2 * 6 * (HEADS / 2) * HDIM * sizeof(float));
+    ASSERT_EQ_INT(st.writes, LAYERS);             /* chunks */
+    ASSERT_EQ_INT(atomic_load(&g_link_opens), 2); /* the connection's link was reused */
+    ASSERT_EQ_INT(atomic_load(&g_done), 0);       /* half the heads so far */
+    pd_kv_send_req r1 = req_for("n1", &p1, HEADS / 2, pb, 2, rx, HEADS / 2, HEADS / 2);
+    r1.backend = f1;
+    r1.n_tokens = 6;
+    r1.nccl = 1;
+    ASSERT_OK(pd_kv_tcp_send(tx, &r1, &st));
+    ASSERT_EQ_INT(st.writes, 1);                  /* default coalescing: every layer in one chunk */
+    ASSERT_EQ_INT(atomic_load(&g_link_opens), 4); /* a second link, for the second rank */
+    ASSERT(wait_done(1));
+    ASSERT_EQ_INT(atomic_load(&g_done_status), 0);
+    ASSERT_EQ_INT(mismatches_upto(&d, db, 2, 0, 6), 0);
+    /* a cancelled request is drained too and the link still works afterwards */
+    ASSERT_OK(pd_kv_rx_expect(rx, "n2", db2, 2, 5));
+    ASSERT_OK(pd_kv_rx_cancel(rx, "n2"));
+    r.request_id = "n2";
+    r.n_tokens = 5;
+    ASSERT_ERR(pd_kv_tcp_send(tx, &r, &st), PD_EINVAL, "cancelled");
+    ASSERT_OK(pd_kv_rx_expect(rx, "n3", db2, 2, 5));
+    r.request_id = "n3";
+    r1.request_id = "n3";
+    r1.n_tokens = 5;
+    ASSERT_OK(pd_kv_tcp_send(tx, &r, &st));
+    ASSERT_OK(pd_kv_tcp_send(tx, &r1, &st));
+    ASSERT(wait_done(2));
+    ASSERT_EQ_INT(mismatches_upto(&d, db2, 2, 0, 5), 0);
+    ASSERT_EQ_INT(atomic_load(&g_link_opens), 4);
+    pd_kv_tcp_sender_destroy(tx);
+    pd_kv_tcp_receiver_stop(rx);
+    pd_backend_destroy(f0);
+    pd_backend_destroy(f1);
+    pd_backend_destroy(fd);
+    pool_free(&p0);
+    pool_free(&p1);
+    pool_free(&d);
+}
+
+/* A receiver whose link fails mid-request drops the connection and the link: the sender's wait
+ * ends at once with an error (not at its deadline), and the next request gets a fresh
+ * connection and link. */
+TEST(kv_nccl_receiver_failure_fails_fast)
+{
+    pool p, d;
+    ASSERT_OK(pool_make(&p, HEADS));
+    ASSERT_OK(pool_make(&d, HEADS));
+    pd_backend *pf = fake_linked(&p), *fd = pd_backend_wrap(&g_fake_ops, pd_backend_impl(d.b));
+    ASSERT(pf && fd);
+    int32_t pb[2] = {0, 1}, db[2] = {6, 7};
+    ASSERT_OK(fill(&p, pb, 2, 0));
+    pd_kv_tcp_receiver *rx = rx_start_on(fd, &d, 0);
+    ASSERT(rx);
+    atomic_store(&g_done, 0);
+    atomic_store(&g_link_opens, 0);
+    atomic_store(&g_recvs, 0);
+    atomic_store(&g_fail_recv_after, 1); /* the second chunk fails */
+    pd_kv_tcp_sender *tx;
+    ASSERT_OK(pd_kv_tcp_sender_create(&tx));
+    ASSERT_OK(pd_kv_rx_expect(rx, "f1", db, 2, 8));
+    pd_kv_send_req r = req_for("f1", &p, 0, pb, 2, rx, 0, HEADS);
+    r.backend = pf;
+    r.n_tokens = 8;
+    r.nccl = 1;
+    r.coalesce_bytes = 1;
+    r.timeout_ms = 20000;
+    pd_kv_send_stats st;
+    int64_t t0 = pd_now_ns();
+    int rc = pd_kv_tcp_send(tx, &r, &st);
+    ASSERT(rc == PD_ECLOSED);
+    ASSERT((pd_now_ns() - t0) / PD_NS_PER_MS < 5000);
+    ASSERT_EQ_INT(st.frames, 1); /* the failure came after the request frame */
+    atomic_store(&g_fail_recv_after, -1);
+    ASSERT_OK(pd_kv_tcp_send(tx, &r, &st)); /* the reservation is still there */
+    ASSERT_EQ_INT(atomic_load(&g_link_opens), 4);
+    ASSERT(wait_done(1));
+    ASSERT_EQ_INT(mismatches_upto(&d, db, 2, 0, 8), 0);
+    pd_kv_tcp_sender_destroy(tx);
+    pd_kv_tcp_receiver_stop(rx);
+    pd_backend_destroy(pf);
+    pd_backend_destroy(fd);
+    pool_free(&p);
+    pool_free(&d);
+}
