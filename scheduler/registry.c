@@ -28,6 +28,7 @@ typedef struct {
     int64_t kv_total, kv_free, preemptions;
     int max_num_seqs;
     char transport[16]; /* from Info */
+    uint64_t epoch;     /* from Info: Stats with another one means the process restarted */
     size_t n_ranks;
     Pd__DecodeTarget targets[REG_MAX_RANKS]; /* host strings in target_hosts */
     char target_hosts[REG_MAX_RANKS][64];
@@ -199,7 +200,9 @@ static void set_state(pd_reg *r, int k, bool up, const char *reason)
     if (up_changed && r->on_change) r->on_change(r->on_change_arg, k, up);
 }
 
-static void heartbeat_node(pd_reg *r, int k)
+/* One heartbeat of node k: Info while it is not verified, then Stats. again: this is the re-read
+ * after a restart was noticed (not repeated). */
+static void heartbeat_node(pd_reg *r, int k, bool again)
 {
     reg_node *nd = &r->nodes[k];
     char why[512];
@@ -232,6 +235,7 @@ static void heartbeat_node(pd_reg *r, int k)
         }
         pthread_mutex_lock(&r->mu);
         nd->verified = true;
+        nd->epoch = m->instance_epoch;
         nd->max_num_seqs = m->max_num_seqs;
         snprintf(nd->transport, sizeof nd->transport, "%s", m->kv_transport);
         nd->n_ranks = m->n_ranks;
@@ -263,6 +267,19 @@ static void heartbeat_node(pd_reg *r, int k)
     }
     bool draining = st->draining;
     pthread_mutex_lock(&r->mu);
+    if (st->instance_epoch != nd->epoch) {
+        /* restarted on the same port since its Info was read (its data ports, say, changed):
+         * read Info again now; its old process's calls have failed already */
+        nd->verified = false;
+        pthread_mutex_unlock(&r->mu);
+        pd__stats_reply__free_unpacked(st, NULL);
+        if (!again) {
+            PD_INFO(NULL, "%s instance %zu at %s restarted: reading its Info again",
+                    rt_role_name(nd->inst->role), nd->inst->index, nd->name);
+            heartbeat_node(r, k, true);
+        }
+        return;
+    }
     nd->load_tokens = nd->inst->role == RT_ROLE_PREFILL ? st->queued_tokens
                                                         : st->running_tokens + st->reserved_tokens;
     nd->kv_total = st->kv_blocks_total;
@@ -286,7 +303,7 @@ static void *heartbeat_main(void *arg)
             bool stop = r->stop;
             pthread_mutex_unlock(&r->mu);
             if (stop) return NULL;
-            heartbeat_node(r, k);
+            heartbeat_node(r, k, false);
         }
         pthread_mutex_lock(&r->mu);
         r->rounds++;

@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "engine/engine.h"
 #include "pd_config.h"
@@ -97,6 +98,7 @@ struct pd_node {
     int n_workers;
     /* decode */
     pd_kv_tcp_receiver **rx;
+    uint64_t epoch; /* random per process (Info, Stats): tells a restart on the same port */
     /* counters (under mu) */
     int64_t kv_bytes, leases;
     double kv_seconds;
@@ -310,6 +312,7 @@ static void h_info(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len)
     m.kv_transport = "tcp";
     m.version = PD_VERSION;
     m.max_num_seqs = (int32_t)n->p.max_num_seqs;
+    m.instance_epoch = n->epoch;
     reply_msg(call, &m.base);
     pd_arena_destroy(a);
 }
@@ -350,6 +353,7 @@ static void h_stats(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len)
         }
     }
     m.draining = atomic_load(&n->draining);
+    m.instance_epoch = n->epoch;
     reply_msg(call, &m.base);
 }
 
@@ -904,6 +908,7 @@ static int node_load_ranktables(pd_node *n)
                         p->local_ranktable, rt_role_name(role), rt_role_name(p->role));
     n->role = role;
     n->index = index;
+    n->epoch = (uint64_t)pd_wall_ns() ^ ((uint64_t)getpid() << 40) ^ (uint64_t)(uintptr_t)n;
     n->inst = rt_global_instance(n->g, role, index);
     n->tp = (int)n->inst->n_devices;
     if (p->tensor_parallel_size > 0 && p->tensor_parallel_size != n->tp)

@@ -93,8 +93,8 @@ static bool wait_instance(int k, double want, int timeout_ms)
     return false;
 }
 
-/* Opens n streaming completions of max_tokens tokens each. */
-static int open_streams(cl_conn *cs, int n, int max_tokens)
+/* Opens n streaming completions of max_tokens tokens each on the scheduler at port. */
+static int open_streams_on(int port, cl_conn *cs, int n, int max_tokens)
 {
     for (int i = 0; i < n; i++) {
         char body[256];
@@ -102,13 +102,18 @@ static int open_streams(cl_conn *cs, int n, int max_tokens)
                  "{\"prompt\":\"Once upon a time %d\",\"max_tokens\":%d,\"ignore_eos\":true,"
                  "\"stream\":true}",
                  i, max_tokens);
-        if (cl_conn_open(&cs[i], g_port, "POST", "/v1/completions", NULL, body, false) < 0) {
+        if (cl_conn_open(&cs[i], port, "POST", "/v1/completions", NULL, body, false) < 0) {
             printf("    stream %d: %s\n", i, pd_last_error());
             for (int j = 0; j < i; j++) cl_conn_close(&cs[j]);
             return -1;
         }
     }
     return 0;
+}
+
+static int open_streams(cl_conn *cs, int n, int max_tokens)
+{
+    return open_streams_on(g_port, cs, n, max_tokens);
 }
 
 /* Polls until every stream has its first bytes (true) or timeout_ms passed. */
@@ -511,6 +516,9 @@ TEST(faults_lease_freed_on_decode_restart)
     ASSERT_EQ_INT(res.n, 16);
     ASSERT(wait_idle(P1, 5000));
     ASSERT(wait_idle(D0, 5000));
+    /* and the scheduler, which may not have seen it go (a restart between two heartbeats),
+     * sends it requests with its new data ports (Stats' instance_epoch changed) */
+    ASSERT_MSG(reaches(D0), "no request through the scheduler reached the restarted instance");
 }
 
 /* A decode instance hangs while prefill instance P1 is sending it the KV of as many prompts as P1
@@ -716,6 +724,33 @@ TEST(faults_registry_round_robin)
     ASSERT(reported_out);
     ASSERT_MSG(rejoined, "decode instance 1 did not rejoin after a reported failure");
     ASSERT_MSG(wait_instance(D1, 1, 10000), "decode instance 1 did not rejoin after SIGCONT");
+}
+
+/* A scheduler killed while it streams: the decode instances lose its Decode calls at once, abort
+ * its requests and free their KV, and keep serving another scheduler. */
+TEST(faults_scheduler_kill_midstream)
+{
+    FIXTURE();
+    cl_proc sp;
+    int port;
+    ASSERT_OK(cl_sched_start(&g_c, &sp, "scheduler_killed", NULL, &port));
+    cl_conn cs[8];
+    ASSERT(open_streams_on(port, cs, 8, 1000) == 0);
+    bool started = wait_first_bytes(cs, 8, 30000);
+    int64_t t_kill = pd_now_ns();
+    cl_signal(&sp, SIGKILL);
+    cl_wait(&sp, 10000);
+    close_all(cs, 8);
+    bool idle = wait_idle(D0, 5000) && wait_idle(D1, 5000) && wait_idle(P0, 5000) &&
+                wait_idle(P1, 5000);
+    double idle_s = (double)(pd_now_ns() - t_kill) / 1e9;
+    printf("    every instance idle %.3f s after the kill\n", idle_s);
+    ASSERT_MSG(started, "not every stream started within 30 s");
+    ASSERT_MSG(idle, "an instance still holds the killed scheduler's requests");
+    int served = short_requests(8);
+    if (served != 8)
+        for (int k = 0; k < g_c.n_prefill + g_c.n_decode; k++) cl_dump_log(&g_c.procs[k], 15);
+    ASSERT_EQ_INT(served, 8);
 }
 
 /* A decode instance dies while idle and requests arrive before the heartbeat has noticed:
