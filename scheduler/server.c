@@ -12,6 +12,17 @@
  *   arena are freed in one place, when the count reaches zero.
  * Pending records are double-buffered (swap under the mutex), so the relay allocates nothing per
  * token once the buffers have grown to their working size.
+ *
+ * Token events arrive batched: per decode instance the scheduler keeps one Relay stream open
+ * (pd.proto), named in each DecodeRequest, on which the node sends one RelayBatch per decode
+ * step with the events of all this scheduler's requests, instead of one gRPC message per token
+ * on each Decode stream (gRPC's per-message cost was most of the relay's CPU). A relayed
+ * choice's Decode stream carries no message; it stays open until the final event has come
+ * over the relay, and is then cancelled here, so aborts, node failures and the chain's end
+ * work exactly as for a Decode stream that carries the events itself (which is what a node
+ * does when the relay was not open yet). The rpc thread maps request ids to choices (relay
+ * events name their request) from the Decode call's start to its end; backpressure for a
+ * relayed choice is a Pause call that makes the node hold its events.
  */
 #include "sched.h"
 
@@ -99,6 +110,12 @@ typedef struct choice {
     bool admit_wait;    /* Reserve was refused for lack of KV: the loop queues the choice */
     bool reserve_retry; /* Reserve found its decode instance gone: the loop picks another */
     bool rx_paused;     /* its Decode stream waits until the loop has taken the pending records */
+    bool relayed;       /* its events come over the decode instance's relay (under r->mu) */
+    bool final_rx;      /* its final event arrived (under r->mu) */
+    bool flow_paused;   /* relayed: the node was last asked to hold them (under r->mu) */
+    uint64_t pause_seq; /* relayed: Pause calls sent (under r->mu) */
+    struct choice *map_next; /* the rpc thread's request-id map */
+    bool mapped;
     int reserve_tries;  /* rpc thread */
     bool admitted;      /* a retried Reserve succeeded */
     /* admission queue (loop thread) */
@@ -161,6 +178,16 @@ struct sreq {
     char parse_err[1024];
 };
 
+/* The Relay stream on one decode instance (see the file-top comment); under pd_sched.rl_mu. */
+typedef struct {
+    bool open; /* started and not ended: DecodeRequests name it */
+    int gen;   /* bumped per stream: a closed stream's callback leaves a newer one alone */
+    char id[48];
+    uint64_t call_id;
+} relay_st;
+
+enum { CMAP_BUCKETS = 4096 };
+
 struct pd_sched {
     pd_sched_params p;
     uv_loop_t loop;
@@ -185,6 +212,10 @@ struct pd_sched {
     bool closing;       /* under qmu: the loop is gone; posts are dropped */
     bool wake_pending;  /* under qmu: posted from the rpc thread, the loop not yet woken */
     uint8_t *went_down; /* (n instances,) under qmu: left the routing set, not yet handled */
+    pthread_mutex_t rl_mu;
+    relay_st *relays;             /* (n instances,) under rl_mu */
+    char relay_tag[17];           /* this process's part of relay ids */
+    choice *cmap[CMAP_BUCKETS];   /* rpc thread: relayed choices by sub_id */
     bool any_down;      /* under qmu */
     atomic_bool shutdown_requested;
     bool stopping;    /* loop: shutdown in progress */
@@ -359,6 +390,145 @@ static void send_abort(pd_sched *s, int k, const char *sub_id)
     pd_reg_unary(s->reg, k, "/pd.PD/Abort", buf, len, s->p.rpc_timeout_ms, noop_done, NULL, NULL);
 }
 
+/* ---- relayed token events (see the file-top comment) ---------------------------------------- */
+
+enum { RELAY_DEADLINE_MS = 0x7fffffff }; /* a Relay stream lasts as long as its node (~24 days) */
+
+typedef struct { /* which Relay stream a callback belongs to */
+    pd_sched *s;
+    int k, gen;
+} relay_ctx;
+
+static size_t cmap_bucket(const char *id)
+{
+    uint32_t h = 2166136261u;
+    for (; *id; id++) h = (h ^ (uint8_t)*id) * 16777619u;
+    return h % CMAP_BUCKETS;
+}
+
+/* The map is the rpc thread's: entries are added before a relayed Decode call starts and
+ * removed when it ends, both on that thread, where relay batches are read too. */
+static void cmap_add(pd_sched *s, choice *c)
+{
+    size_t b = cmap_bucket(c->sub_id);
+    c->map_next = s->cmap[b];
+    s->cmap[b] = c;
+    c->mapped = true;
+}
+
+static void cmap_del(pd_sched *s, choice *c)
+{
+    if (!c->mapped) return;
+    for (choice **pp = &s->cmap[cmap_bucket(c->sub_id)]; *pp; pp = &(*pp)->map_next)
+        if (*pp == c) {
+            *pp = c->map_next;
+            break;
+        }
+    c->mapped = false;
+}
+
+static choice *cmap_find(pd_sched *s, const char *id)
+{
+    for (choice *c = s->cmap[cmap_bucket(id)]; c; c = c->map_next)
+        if (strcmp(c->sub_id, id) == 0) return c;
+    return NULL;
+}
+
+static void on_relay_msg(void *arg, const uint8_t *msg, size_t len);
+
+static void on_relay_done(void *arg, int st, const char *details, const uint8_t *resp, size_t len)
+{
+    relay_ctx *x = arg;
+    pd_sched *s = x->s;
+    (void)resp, (void)len;
+    pthread_mutex_lock(&s->rl_mu);
+    if (s->relays[x->k].gen == x->gen) s->relays[x->k].open = false;
+    pthread_mutex_unlock(&s->rl_mu);
+    if (st != PD_RPC_CANCELLED) /* its requests fail through their own Decode streams */
+        PD_WARN(NULL, "relay stream on %s ended: %s: %s", pd_reg_name(s->reg, x->k),
+                pd_rpc_status_name(st), details ? details : "");
+    free(x);
+}
+
+/* The relay id of decode instance k for a new DecodeRequest (out: 48 bytes), opening the
+ * stream when none is open. The node sends the events on the Decode stream itself when it does
+ * not know the id (the stream failed to start or is not there yet), which works as well. */
+static void relay_for(pd_sched *s, int k, char *out)
+{
+    pthread_mutex_lock(&s->rl_mu);
+    relay_st *rl = &s->relays[k];
+    bool start = !rl->open;
+    if (start) {
+        rl->open = true;
+        rl->gen++;
+        snprintf(rl->id, sizeof rl->id, "%s-%d-%d", s->relay_tag, k, rl->gen);
+    }
+    int gen = rl->gen;
+    snprintf(out, sizeof rl->id, "%s", rl->id);
+    pthread_mutex_unlock(&s->rl_mu);
+    if (!start) return;
+    relay_ctx *x = malloc(sizeof *x);
+    Pd__RelayRequest q = PD__RELAY_REQUEST__INIT;
+    q.relay_id = out;
+    uint8_t buf[128];
+    if (!x || pd__relay_request__get_packed_size(&q) > sizeof buf) {
+        free(x);
+        pthread_mutex_lock(&s->rl_mu);
+        if (rl->gen == gen) rl->open = false;
+        pthread_mutex_unlock(&s->rl_mu);
+        return;
+    }
+    *x = (relay_ctx){s, k, gen};
+    PD_INFO(NULL, "opening relay stream %s on %s", out, pd_reg_name(s->reg, k));
+    uint64_t id = 0;
+    pd_reg_stream(s->reg, k, "/pd.PD/Relay", buf, pd__relay_request__pack(&q, buf),
+                  RELAY_DEADLINE_MS, on_relay_msg, on_relay_done, x, &id);
+    pthread_mutex_lock(&s->rl_mu);
+    if (rl->gen == gen) rl->call_id = id;
+    pthread_mutex_unlock(&s->rl_mu);
+}
+
+/* What stopping or resuming a choice's events takes, decided under r->mu (flow_plan) and done
+ * after it is released (flow_apply): a Decode stream that carries the events is paused where it
+ * is read, so HTTP/2 flow control holds the node's sends back; a relayed choice asks its node
+ * to hold them (a Pause call, only when the wish changes). */
+typedef struct {
+    uint64_t call_id;
+    bool relayed, paused, send;
+    uint64_t seq;
+} flow_op;
+
+static flow_op flow_plan(choice *c, bool paused)
+{
+    flow_op op = {.call_id = c->in_phase[PH_DECODE] ? c->call_id[PH_DECODE] : 0,
+                  .relayed = c->relayed,
+                  .paused = paused};
+    if (c->relayed && c->flow_paused != paused) {
+        c->flow_paused = paused;
+        op.send = true;
+        op.seq = ++c->pause_seq;
+    }
+    return op;
+}
+
+static void flow_apply(choice *c, const flow_op *op)
+{
+    pd_sched *s = c->r->s;
+    if (!op->relayed) {
+        if (op->call_id) pd_rpc_stream_pause(s->rpc, op->call_id, op->paused);
+        return;
+    }
+    if (!op->send) return;
+    Pd__PauseRequest q = PD__PAUSE_REQUEST__INIT;
+    q.request_id = c->sub_id;
+    q.paused = op->paused;
+    q.seq = op->seq;
+    uint8_t buf[128];
+    if (pd__pause_request__get_packed_size(&q) > sizeof buf) return;
+    pd_reg_unary(s->reg, c->d_node, "/pd.PD/Pause", buf, pd__pause_request__pack(&q, buf),
+                 s->p.rpc_timeout_ms, noop_done, NULL, NULL);
+}
+
 /* Starts a call of phase ph unless the request was aborted; records its id for cancellation. */
 static bool chain_begin(choice *c, int ph)
 {
@@ -421,11 +591,9 @@ static void start_prefill(choice *c)
  * Decode stream (about 100 KiB of SSE with 20 top logprobs). */
 enum { PENDING_PAUSE = 64 };
 
-static void on_decode_msg(void *arg, const uint8_t *msg, size_t len)
+/* A token event of c, from its Decode stream or its relay (rpc thread). */
+static void choice_event(choice *c, const Pd__TokenEvent *ev)
 {
-    choice *c = arg;
-    Pd__TokenEvent *ev = pd__token_event__unpack(NULL, len, msg);
-    if (!ev) return;
     pthread_mutex_lock(&c->r->mu);
     if (ev->status != 0) {
         if (!c->err_http) {
@@ -434,27 +602,69 @@ static void on_decode_msg(void *arg, const uint8_t *msg, size_t len)
         }
     } else {
         rec_push(&c->pending, ev);
+        c->final_rx |= ev->final;
     }
-    /* the loop is behind: stop reading this stream until it has caught up (what waits here
+    /* the loop is behind: stop this choice's events until it has caught up (what waits here
      * stays bounded; the rest waits on the decode instance) */
-    uint64_t pause_id = 0;
-    if (c->pending.n >= PENDING_PAUSE && !c->rx_paused) {
+    bool pause = c->pending.n >= PENDING_PAUSE && !c->rx_paused;
+    flow_op op = {0};
+    if (pause) {
         c->rx_paused = true;
-        pause_id = c->call_id[PH_DECODE];
+        op = flow_plan(c, true);
     }
     pthread_mutex_unlock(&c->r->mu);
-    pd__token_event__free_unpacked(ev, NULL);
-    if (pause_id) pd_rpc_stream_pause(c->r->s->rpc, pause_id, true);
+    if (pause) flow_apply(c, &op);
     post_ready(c->r);
+}
+
+static void on_decode_msg(void *arg, const uint8_t *msg, size_t len)
+{
+    choice *c = arg;
+    Pd__TokenEvent *ev = pd__token_event__unpack(NULL, len, msg);
+    if (!ev) return;
+    pthread_mutex_lock(&c->r->mu);
+    c->relayed = false; /* the node did not know the relay: this stream carries the events */
+    pthread_mutex_unlock(&c->r->mu);
+    choice_event(c, ev);
+    pd__token_event__free_unpacked(ev, NULL);
+}
+
+/* A batch from decode instance k's relay: each event to its choice; a final one ends the
+ * choice's Decode stream (cancelled here, as the node expects). */
+static void on_relay_msg(void *arg, const uint8_t *msg, size_t len)
+{
+    relay_ctx *x = arg;
+    pd_sched *s = x->s;
+    Pd__RelayBatch *b = pd__relay_batch__unpack(NULL, len, msg);
+    if (!b) {
+        PD_WARN(NULL, "relay on %s: undecodable batch of %zu bytes dropped",
+                pd_reg_name(s->reg, x->k), len);
+        return;
+    }
+    for (size_t i = 0; i < b->n_events; i++) {
+        Pd__TokenEvent *ev = pd__token_event__unpack(NULL, b->events[i].len, b->events[i].data);
+        choice *c = ev && ev->request_id ? cmap_find(s, ev->request_id) : NULL;
+        uint64_t end_id = 0;
+        if (c) {
+            choice_event(c, ev);
+            pthread_mutex_lock(&c->r->mu);
+            if (ev->final) end_id = c->call_id[PH_DECODE];
+            pthread_mutex_unlock(&c->r->mu);
+        }
+        if (ev) pd__token_event__free_unpacked(ev, NULL);
+        if (end_id) pd_rpc_cancel(s->rpc, end_id); /* on_decode_done ends the chain */
+    }
+    pd__relay_batch__free_unpacked(b, NULL);
 }
 
 static void on_decode_done(void *arg, int st, const char *details, const uint8_t *resp, size_t len)
 {
     choice *c = arg;
     (void)resp, (void)len;
+    cmap_del(c->r->s, c);
     pthread_mutex_lock(&c->r->mu);
     bool aborted = c->r->aborted;
-    bool final_seen = c->pending.n > 0 && c->pending.recs[c->pending.n - 1].final;
+    bool final_seen = c->final_rx;
     pthread_mutex_unlock(&c->r->mu);
     if (st != PD_RPC_OK && !aborted && !final_seen) {
         PD_WARN(c->r->id, "Decode stream of %s ended with %s: %s", c->sub_id,
@@ -533,6 +743,9 @@ static void on_prefill_done(void *arg, int st, const char *details, const uint8_
     q.n_prompt_ids = pr->n_ids;
     q.sampling = &ds;
     q.first_token = first;
+    char relay_id[48];
+    relay_for(s, c->d_node, relay_id);
+    q.relay_id = relay_id;
     size_t qlen = 0;
     uint8_t *buf = pd_msg_pack(&q.base, &qlen);
     if (!buf) {
@@ -543,6 +756,12 @@ static void on_prefill_done(void *arg, int st, const char *details, const uint8_
         free(buf);
         chain_end(c);
         return;
+    }
+    if (relay_id[0]) {
+        pthread_mutex_lock(&r->mu);
+        c->relayed = true;
+        pthread_mutex_unlock(&r->mu);
+        cmap_add(s, c);
     }
     uint64_t id = 0;
     pd_reg_stream(s->reg, c->d_node, "/pd.PD/Decode", buf, qlen, s->p.decode_timeout_ms,
@@ -809,10 +1028,10 @@ static void pause_decode(sreq *r, bool paused)
     for (int i = 0; i < r->n_choices; i++) {
         choice *c = &r->choices[i];
         pthread_mutex_lock(&r->mu);
-        uint64_t id = c->in_phase[PH_DECODE] ? c->call_id[PH_DECODE] : 0;
+        flow_op op = flow_plan(c, paused);
         if (!paused) c->rx_paused = false; /* the loop has caught up too */
         pthread_mutex_unlock(&r->mu);
-        if (id) pd_rpc_stream_pause(r->s->rpc, id, paused);
+        flow_apply(c, &op);
     }
 }
 
@@ -1361,8 +1580,12 @@ static void process(sreq *r)
         c->pending.n_top = 0;
         pd_sb_reset(&c->pending.text);
         /* caught up: read the stream again, unless the client's own backpressure holds it */
-        uint64_t resume_id = c->rx_paused && !r->paused ? c->call_id[PH_DECODE] : 0;
-        if (resume_id) c->rx_paused = false;
+        bool resume = c->rx_paused && !r->paused;
+        flow_op op = {0};
+        if (resume) {
+            c->rx_paused = false;
+            op = flow_plan(c, false);
+        }
         bool chain_done = c->chain_done;
         int err_http = c->err_http;
         char err[256];
@@ -1374,7 +1597,7 @@ static void process(sreq *r)
         double kv_secs = c->kv_seconds;
         if (kv) c->kv_reported = true;
         pthread_mutex_unlock(&r->mu);
-        if (resume_id) pd_rpc_stream_pause(s->rpc, resume_id, false);
+        if (resume) flow_apply(c, &op);
         if (kv) {
             char tr[16];
             pd_reg_transport(s->reg, c->d_node, tr, sizeof tr);
@@ -2136,6 +2359,7 @@ int pd_sched_create(const pd_sched_params *p, pd_sched **out)
         s->p.n_served_names = 1;
     }
     pthread_mutex_init(&s->qmu, NULL);
+    pthread_mutex_init(&s->rl_mu, NULL);
     s->rng = (uint64_t)pd_wall_ns() ^ ((uint64_t)getpid() << 32);
     int fd = open("/dev/urandom", O_RDONLY);
     if (fd >= 0) {
@@ -2155,7 +2379,9 @@ int pd_sched_create(const pd_sched_params *p, pd_sched **out)
     PD_CHECK_GOTO(pd_reg_create(p->global_ranktable, p->node_ports, s->rpc, &s->reg), rc, fail);
     PD_CHECK_GOTO(check_host_table(p, pd_reg_global(s->reg)), rc, fail);
     s->went_down = calloc((size_t)pd_reg_count(s->reg), 1);
-    if (!s->went_down) {
+    s->relays = calloc((size_t)pd_reg_count(s->reg), sizeof *s->relays);
+    snprintf(s->relay_tag, sizeof s->relay_tag, "%016llx", (unsigned long long)next_rand(s));
+    if (!s->went_down || !s->relays) {
         rc = pd_error(PD_ENOMEM, "out of memory");
         goto fail;
     }
@@ -2272,5 +2498,7 @@ void pd_sched_free(pd_sched *s)
     pd_tok_free(s->tok);
     pthread_mutex_destroy(&s->qmu);
     free(s->went_down);
+    free(s->relays);
+    pthread_mutex_destroy(&s->rl_mu);
     free(s);
 }

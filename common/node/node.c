@@ -25,6 +25,25 @@
 #define REQ_BUCKETS            4096
 #define REAPER_PERIOD_MS       100
 #define DEFAULT_RESERVE_TTL_MS 30000
+#define RELAY_ID_MAX           64    /* bytes of a Relay stream id, NUL included */
+#define RELAY_DONE_TTL_MS      30000 /* a relayed request's Decode stream waits this long at most
+                                        for its caller's cancel after the final event */
+
+/* Packed TokenEvents waiting to go out in a RelayBatch (each .data malloc'd, owned here). */
+typedef struct {
+    ProtobufCBinaryData *v;
+    size_t n, cap;
+} ev_list;
+
+/* A scheduler's Relay stream (pd.proto): the events of every request whose Decode named it go
+ * out in one RelayBatch per dispatcher round instead of one message per token on each Decode
+ * stream. Listed in n->relays under n->mu; freed when its caller cancels it. */
+typedef struct relay {
+    struct relay *next;
+    char id[RELAY_ID_MAX];
+    pd_rpc_call *call;
+    ev_list batch; /* this round's events */
+} relay;
 
 /* One request this node holds state for. Lives in the table under n->mu. */
 typedef struct req {
@@ -46,6 +65,13 @@ typedef struct req {
     size_t n_blocks;
     int kv_ranks_done;
     bool decoding, first_seen;
+    relay *rl;          /* decode: its events go to this Relay stream (NULL: to its own call) */
+    ev_list held;       /* relayed and paused: events waiting for the resume, in order */
+    bool paused;        /* relayed: the caller's client reads slowly (Pause) */
+    uint64_t pause_seq; /* the newest Pause applied */
+    bool done;          /* relayed: the final event is out; the Decode call waits for the
+                           caller's cancel (so the caller ends it after that event) */
+    int64_t done_ns;
     bool handed_over;   /* prefill: a transfer worker owns the request now */
     atomic_bool cancel; /* prefill: aborted while its KV is being sent; the send gives up */
 } req;
@@ -73,7 +99,7 @@ struct pd_node {
     const pd_model_config *cfg;
     pd_kv_params kvp; /* per rank */
     pd_rpc_server *srv;
-    pd_rpc_method methods[6];
+    pd_rpc_method methods[8];
     pthread_mutex_t mu; /* the request table, job queue, counters */
     pthread_cond_t cv;
     pthread_mutex_t wake_mu; /* engine -> dispatcher wakeups; never held with mu */
@@ -99,6 +125,8 @@ struct pd_node {
     /* decode */
     pd_kv_tcp_receiver **rx;
     uint64_t epoch; /* random per process (Info, Stats): tells a restart on the same port */
+    relay *relays; /* open Relay streams (under mu) */
+    int64_t relay_batches, relay_events, relay_pauses; /* cumulative (under mu) */
     /* counters (under mu) */
     int64_t kv_bytes, leases;
     double kv_seconds;
@@ -158,6 +186,56 @@ static req *table_add(pd_node *n, const char *id)
     return r;
 }
 
+/* ---- relayed events ------------------------------------------------------------------------ */
+
+/* Takes buf (malloc'd, len bytes). PD_ENOMEM (buf freed) when the list cannot grow. */
+static int ev_list_push(ev_list *l, uint8_t *buf, size_t len)
+{
+    if (l->n == l->cap) {
+        size_t cap = l->cap ? l->cap * 2 : 16;
+        ProtobufCBinaryData *v = realloc(l->v, cap * sizeof *v);
+        if (!v) {
+            free(buf);
+            return pd_error(PD_ENOMEM, "out of memory for relayed events");
+        }
+        l->v = v, l->cap = cap;
+    }
+    l->v[l->n++] = (ProtobufCBinaryData){.len = len, .data = buf};
+    return PD_OK;
+}
+
+/* Frees the events; keeps the array for the next round. */
+static void ev_list_clear(ev_list *l)
+{
+    for (size_t i = 0; i < l->n; i++) free(l->v[i].data);
+    l->n = 0;
+}
+
+static void ev_list_free(ev_list *l)
+{
+    ev_list_clear(l);
+    free(l->v);
+    *l = (ev_list){0};
+}
+
+/* Sends rl's batch as one RelayBatch. A send that fails (the caller went away) is dropped: the
+ * relay's cancel callback fails its requests. Called with n->mu held. */
+static void relay_flush(pd_node *n, relay *rl)
+{
+    if (!rl->batch.n) return;
+    n->relay_batches++;
+    n->relay_events += (int64_t)rl->batch.n;
+    Pd__RelayBatch m = PD__RELAY_BATCH__INIT;
+    m.n_events = rl->batch.n;
+    m.events = rl->batch.v;
+    size_t len = 0;
+    uint8_t *buf = pd_msg_pack(&m.base, &len);
+    if (buf) pd_rpc_stream_send(rl->call, buf, len);
+    else PD_WARN(NULL, "relay %s: out of memory packing %zu events; dropped", rl->id, rl->batch.n);
+    free(buf);
+    ev_list_clear(&rl->batch);
+}
+
 /* Unlinks and frees. Called with n->mu held. */
 static void table_remove(pd_node *n, req *r)
 {
@@ -168,6 +246,7 @@ static void table_remove(pd_node *n, req *r)
             break;
         }
     pthread_cond_broadcast(&n->cv);
+    ev_list_free(&r->held);
     pd_arena_destroy(r->arena);
     free(r);
 }
@@ -265,6 +344,11 @@ static void on_call_cancelled(void *arg, pd_rpc_call *call)
     char id[PD_ENGINE_MAX_REQUEST_ID + 1] = "";
     pthread_mutex_lock(&n->mu);
     req *r = table_find_call(n, call);
+    if (r && r->done) { /* a relayed request after its final event: the caller's expected end */
+        pd_rpc_stream_end(call, PD_RPC_CANCELLED, "");
+        table_remove(n, r);
+        r = NULL;
+    }
     if (r) snprintf(id, sizeof id, "%s", r->id);
     if (r && r->handed_over) atomic_store(&r->cancel, true); /* the transfer frees the KV */
     pthread_mutex_unlock(&n->mu);
@@ -344,6 +428,9 @@ static void h_stats(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len)
             for (req *r = n->table[b2]; r; r = r->next)
                 if (!r->decoding) reserved += (int64_t)(r->n_blocks * st.block_size);
     m.reserved_tokens = reserved;
+    m.relay_batches = n->relay_batches;
+    m.relay_events = n->relay_events;
+    m.relay_pauses = n->relay_pauses;
     pthread_mutex_unlock(&n->mu);
     if (n->rx) {
         for (int r = 0; r < n->tp; r++) {
@@ -754,6 +841,9 @@ static void h_decode(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len)
         } else {
             r->call = call;
             r->decoding = true;
+            /* a relay not (yet) open here: the events go on this call, which the caller reads */
+            for (relay *rl = n->relays; q->relay_id && q->relay_id[0] && rl; rl = rl->next)
+                if (strcmp(rl->id, q->relay_id) == 0) r->rl = rl;
         }
     }
     pthread_mutex_unlock(&n->mu);
@@ -764,6 +854,33 @@ static void h_decode(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len)
         pd_rpc_on_cancel(call, on_call_cancelled, n);
     }
     pd__decode_request__free_unpacked(q, NULL);
+}
+
+/* Dispatcher: a relayed request's (non-failed) event goes to its relay's batch, or waits while
+ * the request is paused; after the final one the Decode call waits for the caller's cancel.
+ * Called with n->mu held. */
+static void relay_event(pd_node *n, req *r, const pd_engine_event *ev)
+{
+    pd_arena *a = pd_arena_create(1024);
+    Pd__TokenEvent *m = a ? event_to_proto(ev, a) : NULL;
+    size_t len = 0;
+    uint8_t *buf = NULL;
+    if (m) {
+        m->request_id = r->id;
+        buf = pd_msg_pack(&m->base, &len);
+    }
+    pd_arena_destroy(a);
+    int rc = buf ? ev_list_push(r->paused ? &r->held : &r->rl->batch, buf, len) : PD_ENOMEM;
+    if (rc < 0) {
+        pd_rpc_stream_end(r->call, PD_RPC_INTERNAL, "out of memory relaying an event");
+        if (!ev->final) pd_engine_abort(n->e, r->id);
+        table_remove(n, r);
+        return;
+    }
+    if (ev->final) {
+        r->done = true;
+        r->done_ns = pd_now_ns();
+    }
 }
 
 /* Dispatcher: a decode request's event. Called with n->mu held. */
@@ -777,6 +894,10 @@ static void decode_event(pd_node *n, req *r, const pd_engine_event *ev)
     r->first_seen = true;
     /* the first token came to the scheduler from the prefill side already */
     if (first && !ev->final && ev->n_tokens) return;
+    if (r->rl && ev->status >= 0) {
+        relay_event(n, r, ev);
+        return;
+    }
     if (ev->status < 0) {
         int st = ev->status == PD_ECANCELLED ? PD_RPC_CANCELLED : rpc_status(ev->status);
         pd_rpc_stream_end(r->call, st, ev->error && ev->error[0] ? ev->error : "decode failed");
@@ -801,6 +922,107 @@ static void decode_event(pd_node *n, req *r, const pd_engine_event *ev)
     }
 }
 
+/* The caller of a Relay stream went away (or the node stops): its requests that still wait for
+ * events fail, since what was queued for them is lost; the stream ends. */
+static void on_relay_cancelled(void *arg, pd_rpc_call *call)
+{
+    pd_node *n = arg;
+    pthread_mutex_lock(&n->mu);
+    relay *rl = NULL;
+    for (relay **pp = &n->relays; *pp; pp = &(*pp)->next)
+        if ((*pp)->call == call) {
+            rl = *pp;
+            *pp = rl->next;
+            break;
+        }
+    for (size_t b = 0; rl && b < REQ_BUCKETS; b++)
+        for (req *r = n->table[b], *next; r; r = next) {
+            next = r->next;
+            if (r->rl != rl) continue;
+            r->rl = NULL;
+            if (r->done) {
+                pd_rpc_stream_end(r->call, PD_RPC_CANCELLED, "");
+                table_remove(n, r);
+                continue;
+            }
+            pd_rpc_stream_end(r->call, PD_RPC_UNAVAILABLE, "the relay stream of this request closed");
+            r->call = NULL; /* the engine's final event frees it */
+            pd_engine_abort(n->e, r->id);
+        }
+    if (rl) {
+        PD_INFO(NULL, "relay closed: %s", rl->id);
+        pd_rpc_stream_end(call, PD_RPC_CANCELLED, "");
+        ev_list_free(&rl->batch);
+        free(rl);
+    }
+    pthread_mutex_unlock(&n->mu);
+}
+
+static void h_relay(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len)
+{
+    pd_node *n = ctx;
+    Pd__RelayRequest *q = pd__relay_request__unpack(NULL, len, b);
+    size_t idlen = q && q->relay_id ? strlen(q->relay_id) : 0;
+    if (idlen == 0 || idlen >= RELAY_ID_MAX) {
+        if (q) pd__relay_request__free_unpacked(q, NULL);
+        pd_rpc_stream_end(call, PD_RPC_INVALID_ARGUMENT,
+                          "Relay: relay_id is required (at most 63 bytes)");
+        return;
+    }
+    relay *rl = calloc(1, sizeof *rl);
+    bool dup = false;
+    pthread_mutex_lock(&n->mu);
+    for (relay *o = n->relays; o; o = o->next) dup |= strcmp(o->id, q->relay_id) == 0;
+    if (rl && !dup) {
+        snprintf(rl->id, sizeof rl->id, "%s", q->relay_id);
+        rl->call = call;
+        rl->next = n->relays;
+        n->relays = rl;
+    }
+    pthread_mutex_unlock(&n->mu);
+    if (!rl || dup) {
+        pd_rpc_stream_end(call, rl ? PD_RPC_ALREADY_EXISTS : PD_RPC_RESOURCE_EXHAUSTED,
+                          rl ? "Relay: this relay_id is open already" : "out of memory");
+        free(rl);
+    } else {
+        PD_INFO(NULL, "relay open: %s", q->relay_id);
+        pd_rpc_on_cancel(call, on_relay_cancelled, n);
+    }
+    pd__relay_request__free_unpacked(q, NULL);
+}
+
+static void h_pause(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len)
+{
+    pd_node *n = ctx;
+    Pd__PauseRequest *q = pd__pause_request__unpack(NULL, len, b);
+    if (!q || !valid_request_id(q->request_id)) {
+        if (q) pd__pause_request__free_unpacked(q, NULL);
+        pd_rpc_fail(call, PD_RPC_INVALID_ARGUMENT, "Pause: malformed request");
+        return;
+    }
+    Pd__PauseReply m = PD__PAUSE_REPLY__INIT;
+    pthread_mutex_lock(&n->mu);
+    req *r = table_find(n, q->request_id);
+    if (r && r->rl && q->seq > r->pause_seq) {
+        m.found = true;
+        r->pause_seq = q->seq;
+        bool resume = r->paused && !q->paused;
+        n->relay_pauses += q->paused && !r->paused;
+        r->paused = q->paused;
+        for (size_t i = 0; resume && i < r->held.n; i++) {
+            ev_list_push(&r->rl->batch, r->held.v[i].data, r->held.v[i].len);
+            r->held.v[i].data = NULL;
+        }
+        if (resume) {
+            r->held.n = 0;
+            relay_flush(n, r->rl);
+        }
+    }
+    pthread_mutex_unlock(&n->mu);
+    pd__pause_request__free_unpacked(q, NULL);
+    reply_msg(call, &m.base);
+}
+
 /* Drops reservations whose Decode did not start in time. */
 static void *reaper_main(void *arg)
 {
@@ -816,6 +1038,12 @@ static void *reaper_main(void *arg)
         for (size_t b = 0; b < REQ_BUCKETS; b++)
             for (req *r = n->table[b], *next; r; r = next) {
                 next = r->next;
+                if (r->done && now - r->done_ns > (int64_t)RELAY_DONE_TTL_MS * PD_NS_PER_MS) {
+                    PD_WARN(r->id, "relayed request not closed by its caller; ending it");
+                    pd_rpc_stream_end(r->call, PD_RPC_OK, "");
+                    table_remove(n, r);
+                    continue;
+                }
                 if (r->decoding || now < r->deadline_ns) continue;
                 PD_WARN(r->id, "reservation expired before Decode started; blocks freed");
                 for (int k = 0; k < n->tp; k++) pd_kv_rx_cancel(n->rx[k], r->id);
@@ -868,6 +1096,9 @@ static void *dispatcher_main(void *arg)
             pthread_mutex_unlock(&n->mu);
             pd_engine_event_done(n->e);
         }
+        pthread_mutex_lock(&n->mu); /* one RelayBatch per relay for everything drained above */
+        for (relay *rl = n->relays; rl; rl = rl->next) relay_flush(n, rl);
+        pthread_mutex_unlock(&n->mu);
         if (stop) return NULL;
     }
 }
@@ -1100,6 +1331,8 @@ int pd_node_create(const pd_node_params *p, pd_node **out)
     } else {
         n->methods[nm++] = (pd_rpc_method){"/pd.PD/Reserve", PD_RPC_UNARY, h_reserve, n};
         n->methods[nm++] = (pd_rpc_method){"/pd.PD/Decode", PD_RPC_SERVER_STREAM, h_decode, n};
+        n->methods[nm++] = (pd_rpc_method){"/pd.PD/Relay", PD_RPC_SERVER_STREAM, h_relay, n};
+        n->methods[nm++] = (pd_rpc_method){"/pd.PD/Pause", PD_RPC_UNARY, h_pause, n};
     }
     char addr[300];
     snprintf(addr, sizeof addr, "%s:%d", p->host ? p->host : n->inst->server_ip, p->port);
@@ -1186,6 +1419,12 @@ void pd_node_destroy(pd_node *n)
     free(n->workers);
     for (int r = 0; n->rx && r < n->tp; r++) pd_kv_tcp_receiver_stop(n->rx[r]);
     free(n->rx);
+    while (n->relays) { /* the server stopped before their callers cancelled them */
+        relay *rl = n->relays;
+        n->relays = rl->next;
+        ev_list_free(&rl->batch);
+        free(rl);
+    }
     pd_kv_tcp_sender_destroy(n->tx);
     free(n->shares);
     for (size_t b = 0; b < REQ_BUCKETS; b++)

@@ -909,13 +909,13 @@ int pd_rpc_channel_create(pd_rpc_client *cl, const char *target, size_t max_mess
     pd_rpc_channel *ch = calloc(1, sizeof *ch);
     if (!ch) return pd_error(PD_ENOMEM, "rpc: out of memory");
     int max = max_message_bytes ? (int)max_message_bytes : (int)DEFAULT_MAX_MESSAGE;
-    /* No BDP probing and 16 KiB stream windows: a paused stream (pd_rpc_stream_pause) holds at
-     * most that much here (a token message is ~100 bytes, so streaming never waits on it); the
-     * rest waits on the server. */
+    /* No BDP probing and 256 KiB stream windows: a paused stream (pd_rpc_stream_pause) holds at
+     * most that much here, the rest waits on the server; a message up to that size (the
+     * scheduler's relay batches: ~100 bytes per request and step) needs no window update. */
     grpc_arg args[4] = {int_arg(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, max),
                         int_arg(GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, max),
                         int_arg(GRPC_ARG_HTTP2_BDP_PROBE, 0),
-                        int_arg(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 16384)};
+                        int_arg(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 256 << 10)};
     grpc_channel_args cargs = {4, args};
     grpc_channel_credentials *creds = grpc_insecure_credentials_create();
     ch->ch = grpc_channel_create(target, creds, &cargs);

@@ -447,8 +447,15 @@ static int bench_sched(int argc, char **argv)
         ids_body(body, cap, prompt, len, tokens);
         if (cl_conn_open(&ks[i], port, "POST", "/v1/completions", NULL, body, false) < 0) rc = 1;
     }
+    Pd__StatsReply *st0 = cl_stats(&c, 1);
     bool all = rc == 0 && cl_conn_wait_all(ks, (size_t)streams, 300000);
     double cpu1 = proc_cpu_s(sp.pid), t1 = pd_now_s();
+    Pd__StatsReply *st1 = cl_stats(&c, 1); /* the decode instance's relay counters */
+    long rl_events = st0 && st1 ? (long)(st1->relay_events - st0->relay_events) : -1;
+    long rl_batches = st0 && st1 ? (long)(st1->relay_batches - st0->relay_batches) : -1;
+    long rl_pauses = st0 && st1 ? (long)(st1->relay_pauses - st0->relay_pauses) : -1;
+    if (st0) pd__stats_reply__free_unpacked(st0, NULL);
+    if (st1) pd__stats_reply__free_unpacked(st1, NULL);
     long chunks = 0;
     for (int i = 0; i < streams; i++) {
         for (const char *q = ks[i].buf; q && (q = strstr(q, "\"text\":")); q++) chunks++;
@@ -472,9 +479,10 @@ static int bench_sched(int argc, char **argv)
                via[p90] * 1e3, (via[reps / 2] - direct[reps / 2]) * 1e3, diff[reps / 2] * 1e3);
         printf(
             "relay: %d streams x %d tokens = %ld token chunks in %.2f s; pd-scheduler CPU %.3f s "
-            "= %.1f us per streamed token\n",
+            "= %.1f us per streamed token; the decode instance sent %ld events in %ld relay "
+            "batches, %ld pauses\n",
             streams, tokens, chunks, t1 - t0, cpu1 - cpu0,
-            chunks ? (cpu1 - cpu0) / (double)chunks * 1e6 : 0.0);
+            chunks ? (cpu1 - cpu0) / (double)chunks * 1e6 : 0.0, rl_events, rl_batches, rl_pauses);
     } else if (rc == 0) {
         fprintf(stderr, "bench_pd: the relay streams did not finish\n");
         rc = 1;

@@ -726,8 +726,8 @@ TEST(faults_registry_round_robin)
     ASSERT_MSG(wait_instance(D1, 1, 10000), "decode instance 1 did not rejoin after SIGCONT");
 }
 
-/* A scheduler killed while it streams: the decode instances lose its Decode calls at once, abort
- * its requests and free their KV, and keep serving another scheduler. */
+/* A scheduler killed while it streams: the decode instances lose its relay streams and Decode
+ * calls at once, abort its requests and free their KV, and keep serving another scheduler. */
 TEST(faults_scheduler_kill_midstream)
 {
     FIXTURE();
@@ -744,9 +744,13 @@ TEST(faults_scheduler_kill_midstream)
     bool idle = wait_idle(D0, 5000) && wait_idle(D1, 5000) && wait_idle(P0, 5000) &&
                 wait_idle(P1, 5000);
     double idle_s = (double)(pd_now_ns() - t_kill) / 1e9;
-    printf("    every instance idle %.3f s after the kill\n", idle_s);
+    bool closed =
+        log_has(&g_c.procs[D0], "relay closed: ") || log_has(&g_c.procs[D1], "relay closed: ");
+    printf("    every instance idle %.3f s after the kill (relay closed: %s)\n", idle_s,
+           closed ? "yes" : "no");
     ASSERT_MSG(started, "not every stream started within 30 s");
     ASSERT_MSG(idle, "an instance still holds the killed scheduler's requests");
+    ASSERT_MSG(closed, "no decode instance logged its relay stream closing");
     int served = short_requests(8);
     if (served != 8)
         for (int k = 0; k < g_c.n_prefill + g_c.n_decode; k++) cl_dump_log(&g_c.procs[k], 15);

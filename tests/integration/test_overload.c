@@ -488,16 +488,33 @@ static slow_reader_result slow_reader(const cl_proc *sched, int port, int choice
 }
 
 /* A client that reads its SSE stream slowly loses nothing: everything arrives, in order and
- * complete, once it reads again, and the instances are left with nothing held. */
+ * complete, once it reads again, and the instances are left with nothing held. The events come
+ * over the scheduler's relay stream, batched (12 choices decode together, so a batch carries
+ * several), and the decode instance holds them while the client stalls (a Pause call). */
 TEST(clients_slow_sse_reader)
 {
     FIXTURE();
     ASSERT(decode_idle(5000));
+    Pd__StatsReply *s0 = cl_stats(&g_c, D0);
+    ASSERT(s0);
     slow_reader_result o = slow_reader(&g_sched, g_port, 12);
+    Pd__StatsReply *s1 = cl_stats(&g_c, D0);
+    int64_t events = s1 ? s1->relay_events - s0->relay_events : 0;
+    int64_t batches = s1 ? s1->relay_batches - s0->relay_batches : 0;
+    int64_t pauses = s1 ? s1->relay_pauses - s0->relay_pauses : 0;
+    pd__stats_reply__free_unpacked(s0, NULL);
+    if (s1) pd__stats_reply__free_unpacked(s1, NULL);
+    printf("    relay: %lld events in %lld batches, %lld pauses\n", (long long)events,
+           (long long)batches, (long long)pauses);
     ASSERT(o.done);
     ASSERT(o.complete);
     ASSERT_MSG(o.unread > 8u * 1024 * 1024, "only %zu bytes were left unread", o.unread);
     ASSERT(decode_idle(10000));
+    ASSERT_MSG(events >= 12 * 899, "%lld events came over the relay, 12 x 899 expected",
+               (long long)events);
+    ASSERT_MSG(batches > 0 && batches * 4 <= events, "%lld events in %lld relay batches",
+               (long long)events, (long long)batches);
+    ASSERT_MSG(pauses >= 1, "the decode instance never held a relayed request's events");
 }
 
 /* The scheduler holds a bounded amount for a slow reader, whatever the output size: the HTTP
