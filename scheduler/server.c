@@ -116,8 +116,8 @@ typedef struct choice {
     uint64_t pause_seq; /* relayed: Pause calls sent (under r->mu) */
     struct choice *map_next; /* the rpc thread's request-id map */
     bool mapped;
-    int reserve_tries;  /* rpc thread */
-    bool admitted;      /* a retried Reserve succeeded */
+    int reserve_tries; /* rpc thread */
+    bool admitted;     /* a retried Reserve succeeded */
     /* admission queue (loop thread) */
     bool in_queue, retrying;
     struct choice *q_prev, *q_next;
@@ -213,10 +213,10 @@ struct pd_sched {
     bool wake_pending;  /* under qmu: posted from the rpc thread, the loop not yet woken */
     uint8_t *went_down; /* (n instances,) under qmu: left the routing set, not yet handled */
     pthread_mutex_t rl_mu;
-    relay_st *relays;             /* (n instances,) under rl_mu */
-    char relay_tag[17];           /* this process's part of relay ids */
-    choice *cmap[CMAP_BUCKETS];   /* rpc thread: relayed choices by sub_id */
-    bool any_down;      /* under qmu */
+    relay_st *relays;           /* (n instances,) under rl_mu */
+    char relay_tag[17];         /* this process's part of relay ids */
+    choice *cmap[CMAP_BUCKETS]; /* rpc thread: relayed choices by sub_id */
+    bool any_down;              /* under qmu */
     atomic_bool shutdown_requested;
     bool stopping;    /* loop: shutdown in progress */
     sreq *live;       /* loop thread */

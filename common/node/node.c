@@ -25,9 +25,10 @@
 #define REQ_BUCKETS            4096
 #define REAPER_PERIOD_MS       100
 #define DEFAULT_RESERVE_TTL_MS 30000
-#define RELAY_ID_MAX           64    /* bytes of a Relay stream id, NUL included */
-#define RELAY_DONE_TTL_MS      30000 /* a relayed request's Decode stream waits this long at most
-                                        for its caller's cancel after the final event */
+#define RELAY_ID_MAX           64 /* bytes of a Relay stream id, NUL included */
+#define RELAY_DONE_TTL_MS                                                                          \
+    30000 /* a relayed request's Decode stream waits this long at most                             \
+             for its caller's cancel after the final event */
 
 /* Packed TokenEvents waiting to go out in a RelayBatch (each .data malloc'd, owned here). */
 typedef struct {
@@ -125,7 +126,7 @@ struct pd_node {
     /* decode */
     pd_kv_tcp_receiver **rx;
     uint64_t epoch; /* random per process (Info, Stats): tells a restart on the same port */
-    relay *relays; /* open Relay streams (under mu) */
+    relay *relays;  /* open Relay streams (under mu) */
     int64_t relay_batches, relay_events, relay_pauses; /* cumulative (under mu) */
     /* counters (under mu) */
     int64_t kv_bytes, leases;
@@ -230,8 +231,10 @@ static void relay_flush(pd_node *n, relay *rl)
     m.events = rl->batch.v;
     size_t len = 0;
     uint8_t *buf = pd_msg_pack(&m.base, &len);
-    if (buf) pd_rpc_stream_send(rl->call, buf, len);
-    else PD_WARN(NULL, "relay %s: out of memory packing %zu events; dropped", rl->id, rl->batch.n);
+    if (buf)
+        pd_rpc_stream_send(rl->call, buf, len);
+    else
+        PD_WARN(NULL, "relay %s: out of memory packing %zu events; dropped", rl->id, rl->batch.n);
     free(buf);
     ev_list_clear(&rl->batch);
 }
@@ -945,7 +948,8 @@ static void on_relay_cancelled(void *arg, pd_rpc_call *call)
                 table_remove(n, r);
                 continue;
             }
-            pd_rpc_stream_end(r->call, PD_RPC_UNAVAILABLE, "the relay stream of this request closed");
+            pd_rpc_stream_end(r->call, PD_RPC_UNAVAILABLE,
+                              "the relay stream of this request closed");
             r->call = NULL; /* the engine's final event frees it */
             pd_engine_abort(n->e, r->id);
         }

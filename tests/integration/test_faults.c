@@ -741,8 +741,8 @@ TEST(faults_scheduler_kill_midstream)
     cl_signal(&sp, SIGKILL);
     cl_wait(&sp, 10000);
     close_all(cs, 8);
-    bool idle = wait_idle(D0, 5000) && wait_idle(D1, 5000) && wait_idle(P0, 5000) &&
-                wait_idle(P1, 5000);
+    bool idle =
+        wait_idle(D0, 5000) && wait_idle(D1, 5000) && wait_idle(P0, 5000) && wait_idle(P1, 5000);
     double idle_s = (double)(pd_now_ns() - t_kill) / 1e9;
     bool closed =
         log_has(&g_c.procs[D0], "relay closed: ") || log_has(&g_c.procs[D1], "relay closed: ");
