@@ -1196,20 +1196,29 @@ static int dial(const char *host, int port, const atomic_bool *cancel, int64_t d
     return PD_OK;
 }
 
-static void fill_header(const pd_kv_send_req *r, int layer, size_t tokens, size_t per_layer,
-                        uint8_t *out)
+/* The header of a frame of r: layer, flags and payload size as given, the rest from r. */
+static void fill_header_ex(const pd_kv_send_req *r, int layer, size_t tokens, uint16_t flags,
+                           uint64_t payload_bytes, uint8_t *out)
 {
     frame_hdr h = {.version = VERSION,
-                   .flags = layer == r->kv_params.n_layers - 1 ? FLAG_LAST : 0,
+                   .flags = flags,
                    .layer = (uint32_t)layer,
                    .head0 = (uint32_t)r->head0,
                    .n_heads = (uint32_t)r->n_heads,
                    .block0 = 0,
                    .n_blocks = (uint32_t)r->n_blocks,
                    .n_tokens = (uint32_t)tokens,
-                   .payload_bytes = per_layer};
+                   .payload_bytes = payload_bytes};
     snprintf(h.request_id, sizeof h.request_id, "%s", r->request_id);
     hdr_pack(&h, out);
+}
+
+/* A KV frame's header: the last layer's is flagged LAST. */
+static void fill_header(const pd_kv_send_req *r, int layer, size_t tokens, size_t per_layer,
+                        uint8_t *out)
+{
+    fill_header_ex(r, layer, tokens, layer == r->kv_params.n_layers - 1 ? FLAG_LAST : 0, per_layer,
+                   out);
 }
 
 /* Zero-copy frames: when the pool is host memory and the frame carries every head the rank
@@ -1277,17 +1286,7 @@ static int send_frame_ipc(int fd, const pd_kv_send_req *r, size_t tokens, int64_
     size_t n = HDR_BYTES + IPC_FIXED + 4 * r->n_blocks;
     uint8_t *buf = calloc(1, n);
     if (!buf) return pd_error(PD_ENOMEM, "kv send: out of memory");
-    frame_hdr h = {.version = VERSION,
-                   .flags = FLAG_LAST | FLAG_IPC,
-                   .layer = 0,
-                   .head0 = (uint32_t)r->head0,
-                   .n_heads = (uint32_t)r->n_heads,
-                   .block0 = 0,
-                   .n_blocks = (uint32_t)r->n_blocks,
-                   .n_tokens = (uint32_t)tokens,
-                   .payload_bytes = IPC_FIXED + 4 * r->n_blocks};
-    snprintf(h.request_id, sizeof h.request_id, "%s", r->request_id);
-    hdr_pack(&h, buf);
+    fill_header_ex(r, 0, tokens, FLAG_LAST | FLAG_IPC, IPC_FIXED + 4 * r->n_blocks, buf);
     uint8_t *p = buf + HDR_BYTES;
     boot_id((char *)p);
     memcpy(p + 40, r->share->handle, PD_KV_SHARE_HANDLE_BYTES);
@@ -1379,17 +1378,7 @@ static int send_nccl(tx_conn *c, const pd_kv_send_req *r, size_t tokens, int64_t
         .chunk_layers = (uint32_t)pd_kv_nccl_chunk_layers(layer_b, kp->n_layers, r->coalesce_bytes),
         .link_bytes = (uint64_t)kp->n_layers * layer_b};
     uint8_t buf[HDR_BYTES + PD_KV_NCCL_DESC_BYTES];
-    frame_hdr h = {.version = VERSION,
-                   .flags = FLAG_NCCL | FLAG_LAST,
-                   .layer = 0,
-                   .head0 = (uint32_t)r->head0,
-                   .n_heads = (uint32_t)r->n_heads,
-                   .block0 = 0,
-                   .n_blocks = (uint32_t)r->n_blocks,
-                   .n_tokens = (uint32_t)tokens,
-                   .payload_bytes = PD_KV_NCCL_DESC_BYTES};
-    snprintf(h.request_id, sizeof h.request_id, "%s", r->request_id);
-    hdr_pack(&h, buf);
+    fill_header_ex(r, 0, tokens, FLAG_NCCL | FLAG_LAST, PD_KV_NCCL_DESC_BYTES, buf);
     pd_kv_nccl_desc_pack(&d, buf + HDR_BYTES);
     int rc = write_full(c->fd, buf, sizeof buf, r->cancel, deadline);
     if (rc < 0) return pd_error(rc, "kv send %s: %s", r->request_id, io_failure(rc, "writing"));
