@@ -841,6 +841,32 @@ static int64_t completion_tokens(int port, const char *path, const char *body, c
     return ct;
 }
 
+static int token_id_of(const char *s)
+{
+    int id = -1;
+    if (!s || sscanf(s, "token_id:%d", &id) != 1) return -1;
+    return id;
+}
+
+/* Generated token ids of a response's first choice (logprobs with return_tokens_as_token_ids;
+ * completions "tokens" or chat "content") as "a,b,c,". */
+static void response_ids(json_t *o, char *out, size_t n)
+{
+    json_t *lp = json_object_get(json_array_get(json_object_get(o, "choices"), 0), "logprobs");
+    json_t *toks = json_object_get(lp, "tokens");
+    out[0] = '\0';
+    size_t i;
+    json_t *v;
+    if (toks) {
+        json_array_foreach(toks, i, v)
+            snprintf(out + strlen(out), n - strlen(out), "%d,", token_id_of(json_string_value(v)));
+    } else {
+        json_array_foreach(json_object_get(lp, "content"), i, v)
+            snprintf(out + strlen(out), n - strlen(out), "%d,",
+                     token_id_of(json_string_value(json_object_get(v, "token"))));
+    }
+}
+
 /* §18.20 (tiny model, completions): greedy and seeded token ids through pd-scheduler equal the
  * colocated engine, pd-generate, on the same prompts (ids from return_tokens_as_token_ids). */
 TEST(golden_20_scheduler_equals_colocated)
@@ -868,17 +894,8 @@ TEST(golden_20_scheduler_equals_colocated)
                      temps[t]);
             json_t *o = post_ok(g_port, "/v1/completions", body);
             ASSERT(o);
-            json_t *c = json_array_get(json_object_get(o, "choices"), 0);
-            json_t *toks = json_object_get(json_object_get(c, "logprobs"), "tokens");
-            char got[512] = "", want[512] = "";
-            size_t k;
-            json_t *v;
-            json_array_foreach(toks, k, v)
-            {
-                int id = -1;
-                sscanf(json_string_value(v) ? json_string_value(v) : "", "token_id:%d", &id);
-                snprintf(got + strlen(got), sizeof got - strlen(got), "%d,", id);
-            }
+            char got[512], want[512] = "";
+            response_ids(o, got, sizeof got);
             for (size_t j = 0; j < ref[i].n; j++)
                 snprintf(want + strlen(want), sizeof want - strlen(want), "%d,", ref[i].tokens[j]);
             char text[2048];
@@ -942,15 +959,7 @@ TEST(golden_20_scheduler_equals_numpy)
                  prompts[i]);
         json_t *o = post_ok(g_port, "/v1/completions", body);
         ASSERT(o);
-        json_t *c = json_array_get(json_object_get(o, "choices"), 0);
-        size_t k;
-        json_t *v;
-        json_array_foreach(json_object_get(json_object_get(c, "logprobs"), "tokens"), k, v)
-        {
-            int id = -1;
-            sscanf(json_string_value(v) ? json_string_value(v) : "", "token_id:%d", &id);
-            snprintf(got + strlen(got), sizeof got - strlen(got), "%d,", id);
-        }
+        response_ids(o, got, sizeof got);
         json_decref(o);
         ASSERT_MSG(strcmp(got, want) == 0, "prompt %d: scheduler %s, numpy %s", i, got, want);
     }
@@ -1892,13 +1901,6 @@ static bool is_finite_id(int id)
     return false;
 }
 
-static int token_id_of(const char *s)
-{
-    int id = -1;
-    if (!s || sscanf(s, "token_id:%d", &id) != 1) return -1;
-    return id;
-}
-
 /* §18.29 (-inf): on a model whose raw logits are -inf for every token but six (see
  * neginf_model.py), a chat request with top_logprobs 20 lists the six finite tokens first and
  * then 14 tokens at exactly -9999.0; the finite ones' probabilities sum to 1 (the -inf ones
@@ -2084,25 +2086,6 @@ TEST(golden_36_prompt_tokens_bos)
                        x->name, json_string_value(json_object_get(c, "name")), (long long)got, n,
                        ns);
         }
-    }
-}
-
-/* Generated token ids of a response's first choice (logprobs with return_tokens_as_token_ids;
- * completions "tokens" or chat "content") as "a,b,c,". */
-static void response_ids(json_t *o, char *out, size_t n)
-{
-    json_t *lp = json_object_get(json_array_get(json_object_get(o, "choices"), 0), "logprobs");
-    json_t *toks = json_object_get(lp, "tokens");
-    out[0] = '\0';
-    size_t i;
-    json_t *v;
-    if (toks) {
-        json_array_foreach(toks, i, v)
-            snprintf(out + strlen(out), n - strlen(out), "%d,", token_id_of(json_string_value(v)));
-    } else {
-        json_array_foreach(json_object_get(lp, "content"), i, v)
-            snprintf(out + strlen(out), n - strlen(out), "%d,",
-                     token_id_of(json_string_value(json_object_get(v, "token"))));
     }
 }
 
