@@ -112,7 +112,8 @@ typedef struct choice {
     bool rx_paused;     /* its Decode stream waits until the loop has taken the pending records */
     bool relayed;       /* its events come over the decode instance's relay (under r->mu) */
     bool final_rx;      /* its final event arrived (under r->mu) */
-    bool flow_paused;   /* relayed: the node was last asked to hold them (under r->mu) */
+    uint64_t rx_bytes;  /* relayed: packed event bytes received (under r->mu) */
+    uint64_t credit;    /* relayed: packed event bytes the node may send in all (under r->mu) */
     uint64_t pause_seq; /* relayed: Pause calls sent (under r->mu) */
     struct choice *map_next; /* the rpc thread's request-id map */
     bool mapped;
@@ -488,14 +489,26 @@ static void relay_for(pd_sched *s, int k, char *out)
     pthread_mutex_unlock(&s->rl_mu);
 }
 
+/* Packed event bytes a relayed request's decode instance may send beyond what the scheduler
+ * has written out (DecodeRequest.relay_credit), shared by its choices (at least 2 KiB each):
+ * more is granted when half of a choice's is left, unless the client reads slowly. 96 KiB is
+ * about 470 events with 20 top logprobs (~800 KiB of SSE), a few thousand without. */
+enum { RELAY_CREDIT = 96 * 1024, RELAY_CREDIT_MIN = 2 * 1024 };
+
+static uint64_t choice_credit(const choice *c)
+{
+    uint64_t each = RELAY_CREDIT / (uint64_t)c->r->n_choices;
+    return each > RELAY_CREDIT_MIN ? each : RELAY_CREDIT_MIN;
+}
+
 /* What stopping or resuming a choice's events takes, decided under r->mu (flow_plan) and done
  * after it is released (flow_apply): a Decode stream that carries the events is paused where it
- * is read, so HTTP/2 flow control holds the node's sends back; a relayed choice asks its node
- * to hold them (a Pause call, only when the wish changes). */
+ * is read, so HTTP/2 flow control holds the node's sends back; a relayed choice's node stops by
+ * itself when its credit runs out, and a Pause call grants more while the client keeps up. */
 typedef struct {
     uint64_t call_id;
     bool relayed, paused, send;
-    uint64_t seq;
+    uint64_t seq, credit;
 } flow_op;
 
 static flow_op flow_plan(choice *c, bool paused)
@@ -503,12 +516,41 @@ static flow_op flow_plan(choice *c, bool paused)
     flow_op op = {.call_id = c->in_phase[PH_DECODE] ? c->call_id[PH_DECODE] : 0,
                   .relayed = c->relayed,
                   .paused = paused};
-    if (c->relayed && c->flow_paused != paused) {
-        c->flow_paused = paused;
+    uint64_t window = choice_credit(c);
+    if (c->relayed && !paused && c->rx_bytes + window / 2 > c->credit) {
+        c->credit = c->rx_bytes + window;
         op.send = true;
         op.seq = ++c->pause_seq;
+        op.credit = c->credit;
     }
     return op;
+}
+
+typedef struct {
+    pd_sched *s;
+    char sub_id[48];
+} grant_ctx;
+
+/* A credit grant that did not reach the decode instance leaves its choice with nothing more
+ * coming: its Decode stream is cancelled, which fails the choice as a decode instance that
+ * stopped responding. Only statuses that come from the rpc thread (the owner of the request-id
+ * map) are acted on; the others mean a scheduler shutting down or a call that never started. */
+static void on_grant_done(void *arg, int st, const char *details, const uint8_t *resp, size_t len)
+{
+    grant_ctx *g = arg;
+    (void)resp, (void)len;
+    bool lost = st == PD_RPC_DEADLINE_EXCEEDED || st == PD_RPC_UNAVAILABLE ||
+                st == PD_RPC_RESOURCE_EXHAUSTED;
+    choice *c = lost ? cmap_find(g->s, g->sub_id) : NULL;
+    if (c) {
+        pthread_mutex_lock(&c->r->mu);
+        uint64_t id = c->in_phase[PH_DECODE] ? c->call_id[PH_DECODE] : 0;
+        pthread_mutex_unlock(&c->r->mu);
+        PD_WARN(c->r->id, "relay credit for %s not granted on %s: %s: %s; ending it", c->sub_id,
+                pd_reg_name(g->s->reg, c->d_node), pd_rpc_status_name(st), details);
+        if (id) pd_rpc_cancel(g->s->rpc, id);
+    }
+    free(g);
 }
 
 static void flow_apply(choice *c, const flow_op *op)
@@ -521,12 +563,14 @@ static void flow_apply(choice *c, const flow_op *op)
     if (!op->send) return;
     Pd__PauseRequest q = PD__PAUSE_REQUEST__INIT;
     q.request_id = c->sub_id;
-    q.paused = op->paused;
     q.seq = op->seq;
+    q.credit = op->credit;
     uint8_t buf[128];
     if (pd__pause_request__get_packed_size(&q) > sizeof buf) return;
+    grant_ctx *g = malloc(sizeof *g);
+    if (g) *g = (grant_ctx){.s = s}, snprintf(g->sub_id, sizeof g->sub_id, "%s", c->sub_id);
     pd_reg_unary(s->reg, c->d_node, "/pd.PD/Pause", buf, pd__pause_request__pack(&q, buf),
-                 s->p.rpc_timeout_ms, noop_done, NULL, NULL);
+                 s->p.rpc_timeout_ms, g ? on_grant_done : noop_done, g, NULL);
 }
 
 /* Starts a call of phase ph unless the request was aborted; records its id for cancellation. */
@@ -591,10 +635,11 @@ static void start_prefill(choice *c)
  * Decode stream (about 100 KiB of SSE with 20 top logprobs). */
 enum { PENDING_PAUSE = 64 };
 
-/* A token event of c, from its Decode stream or its relay (rpc thread). */
-static void choice_event(choice *c, const Pd__TokenEvent *ev)
+/* A token event of c, from its Decode stream or its relay (`size` packed bytes; rpc thread). */
+static void choice_event(choice *c, const Pd__TokenEvent *ev, size_t size)
 {
     pthread_mutex_lock(&c->r->mu);
+    c->rx_bytes += size;
     if (ev->status != 0) {
         if (!c->err_http) {
             c->err_http = 500;
@@ -604,9 +649,10 @@ static void choice_event(choice *c, const Pd__TokenEvent *ev)
         rec_push(&c->pending, ev);
         c->final_rx |= ev->final;
     }
-    /* the loop is behind: stop this choice's events until it has caught up (what waits here
-     * stays bounded; the rest waits on the decode instance) */
-    bool pause = c->pending.n >= PENDING_PAUSE && !c->rx_paused;
+    /* the loop is behind: stop this choice's Decode stream until it has caught up (what waits
+     * here stays bounded; the rest waits on the decode instance, as a relayed choice's does
+     * once its credit is used) */
+    bool pause = c->pending.n >= PENDING_PAUSE && !c->rx_paused && !c->relayed;
     flow_op op = {0};
     if (pause) {
         c->rx_paused = true;
@@ -625,7 +671,7 @@ static void on_decode_msg(void *arg, const uint8_t *msg, size_t len)
     pthread_mutex_lock(&c->r->mu);
     c->relayed = false; /* the node did not know the relay: this stream carries the events */
     pthread_mutex_unlock(&c->r->mu);
-    choice_event(c, ev);
+    choice_event(c, ev, 0);
     pd__token_event__free_unpacked(ev, NULL);
 }
 
@@ -646,7 +692,7 @@ static void on_relay_msg(void *arg, const uint8_t *msg, size_t len)
         choice *c = ev && ev->request_id ? cmap_find(s, ev->request_id) : NULL;
         uint64_t end_id = 0;
         if (c) {
-            choice_event(c, ev);
+            choice_event(c, ev, b->events[i].len);
             pthread_mutex_lock(&c->r->mu);
             if (ev->final) end_id = c->call_id[PH_DECODE];
             pthread_mutex_unlock(&c->r->mu);
@@ -746,6 +792,7 @@ static void on_prefill_done(void *arg, int st, const char *details, const uint8_
     char relay_id[48];
     relay_for(s, c->d_node, relay_id);
     q.relay_id = relay_id;
+    q.relay_credit = choice_credit(c);
     size_t qlen = 0;
     uint8_t *buf = pd_msg_pack(&q.base, &qlen);
     if (!buf) {
@@ -760,6 +807,7 @@ static void on_prefill_done(void *arg, int st, const char *details, const uint8_
     if (relay_id[0]) {
         pthread_mutex_lock(&r->mu);
         c->relayed = true;
+        c->credit = q.relay_credit;
         pthread_mutex_unlock(&r->mu);
         cmap_add(s, c);
     }
@@ -1015,23 +1063,27 @@ static void reject(sreq *r, int status, const char *msg, const char *extra)
 static void flush_out(sreq *r);
 
 /* Stream bytes a slow client may leave unsent here (on top of the HTTP layer's own bound)
- * before its decode streams stop being read. */
+ * before its decode instances are held back. */
 enum { SSE_PAUSE_BYTES = 256 * 1024 };
 
-/* Stops or resumes reading r's decode streams (backpressure towards the decode instances). */
+/* Stops or resumes r's events (backpressure towards the decode instances); while they flow,
+ * also tops up the relayed choices' credit, so a relayed choice gets more only once the loop
+ * has written out what came before. */
 static void pause_decode(sreq *r, bool paused)
 {
-    if (r->paused != paused)
-        PD_DEBUG(r->id, "%s reading the decode streams (%zu stream bytes unsent)",
-                 paused ? "the client reads slowly: pausing" : "resuming", r->out.len);
+    bool change = r->paused != paused;
+    if (change)
+        PD_DEBUG(r->id, "%s the decode instances (%zu stream bytes unsent)",
+                 paused ? "the client reads slowly: holding back" : "resuming", r->out.len);
     r->paused = paused;
     for (int i = 0; i < r->n_choices; i++) {
         choice *c = &r->choices[i];
         pthread_mutex_lock(&r->mu);
-        flow_op op = flow_plan(c, paused);
-        if (!paused) c->rx_paused = false; /* the loop has caught up too */
+        bool act = change || paused || c->relayed; /* a stream may have started since */
+        flow_op op = act ? flow_plan(c, paused) : (flow_op){0};
+        if (change && !paused) c->rx_paused = false; /* the loop has caught up too */
         pthread_mutex_unlock(&r->mu);
-        flow_apply(c, &op);
+        if (act) flow_apply(c, &op);
     }
 }
 
@@ -1050,8 +1102,7 @@ static void flush_out(sreq *r)
         int rc = pd_http_stream_write(r->ex, r->out.p, r->out.len);
         if (!r->ex) return; /* the write found the client gone: the abort ended the exchange */
         if (rc == PD_EBUSY) {
-            /* again on every flush: a decode stream may have started since */
-            if (r->out.len > SSE_PAUSE_BYTES) pause_decode(r, true);
+            pause_decode(r, r->paused || r->out.len > SSE_PAUSE_BYTES);
             if (!r->drain_registered) {
                 r->drain_registered = true;
                 pd_http_on_drain(r->ex, on_drain, r);
@@ -1060,7 +1111,7 @@ static void flush_out(sreq *r)
         }
         pd_sb_reset(&r->out);
     }
-    if (r->paused) pause_decode(r, false);
+    pause_decode(r, false);
     if (r->done && !r->drain_registered) {
         pd_http_stream_end(r->ex);
         end_exchange_ref(r);
@@ -1696,7 +1747,10 @@ static void process(sreq *r)
         request_complete(r);
         return;
     }
-    if (r->req.stream) flush_out(r);
+    if (r->req.stream)
+        flush_out(r);
+    else
+        pause_decode(r, false); /* the relayed choices' credit, as their events were taken */
 }
 
 static void begin_stop(pd_sched *s);

@@ -67,9 +67,12 @@ typedef struct req {
     int kv_ranks_done;
     bool decoding, first_seen;
     relay *rl;          /* decode: its events go to this Relay stream (NULL: to its own call) */
-    ev_list held;       /* relayed and paused: events waiting for the resume, in order */
+    ev_list held;       /* relayed: events waiting (paused or out of credit), in order */
     bool paused;        /* relayed: the caller's client reads slowly (Pause) */
     uint64_t pause_seq; /* the newest Pause applied */
+    uint64_t credit;    /* relayed: packed event bytes it may send in all (0: no limit) */
+    uint64_t sent;      /* relayed: packed event bytes sent so far */
+    bool finished;      /* relayed: the engine's final event came (it may still be held) */
     bool done;          /* relayed: the final event is out; the Decode call waits for the
                            caller's cancel (so the caller ends it after that event) */
     int64_t done_ns;
@@ -189,17 +192,24 @@ static req *table_add(pd_node *n, const char *id)
 
 /* ---- relayed events ------------------------------------------------------------------------ */
 
+/* Room for `more` events. */
+static int ev_list_grow(ev_list *l, size_t more)
+{
+    if (l->n + more <= l->cap) return PD_OK;
+    size_t cap = l->cap ? l->cap * 2 : 16;
+    if (cap < l->n + more) cap = l->n + more;
+    ProtobufCBinaryData *v = realloc(l->v, cap * sizeof *v);
+    if (!v) return pd_error(PD_ENOMEM, "out of memory for relayed events");
+    l->v = v, l->cap = cap;
+    return PD_OK;
+}
+
 /* Takes buf (malloc'd, len bytes). PD_ENOMEM (buf freed) when the list cannot grow. */
 static int ev_list_push(ev_list *l, uint8_t *buf, size_t len)
 {
-    if (l->n == l->cap) {
-        size_t cap = l->cap ? l->cap * 2 : 16;
-        ProtobufCBinaryData *v = realloc(l->v, cap * sizeof *v);
-        if (!v) {
-            free(buf);
-            return pd_error(PD_ENOMEM, "out of memory for relayed events");
-        }
-        l->v = v, l->cap = cap;
+    if (ev_list_grow(l, 1) < 0) {
+        free(buf);
+        return PD_ENOMEM;
     }
     l->v[l->n++] = (ProtobufCBinaryData){.len = len, .data = buf};
     return PD_OK;
@@ -347,7 +357,8 @@ static void on_call_cancelled(void *arg, pd_rpc_call *call)
     char id[PD_ENGINE_MAX_REQUEST_ID + 1] = "";
     pthread_mutex_lock(&n->mu);
     req *r = table_find_call(n, call);
-    if (r && r->done) { /* a relayed request after its final event: the caller's expected end */
+    if (r && r->finished) { /* relayed, after its final event (the caller's expected end), or
+                               with events still waiting for a client that went away */
         pd_rpc_stream_end(call, PD_RPC_CANCELLED, "");
         table_remove(n, r);
         r = NULL;
@@ -847,6 +858,7 @@ static void h_decode(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len)
             /* a relay not (yet) open here: the events go on this call, which the caller reads */
             for (relay *rl = n->relays; q->relay_id && q->relay_id[0] && rl; rl = rl->next)
                 if (strcmp(rl->id, q->relay_id) == 0) r->rl = rl;
+            r->credit = q->relay_credit;
         }
     }
     pthread_mutex_unlock(&n->mu);
@@ -859,9 +871,28 @@ static void h_decode(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len)
     pd__decode_request__free_unpacked(q, NULL);
 }
 
-/* Dispatcher: a relayed request's (non-failed) event goes to its relay's batch, or waits while
- * the request is paused; after the final one the Decode call waits for the caller's cancel.
- * Called with n->mu held. */
+/* Moves r's waiting events to its relay's batch while it is not paused and has credit; after
+ * the final one the Decode call waits for the caller's cancel. Called with n->mu held. */
+static void relay_release(req *r)
+{
+    size_t k = 0;
+    uint64_t sent = r->sent;
+    while (k < r->held.n && !r->paused && (!r->credit || sent < r->credit))
+        sent += r->held.v[k++].len;
+    if (!k || ev_list_grow(&r->rl->batch, k) < 0) return; /* no room: they wait for the next */
+    memcpy(r->rl->batch.v + r->rl->batch.n, r->held.v, k * sizeof *r->held.v);
+    r->rl->batch.n += k;
+    r->sent = sent;
+    r->held.n -= k;
+    memmove(r->held.v, r->held.v + k, r->held.n * sizeof *r->held.v);
+    if (!r->held.n && r->finished) {
+        r->done = true;
+        r->done_ns = pd_now_ns();
+    }
+}
+
+/* Dispatcher: a relayed request's (non-failed) event joins its waiting events, which go out as
+ * flow control allows. Called with n->mu held. */
 static void relay_event(pd_node *n, req *r, const pd_engine_event *ev)
 {
     pd_arena *a = pd_arena_create(1024);
@@ -873,17 +904,17 @@ static void relay_event(pd_node *n, req *r, const pd_engine_event *ev)
         buf = pd_msg_pack(&m->base, &len);
     }
     pd_arena_destroy(a);
-    int rc = buf ? ev_list_push(r->paused ? &r->held : &r->rl->batch, buf, len) : PD_ENOMEM;
+    bool waiting = r->held.n > 0;
+    int rc = buf ? ev_list_push(&r->held, buf, len) : PD_ENOMEM;
     if (rc < 0) {
         pd_rpc_stream_end(r->call, PD_RPC_INTERNAL, "out of memory relaying an event");
         if (!ev->final) pd_engine_abort(n->e, r->id);
         table_remove(n, r);
         return;
     }
-    if (ev->final) {
-        r->done = true;
-        r->done_ns = pd_now_ns();
-    }
+    r->finished = ev->final;
+    relay_release(r);
+    n->relay_pauses += !waiting && r->held.n > 0;
 }
 
 /* Dispatcher: a decode request's event. Called with n->mu held. */
@@ -943,8 +974,9 @@ static void on_relay_cancelled(void *arg, pd_rpc_call *call)
             next = r->next;
             if (r->rl != rl) continue;
             r->rl = NULL;
-            if (r->done) {
-                pd_rpc_stream_end(r->call, PD_RPC_CANCELLED, "");
+            if (r->finished) { /* the engine is done with it: nothing more comes */
+                pd_rpc_stream_end(r->call, r->done ? PD_RPC_CANCELLED : PD_RPC_UNAVAILABLE,
+                                  r->done ? "" : "the relay stream of this request closed");
                 table_remove(n, r);
                 continue;
             }
@@ -1010,17 +1042,11 @@ static void h_pause(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len)
     if (r && r->rl && q->seq > r->pause_seq) {
         m.found = true;
         r->pause_seq = q->seq;
-        bool resume = r->paused && !q->paused;
-        n->relay_pauses += q->paused && !r->paused;
         r->paused = q->paused;
-        for (size_t i = 0; resume && i < r->held.n; i++) {
-            ev_list_push(&r->rl->batch, r->held.v[i].data, r->held.v[i].len);
-            r->held.v[i].data = NULL;
-        }
-        if (resume) {
-            r->held.n = 0;
-            relay_flush(n, r->rl);
-        }
+        if (q->credit > r->credit) r->credit = q->credit;
+        size_t waiting = r->held.n;
+        relay_release(r);
+        if (r->held.n < waiting) relay_flush(n, r->rl);
     }
     pthread_mutex_unlock(&n->mu);
     pd__pause_request__free_unpacked(q, NULL);

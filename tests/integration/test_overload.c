@@ -490,7 +490,8 @@ static slow_reader_result slow_reader(const cl_proc *sched, int port, int choice
 /* A client that reads its SSE stream slowly loses nothing: everything arrives, in order and
  * complete, once it reads again, and the instances are left with nothing held. The events come
  * over the scheduler's relay stream, batched (12 choices decode together, so a batch carries
- * several), and the decode instance holds them while the client stalls (a Pause call). */
+ * several), and the decode instance holds them while the client stalls (their credit is used
+ * up and the scheduler grants no more until the client reads again). */
 TEST(clients_slow_sse_reader)
 {
     FIXTURE();
@@ -518,13 +519,15 @@ TEST(clients_slow_sse_reader)
 }
 
 /* The scheduler holds a bounded amount for a slow reader, whatever the output size: the HTTP
- * layer's 1 MiB and the relay's 256 KiB before it pauses the decode streams, plus at most 64
- * records per choice on their way from the rpc thread (~2 KiB of SSE each with 20 top logprobs:
- * 768 KiB for n = 6), about 2 MiB in all; 3 MiB allowed for ~9.5 MB of output, as its
- * pd:stream_unsent_bytes gauge shows while the client stalls. VmRSS is reported, not bounded:
- * it also moves with the allocator (a burst of freed messages is not always handed back).
- * Regression: the whole output was buffered (+12 to +17 MB of VmRSS) while gRPC's BDP probing
- * let each paused stream's HTTP/2 window grow to megabytes (common/rpc/rpc.c turns it off). */
+ * layer's 1 MiB (one write past it when nothing was pending) and 256 KiB of stream bytes before
+ * it stops granting the decode instance relay credit, plus what that credit lets through: 96 KiB
+ * of packed events per request, ~8x that in SSE with 20 top logprobs (~800 KiB). About 2.1 MiB
+ * at worst, 2.5 MiB allowed for ~9.5 MB of output, as its pd:stream_unsent_bytes gauge shows
+ * while the client stalls. VmRSS is reported, not bounded: it also moves with the allocator (a
+ * burst of freed messages is not always handed back).
+ * Regressions: the whole output was buffered (+12 to +17 MB of VmRSS) while gRPC's BDP probing
+ * let each paused stream's HTTP/2 window grow to megabytes (common/rpc/rpc.c turns it off); and
+ * 3.5 MB were held when the relay's only brake was a Pause call racing the decode steps. */
 TEST(clients_slow_sse_bounded)
 {
     FIXTURE();
@@ -555,8 +558,42 @@ TEST(clients_slow_sse_bounded)
         ASSERT(decode_idle(10000));
     }
     ASSERT_MSG(worst > 0, "pd:stream_unsent_bytes never showed the stalled stream");
-    ASSERT_MSG(worst < 3.0 * 1024 * 1024,
+    ASSERT_MSG(worst < 2.5 * 1024 * 1024,
                "the scheduler held %.0f unsent bytes for one slow reader", worst);
+}
+
+/* A non-streaming response has no client to wait for: the scheduler grants relay credit as it
+ * takes the events, so a response many times the credit (6 x 900 tokens with 20 top logprobs,
+ * ~1.1 MB of packed events) completes. */
+TEST(relay_credit_non_streaming)
+{
+    FIXTURE();
+    ASSERT(decode_idle(5000));
+    char *body = NULL;
+    int st = cl_http(g_port, "POST", "/v1/chat/completions",
+                     "{\"messages\":[{\"role\":\"user\",\"content\":\"Whole\"}],"
+                     "\"max_tokens\":900,\"n\":6,\"ignore_eos\":true,\"logprobs\":true,"
+                     "\"top_logprobs\":20}",
+                     60000, &body, NULL);
+    json_error_t jerr;
+    json_t *j = st == 200 && body ? json_loads(body, JSON_ALLOW_NUL, &jerr) : NULL;
+    if (!j) printf("    %s: %.200s\n", body ? jerr.text : "no body", body ? body : "");
+    json_t *ch = json_object_get(j, "choices");
+    size_t full = 0;
+    for (size_t i = 0; i < json_array_size(ch); i++) {
+        json_t *lp = json_object_get(json_object_get(json_array_get(ch, i), "logprobs"), "content");
+        full += json_array_size(lp) == 900;
+    }
+    json_t *ct = json_object_get(json_object_get(j, "usage"), "completion_tokens");
+    printf("    status %d, %zu of 6 choices with 900 logprobs entries, completion_tokens %lld\n",
+           st, full, (long long)json_integer_value(ct));
+    int64_t tokens = json_integer_value(ct);
+    json_decref(j);
+    free(body);
+    ASSERT_EQ_INT(st, 200);
+    ASSERT_EQ_INT((int)full, 6);
+    ASSERT_EQ_INT((int)tokens, 5400);
+    ASSERT(decode_idle(10000));
 }
 
 /* Opens and drops `rounds` x 100 connections (after 2 warm-up rounds), one in `stream_every`
