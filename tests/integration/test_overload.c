@@ -518,6 +518,18 @@ TEST(clients_slow_sse_reader)
     ASSERT_MSG(pauses >= 1, "the decode instance never held a relayed request's events");
 }
 
+/* A chat request with 6 choices of 900 tokens and 20 top logprobs each, read at full speed:
+ * the status; *body (malloc'd) the response. */
+static int big_chat(int port, bool stream, char **body)
+{
+    char req[512];
+    snprintf(req, sizeof req,
+             "{\"messages\":[{\"role\":\"user\",\"content\":\"Big\"}],\"max_tokens\":900,"
+             "\"n\":6,\"ignore_eos\":true,\"logprobs\":true,\"top_logprobs\":20,\"stream\":%s}",
+             stream ? "true" : "false");
+    return cl_http(port, "POST", "/v1/chat/completions", req, 60000, body, NULL);
+}
+
 /* The scheduler holds a bounded amount for a slow reader, whatever the output size: the HTTP
  * layer's 1 MiB (one write past it when nothing was pending) and 256 KiB of stream bytes before
  * it stops granting the decode instance relay credit, plus what that credit lets through: 96 KiB
@@ -542,11 +554,7 @@ TEST(clients_slow_sse_bounded)
         ASSERT_OK(cl_sched_start(&g_c, &sp, name, NULL, &port));
         /* warm, as a long-running scheduler is: one big stream read at full speed first */
         char *warm = NULL;
-        int wst = cl_http(port, "POST", "/v1/chat/completions",
-                          "{\"messages\":[{\"role\":\"user\",\"content\":\"Warm\"}],"
-                          "\"max_tokens\":900,\"n\":6,\"ignore_eos\":true,\"logprobs\":true,"
-                          "\"top_logprobs\":20,\"stream\":true}",
-                          60000, &warm, NULL);
+        int wst = big_chat(port, true, &warm);
         free(warm);
         if (wst != 200) cl_stop(&sp, 10000);
         ASSERT_EQ_INT(wst, 200);
@@ -570,11 +578,7 @@ TEST(relay_credit_non_streaming)
     FIXTURE();
     ASSERT(decode_idle(5000));
     char *body = NULL;
-    int st = cl_http(g_port, "POST", "/v1/chat/completions",
-                     "{\"messages\":[{\"role\":\"user\",\"content\":\"Whole\"}],"
-                     "\"max_tokens\":900,\"n\":6,\"ignore_eos\":true,\"logprobs\":true,"
-                     "\"top_logprobs\":20}",
-                     60000, &body, NULL);
+    int st = big_chat(g_port, false, &body);
     json_error_t jerr;
     json_t *j = st == 200 && body ? json_loads(body, JSON_ALLOW_NUL, &jerr) : NULL;
     if (!j) printf("    %s: %.200s\n", body ? jerr.text : "no body", body ? body : "");
