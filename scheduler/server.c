@@ -583,6 +583,24 @@ static bool chain_begin(choice *c, int ph)
     return ok;
 }
 
+/* Packs m, the request of phase ph's call, and starts that phase: the buffer (malloc'd), or
+ * NULL when packing failed (the choice failed) or the request was aborted (the chain ended). */
+static uint8_t *chain_pack(choice *c, int ph, const ProtobufCMessage *m, size_t *len)
+{
+    uint8_t *buf = pd_msg_pack(m, len);
+    if (!buf) {
+        chain_fail(c, 500, "out of memory packing the %s request",
+                   ph == PH_PREFILL ? "Prefill" : "Decode");
+        return NULL;
+    }
+    if (!chain_begin(c, ph)) {
+        free(buf);
+        chain_end(c);
+        return NULL;
+    }
+    return buf;
+}
+
 static void chain_started(choice *c, int ph, uint64_t id)
 {
     pthread_mutex_lock(&c->r->mu);
@@ -611,16 +629,8 @@ static void start_prefill(choice *c)
     q.n_decode_block_ids = c->n_block_ids;
     q.lease_ms = s->p.prefill_timeout_ms;
     size_t len = 0;
-    uint8_t *buf = pd_msg_pack(&q.base, &len);
-    if (!buf) {
-        chain_fail(c, 500, "out of memory packing the Prefill request");
-        return;
-    }
-    if (!chain_begin(c, PH_PREFILL)) {
-        free(buf);
-        chain_end(c);
-        return;
-    }
+    uint8_t *buf = chain_pack(c, PH_PREFILL, &q.base, &len);
+    if (!buf) return;
     pthread_mutex_lock(&r->mu);
     int pk = c->p_node;
     pthread_mutex_unlock(&r->mu);
@@ -794,16 +804,8 @@ static void on_prefill_done(void *arg, int st, const char *details, const uint8_
     q.relay_id = relay_id;
     q.relay_credit = choice_credit(c);
     size_t qlen = 0;
-    uint8_t *buf = pd_msg_pack(&q.base, &qlen);
-    if (!buf) {
-        chain_fail(c, 500, "out of memory packing the Decode request");
-        return;
-    }
-    if (!chain_begin(c, PH_DECODE)) {
-        free(buf);
-        chain_end(c);
-        return;
-    }
+    uint8_t *buf = chain_pack(c, PH_DECODE, &q.base, &qlen);
+    if (!buf) return;
     if (relay_id[0]) {
         pthread_mutex_lock(&r->mu);
         c->relayed = true;
