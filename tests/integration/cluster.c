@@ -521,9 +521,17 @@ int cl_generate(cl_cluster *c, int pk, int dk, const char *id, const int32_t *pr
     return cl_generate_hook(c, pk, dk, id, prompt, n_prompt, sampling, NULL, NULL, out);
 }
 
-int cl_generate_hook(cl_cluster *c, int pk, int dk, const char *id, const int32_t *prompt,
-                     size_t n_prompt, const Pd__SamplingParams *sampling, cl_reserved_fn hook,
-                     void *hook_arg, cl_result *out)
+/* cl_generate's default sampling: greedy, 16 tokens, no seed. */
+static Pd__SamplingParams greedy16(void)
+{
+    Pd__SamplingParams g = cl_sampling(0, 0, 16);
+    g.has_seed = false;
+    return g;
+}
+
+int cl_prefill(cl_cluster *c, int pk, int dk, const char *id, const int32_t *prompt,
+               size_t n_prompt, const Pd__SamplingParams *sampling, cl_reserved_fn hook,
+               void *hook_arg, cl_result *out, uint64_t *seed_out, int32_t *first_out)
 {
     memset(out, 0, sizeof *out);
     int st = 0;
@@ -557,16 +565,8 @@ int cl_generate_hook(cl_cluster *c, int pk, int dk, const char *id, const int32_
         tg[r].kv_heads = info->ranks[r]->kv_heads;
         tp[r] = &tg[r];
     }
-    Pd__SamplingParams greedy = PD__SAMPLING_PARAMS__INIT;
-    if (!sampling) {
-        greedy.n = 1;
-        greedy.top_p = 1;
-        greedy.repetition_penalty = 1;
-        greedy.logprobs = -1;
-        greedy.max_tokens = 16;
-        greedy.skip_special_tokens = true;
-        sampling = &greedy;
-    }
+    Pd__SamplingParams greedy = greedy16();
+    if (!sampling) sampling = &greedy;
     Pd__PrefillRequest pq = PD__PREFILL_REQUEST__INIT;
     pq.request_id = (char *)id;
     pq.prompt_ids = (int32_t *)prompt;
@@ -585,11 +585,27 @@ int cl_generate_hook(cl_cluster *c, int pk, int dk, const char *id, const int32_
     out->t_first = pd_now_s();
     append_event(out, pr->first);
     bool final = pr->first->final;
-    uint64_t seed = pr->seed;
-    int32_t first = pr->first->n_token_ids ? pr->first->token_ids[0] : -1;
+    *seed_out = pr->seed;
+    *first_out = pr->first->n_token_ids ? pr->first->token_ids[0] : -1;
     pd__prefill_reply__free_unpacked(pr, NULL);
-    if (final) return out->status ? PD_EINTERNAL : PD_OK;
-    Pd__SamplingParams ds = *sampling;
+    if (final) return out->status ? pd_error(PD_EINTERNAL, "%s", out->error) : 1;
+    return PD_OK;
+fail:
+    out->status = st ? st : PD_RPC_INTERNAL;
+    snprintf(out->error, sizeof out->error, "%s", pd_last_error());
+    return pd_error(PD_EINTERNAL, "%s", out->error);
+}
+
+int cl_generate_hook(cl_cluster *c, int pk, int dk, const char *id, const int32_t *prompt,
+                     size_t n_prompt, const Pd__SamplingParams *sampling, cl_reserved_fn hook,
+                     void *hook_arg, cl_result *out)
+{
+    uint64_t seed = 0;
+    int32_t first = -1;
+    int rc =
+        cl_prefill(c, pk, dk, id, prompt, n_prompt, sampling, hook, hook_arg, out, &seed, &first);
+    if (rc != PD_OK) return rc < 0 ? rc : PD_OK;
+    Pd__SamplingParams ds = sampling ? *sampling : greedy16();
     ds.has_seed = true;
     ds.seed = (int64_t)seed;
     Pd__DecodeRequest dq = PD__DECODE_REQUEST__INIT;
@@ -613,10 +629,6 @@ int cl_generate_hook(cl_cluster *c, int pk, int dk, const char *id, const int32_
     pthread_cond_destroy(&s.cv);
     if (out->status) return pd_error(PD_EINTERNAL, "%s", out->error);
     return PD_OK;
-fail:
-    out->status = st ? st : PD_RPC_INTERNAL;
-    snprintf(out->error, sizeof out->error, "%s", pd_last_error());
-    return pd_error(PD_EINTERNAL, "%s", out->error);
 }
 
 Pd__SamplingParams cl_sampling(double temperature, int64_t seed, int max_tokens)

@@ -101,6 +101,13 @@ int cl_generate_hook(cl_cluster *c, int pk, int dk, const char *request_id, cons
                      size_t n_prompt, const Pd__SamplingParams *sampling, cl_reserved_fn hook,
                      void *hook_arg, cl_result *out);
 
+/* The first two steps of cl_generate_hook: Reserve on dk, Prefill on pk (out holds the first
+ * token). PD_OK with the seed and first token for the Decode request; 1 when the first token
+ * was the final one; negative with out->status and out->error on failure. */
+int cl_prefill(cl_cluster *c, int pk, int dk, const char *request_id, const int32_t *prompt,
+               size_t n_prompt, const Pd__SamplingParams *sampling, cl_reserved_fn hook,
+               void *hook_arg, cl_result *out, uint64_t *seed, int32_t *first);
+
 /* Colocated reference: pd-generate --json on the same model for prompts (one per line of
  * comma-separated ids), same sampling. Returns the token ids per prompt in out[i]. */
 int cl_reference(const char *model, const int32_t *const *prompts, const size_t *n_prompt, size_t n,

@@ -2,12 +2,14 @@
  * pd-ranktable, driven with the gRPC client (Reserve -> Prefill -> Decode). */
 #include "harness.h"
 
+#include <pthread.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include "cluster.h"
+#include "rpc/pd_msg.h"
 #include "util/clock.h"
 
 #define N_PROMPTS  32
@@ -280,4 +282,190 @@ TEST(pd_node_refuses_wrong_tp_and_unknown_instance)
     refused(nccl, env, log, text, sizeof text);
     ASSERT_CONTAINS(text, "--kv-transport nccl needs --device cuda");
     ASSERT_EQ_INT(cl_stop_all(&c), 0);
+}
+
+/* ---- the relay's credit (pd.proto PauseRequest) -------------------------------------------- */
+
+typedef struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int events, other; /* events of the request under test; events on its Decode stream */
+    uint64_t bytes;    /* their packed bytes */
+    bool final, relay_done, decode_done;
+    int decode_status;
+} relay_watch;
+
+static void on_relay_batch(void *arg, const uint8_t *m, size_t len)
+{
+    relay_watch *w = arg;
+    Pd__RelayBatch *b = pd__relay_batch__unpack(NULL, len, m);
+    pthread_mutex_lock(&w->mu);
+    for (size_t i = 0; b && i < b->n_events; i++) {
+        Pd__TokenEvent *ev = pd__token_event__unpack(NULL, b->events[i].len, b->events[i].data);
+        w->events++;
+        w->bytes += b->events[i].len;
+        w->final |= ev && ev->final;
+        if (ev) pd__token_event__free_unpacked(ev, NULL);
+    }
+    pthread_cond_broadcast(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+    if (b) pd__relay_batch__free_unpacked(b, NULL);
+}
+
+static void on_relay_end(void *arg, int st, const char *d, const uint8_t *r, size_t len)
+{
+    relay_watch *w = arg;
+    (void)st, (void)d, (void)r, (void)len;
+    pthread_mutex_lock(&w->mu);
+    w->relay_done = true;
+    pthread_cond_broadcast(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+}
+
+static void on_decode_event(void *arg, const uint8_t *m, size_t len)
+{
+    relay_watch *w = arg;
+    (void)m, (void)len;
+    pthread_mutex_lock(&w->mu);
+    w->other++;
+    pthread_mutex_unlock(&w->mu);
+}
+
+static void on_decode_end(void *arg, int st, const char *d, const uint8_t *r, size_t len)
+{
+    relay_watch *w = arg;
+    (void)d, (void)r, (void)len;
+    pthread_mutex_lock(&w->mu);
+    w->decode_done = true;
+    w->decode_status = st;
+    pthread_cond_broadcast(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+}
+
+/* Waits up to timeout_ms until the relay carried at least `events` events; the count. */
+static int relay_wait(relay_watch *w, int events, int timeout_ms)
+{
+    int64_t until = pd_now_ns() + (int64_t)timeout_ms * PD_NS_PER_MS;
+    pthread_mutex_lock(&w->mu);
+    while (w->events < events && pd_now_ns() < until) {
+        pthread_mutex_unlock(&w->mu);
+        pd_sleep_ns(5 * PD_NS_PER_MS);
+        pthread_mutex_lock(&w->mu);
+    }
+    int n = w->events;
+    pthread_mutex_unlock(&w->mu);
+    return n;
+}
+
+static bool grant(cl_cluster *c, int dk, const char *id, uint64_t seq, uint64_t credit)
+{
+    Pd__PauseRequest q = PD__PAUSE_REQUEST__INIT;
+    q.request_id = (char *)id;
+    q.seq = seq;
+    q.credit = credit;
+    int st;
+    Pd__PauseReply *r = (Pd__PauseReply *)cl_call(cl_node(c, dk), "/pd.PD/Pause", &q.base,
+                                                  &pd__pause_reply__descriptor, 3000, &st);
+    bool found = r && r->found;
+    if (r) pd__pause_reply__free_unpacked(r, NULL);
+    return found;
+}
+
+/* A relayed request's events leave the decode instance only as far as its credit goes: with 1
+ * byte of credit, one event comes; a Pause granting one more byte than has arrived lets exactly
+ * one more through; a stale Pause (older seq) changes nothing; a large grant brings the rest, in
+ * order, and the final event. The Decode stream itself carries nothing and ends when cancelled. */
+TEST(pd_relay_credit)
+{
+    enum { TOKENS = 24 };
+    const char *model = model_dir();
+    ASSERT(model);
+    cl_cluster c;
+    ASSERT_OK(cl_start(&c, model, "0", "1", NULL));
+    relay_watch w = {.decode_status = -1};
+    pthread_mutex_init(&w.mu, NULL);
+    pthread_cond_init(&w.cv, NULL);
+    Pd__RelayRequest rq = PD__RELAY_REQUEST__INIT;
+    rq.relay_id = "test-relay";
+    uint8_t rbuf[64];
+    uint64_t relay_call = 0, decode_call = 0;
+    pd_rpc_stream_async(cl_node(&c, 1), "/pd.PD/Relay", rbuf, pd__relay_request__pack(&rq, rbuf),
+                        60000, on_relay_batch, on_relay_end, &w, &relay_call);
+    pd_sleep_ns(300 * PD_NS_PER_MS); /* the node has no "open" message: give it time */
+    Pd__StatsReply *s0 = stats(&c, 1);
+    int32_t prompt[8] = {72, 101, 108, 108, 111, 32, 119, 111};
+    Pd__SamplingParams sp = cl_sampling(0, 0, TOKENS);
+    sp.ignore_eos = true;
+    static cl_result first;
+    uint64_t seed = 0;
+    int32_t tok = -1;
+    int rc = cl_prefill(&c, 0, 1, "credit-1", prompt, 8, &sp, NULL, NULL, &first, &seed, &tok);
+    Pd__DecodeRequest dq = PD__DECODE_REQUEST__INIT;
+    dq.request_id = "credit-1";
+    dq.prompt_ids = prompt;
+    dq.n_prompt_ids = 8;
+    sp.has_seed = true;
+    sp.seed = (int64_t)seed;
+    dq.sampling = &sp;
+    dq.first_token = tok;
+    dq.relay_id = "test-relay";
+    dq.relay_credit = 1;
+    size_t len = 0;
+    uint8_t *buf = rc == PD_OK ? pd_msg_pack(&dq.base, &len) : NULL;
+    if (buf)
+        pd_rpc_stream_async(cl_node(&c, 1), "/pd.PD/Decode", buf, len, 60000, on_decode_event,
+                            on_decode_end, &w, &decode_call);
+    free(buf);
+    /* the engine finishes all TOKENS meanwhile; what it made waits on the instance */
+    int n1 = buf ? relay_wait(&w, 1, 10000) : 0;
+    pd_sleep_ns(300 * PD_NS_PER_MS);
+    pthread_mutex_lock(&w.mu);
+    int n1_later = w.events;
+    uint64_t b1 = w.bytes;
+    pthread_mutex_unlock(&w.mu);
+    bool g2 = grant(&c, 1, "credit-1", 2, b1 + 1);
+    int n2 = relay_wait(&w, 2, 10000);
+    pd_sleep_ns(300 * PD_NS_PER_MS);
+    bool stale = grant(&c, 1, "credit-1", 1, 1u << 30); /* older seq: ignored */
+    pd_sleep_ns(300 * PD_NS_PER_MS);
+    pthread_mutex_lock(&w.mu);
+    int n2_later = w.events;
+    pthread_mutex_unlock(&w.mu);
+    bool g3 = grant(&c, 1, "credit-1", 3, 1u << 30);
+    int n3 = relay_wait(&w, TOKENS - 1, 10000);
+    pthread_mutex_lock(&w.mu);
+    bool final = w.final;
+    int other = w.other;
+    bool decode_open = !w.decode_done;
+    pthread_mutex_unlock(&w.mu);
+    Pd__StatsReply *s1 = stats(&c, 1);
+    printf("    prefill %d; relay events: %d, %d after 300 ms (credit 1 byte); %d, %d after 300 ms "
+           "(credit +1 byte past %llu); %d with the rest granted, final %d; on the Decode stream "
+           "%d; relay_pauses +%lld\n",
+           rc, n1, n1_later, n2, n2_later, (unsigned long long)b1, n3, final, other,
+           s0 && s1 ? (long long)(s1->relay_pauses - s0->relay_pauses) : -1LL);
+    /* the caller ends the Decode stream after the final event, then the relay */
+    if (decode_call) pd_rpc_cancel(c.client, decode_call);
+    pd_rpc_cancel(c.client, relay_call);
+    pthread_mutex_lock(&w.mu);
+    while (!(w.relay_done && (w.decode_done || !decode_call))) pthread_cond_wait(&w.cv, &w.mu);
+    pthread_mutex_unlock(&w.mu);
+    if (s0) pd__stats_reply__free_unpacked(s0, NULL);
+    if (s1) pd__stats_reply__free_unpacked(s1, NULL);
+    pthread_mutex_destroy(&w.mu);
+    pthread_cond_destroy(&w.cv);
+    int bad_exit = cl_stop_all(&c);
+    ASSERT_EQ_INT(rc, PD_OK);
+    ASSERT_EQ_INT(n1, 1);
+    ASSERT_EQ_INT(n1_later, 1);
+    ASSERT(g2);
+    ASSERT_EQ_INT(n2, 2);
+    ASSERT_EQ_INT(n2_later, 2);
+    ASSERT(!stale);
+    ASSERT(g3);
+    ASSERT_EQ_INT(n3, TOKENS - 1); /* the first token came with the Prefill reply */
+    ASSERT(final);
+    ASSERT_EQ_INT(other, 0);
+    ASSERT(decode_open);
+    ASSERT_EQ_INT(bad_exit, 0);
 }
