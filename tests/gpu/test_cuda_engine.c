@@ -77,7 +77,9 @@ static int run(pd_engine *e, int lo, int hi, bool seeded, run_out *o)
     return drain(e, o);
 }
 
-static int open_engine(const char *dir, int cuda_dtype, pd_engine **e)
+/* Engine parameters of these tests: the model in dir, 256 tokens, N_REQ sequences, on GPU 0
+ * (weights in cuda_dtype, half of its memory); cuda_dtype -2: the CPU backend instead. */
+static pd_engine_params engine_params(const char *dir, int cuda_dtype)
 {
     pd_engine_params p = pd_engine_default_params();
     p.model_dir = dir;
@@ -91,6 +93,12 @@ static int open_engine(const char *dir, int cuda_dtype, pd_engine **e)
         p.cuda_weight_dtype = cuda_dtype;
         p.gpu_memory_utilization = 0.5;
     }
+    return p;
+}
+
+static int open_engine(const char *dir, int cuda_dtype, pd_engine **e)
+{
+    pd_engine_params p = engine_params(dir, cuda_dtype);
     return pd_engine_create(&p, e);
 }
 
@@ -199,13 +207,7 @@ TEST(cuda_engine_small_pool_preempts)
     if (!ctu_have_gpu()) SKIP(pd_last_error());
     char dir[4096];
     ASSERT_OK(ctu_make_model(model_base(), "small", "bfloat16", dir, sizeof dir));
-    pd_engine_params p = pd_engine_default_params();
-    p.model_dir = dir;
-    p.max_model_len = 256;
-    p.max_num_seqs = N_REQ;
-    p.n_cuda_devices = 1;
-    p.cuda_devices[0] = 0;
-    p.cuda_weight_dtype = PD_DTYPE_F32;
+    pd_engine_params p = engine_params(dir, PD_DTYPE_F32);
     p.num_kv_blocks = 12; /* 192 tokens; 16 requests of up to 63 + 32 tokens */
     pd_engine *e = NULL;
     ASSERT_OK(pd_engine_create(&p, &e));
@@ -234,13 +236,8 @@ TEST(cuda_engine_abort_returns_pool)
     if (!ctu_have_gpu()) SKIP(pd_last_error());
     char dir[4096];
     ASSERT_OK(ctu_make_model(model_base(), "small", "bfloat16", dir, sizeof dir));
-    pd_engine_params p = pd_engine_default_params();
-    p.model_dir = dir;
-    p.max_model_len = 256;
+    pd_engine_params p = engine_params(dir, -1);
     p.max_num_seqs = 4; /* some wait while others run */
-    p.n_cuda_devices = 1;
-    p.cuda_devices[0] = 0;
-    p.gpu_memory_utilization = 0.5;
     pd_engine *e = NULL;
     ASSERT_OK(pd_engine_create(&p, &e));
     int cancelled = 0, finished = 0, rc = PD_OK;
@@ -302,15 +299,11 @@ static void tp2_case(int dev0, int dev1, const char *allreduce)
     memset(&two, 0, sizeof two);
     pd_engine_stats st = {0};
     for (int tp = 1; tp <= 2; tp++) {
-        pd_engine_params p = pd_engine_default_params();
-        p.model_dir = dir;
-        p.max_model_len = 256;
-        p.max_num_seqs = N_REQ;
+        pd_engine_params p = engine_params(dir, PD_DTYPE_F32);
         p.tp_size = tp;
         p.n_cuda_devices = tp;
         p.cuda_devices[0] = dev0;
         p.cuda_devices[1] = dev1;
-        p.cuda_weight_dtype = PD_DTYPE_F32;
         p.gpu_memory_utilization = 0.2;
         pd_engine *e = NULL;
         ASSERT_OK(pd_engine_create(&p, &e));

@@ -66,11 +66,12 @@ static int compare(cl_cluster *c, const char *transport, double temperature, int
     return bad;
 }
 
-static void split_case(const char *transport)
+/* A 1P1D cluster of the tiny model on the GPU (bf16, a quarter of its memory each) with the
+ * given KV transport and --kv-lease-seconds (NULL: the default); stopped again on failure. */
+static int start_1p1d(cl_cluster *c, const char *transport, const char *lease_s)
 {
-    if (!ctu_have_gpu()) SKIP(pd_last_error());
     char model[512];
-    ASSERT_OK(cl_make_tiny(model, sizeof model));
+    PD_CHECK(cl_make_tiny(model, sizeof model));
     char *extra[] = {"--device",
                      "cuda",
                      "--dtype",
@@ -79,14 +80,22 @@ static void split_case(const char *transport)
                      (char *)transport,
                      "--gpu-memory-utilization",
                      "0.25",
+                     lease_s ? "--kv-lease-seconds" : NULL,
+                     (char *)lease_s,
                      NULL};
-    cl_cluster c;
-    int rc = cl_start(&c, model, "0", "1", extra);
+    int rc = cl_start(c, model, "0", "1", extra);
     if (rc < 0) {
         printf("    %s\n", pd_last_error());
-        cl_stop_all(&c);
-        ASSERT_OK(rc);
+        cl_stop_all(c);
     }
+    return rc;
+}
+
+static void split_case(const char *transport)
+{
+    if (!ctu_have_gpu()) SKIP(pd_last_error());
+    cl_cluster c;
+    ASSERT_OK(start_1p1d(&c, transport, NULL));
     int bad = compare(&c, transport, 0.0, 7) + compare(&c, transport, 0.8, 1234);
     if (bad)
         for (int k = 0; k < 2; k++) cl_dump_log(&c.procs[k], 12);
@@ -149,25 +158,7 @@ TEST(cuda_split_nccl_dead_decode_leaves_prefill_serving)
     if (!ctu_have_gpu()) SKIP(pd_last_error());
     if (!need_two_gpus())
         SKIP("NCCL KV transfer needs 2 GPUs (NCCL takes one rank per GPU); 1 present");
-    char model[512];
-    ASSERT_OK(cl_make_tiny(model, sizeof model));
-    char *extra[] = {"--device",
-                     "cuda",
-                     "--dtype",
-                     "bfloat16",
-                     "--kv-transport",
-                     "nccl",
-                     "--gpu-memory-utilization",
-                     "0.25",
-                     "--kv-lease-seconds",
-                     "20",
-                     NULL};
-    int rc = cl_start(&g_wd, model, "0", "1", extra);
-    if (rc < 0) {
-        printf("    %s\n", pd_last_error());
-        cl_stop_all(&g_wd);
-        ASSERT_OK(rc);
-    }
+    ASSERT_OK(start_1p1d(&g_wd, "nccl", "20"));
     int32_t prompt[40];
     for (int i = 0; i < 40; i++) prompt[i] = 32 + (i * 7) % 90;
     Pd__SamplingParams sp = cl_sampling(0.0, 7, 16);
@@ -175,7 +166,8 @@ TEST(cuda_split_nccl_dead_decode_leaves_prefill_serving)
     /* the first request makes the NCCL link */
     ASSERT_OK(cl_generate(&g_wd, 0, 1, "wd-warm", prompt, 40, &sp, &warm));
     int64_t t0 = pd_now_ns();
-    rc = cl_generate_hook(&g_wd, 0, 1, "wd-dead", prompt, 40, &sp, freeze_then_kill, NULL, &dead);
+    int rc =
+        cl_generate_hook(&g_wd, 0, 1, "wd-dead", prompt, 40, &sp, freeze_then_kill, NULL, &dead);
     double failed_after = (double)(pd_now_ns() - t0) / 1e9;
     if (g_killer_started) pthread_join(g_killer, NULL);
     printf("    decode frozen then killed mid-transfer: request %s after %.2f s (%s)\n",
