@@ -295,7 +295,26 @@ typedef struct pd_backend_ops {
     int (*kv_link_recv)(pd_backend *b, const pd_kv *kv, pd_kv_link *l, const pd_kv_xfer *x,
                         const pd_kv_link_wait *w);
     int (*kv_link_scatter)(pd_backend *b, pd_kv *kv, pd_kv_link *l, const pd_kv_xfer *x);
+
+    /* -- fused ops (vLLM's QKV/gate-up projections, fused_add_rms_norm, rotary + cache write).
+     * Each stands for a sequence of the plain ops above and must give the same result bit for
+     * bit; it exists so a backend can do that sequence in fewer passes (on a GPU: fewer kernel
+     * launches per decode step). NULL where the backend has none: forward.c then issues the
+     * plain ops. */
+    /* y[i] = matmul(x, n, w[i], bias ? bias[i] : NULL) for i < n_w (1 .. PD_MATMUL_MULTI_MAX);
+     * every w[i] has the same columns (one x). */
+    int (*matmul_multi)(pd_backend *b, const void *x, size_t n, size_t n_w,
+                        const pd_weight *const *w, const pd_weight *const *bias, void *const *y);
+    /* rope(q, n_q_heads, head_dim), rope(k, n_kv_heads of kv, head_dim), kv_write(kv, layer, k,
+     * v); head_dim = the pool's. k's contents are unspecified afterwards (rotated or not). */
+    int (*rope_kv_write)(pd_backend *b, pd_kv *kv, int layer, void *q, size_t n_q_heads, void *k,
+                         const void *v);
+    /* add(y, x, n * dim), then rmsnorm(y, w, eps, n, dim, h); h != y. */
+    int (*add_rmsnorm)(pd_backend *b, void *y, const void *x, const pd_weight *w, float eps,
+                       size_t n, size_t dim, void *h);
 } pd_backend_ops;
+
+#define PD_MATMUL_MULTI_MAX 4
 
 /* ---- instances ------------------------------------------------------------------------------ */
 

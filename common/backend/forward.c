@@ -338,6 +338,37 @@ static int prepare_step(pd_forward *f, size_t block_size, const pd_step *st, siz
     return PD_OK;
 }
 
+/* The fused ops of the backend (backend.h) when it has them and they are not turned off, else
+ * the plain ops they stand for. */
+static int matmuls(pd_forward *f, const void *x, size_t n, size_t n_w, const pd_weight *const *w,
+                   const pd_weight *const *bias, void *const *y)
+{
+    if (f->o->matmul_multi && !f->p.no_fused)
+        return f->o->matmul_multi(f->b, x, n, n_w, w, bias, y);
+    for (size_t i = 0; i < n_w; i++)
+        PD_CHECK(f->o->matmul(f->b, x, n, w[i], bias ? bias[i] : NULL, y[i]));
+    return PD_OK;
+}
+
+/* q, k rotated; k, v into the pool's layer. */
+static int rope_kv_write(pd_forward *f, pd_kv *kv, int layer)
+{
+    if (f->o->rope_kv_write && !f->p.no_fused)
+        return f->o->rope_kv_write(f->b, kv, layer, f->q, f->nq_loc, f->k, f->v);
+    PD_CHECK(f->o->rope(f->b, f->q, f->nq_loc, f->D));
+    PD_CHECK(f->o->rope(f->b, f->k, f->nkv_loc, f->D));
+    return f->o->kv_write(f->b, kv, layer, f->k, f->v);
+}
+
+/* x += t (the sublayer output), h = rmsnorm(x, w). */
+static int add_rmsnorm(pd_forward *f, const pd_weight *w, size_t n)
+{
+    if (f->o->add_rmsnorm && !f->p.no_fused)
+        return f->o->add_rmsnorm(f->b, f->x, f->t, w, f->eps, n, f->H, f->h);
+    PD_CHECK(f->o->add(f->b, f->x, f->t, n * f->H));
+    return f->o->rmsnorm(f->b, f->x, w, f->eps, n, f->H, f->h);
+}
+
 int pd_forward_run(pd_forward *f, pd_kv *kv, const pd_step *st, float *logits)
 {
     pd_backend *b = f->b;
@@ -366,28 +397,30 @@ int pd_forward_run(pd_forward *f, pd_kv *kv, const pd_step *st, float *logits)
     PD_CHECK(o->plan(b, &bt));
     PD_CHECK(o->embed(b, f->embed, f->x));
     const size_t H = f->H;
+    /* The first layer's input norm; each later one is fused with the previous MLP's add. */
+    PD_CHECK(o->rmsnorm(b, f->x, f->layers[0].ln1, f->eps, n, H, f->h));
     for (size_t l = 0; l < f->n_layers; l++) {
         const fwd_layer *L = &f->layers[l];
         /* attention block: x += o_proj(attn(rope(q), rope(k), v)) */
-        PD_CHECK(o->rmsnorm(b, f->x, L->ln1, f->eps, n, H, f->h));
-        PD_CHECK(o->matmul(b, f->h, n, L->wq, L->bq, f->q));
-        PD_CHECK(o->matmul(b, f->h, n, L->wk, L->bk, f->k));
-        PD_CHECK(o->matmul(b, f->h, n, L->wv, L->bv, f->v));
-        PD_CHECK(o->rope(b, f->q, f->nq_loc, f->D));
-        PD_CHECK(o->rope(b, f->k, f->nkv_loc, f->D));
-        PD_CHECK(o->kv_write(b, kv, (int)l, f->k, f->v));
+        const pd_weight *qkv_w[] = {L->wq, L->wk, L->wv}, *qkv_b[] = {L->bq, L->bk, L->bv};
+        void *qkv_y[] = {f->q, f->k, f->v};
+        PD_CHECK(matmuls(f, f->h, n, 3, qkv_w, qkv_b, qkv_y));
+        PD_CHECK(rope_kv_write(f, kv, (int)l));
         PD_CHECK(o->attention(b, kv, (int)l, f->q, f->nq_loc, f->attn_scale, f->att));
         PD_CHECK(o->matmul(b, f->att, n, L->wo, L->bo, f->t));
         if (f->p.shard.size > 1) PD_CHECK(f->p.allreduce(f->p.allreduce_ctx, b, f->t, n * H));
-        PD_CHECK(o->add(b, f->x, f->t, n * H));
+        PD_CHECK(add_rmsnorm(f, L->ln2, n));
         /* MLP block: x += down(silu(gate(h)) * up(h)) */
-        PD_CHECK(o->rmsnorm(b, f->x, L->ln2, f->eps, n, H, f->h));
-        PD_CHECK(o->matmul(b, f->h, n, L->wg, NULL, f->g));
-        PD_CHECK(o->matmul(b, f->h, n, L->wu, NULL, f->u));
+        const pd_weight *gu_w[] = {L->wg, L->wu};
+        void *gu_y[] = {f->g, f->u};
+        PD_CHECK(matmuls(f, f->h, n, 2, gu_w, NULL, gu_y));
         PD_CHECK(o->swiglu(b, f->g, f->u, n, f->I_loc, f->g));
         PD_CHECK(o->matmul(b, f->g, n, L->wd, NULL, f->t));
         if (f->p.shard.size > 1) PD_CHECK(f->p.allreduce(f->p.allreduce_ctx, b, f->t, n * H));
-        PD_CHECK(o->add(b, f->x, f->t, n * H));
+        if (l + 1 < f->n_layers)
+            PD_CHECK(add_rmsnorm(f, f->layers[l + 1].ln1, n));
+        else
+            PD_CHECK(o->add(b, f->x, f->t, n * H));
     }
     if (st->n_out == 0) return o->sync(b);
     PD_CHECK(o->gather_rows(b, f->x, H, f->xo));

@@ -44,6 +44,8 @@ typedef struct {
     size_t max_tokens; /* rows per step (default 2048) */
     size_t max_seqs;   /* sequences per step (default 256) */
     size_t max_out;    /* logit rows per step (default 256) */
+    int no_fused;      /* 1: issue only the plain ops, never the backend's fused ones (the
+                          same results; for comparisons and benchmarks) */
 } pd_forward_params;
 
 pd_forward_params pd_forward_default_params(void);

@@ -1,7 +1,7 @@
 /* bench_cuda: GPU figures for docs/benchmarks.md (CUDA backend section).
  *
  *   bench_cuda --model DIR [--prompt 128] [--gen 128] [--prefill 2048] [--batch 64]
- *              [--ops-only] [--iters 200]
+ *              [--ops-only] [--iters 200] [--no-fused]
  *
  * Prints, for the model in DIR (made by `pd-mkmodel --preset 1b`):
  *   - device-to-device copy bandwidth (GB/s, read + write, 1 GiB) measured in the same run;
@@ -18,6 +18,9 @@
  *     contexts 64 / 512 / 4096 for batch 1 and 64, RMSNorm of 1 and 64 rows), to show where a
  *     decode step's time goes; --ops-only prints these alone (--iters calls each), e.g. under
  *     Nsight Compute for kernel times without the host's launch cost.
+ * --no-fused runs the model through the plain ops only (pd_forward_params.no_fused: separate
+ * q/k/v and gate/up GEMVs, rope + rope + kv_write, add + rmsnorm), for the before/after of the
+ * backend's fused ops.
  * Design: the model is driven through the same ctu_runner the GPU tests use (pd_forward over
  * the backend op table), so the figures are those of the code the engine runs.
  */
@@ -38,6 +41,7 @@ typedef struct {
     int prompt, gen, prefill, batch;
     int ops_only; /* --ops-only: only the per-op timings (e.g. under a profiler) */
     int iters;    /* --iters: calls timed per op (200) */
+    int no_fused; /* --no-fused: the plain ops only */
 } bench_opts;
 
 /* Times the GEMMs of one prefill step of n rows on weights shaped like cfg's. */
@@ -396,14 +400,14 @@ static int run(const bench_opts *op)
     size_t max_tokens = op->prefill > 2048 ? (size_t)op->prefill : 2048;
     ctu_runner r;
     double t0 = pd_now_s();
-    rc = ctu_runner_open(&r, b, m, nseq, max_ctx, max_tokens);
+    rc = ctu_runner_open_ex(&r, b, m, nseq, max_ctx, max_tokens, op->no_fused);
     if (rc < 0) goto out_model;
     printf("model %s: %lld layers, hidden %lld, %lld/%lld heads, vocab %lld; weights %.1f MiB on "
-           "the GPU (%s), loaded in %.1f s\n",
+           "the GPU (%s), loaded in %.1f s; %s ops\n",
            op->model, (long long)c->num_hidden_layers, (long long)c->hidden_size,
            (long long)c->num_attention_heads, (long long)c->num_key_value_heads,
            (long long)c->vocab_size, pd_forward_weight_bytes(r.f) / 1048576.0, "bf16",
-           pd_now_s() - t0);
+           pd_now_s() - t0, op->no_fused ? "plain" : "fused");
     size_t V = r.vocab;
     if (op->ops_only) {
         printf("per-op timings at decode shapes:\n");
@@ -530,12 +534,13 @@ out_model:
 
 int main(int argc, char **argv)
 {
-    bench_opts op = {NULL, 128, 128, 2048, 64, 0, 200};
+    bench_opts op = {NULL, 128, 128, 2048, 64, 0, 200, 0};
     static const struct option lo[] = {
         {"model", required_argument, 0, 'm'}, {"prompt", required_argument, 0, 'p'},
         {"gen", required_argument, 0, 'g'},   {"prefill", required_argument, 0, 'f'},
         {"batch", required_argument, 0, 'b'}, {"ops-only", no_argument, 0, 'o'},
-        {"iters", required_argument, 0, 'i'}, {0, 0, 0, 0}};
+        {"iters", required_argument, 0, 'i'}, {"no-fused", no_argument, 0, 'n'},
+        {0, 0, 0, 0}};
     int ch;
     while ((ch = getopt_long(argc, argv, "", lo, NULL)) != -1) {
         switch (ch) {
@@ -546,9 +551,10 @@ int main(int argc, char **argv)
         case 'b': op.batch = atoi(optarg); break;
         case 'o': op.ops_only = 1; break;
         case 'i': op.iters = atoi(optarg); break;
+        case 'n': op.no_fused = 1; break;
         default:
             fprintf(stderr, "usage: bench_cuda --model DIR [--prompt N] [--gen N] "
-                            "[--prefill N] [--batch N] [--ops-only] [--iters N]\n");
+                            "[--prefill N] [--batch N] [--ops-only] [--iters N] [--no-fused]\n");
             return 2;
         }
     }

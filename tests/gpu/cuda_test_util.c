@@ -147,6 +147,12 @@ int ctu_make_model(const char *base, const char *preset, const char *dtype, char
 int ctu_runner_open(ctu_runner *r, pd_backend *b, const pd_model *m, size_t n_seqs, size_t max_ctx,
                     size_t max_tokens)
 {
+    return ctu_runner_open_ex(r, b, m, n_seqs, max_ctx, max_tokens, 0);
+}
+
+int ctu_runner_open_ex(ctu_runner *r, pd_backend *b, const pd_model *m, size_t n_seqs,
+                       size_t max_ctx, size_t max_tokens, int no_fused)
+{
     memset(r, 0, sizeof *r);
     r->b = b;
     r->n_seqs = n_seqs;
@@ -157,6 +163,7 @@ int ctu_runner_open(ctu_runner *r, pd_backend *b, const pd_model *m, size_t n_se
     fp.max_tokens = max_tokens;
     fp.max_seqs = n_seqs;
     fp.max_out = n_seqs;
+    fp.no_fused = no_fused;
     PD_CHECK(pd_forward_create(b, m, &fp, &r->f));
     r->vocab = pd_forward_vocab(r->f);
     pd_kv_params kp = pd_forward_kv_params(r->f, n_seqs * r->blocks_per_seq + 3, r->block_size);

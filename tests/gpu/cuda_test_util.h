@@ -81,6 +81,9 @@ typedef struct {
 
 int ctu_runner_open(ctu_runner *r, pd_backend *b, const pd_model *m, size_t n_seqs, size_t max_ctx,
                     size_t max_tokens);
+/* The same with pd_forward_params.no_fused (1: the plain ops only). */
+int ctu_runner_open_ex(ctu_runner *r, pd_backend *b, const pd_model *m, size_t n_seqs,
+                       size_t max_ctx, size_t max_tokens, int no_fused);
 void ctu_runner_close(ctu_runner *r);
 /* For i < n: sequence seqs[i] appends rows[i] tokens toks[i][0..rows[i]). logits row i (in
  * r->logits) is the last new row of seqs[i]. */

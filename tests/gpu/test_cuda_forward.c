@@ -7,7 +7,8 @@
  * different roundings (logits ~1e-2 apart on this random-weight model, whose top-1 margins are
  * small), so there the free-running match is reported and the per-step top-1 agreement under
  * teacher forcing (both fed the CPU's tokens) must reach 85%. Decode steps replayed from CUDA
- * graphs must match the same steps run op by op bit for bit. Models are made with pd-mkmodel
+ * graphs must match the same steps run op by op bit for bit, and the backend's fused ops the plain
+ * ops they stand for. Models are made with pd-mkmodel
  * under the test's temporary directory (or $PD_CUDA_TEST_MODELS, to reuse them). Exits 77
  * without a GPU. */
 #include <stdlib.h>
@@ -203,25 +204,18 @@ TEST(cuda_greedy_small_bf16)
     ASSERT(same * 100 >= 85 * N_PROMPTS * N_GEN);
 }
 
-/* Decode steps replayed from CUDA graphs give bit-identical logits to the same steps run op by
- * op (a second CUDA backend created with PD_CUDA_GRAPHS=0): 4 sequences, 24 decode steps, so
- * the shape is seen (eager), recorded, then replayed 22 times. */
-TEST(cuda_graphs_match_eager)
+/* Runs the same prompts (one mixed prefill step of 57 rows) and 24 greedy decode steps of 4
+ * sequences on two CUDA backends, b[i] through pd_forward with no_fused[i]; returns in *same the
+ * steps (of 25) whose logits are bit-identical. */
+static void decode_pair(const char *what, pd_backend *b[2], const int no_fused[2], int *same)
 {
-    NEED_GPU();
     char dir[4096];
     ASSERT_OK(ctu_make_model(model_base(), "small", "bfloat16", dir, sizeof dir));
     pd_model *m;
     ASSERT_OK(pd_model_load(dir, &m));
-    pd_backend *b[2];
-    pd_backend_params gp = pd_backend_default_params();
-    ASSERT_OK(pd_backend_cuda_create(&gp, &b[0]));
-    setenv("PD_CUDA_GRAPHS", "0", 1);
-    int rc = pd_backend_cuda_create(&gp, &b[1]);
-    unsetenv("PD_CUDA_GRAPHS");
-    ASSERT_OK(rc);
     ctu_runner r[2];
-    for (int i = 0; i < 2; i++) ASSERT_OK(ctu_runner_open(&r[i], b[i], m, 4, 128, 256));
+    for (int i = 0; i < 2; i++)
+        ASSERT_OK(ctu_runner_open_ex(&r[i], b[i], m, 4, 128, 256, no_fused[i]));
     size_t V = r[0].vocab;
     int32_t prompt[4][30], seqs[4] = {0, 1, 2, 3}, plen[4] = {30, 7, 19, 1}, ones[4] = {1, 1, 1, 1};
     uint64_t seed = 77;
@@ -230,8 +224,8 @@ TEST(cuda_graphs_match_eager)
             prompt[s][k] = (int32_t)((ctu_rand(&seed, 1.0f) + 1.0f) * 0.5f * (float)(V - 1));
     const int32_t *toks[4] = {prompt[0], prompt[1], prompt[2], prompt[3]};
     for (int i = 0; i < 2; i++) ASSERT_OK(ctu_runner_step(&r[i], 4, seqs, toks, plen));
+    int identical = memcmp(r[0].logits, r[1].logits, 4 * V * sizeof(float)) == 0;
     int32_t next[4];
-    int identical = 0;
     for (int t = 0; t < 24; t++) {
         for (int s = 0; s < 4; s++) {
             next[s] = ctu_argmax(r[0].logits + (size_t)s * V, V);
@@ -240,11 +234,44 @@ TEST(cuda_graphs_match_eager)
         for (int i = 0; i < 2; i++) ASSERT_OK(ctu_runner_step(&r[i], 4, seqs, toks, ones));
         identical += memcmp(r[0].logits, r[1].logits, 4 * V * sizeof(float)) == 0;
     }
-    printf("    graphs vs eager: %d of 24 decode steps with bit-identical logits\n", identical);
-    ASSERT_EQ_INT(identical, 24);
-    for (int i = 0; i < 2; i++) {
-        ctu_runner_close(&r[i]);
-        pd_backend_destroy(b[i]);
-    }
+    printf("    %s: %d of 25 steps (1 prefill, 24 decode) with bit-identical logits\n", what,
+           identical);
+    *same = identical;
+    for (int i = 0; i < 2; i++) ctu_runner_close(&r[i]);
     pd_model_free(m);
+}
+
+/* Decode steps replayed from CUDA graphs give bit-identical logits to the same steps run op by
+ * op (a second CUDA backend created with PD_CUDA_GRAPHS=0): the shape is seen (eager),
+ * recorded, then replayed 22 times. */
+TEST(cuda_graphs_match_eager)
+{
+    NEED_GPU();
+    pd_backend *b[2];
+    pd_backend_params gp = pd_backend_default_params();
+    ASSERT_OK(pd_backend_cuda_create(&gp, &b[0]));
+    setenv("PD_CUDA_GRAPHS", "0", 1);
+    int rc = pd_backend_cuda_create(&gp, &b[1]);
+    unsetenv("PD_CUDA_GRAPHS");
+    ASSERT_OK(rc);
+    static const int no_fused[2] = {0, 0};
+    int same = 0;
+    decode_pair("graphs vs eager", b, no_fused, &same);
+    ASSERT_EQ_INT(same, 25);
+    for (int i = 0; i < 2; i++) pd_backend_destroy(b[i]);
+}
+
+/* The fused ops (one GEMV launch for q/k/v and for gate/up, rotary + cache write, residual add
+ * + RMSNorm) give bit for bit the logits of the plain ops they stand for, with graphs on. */
+TEST(cuda_fused_ops_match_plain_ops)
+{
+    NEED_GPU();
+    pd_backend *b[2];
+    pd_backend_params gp = pd_backend_default_params();
+    for (int i = 0; i < 2; i++) ASSERT_OK(pd_backend_cuda_create(&gp, &b[i]));
+    static const int no_fused[2] = {0, 1};
+    int same = 0;
+    decode_pair("fused vs plain ops", b, no_fused, &same);
+    ASSERT_EQ_INT(same, 25);
+    for (int i = 0; i < 2; i++) pd_backend_destroy(b[i]);
 }

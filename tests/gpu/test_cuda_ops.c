@@ -2,8 +2,9 @@
  * bf16-representable inputs, several shapes including odd sizes, NMSE <= 1e-5 against the CPU's
  * f32 results; attention with GQA ratios 1, 3, 8, head dims 64/96/128/256, block sizes 16 and 5,
  * mixed prefill/decode/chunked rows in one step over shuffled (non-contiguous) block tables and a
- * long decode context that takes the split (flash-decoding) path; KV export/import; and the
- * errors the backend must return instead of crashing. Exits 77 without a GPU. */
+ * long decode context that takes the split (flash-decoding) path; KV export/import; the fused
+ * ops (matmul_multi, add_rmsnorm, rope_kv_write) bit for bit against the plain GPU ops they
+ * stand for; and the errors the backend must return instead of crashing. Exits 77 without a GPU. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -582,6 +583,246 @@ TEST(cuda_attention_long_prefill)
     NEED_GPU();
     static const seq_spec s[] = {{0, 1000}, {500, 300}};
     attention_case(32, 4, 64, 16, s, 2, "prefill 1000 + chunk 300");
+}
+
+/* ---- fused ops ------------------------------------------------------------------------------ */
+
+/* *same = 1 when GPU buffers a and b (n activations) are equal bit for bit. */
+static int gpu_same(cuda_pair *p, const void *a, const void *b, size_t n, int *same)
+{
+    float *fa = malloc(n * sizeof(float)), *fb = malloc(n * sizeof(float));
+    int rc = (fa && fb) ? PD_OK : pd_error(PD_ENOMEM, "gpu_same: out of memory");
+    if (rc == 0) rc = ctu_act_download(p->b[PAIR_GPU], a, n, fa);
+    if (rc == 0) rc = ctu_act_download(p->b[PAIR_GPU], b, n, fb);
+    if (rc == 0) *same = memcmp(fa, fb, n * sizeof(float)) == 0;
+    free(fa);
+    free(fb);
+    return rc;
+}
+
+/* matmul_multi on the GPU (one GEMV launch for n <= 8) = its matmuls one by one on the GPU, bit
+ * for bit, and the CPU's matmuls within NMSE_MAX. */
+static void fused_matmul_case(int mode)
+{
+    cuda_pair p;
+    ASSERT_OK(ctu_pair_open(&p, mode));
+    static const size_t shapes[][5] = {/* n, in, rows of w0, w1, w2 (0: two weights) */
+                                       {1, 2048, 2048, 256, 256},
+                                       {5, 64, 96, 32, 32},
+                                       {8, 5632, 2048, 8, 0},
+                                       {3, 4096, 13, 1, 700},
+                                       {64, 512, 512, 128, 128}};
+    uint64_t seed = 21;
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        size_t n = shapes[si][0], in = shapes[si][1], nw = shapes[si][4] ? 3 : 2;
+        float *x = malloc(n * in * sizeof(float));
+        ASSERT(x);
+        ctu_fill(x, n * in, &seed, 1.0f);
+        pd_weight *w[2][3] = {{0}}, *bias[2][3] = {{0}};
+        void *xb[2] = {0}, *yp[3][2] = {{0}}, *yf[3] = {0};
+        ASSERT_OK(upload_both(&p, x, n * in, xb));
+        for (size_t k = 0; k < nw; k++) {
+            size_t out = shapes[si][2 + k];
+            float *W = malloc(out * in * sizeof(float)), *bv = malloc(out * sizeof(float));
+            ASSERT(W && bv);
+            ctu_fill(W, out * in, &seed, 0.5f);
+            ctu_fill(bv, out, &seed, 1.0f);
+            pd_tensor wt = tensor_f32("proj.weight", W, out, in);
+            pd_tensor bt = tensor_f32("proj.bias", bv, 0, out);
+            for (int i = 0; i < 2; i++) {
+                ASSERT_OK(p.o[i]->weight_load(p.b[i], &wt, NULL, &w[i][k]));
+                if (k != 1) ASSERT_OK(p.o[i]->weight_load(p.b[i], &bt, NULL, &bias[i][k]));
+            }
+            ASSERT_OK(alloc_both(&p, n * out, yp[k]));
+            ASSERT_OK(ctu_act_alloc(p.b[PAIR_GPU], n * out, &yf[k]));
+            for (int i = 0; i < 2; i++)
+                ASSERT_OK(p.o[i]->matmul(p.b[i], xb[i], n, w[i][k], bias[i][k], yp[k][i]));
+            free(W);
+            free(bv);
+        }
+        const pd_weight *ws[3] = {w[PAIR_GPU][0], w[PAIR_GPU][1], w[PAIR_GPU][2]};
+        const pd_weight *bs[3] = {bias[PAIR_GPU][0], bias[PAIR_GPU][1], bias[PAIR_GPU][2]};
+        ASSERT_OK(p.o[PAIR_GPU]->matmul_multi(p.b[PAIR_GPU], xb[PAIR_GPU], n, nw, ws, bs, yf));
+        for (size_t k = 0; k < nw; k++) {
+            size_t out = shapes[si][2 + k];
+            int same = 0;
+            double e;
+            ASSERT_OK(gpu_same(&p, yf[k], yp[k][PAIR_GPU], n * out, &same));
+            void *vs[2] = {yp[k][PAIR_CPU], yf[k]};
+            ASSERT_OK(compare(&p, vs, n * out, &e));
+            printf("    %s n %zu, in %zu, weight %zu of %zu (%zu rows): nmse vs CPU %.2e, %s\n",
+                   mode < 0 ? "bf16" : "f32", n, in, k, nw, out, e,
+                   same ? "= one by one" : "DIFFERS from one by one");
+            ASSERT(same && e <= NMSE_MAX);
+            for (int i = 0; i < 2; i++) {
+                p.o[i]->weight_free(p.b[i], w[i][k]);
+                if (bias[i][k]) p.o[i]->weight_free(p.b[i], bias[i][k]);
+            }
+            free_bufs(&p, yp[k]);
+            p.o[PAIR_GPU]->buf_free(p.b[PAIR_GPU], yf[k]);
+        }
+        free_bufs(&p, xb);
+        free(x);
+    }
+    ctu_pair_close(&p);
+}
+
+/* add_rmsnorm on the GPU = add then rmsnorm on the GPU (residual and normed rows) bit for bit,
+ * and the CPU's within NMSE_MAX. */
+static void fused_norm_case(int mode)
+{
+    cuda_pair p;
+    ASSERT_OK(ctu_pair_open(&p, mode));
+    static const size_t shapes[][2] = {{1, 2048}, {7, 100}, {33, 4097}, {3, 12288}, {2, 16384}};
+    uint64_t seed = 23;
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        size_t n = shapes[si][0], dim = shapes[si][1], ne = n * dim;
+        float *x = malloc(ne * sizeof(float)), *t = malloc(ne * sizeof(float));
+        float *w = malloc(dim * sizeof(float));
+        ASSERT(x && t && w);
+        ctu_fill(x, ne, &seed, 3.0f);
+        ctu_fill(t, ne, &seed, 3.0f);
+        ctu_fill(w, dim, &seed, 2.0f);
+        pd_tensor wt = tensor_f32("norm.weight", w, 0, dim);
+        pd_weight *ww[2];
+        void *xb[2] = {0}, *tb[2] = {0}, *hb[2] = {0}, *xf = NULL, *hf = NULL;
+        for (int i = 0; i < 2; i++) ASSERT_OK(p.o[i]->weight_load(p.b[i], &wt, NULL, &ww[i]));
+        ASSERT_OK(upload_both(&p, x, ne, xb));
+        ASSERT_OK(upload_both(&p, t, ne, tb));
+        ASSERT_OK(alloc_both(&p, ne, hb));
+        ASSERT_OK(ctu_act_upload(p.b[PAIR_GPU], x, ne, &xf));
+        ASSERT_OK(ctu_act_alloc(p.b[PAIR_GPU], ne, &hf));
+        for (int i = 0; i < 2; i++) {
+            ASSERT_OK(p.o[i]->add(p.b[i], xb[i], tb[i], ne));
+            ASSERT_OK(p.o[i]->rmsnorm(p.b[i], xb[i], ww[i], 1e-5f, n, dim, hb[i]));
+        }
+        ASSERT_OK(p.o[PAIR_GPU]->add_rmsnorm(p.b[PAIR_GPU], xf, tb[PAIR_GPU], ww[PAIR_GPU], 1e-5f,
+                                             n, dim, hf));
+        int same_x = 0, same_h = 0;
+        double e;
+        ASSERT_OK(gpu_same(&p, xf, xb[PAIR_GPU], ne, &same_x));
+        ASSERT_OK(gpu_same(&p, hf, hb[PAIR_GPU], ne, &same_h));
+        void *vs[2] = {hb[PAIR_CPU], hf};
+        ASSERT_OK(compare(&p, vs, ne, &e));
+        printf("    %s add_rmsnorm (%zu, %zu): nmse vs CPU %.2e, sum %s, normed %s\n",
+               mode < 0 ? "bf16" : "f32", n, dim, e, same_x ? "=" : "DIFFERS",
+               same_h ? "=" : "DIFFERS");
+        ASSERT(same_x && same_h && e <= NMSE_MAX);
+        for (int i = 0; i < 2; i++) p.o[i]->weight_free(p.b[i], ww[i]);
+        free_bufs(&p, xb);
+        free_bufs(&p, tb);
+        free_bufs(&p, hb);
+        p.o[PAIR_GPU]->buf_free(p.b[PAIR_GPU], xf);
+        p.o[PAIR_GPU]->buf_free(p.b[PAIR_GPU], hf);
+        free(x);
+        free(t);
+        free(w);
+    }
+    ctu_pair_close(&p);
+}
+
+/* rope_kv_write on the GPU = rope, rope, kv_write on the GPU (q and the pool) bit for bit, and the
+ * CPU's within NMSE_MAX; a head_dim other than the planned rope_dim is refused. */
+static void fused_rope_kv_case(int mode)
+{
+    cuda_pair p;
+    ASSERT_OK(ctu_pair_open(&p, mode));
+    static const size_t shapes[][4] = {{1, 32, 4, 64}, {37, 12, 4, 128}, {300, 8, 1, 64}};
+    uint64_t seed = 25;
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        size_t n = shapes[si][0], nq = shapes[si][1], nkv = shapes[si][2], D = shapes[si][3];
+        size_t nblk = (n + 15) / 16 + 2;
+        simple_step st;
+        ASSERT_OK(simple_step_make(&st, n, 100, D, &seed));
+        float *q = malloc(n * nq * D * 4), *k = malloc(n * nkv * D * 4), *v = malloc(n * nkv * D * 4);
+        ASSERT(q && k && v);
+        ctu_fill(q, n * nq * D, &seed, 2.0f);
+        ctu_fill(k, n * nkv * D, &seed, 2.0f);
+        ctu_fill(v, n * nkv * D, &seed, 2.0f);
+        pd_kv *kv[3]; /* CPU, GPU plain, GPU fused */
+        pd_backend *kb[3] = {p.b[PAIR_CPU], p.b[PAIR_GPU], p.b[PAIR_GPU]};
+        void *qb[3], *kbuf[3], *vb[3];
+        for (int i = 0; i < 3; i++) {
+            const pd_backend_ops *o = pd_backend_get_ops(kb[i]);
+            pd_kv_params kp = {2, nblk, 16, nkv, D, pd_backend_act_dtype(kb[i])};
+            ASSERT_OK(o->kv_create(kb[i], &kp, &kv[i]));
+            ASSERT_OK(ctu_act_upload(kb[i], q, n * nq * D, &qb[i]));
+            ASSERT_OK(ctu_act_upload(kb[i], k, n * nkv * D, &kbuf[i]));
+            ASSERT_OK(ctu_act_upload(kb[i], v, n * nkv * D, &vb[i]));
+            ASSERT_OK(o->plan(kb[i], &st.b));
+            if (i == 2) {
+                ASSERT_OK(o->rope_kv_write(kb[i], kv[i], 1, qb[i], nq, kbuf[i], vb[i]));
+                continue;
+            }
+            ASSERT_OK(o->rope(kb[i], qb[i], nq, D));
+            ASSERT_OK(o->rope(kb[i], kbuf[i], nkv, D));
+            ASSERT_OK(o->kv_write(kb[i], kv[i], 1, kbuf[i], vb[i]));
+        }
+        int same_q = 0;
+        ASSERT_OK(gpu_same(&p, qb[2], qb[1], n * nq * D, &same_q));
+        void *qs[2] = {qb[0], qb[2]};
+        double e_q, e_kv;
+        ASSERT_OK(compare(&p, qs, n * nq * D, &e_q));
+        /* the pools' layer 1, whole blocks, as f32 */
+        int32_t *ids = malloc(nblk * 4);
+        size_t ne = 2 * nblk * 16 * nkv * D;
+        float *pool[3];
+        uint16_t *raw = malloc(ne * 4);
+        ASSERT(ids && raw);
+        for (size_t b = 0; b < nblk; b++) ids[b] = (int32_t)b;
+        pd_kv_range rg = {1, ids, nblk, 0, nkv};
+        for (int i = 0; i < 3; i++) {
+            const pd_backend_ops *o = pd_backend_get_ops(kb[i]);
+            pool[i] = malloc(ne * 4);
+            ASSERT(pool[i]);
+            int f32 = pd_backend_act_dtype(kb[i]) == PD_DTYPE_F32;
+            ASSERT_OK(o->kv_export(kb[i], kv[i], &rg, f32 ? (void *)pool[i] : (void *)raw));
+            ASSERT_OK(o->sync(kb[i]));
+            if (!f32) pd_bf16_to_f32_n(raw, pool[i], ne);
+        }
+        int same_kv = memcmp(pool[1], pool[2], ne * 4) == 0;
+        e_kv = ctu_nmse(pool[2], pool[0], ne);
+        printf("    %s rope_kv_write n %zu, %zu/%zu heads x %zu: nmse vs CPU q %.2e, kv %.2e; q "
+               "%s, pool %s\n",
+               mode < 0 ? "bf16" : "f32", n, nq, nkv, D, e_q, e_kv, same_q ? "=" : "DIFFERS",
+               same_kv ? "=" : "DIFFERS");
+        ASSERT(same_q && same_kv && e_q <= NMSE_MAX && e_kv <= NMSE_MAX);
+        if (si == 0) {
+            pd_kv_params kp = {1, 4, 16, nkv, D / 2, pd_backend_act_dtype(p.b[PAIR_GPU])};
+            pd_kv *narrow;
+            ASSERT_OK(p.o[PAIR_GPU]->kv_create(p.b[PAIR_GPU], &kp, &narrow));
+            ASSERT_ERR(p.o[PAIR_GPU]->rope_kv_write(p.b[PAIR_GPU], narrow, 0, qb[2], nq, kbuf[2],
+                                                    vb[2]),
+                       PD_EINVAL, "planned rope_dim");
+            p.o[PAIR_GPU]->kv_free(p.b[PAIR_GPU], narrow);
+        }
+        for (int i = 0; i < 3; i++) {
+            const pd_backend_ops *o = pd_backend_get_ops(kb[i]);
+            o->buf_free(kb[i], qb[i]);
+            o->buf_free(kb[i], kbuf[i]);
+            o->buf_free(kb[i], vb[i]);
+            o->kv_free(kb[i], kv[i]);
+            free(pool[i]);
+        }
+        free(ids);
+        free(raw);
+        free(q);
+        free(k);
+        free(v);
+        simple_step_free(&st);
+    }
+    ctu_pair_close(&p);
+}
+
+TEST(cuda_fused_ops)
+{
+    NEED_GPU();
+    fused_matmul_case(-1);
+    fused_matmul_case(PD_DTYPE_F32);
+    fused_norm_case(-1);
+    fused_norm_case(PD_DTYPE_F32);
+    fused_rope_kv_case(-1);
+    fused_rope_kv_case(PD_DTYPE_F32);
 }
 
 /* ---- KV export / import

@@ -4,9 +4,9 @@
 # writes each one's output under OUT_DIR. Run from a copy of the source tree:
 #   tests/gpu/verify.sh [--pack .devpack] [--out DIR] [--model DIR] [--skip-suites] [--ncu]
 # Steps (each bounded by `timeout`): gpu, unit and integration suites; pd-mkmodel --preset 1b
-# (unless --model names a model);
-# bench_cuda; bench_kv_ipc; bench_pd ttft (CUDA IPC, then TCP); hf_decode_bench.py (transformers
-# generate on the same weights); serve_bench.sh (1P1D on the GPU behind pd-scheduler, CUDA IPC);
+# (unless --model names a model); bench_cuda (fused ops, then --no-fused); bench_kv_ipc;
+# bench_pd ttft (CUDA IPC, then TCP); hf_decode_bench.py (transformers generate on the same
+# weights); serve_bench.sh (1P1D on the GPU behind pd-scheduler, CUDA IPC);
 # with --ncu, per-kernel times of two eager decode steps (ncu CSV). Ends with the list of steps
 # and their exit status; exit 1 when any failed.
 set -uo pipefail
@@ -53,6 +53,7 @@ export LD_LIBRARY_PATH=$unpack/lib:/usr/local/cuda/lib64:$nv:${LD_LIBRARY_PATH:-
 export PD_BUILD_ROOT=$B
 [ -f "$model/config.json" ] || step mkmodel 300 "$B/tools/mkmodel/pd-mkmodel" --preset 1b --out "$model" --threads "$(nproc)"
 step bench_cuda 300 "$B/tests/gpu/bench_cuda" --model "$model"
+step bench_cuda_plain_ops 300 "$B/tests/gpu/bench_cuda" --model "$model" --no-fused
 step bench_kv_ipc 120 "$B/tests/gpu/bench_kv_ipc"
 for t in cuda_ipc tcp; do
   step "ttft_$t" 200 "$B/tests/integration/bench_pd" ttft --model "$model" --prompt-len 1984 --reps 7 --device cuda --kv-transport "$t"
@@ -60,7 +61,8 @@ done
 step hf_generate 300 python3 "$root/tests/gpu/hf_decode_bench.py" "$model"
 step serve_bench 600 "$root/tests/gpu/serve_bench.sh" --bin-dir "$B" --model "$model" --device cuda --dtype bfloat16 --kv-transport cuda_ipc --timeout 580 --work-dir "$out/serve"
 if [ "$ncu" = 1 ] && command -v ncu >/dev/null; then
-  PD_CUDA_GRAPHS=0 step ncu_decode 300 ncu --launch-skip 1200 --launch-count 760 --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv --page raw "$B/tests/gpu/bench_cuda" --model "$model" --prompt 32 --gen 8 --prefill 16 --batch 1
+  # about 205 launches per eager decode step of the 1b preset with the fused ops (22 layers)
+  PD_CUDA_GRAPHS=0 step ncu_decode 300 ncu --launch-skip 620 --launch-count 410 --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv --page raw "$B/tests/gpu/bench_cuda" --model "$model" --prompt 32 --gen 8 --prefill 16 --batch 1
 fi
 echo "== summary"
 printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"

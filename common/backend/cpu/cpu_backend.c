@@ -382,6 +382,7 @@ typedef struct {
     const float *x;
     const float *x2;
     float *y;
+    float *h; /* add_rmsnorm: the normed rows */
     size_t n, dim;
     float eps;
 } row_ctx;
@@ -423,15 +424,45 @@ static void rmsnorm_task(void *vctx, int task, int n_tasks)
                         c->be->dot);
 }
 
+static int norm_weight_check(const pd_weight *w, size_t dim)
+{
+    if (w->rows != 1 || w->cols != dim || w->dtype != PD_DTYPE_F32)
+        return pd_error(PD_EINVAL, "rmsnorm: weight is (%zu, %zu), expected (1, %zu)", w->rows,
+                        w->cols, dim);
+    return PD_OK;
+}
+
 static int cpu_rmsnorm(pd_backend *b, const void *x, const pd_weight *w, float eps, size_t n,
                        size_t dim, void *y)
 {
     cpu_be *be = BE(b);
-    if (w->rows != 1 || w->cols != dim || w->dtype != PD_DTYPE_F32)
-        return pd_error(PD_EINVAL, "rmsnorm: weight is (%zu, %zu), expected (1, %zu)", w->rows,
-                        w->cols, dim);
+    PD_CHECK(norm_weight_check(w, dim));
     row_ctx c = {.be = be, .w = w, .x = x, .y = y, .n = n, .dim = dim, .eps = eps};
     pd_pool_run(be->pool, rmsnorm_task, &c, row_tasks(be, n, dim));
+    return PD_OK;
+}
+
+/* y += x, then h = rmsnorm(y), a row at a time while the row is in cache. */
+static void add_rmsnorm_task(void *vctx, int task, int n_tasks)
+{
+    row_ctx *c = vctx;
+    size_t lo, hi;
+    task_range(c->n, task, n_tasks, &lo, &hi);
+    for (size_t r = lo; r < hi; r++) {
+        float *yr = c->y + r * c->dim;
+        const float *xr = c->x + r * c->dim;
+        for (size_t i = 0; i < c->dim; i++) yr[i] += xr[i];
+        cpu_rmsnorm_row(yr, c->w->data, c->eps, c->dim, c->h + r * c->dim, c->be->dot);
+    }
+}
+
+static int cpu_add_rmsnorm(pd_backend *b, void *y, const void *x, const pd_weight *w, float eps,
+                           size_t n, size_t dim, void *h)
+{
+    cpu_be *be = BE(b);
+    PD_CHECK(norm_weight_check(w, dim));
+    row_ctx c = {.be = be, .w = w, .x = x, .y = y, .h = h, .n = n, .dim = dim, .eps = eps};
+    pd_pool_run(be->pool, add_rmsnorm_task, &c, row_tasks(be, n, dim));
     return PD_OK;
 }
 
@@ -478,53 +509,83 @@ static int cpu_gather_rows(pd_backend *b, const void *x, size_t dim, void *out)
 #define MM_CHUNK_KB 96
 #endif
 
+/* One matmul_multi call: weight i's rows are split into tasks of chunk[i] rows; tasks of
+ * weight i are [task0[i], task0[i + 1]). */
 typedef struct {
     cpu_be *be;
     const float *x;
-    size_t n;
-    const pd_weight *w;
-    const float *bias;
-    float *y;
-    size_t chunk; /* W rows per task */
+    size_t n, n_w;
+    const pd_weight *w[PD_MATMUL_MULTI_MAX];
+    const float *bias[PD_MATMUL_MULTI_MAX];
+    float *y[PD_MATMUL_MULTI_MAX];
+    size_t chunk[PD_MATMUL_MULTI_MAX];
+    size_t task0[PD_MATMUL_MULTI_MAX + 1];
 } mm_ctx;
 
 static void mm_task(void *vctx, int task, int n_tasks)
 {
     mm_ctx *c = vctx;
-    size_t j0 = (size_t)task * c->chunk;
-    size_t j1 = j0 + c->chunk < c->w->rows ? j0 + c->chunk : c->w->rows;
-    c->be->mm(c->x, c->n, c->w->cols, c->w, j0, j1, c->bias, c->y, c->w->rows);
+    size_t i = 0, t = (size_t)task;
+    while (t >= c->task0[i + 1]) i++;
+    const pd_weight *w = c->w[i];
+    size_t j0 = (t - c->task0[i]) * c->chunk[i];
+    size_t j1 = j0 + c->chunk[i] < w->rows ? j0 + c->chunk[i] : w->rows;
+    c->be->mm(c->x, c->n, w->cols, w, j0, j1, c->bias[i], c->y[i], w->rows);
 }
 
-static int cpu_matmul(pd_backend *b, const void *x, size_t n, const pd_weight *w,
-                      const pd_weight *bias, void *y)
+/* W rows per task for an n-row product with w. */
+static size_t mm_chunk(const cpu_be *be, size_t n, const pd_weight *w)
 {
-    cpu_be *be = BE(b);
-    if (bias && (bias->rows != 1 || bias->cols != w->rows || bias->dtype != PD_DTYPE_F32))
-        return pd_error(PD_EINVAL, "matmul: bias is (%zu, %zu), expected (1, %zu)", bias->rows,
-                        bias->cols, w->rows);
-    if (n == 0) return PD_OK;
-    size_t es = pd_dtype_size(w->dtype), out = w->rows;
-    size_t chunk;
+    size_t out = w->rows, chunk;
+    if (be->n_threads == 1) return out ? out : 1;
     if (n <= 2) {
         /* Decode: weight streaming; about 8 tasks per thread for balance, 8-row multiples. */
         size_t per = (out + (size_t)be->n_threads * 8 - 1) / ((size_t)be->n_threads * 8);
         chunk = (per + 7) & ~(size_t)7;
     } else {
         /* Prefill: a W chunk of MM_CHUNK_KB stays in L2 while all x row tiles pass over it. */
-        chunk = ((size_t)MM_CHUNK_KB * 1024) / (w->ld * es);
+        chunk = ((size_t)MM_CHUNK_KB * 1024) / (w->ld * pd_dtype_size(w->dtype));
         chunk &= ~(size_t)3;
         if (chunk < 4) chunk = 4;
         size_t fair = (out + (size_t)be->n_threads - 1) / (size_t)be->n_threads;
         if (chunk > fair) chunk = (fair + 3) & ~(size_t)3;
     }
-    if (chunk == 0) chunk = 4;
-    mm_ctx c = {
-        .be = be, .x = x, .n = n, .w = w, .bias = bias ? bias->data : NULL, .y = y, .chunk = chunk};
-    size_t n_tasks = (out + chunk - 1) / chunk;
-    if (be->n_threads == 1) n_tasks = 1, c.chunk = out;
-    pd_pool_run(be->pool, mm_task, &c, (int)n_tasks);
+    return chunk ? chunk : 4;
+}
+
+/* The products of several weights with one x in one fork-join (q/k/v, gate/up). */
+static int cpu_matmul_multi(pd_backend *b, const void *x, size_t n, size_t n_w,
+                            const pd_weight *const *w, const pd_weight *const *bias,
+                            void *const *y)
+{
+    cpu_be *be = BE(b);
+    if (n_w < 1 || n_w > PD_MATMUL_MULTI_MAX)
+        return pd_error(PD_EINVAL, "matmul: %zu weights in one call, expected 1 to %d", n_w,
+                        PD_MATMUL_MULTI_MAX);
+    mm_ctx c = {.be = be, .x = x, .n = n, .n_w = n_w};
+    for (size_t i = 0; i < n_w; i++) {
+        const pd_weight *bi = bias ? bias[i] : NULL;
+        if (bi && (bi->rows != 1 || bi->cols != w[i]->rows || bi->dtype != PD_DTYPE_F32))
+            return pd_error(PD_EINVAL, "matmul: bias is (%zu, %zu), expected (1, %zu)", bi->rows,
+                            bi->cols, w[i]->rows);
+        if (w[i]->cols != w[0]->cols)
+            return pd_error(PD_EINVAL, "matmul: weight %zu has %zu columns, weight 0 has %zu", i,
+                            w[i]->cols, w[0]->cols);
+        c.w[i] = w[i];
+        c.bias[i] = bi ? bi->data : NULL;
+        c.y[i] = y[i];
+        c.chunk[i] = mm_chunk(be, n, w[i]);
+        c.task0[i + 1] = c.task0[i] + (w[i]->rows + c.chunk[i] - 1) / c.chunk[i];
+    }
+    if (n == 0 || c.task0[n_w] == 0) return PD_OK;
+    pd_pool_run(be->pool, mm_task, &c, (int)c.task0[n_w]);
     return PD_OK;
+}
+
+static int cpu_matmul(pd_backend *b, const void *x, size_t n, const pd_weight *w,
+                      const pd_weight *bias, void *y)
+{
+    return cpu_matmul_multi(b, x, n, 1, &w, &bias, &y);
 }
 
 /* ---- rope, KV write, attention ------------------------------------------------------------ */
@@ -561,6 +622,15 @@ static int cpu_kv_write(pd_backend *b, pd_kv *kv, int layer, const void *k, cons
         memcpy(vl + (size_t)bt->slots[r] * te, (const float *)v + r * te, te * sizeof(float));
     }
     return PD_OK;
+}
+
+static int cpu_rope_kv_write(pd_backend *b, pd_kv *kv, int layer, void *q, size_t n_q_heads,
+                             void *k, const void *v)
+{
+    PD_CHECK(check_layer(kv, layer, "rope_kv_write"));
+    PD_CHECK(cpu_rope(b, q, n_q_heads, kv->p.head_dim));
+    PD_CHECK(cpu_rope(b, k, kv->p.n_kv_heads, kv->p.head_dim));
+    return cpu_kv_write(b, kv, layer, k, v);
 }
 
 typedef struct {
@@ -672,6 +742,9 @@ static const pd_backend_ops cpu_ops = {
     .swiglu = cpu_swiglu,
     .add = cpu_add,
     .gather_rows = cpu_gather_rows,
+    .matmul_multi = cpu_matmul_multi,
+    .rope_kv_write = cpu_rope_kv_write,
+    .add_rmsnorm = cpu_add_rmsnorm,
 };
 
 int pd_backend_cpu_create(const pd_backend_params *params, pd_backend **out)

@@ -99,12 +99,15 @@ enum {
     T_SWIGLU,
     T_ADD,
     T_GATHER,
-    T_DOWNLOAD
+    T_DOWNLOAD,
+    T_MATMUL_MULTI,
+    T_ROPE_KV_WRITE,
+    T_ADD_RMSNORM
 };
 
 typedef struct {
     int op;
-    const void *p[4];
+    const void *p[1 + 3 * PD_MATMUL_MULTI_MAX]; // matmul_multi: x, then w, bias, y of each
     size_t z[3];
     float f;
 } tape_ent;
@@ -1036,7 +1039,7 @@ static int check_kv(cuda_be *cb, const pd_kv *kv, int layer, const char *op)
 
 // ---- graphs: the step tape ----------------------------------------------------------------------
 //
-// Decode steps repeat the same op calls with the same arguments, and launching ~17 kernels per
+// Decode steps repeat the same op calls with the same arguments, and launching ~10 kernels per
 // layer one by one leaves the GPU waiting on the host. So a step whose shape (rows, outputs,
 // rope_dim; decode rows only) was seen before is captured into a CUDA graph: plan begins stream
 // capture, each op appends its arguments to a tape and launches into the capture, download_f32
@@ -1050,7 +1053,7 @@ static int check_kv(cuda_be *cb, const pd_kv *kv, int layer, const char *op)
 // and attention grids are sized to a capacity with the real counts read on the device.
 // PD_CUDA_GRAPHS=0 in the environment turns graphs off.
 
-#define TAPE_CAP 16384 // entries a recording may hold (~17 per layer)
+#define TAPE_CAP 16384 // entries a recording may hold (~10 per layer)
 
 static int tape_exec(cuda_be *cb, const tape_ent *e);
 
@@ -1317,6 +1320,38 @@ static int exec_matmul(cuda_be *cb, const void *x, size_t n, const pd_weight *w,
     return PD_OK;
 }
 
+// matmul_multi's entry: x = p[0]; weight i's w, bias, y = p[1 + i], p[1 + M + i], p[1 + 2M + i].
+#define MM_W(e, i) ((const pd_weight *)(e)->p[1 + (i)])
+#define MM_B(e, i) ((const pd_weight *)(e)->p[1 + PD_MATMUL_MULTI_MAX + (i)])
+#define MM_Y(e, i) ((void *)(e)->p[1 + 2 * PD_MATMUL_MULTI_MAX + (i)])
+
+// Decode rows: all weights in one GEMV launch (same x, same dtype); otherwise one by one.
+static int exec_matmul_multi(cuda_be *cb, const tape_ent *e)
+{
+    const size_t n = e->z[0], nw = e->z[1];
+    if (n <= CUDA_GEMV_MAX_N && nw <= CUDA_GEMV_MAX_MATS) {
+        const void *W[CUDA_GEMV_MAX_MATS];
+        const float *bias[CUDA_GEMV_MAX_MATS];
+        void *y[CUDA_GEMV_MAX_MATS];
+        size_t out[CUDA_GEMV_MAX_MATS];
+        int same = 1;
+        for (size_t i = 0; i < nw; i++) {
+            W[i] = MM_W(e, i)->data;
+            out[i] = MM_W(e, i)->rows;
+            bias[i] = MM_B(e, i) ? (const float *)MM_B(e, i)->data : NULL;
+            y[i] = MM_Y(e, i);
+            same &= MM_W(e, i)->dtype == MM_W(e, 0)->dtype;
+        }
+        int rc = same ? cuda_gemv_multi(cb->stream, cb->act, e->p[0], n, (int)nw, W,
+                                        (int)MM_W(e, 0)->dtype, out, MM_W(e, 0)->cols, bias, y)
+                      : PD_EUNSUPPORTED;
+        if (rc != PD_EUNSUPPORTED) return rc;
+    }
+    for (size_t i = 0; i < nw; i++)
+        PD_CHECK(exec_matmul(cb, e->p[0], n, MM_W(e, i), MM_B(e, i), MM_Y(e, i)));
+    return PD_OK;
+}
+
 static int tape_exec(cuda_be *cb, const tape_ent *e)
 {
     switch (e->op) {
@@ -1350,6 +1385,18 @@ static int tape_exec(cuda_be *cb, const tape_ent *e)
     case T_GATHER:
         return cuda_gather_rows(cb->stream, cb->act, e->p[0], e->z[0], cb->d_out_rows, cb->n_out,
                                 (void *)e->p[1]);
+    case T_MATMUL_MULTI: return exec_matmul_multi(cb, e);
+    case T_ROPE_KV_WRITE: {
+        const pd_kv *kv = (const pd_kv *)e->p[0];
+        return cuda_rope_kv_write(cb->stream, cb->act, (void *)e->p[1], e->p[2], e->p[3],
+                                  cb->n_tokens, e->z[1], kv->p.n_kv_heads, kv->p.head_dim,
+                                  cb->d_cos, cb->d_sin, cb->rope_dim / 2, cb->d_slots,
+                                  kv_k(kv, (int)e->z[0]), kv_v(kv, (int)e->z[0]));
+    }
+    case T_ADD_RMSNORM:
+        return cuda_add_rmsnorm(cb->stream, cb->act, (void *)e->p[0], e->p[1],
+                                (const float *)((const pd_weight *)e->p[2])->data, e->f, e->z[0],
+                                e->z[1], (void *)e->p[3]);
     case T_DOWNLOAD: // the device part of download_f32: bf16 -> f32 into dl_ws
         if (cb->act == ACT_F32) return PD_OK;
         return cuda_act_convert(cb->stream, ACT_BF16, e->p[0], e->z[0], ACT_F32, cb->dl_ws);
@@ -1381,14 +1428,20 @@ static int op_embed(pd_backend *b, const pd_weight *table, void *out)
     return step_op(cb, &e);
 }
 
-static int op_rmsnorm(pd_backend *b, const void *x, const pd_weight *w, float eps, size_t n,
-                      size_t dim, void *y)
+static int norm_check(const pd_weight *w, size_t n, size_t dim)
 {
-    cuda_be *cb = BE(b);
     if (w->dtype != PD_DTYPE_F32 || w->rows * w->cols != dim)
         return pd_error(PD_EINVAL, "cuda rmsnorm: weight is (%zu, %zu) %s, need %zu f32", w->rows,
                         w->cols, pd_dtype_name(w->dtype), dim);
     if (n > 0x7fffffffu) return pd_error(PD_EINVAL, "cuda rmsnorm: %zu rows is too many", n);
+    return PD_OK;
+}
+
+static int op_rmsnorm(pd_backend *b, const void *x, const pd_weight *w, float eps, size_t n,
+                      size_t dim, void *y)
+{
+    cuda_be *cb = BE(b);
+    PD_CHECK(norm_check(w, n, dim));
     tape_ent e = ent(T_RMSNORM);
     e.p[0] = x;
     e.p[1] = w;
@@ -1399,19 +1452,25 @@ static int op_rmsnorm(pd_backend *b, const void *x, const pd_weight *w, float ep
     return step_op(cb, &e);
 }
 
-static int op_matmul(pd_backend *b, const void *x, size_t n, const pd_weight *w,
-                     const pd_weight *bias, void *y)
+static int matmul_check(const pd_weight *w, const pd_weight *bias, size_t n)
 {
-    cuda_be *cb = BE(b);
     size_t out = w->rows, in = w->cols;
     if (w->is_vector) return pd_error(PD_EINVAL, "cuda matmul: weight is a vector");
     if (bias && bias->rows * bias->cols != out)
         return pd_error(PD_EINVAL, "cuda matmul: bias has %zu elements, need %zu",
                         bias->rows * bias->cols, out);
-    if (n == 0) return PD_OK;
     if (n > INT_MAX || in > INT_MAX || out > INT_MAX)
         return pd_error(PD_EINVAL, "cuda matmul: (%zu x %zu) . (%zu x %zu)^T is too large", n, in,
                         out, in);
+    return PD_OK;
+}
+
+static int op_matmul(pd_backend *b, const void *x, size_t n, const pd_weight *w,
+                     const pd_weight *bias, void *y)
+{
+    cuda_be *cb = BE(b);
+    PD_CHECK(matmul_check(w, bias, n));
+    if (n == 0) return PD_OK;
     tape_ent e = ent(T_MATMUL);
     e.p[0] = x;
     e.p[1] = w;
@@ -1637,6 +1696,63 @@ static int op_gather_rows(pd_backend *b, const void *x, size_t dim, void *out)
     return step_op(cb, &e);
 }
 
+static int op_matmul_multi(pd_backend *b, const void *x, size_t n, size_t n_w,
+                           const pd_weight *const *w, const pd_weight *const *bias, void *const *y)
+{
+    if (n_w < 1 || n_w > PD_MATMUL_MULTI_MAX)
+        return pd_error(PD_EINVAL, "cuda matmul: %zu weights in one call, expected 1 to %d", n_w,
+                        PD_MATMUL_MULTI_MAX);
+    tape_ent e = ent(T_MATMUL_MULTI);
+    e.p[0] = x;
+    for (size_t i = 0; i < n_w; i++) {
+        PD_CHECK(matmul_check(w[i], bias ? bias[i] : NULL, n));
+        if (w[i]->cols != w[0]->cols)
+            return pd_error(PD_EINVAL, "cuda matmul: weight %zu has %zu columns, weight 0 has %zu",
+                            i, w[i]->cols, w[0]->cols);
+        e.p[1 + i] = w[i];
+        e.p[1 + PD_MATMUL_MULTI_MAX + i] = bias ? bias[i] : NULL;
+        e.p[1 + 2 * PD_MATMUL_MULTI_MAX + i] = y[i];
+    }
+    if (n == 0) return PD_OK;
+    e.z[0] = n;
+    e.z[1] = n_w;
+    return step_op(BE(b), &e);
+}
+
+static int op_rope_kv_write(pd_backend *b, pd_kv *kv, int layer, void *q, size_t n_q_heads, void *k,
+                            const void *v)
+{
+    cuda_be *cb = BE(b);
+    PD_CHECK(need_plan(cb, "rope_kv_write"));
+    PD_CHECK(check_kv(cb, kv, layer, "rope_kv_write"));
+    if (kv->p.head_dim != cb->rope_dim)
+        return pd_error(PD_EINVAL, "cuda rope_kv_write: head_dim %zu != planned rope_dim %zu",
+                        kv->p.head_dim, cb->rope_dim);
+    tape_ent e = ent(T_ROPE_KV_WRITE);
+    e.p[0] = kv;
+    e.p[1] = q;
+    e.p[2] = k;
+    e.p[3] = v;
+    e.z[0] = (size_t)layer;
+    e.z[1] = n_q_heads;
+    return step_op(cb, &e);
+}
+
+static int op_add_rmsnorm(pd_backend *b, void *y, const void *x, const pd_weight *w, float eps,
+                          size_t n, size_t dim, void *h)
+{
+    PD_CHECK(norm_check(w, n, dim));
+    tape_ent e = ent(T_ADD_RMSNORM);
+    e.p[0] = y;
+    e.p[1] = x;
+    e.p[2] = w;
+    e.p[3] = h;
+    e.z[0] = n;
+    e.z[1] = dim;
+    e.f = eps;
+    return step_op(BE(b), &e);
+}
+
 static const pd_backend_ops cuda_ops = {
     "cuda",
     op_destroy,
@@ -1676,6 +1792,9 @@ static const pd_backend_ops cuda_ops = {
     pd_nccl_link_send,
     pd_nccl_link_recv,
     pd_nccl_link_scatter,
+    op_matmul_multi,
+    op_rope_kv_write,
+    op_add_rmsnorm,
 };
 
 extern "C" int pd_backend_cuda_device(const pd_backend *b)

@@ -137,14 +137,30 @@ int cuda_bias_epilogue(cudaStream_t s, int act, const float *y32, const float *b
 #define CUDA_GEMV_MAX_N 8
 int cuda_gemv(cudaStream_t s, int act, const void *x, size_t n, const void *W, int wdtype,
               size_t out, size_t in, const float *bias, void *y);
+// The same for nm (<= CUDA_GEMV_MAX_MATS) matrices W[i] (out[i], in) of one wdtype and the same
+// x, in one launch: y[i] = x . W[i]^T (+ bias[i]), each row as cuda_gemv computes it.
+#define CUDA_GEMV_MAX_MATS 4
+int cuda_gemv_multi(cudaStream_t s, int act, const void *x, size_t n, int nm, const void *const *W,
+                    int wdtype, const size_t *out, size_t in, const float *const *bias,
+                    void *const *y);
 
 // k_rmsnorm.cu: y (n, dim) = x * rsqrt(mean(x^2) + eps) * w; w (dim) f32. y may equal x.
 int cuda_rmsnorm(cudaStream_t s, int act, const void *x, const float *w, float eps, size_t n,
                  size_t dim, void *y);
+// x += add (rounded to the activation type), then y = rmsnorm(x) as cuda_rmsnorm; y != x.
+int cuda_add_rmsnorm(cudaStream_t s, int act, void *x, const void *add, const float *w, float eps,
+                     size_t n, size_t dim, void *y);
 
 // k_rope.cu: x (n, n_heads, head_dim) rotated in place with cos/sin (n, rope_half) f32.
 int cuda_rope(cudaStream_t s, int act, void *x, size_t n, size_t n_heads, size_t head_dim,
               const float *cos_t, const float *sin_t, size_t rope_half);
+// k_rope.cu: q (n, nq, head_dim) rotated in place; k (n, nkv, head_dim) rotated and v copied
+// into slots[r] of the layer's pools kc, vc (n_blocks * block_size, nkv, head_dim); k is
+// not modified. The same values as cuda_rope on q and k, then cuda_kv_write.
+int cuda_rope_kv_write(cudaStream_t s, int act, void *q, const void *k, const void *v, size_t n,
+                       size_t nq, size_t nkv, size_t head_dim, const float *cos_t,
+                       const float *sin_t, size_t rope_half, const int64_t *slots, void *kc,
+                       void *vc);
 
 // k_kv.cu: k, v (n, kvh, D) stored at slots[r] of the layer's pools
 // kc, vc (n_blocks * block_size, kvh, D); pool type = activation type.

@@ -15,7 +15,11 @@
 // shuffle tree reduces the warp, and the S partials are added in split order; S and the
 // segment bounds are functions of `in` alone. So a row's result is the same whatever n and the
 // other rows are; the bias is added in f32 before the single rounding of y.
+// One launch may cover up to CUDA_GEMV_MAX_MATS matrices applied to the same x (q/k/v, gate/up:
+// vLLM fuses them by concatenating the weights; here the grid is): blocks are assigned to the
+// matrices in order, and each row is computed exactly as in a launch of its matrix alone.
 #include <stdint.h>
+#include <string.h>
 
 #include "backend/cuda/cuda_common.cuh"
 
@@ -76,19 +80,44 @@ template <> struct gemv_chunk<float> {
     }
 };
 
+// The matrices of one launch (q/k/v or gate/up: one x, the same `in`): block b works on matrix
+// i when blk0[i] <= b < blk0[i + 1], on its rows (b - blk0[i]) * R ...
+template <typename TW, typename TX> struct gemv_mats {
+    const TW *W[CUDA_GEMV_MAX_MATS];
+    const float *bias[CUDA_GEMV_MAX_MATS];
+    TX *y[CUDA_GEMV_MAX_MATS];
+    unsigned out[CUDA_GEMV_MAX_MATS];
+    unsigned blk0[CUDA_GEMV_MAX_MATS];
+    int n;
+};
+
 // Block: R rows x S warps per row (blockDim.x = 32 * S * R); warp (r, sp) covers chunks
-// [sp * per, min((sp + 1) * per, in / 8)) of row blockIdx.x * R + r, per = a multiple of
-// GEMV_SEG (a function of in only).
+// [sp * per, min((sp + 1) * per, in / 8)) of row (blockIdx.x - blk0) * R + r of its matrix,
+// per = a multiple of GEMV_SEG (a function of in only).
 template <typename TW, typename TX, int N>
 __global__ void __launch_bounds__(GEMV_MAX_WARPS * 32)
-    gemv_kernel(const TX *x, const TW *W, size_t out, size_t in, int S, size_t per,
-                const float *bias, TX *y)
+    gemv_kernel(const TX *x, gemv_mats<TW, TX> M, size_t in, int S, size_t per)
 {
     __shared__ float part[GEMV_MAX_WARPS][N]; // per warp: its partial for each input row
+    // this block's matrix (constant indices only, so the parameters stay in the constant bank)
+    const TW *W = M.W[0];
+    const float *bias = M.bias[0];
+    TX *y = M.y[0];
+    size_t out = M.out[0];
+    unsigned b0 = 0;
+#pragma unroll
+    for (int i = 1; i < CUDA_GEMV_MAX_MATS; i++)
+        if (i < M.n && blockIdx.x >= M.blk0[i]) {
+            W = M.W[i];
+            bias = M.bias[i];
+            y = M.y[i];
+            out = M.out[i];
+            b0 = M.blk0[i];
+        }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int R = (int)(blockDim.x >> 5) / S;
     const int sp = warp % S;
-    const size_t j = (size_t)blockIdx.x * R + warp / S;
+    const size_t j = (size_t)(blockIdx.x - b0) * R + warp / S;
     const bool active = j < out;
     float acc[N];
 #pragma unroll
@@ -146,40 +175,65 @@ __global__ void __launch_bounds__(GEMV_MAX_WARPS * 32)
 }
 
 template <typename TW, typename TX>
-static void gemv_launch(cudaStream_t s, const TX *x, size_t n, const TW *W, size_t out, size_t in,
-                        const float *bias, TX *y)
+static void gemv_launch(cudaStream_t s, const TX *x, size_t n, int nm, const void *const *W,
+                        const size_t *out, size_t in, const float *const *bias, void *const *y)
 {
     // split and segment bounds from `in` alone (see the file comment)
     const size_t segs = (in / 8 + GEMV_SEG - 1) / GEMV_SEG;
     const int S = segs <= 1 ? 1 : segs < GEMV_MAX_SPLIT ? (int)segs : GEMV_MAX_SPLIT;
     const size_t per = (segs + S - 1) / S * GEMV_SEG;
     const int R = S >= GEMV_WARPS ? 1 : GEMV_WARPS / S;
-    const unsigned grid = (unsigned)((out + R - 1) / R), th = (unsigned)(32 * S * R);
-    switch (n) {
-    case 1: gemv_kernel<TW, TX, 1><<<grid, th, 0, s>>>(x, W, out, in, S, per, bias, y); break;
-    case 2: gemv_kernel<TW, TX, 2><<<grid, th, 0, s>>>(x, W, out, in, S, per, bias, y); break;
-    case 3: gemv_kernel<TW, TX, 3><<<grid, th, 0, s>>>(x, W, out, in, S, per, bias, y); break;
-    case 4: gemv_kernel<TW, TX, 4><<<grid, th, 0, s>>>(x, W, out, in, S, per, bias, y); break;
-    case 5: gemv_kernel<TW, TX, 5><<<grid, th, 0, s>>>(x, W, out, in, S, per, bias, y); break;
-    case 6: gemv_kernel<TW, TX, 6><<<grid, th, 0, s>>>(x, W, out, in, S, per, bias, y); break;
-    case 7: gemv_kernel<TW, TX, 7><<<grid, th, 0, s>>>(x, W, out, in, S, per, bias, y); break;
-    default: gemv_kernel<TW, TX, 8><<<grid, th, 0, s>>>(x, W, out, in, S, per, bias, y); break;
+    gemv_mats<TW, TX> M;
+    memset(&M, 0, sizeof M);
+    M.n = nm;
+    size_t grid = 0;
+    for (int i = 0; i < nm; i++) {
+        M.W[i] = (const TW *)W[i];
+        M.bias[i] = bias[i];
+        M.y[i] = (TX *)y[i];
+        M.out[i] = (unsigned)out[i];
+        M.blk0[i] = (unsigned)grid;
+        grid += (out[i] + R - 1) / R;
     }
+    const unsigned g = (unsigned)grid, th = (unsigned)(32 * S * R);
+    switch (n) {
+    case 1: gemv_kernel<TW, TX, 1><<<g, th, 0, s>>>(x, M, in, S, per); break;
+    case 2: gemv_kernel<TW, TX, 2><<<g, th, 0, s>>>(x, M, in, S, per); break;
+    case 3: gemv_kernel<TW, TX, 3><<<g, th, 0, s>>>(x, M, in, S, per); break;
+    case 4: gemv_kernel<TW, TX, 4><<<g, th, 0, s>>>(x, M, in, S, per); break;
+    case 5: gemv_kernel<TW, TX, 5><<<g, th, 0, s>>>(x, M, in, S, per); break;
+    case 6: gemv_kernel<TW, TX, 6><<<g, th, 0, s>>>(x, M, in, S, per); break;
+    case 7: gemv_kernel<TW, TX, 7><<<g, th, 0, s>>>(x, M, in, S, per); break;
+    default: gemv_kernel<TW, TX, 8><<<g, th, 0, s>>>(x, M, in, S, per); break;
+    }
+}
+
+int cuda_gemv_multi(cudaStream_t s, int act, const void *x, size_t n, int nm, const void *const *W,
+                    int wdtype, const size_t *out, size_t in, const float *const *bias,
+                    void *const *y)
+{
+    if (n < 1 || n > CUDA_GEMV_MAX_N || nm < 1 || nm > CUDA_GEMV_MAX_MATS || in % 8 ||
+        (uintptr_t)x % 16)
+        return PD_EUNSUPPORTED; // the caller takes the GEMM path; no message needed
+    size_t blocks = 0;
+    for (int i = 0; i < nm; i++) {
+        if ((uintptr_t)W[i] % 16 || out[i] > (size_t)0x7fffffff) return PD_EUNSUPPORTED;
+        blocks += out[i];
+    }
+    if (blocks > (size_t)0x7fffffff) return PD_EUNSUPPORTED;
+    if (act == ACT_BF16 && wdtype == ACT_BF16)
+        gemv_launch<bf16, bf16>(s, (const bf16 *)x, n, nm, W, out, in, bias, y);
+    else if (act == ACT_BF16 && wdtype == ACT_F16)
+        gemv_launch<__half, bf16>(s, (const bf16 *)x, n, nm, W, out, in, bias, y);
+    else if (act == ACT_F32 && wdtype == ACT_F32)
+        gemv_launch<float, float>(s, (const float *)x, n, nm, W, out, in, bias, y);
+    else
+        return PD_EUNSUPPORTED;
+    CUDA_LAUNCH_CHECK("gemv_kernel");
 }
 
 int cuda_gemv(cudaStream_t s, int act, const void *x, size_t n, const void *W, int wdtype,
               size_t out, size_t in, const float *bias, void *y)
 {
-    if (n < 1 || n > CUDA_GEMV_MAX_N || in % 8 || ((uintptr_t)x | (uintptr_t)W) % 16 ||
-        out > (size_t)0x7fffffff)
-        return PD_EUNSUPPORTED; // the caller takes the GEMM path; no message needed
-    if (act == ACT_BF16 && wdtype == ACT_BF16)
-        gemv_launch(s, (const bf16 *)x, n, (const bf16 *)W, out, in, bias, (bf16 *)y);
-    else if (act == ACT_BF16 && wdtype == ACT_F16)
-        gemv_launch(s, (const bf16 *)x, n, (const __half *)W, out, in, bias, (bf16 *)y);
-    else if (act == ACT_F32 && wdtype == ACT_F32)
-        gemv_launch(s, (const float *)x, n, (const float *)W, out, in, bias, (float *)y);
-    else
-        return PD_EUNSUPPORTED;
-    CUDA_LAUNCH_CHECK("gemv_kernel");
+    return cuda_gemv_multi(s, act, x, n, 1, &W, wdtype, &out, in, &bias, &y);
 }

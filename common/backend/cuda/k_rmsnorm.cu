@@ -11,6 +11,9 @@
 // (y == x) is safe: each thread writes only the chunks it read itself. Rows that do not split
 // into aligned chunks (dim % (16 / elem) != 0, misaligned pointers) or exceed the register
 // budget take the scalar kernel, which reads x twice.
+// With ADD (vLLM's fused_add_rms_norm) each kernel first adds the sublayer output to the
+// residual row, rounds the sum to the activation type, stores it back and normalizes that
+// rounded row: the values of an add launch followed by an rmsnorm launch, in one pass.
 #include <stdint.h>
 
 #include "backend/cuda/cuda_common.cuh"
@@ -36,13 +39,15 @@ __device__ static float norm_block_sum(float v)
     return total;
 }
 
-template <typename T>
-__global__ void rmsnorm_kernel(const T *x, const float *w, float eps, size_t dim, T *y)
+template <typename T, bool ADD>
+__global__ void rmsnorm_kernel(T *x, const T *add, const float *w, float eps, size_t dim, T *y)
 {
-    const T *xr = x + (size_t)blockIdx.x * dim;
+    T *xr = x + (size_t)blockIdx.x * dim;
+    const T *ar = add + (ADD ? (size_t)blockIdx.x * dim : 0);
     T *yr = y + (size_t)blockIdx.x * dim;
     float ss = 0.0f;
     for (size_t i = threadIdx.x; i < dim; i += blockDim.x) {
+        if (ADD) stf(xr, i, ldf(xr, i) + ldf(ar, i)); // read back below by this thread only
         float v = ldf(xr, i);
         ss += v * v;
     }
@@ -58,13 +63,14 @@ template <typename T> struct __align__(16) norm_chunk
 };
 
 // R: chunks per thread (chunk c = threadIdx.x + r * blockDim.x of the row's dim / EPC chunks).
-template <typename T, int R>
+template <typename T, int R, bool ADD>
 __global__ void __launch_bounds__(NORM_MAX_THREADS)
-    rmsnorm_vec_kernel(const T *x, const float *w, float eps, int dim, T *y)
+    rmsnorm_vec_kernel(T *x, const T *add, const float *w, float eps, int dim, T *y)
 {
     constexpr int EPC = norm_chunk<T>::EPC;
     const int nch = dim / EPC;
-    const norm_chunk<T> *xr = (const norm_chunk<T> *)(x + (size_t)blockIdx.x * dim);
+    norm_chunk<T> *xr = (norm_chunk<T> *)(x + (size_t)blockIdx.x * dim);
+    const norm_chunk<T> *ar = (const norm_chunk<T> *)(add + (ADD ? (size_t)blockIdx.x * dim : 0));
     norm_chunk<T> *yr = (norm_chunk<T> *)(y + (size_t)blockIdx.x * dim);
     const float4 *w4 = (const float4 *)w; // dim / 4 float4s
     norm_chunk<T> xv[R];                  // the thread's chunks of the row
@@ -74,6 +80,12 @@ __global__ void __launch_bounds__(NORM_MAX_THREADS)
         int c = (int)threadIdx.x + r * (int)blockDim.x;
         if (c < nch) {
             xv[r] = xr[c];
+            if (ADD) {
+                norm_chunk<T> a = ar[c];
+#pragma unroll
+                for (int e = 0; e < EPC; e++) xv[r].e[e] = (T)((float)xv[r].e[e] + (float)a.e[e]);
+                xr[c] = xv[r];
+            }
 #pragma unroll
             for (int k = 0; k < EPC / 4; k++) wv[r][k] = __ldg(w4 + (size_t)c * (EPC / 4) + k);
         }
@@ -102,16 +114,17 @@ __global__ void __launch_bounds__(NORM_MAX_THREADS)
     }
 }
 
-template <typename T>
-static void rmsnorm_launch(cudaStream_t s, const T *x, const float *w, float eps, size_t n,
+template <typename T, bool ADD>
+static void rmsnorm_launch(cudaStream_t s, T *x, const T *add, const float *w, float eps, size_t n,
                            size_t dim, T *y)
 {
     constexpr int EPC = norm_chunk<T>::EPC;
     const size_t nch = dim / EPC;
-    const bool vec = dim % EPC == 0 && ((uintptr_t)x | (uintptr_t)y | (uintptr_t)w) % 16 == 0 &&
+    const bool vec = dim % EPC == 0 &&
+                     ((uintptr_t)x | (uintptr_t)add | (uintptr_t)y | (uintptr_t)w) % 16 == 0 &&
                      nch <= (size_t)NORM_MAX_THREADS * NORM_MAX_R;
     if (!vec) {
-        rmsnorm_kernel<<<(unsigned)n, NORM_THREADS, 0, s>>>(x, w, eps, dim, y);
+        rmsnorm_kernel<T, ADD><<<(unsigned)n, NORM_THREADS, 0, s>>>(x, add, w, eps, dim, y);
         return;
     }
     size_t threads = (nch + 31) / 32 * 32;
@@ -120,9 +133,9 @@ static void rmsnorm_launch(cudaStream_t s, const T *x, const float *w, float eps
     const size_t R = (nch + threads - 1) / threads;
     const unsigned g = (unsigned)n, b = (unsigned)threads;
     if (R <= 1)
-        rmsnorm_vec_kernel<T, 1><<<g, b, 0, s>>>(x, w, eps, (int)dim, y);
+        rmsnorm_vec_kernel<T, 1, ADD><<<g, b, 0, s>>>(x, add, w, eps, (int)dim, y);
     else
-        rmsnorm_vec_kernel<T, NORM_MAX_R><<<g, b, 0, s>>>(x, w, eps, (int)dim, y);
+        rmsnorm_vec_kernel<T, NORM_MAX_R, ADD><<<g, b, 0, s>>>(x, add, w, eps, (int)dim, y);
 }
 
 int cuda_rmsnorm(cudaStream_t s, int act, const void *x, const float *w, float eps, size_t n,
@@ -130,6 +143,18 @@ int cuda_rmsnorm(cudaStream_t s, int act, const void *x, const float *w, float e
 {
     if (n == 0) return PD_OK;
     if (n > 0x7fffffffu) return pd_error(PD_EINVAL, "cuda rmsnorm: %zu rows is too many", n);
-    ACT_DISPATCH(act, T, rmsnorm_launch<T>(s, (const T *)x, w, eps, n, dim, (T *)y));
+    // x is only read without ADD
+    ACT_DISPATCH(act, T,
+                 rmsnorm_launch<T, false>(s, (T *)x, (const T *)NULL, w, eps, n, dim, (T *)y));
+    CUDA_LAUNCH_CHECK("rmsnorm_kernel");
+}
+
+int cuda_add_rmsnorm(cudaStream_t s, int act, void *x, const void *add, const float *w, float eps,
+                     size_t n, size_t dim, void *y)
+{
+    if (n == 0) return PD_OK;
+    if (n > 0x7fffffffu) return pd_error(PD_EINVAL, "cuda rmsnorm: %zu rows is too many", n);
+    ACT_DISPATCH(act, T,
+                 rmsnorm_launch<T, true>(s, (T *)x, (const T *)add, w, eps, n, dim, (T *)y));
     CUDA_LAUNCH_CHECK("rmsnorm_kernel");
 }

@@ -4,7 +4,18 @@
 // Design: the forward pass computes the cos/sin tables once per step on the host (every
 // scaling type, attention scaling folded in), so this kernel is a pure element-wise rotation:
 // one thread per (row, head, pair), f32 math, each pair read and written by the same thread.
+// rope_kv_write_kernel does the rotation of q and k and the KV-cache write of k and v of one
+// layer in one launch (vLLM's rotary_embedding + reshape_and_cache): the rotated k goes
+// straight to its slot, so a decode step launches one kernel here instead of three.
 #include "backend/cuda/cuda_common.cuh"
+
+// The rotated pair (x1, x2) -> (o1, o2); one definition so both kernels round alike.
+__device__ __forceinline__ void rope_pair(float x1, float x2, float c, float sn, float *o1,
+                                          float *o2)
+{
+    *o1 = x1 * c - x2 * sn;
+    *o2 = x2 * c + x1 * sn;
+}
 
 template <typename T>
 __global__ void rope_kernel(T *x, size_t n, size_t n_heads, size_t head_dim, const float *cos_t,
@@ -19,9 +30,49 @@ __global__ void rope_kernel(T *x, size_t n, size_t n_heads, size_t head_dim, con
         size_t r = rh / n_heads;
         T *xh = x + rh * head_dim;
         float c = cos_t[r * rope_half + p], sn = sin_t[r * rope_half + p];
-        float x1 = ldf(xh, p), x2 = ldf(xh, p + half);
-        stf(xh, p, x1 * c - x2 * sn);
-        stf(xh, p + half, x2 * c + x1 * sn);
+        float o1, o2;
+        rope_pair(ldf(xh, p), ldf(xh, p + half), c, sn, &o1, &o2);
+        stf(xh, p, o1);
+        stf(xh, p + half, o2);
+    }
+}
+
+// One thread per (row, head, pair) over the heads q (nq), then k (nkv), then v (nkv).
+template <typename T>
+__global__ void rope_kv_write_kernel(T *q, const T *k, const T *v, size_t n, size_t nq,
+                                     size_t nkv, size_t head_dim, const float *cos_t,
+                                     const float *sin_t, size_t rope_half, const int64_t *slots,
+                                     T *kc, T *vc)
+{
+    const size_t half = head_dim / 2, heads = nq + 2 * nkv;
+    const size_t total = n * heads * half;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (size_t)gridDim.x * blockDim.x) {
+        size_t p = i % half;
+        size_t rh = i / half; // row * heads + head
+        size_t r = rh / heads, h = rh % heads;
+        if (h >= nq + nkv) { // v: a plain copy into the slot
+            size_t vh = h - nq - nkv;
+            const T *src = v + (r * nkv + vh) * head_dim;
+            T *dst = vc + ((size_t)slots[r] * nkv + vh) * head_dim;
+            dst[p] = src[p];
+            dst[p + half] = src[p + half];
+            continue;
+        }
+        float c = cos_t[r * rope_half + p], sn = sin_t[r * rope_half + p];
+        const T *src;
+        T *dst;
+        if (h < nq) { // q: in place
+            dst = q + (r * nq + h) * head_dim;
+            src = dst;
+        } else { // k: rotated into the slot
+            src = k + (r * nkv + (h - nq)) * head_dim;
+            dst = kc + ((size_t)slots[r] * nkv + (h - nq)) * head_dim;
+        }
+        float o1, o2;
+        rope_pair(ldf(src, p), ldf(src, p + half), c, sn, &o1, &o2);
+        stf(dst, p, o1);
+        stf(dst, p + half, o2);
     }
 }
 
@@ -36,4 +87,20 @@ int cuda_rope(cudaStream_t s, int act, void *x, size_t n, size_t n_heads, size_t
                  rope_kernel<<<(unsigned)blocks, 256, 0, s>>>((T *)x, n, n_heads, head_dim, cos_t,
                                                               sin_t, rope_half));
     CUDA_LAUNCH_CHECK("rope_kernel");
+}
+
+int cuda_rope_kv_write(cudaStream_t s, int act, void *q, const void *k, const void *v, size_t n,
+                       size_t nq, size_t nkv, size_t head_dim, const float *cos_t,
+                       const float *sin_t, size_t rope_half, const int64_t *slots, void *kc,
+                       void *vc)
+{
+    size_t total = n * (nq + 2 * nkv) * (head_dim / 2);
+    if (total == 0) return PD_OK;
+    size_t blocks = (total + 255) / 256;
+    if (blocks > 65535) blocks = 65535;
+    ACT_DISPATCH(act, T,
+                 rope_kv_write_kernel<<<(unsigned)blocks, 256, 0, s>>>(
+                     (T *)q, (const T *)k, (const T *)v, n, nq, nkv, head_dim, cos_t, sin_t,
+                     rope_half, slots, (T *)kc, (T *)vc));
+    CUDA_LAUNCH_CHECK("rope_kv_write_kernel");
 }

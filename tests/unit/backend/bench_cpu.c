@@ -2,6 +2,7 @@
  *
  *   bench_cpu --model DIR [--threads N] [--prompt-len 512] [--decode-steps 64] [--reps 3]
  *             [--bw-mib 2048] [--weight-dtype float32|bfloat16|float16] [--isa auto|scalar|avx512]
+ *             [--fused 1|0]
  *
  * Prints, for the same process and thread count:
  *  - read bandwidth of a vectorized STREAM-style read loop (sum of a buffer much larger than
@@ -12,7 +13,9 @@
  *  - the backend's own matmul on the same shapes in isolation (GFLOP/s) and the fraction the
  *    prefill reaches; OpenBLAS sgemm on the same shapes for reference, and whether OpenBLAS
  *    gives a row the same bits alone (M = 1) as inside M = prompt-len (why it is not used).
- * Every figure is printed for each repetition, then best and spread.
+ * --fused 0 runs the model through the plain ops only (pd_forward_params.no_fused), for the
+ * before/after of the backend's fused ops. Every figure is printed for each repetition, then
+ * best and spread.
  */
 #include <cblas.h>
 #if defined(__x86_64__)
@@ -178,7 +181,7 @@ static int run_seq(pd_forward *f, pd_kv *kv, const int32_t *ids, size_t n, size_
 int main(int argc, char **argv)
 {
     const char *model = NULL, *wdt_s = NULL, *isa_s = "auto";
-    int threads = 0, reps = 3;
+    int threads = 0, reps = 3, fused = 1;
     size_t prompt_len = 512, steps = 64, bw_mib = 2048;
     for (int i = 1; i + 1 < argc; i += 2) {
         const char *a = argv[i], *v = argv[i + 1];
@@ -198,6 +201,8 @@ int main(int argc, char **argv)
             wdt_s = v;
         else if (!strcmp(a, "--isa"))
             isa_s = v;
+        else if (!strcmp(a, "--fused"))
+            fused = atoi(v);
         else {
             fprintf(stderr, "bench_cpu: unknown option %s\n", a);
             return 2;
@@ -206,7 +211,7 @@ int main(int argc, char **argv)
     if (!model || reps < 1 || reps > 30 || prompt_len < 2 || prompt_len > 8192) {
         fprintf(stderr, "usage: bench_cpu --model DIR [--threads N] [--prompt-len 512] "
                         "[--decode-steps 64] [--reps 3] [--bw-mib 2048] [--weight-dtype D] "
-                        "[--isa auto|scalar|avx512]\n");
+                        "[--isa auto|scalar|avx512] [--fused 1|0]\n");
         return 2;
     }
     pd_backend_params bp = pd_backend_default_params();
@@ -231,6 +236,7 @@ int main(int argc, char **argv)
     pd_forward_params fp = pd_forward_default_params();
     fp.max_tokens = prompt_len;
     fp.max_out = 1;
+    fp.no_fused = !fused;
     if (rc == 0) rc = pd_forward_create(b, m, &fp, &f);
     const size_t BS = 16, per_seq = (prompt_len + steps + BS) / BS;
     const pd_backend_ops *o = b ? pd_backend_get_ops(b) : NULL;

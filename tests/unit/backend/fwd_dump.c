@@ -6,8 +6,9 @@
  *   -> {"prompt_logits_last": [...], "greedy_tokens": [...], "all_logits": [[...], ...]}
  *   fwd_dump --model DIR --prompt-ids 1,2,3 --check-determinism [--steps N]
  *   -> exit 0 when the prompt's logits and greedy tokens are bit-identical run alone in one
- *      chunk, in chunks of 1, 3 and 7 rows, and batched with two other sequences (prefill
- *      chunks and decode rows mixed); exit 1 naming the first difference.
+ *      chunk, in chunks of 1, 3 and 7 rows, batched with two other sequences (prefill
+ *      chunks and decode rows mixed), and batched through the plain ops instead of the
+ *      backend's fused ones (pd_forward_params.no_fused); exit 1 naming the first difference.
  *
  * Design: the simplest block management there is (sequence s owns blocks
  * [s * per_seq, (s + 1) * per_seq)), kept out of the library on purpose: the engine's block
@@ -117,7 +118,8 @@ static int step(rt *r, size_t n_seqs, const int32_t *const *toks, const size_t *
     return rc;
 }
 
-static int rt_open(rt *r, const char *dir, int threads, pd_cpu_isa isa, int wdt, size_t max_len)
+static int rt_open(rt *r, const char *dir, int threads, pd_cpu_isa isa, int wdt, size_t max_len,
+                   int no_fused)
 {
     memset(r, 0, sizeof *r);
     pd_model *m = NULL;
@@ -130,6 +132,7 @@ static int rt_open(rt *r, const char *dir, int threads, pd_cpu_isa isa, int wdt,
     pd_forward_params fp = pd_forward_default_params();
     fp.max_tokens = 4096;
     fp.max_out = MAXSEQ;
+    fp.no_fused = no_fused;
     if (rc == 0) rc = pd_forward_create(r->b, m, &fp, &r->f);
     pd_model_free(m);
     if (rc < 0) return rc;
@@ -325,7 +328,7 @@ int main(int argc, char **argv)
     size_t n = 0;
     rt r;
     int rc = parse_ids(ids_s, &ids, &n);
-    if (rc == 0) rc = rt_open(&r, model, threads, isa, wdt, n + steps + 16);
+    if (rc == 0) rc = rt_open(&r, model, threads, isa, wdt, n + steps + 16, 0);
     if (rc < 0) {
         fprintf(stderr, "fwd_dump: %s\n", pd_last_error());
         free(ids);
@@ -342,7 +345,7 @@ int main(int argc, char **argv)
         static const size_t chunks[] = {1, 3, 7};
         for (size_t c = 0; c < 3 && rc == 0 && !status; c++) {
             rt_close(&r);
-            rc = rt_open(&r, model, threads, isa, wdt, n + steps + 16);
+            rc = rt_open(&r, model, threads, isa, wdt, n + steps + 16, 0);
             if (rc == 0) rc = run_single(&r, ids, n, chunks[c], steps, last, NULL, greedy);
             if (rc == 0 && (memcmp(last, ref_last, V * 4) || memcmp(greedy, ref_g, steps * 4))) {
                 fprintf(stderr, "fwd_dump: chunks of %zu differ from one chunk\n", chunks[c]);
@@ -351,7 +354,7 @@ int main(int argc, char **argv)
         }
         if (rc == 0 && !status) {
             rt_close(&r);
-            rc = rt_open(&r, model, threads, isa, wdt, n + steps + 16);
+            rc = rt_open(&r, model, threads, isa, wdt, n + steps + 16, 0);
             if (rc == 0) rc = run_batched(&r, ids, n, steps, last, greedy);
             if (rc == 0 && memcmp(last, ref_last, V * 4)) {
                 fprintf(stderr, "fwd_dump: prompt logits differ when batched with others\n");
@@ -362,9 +365,19 @@ int main(int argc, char **argv)
                 status = 1;
             }
         }
+        if (rc == 0 && !status) { /* the plain ops instead of the backend's fused ones */
+            rt_close(&r);
+            rc = rt_open(&r, model, threads, isa, wdt, n + steps + 16, 1);
+            if (rc == 0) rc = run_batched(&r, ids, n, steps, last, greedy);
+            if (rc == 0 && (memcmp(last, ref_last, V * 4) || memcmp(greedy, ref_g, steps * 4))) {
+                fprintf(stderr, "fwd_dump: the plain ops differ from the fused ones\n");
+                status = 1;
+            }
+        }
         if (rc == 0 && !status)
-            printf("determinism ok: %zu prompt tokens, %zu steps, chunks 1/3/7 and batched\n", n,
-                   steps);
+            printf("determinism ok: %zu prompt tokens, %zu steps, chunks 1/3/7, batched, plain "
+                   "ops\n",
+                   n, steps);
         free(ref_last);
         free(ref_g);
     } else {

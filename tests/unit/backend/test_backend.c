@@ -2,7 +2,7 @@
  * f32/bf16/f16 weights and odd sizes on both kernel families (scalar, AVX-512 when the CPU has
  * it), bit-identical rows across batch sizes and thread counts, RMSNorm, SwiGLU, RoPE, embedding,
  * paged GQA attention with scattered block tables, KV export/import, slices and every rejected
- * input. */
+ * input; the fused ops against the plain ones. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -509,6 +509,121 @@ TEST(paged_attention_matches_reference)
         o->kv_free(b, kv);
         pd_backend_destroy(b);
     }
+}
+
+/* The fused ops (matmul_multi, add_rmsnorm, rope_kv_write) give bit for bit what the plain
+ * ops they stand for give, on each ISA, with 1 and 3 threads, for decode and prefill row counts;
+ * and their bad inputs are refused with the field named. */
+TEST(fused_ops_equal_plain_ops)
+{
+    pd_cpu_isa isa[2];
+    int n_isa = isas(isa);
+    enum { K = 72, O0 = 40, O1 = 9, O2 = 17, MAXN = 9 };
+    const size_t outs[3] = {O0, O1, O2};
+    for (int ii = 0; ii < n_isa; ii++)
+        for (int threads = 1; threads <= 3; threads += 2) {
+            pd_backend *b = make_backend(isa[ii], threads, -1);
+            ASSERT(b);
+            const pd_backend_ops *o = pd_backend_get_ops(b);
+            ASSERT(o->matmul_multi && o->add_rmsnorm && o->rope_kv_write);
+            rng_state = 777;
+            host_tensor hw[3], hb[3];
+            pd_weight *W[3], *B[3];
+            for (int i = 0; i < 3; i++) {
+                float *w = malloc(outs[i] * K * 4), *bias = malloc(outs[i] * 4);
+                fill(w, outs[i] * K);
+                fill(bias, outs[i]);
+                ht_make(&hw[i], "w", i == 1 ? PD_DTYPE_F16 : PD_DTYPE_BF16, outs[i], K, w);
+                ht_make(&hb[i], "b", PD_DTYPE_F32, 0, outs[i], bias);
+                ASSERT_OK(o->weight_load(b, &hw[i].t, NULL, &W[i]));
+                ASSERT_OK(o->weight_load(b, &hb[i].t, NULL, &B[i]));
+                free(w), free(bias);
+            }
+            float x[MAXN * K], fused[3][MAXN * O0], plain[3][MAXN * O0];
+            fill(x, MAXN * K);
+            for (size_t n = 1; n <= MAXN; n += 4) {
+                const pd_weight *ws[3] = {W[0], W[1], W[2]}, *bs[3] = {B[0], NULL, B[2]};
+                void *ys[3] = {fused[0], fused[1], fused[2]};
+                ASSERT_OK(o->matmul_multi(b, x, n, 3, ws, bs, ys));
+                for (int i = 0; i < 3; i++)
+                    ASSERT_OK(o->matmul(b, x, n, W[i], bs[i], plain[i]));
+                for (int i = 0; i < 3; i++)
+                    ASSERT(memcmp(fused[i], plain[i], n * outs[i] * 4) == 0);
+                ASSERT_OK(o->matmul_multi(b, x, n, 2, ws, NULL, ys)); /* no biases */
+                ASSERT_OK(o->matmul(b, x, n, W[0], NULL, plain[0]));
+                ASSERT(memcmp(fused[0], plain[0], n * O0 * 4) == 0);
+            }
+            const pd_weight *ws[3] = {W[0], W[1], W[2]};
+            void *ys[3] = {fused[0], fused[1], fused[2]};
+            ASSERT_ERR(o->matmul_multi(b, x, 1, 0, ws, NULL, ys), PD_EINVAL, "0 weights");
+            ASSERT_ERR(o->matmul_multi(b, x, 1, 5, ws, NULL, ys), PD_EINVAL, "5 weights");
+            const pd_weight *wrong_bias[2] = {B[1], NULL}; /* 9 elements for 40 rows */
+            ASSERT_ERR(o->matmul_multi(b, x, 1, 2, ws, wrong_bias, ys), PD_EINVAL,
+                       "expected (1, 40)");
+            host_tensor hn;
+            float wn[K], *narrow = malloc(5 * 8 * 4);
+            fill(narrow, 5 * 8);
+            ht_make(&hn, "narrow", PD_DTYPE_F32, 5, 8, narrow);
+            pd_weight *Wn;
+            ASSERT_OK(o->weight_load(b, &hn.t, NULL, &Wn));
+            const pd_weight *mixed[2] = {W[0], Wn};
+            ASSERT_ERR(o->matmul_multi(b, x, 1, 2, mixed, NULL, ys), PD_EINVAL,
+                       "weight 1 has 8 columns");
+            o->weight_free(b, Wn);
+            free(narrow), free(hn.buf);
+
+            /* add_rmsnorm = add, then rmsnorm */
+            fill(wn, K);
+            ht_make(&hn, "norm", PD_DTYPE_F32, 0, K, wn);
+            ASSERT_OK(o->weight_load(b, &hn.t, NULL, &Wn));
+            float r0[MAXN * K], r1[MAXN * K], t[MAXN * K], h0[MAXN * K], h1[MAXN * K];
+            fill(r0, MAXN * K);
+            fill(t, MAXN * K);
+            memcpy(r1, r0, sizeof r0);
+            ASSERT_OK(o->add_rmsnorm(b, r0, t, Wn, 1e-5f, MAXN, K, h0));
+            ASSERT_OK(o->add(b, r1, t, MAXN * K));
+            ASSERT_OK(o->rmsnorm(b, r1, Wn, 1e-5f, MAXN, K, h1));
+            ASSERT(memcmp(r0, r1, sizeof r0) == 0 && memcmp(h0, h1, sizeof h0) == 0);
+            ASSERT_ERR(o->add_rmsnorm(b, r0, t, Wn, 1e-5f, MAXN, K - 1, h0), PD_EINVAL,
+                       "expected (1, 71)");
+            o->weight_free(b, Wn);
+            free(hn.buf);
+
+            /* rope_kv_write = rope(q), rope(k), kv_write(k, v) */
+            pd_kv_params kp = {2, NBLK, BS, NKV, HD, PD_DTYPE_F32};
+            pd_kv *kv[2];
+            for (int i = 0; i < 2; i++) ASSERT_OK(o->kv_create(b, &kp, &kv[i]));
+            step_desc sd;
+            make_step(&sd, 0);
+            pd_batch bt = to_batch(&sd, 3);
+            ASSERT_OK(o->plan(b, &bt));
+            size_t n = sd.n_tokens;
+            float q[2][16 * NQ * HD], k[2][16 * NKV * HD], v[16 * NKV * HD];
+            fill(q[0], n * NQ * HD);
+            fill(k[0], n * NKV * HD);
+            fill(v, n * NKV * HD);
+            memcpy(q[1], q[0], sizeof q[0]);
+            memcpy(k[1], k[0], sizeof k[0]);
+            ASSERT_OK(o->rope_kv_write(b, kv[0], 1, q[0], NQ, k[0], v));
+            ASSERT_OK(o->rope(b, q[1], NQ, HD));
+            ASSERT_OK(o->rope(b, k[1], NKV, HD));
+            ASSERT_OK(o->kv_write(b, kv[1], 1, k[1], v));
+            ASSERT(memcmp(q[0], q[1], n * NQ * HD * 4) == 0);
+            float pool[2][2 * NBLK * BS * NKV * HD];
+            int32_t all[NBLK];
+            for (int i = 0; i < NBLK; i++) all[i] = i;
+            pd_kv_range rg = {1, all, NBLK, 0, NKV};
+            for (int i = 0; i < 2; i++) ASSERT_OK(o->kv_export(b, kv[i], &rg, pool[i]));
+            ASSERT(memcmp(pool[0], pool[1], sizeof pool[0]) == 0);
+            ASSERT_ERR(o->rope_kv_write(b, kv[0], 2, q[0], NQ, k[0], v), PD_ERANGE, "layer 2");
+            for (int i = 0; i < 2; i++) o->kv_free(b, kv[i]);
+            for (int i = 0; i < 3; i++) {
+                o->weight_free(b, W[i]);
+                o->weight_free(b, B[i]);
+                free(hw[i].buf), free(hb[i].buf);
+            }
+            pd_backend_destroy(b);
+        }
 }
 
 TEST(plan_and_step_errors)
