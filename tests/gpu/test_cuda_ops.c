@@ -585,6 +585,19 @@ TEST(cuda_attention_long_prefill)
     attention_case(32, 4, 64, 16, s, 2, "prefill 1000 + chunk 300");
 }
 
+/* The older WMMA prefill kernel (PD_CUDA_ATTN_TC=wmma, read when a backend is created) on the
+ * tensor-core shapes above; the default runs the mma.sync kernel. */
+TEST(cuda_attention_prefill_wmma_kernel)
+{
+    NEED_GPU();
+    setenv("PD_CUDA_ATTN_TC", "wmma", 1);
+    attention_case(32, 4, 64, 16, k_mixed, 5, "mixed, wmma");
+    attention_case(12, 4, 128, 5, k_mixed, 5, "mixed d128 block 5, wmma");
+    static const seq_spec s[] = {{0, 1000}, {500, 300}};
+    attention_case(32, 4, 64, 16, s, 2, "prefill 1000 + chunk 300, wmma");
+    unsetenv("PD_CUDA_ATTN_TC");
+}
+
 /* ---- fused ops ------------------------------------------------------------------------------ */
 
 /* *same = 1 when GPU buffers a and b (n activations) are equal bit for bit. */

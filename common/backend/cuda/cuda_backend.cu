@@ -174,6 +174,7 @@ typedef struct {
 
     // CUDA graphs for repeated decode steps (see "graphs" below).
     int graphs_on;
+    int attn_tc_wmma; // PD_CUDA_ATTN_TC=wmma: the older tensor-core prefill attention kernel
     int gmode; // G_EAGER / G_RECORD / G_REPLAY for the current step
     graph_slot graphs[GRAPH_SLOTS];
     graph_slot *gcur; // slot being recorded / replayed
@@ -311,6 +312,8 @@ static int be_init(cuda_be *cb)
     CUDA_TRY(cudaMalloc(&cb->d_counts, 4 * sizeof(int32_t)));
     const char *g = getenv("PD_CUDA_GRAPHS");
     cb->graphs_on = !(g && strcmp(g, "0") == 0) && !cb->params.no_graphs;
+    const char *tc = getenv("PD_CUDA_ATTN_TC");
+    cb->attn_tc_wmma = tc && strcmp(tc, "wmma") == 0;
     PD_CHECK(cuda_attention_init());
     return PD_OK;
 }
@@ -1269,6 +1272,7 @@ static int exec_attention(cuda_be *cb, const pd_kv *kv, int layer, const void *q
     a.n_kv_heads = (int)kv->p.n_kv_heads;
     a.head_dim = (int)kv->p.head_dim;
     a.heads_per_item = cb->hpi;
+    a.tc_wmma = cb->attn_tc_wmma;
     a.block_size = (int)kv->p.block_size;
     a.scale = scale;
     return cuda_attention(cb->stream, &a);

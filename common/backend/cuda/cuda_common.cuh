@@ -206,6 +206,7 @@ typedef struct {
     float *part_lse;       // (parts, n_q_heads) f32 workspace
     int n_q_heads, n_kv_heads, head_dim;
     int heads_per_item; // q heads one block covers (divides n_q_heads / n_kv_heads)
+    int tc_wmma;        // 1: the WMMA tensor-core kernel instead of the mma.sync one
     int block_size;
     float scale;
 } cuda_attn_args;
@@ -213,7 +214,8 @@ typedef struct {
 int cuda_attention_init(void);
 // Runs the CUDA-core items, the tensor-core items and the merges of a step's work list.
 int cuda_attention(cudaStream_t s, const cuda_attn_args *a);
-// k_attention_tc.cu: the tensor-core items alone (bf16, head_dim 64 or 128).
+// k_attention_tc.cu: the tensor-core items alone (bf16, head_dim 64 or 128; mma.sync kernel, or
+// the WMMA one when tc_wmma).
 int cuda_attention_tc_init(void);
 int cuda_attention_tc(cudaStream_t s, const cuda_attn_args *a);
 
