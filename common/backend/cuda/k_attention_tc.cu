@@ -39,6 +39,27 @@ template <int D> struct tc_layout {
     static constexpr size_t bytes = a_off + (size_t)TC_WARPS * 16 * 4;
 };
 
+// The item's 64 query vectors (row r = v / hpi, head h0 + v % hpi; zeros past nrows * hpi) into
+// shared rows of ld elements.
+template <int D>
+__device__ __forceinline__ void tc_stage_q(const cuda_attn_args &a, const cuda_attn_item &it,
+                                           int h0, bf16 *Qs, int ld)
+{
+    constexpr int CH = D / 8; // 16-byte chunks per row
+    const int hpi = a.tc_heads_per_item, nq = it.nrows * hpi;
+    const bf16 *q = (const bf16 *)a.q;
+    for (int i = threadIdx.x; i < CUDA_ATTN_TC_QV * CH; i += TC_THREADS) {
+        int v = i / CH, c = i % CH;
+        uint4 val = make_uint4(0, 0, 0, 0);
+        if (v < nq) {
+            size_t row = (size_t)it.row0 + v / hpi;
+            int head = h0 + v % hpi;
+            val = *(const uint4 *)(q + (row * a.n_q_heads + head) * D + c * 8);
+        }
+        *(uint4 *)(Qs + v * ld + c * 8) = val;
+    }
+}
+
 template <int D> __global__ void __launch_bounds__(TC_THREADS) attn_tc_wmma_kernel(cuda_attn_args a)
 {
     typedef tc_layout<D> L;
@@ -57,20 +78,11 @@ template <int D> __global__ void __launch_bounds__(TC_THREADS) attn_tc_wmma_kern
     const int G = a.n_q_heads / a.n_kv_heads;
     const int h0 = blockIdx.y * hpi, kvhead = h0 / G;
     const int nq = it.nrows * hpi, nqh = a.n_q_heads;
-    const bf16 *q = (const bf16 *)a.q, *kc = (const bf16 *)a.kc, *vc = (const bf16 *)a.vc;
+    const bf16 *kc = (const bf16 *)a.kc, *vc = (const bf16 *)a.vc;
     const float qs = a.scale * 1.4426950408889634f;
     const int CH = D / 8; // 16-byte chunks per row
 
-    for (int i = tid; i < CUDA_ATTN_TC_QV * CH; i += TC_THREADS) {
-        int v = i / CH, c = i % CH;
-        uint4 val = make_uint4(0, 0, 0, 0);
-        if (v < nq) {
-            size_t row = (size_t)it.row0 + v / hpi;
-            int head = h0 + v % hpi;
-            val = *(const uint4 *)(q + (row * nqh + head) * D + c * 8);
-        }
-        *(uint4 *)(Qs + v * L::LDQ + c * 8) = val;
-    }
+    tc_stage_q<D>(a, it, h0, Qs, L::LDQ);
     for (int i = lane; i < 16 * L::LDO; i += 32) Ow[i] = 0.0f;
 
     // lane pair (2r, 2r+1) owns row r of the warp's 16 query vectors, half h of the columns
@@ -268,7 +280,7 @@ __device__ __forceinline__ void mma_load_tile(const cuda_attn_args &a, const cud
 template <int D> __global__ void __launch_bounds__(TC_THREADS) attn_tc_mma_kernel(cuda_attn_args a)
 {
     typedef mma_layout<D> L;
-    constexpr int LD = L::LD, KT = CUDA_ATTN_TC_KT, CH = D / 8;
+    constexpr int LD = L::LD, KT = CUDA_ATTN_TC_KT;
     constexpr int NT = KT / 8;  // 8-key score tiles per key tile
     constexpr int KS = D / 16;  // 16-wide k steps of Q K^T
     constexpr int DT = D / 8;   // 8-wide output column tiles
@@ -284,21 +296,11 @@ template <int D> __global__ void __launch_bounds__(TC_THREADS) attn_tc_mma_kerne
     const int G = a.n_q_heads / a.n_kv_heads;
     const int h0 = blockIdx.y * hpi, kvhead = h0 / G;
     const int nq = it.nrows * hpi, nqh = a.n_q_heads;
-    const bf16 *q = (const bf16 *)a.q;
     const float qs = a.scale * 1.4426950408889634f;
 
     mma_load_tile<D>(a, it, kvhead, it.kv0, Ks, Vs);
     cp_async_commit();
-    for (int i = tid; i < CUDA_ATTN_TC_QV * CH; i += TC_THREADS) {
-        int v = i / CH, c = i % CH;
-        uint4 val = make_uint4(0, 0, 0, 0);
-        if (v < nq) {
-            size_t row = (size_t)it.row0 + v / hpi;
-            int head = h0 + v % hpi;
-            val = *(const uint4 *)(q + (row * nqh + head) * D + c * 8);
-        }
-        *(uint4 *)(Qs + v * LD + c * 8) = val;
-    }
+    tc_stage_q<D>(a, it, h0, Qs, LD);
     __syncthreads();
 
     // the warp's 16 query vectors (rows g and g + 8 of this lane) as a fragments, for all tiles
