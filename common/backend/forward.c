@@ -6,7 +6,9 @@
  * cos/sin rows with the model's rope_scaling, output rows) into buffers sized at create, hands
  * it over with one `plan`, and then issues the layer ops. Weights are loaded as this rank's
  * slices (q/k/v/gate/up by output rows, o/down by input columns), so tensor parallelism only
- * adds an all-reduce after o_proj and down_proj.
+ * adds an all-reduce after o_proj and down_proj. Where the backend has the fused ops (backend.h:
+ * q/k/v and gate/up in one matmul_multi, rotary + cache write, residual add + the next norm),
+ * the pass issues those instead of the plain ops they stand for (params.no_fused: never).
  */
 #include "backend/forward.h"
 
