@@ -535,12 +535,15 @@ out_model:
 int main(int argc, char **argv)
 {
     bench_opts op = {NULL, 128, 128, 2048, 64, 0, 200, 0};
-    static const struct option lo[] = {
-        {"model", required_argument, 0, 'm'}, {"prompt", required_argument, 0, 'p'},
-        {"gen", required_argument, 0, 'g'},   {"prefill", required_argument, 0, 'f'},
-        {"batch", required_argument, 0, 'b'}, {"ops-only", no_argument, 0, 'o'},
-        {"iters", required_argument, 0, 'i'}, {"no-fused", no_argument, 0, 'n'},
-        {0, 0, 0, 0}};
+    static const struct option lo[] = {{"model", required_argument, 0, 'm'},
+                                       {"prompt", required_argument, 0, 'p'},
+                                       {"gen", required_argument, 0, 'g'},
+                                       {"prefill", required_argument, 0, 'f'},
+                                       {"batch", required_argument, 0, 'b'},
+                                       {"ops-only", no_argument, 0, 'o'},
+                                       {"iters", required_argument, 0, 'i'},
+                                       {"no-fused", no_argument, 0, 'n'},
+                                       {0, 0, 0, 0}};
     int ch;
     while ((ch = getopt_long(argc, argv, "", lo, NULL)) != -1) {
         switch (ch) {

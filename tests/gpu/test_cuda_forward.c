@@ -262,7 +262,8 @@ TEST(cuda_graphs_match_eager)
 }
 
 /* The fused ops (one GEMV launch for q/k/v and for gate/up, rotary + cache write, residual add
- * + RMSNorm) give bit for bit the logits of the plain ops they stand for, with graphs on. */
+ * + RMSNorm) give bit for bit the logits of the plain ops they stand for, with graphs on: plain
+ * ops issued by the forward pass (no_fused) and by the backend itself (PD_CUDA_FUSED=0). */
 TEST(cuda_fused_ops_match_plain_ops)
 {
     NEED_GPU();
@@ -272,6 +273,15 @@ TEST(cuda_fused_ops_match_plain_ops)
     static const int no_fused[2] = {0, 1};
     int same = 0;
     decode_pair("fused vs plain ops", b, no_fused, &same);
+    ASSERT_EQ_INT(same, 25);
+    /* PD_CUDA_FUSED=0: the backend's fused ops issue the plain ones themselves */
+    pd_backend_destroy(b[1]);
+    setenv("PD_CUDA_FUSED", "0", 1);
+    int rc = pd_backend_cuda_create(&gp, &b[1]);
+    unsetenv("PD_CUDA_FUSED");
+    ASSERT_OK(rc);
+    static const int both_fused[2] = {0, 0};
+    decode_pair("fused vs PD_CUDA_FUSED=0", b, both_fused, &same);
     ASSERT_EQ_INT(same, 25);
     for (int i = 0; i < 2; i++) pd_backend_destroy(b[i]);
 }

@@ -747,7 +747,8 @@ static void fused_rope_kv_case(int mode)
         size_t nblk = (n + 15) / 16 + 2;
         simple_step st;
         ASSERT_OK(simple_step_make(&st, n, 100, D, &seed));
-        float *q = malloc(n * nq * D * 4), *k = malloc(n * nkv * D * 4), *v = malloc(n * nkv * D * 4);
+        float *q = malloc(n * nq * D * 4), *k = malloc(n * nkv * D * 4),
+              *v = malloc(n * nkv * D * 4);
         ASSERT(q && k && v);
         ctu_fill(q, n * nq * D, &seed, 2.0f);
         ctu_fill(k, n * nkv * D, &seed, 2.0f);
@@ -804,9 +805,9 @@ static void fused_rope_kv_case(int mode)
             pd_kv_params kp = {1, 4, 16, nkv, D / 2, pd_backend_act_dtype(p.b[PAIR_GPU])};
             pd_kv *narrow;
             ASSERT_OK(p.o[PAIR_GPU]->kv_create(p.b[PAIR_GPU], &kp, &narrow));
-            ASSERT_ERR(p.o[PAIR_GPU]->rope_kv_write(p.b[PAIR_GPU], narrow, 0, qb[2], nq, kbuf[2],
-                                                    vb[2]),
-                       PD_EINVAL, "planned rope_dim");
+            ASSERT_ERR(
+                p.o[PAIR_GPU]->rope_kv_write(p.b[PAIR_GPU], narrow, 0, qb[2], nq, kbuf[2], vb[2]),
+                PD_EINVAL, "planned rope_dim");
             p.o[PAIR_GPU]->kv_free(p.b[PAIR_GPU], narrow);
         }
         for (int i = 0; i < 3; i++) {

@@ -555,8 +555,7 @@ static size_t mm_chunk(const cpu_be *be, size_t n, const pd_weight *w)
 
 /* The products of several weights with one x in one fork-join (q/k/v, gate/up). */
 static int cpu_matmul_multi(pd_backend *b, const void *x, size_t n, size_t n_w,
-                            const pd_weight *const *w, const pd_weight *const *bias,
-                            void *const *y)
+                            const pd_weight *const *w, const pd_weight *const *bias, void *const *y)
 {
     cpu_be *be = BE(b);
     if (n_w < 1 || n_w > PD_MATMUL_MULTI_MAX)

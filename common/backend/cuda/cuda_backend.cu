@@ -175,7 +175,8 @@ typedef struct {
     // CUDA graphs for repeated decode steps (see "graphs" below).
     int graphs_on;
     int attn_tc_wmma; // PD_CUDA_ATTN_TC=wmma: the older tensor-core prefill attention kernel
-    int gmode; // G_EAGER / G_RECORD / G_REPLAY for the current step
+    int unfused;      // PD_CUDA_FUSED=0: the fused ops issue the plain ops they stand for
+    int gmode;        // G_EAGER / G_RECORD / G_REPLAY for the current step
     graph_slot graphs[GRAPH_SLOTS];
     graph_slot *gcur; // slot being recorded / replayed
     size_t gpos;      // replay position in gcur->tape
@@ -314,6 +315,8 @@ static int be_init(cuda_be *cb)
     cb->graphs_on = !(g && strcmp(g, "0") == 0) && !cb->params.no_graphs;
     const char *tc = getenv("PD_CUDA_ATTN_TC");
     cb->attn_tc_wmma = tc && strcmp(tc, "wmma") == 0;
+    const char *fu = getenv("PD_CUDA_FUSED");
+    cb->unfused = fu && strcmp(fu, "0") == 0;
     PD_CHECK(cuda_attention_init());
     return PD_OK;
 }
@@ -1706,6 +1709,11 @@ static int op_matmul_multi(pd_backend *b, const void *x, size_t n, size_t n_w,
     if (n_w < 1 || n_w > PD_MATMUL_MULTI_MAX)
         return pd_error(PD_EINVAL, "cuda matmul: %zu weights in one call, expected 1 to %d", n_w,
                         PD_MATMUL_MULTI_MAX);
+    if (BE(b)->unfused) {
+        for (size_t i = 0; i < n_w; i++)
+            PD_CHECK(op_matmul(b, x, n, w[i], bias ? bias[i] : NULL, y[i]));
+        return PD_OK;
+    }
     tape_ent e = ent(T_MATMUL_MULTI);
     e.p[0] = x;
     for (size_t i = 0; i < n_w; i++) {
@@ -1732,6 +1740,11 @@ static int op_rope_kv_write(pd_backend *b, pd_kv *kv, int layer, void *q, size_t
     if (kv->p.head_dim != cb->rope_dim)
         return pd_error(PD_EINVAL, "cuda rope_kv_write: head_dim %zu != planned rope_dim %zu",
                         kv->p.head_dim, cb->rope_dim);
+    if (cb->unfused) {
+        PD_CHECK(op_rope(b, q, n_q_heads, kv->p.head_dim));
+        PD_CHECK(op_rope(b, k, kv->p.n_kv_heads, kv->p.head_dim));
+        return op_kv_write(b, kv, layer, k, v);
+    }
     tape_ent e = ent(T_ROPE_KV_WRITE);
     e.p[0] = kv;
     e.p[1] = q;
@@ -1746,6 +1759,10 @@ static int op_add_rmsnorm(pd_backend *b, void *y, const void *x, const pd_weight
                           size_t n, size_t dim, void *h)
 {
     PD_CHECK(norm_check(w, n, dim));
+    if (BE(b)->unfused) {
+        PD_CHECK(op_add(b, y, x, n * dim));
+        return op_rmsnorm(b, y, w, eps, n, dim, h);
+    }
     tape_ent e = ent(T_ADD_RMSNORM);
     e.p[0] = y;
     e.p[1] = x;

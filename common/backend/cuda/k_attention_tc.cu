@@ -198,8 +198,8 @@ template <int D> __global__ void __launch_bounds__(TC_THREADS) attn_tc_wmma_kern
 // ---- mma.sync kernel ----------------------------------------------------------------------------
 
 template <int D> struct mma_layout {
-    static constexpr int LD = D + 8; // bf16 per shared row: 16-byte aligned, rows 4 banks apart
-    static constexpr size_t q_off = 0;                                            // (QV, LD)
+    static constexpr int LD = D + 8;   // bf16 per shared row: 16-byte aligned, rows 4 banks apart
+    static constexpr size_t q_off = 0; // (QV, LD)
     static constexpr size_t k_off = q_off + (size_t)CUDA_ATTN_TC_QV * LD * 2;     // 2 x (KT, LD)
     static constexpr size_t v_off = k_off + 2 * (size_t)CUDA_ATTN_TC_KT * LD * 2; // 2 x (KT, LD)
     static constexpr size_t bytes = v_off + 2 * (size_t)CUDA_ATTN_TC_KT * LD * 2;
@@ -327,7 +327,7 @@ template <int D> __global__ void __launch_bounds__(TC_THREADS) attn_tc_mma_kerne
         if (t0 + KT < it.kv1)
             mma_load_tile<D>(a, it, kvhead, t0 + KT, Ks + (buf ^ 1) * KT * LD,
                              Vs + (buf ^ 1) * KT * LD);
-        cp_async_commit(); // possibly empty: one group per tile either way
+        cp_async_commit();  // possibly empty: one group per tile either way
         cp_async_wait<1>(); // this tile's group has landed
         __syncthreads();
         const bf16 *kt = Ks + buf * KT * LD, *vt = Vs + buf * KT * LD;

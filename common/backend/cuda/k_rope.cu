@@ -39,10 +39,9 @@ __global__ void rope_kernel(T *x, size_t n, size_t n_heads, size_t head_dim, con
 
 // One thread per (row, head, pair) over the heads q (nq), then k (nkv), then v (nkv).
 template <typename T>
-__global__ void rope_kv_write_kernel(T *q, const T *k, const T *v, size_t n, size_t nq,
-                                     size_t nkv, size_t head_dim, const float *cos_t,
-                                     const float *sin_t, size_t rope_half, const int64_t *slots,
-                                     T *kc, T *vc)
+__global__ void rope_kv_write_kernel(T *q, const T *k, const T *v, size_t n, size_t nq, size_t nkv,
+                                     size_t head_dim, const float *cos_t, const float *sin_t,
+                                     size_t rope_half, const int64_t *slots, T *kc, T *vc)
 {
     const size_t half = head_dim / 2, heads = nq + 2 * nkv;
     const size_t total = n * heads * half;

@@ -545,8 +545,7 @@ TEST(fused_ops_equal_plain_ops)
                 const pd_weight *ws[3] = {W[0], W[1], W[2]}, *bs[3] = {B[0], NULL, B[2]};
                 void *ys[3] = {fused[0], fused[1], fused[2]};
                 ASSERT_OK(o->matmul_multi(b, x, n, 3, ws, bs, ys));
-                for (int i = 0; i < 3; i++)
-                    ASSERT_OK(o->matmul(b, x, n, W[i], bs[i], plain[i]));
+                for (int i = 0; i < 3; i++) ASSERT_OK(o->matmul(b, x, n, W[i], bs[i], plain[i]));
                 for (int i = 0; i < 3; i++)
                     ASSERT(memcmp(fused[i], plain[i], n * outs[i] * 4) == 0);
                 ASSERT_OK(o->matmul_multi(b, x, n, 2, ws, NULL, ys)); /* no biases */
