@@ -296,7 +296,8 @@ typedef struct pd_backend_ops {
                         const pd_kv_link_wait *w);
     int (*kv_link_scatter)(pd_backend *b, pd_kv *kv, pd_kv_link *l, const pd_kv_xfer *x);
 
-    /* -- fused ops (vLLM's QKV/gate-up projections, fused_add_rms_norm, rotary + cache write).
+    /* -- fused ops (vLLM's QKV projection, gate-up projection + SiluAndMul, fused_add_rms_norm,
+     * rotary + cache write).
      * Each stands for a sequence of the plain ops above and must give the same result bit for
      * bit; it exists so a backend can do that sequence in fewer passes (on a GPU: fewer kernel
      * launches per decode step). NULL where the backend has none: forward.c then issues the
@@ -312,6 +313,11 @@ typedef struct pd_backend_ops {
     /* add(y, x, n * dim), then rmsnorm(y, w, eps, n, dim, h); h != y. */
     int (*add_rmsnorm)(pd_backend *b, void *y, const void *x, const pd_weight *w, float eps,
                        size_t n, size_t dim, void *h);
+    /* matmul(x, n, wg) -> g, matmul(x, n, wu) -> u, swiglu(g, u) -> out (wg and wu of one
+     * shape); g and u are (n, rows) scratch whose contents are unspecified afterwards; out may
+     * equal g or u. */
+    int (*matmul_swiglu)(pd_backend *b, const void *x, size_t n, const pd_weight *wg,
+                         const pd_weight *wu, void *g, void *u, void *out);
 } pd_backend_ops;
 
 #define PD_MATMUL_MULTI_MAX 4

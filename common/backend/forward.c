@@ -7,7 +7,8 @@
  * it over with one `plan`, and then issues the layer ops. Weights are loaded as this rank's
  * slices (q/k/v/gate/up by output rows, o/down by input columns), so tensor parallelism only
  * adds an all-reduce after o_proj and down_proj. Where the backend has the fused ops (backend.h:
- * q/k/v and gate/up in one matmul_multi, rotary + cache write, residual add + the next norm),
+ * q/k/v in one matmul_multi, gate/up with the SwiGLU in one matmul_swiglu, rotary + cache
+ * write, residual add + the next norm),
  * the pass issues those instead of the plain ops they stand for (params.no_fused: never).
  */
 #include "backend/forward.h"
@@ -352,6 +353,17 @@ static int matmuls(pd_forward *f, const void *x, size_t n, size_t n_w, const pd_
     return PD_OK;
 }
 
+/* g = silu(h . gate^T) * (h . up^T) (u: scratch). */
+static int gate_up_swiglu(pd_forward *f, const fwd_layer *L, size_t n)
+{
+    if (f->o->matmul_swiglu && !f->p.no_fused)
+        return f->o->matmul_swiglu(f->b, f->h, n, L->wg, L->wu, f->g, f->u, f->g);
+    const pd_weight *w[] = {L->wg, L->wu};
+    void *y[] = {f->g, f->u};
+    PD_CHECK(matmuls(f, f->h, n, 2, w, NULL, y));
+    return f->o->swiglu(f->b, f->g, f->u, n, f->I_loc, f->g);
+}
+
 /* q, k rotated; k, v into the pool's layer. */
 static int rope_kv_write(pd_forward *f, pd_kv *kv, int layer)
 {
@@ -413,10 +425,7 @@ int pd_forward_run(pd_forward *f, pd_kv *kv, const pd_step *st, float *logits)
         if (f->p.shard.size > 1) PD_CHECK(f->p.allreduce(f->p.allreduce_ctx, b, f->t, n * H));
         PD_CHECK(add_rmsnorm(f, L->ln2, n));
         /* MLP block: x += down(silu(gate(h)) * up(h)) */
-        const pd_weight *gu_w[] = {L->wg, L->wu};
-        void *gu_y[] = {f->g, f->u};
-        PD_CHECK(matmuls(f, f->h, n, 2, gu_w, NULL, gu_y));
-        PD_CHECK(o->swiglu(b, f->g, f->u, n, f->I_loc, f->g));
+        PD_CHECK(gate_up_swiglu(f, L, n));
         PD_CHECK(o->matmul(b, f->g, n, L->wd, NULL, f->t));
         if (f->p.shard.size > 1) PD_CHECK(f->p.allreduce(f->p.allreduce_ctx, b, f->t, n * H));
         if (l + 1 < f->n_layers)

@@ -19,8 +19,8 @@
  *     decode step's time goes; --ops-only prints these alone (--iters calls each), e.g. under
  *     Nsight Compute for kernel times without the host's launch cost.
  * --no-fused runs the model through the plain ops only (pd_forward_params.no_fused: separate
- * q/k/v and gate/up GEMVs, rope + rope + kv_write, add + rmsnorm), for the before/after of the
- * backend's fused ops.
+ * q/k/v GEMVs, gate + up + swiglu, rope + rope + kv_write, add + rmsnorm), for the before/after
+ * of the backend's fused ops.
  * Design: the model is driven through the same ctu_runner the GPU tests use (pd_forward over
  * the backend op table), so the figures are those of the code the engine runs.
  */

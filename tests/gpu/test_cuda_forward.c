@@ -261,8 +261,8 @@ TEST(cuda_graphs_match_eager)
     for (int i = 0; i < 2; i++) pd_backend_destroy(b[i]);
 }
 
-/* The fused ops (one GEMV launch for q/k/v and for gate/up, rotary + cache write, residual add
- * + RMSNorm) give bit for bit the logits of the plain ops they stand for, with graphs on: plain
+/* The fused ops (one GEMV launch for q/k/v and one for gate/up + SwiGLU, rotary + cache write,
+ * residual add + RMSNorm) give bit for bit the logits of the plain ops they stand for, with graphs on: plain
  * ops issued by the forward pass (no_fused) and by the backend itself (PD_CUDA_FUSED=0). */
 TEST(cuda_fused_ops_match_plain_ops)
 {

@@ -3,8 +3,9 @@
  * f32 results; attention with GQA ratios 1, 3, 8, head dims 64/96/128/256, block sizes 16 and 5,
  * mixed prefill/decode/chunked rows in one step over shuffled (non-contiguous) block tables and a
  * long decode context that takes the split (flash-decoding) path; KV export/import; the fused
- * ops (matmul_multi, add_rmsnorm, rope_kv_write) bit for bit against the plain GPU ops they
- * stand for; and the errors the backend must return instead of crashing. Exits 77 without a GPU. */
+ * ops (matmul_multi, matmul_swiglu, add_rmsnorm, rope_kv_write) bit for bit against the plain GPU
+ * ops they stand for; and the errors the backend must return instead of crashing. Exits 77 without
+ * a GPU. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -680,6 +681,74 @@ static void fused_matmul_case(int mode)
     ctu_pair_close(&p);
 }
 
+/* matmul_swiglu on the GPU (one GEMV launch ending in the SwiGLU where rows split over at most 2
+ * warps, n <= 8) = matmul, matmul, swiglu on the GPU bit for bit, and the CPU's within NMSE_MAX. */
+static void fused_swiglu_case(int mode)
+{
+    cuda_pair p;
+    ASSERT_OK(ctu_pair_open(&p, mode));
+    static const size_t shapes[][3] = {/* n, in, rows: 1 warp per row, 2, 3 (plain), 6 (plain),
+                                          cuBLAS (plain) */
+                                       {1, 2048, 5632}, {5, 64, 96},   {3, 4096, 701},
+                                       {2, 5632, 77},   {8, 12288, 5}, {64, 512, 128}};
+    uint64_t seed = 27;
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        size_t n = shapes[si][0], in = shapes[si][1], rows = shapes[si][2], ny = n * rows;
+        float *x = malloc(n * in * 4), *wg = malloc(rows * in * 4), *wu = malloc(rows * in * 4);
+        ASSERT(x && wg && wu);
+        ctu_fill(x, n * in, &seed, 1.0f);
+        ctu_fill(wg, rows * in, &seed, 0.5f);
+        ctu_fill(wu, rows * in, &seed, 0.5f);
+        pd_tensor tg = tensor_f32("gate_proj.weight", wg, rows, in);
+        pd_tensor tu = tensor_f32("up_proj.weight", wu, rows, in);
+        pd_weight *g_w[2], *u_w[2];
+        void *xb[2] = {0}, *gb[2] = {0}, *ub[2] = {0}, *ob[2] = {0}, *gs = NULL, *us = NULL,
+             *of = NULL;
+        for (int i = 0; i < 2; i++) {
+            ASSERT_OK(p.o[i]->weight_load(p.b[i], &tg, NULL, &g_w[i]));
+            ASSERT_OK(p.o[i]->weight_load(p.b[i], &tu, NULL, &u_w[i]));
+        }
+        ASSERT_OK(upload_both(&p, x, n * in, xb));
+        ASSERT_OK(alloc_both(&p, ny, gb));
+        ASSERT_OK(alloc_both(&p, ny, ub));
+        ASSERT_OK(alloc_both(&p, ny, ob));
+        ASSERT_OK(ctu_act_alloc(p.b[PAIR_GPU], ny, &gs));
+        ASSERT_OK(ctu_act_alloc(p.b[PAIR_GPU], ny, &us));
+        ASSERT_OK(ctu_act_alloc(p.b[PAIR_GPU], ny, &of));
+        for (int i = 0; i < 2; i++) {
+            ASSERT_OK(p.o[i]->matmul(p.b[i], xb[i], n, g_w[i], NULL, gb[i]));
+            ASSERT_OK(p.o[i]->matmul(p.b[i], xb[i], n, u_w[i], NULL, ub[i]));
+            ASSERT_OK(p.o[i]->swiglu(p.b[i], gb[i], ub[i], n, rows, ob[i]));
+        }
+        ASSERT_OK(p.o[PAIR_GPU]->matmul_swiglu(p.b[PAIR_GPU], xb[PAIR_GPU], n, g_w[PAIR_GPU],
+                                               u_w[PAIR_GPU], gs, us, of));
+        int same = 0;
+        double e;
+        ASSERT_OK(gpu_same(&p, of, ob[PAIR_GPU], ny, &same));
+        void *vs[2] = {ob[PAIR_CPU], of};
+        ASSERT_OK(compare(&p, vs, ny, &e));
+        printf("    %s matmul_swiglu n %zu, in %zu, %zu rows: nmse vs CPU %.2e, %s\n",
+               mode < 0 ? "bf16" : "f32", n, in, rows, e,
+               same ? "= matmul, matmul, swiglu" : "DIFFERS from matmul, matmul, swiglu");
+        ASSERT(same && e <= NMSE_MAX);
+        for (int i = 0; i < 2; i++) {
+            p.o[i]->weight_free(p.b[i], g_w[i]);
+            p.o[i]->weight_free(p.b[i], u_w[i]);
+        }
+        free_bufs(&p, xb);
+        free_bufs(&p, gb);
+        free_bufs(&p, ub);
+        free_bufs(&p, ob);
+        p.o[PAIR_GPU]->buf_free(p.b[PAIR_GPU], gs);
+        p.o[PAIR_GPU]->buf_free(p.b[PAIR_GPU], us);
+        p.o[PAIR_GPU]->buf_free(p.b[PAIR_GPU], of);
+        free(x);
+        free(wg);
+        free(wu);
+    }
+    ctu_pair_close(&p);
+}
+
 /* add_rmsnorm on the GPU = add then rmsnorm on the GPU (residual and normed rows) bit for bit,
  * and the CPU's within NMSE_MAX. */
 static void fused_norm_case(int mode)
@@ -833,6 +902,8 @@ TEST(cuda_fused_ops)
     NEED_GPU();
     fused_matmul_case(-1);
     fused_matmul_case(PD_DTYPE_F32);
+    fused_swiglu_case(-1);
+    fused_swiglu_case(PD_DTYPE_F32);
     fused_norm_case(-1);
     fused_norm_case(PD_DTYPE_F32);
     fused_rope_kv_case(-1);

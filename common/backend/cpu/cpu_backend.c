@@ -587,6 +587,20 @@ static int cpu_matmul(pd_backend *b, const void *x, size_t n, const pd_weight *w
     return cpu_matmul_multi(b, x, n, 1, &w, &bias, &y);
 }
 
+static int cpu_swiglu(pd_backend *b, const void *gate, const void *up, size_t n, size_t dim,
+                      void *out);
+
+static int cpu_matmul_swiglu(pd_backend *b, const void *x, size_t n, const pd_weight *wg,
+                             const pd_weight *wu, void *g, void *u, void *out)
+{
+    if (wg->rows != wu->rows)
+        return pd_error(PD_EINVAL, "matmul_swiglu: gate has %zu rows, up %zu", wg->rows, wu->rows);
+    const pd_weight *w[2] = {wg, wu};
+    void *y[2] = {g, u};
+    PD_CHECK(cpu_matmul_multi(b, x, n, 2, w, NULL, y));
+    return cpu_swiglu(b, g, u, n, wg->rows, out);
+}
+
 /* ---- rope, KV write, attention ------------------------------------------------------------ */
 
 static int cpu_rope(pd_backend *b, void *x, size_t n_heads, size_t head_dim)
@@ -744,6 +758,7 @@ static const pd_backend_ops cpu_ops = {
     .matmul_multi = cpu_matmul_multi,
     .rope_kv_write = cpu_rope_kv_write,
     .add_rmsnorm = cpu_add_rmsnorm,
+    .matmul_swiglu = cpu_matmul_swiglu,
 };
 
 int pd_backend_cpu_create(const pd_backend_params *params, pd_backend **out)

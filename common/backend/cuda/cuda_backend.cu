@@ -102,7 +102,8 @@ enum {
     T_DOWNLOAD,
     T_MATMUL_MULTI,
     T_ROPE_KV_WRITE,
-    T_ADD_RMSNORM
+    T_ADD_RMSNORM,
+    T_MATMUL_SWIGLU
 };
 
 typedef struct {
@@ -1359,6 +1360,22 @@ static int exec_matmul_multi(cuda_be *cb, const tape_ent *e)
     return PD_OK;
 }
 
+// Decode rows: one GEMV launch ending in the SwiGLU; otherwise gate and up, then swiglu.
+static int exec_matmul_swiglu(cuda_be *cb, const tape_ent *e)
+{
+    const pd_weight *wg = (const pd_weight *)e->p[1], *wu = (const pd_weight *)e->p[2];
+    const size_t n = e->z[0];
+    void *g = (void *)e->p[3], *u = (void *)e->p[4], *out = (void *)e->p[5];
+    if (n <= CUDA_GEMV_MAX_N && wg->dtype == wu->dtype) {
+        int rc = cuda_gemv_swiglu(cb->stream, cb->act, e->p[0], n, wg->data, wu->data,
+                                  (int)wg->dtype, wg->rows, wg->cols, out);
+        if (rc != PD_EUNSUPPORTED) return rc;
+    }
+    PD_CHECK(exec_matmul(cb, e->p[0], n, wg, NULL, g));
+    PD_CHECK(exec_matmul(cb, e->p[0], n, wu, NULL, u));
+    return cuda_swiglu(cb->stream, cb->act, g, u, n * wg->rows, out);
+}
+
 static int tape_exec(cuda_be *cb, const tape_ent *e)
 {
     switch (e->op) {
@@ -1404,6 +1421,7 @@ static int tape_exec(cuda_be *cb, const tape_ent *e)
         return cuda_add_rmsnorm(cb->stream, cb->act, (void *)e->p[0], e->p[1],
                                 (const float *)((const pd_weight *)e->p[2])->data, e->f, e->z[0],
                                 e->z[1], (void *)e->p[3]);
+    case T_MATMUL_SWIGLU: return exec_matmul_swiglu(cb, e);
     case T_DOWNLOAD: // the device part of download_f32: bf16 -> f32 into dl_ws
         if (cb->act == ACT_F32) return PD_OK;
         return cuda_act_convert(cb->stream, ACT_BF16, e->p[0], e->z[0], ACT_F32, cb->dl_ws);
@@ -1774,6 +1792,31 @@ static int op_add_rmsnorm(pd_backend *b, void *y, const void *x, const pd_weight
     return step_op(BE(b), &e);
 }
 
+static int op_matmul_swiglu(pd_backend *b, const void *x, size_t n, const pd_weight *wg,
+                            const pd_weight *wu, void *g, void *u, void *out)
+{
+    PD_CHECK(matmul_check(wg, NULL, n));
+    PD_CHECK(matmul_check(wu, NULL, n));
+    if (wg->rows != wu->rows || wg->cols != wu->cols)
+        return pd_error(PD_EINVAL, "cuda matmul_swiglu: gate is (%zu, %zu), up (%zu, %zu)",
+                        wg->rows, wg->cols, wu->rows, wu->cols);
+    if (BE(b)->unfused) {
+        PD_CHECK(op_matmul(b, x, n, wg, NULL, g));
+        PD_CHECK(op_matmul(b, x, n, wu, NULL, u));
+        return op_swiglu(b, g, u, n, wg->rows, out);
+    }
+    if (n == 0) return PD_OK;
+    tape_ent e = ent(T_MATMUL_SWIGLU);
+    e.p[0] = x;
+    e.p[1] = wg;
+    e.p[2] = wu;
+    e.p[3] = g;
+    e.p[4] = u;
+    e.p[5] = out;
+    e.z[0] = n;
+    return step_op(BE(b), &e);
+}
+
 static const pd_backend_ops cuda_ops = {
     "cuda",
     op_destroy,
@@ -1816,6 +1859,7 @@ static const pd_backend_ops cuda_ops = {
     op_matmul_multi,
     op_rope_kv_write,
     op_add_rmsnorm,
+    op_matmul_swiglu,
 };
 
 extern "C" int pd_backend_cuda_device(const pd_backend *b)

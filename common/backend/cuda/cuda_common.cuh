@@ -143,6 +143,11 @@ int cuda_gemv(cudaStream_t s, int act, const void *x, size_t n, const void *W, i
 int cuda_gemv_multi(cudaStream_t s, int act, const void *x, size_t n, int nm, const void *const *W,
                     int wdtype, const size_t *out, size_t in, const float *const *bias,
                     void *const *y);
+// y (n, out) = silu(x . Wg^T) * (x . Wu^T), Wg and Wu (out, in) of one wdtype, in one launch;
+// the values of two cuda_gemv launches and cuda_swiglu. PD_EUNSUPPORTED where cuda_gemv would
+// refuse or the rows of `in` elements split over 3 or more warps.
+int cuda_gemv_swiglu(cudaStream_t s, int act, const void *x, size_t n, const void *Wg,
+                     const void *Wu, int wdtype, size_t out, size_t in, void *y);
 
 // k_rmsnorm.cu: y (n, dim) = x * rsqrt(mean(x^2) + eps) * w; w (dim) f32. y may equal x.
 int cuda_rmsnorm(cudaStream_t s, int act, const void *x, const float *w, float eps, size_t n,

@@ -17,7 +17,9 @@
 // other rows are; the bias is added in f32 before the single rounding of y.
 // One launch may cover up to CUDA_GEMV_MAX_MATS matrices applied to the same x (q/k/v, gate/up:
 // vLLM fuses them by concatenating the weights; here the grid is): blocks are assigned to the
-// matrices in order, and each row is computed exactly as in a launch of its matrix alone.
+// matrices in order, and each row is computed exactly as in a launch of its matrix alone. The
+// gate/up pair can also end in the SwiGLU itself (cuda_gemv_swiglu): a block then holds the
+// same rows of both matrices and writes silu(gate) * up, not gate and up.
 #include <stdint.h>
 #include <string.h>
 
@@ -94,30 +96,50 @@ template <typename TW, typename TX> struct gemv_mats {
 // Block: R rows x S warps per row (blockDim.x = 32 * S * R); warp (r, sp) covers chunks
 // [sp * per, min((sp + 1) * per, in / 8)) of row (blockIdx.x - blk0) * R + r of its matrix,
 // per = a multiple of GEMV_SEG (a function of in only).
-template <typename TW, typename TX, int N>
+// The value an activation of type T stores for v (what a store and a load round it to).
+template <typename T> __device__ __forceinline__ float act_round(float v)
+{
+    T t;
+    stf(&t, 0, v);
+    return ldf(&t, 0);
+}
+
+// SWI (SwiGLU epilogue): M holds gate (0) and up (1) of the same shape, and the output is
+// y[0] = silu(gate . x) * (up . x). The block's R row slots (R even) are R / 2 gate rows and the
+// same R / 2 up rows; each dot product is computed and rounded exactly as in a plain launch, so
+// the result equals two GEMV launches and a swiglu launch bit for bit.
+template <typename TW, typename TX, int N, bool SWI>
 __global__ void __launch_bounds__(GEMV_MAX_WARPS * 32)
     gemv_kernel(const TX *x, gemv_mats<TW, TX> M, size_t in, int S, size_t per)
 {
     __shared__ float part[GEMV_MAX_WARPS][N]; // per warp: its partial for each input row
-    // this block's matrix (constant indices only, so the parameters stay in the constant bank)
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int R = (int)(blockDim.x >> 5) / S;
+    const int sp = warp % S, slot = warp / S;
+    // this block's matrix and row (constant indices only, so the parameters stay in the
+    // constant bank)
     const TW *W = M.W[0];
     const float *bias = M.bias[0];
     TX *y = M.y[0];
     size_t out = M.out[0];
-    unsigned b0 = 0;
+    size_t j;
+    if (SWI) {
+        const bool up = slot >= R / 2;
+        if (up) W = M.W[1];
+        j = (size_t)blockIdx.x * (R / 2) + (up ? slot - R / 2 : slot);
+    } else {
+        unsigned b0 = 0;
 #pragma unroll
-    for (int i = 1; i < CUDA_GEMV_MAX_MATS; i++)
-        if (i < M.n && blockIdx.x >= M.blk0[i]) {
-            W = M.W[i];
-            bias = M.bias[i];
-            y = M.y[i];
-            out = M.out[i];
-            b0 = M.blk0[i];
-        }
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int R = (int)(blockDim.x >> 5) / S;
-    const int sp = warp % S;
-    const size_t j = (size_t)(blockIdx.x - b0) * R + warp / S;
+        for (int i = 1; i < CUDA_GEMV_MAX_MATS; i++)
+            if (i < M.n && blockIdx.x >= M.blk0[i]) {
+                W = M.W[i];
+                bias = M.bias[i];
+                y = M.y[i];
+                out = M.out[i];
+                b0 = M.blk0[i];
+            }
+        j = (size_t)(blockIdx.x - b0) * R + slot;
+    }
     const bool active = j < out;
     float acc[N];
 #pragma unroll
@@ -154,35 +176,64 @@ __global__ void __launch_bounds__(GEMV_MAX_WARPS * 32)
 #pragma unroll
     for (int r = 0; r < N; r++)
         for (int o = 16; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
-    if (S == 1) { // grid-uniform
+    if (!SWI && S == 1) { // grid-uniform
         if (active && lane == 0)
 #pragma unroll
             for (int r = 0; r < N; r++)
                 stf(y, (size_t)r * out + j, bias ? acc[r] + bias[j] : acc[r]);
         return;
     }
-    if (lane == 0)
+    if (S > 1) { // grid-uniform
+        if (lane == 0)
 #pragma unroll
-        for (int r = 0; r < N; r++) part[warp][r] = acc[r];
+            for (int r = 0; r < N; r++) part[warp][r] = acc[r];
+        __syncthreads();
+        if (sp == 0 && lane == 0)
+#pragma unroll
+            for (int r = 0; r < N; r++) {
+                float v = part[warp][r];
+                for (int q = 1; q < S; q++) v += part[warp + q][r];
+                acc[r] = v;
+            }
+    }
+    if (!SWI) {
+        if (!active || sp != 0 || lane != 0) return;
+#pragma unroll
+        for (int r = 0; r < N; r++) stf(y, (size_t)r * out + j, bias ? acc[r] + bias[j] : acc[r]);
+        return;
+    }
+    // SwiGLU: each slot's leader publishes its row's value as stored (rounded), then the gate
+    // slots combine with the up slot of the same row
+    __shared__ float res[GEMV_MAX_WARPS][N];
+    if (sp == 0 && lane == 0)
+#pragma unroll
+        for (int r = 0; r < N; r++) res[slot][r] = act_round<TX>(acc[r]);
     __syncthreads();
-    if (!active || sp != 0 || lane != 0) return;
+    if (!active || slot >= R / 2 || sp != 0 || lane != 0) return;
 #pragma unroll
     for (int r = 0; r < N; r++) {
-        float v = part[warp][r];
-        for (int q = 1; q < S; q++) v += part[warp + q][r];
-        stf(y, (size_t)r * out + j, bias ? v + bias[j] : v);
+        float g = res[slot][r], u = res[slot + R / 2][r];
+        stf(y, (size_t)r * out + j, (g / (1.0f + expf(-g))) * u);
     }
 }
 
-template <typename TW, typename TX>
+// Warps per row (S), chunks per warp (per) and rows per block (R) for rows of `in` elements:
+// functions of `in` alone (see the file comment).
+static void gemv_shape(size_t in, int *S, size_t *per, int *R)
+{
+    const size_t segs = (in / 8 + GEMV_SEG - 1) / GEMV_SEG;
+    *S = segs <= 1 ? 1 : segs < GEMV_MAX_SPLIT ? (int)segs : GEMV_MAX_SPLIT;
+    *per = (segs + *S - 1) / *S * GEMV_SEG;
+    *R = *S >= GEMV_WARPS ? 1 : GEMV_WARPS / *S;
+}
+
+template <typename TW, typename TX, bool SWI>
 static void gemv_launch(cudaStream_t s, const TX *x, size_t n, int nm, const void *const *W,
                         const size_t *out, size_t in, const float *const *bias, void *const *y)
 {
-    // split and segment bounds from `in` alone (see the file comment)
-    const size_t segs = (in / 8 + GEMV_SEG - 1) / GEMV_SEG;
-    const int S = segs <= 1 ? 1 : segs < GEMV_MAX_SPLIT ? (int)segs : GEMV_MAX_SPLIT;
-    const size_t per = (segs + S - 1) / S * GEMV_SEG;
-    const int R = S >= GEMV_WARPS ? 1 : GEMV_WARPS / S;
+    int S, R;
+    size_t per;
+    gemv_shape(in, &S, &per, &R);
     gemv_mats<TW, TX> M;
     memset(&M, 0, sizeof M);
     M.n = nm;
@@ -195,17 +246,35 @@ static void gemv_launch(cudaStream_t s, const TX *x, size_t n, int nm, const voi
         M.blk0[i] = (unsigned)grid;
         grid += (out[i] + R - 1) / R;
     }
+    if (SWI) grid = (out[0] + R / 2 - 1) / (R / 2); // R / 2 rows of gate and of up per block
     const unsigned g = (unsigned)grid, th = (unsigned)(32 * S * R);
     switch (n) {
-    case 1: gemv_kernel<TW, TX, 1><<<g, th, 0, s>>>(x, M, in, S, per); break;
-    case 2: gemv_kernel<TW, TX, 2><<<g, th, 0, s>>>(x, M, in, S, per); break;
-    case 3: gemv_kernel<TW, TX, 3><<<g, th, 0, s>>>(x, M, in, S, per); break;
-    case 4: gemv_kernel<TW, TX, 4><<<g, th, 0, s>>>(x, M, in, S, per); break;
-    case 5: gemv_kernel<TW, TX, 5><<<g, th, 0, s>>>(x, M, in, S, per); break;
-    case 6: gemv_kernel<TW, TX, 6><<<g, th, 0, s>>>(x, M, in, S, per); break;
-    case 7: gemv_kernel<TW, TX, 7><<<g, th, 0, s>>>(x, M, in, S, per); break;
-    default: gemv_kernel<TW, TX, 8><<<g, th, 0, s>>>(x, M, in, S, per); break;
+    case 1: gemv_kernel<TW, TX, 1, SWI><<<g, th, 0, s>>>(x, M, in, S, per); break;
+    case 2: gemv_kernel<TW, TX, 2, SWI><<<g, th, 0, s>>>(x, M, in, S, per); break;
+    case 3: gemv_kernel<TW, TX, 3, SWI><<<g, th, 0, s>>>(x, M, in, S, per); break;
+    case 4: gemv_kernel<TW, TX, 4, SWI><<<g, th, 0, s>>>(x, M, in, S, per); break;
+    case 5: gemv_kernel<TW, TX, 5, SWI><<<g, th, 0, s>>>(x, M, in, S, per); break;
+    case 6: gemv_kernel<TW, TX, 6, SWI><<<g, th, 0, s>>>(x, M, in, S, per); break;
+    case 7: gemv_kernel<TW, TX, 7, SWI><<<g, th, 0, s>>>(x, M, in, S, per); break;
+    default: gemv_kernel<TW, TX, 8, SWI><<<g, th, 0, s>>>(x, M, in, S, per); break;
     }
+}
+
+// Runs gemv_launch<.., SWI> for the activation / weight type pair; PD_EUNSUPPORTED for others.
+template <bool SWI>
+static int gemv_dispatch(cudaStream_t s, int act, const void *x, size_t n, int nm,
+                         const void *const *W, int wdtype, const size_t *out, size_t in,
+                         const float *const *bias, void *const *y)
+{
+    if (act == ACT_BF16 && wdtype == ACT_BF16)
+        gemv_launch<bf16, bf16, SWI>(s, (const bf16 *)x, n, nm, W, out, in, bias, y);
+    else if (act == ACT_BF16 && wdtype == ACT_F16)
+        gemv_launch<__half, bf16, SWI>(s, (const bf16 *)x, n, nm, W, out, in, bias, y);
+    else if (act == ACT_F32 && wdtype == ACT_F32)
+        gemv_launch<float, float, SWI>(s, (const float *)x, n, nm, W, out, in, bias, y);
+    else
+        return PD_EUNSUPPORTED;
+    CUDA_LAUNCH_CHECK("gemv_kernel");
 }
 
 int cuda_gemv_multi(cudaStream_t s, int act, const void *x, size_t n, int nm, const void *const *W,
@@ -221,15 +290,23 @@ int cuda_gemv_multi(cudaStream_t s, int act, const void *x, size_t n, int nm, co
         blocks += out[i];
     }
     if (blocks > (size_t)0x7fffffff) return PD_EUNSUPPORTED;
-    if (act == ACT_BF16 && wdtype == ACT_BF16)
-        gemv_launch<bf16, bf16>(s, (const bf16 *)x, n, nm, W, out, in, bias, y);
-    else if (act == ACT_BF16 && wdtype == ACT_F16)
-        gemv_launch<__half, bf16>(s, (const bf16 *)x, n, nm, W, out, in, bias, y);
-    else if (act == ACT_F32 && wdtype == ACT_F32)
-        gemv_launch<float, float>(s, (const float *)x, n, nm, W, out, in, bias, y);
-    else
-        return PD_EUNSUPPORTED;
-    CUDA_LAUNCH_CHECK("gemv_kernel");
+    return gemv_dispatch<false>(s, act, x, n, nm, W, wdtype, out, in, bias, y);
+}
+
+int cuda_gemv_swiglu(cudaStream_t s, int act, const void *x, size_t n, const void *Wg,
+                     const void *Wu, int wdtype, size_t out, size_t in, void *y)
+{
+    int S, R;
+    size_t per;
+    gemv_shape(in, &S, &per, &R);
+    if (n < 1 || n > CUDA_GEMV_MAX_N || in % 8 || R % 2 ||
+        ((uintptr_t)x | (uintptr_t)Wg | (uintptr_t)Wu) % 16 || out > (size_t)0x7fffffff)
+        return PD_EUNSUPPORTED; // the caller takes the plain ops; no message needed
+    const void *W[2] = {Wg, Wu};
+    const size_t outs[2] = {out, out};
+    const float *bias[2] = {NULL, NULL};
+    void *ys[2] = {y, y};
+    return gemv_dispatch<true>(s, act, x, n, 2, W, wdtype, outs, in, bias, ys);
 }
 
 int cuda_gemv(cudaStream_t s, int act, const void *x, size_t n, const void *W, int wdtype,

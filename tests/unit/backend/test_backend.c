@@ -511,9 +511,9 @@ TEST(paged_attention_matches_reference)
     }
 }
 
-/* The fused ops (matmul_multi, add_rmsnorm, rope_kv_write) give bit for bit what the plain
- * ops they stand for give, on each ISA, with 1 and 3 threads, for decode and prefill row counts;
- * and their bad inputs are refused with the field named. */
+/* The fused ops (matmul_multi, matmul_swiglu, add_rmsnorm, rope_kv_write) give bit for bit what the
+ * plain ops they stand for give, on each ISA, with 1 and 3 threads, for decode and prefill row
+ * counts; and their bad inputs are refused with the field named. */
 TEST(fused_ops_equal_plain_ops)
 {
     pd_cpu_isa isa[2];
@@ -525,7 +525,7 @@ TEST(fused_ops_equal_plain_ops)
             pd_backend *b = make_backend(isa[ii], threads, -1);
             ASSERT(b);
             const pd_backend_ops *o = pd_backend_get_ops(b);
-            ASSERT(o->matmul_multi && o->add_rmsnorm && o->rope_kv_write);
+            ASSERT(o->matmul_multi && o->matmul_swiglu && o->add_rmsnorm && o->rope_kv_write);
             rng_state = 777;
             host_tensor hw[3], hb[3];
             pd_weight *W[3], *B[3];
@@ -570,6 +570,19 @@ TEST(fused_ops_equal_plain_ops)
                        "weight 1 has 8 columns");
             o->weight_free(b, Wn);
             free(narrow), free(hn.buf);
+
+            /* matmul_swiglu = matmul(gate), matmul(up), swiglu; W[1] (9 rows) is not W[0]'s shape
+             */
+            for (size_t n = 1; n <= MAXN; n += 4) {
+                float g[MAXN * O0], u[MAXN * O0];
+                ASSERT_OK(o->matmul_swiglu(b, x, n, W[0], W[0], g, u, fused[0]));
+                ASSERT_OK(o->matmul(b, x, n, W[0], NULL, plain[0]));
+                ASSERT_OK(o->matmul(b, x, n, W[0], NULL, plain[1]));
+                ASSERT_OK(o->swiglu(b, plain[0], plain[1], n, O0, plain[2]));
+                ASSERT(memcmp(fused[0], plain[2], n * O0 * 4) == 0);
+            }
+            ASSERT_ERR(o->matmul_swiglu(b, x, 1, W[0], W[1], fused[1], fused[2], fused[0]),
+                       PD_EINVAL, "gate has 40 rows, up 9");
 
             /* add_rmsnorm = add, then rmsnorm */
             fill(wn, K);
