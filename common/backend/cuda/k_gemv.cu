@@ -82,8 +82,8 @@ template <> struct gemv_chunk<float> {
     }
 };
 
-// The matrices of one launch (q/k/v or gate/up: one x, the same `in`): block b works on matrix
-// i when blk0[i] <= b < blk0[i + 1], on its rows (b - blk0[i]) * R ...
+// The matrices of one launch (q/k/v or gate/up: one x, the same `in`): block b works on the
+// last matrix i with blk0[i] <= b, on its rows (b - blk0[i]) * R onwards.
 template <typename TW, typename TX> struct gemv_mats {
     const TW *W[CUDA_GEMV_MAX_MATS];
     const float *bias[CUDA_GEMV_MAX_MATS];
@@ -93,9 +93,6 @@ template <typename TW, typename TX> struct gemv_mats {
     int n;
 };
 
-// Block: R rows x S warps per row (blockDim.x = 32 * S * R); warp (r, sp) covers chunks
-// [sp * per, min((sp + 1) * per, in / 8)) of row (blockIdx.x - blk0) * R + r of its matrix,
-// per = a multiple of GEMV_SEG (a function of in only).
 // The value an activation of type T stores for v (what a store and a load round it to).
 template <typename T> __device__ __forceinline__ float act_round(float v)
 {
@@ -104,6 +101,9 @@ template <typename T> __device__ __forceinline__ float act_round(float v)
     return ldf(&t, 0);
 }
 
+// Block: R rows x S warps per row (blockDim.x = 32 * S * R); warp (r, sp) covers chunks
+// [sp * per, min((sp + 1) * per, in / 8)) of row (blockIdx.x - blk0) * R + r of its matrix,
+// per = a multiple of GEMV_SEG (a function of in only).
 // SWI (SwiGLU epilogue): M holds gate (0) and up (1) of the same shape, and the output is
 // y[0] = silu(gate . x) * (up . x). The block's R row slots (R even) are R / 2 gate rows and the
 // same R / 2 up rows; each dot product is computed and rounded exactly as in a plain launch, so
