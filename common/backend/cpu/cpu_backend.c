@@ -587,9 +587,6 @@ static int cpu_matmul(pd_backend *b, const void *x, size_t n, const pd_weight *w
     return cpu_matmul_multi(b, x, n, 1, &w, &bias, &y);
 }
 
-static int cpu_swiglu(pd_backend *b, const void *gate, const void *up, size_t n, size_t dim,
-                      void *out);
-
 static int cpu_matmul_swiglu(pd_backend *b, const void *x, size_t n, const pd_weight *wg,
                              const pd_weight *wu, void *g, void *u, void *out)
 {

@@ -244,7 +244,7 @@ static void gemv_launch(cudaStream_t s, const TX *x, size_t n, int nm, const voi
         M.y[i] = (TX *)y[i];
         M.out[i] = (unsigned)out[i];
         M.blk0[i] = (unsigned)grid;
-        grid += (out[i] + R - 1) / R;
+        grid += SWI ? 0 : (out[i] + R - 1) / R;
     }
     if (SWI) grid = (out[0] + R / 2 - 1) / (R / 2); // R / 2 rows of gate and of up per block
     const unsigned g = (unsigned)grid, th = (unsigned)(32 * S * R);
