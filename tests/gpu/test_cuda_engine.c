@@ -209,6 +209,7 @@ TEST(cuda_engine_small_pool_preempts)
     ASSERT_OK(ctu_make_model(model_base(), "small", "bfloat16", dir, sizeof dir));
     pd_engine_params p = engine_params(dir, PD_DTYPE_F32);
     p.num_kv_blocks = 12; /* 192 tokens; 16 requests of up to 63 + 32 tokens */
+    p.max_model_len = 160; /* a pool must hold one sequence of max_model_len */
     pd_engine *e = NULL;
     ASSERT_OK(pd_engine_create(&p, &e));
     static run_out alone, batched;

@@ -242,10 +242,11 @@ static int bench_ttft(int argc, char **argv)
     ep.n_threads = 1;
     ep.kv_cache_bytes = 64u << 20;
     ep.max_model_len = len + 64 > 2048 ? len + 64 : 2048;
-    if (cuda) { /* GPU 0, bf16, the pool sized like the nodes' below */
+    if (cuda) { /* GPU 0, bf16, a 1 GiB pool like the nodes' below (a 2048-token prompt of the
+                   1b preset takes 46 MB) */
         ep.n_cuda_devices = 1;
         ep.cuda_devices[0] = 0;
-        ep.gpu_memory_utilization = 0.25;
+        ep.kv_cache_bytes = 1u << 30;
     }
     pd_engine *e;
     if (pd_engine_create(&ep, &e) < 0) {
@@ -298,8 +299,8 @@ static int bench_ttft(int argc, char **argv)
     snprintf(mml, sizeof mml, "%zu", (size_t)ep.max_model_len);
     char *gpu_args[] = {"--device",
                         "cuda",
-                        "--gpu-memory-utilization",
-                        "0.25",
+                        "--kv-cache-bytes", /* replaces the cluster's 32 MiB CPU default */
+                        "1073741824",
                         "--kv-transport",
                         (char *)(xport ? xport : "auto"),
                         "--max-model-len",
