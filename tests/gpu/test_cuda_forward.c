@@ -261,6 +261,27 @@ TEST(cuda_graphs_match_eager)
     for (int i = 0; i < 2; i++) pd_backend_destroy(b[i]);
 }
 
+/* Kernels launched with programmatic dependent launch (the default on Hopper: each may start
+ * while the previous one finishes and waits in griddepcontrol.wait) give bit for bit the logits
+ * of fully serialized launches (a second backend created with PD_CUDA_PDL=0), eager and in
+ * graphs; on a GPU below compute capability 9.0 both run serialized. */
+TEST(cuda_pdl_matches_serialized_launches)
+{
+    NEED_GPU();
+    pd_backend *b[2];
+    pd_backend_params gp = pd_backend_default_params();
+    ASSERT_OK(pd_backend_cuda_create(&gp, &b[0]));
+    setenv("PD_CUDA_PDL", "0", 1);
+    int rc = pd_backend_cuda_create(&gp, &b[1]);
+    unsetenv("PD_CUDA_PDL");
+    ASSERT_OK(rc);
+    static const int no_fused[2] = {0, 0};
+    int same = 0;
+    decode_pair("PDL vs PD_CUDA_PDL=0", b, no_fused, &same);
+    ASSERT_EQ_INT(same, 25);
+    for (int i = 0; i < 2; i++) pd_backend_destroy(b[i]);
+}
+
 /* The fused ops (one GEMV launch for q/k/v and one for gate/up + SwiGLU, rotary + cache write,
  * residual add + RMSNorm) give bit for bit the logits of the plain ops they stand for, with graphs on: plain
  * ops issued by the forward pass (no_fused) and by the backend itself (PD_CUDA_FUSED=0). */

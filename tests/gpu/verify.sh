@@ -4,8 +4,9 @@
 # writes each one's output under OUT_DIR. Run from a copy of the source tree:
 #   tests/gpu/verify.sh [--pack .devpack] [--out DIR] [--model DIR] [--skip-suites] [--ncu]
 # Steps (each bounded by `timeout`): gpu, unit and integration suites; pd-mkmodel --preset 1b
-# (unless --model names a model); bench_cuda (fused ops, then --no-fused, then the WMMA prefill
-# attention kernel: PD_CUDA_ATTN_TC=wmma); bench_kv_ipc;
+# (unless --model names a model); bench_cuda (fused ops, then --no-fused, then serialized
+# launches: PD_CUDA_PDL=0, then the WMMA prefill attention kernel: PD_CUDA_ATTN_TC=wmma);
+# bench_kv_ipc;
 # bench_pd ttft (CUDA IPC, then TCP); hf_decode_bench.py (transformers generate on the same
 # weights); serve_bench.sh (1P1D on the GPU behind pd-scheduler, CUDA IPC);
 # with --ncu, per-kernel times of two eager decode steps (ncu CSV). Ends with the list of steps
@@ -20,7 +21,7 @@ while [ $# -gt 0 ]; do
     --model) model=$2; shift ;;
     --skip-suites) suites=0 ;;
     --ncu) ncu=1 ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
     *) echo "verify.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
   esac
   shift
@@ -55,6 +56,7 @@ export PD_BUILD_ROOT=$B
 [ -f "$model/config.json" ] || step mkmodel 300 "$B/tools/mkmodel/pd-mkmodel" --preset 1b --out "$model" --threads "$(nproc)"
 step bench_cuda 300 "$B/tests/gpu/bench_cuda" --model "$model"
 step bench_cuda_plain_ops 300 "$B/tests/gpu/bench_cuda" --model "$model" --no-fused
+PD_CUDA_PDL=0 step bench_cuda_no_pdl 300 "$B/tests/gpu/bench_cuda" --model "$model"
 PD_CUDA_ATTN_TC=wmma step bench_cuda_wmma_prefill 300 "$B/tests/gpu/bench_cuda" --model "$model" --gen 8 --batch 4
 step bench_kv_ipc 120 "$B/tests/gpu/bench_kv_ipc"
 for t in cuda_ipc tcp; do

@@ -177,6 +177,7 @@ typedef struct {
     int graphs_on;
     int attn_tc_wmma; // PD_CUDA_ATTN_TC=wmma: the older tensor-core prefill attention kernel
     int unfused;      // PD_CUDA_FUSED=0: the fused ops issue the plain ops they stand for
+    int pdl;          // programmatic dependent launch for this backend's kernels (cuda_pdl)
     int gmode;        // G_EAGER / G_RECORD / G_REPLAY for the current step
     graph_slot graphs[GRAPH_SLOTS];
     graph_slot *gcur; // slot being recorded / replayed
@@ -318,6 +319,8 @@ static int be_init(cuda_be *cb)
     cb->attn_tc_wmma = tc && strcmp(tc, "wmma") == 0;
     const char *fu = getenv("PD_CUDA_FUSED");
     cb->unfused = fu && strcmp(fu, "0") == 0;
+    PD_CHECK(cuda_pdl_allowed(prop.major, &cb->pdl));
+    __atomic_store_n(&cuda_pdl, cb->pdl, __ATOMIC_RELAXED);
     PD_CHECK(cuda_attention_init());
     return PD_OK;
 }
@@ -958,6 +961,7 @@ static int op_plan(pd_backend *b, const pd_batch *bt)
     cuda_be *cb = BE(b);
     PD_CHECK(graph_flush(cb)); // a step left unfinished
     ENTER(cb);
+    __atomic_store_n(&cuda_pdl, cb->pdl, __ATOMIC_RELAXED); // this step's launches (cuda_launch)
     cb->planned = 0;
     PD_CHECK(plan_check(cb, bt));
     PD_CHECK(stage_wait(cb));

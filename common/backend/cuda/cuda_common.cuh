@@ -74,8 +74,62 @@ static inline int cuda_status(cudaError_t e, const char *what, const char *file,
         if (cuda_try_rc_ < 0) return cuda_try_rc_;                                                 \
     } while (0)
 
-// After a <<<>>> launch in a launcher.
+// After a <<<>>> or cuda_launch launch in a launcher.
 #define CUDA_LAUNCH_CHECK(name) return cuda_status(cudaGetLastError(), name, __FILE__, __LINE__)
+
+// ---- programmatic dependent launch (Hopper) ------------------------------------------------
+// The decode step is a chain of short kernels, each a few microseconds, so the time between one
+// kernel's end and the next one's start is a large share of the step. A kernel launched by
+// cuda_launch while cuda_pdl is set may be launched before the previous kernel in its stream has
+// finished (cudaLaunchAttributeProgrammaticStreamSerialization, kept by CUDA graph capture): its
+// blocks become resident and wait in griddep_wait() until that kernel has completed and its
+// writes are visible. Every kernel launched by cuda_launch therefore calls griddep_wait() before
+// its first global memory access, read or write; griddep_launch_dependents() then lets the next
+// kernel start launching. Without the attribute (cuda_pdl 0, other launches) both are no-ops.
+// cuda_pdl is set by each backend's step plan (and create) to that backend's choice, made at
+// create by cuda_pdl_allowed: on unless PD_CUDA_PDL=0, the device is below compute capability 9.0
+// or the kernels were built without sm_90 code. A kernel launched by cuda_launch waits in
+// griddep_wait() either way, so a launch under another backend's setting is still correct.
+extern int cuda_pdl;
+int cuda_pdl_allowed(int device_major, int *allowed); // after cudaSetDevice (k_elementwise.cu)
+
+__device__ __forceinline__ void griddep_wait()
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void griddep_launch_dependents()
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+// The first statement of a kernel launched by cuda_launch.
+#define GRIDDEP_ENTRY()                                                                            \
+    do {                                                                                           \
+        griddep_wait();                                                                            \
+        griddep_launch_dependents();                                                               \
+    } while (0)
+
+// kernel<<<grid, block, smem, s>>>(args...), with programmatic dependent launch when cuda_pdl.
+// Errors are left for CUDA_LAUNCH_CHECK, as after <<<>>>.
+template <typename... P, typename... A>
+static inline void cuda_launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
+                               cudaStream_t s, A &&...args)
+{
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = s;
+    cfg.attrs = at;
+    cfg.numAttrs = __atomic_load_n(&cuda_pdl, __ATOMIC_RELAXED) ? 1 : 0;
+    (void)cudaLaunchKernelEx(&cfg, kernel, static_cast<A &&>(args)...);
+}
 
 static inline unsigned cdiv_u(size_t a, size_t b)
 {

@@ -283,6 +283,7 @@ attn_tile_math(const float *Qs, const float *Ks, const float *Vs, int D, int ks,
 template <int DPL, typename T, int EPC>
 __global__ void __launch_bounds__(ATTN_THREADS) attn_kernel(cuda_attn_args a)
 {
+    GRIDDEP_ENTRY();
     // the item is read before the count so the two loads overlap (items holds n_items entries,
     // the grid size, either way)
     const cuda_attn_item it = a.items[blockIdx.x];
@@ -399,6 +400,7 @@ __device__ static float block_reduce(float v, bool is_max, float *red)
 template <typename T>
 __global__ void __launch_bounds__(MERGE_THREADS) attn_merge_kernel(cuda_attn_args a)
 {
+    GRIDDEP_ENTRY();
     __shared__ float red[32];
     const cuda_attn_merge mg = a.merges[blockIdx.x]; // merges holds n_merges entries (the grid)
     if (a.counts && (int)blockIdx.x >= a.counts[1]) return; // capacity-sized grid (graphs)
@@ -468,9 +470,9 @@ static void attn_launch_dpl(cudaStream_t s, const cuda_attn_args *a, dim3 grid, 
     // layer and head offsets are then multiples of 16 bytes too)
     constexpr int EPC = 16 / (int)sizeof(T);
     if (a->head_dim % EPC == 0 && (uintptr_t)a->kc % 16 == 0 && (uintptr_t)a->vc % 16 == 0)
-        attn_kernel<DPL, T, EPC><<<grid, ATTN_THREADS, smem, s>>>(*a);
+        cuda_launch(attn_kernel<DPL, T, EPC>, grid, ATTN_THREADS, smem, s, *a);
     else
-        attn_kernel<DPL, T, 1><<<grid, ATTN_THREADS, smem, s>>>(*a);
+        cuda_launch(attn_kernel<DPL, T, 1>, grid, ATTN_THREADS, smem, s, *a);
 }
 
 template <typename T> static void attn_launch(cudaStream_t s, const cuda_attn_args *a)
@@ -499,6 +501,6 @@ int cuda_attention(cudaStream_t s, const cuda_attn_args *a)
     if (a->n_merges == 0) return PD_OK;
     dim3 mgrid((unsigned)a->n_merges, (unsigned)a->n_q_heads);
     const unsigned mthreads = D >= MERGE_THREADS ? MERGE_THREADS : (unsigned)(D + 31) / 32 * 32;
-    ACT_DISPATCH(a->act, T, attn_merge_kernel<T><<<mgrid, mthreads, 0, s>>>(*a));
+    ACT_DISPATCH(a->act, T, cuda_launch(attn_merge_kernel<T>, mgrid, mthreads, 0, s, *a));
     CUDA_LAUNCH_CHECK("attn_merge_kernel");
 }

@@ -4,6 +4,9 @@
 // Design: grid-stride loops over elements, templates over the storage types, f32 arithmetic
 // and one rounding at the store; launches are capped at a fixed number of blocks so a grid
 // never overflows.
+#include <stdlib.h>
+#include <string.h>
+
 #include "backend/cuda/cuda_common.cuh"
 
 #define EW_THREADS 256
@@ -24,6 +27,7 @@ static unsigned ew_blocks(size_t n)
 template <typename TT, typename T>
 __global__ void embed_kernel(const TT *table, size_t H, const int32_t *ids, size_t n, T *out)
 {
+    GRIDDEP_ENTRY();
     GRID_STRIDE(i, n * H)
     {
         size_t r = i / H, c = i % H;
@@ -37,13 +41,13 @@ int cuda_embed(cudaStream_t s, int act, const void *table, int tdtype, size_t H,
     if (n == 0) return PD_OK;
     ACT_DISPATCH(act, T, {
         if (tdtype == ACT_F32)
-            embed_kernel<<<ew_blocks(n * H), EW_THREADS, 0, s>>>((const float *)table, H, ids, n,
+            cuda_launch(embed_kernel<float, T>, ew_blocks(n * H), EW_THREADS, 0, s, (const float *)table, H, ids, n,
                                                                  (T *)out);
         else if (tdtype == ACT_F16)
-            embed_kernel<<<ew_blocks(n * H), EW_THREADS, 0, s>>>((const __half *)table, H, ids, n,
+            cuda_launch(embed_kernel<__half, T>, ew_blocks(n * H), EW_THREADS, 0, s, (const __half *)table, H, ids, n,
                                                                  (T *)out);
         else
-            embed_kernel<<<ew_blocks(n * H), EW_THREADS, 0, s>>>((const bf16 *)table, H, ids, n,
+            cuda_launch(embed_kernel<bf16, T>, ew_blocks(n * H), EW_THREADS, 0, s, (const bf16 *)table, H, ids, n,
                                                                  (T *)out);
     });
     CUDA_LAUNCH_CHECK("embed_kernel");
@@ -55,6 +59,7 @@ template <typename T>
 __global__ void gather_rows_kernel(const T *x, size_t dim, const int32_t *rows, size_t n_out,
                                    T *out)
 {
+    GRIDDEP_ENTRY();
     GRID_STRIDE(i, n_out * dim)
     {
         size_t r = i / dim, c = i % dim;
@@ -67,7 +72,7 @@ int cuda_gather_rows(cudaStream_t s, int act, const void *x, size_t dim, const i
 {
     if (n_out == 0) return PD_OK;
     ACT_DISPATCH(act, T,
-                 gather_rows_kernel<<<ew_blocks(n_out * dim), EW_THREADS, 0, s>>>(
+                 cuda_launch(gather_rows_kernel<T>, ew_blocks(n_out * dim), EW_THREADS, 0, s, 
                      (const T *)x, dim, rows, n_out, (T *)out));
     CUDA_LAUNCH_CHECK("gather_rows_kernel");
 }
@@ -76,6 +81,7 @@ int cuda_gather_rows(cudaStream_t s, int act, const void *x, size_t dim, const i
 
 template <typename T> __global__ void swiglu_kernel(const T *gate, const T *up, size_t n, T *out)
 {
+    GRIDDEP_ENTRY();
     GRID_STRIDE(i, n)
     {
         float g = ldf(gate, i), u = ldf(up, i);
@@ -87,7 +93,7 @@ int cuda_swiglu(cudaStream_t s, int act, const void *gate, const void *up, size_
 {
     if (n == 0) return PD_OK;
     ACT_DISPATCH(act, T,
-                 swiglu_kernel<<<ew_blocks(n), EW_THREADS, 0, s>>>((const T *)gate, (const T *)up,
+                 cuda_launch(swiglu_kernel<T>, ew_blocks(n), EW_THREADS, 0, s, (const T *)gate, (const T *)up,
                                                                    n, (T *)out));
     CUDA_LAUNCH_CHECK("swiglu_kernel");
 }
@@ -96,13 +102,14 @@ int cuda_swiglu(cudaStream_t s, int act, const void *gate, const void *up, size_
 
 template <typename T> __global__ void add_kernel(T *y, const T *x, size_t n)
 {
+    GRIDDEP_ENTRY();
     GRID_STRIDE(i, n) stf(y, i, ldf(y, i) + ldf(x, i));
 }
 
 int cuda_add(cudaStream_t s, int act, void *y, const void *x, size_t n)
 {
     if (n == 0) return PD_OK;
-    ACT_DISPATCH(act, T, add_kernel<<<ew_blocks(n), EW_THREADS, 0, s>>>((T *)y, (const T *)x, n));
+    ACT_DISPATCH(act, T, cuda_launch(add_kernel<T>, ew_blocks(n), EW_THREADS, 0, s, (T *)y, (const T *)x, n));
     CUDA_LAUNCH_CHECK("add_kernel");
 }
 
@@ -115,6 +122,7 @@ __device__ __forceinline__ void stf(__half *p, size_t i, float v)
 
 template <typename TS, typename TD> __global__ void convert_kernel(const TS *src, size_t n, TD *dst)
 {
+    GRIDDEP_ENTRY();
     GRID_STRIDE(i, n) stf(dst, i, ldf(src, i));
 }
 
@@ -128,11 +136,11 @@ int cuda_act_convert(cudaStream_t s, int act, const void *src, size_t n, int dst
     }
     ACT_DISPATCH(act, T, {
         if (dst_t == ACT_F32)
-            convert_kernel<<<ew_blocks(n), EW_THREADS, 0, s>>>((const T *)src, n, (float *)dst);
+            cuda_launch(convert_kernel<T, float>, ew_blocks(n), EW_THREADS, 0, s, (const T *)src, n, (float *)dst);
         else if (dst_t == ACT_F16)
-            convert_kernel<<<ew_blocks(n), EW_THREADS, 0, s>>>((const T *)src, n, (__half *)dst);
+            cuda_launch(convert_kernel<T, __half>, ew_blocks(n), EW_THREADS, 0, s, (const T *)src, n, (__half *)dst);
         else
-            convert_kernel<<<ew_blocks(n), EW_THREADS, 0, s>>>((const T *)src, n, (bf16 *)dst);
+            cuda_launch(convert_kernel<T, bf16>, ew_blocks(n), EW_THREADS, 0, s, (const T *)src, n, (bf16 *)dst);
     });
     CUDA_LAUNCH_CHECK("convert_kernel");
 }
@@ -141,6 +149,7 @@ template <typename T>
 __global__ void bias_epilogue_kernel(const float *y32, const float *bias, size_t n, size_t out,
                                      T *y)
 {
+    GRIDDEP_ENTRY();
     GRID_STRIDE(i, n * out)
     {
         float v = y32[i];
@@ -155,6 +164,21 @@ int cuda_bias_epilogue(cudaStream_t s, int act, const float *y32, const float *b
     if (n == 0) return PD_OK;
     ACT_DISPATCH(
         act, T,
-        bias_epilogue_kernel<<<ew_blocks(n * out), EW_THREADS, 0, s>>>(y32, bias, n, out, (T *)y));
+        cuda_launch(bias_epilogue_kernel<T>, ew_blocks(n * out), EW_THREADS, 0, s, y32, bias, n, out, (T *)y));
     CUDA_LAUNCH_CHECK("bias_epilogue_kernel");
+}
+
+// ---- programmatic dependent launch switch (cuda_common.cuh) -------------------------------------
+
+int cuda_pdl;
+
+int cuda_pdl_allowed(int device_major, int *allowed)
+{
+    const char *e = getenv("PD_CUDA_PDL");
+    // The kernels wait in griddepcontrol.wait only where they were compiled for sm_90 or newer
+    // (a JIT from older PTX leaves it out): launch with the attribute only then.
+    cudaFuncAttributes fa;
+    CUDA_TRY(cudaFuncGetAttributes(&fa, add_kernel<bf16>));
+    *allowed = !(e && strcmp(e, "0") == 0) && device_major >= 9 && fa.binaryVersion >= 90;
+    return PD_OK;
 }

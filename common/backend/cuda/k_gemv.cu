@@ -112,6 +112,7 @@ template <typename TW, typename TX, int N, bool SWI>
 __global__ void __launch_bounds__(GEMV_MAX_WARPS * 32)
     gemv_kernel(const TX *x, gemv_mats<TW, TX> M, size_t in, int S, size_t per)
 {
+    GRIDDEP_ENTRY();
     __shared__ float part[GEMV_MAX_WARPS][N]; // per warp: its partial for each input row
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int R = (int)(blockDim.x >> 5) / S;
@@ -249,14 +250,14 @@ static void gemv_launch(cudaStream_t s, const TX *x, size_t n, int nm, const voi
     if (SWI) grid = (out[0] + R / 2 - 1) / (R / 2); // R / 2 rows of gate and of up per block
     const unsigned g = (unsigned)grid, th = (unsigned)(32 * S * R);
     switch (n) {
-    case 1: gemv_kernel<TW, TX, 1, SWI><<<g, th, 0, s>>>(x, M, in, S, per); break;
-    case 2: gemv_kernel<TW, TX, 2, SWI><<<g, th, 0, s>>>(x, M, in, S, per); break;
-    case 3: gemv_kernel<TW, TX, 3, SWI><<<g, th, 0, s>>>(x, M, in, S, per); break;
-    case 4: gemv_kernel<TW, TX, 4, SWI><<<g, th, 0, s>>>(x, M, in, S, per); break;
-    case 5: gemv_kernel<TW, TX, 5, SWI><<<g, th, 0, s>>>(x, M, in, S, per); break;
-    case 6: gemv_kernel<TW, TX, 6, SWI><<<g, th, 0, s>>>(x, M, in, S, per); break;
-    case 7: gemv_kernel<TW, TX, 7, SWI><<<g, th, 0, s>>>(x, M, in, S, per); break;
-    default: gemv_kernel<TW, TX, 8, SWI><<<g, th, 0, s>>>(x, M, in, S, per); break;
+    case 1: cuda_launch(gemv_kernel<TW, TX, 1, SWI>, g, th, 0, s, x, M, in, S, per); break;
+    case 2: cuda_launch(gemv_kernel<TW, TX, 2, SWI>, g, th, 0, s, x, M, in, S, per); break;
+    case 3: cuda_launch(gemv_kernel<TW, TX, 3, SWI>, g, th, 0, s, x, M, in, S, per); break;
+    case 4: cuda_launch(gemv_kernel<TW, TX, 4, SWI>, g, th, 0, s, x, M, in, S, per); break;
+    case 5: cuda_launch(gemv_kernel<TW, TX, 5, SWI>, g, th, 0, s, x, M, in, S, per); break;
+    case 6: cuda_launch(gemv_kernel<TW, TX, 6, SWI>, g, th, 0, s, x, M, in, S, per); break;
+    case 7: cuda_launch(gemv_kernel<TW, TX, 7, SWI>, g, th, 0, s, x, M, in, S, per); break;
+    default: cuda_launch(gemv_kernel<TW, TX, 8, SWI>, g, th, 0, s, x, M, in, S, per); break;
     }
 }
 

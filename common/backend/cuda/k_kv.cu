@@ -11,6 +11,7 @@ template <typename T>
 __global__ void kv_write_kernel(const T *k, const T *v, size_t n, size_t row_elems,
                                 const int64_t *slots, T *kc, T *vc)
 {
+    GRIDDEP_ENTRY();
     size_t total = n * row_elems;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
          i += (size_t)gridDim.x * blockDim.x) {
@@ -29,7 +30,7 @@ int cuda_kv_write(cudaStream_t s, int act, const void *k, const void *v, size_t 
     size_t blocks = (total + 255) / 256;
     if (blocks > 65535) blocks = 65535;
     ACT_DISPATCH(act, T,
-                 kv_write_kernel<<<(unsigned)blocks, 256, 0, s>>>(
+                 cuda_launch(kv_write_kernel<T>, (unsigned)blocks, 256, 0, s, 
                      (const T *)k, (const T *)v, n, kvh * D, slots, (T *)kc, (T *)vc));
     CUDA_LAUNCH_CHECK("kv_write_kernel");
 }

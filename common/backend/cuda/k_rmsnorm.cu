@@ -42,6 +42,7 @@ __device__ static float norm_block_sum(float v)
 template <typename T, bool ADD>
 __global__ void rmsnorm_kernel(T *x, const T *add, const float *w, float eps, size_t dim, T *y)
 {
+    GRIDDEP_ENTRY();
     T *xr = x + (size_t)blockIdx.x * dim;
     const T *ar = add + (ADD ? (size_t)blockIdx.x * dim : 0);
     T *yr = y + (size_t)blockIdx.x * dim;
@@ -67,6 +68,7 @@ template <typename T, int R, bool ADD>
 __global__ void __launch_bounds__(NORM_MAX_THREADS)
     rmsnorm_vec_kernel(T *x, const T *add, const float *w, float eps, int dim, T *y)
 {
+    GRIDDEP_ENTRY();
     constexpr int EPC = norm_chunk<T>::EPC;
     const int nch = dim / EPC;
     norm_chunk<T> *xr = (norm_chunk<T> *)(x + (size_t)blockIdx.x * dim);
@@ -124,7 +126,7 @@ static void rmsnorm_launch(cudaStream_t s, T *x, const T *add, const float *w, f
                      ((uintptr_t)x | (uintptr_t)add | (uintptr_t)y | (uintptr_t)w) % 16 == 0 &&
                      nch <= (size_t)NORM_MAX_THREADS * NORM_MAX_R;
     if (!vec) {
-        rmsnorm_kernel<T, ADD><<<(unsigned)n, NORM_THREADS, 0, s>>>(x, add, w, eps, dim, y);
+        cuda_launch(rmsnorm_kernel<T, ADD>, (unsigned)n, NORM_THREADS, 0, s, x, add, w, eps, dim, y);
         return;
     }
     size_t threads = (nch + 31) / 32 * 32;
@@ -133,9 +135,9 @@ static void rmsnorm_launch(cudaStream_t s, T *x, const T *add, const float *w, f
     const size_t R = (nch + threads - 1) / threads;
     const unsigned g = (unsigned)n, b = (unsigned)threads;
     if (R <= 1)
-        rmsnorm_vec_kernel<T, 1, ADD><<<g, b, 0, s>>>(x, add, w, eps, (int)dim, y);
+        cuda_launch(rmsnorm_vec_kernel<T, 1, ADD>, g, b, 0, s, x, add, w, eps, (int)dim, y);
     else
-        rmsnorm_vec_kernel<T, NORM_MAX_R, ADD><<<g, b, 0, s>>>(x, add, w, eps, (int)dim, y);
+        cuda_launch(rmsnorm_vec_kernel<T, NORM_MAX_R, ADD>, g, b, 0, s, x, add, w, eps, (int)dim, y);
 }
 
 int cuda_rmsnorm(cudaStream_t s, int act, const void *x, const float *w, float eps, size_t n,

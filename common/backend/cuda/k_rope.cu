@@ -22,6 +22,7 @@ template <typename T>
 __global__ void rope_kernel(T *x, size_t n, size_t n_heads, size_t head_dim, const float *cos_t,
                             const float *sin_t, size_t rope_half)
 {
+    GRIDDEP_ENTRY();
     size_t half = head_dim / 2;
     size_t total = n * n_heads * half;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
@@ -44,6 +45,7 @@ __global__ void rope_kv_write_kernel(T *q, const T *k, const T *v, size_t n, siz
                                      size_t head_dim, const float *cos_t, const float *sin_t,
                                      size_t rope_half, const int64_t *slots, T *kc, T *vc)
 {
+    GRIDDEP_ENTRY();
     const size_t half = head_dim / 2, heads = nq + 2 * nkv;
     const size_t total = n * heads * half;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
@@ -84,7 +86,7 @@ int cuda_rope(cudaStream_t s, int act, void *x, size_t n, size_t n_heads, size_t
     size_t blocks = (total + 255) / 256;
     if (blocks > 65535) blocks = 65535;
     ACT_DISPATCH(act, T,
-                 rope_kernel<<<(unsigned)blocks, 256, 0, s>>>((T *)x, n, n_heads, head_dim, cos_t,
+                 cuda_launch(rope_kernel<T>, (unsigned)blocks, 256, 0, s, (T *)x, n, n_heads, head_dim, cos_t,
                                                               sin_t, rope_half));
     CUDA_LAUNCH_CHECK("rope_kernel");
 }
@@ -99,7 +101,7 @@ int cuda_rope_kv_write(cudaStream_t s, int act, void *q, const void *k, const vo
     size_t blocks = (total + 255) / 256;
     if (blocks > 65535) blocks = 65535;
     ACT_DISPATCH(act, T,
-                 rope_kv_write_kernel<<<(unsigned)blocks, 256, 0, s>>>(
+                 cuda_launch(rope_kv_write_kernel<T>, (unsigned)blocks, 256, 0, s, 
                      (T *)q, (const T *)k, (const T *)v, n, nq, nkv, head_dim, cos_t, sin_t,
                      rope_half, slots, (T *)kc, (T *)vc));
     CUDA_LAUNCH_CHECK("rope_kv_write_kernel");
