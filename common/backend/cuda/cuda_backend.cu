@@ -1551,6 +1551,17 @@ static int largest_divisor(int g, int cap)
 // CUDA_ATTN_TC_QV query vectors; the rest become CUDA-core items, and single-row items with
 // long contexts are split when the whole list would not fill the GPU. In a graph step the
 // grids are sized to a capacity that depends on the step shape only.
+// Tensor-core items by descending key range (then by row): the GPU starts blocks in grid order,
+// so the longest (a prompt's last rows) start first and the short ones fill the tail; each item
+// writes its own rows, so the order does not change any value.
+static int tc_item_cmp(const void *a, const void *b)
+{
+    const cuda_attn_item *x = (const cuda_attn_item *)a, *y = (const cuda_attn_item *)b;
+    int32_t ex = x->kv1 - x->kv0, ey = y->kv1 - y->kv0;
+    if (ex != ey) return ex > ey ? -1 : 1;
+    return x->row0 < y->row0 ? -1 : x->row0 > y->row0;
+}
+
 static int attn_build(cuda_be *cb, int nqh, int nkvh, int D, int tc_ok)
 {
     if (cb->attn_built && cb->attn_nqh == nqh && cb->attn_nkvh == nkvh && cb->attn_hd == D &&
@@ -1646,6 +1657,7 @@ static int attn_build(cuda_be *cb, int nqh, int nkvh, int D, int tc_ok)
         fixed = 0;
     }
     // one contiguous list: CUDA-core items then tensor-core items
+    qsort(tc_list, ntc, sizeof(cuda_attn_item), tc_item_cmp);
     if (ntc) memmove(cb->h_items + ni, tc_list, ntc * sizeof(cuda_attn_item));
     cb->h_counts[0] = (int32_t)ni;
     cb->h_counts[1] = (int32_t)nm;

@@ -18,20 +18,21 @@ __device__ __forceinline__ void rope_pair(float x1, float x2, float c, float sn,
     *o2 = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, sn));
 }
 
-template <typename T>
-__global__ void rope_kernel(T *x, size_t n, size_t n_heads, size_t head_dim, const float *cos_t,
-                            const float *sin_t, size_t rope_half)
+// I: the index type, 32-bit where every element index of the launch fits (64-bit division is
+// many instructions, and this kernel does three per thread); the values are the same either way.
+template <typename T, typename I>
+__global__ void rope_kernel(T *x, I n, I n_heads, I head_dim, const float *cos_t,
+                            const float *sin_t, I rope_half)
 {
     GRIDDEP_ENTRY();
-    size_t half = head_dim / 2;
-    size_t total = n * n_heads * half;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
-         i += (size_t)gridDim.x * blockDim.x) {
-        size_t p = i % half;
-        size_t rh = i / half; // row * n_heads + head
-        size_t r = rh / n_heads;
-        T *xh = x + rh * head_dim;
-        float c = cos_t[r * rope_half + p], sn = sin_t[r * rope_half + p];
+    const I half = head_dim / 2;
+    const I total = n * n_heads * half;
+    for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (I)gridDim.x * blockDim.x) {
+        I p = i % half;
+        I rh = i / half; // row * n_heads + head
+        I r = rh / n_heads;
+        T *xh = x + (size_t)rh * head_dim;
+        float c = cos_t[(size_t)r * rope_half + p], sn = sin_t[(size_t)r * rope_half + p];
         float o1, o2;
         rope_pair(ldf(xh, p), ldf(xh, p + half), c, sn, &o1, &o2);
         stf(xh, p, o1);
@@ -39,36 +40,35 @@ __global__ void rope_kernel(T *x, size_t n, size_t n_heads, size_t head_dim, con
     }
 }
 
-// One thread per (row, head, pair) over the heads q (nq), then k (nkv), then v (nkv).
-template <typename T>
-__global__ void rope_kv_write_kernel(T *q, const T *k, const T *v, size_t n, size_t nq, size_t nkv,
-                                     size_t head_dim, const float *cos_t, const float *sin_t,
-                                     size_t rope_half, const int64_t *slots, T *kc, T *vc)
+// One thread per (row, head, pair) over the heads q (nq), then k (nkv), then v (nkv); I as above.
+template <typename T, typename I>
+__global__ void rope_kv_write_kernel(T *q, const T *k, const T *v, I n, I nq, I nkv, I head_dim,
+                                     const float *cos_t, const float *sin_t, I rope_half,
+                                     const int64_t *slots, T *kc, T *vc)
 {
     GRIDDEP_ENTRY();
-    const size_t half = head_dim / 2, heads = nq + 2 * nkv;
-    const size_t total = n * heads * half;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
-         i += (size_t)gridDim.x * blockDim.x) {
-        size_t p = i % half;
-        size_t rh = i / half; // row * heads + head
-        size_t r = rh / heads, h = rh % heads;
+    const I half = head_dim / 2, heads = nq + 2 * nkv;
+    const I total = n * heads * half;
+    for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (I)gridDim.x * blockDim.x) {
+        I p = i % half;
+        I rh = i / half; // row * heads + head
+        I r = rh / heads, h = rh % heads;
         if (h >= nq + nkv) { // v: a plain copy into the slot
-            size_t vh = h - nq - nkv;
-            const T *src = v + (r * nkv + vh) * head_dim;
+            I vh = h - nq - nkv;
+            const T *src = v + ((size_t)r * nkv + vh) * head_dim;
             T *dst = vc + ((size_t)slots[r] * nkv + vh) * head_dim;
             dst[p] = src[p];
             dst[p + half] = src[p + half];
             continue;
         }
-        float c = cos_t[r * rope_half + p], sn = sin_t[r * rope_half + p];
+        float c = cos_t[(size_t)r * rope_half + p], sn = sin_t[(size_t)r * rope_half + p];
         const T *src;
         T *dst;
         if (h < nq) { // q: in place
-            dst = q + (r * nq + h) * head_dim;
+            dst = q + ((size_t)r * nq + h) * head_dim;
             src = dst;
         } else { // k: rotated into the slot
-            src = k + (r * nkv + (h - nq)) * head_dim;
+            src = k + ((size_t)r * nkv + (h - nq)) * head_dim;
             dst = kc + ((size_t)slots[r] * nkv + (h - nq)) * head_dim;
         }
         float o1, o2;
@@ -78,6 +78,13 @@ __global__ void rope_kv_write_kernel(T *q, const T *k, const T *v, size_t n, siz
     }
 }
 
+// Whether the 32-bit index type holds every index of a launch over `total` pairs (elements go
+// up to twice that, plus a grid stride).
+static bool idx32(size_t total)
+{
+    return total <= 0x3fffffffu;
+}
+
 int cuda_rope(cudaStream_t s, int act, void *x, size_t n, size_t n_heads, size_t head_dim,
               const float *cos_t, const float *sin_t, size_t rope_half)
 {
@@ -85,9 +92,14 @@ int cuda_rope(cudaStream_t s, int act, void *x, size_t n, size_t n_heads, size_t
     if (total == 0) return PD_OK;
     size_t blocks = (total + 255) / 256;
     if (blocks > 65535) blocks = 65535;
-    ACT_DISPATCH(act, T,
-                 cuda_launch(rope_kernel<T>, (unsigned)blocks, 256, 0, s, (T *)x, n, n_heads, head_dim, cos_t,
-                                                              sin_t, rope_half));
+    if (idx32(total))
+        ACT_DISPATCH(act, T,
+                     cuda_launch(rope_kernel<T, unsigned>, (unsigned)blocks, 256, 0, s, (T *)x, n,
+                                 n_heads, head_dim, cos_t, sin_t, rope_half));
+    else
+        ACT_DISPATCH(act, T,
+                     cuda_launch(rope_kernel<T, size_t>, (unsigned)blocks, 256, 0, s, (T *)x, n,
+                                 n_heads, head_dim, cos_t, sin_t, rope_half));
     CUDA_LAUNCH_CHECK("rope_kernel");
 }
 
@@ -100,9 +112,15 @@ int cuda_rope_kv_write(cudaStream_t s, int act, void *q, const void *k, const vo
     if (total == 0) return PD_OK;
     size_t blocks = (total + 255) / 256;
     if (blocks > 65535) blocks = 65535;
-    ACT_DISPATCH(act, T,
-                 cuda_launch(rope_kv_write_kernel<T>, (unsigned)blocks, 256, 0, s, 
-                     (T *)q, (const T *)k, (const T *)v, n, nq, nkv, head_dim, cos_t, sin_t,
-                     rope_half, slots, (T *)kc, (T *)vc));
+    if (idx32(total))
+        ACT_DISPATCH(act, T,
+                     cuda_launch(rope_kv_write_kernel<T, unsigned>, (unsigned)blocks, 256, 0, s,
+                                 (T *)q, (const T *)k, (const T *)v, n, nq, nkv, head_dim, cos_t,
+                                 sin_t, rope_half, slots, (T *)kc, (T *)vc));
+    else
+        ACT_DISPATCH(act, T,
+                     cuda_launch(rope_kv_write_kernel<T, size_t>, (unsigned)blocks, 256, 0, s,
+                                 (T *)q, (const T *)k, (const T *)v, n, nq, nkv, head_dim, cos_t,
+                                 sin_t, rope_half, slots, (T *)kc, (T *)vc));
     CUDA_LAUNCH_CHECK("rope_kv_write_kernel");
 }
