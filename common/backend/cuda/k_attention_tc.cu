@@ -235,13 +235,15 @@ __device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// The b fragment of rows k0..k0+15 x columns n0..n0+7 of a row-major (k, n) bf16 matrix in
-// shared memory: lane l (< 16) names row k0 + l; .trans hands each lane its (k, k+1) pairs.
-__device__ __forceinline__ void ldsm_x2_trans(uint32_t *b0, uint32_t *b1, const bf16 *row)
+// The b fragments of two 8-column tiles of a row-major (k, n) bf16 matrix in shared memory:
+// lanes 0-15 name rows k0..k0+15 at column n0, lanes 16-31 the same rows at n0 + 8; .trans hands
+// each lane its (k, k+1) pairs: r[0], r[1] for columns n0.., r[2], r[3] for n0 + 8.. (one
+// instruction for what two ldmatrix.x2 would load).
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t r[4], const bf16 *row)
 {
     unsigned a = (unsigned)__cvta_generic_to_shared(row);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
-                 : "=r"(*b0), "=r"(*b1)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(a));
 }
 
@@ -316,6 +318,7 @@ template <int D> __global__ void __launch_bounds__(TC_THREADS) attn_tc_mma_kerne
     const int vq0 = warp * 16 + g, vq1 = vq0 + 8;
     const int qpos0 = vq0 < nq ? a.positions[it.row0 + vq0 / hpi] : -1;
     const int qpos1 = vq1 < nq ? a.positions[it.row0 + vq1 / hpi] : -1;
+    const int qmin = __reduce_min_sync(0xffffffffu, min(qpos0, qpos1)); // the warp's rows
 
     float o[DT][4];
 #pragma unroll
@@ -332,7 +335,8 @@ template <int D> __global__ void __launch_bounds__(TC_THREADS) attn_tc_mma_kerne
         __syncthreads();
         const bf16 *kt = Ks + buf * KT * LD, *vt = Vs + buf * KT * LD;
 
-        // S (16 x KT) = Q K^T: b fragment = K rows (keys) read as columns
+        // S (16 x KT) = Q K^T: b fragment = K rows (keys) read as columns (32-bit loads: an
+        // ldmatrix.x4 here took 139 registers instead of 128, one block less per SM)
         float sc[NT][4];
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) {
@@ -343,19 +347,32 @@ template <int D> __global__ void __launch_bounds__(TC_THREADS) attn_tc_mma_kerne
                 mma_bf16(sc[nt], qf[kk], lds32(kr + kk * 16), lds32(kr + kk * 16 + 8));
         }
 
-        // scale, causal mask, row max over the quad (the 4 lanes sharing rows g, g + 8)
+        // scale, causal mask, row max over the quad (the 4 lanes sharing rows g, g + 8); a tile
+        // wholly visible to every row of the warp needs no mask (the same values)
         float mx0 = -INFINITY, mx1 = -INFINITY;
+        if (t0 + KT <= it.kv1 && t0 + KT - 1 <= qmin) {
 #pragma unroll
-        for (int nt = 0; nt < NT; nt++)
+            for (int nt = 0; nt < NT; nt++)
 #pragma unroll
-            for (int e = 0; e < 2; e++) {
-                int t = t0 + nt * 8 + 2 * q4 + e;
-                bool in = t < it.kv1;
-                sc[nt][e] = in && t <= qpos0 ? sc[nt][e] * qs : -INFINITY;
-                sc[nt][2 + e] = in && t <= qpos1 ? sc[nt][2 + e] * qs : -INFINITY;
-                mx0 = fmaxf(mx0, sc[nt][e]);
-                mx1 = fmaxf(mx1, sc[nt][2 + e]);
-            }
+                for (int e = 0; e < 2; e++) {
+                    sc[nt][e] *= qs;
+                    sc[nt][2 + e] *= qs;
+                    mx0 = fmaxf(mx0, sc[nt][e]);
+                    mx1 = fmaxf(mx1, sc[nt][2 + e]);
+                }
+        } else {
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    int t = t0 + nt * 8 + 2 * q4 + e;
+                    bool in = t < it.kv1;
+                    sc[nt][e] = in && t <= qpos0 ? sc[nt][e] * qs : -INFINITY;
+                    sc[nt][2 + e] = in && t <= qpos1 ? sc[nt][2 + e] * qs : -INFINITY;
+                    mx0 = fmaxf(mx0, sc[nt][e]);
+                    mx1 = fmaxf(mx1, sc[nt][2 + e]);
+                }
+        }
 #pragma unroll
         for (int sh = 1; sh <= 2; sh <<= 1) {
             mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, sh));
@@ -396,10 +413,11 @@ template <int D> __global__ void __launch_bounds__(TC_THREADS) attn_tc_mma_kerne
 #pragma unroll
         for (int kk = 0; kk < PS; kk++)
 #pragma unroll
-            for (int dt = 0; dt < DT; dt++) {
-                uint32_t b0, b1;
-                ldsm_x2_trans(&b0, &b1, vt + (kk * 16 + (lane & 15)) * LD + dt * 8);
-                mma_bf16(o[dt], pa[kk], b0, b1);
+            for (int dt = 0; dt < DT; dt += 2) { // b fragments of column tiles dt and dt + 1
+                uint32_t vb[4];
+                ldsm_x4_trans(vb, vt + (kk * 16 + (lane & 15)) * LD + (dt + (lane >> 4)) * 8);
+                mma_bf16(o[dt], pa[kk], vb[0], vb[1]);
+                mma_bf16(o[dt + 1], pa[kk], vb[2], vb[3]);
             }
         __syncthreads(); // this buffer is refilled by the next iteration's prefetch
     }
