@@ -6,11 +6,10 @@
 # Steps (each bounded by `timeout`): gpu, unit and integration suites; pd-mkmodel --preset 1b
 # (unless --model names a model); bench_cuda (fused ops, then --no-fused, then serialized
 # launches: PD_CUDA_PDL=0, then the WMMA prefill attention kernel: PD_CUDA_ATTN_TC=wmma);
-# bench_kv_ipc;
-# bench_pd ttft (CUDA IPC, then TCP); hf_decode_bench.py (transformers generate on the same
-# weights); serve_bench.sh (1P1D on the GPU behind pd-scheduler, CUDA IPC);
-# with --ncu, per-kernel times of two eager decode steps (ncu CSV). Ends with the list of steps
-# and their exit status; exit 1 when any failed.
+# bench_kv_ipc; bench_pd ttft (CUDA IPC, then TCP); hf_decode_bench.py (transformers generate on
+# the same weights); serve_bench.sh (1P1D on the GPU behind pd-scheduler, CUDA IPC); with --ncu,
+# per-kernel times of two eager decode steps (ncu CSV, summed per kernel by ncu_summary.py).
+# Ends with the list of steps and their exit status; exit 1 when any failed.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 pack=$root/.devpack out=${OUT:-/tmp/pdserve-verify} suites=1 ncu=0 model=/tmp/pdserve-1b
@@ -21,7 +20,7 @@ while [ $# -gt 0 ]; do
     --model) model=$2; shift ;;
     --skip-suites) suites=0 ;;
     --ncu) ncu=1 ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
     *) echo "verify.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
   esac
   shift
@@ -42,7 +41,7 @@ step() { # name, timeout, command...
   echo "== $name ($(date -u +%H:%M:%S))"
   timeout "$t" "$@" >"$out/$name.txt" 2>&1
   local rc=$?
-  grep -vE " INFO |^\s*$" "$out/$name.txt" | tail -n 25
+  grep -vE " INFO |^\s*$" "$out/$name.txt" | tail -n "${TAILN:-25}"
   summary+=("$name: exit $rc")
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
@@ -66,7 +65,8 @@ step hf_generate 300 python3 "$root/tests/gpu/hf_decode_bench.py" "$model"
 step serve_bench 600 "$root/tests/gpu/serve_bench.sh" --bin-dir "$B" --model "$model" --device cuda --dtype bfloat16 --kv-transport cuda_ipc --timeout 580 --work-dir "$out/serve"
 if [ "$ncu" = 1 ] && command -v ncu >/dev/null; then
   # about 182 launches per eager decode step of the 1b preset with the fused ops (22 layers)
-  PD_CUDA_GRAPHS=0 step ncu_decode 300 ncu --launch-skip 600 --launch-count 364 --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv --page raw "$B/tests/gpu/bench_cuda" --model "$model" --prompt 32 --gen 8 --prefill 16 --batch 1
+  PD_CUDA_GRAPHS=0 TAILN=0 step ncu_decode 300 ncu --launch-skip 600 --launch-count 364 --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv --page raw "$B/tests/gpu/bench_cuda" --model "$model" --prompt 32 --gen 8 --prefill 16 --batch 1
+  step ncu_decode_summary 30 python3 "$root/tests/gpu/ncu_summary.py" "$out/ncu_decode.txt" 2
 fi
 echo "== summary"
 printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
