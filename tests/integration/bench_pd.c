@@ -240,13 +240,15 @@ static int bench_ttft(int argc, char **argv)
     pd_engine_params ep = pd_engine_default_params();
     ep.model_dir = model;
     ep.n_threads = 1;
-    ep.kv_cache_bytes = 64u << 20;
+    /* one KV budget for both arms, above what a max_model_len sequence takes (1b preset: 46 MB
+       for 2048 tokens in bf16; medium: 50 MB in f32); the nodes' replaces the cluster's 32 MiB */
+    ep.kv_cache_bytes = cuda ? (size_t)1 << 30 : (size_t)256 << 20;
+    char kvb[32];
+    snprintf(kvb, sizeof kvb, "%zu", ep.kv_cache_bytes);
     ep.max_model_len = len + 64 > 2048 ? len + 64 : 2048;
-    if (cuda) { /* GPU 0, bf16, a 1 GiB pool like the nodes' below (a 2048-token prompt of the
-                   1b preset takes 46 MB) */
+    if (cuda) { /* GPU 0, bf16 */
         ep.n_cuda_devices = 1;
         ep.cuda_devices[0] = 0;
-        ep.kv_cache_bytes = 1u << 30;
     }
     pd_engine *e;
     if (pd_engine_create(&ep, &e) < 0) {
@@ -299,14 +301,19 @@ static int bench_ttft(int argc, char **argv)
     snprintf(mml, sizeof mml, "%zu", (size_t)ep.max_model_len);
     char *gpu_args[] = {"--device",
                         "cuda",
-                        "--kv-cache-bytes", /* replaces the cluster's 32 MiB CPU default */
-                        "1073741824",
+                        "--kv-cache-bytes",
+                        kvb,
                         "--kv-transport",
                         (char *)(xport ? xport : "auto"),
                         "--max-model-len",
                         mml,
                         NULL};
-    char *cpu_args[] = {"--kv-transport", (char *)(xport ? xport : "auto"), "--max-model-len", mml,
+    char *cpu_args[] = {"--kv-cache-bytes",
+                        kvb,
+                        "--kv-transport",
+                        (char *)(xport ? xport : "auto"),
+                        "--max-model-len",
+                        mml,
                         NULL};
     if (cl_start(&c, model, "0", "1", cuda ? gpu_args : cpu_args) < 0) {
         fprintf(stderr, "bench_pd: %s\n", pd_last_error());
