@@ -241,45 +241,40 @@ static void decode_pair(const char *what, pd_backend *b[2], const int no_fused[2
     pd_model_free(m);
 }
 
-/* Decode steps replayed from CUDA graphs give bit-identical logits to the same steps run op by
- * op (a second CUDA backend created with PD_CUDA_GRAPHS=0): the shape is seen (eager),
- * recorded, then replayed 22 times. */
-TEST(cuda_graphs_match_eager)
+/* decode_pair of a default CUDA backend and one created with `var`=0 in the environment (a
+ * switch the backend reads at create): every one of the 25 steps must give bit-identical logits. */
+static void default_vs_off(const char *what, const char *var)
 {
-    NEED_GPU();
     pd_backend *b[2];
     pd_backend_params gp = pd_backend_default_params();
     ASSERT_OK(pd_backend_cuda_create(&gp, &b[0]));
-    setenv("PD_CUDA_GRAPHS", "0", 1);
+    setenv(var, "0", 1);
     int rc = pd_backend_cuda_create(&gp, &b[1]);
-    unsetenv("PD_CUDA_GRAPHS");
+    unsetenv(var);
     ASSERT_OK(rc);
     static const int no_fused[2] = {0, 0};
     int same = 0;
-    decode_pair("graphs vs eager", b, no_fused, &same);
+    decode_pair(what, b, no_fused, &same);
     ASSERT_EQ_INT(same, 25);
     for (int i = 0; i < 2; i++) pd_backend_destroy(b[i]);
 }
 
+/* Decode steps replayed from CUDA graphs give bit-identical logits to the same steps run op by
+ * op (PD_CUDA_GRAPHS=0): the shape is seen (eager), recorded, then replayed 22 times. */
+TEST(cuda_graphs_match_eager)
+{
+    NEED_GPU();
+    default_vs_off("graphs vs eager", "PD_CUDA_GRAPHS");
+}
+
 /* Kernels launched with programmatic dependent launch (the default on Hopper: each may start
  * while the previous one finishes and waits in griddepcontrol.wait) give bit for bit the logits
- * of fully serialized launches (a second backend created with PD_CUDA_PDL=0), eager and in
- * graphs; on a GPU below compute capability 9.0 both run serialized. */
+ * of fully serialized launches (PD_CUDA_PDL=0), eager and in graphs; on a GPU below compute
+ * capability 9.0 both run serialized. */
 TEST(cuda_pdl_matches_serialized_launches)
 {
     NEED_GPU();
-    pd_backend *b[2];
-    pd_backend_params gp = pd_backend_default_params();
-    ASSERT_OK(pd_backend_cuda_create(&gp, &b[0]));
-    setenv("PD_CUDA_PDL", "0", 1);
-    int rc = pd_backend_cuda_create(&gp, &b[1]);
-    unsetenv("PD_CUDA_PDL");
-    ASSERT_OK(rc);
-    static const int no_fused[2] = {0, 0};
-    int same = 0;
-    decode_pair("PDL vs PD_CUDA_PDL=0", b, no_fused, &same);
-    ASSERT_EQ_INT(same, 25);
-    for (int i = 0; i < 2; i++) pd_backend_destroy(b[i]);
+    default_vs_off("PDL vs PD_CUDA_PDL=0", "PD_CUDA_PDL");
 }
 
 /* The fused ops (one GEMV launch for q/k/v and one for gate/up + SwiGLU, rotary + cache write,
@@ -295,14 +290,7 @@ TEST(cuda_fused_ops_match_plain_ops)
     int same = 0;
     decode_pair("fused vs plain ops", b, no_fused, &same);
     ASSERT_EQ_INT(same, 25);
-    /* PD_CUDA_FUSED=0: the backend's fused ops issue the plain ones themselves */
-    pd_backend_destroy(b[1]);
-    setenv("PD_CUDA_FUSED", "0", 1);
-    int rc = pd_backend_cuda_create(&gp, &b[1]);
-    unsetenv("PD_CUDA_FUSED");
-    ASSERT_OK(rc);
-    static const int both_fused[2] = {0, 0};
-    decode_pair("fused vs PD_CUDA_FUSED=0", b, both_fused, &same);
-    ASSERT_EQ_INT(same, 25);
     for (int i = 0; i < 2; i++) pd_backend_destroy(b[i]);
+    /* PD_CUDA_FUSED=0: the backend's fused ops issue the plain ones themselves */
+    default_vs_off("fused vs PD_CUDA_FUSED=0", "PD_CUDA_FUSED");
 }
