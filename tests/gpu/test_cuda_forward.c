@@ -278,8 +278,9 @@ TEST(cuda_pdl_matches_serialized_launches)
 }
 
 /* The fused ops (one GEMV launch for q/k/v and one for gate/up + SwiGLU, rotary + cache write,
- * residual add + RMSNorm) give bit for bit the logits of the plain ops they stand for, with graphs on: plain
- * ops issued by the forward pass (no_fused) and by the backend itself (PD_CUDA_FUSED=0). */
+ * residual add + RMSNorm) give bit for bit the logits of the plain ops they stand for, with graphs
+ * on: plain ops issued by the forward pass (no_fused) and by the backend itself (PD_CUDA_FUSED=0).
+ */
 TEST(cuda_fused_ops_match_plain_ops)
 {
     NEED_GPU();

@@ -230,7 +230,7 @@ static int bench_ttft(int argc, char **argv)
         return 2;
     }
     int32_t *prompt = malloc(len * sizeof *prompt);
-    double split[64], colo[64];
+    double split[64], colo[64], split_prefill[64], split_kv[64];
     Pd__SamplingParams sp = PD__SAMPLING_PARAMS__INIT;
     /* two tokens: the KV moves to the decode side before the first token is answered */
     sp.n = 1, sp.top_p = 1, sp.repetition_penalty = 1, sp.logprobs = -1, sp.max_tokens = 2;
@@ -332,13 +332,17 @@ static int bench_ttft(int argc, char **argv)
             return 1;
         }
         split[r] = res.t_first - t0; /* Reserve + Info + Prefill (KV transfer included) */
+        split_prefill[r] = res.prefill_seconds;
+        split_kv[r] = res.kv_seconds;
     }
     cl_stop_all(&c);
     char cmd[300];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", pdt_tmp_dir());
     if (system(cmd) != 0) fprintf(stderr, "bench_pd: could not remove %s\n", pdt_tmp_dir());
     for (int r = 0; r < reps; r++)
-        printf("  rep %d: colocated %.2f ms, split %.2f ms\n", r, colo[r] * 1e3, split[r] * 1e3);
+        printf("  rep %d: colocated %.2f ms, split %.2f ms (prefill instance: prefill %.2f ms, "
+               "KV transfer %.2f ms)\n",
+               r, colo[r] * 1e3, split[r] * 1e3, split_prefill[r] * 1e3, split_kv[r] * 1e3);
     qsort(colo, (size_t)reps, sizeof(double), cmp_double);
     qsort(split, (size_t)reps, sizeof(double), cmp_double);
     double mc = colo[reps / 2], ms = split[reps / 2];

@@ -583,6 +583,8 @@ int cl_prefill(cl_cluster *c, int pk, int dk, const char *id, const int32_t *pro
     pd__reserve_reply__free_unpacked(rr, NULL);
     if (!pr) goto fail;
     out->t_first = pd_now_s();
+    out->prefill_seconds = pr->prefill_seconds;
+    out->kv_seconds = pr->kv_seconds;
     append_event(out, pr->first);
     bool final = pr->first->final;
     *seed_out = pr->seed;

@@ -84,6 +84,8 @@ typedef struct {
     int status;     /* gRPC status of the failing step, 0 on success */
     double t_start; /* pd_now_s() just before Reserve (after the Info call) */
     double t_first; /* pd_now_s() when the first token (the Prefill reply) arrived */
+    double prefill_seconds, kv_seconds; /* the Prefill reply's: request -> reply less the KV time,
+                                           and first KV byte sent -> decode acknowledgement */
     char error[512];
 } cl_result;
 

@@ -41,14 +41,14 @@ int cuda_embed(cudaStream_t s, int act, const void *table, int tdtype, size_t H,
     if (n == 0) return PD_OK;
     ACT_DISPATCH(act, T, {
         if (tdtype == ACT_F32)
-            cuda_launch(embed_kernel<float, T>, ew_blocks(n * H), EW_THREADS, 0, s, (const float *)table, H, ids, n,
-                                                                 (T *)out);
+            cuda_launch(embed_kernel<float, T>, ew_blocks(n * H), EW_THREADS, 0, s,
+                        (const float *)table, H, ids, n, (T *)out);
         else if (tdtype == ACT_F16)
-            cuda_launch(embed_kernel<__half, T>, ew_blocks(n * H), EW_THREADS, 0, s, (const __half *)table, H, ids, n,
-                                                                 (T *)out);
+            cuda_launch(embed_kernel<__half, T>, ew_blocks(n * H), EW_THREADS, 0, s,
+                        (const __half *)table, H, ids, n, (T *)out);
         else
-            cuda_launch(embed_kernel<bf16, T>, ew_blocks(n * H), EW_THREADS, 0, s, (const bf16 *)table, H, ids, n,
-                                                                 (T *)out);
+            cuda_launch(embed_kernel<bf16, T>, ew_blocks(n * H), EW_THREADS, 0, s,
+                        (const bf16 *)table, H, ids, n, (T *)out);
     });
     CUDA_LAUNCH_CHECK("embed_kernel");
 }
@@ -72,8 +72,8 @@ int cuda_gather_rows(cudaStream_t s, int act, const void *x, size_t dim, const i
 {
     if (n_out == 0) return PD_OK;
     ACT_DISPATCH(act, T,
-                 cuda_launch(gather_rows_kernel<T>, ew_blocks(n_out * dim), EW_THREADS, 0, s, 
-                     (const T *)x, dim, rows, n_out, (T *)out));
+                 cuda_launch(gather_rows_kernel<T>, ew_blocks(n_out * dim), EW_THREADS, 0, s,
+                             (const T *)x, dim, rows, n_out, (T *)out));
     CUDA_LAUNCH_CHECK("gather_rows_kernel");
 }
 
@@ -91,7 +91,8 @@ template <typename T> __global__ void swiglu_kernel(const T *gate, const T *up, 
 
 // The same per element, 16 bytes of each operand per thread (nv 16-byte groups): a prefill's
 // SwiGLU moves tens of megabytes, and 2-byte accesses leave most of the bandwidth unused.
-template <typename T> __global__ void swiglu_vec_kernel(const T *gate, const T *up, size_t nv, T *out)
+template <typename T>
+__global__ void swiglu_vec_kernel(const T *gate, const T *up, size_t nv, T *out)
 {
     GRIDDEP_ENTRY();
     constexpr int E = 16 / (int)sizeof(T);
@@ -135,7 +136,9 @@ template <typename T> __global__ void add_kernel(T *y, const T *x, size_t n)
 int cuda_add(cudaStream_t s, int act, void *y, const void *x, size_t n)
 {
     if (n == 0) return PD_OK;
-    ACT_DISPATCH(act, T, cuda_launch(add_kernel<T>, ew_blocks(n), EW_THREADS, 0, s, (T *)y, (const T *)x, n));
+    ACT_DISPATCH(
+        act, T,
+        cuda_launch(add_kernel<T>, ew_blocks(n), EW_THREADS, 0, s, (T *)y, (const T *)x, n));
     CUDA_LAUNCH_CHECK("add_kernel");
 }
 
@@ -162,11 +165,14 @@ int cuda_act_convert(cudaStream_t s, int act, const void *src, size_t n, int dst
     }
     ACT_DISPATCH(act, T, {
         if (dst_t == ACT_F32)
-            cuda_launch(convert_kernel<T, float>, ew_blocks(n), EW_THREADS, 0, s, (const T *)src, n, (float *)dst);
+            cuda_launch(convert_kernel<T, float>, ew_blocks(n), EW_THREADS, 0, s, (const T *)src, n,
+                        (float *)dst);
         else if (dst_t == ACT_F16)
-            cuda_launch(convert_kernel<T, __half>, ew_blocks(n), EW_THREADS, 0, s, (const T *)src, n, (__half *)dst);
+            cuda_launch(convert_kernel<T, __half>, ew_blocks(n), EW_THREADS, 0, s, (const T *)src,
+                        n, (__half *)dst);
         else
-            cuda_launch(convert_kernel<T, bf16>, ew_blocks(n), EW_THREADS, 0, s, (const T *)src, n, (bf16 *)dst);
+            cuda_launch(convert_kernel<T, bf16>, ew_blocks(n), EW_THREADS, 0, s, (const T *)src, n,
+                        (bf16 *)dst);
     });
     CUDA_LAUNCH_CHECK("convert_kernel");
 }
@@ -188,9 +194,9 @@ int cuda_bias_epilogue(cudaStream_t s, int act, const float *y32, const float *b
                        size_t out, void *y)
 {
     if (n == 0) return PD_OK;
-    ACT_DISPATCH(
-        act, T,
-        cuda_launch(bias_epilogue_kernel<T>, ew_blocks(n * out), EW_THREADS, 0, s, y32, bias, n, out, (T *)y));
+    ACT_DISPATCH(act, T,
+                 cuda_launch(bias_epilogue_kernel<T>, ew_blocks(n * out), EW_THREADS, 0, s, y32,
+                             bias, n, out, (T *)y));
     CUDA_LAUNCH_CHECK("bias_epilogue_kernel");
 }
 

@@ -30,8 +30,8 @@ int cuda_kv_write(cudaStream_t s, int act, const void *k, const void *v, size_t 
     size_t blocks = (total + 255) / 256;
     if (blocks > 65535) blocks = 65535;
     ACT_DISPATCH(act, T,
-                 cuda_launch(kv_write_kernel<T>, (unsigned)blocks, 256, 0, s, 
-                     (const T *)k, (const T *)v, n, kvh * D, slots, (T *)kc, (T *)vc));
+                 cuda_launch(kv_write_kernel<T>, (unsigned)blocks, 256, 0, s, (const T *)k,
+                             (const T *)v, n, kvh * D, slots, (T *)kc, (T *)vc));
     CUDA_LAUNCH_CHECK("kv_write_kernel");
 }
 

@@ -126,7 +126,8 @@ static void rmsnorm_launch(cudaStream_t s, T *x, const T *add, const float *w, f
                      ((uintptr_t)x | (uintptr_t)add | (uintptr_t)y | (uintptr_t)w) % 16 == 0 &&
                      nch <= (size_t)NORM_MAX_THREADS * NORM_MAX_R;
     if (!vec) {
-        cuda_launch(rmsnorm_kernel<T, ADD>, (unsigned)n, NORM_THREADS, 0, s, x, add, w, eps, dim, y);
+        cuda_launch(rmsnorm_kernel<T, ADD>, (unsigned)n, NORM_THREADS, 0, s, x, add, w, eps, dim,
+                    y);
         return;
     }
     size_t threads = (nch + 31) / 32 * 32;
@@ -137,7 +138,8 @@ static void rmsnorm_launch(cudaStream_t s, T *x, const T *add, const float *w, f
     if (R <= 1)
         cuda_launch(rmsnorm_vec_kernel<T, 1, ADD>, g, b, 0, s, x, add, w, eps, (int)dim, y);
     else
-        cuda_launch(rmsnorm_vec_kernel<T, NORM_MAX_R, ADD>, g, b, 0, s, x, add, w, eps, (int)dim, y);
+        cuda_launch(rmsnorm_vec_kernel<T, NORM_MAX_R, ADD>, g, b, 0, s, x, add, w, eps, (int)dim,
+                    y);
 }
 
 int cuda_rmsnorm(cudaStream_t s, int act, const void *x, const float *w, float eps, size_t n,

@@ -27,7 +27,8 @@ __global__ void rope_kernel(T *x, I n, I n_heads, I head_dim, const float *cos_t
     GRIDDEP_ENTRY();
     const I half = head_dim / 2;
     const I total = n * n_heads * half;
-    for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (I)gridDim.x * blockDim.x) {
+    for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (I)gridDim.x * blockDim.x) {
         I p = i % half;
         I rh = i / half; // row * n_heads + head
         I r = rh / n_heads;
@@ -49,7 +50,8 @@ __global__ void rope_kv_write_kernel(T *q, const T *k, const T *v, I n, I nq, I 
     GRIDDEP_ENTRY();
     const I half = head_dim / 2, heads = nq + 2 * nkv;
     const I total = n * heads * half;
-    for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (I)gridDim.x * blockDim.x) {
+    for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (I)gridDim.x * blockDim.x) {
         I p = i % half;
         I rh = i / half; // row * heads + head
         I r = rh / heads, h = rh % heads;
