@@ -1545,12 +1545,6 @@ static int largest_divisor(int g, int cap)
     return best;
 }
 
-// Builds the step's attention work list on the host for this head layout (the copy to the
-// device happens with the first attention launch). Sequences whose rows fill at least one
-// 16-row tensor-core tile (bf16, head_dim 64/128) become tensor-core items of up to
-// CUDA_ATTN_TC_QV query vectors; the rest become CUDA-core items, and single-row items with
-// long contexts are split when the whole list would not fill the GPU. In a graph step the
-// grids are sized to a capacity that depends on the step shape only.
 // Tensor-core items by descending key range (then by row): the GPU starts blocks in grid order,
 // so the longest (a prompt's last rows) start first and the short ones fill the tail; each item
 // writes its own rows, so the order does not change any value.
@@ -1562,6 +1556,12 @@ static int tc_item_cmp(const void *a, const void *b)
     return x->row0 < y->row0 ? -1 : x->row0 > y->row0;
 }
 
+// Builds the step's attention work list on the host for this head layout (the copy to the
+// device happens with the first attention launch). Sequences whose rows fill at least one
+// 16-row tensor-core tile (bf16, head_dim 64/128) become tensor-core items of up to
+// CUDA_ATTN_TC_QV query vectors; the rest become CUDA-core items, and single-row items with
+// long contexts are split when the whole list would not fill the GPU. In a graph step the
+// grids are sized to a capacity that depends on the step shape only.
 static int attn_build(cuda_be *cb, int nqh, int nkvh, int D, int tc_ok)
 {
     if (cb->attn_built && cb->attn_nqh == nqh && cb->attn_nkvh == nkvh && cb->attn_hd == D &&
