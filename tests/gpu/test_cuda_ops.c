@@ -288,7 +288,8 @@ TEST(cuda_embed_rope_gather)
                                        {1, 50, 4, 64},
                                        {37, 1000, 3, 128},
                                        {300, 4096, 8, 96},
-                                       {5, 77, 2, 256}};
+                                       {5, 77, 2, 256},
+                                       {9, 60, 5, 36}}; /* 18 pairs: 1 per thread */
     uint64_t seed = 3;
     for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
         size_t n = shapes[si][0], V = shapes[si][1], nh = shapes[si][2], D = shapes[si][3];
@@ -812,7 +813,9 @@ static void fused_rope_kv_case(int mode)
 {
     cuda_pair p;
     ASSERT_OK(ctu_pair_open(&p, mode));
-    static const size_t shapes[][4] = {{1, 32, 4, 64}, {37, 12, 4, 128}, {300, 8, 1, 64}};
+    /* n, q heads, kv heads, head_dim (36: 18 pairs, rotated 1 per thread, not 16 bytes) */
+    static const size_t shapes[][4] = {
+        {1, 32, 4, 64}, {37, 12, 4, 128}, {300, 8, 1, 64}, {7, 6, 2, 36}};
     uint64_t seed = 25;
     for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
         size_t n = shapes[si][0], nq = shapes[si][1], nkv = shapes[si][2], D = shapes[si][3];

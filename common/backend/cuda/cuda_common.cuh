@@ -84,8 +84,10 @@ static inline int cuda_status(cudaError_t e, const char *what, const char *file,
 // finished (cudaLaunchAttributeProgrammaticStreamSerialization, kept by CUDA graph capture): its
 // blocks become resident and wait in griddep_wait() until that kernel has completed and its
 // writes are visible. Every kernel launched by cuda_launch therefore calls griddep_wait() before
-// its first global memory access, read or write; griddep_launch_dependents() then lets the next
-// kernel start launching. Without the attribute (cuda_pdl 0, other launches) both are no-ops.
+// its first global memory access, read or write, other than reads of the weights, which nothing
+// writes once loaded (gemv_kernel loads its first rows before the wait);
+// griddep_launch_dependents() then lets the next kernel start launching. Without the attribute
+// (cuda_pdl 0, other launches) both are no-ops.
 // cuda_pdl is set by each backend's step plan (and create) to that backend's choice, made at
 // create by cuda_pdl_allowed: on unless PD_CUDA_PDL=0, the device is below compute capability 9.0
 // or the kernels were built without sm_90 code. A kernel launched by cuda_launch waits in

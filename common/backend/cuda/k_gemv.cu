@@ -82,6 +82,19 @@ template <> struct gemv_chunk<float> {
     }
 };
 
+// One pass of a lane: the chunks c0 + u * 32 (u < GEMV_UNROLL) of row wr below c_end, all
+// loads issued before any is used.
+template <typename TW>
+__device__ __forceinline__ void gemv_load_pass(gemv_chunk<TW> w[GEMV_UNROLL], const TW *wr,
+                                               size_t c0, size_t c_end)
+{
+#pragma unroll
+    for (int u = 0; u < GEMV_UNROLL; u++) {
+        size_t c = c0 + (size_t)u * 32;
+        if (c < c_end) w[u].load(wr + c * 8);
+    }
+}
+
 // The matrices of one launch (q/k/v or gate/up: one x, the same `in`): block b works on the
 // last matrix i with blk0[i] <= b, on its rows (b - blk0[i]) * R onwards.
 template <typename TW, typename TX> struct gemv_mats {
@@ -112,7 +125,6 @@ template <typename TW, typename TX, int N, bool SWI>
 __global__ void __launch_bounds__(GEMV_MAX_WARPS * 32)
     gemv_kernel(const TX *x, gemv_mats<TW, TX> M, size_t in, int S, size_t per)
 {
-    GRIDDEP_ENTRY();
     __shared__ float part[GEMV_MAX_WARPS][N]; // per warp: its partial for each input row
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int R = (int)(blockDim.x >> 5) / S;
@@ -148,13 +160,14 @@ __global__ void __launch_bounds__(GEMV_MAX_WARPS * 32)
     const size_t chunks = in / 8; // 8-element chunks of the row
     const size_t c_end = min(chunks, (size_t)(sp + 1) * per);
     const TW *wr = W + (active ? j : 0) * in;
-    for (size_t c0 = (size_t)sp * per + lane; active && c0 < c_end; c0 += GEMV_SEG) {
-        gemv_chunk<TW> w[GEMV_UNROLL];
-#pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; u++) {
-            size_t c = c0 + (size_t)u * 32;
-            if (c < c_end) w[u].load(wr + c * 8);
-        }
+    // The first pass's weights are loaded before griddep_wait: no kernel of a step writes
+    // weights, so under programmatic dependent launch this block streams them while the
+    // previous kernel (attention, a norm) is still running. x is read only after the wait.
+    size_t c0 = (size_t)sp * per + lane;
+    gemv_chunk<TW> w[GEMV_UNROLL];
+    if (active) gemv_load_pass(w, wr, c0, c_end);
+    GRIDDEP_ENTRY();
+    for (; active && c0 < c_end;) {
 #pragma unroll
         for (int u = 0; u < GEMV_UNROLL; u++) {
             size_t c = c0 + (size_t)u * 32;
@@ -173,6 +186,8 @@ __global__ void __launch_bounds__(GEMV_MAX_WARPS * 32)
                 acc[r] += s;
             }
         }
+        c0 += GEMV_SEG;
+        if (c0 < c_end) gemv_load_pass(w, wr, c0, c_end);
     }
 #pragma unroll
     for (int r = 0; r < N; r++)
