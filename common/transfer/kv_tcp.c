@@ -252,19 +252,45 @@ static int wait_fd(int fd, short events, int stop_fd, const atomic_bool *cancel,
     }
 }
 
-/* PD_OK, PD_ETIMEOUT, PD_ECANCELLED, PD_ECLOSED (peer closed / error / stop). */
+/* The socket calls below try the call first and wait only when the socket is not ready (the
+ * sockets are non-blocking): a frame's header, its payload and an acknowledgement are usually
+ * there already, and each poll() would cost a system call. Before each try they look at the
+ * cancel flag and the deadline, which need no system call. */
+
+/* PD_OK to go on, else the status to return (PD_ECANCELLED, PD_ETIMEOUT). */
+static int io_gate(const atomic_bool *cancel, int64_t deadline_ns)
+{
+    if (cancel && atomic_load(cancel)) return PD_ECANCELLED;
+    if (deadline_ns != INT64_MAX && pd_now_ns() >= deadline_ns) return PD_ETIMEOUT;
+    return PD_OK;
+}
+
+/* After a call that returned r < 0: PD_OK to try again (EINTR, or EAGAIN and fd became ready),
+ * else the status to return. */
+static int io_retry(int fd, short events, int stop_fd, const atomic_bool *cancel,
+                    int64_t deadline_ns)
+{
+    if (errno == EINTR) return PD_OK;
+    if (errno != EAGAIN && errno != EWOULDBLOCK) return PD_ECLOSED;
+    int w = wait_fd(fd, events, stop_fd, cancel, deadline_ns);
+    return w == 1 ? PD_OK : w == 0 ? PD_ETIMEOUT : w == -2 ? PD_ECANCELLED : PD_ECLOSED;
+}
+
+/* PD_OK, PD_ETIMEOUT, PD_ECANCELLED, PD_ECLOSED (peer closed / error / stop). stop_fd is looked
+ * at only while the socket has nothing to read. */
 static int read_full(int fd, void *buf, size_t n, int stop_fd, const atomic_bool *cancel,
                      int64_t deadline_ns)
 {
     uint8_t *p = buf;
     while (n > 0) {
-        int w = wait_fd(fd, POLLIN, stop_fd, cancel, deadline_ns);
-        if (w == 0) return PD_ETIMEOUT;
-        if (w == -2) return PD_ECANCELLED;
-        if (w < 0) return PD_ECLOSED;
+        int rc = io_gate(cancel, deadline_ns);
+        if (rc < 0) return rc;
         ssize_t r = read(fd, p, n);
-        if (r < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-        if (r <= 0) return PD_ECLOSED;
+        if (r == 0) return PD_ECLOSED;
+        if (r < 0) {
+            if ((rc = io_retry(fd, POLLIN, stop_fd, cancel, deadline_ns)) < 0) return rc;
+            continue;
+        }
         p += r;
         n -= (size_t)r;
     }
@@ -276,13 +302,14 @@ static int write_full(int fd, const void *buf, size_t n, const atomic_bool *canc
 {
     const uint8_t *p = buf;
     while (n > 0) {
-        int w = wait_fd(fd, POLLOUT, -1, cancel, deadline_ns);
-        if (w == 0) return PD_ETIMEOUT;
-        if (w == -2) return PD_ECANCELLED;
-        if (w < 0) return PD_ECLOSED;
+        int rc = io_gate(cancel, deadline_ns);
+        if (rc < 0) return rc;
         ssize_t r = send(fd, p, n, MSG_NOSIGNAL);
-        if (r < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-        if (r <= 0) return PD_ECLOSED;
+        if (r == 0) return PD_ECLOSED;
+        if (r < 0) {
+            if ((rc = io_retry(fd, POLLOUT, -1, cancel, deadline_ns)) < 0) return rc;
+            continue;
+        }
         p += r;
         n -= (size_t)r;
     }
@@ -295,13 +322,14 @@ static int writev_full(int fd, struct iovec *iov, int cnt, const atomic_bool *ca
                        int64_t deadline_ns)
 {
     while (cnt > 0) {
-        int w = wait_fd(fd, POLLOUT, -1, cancel, deadline_ns);
-        if (w == 0) return PD_ETIMEOUT;
-        if (w == -2) return PD_ECANCELLED;
-        if (w < 0) return PD_ECLOSED;
+        int rc = io_gate(cancel, deadline_ns);
+        if (rc < 0) return rc;
         ssize_t n = writev(fd, iov, cnt);
-        if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-        if (n <= 0) return PD_ECLOSED;
+        if (n == 0) return PD_ECLOSED;
+        if (n < 0) {
+            if ((rc = io_retry(fd, POLLOUT, -1, cancel, deadline_ns)) < 0) return rc;
+            continue;
+        }
         while (cnt > 0 && (size_t)n >= iov->iov_len) {
             n -= (ssize_t)iov->iov_len;
             iov++;
@@ -827,11 +855,11 @@ static void *rx_conn_main(void *arg)
     int cur_status = PD_OK;
     char cur_msg[ACK_MSG_BYTES] = "";
     for (;;) {
-        /* idle between frames: no deadline; inside a frame: FRAME_READ_TIMEOUT_MS */
-        if (read_full(c->fd, hb, 1, rx->stop_pipe[0], NULL, INT64_MAX) != PD_OK) break;
+        /* idle between frames: no deadline, and the stop signal is looked at; inside a frame:
+           FRAME_READ_TIMEOUT_MS from its first byte */
+        if (wait_fd(c->fd, POLLIN, rx->stop_pipe[0], NULL, INT64_MAX) != 1) break;
         int64_t deadline = pd_now_ns() + FRAME_READ_TIMEOUT_MS * PD_NS_PER_MS;
-        if (read_full(c->fd, hb + 1, HDR_BYTES - 1, rx->stop_pipe[0], NULL, deadline) != PD_OK)
-            break;
+        if (read_full(c->fd, hb, HDR_BYTES, rx->stop_pipe[0], NULL, deadline) != PD_OK) break;
         frame_hdr h;
         if (!hdr_unpack(hb, &h) || h.version != VERSION) {
             PD_ERROR(NULL, "kv receive: bad frame header (magic or version); closing connection");
