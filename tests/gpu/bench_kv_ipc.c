@@ -9,7 +9,9 @@
  * counted as bytes copied, i.e. half of the read + write figure test_cuda_info prints), and the
  * transfer's bytes / seconds over reps requests, each timed from the sender's first byte to
  * the decode side's acknowledgement (frame, pull, completion over the control connection);
- * the first request (which maps the pool) is reported apart. The peer checks the copied KV. */
+ * the first request (which maps the pool) is reported apart; then the pull's own device time
+ * (events on the decode side around the block-id copy and the kernel) against the same copy.
+ * The peer checks the copied KV. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -93,6 +95,12 @@ int main(int argc, char **argv)
                reps - 1, best * 1e3, bytes / best / 1e9, 100.0 * bytes / best / 1e9 / copy,
                med * 1e3, bytes / med / 1e9, 100.0 * bytes / med / 1e9 / copy);
         printf("  decode side %s", imports);
+        const char *dev = strstr(imports, "device: best");
+        double pull_ms = 0, pull_gbs = 0;
+        if (dev && sscanf(dev, "device: best %lf ms = %lf GB/s", &pull_ms, &pull_gbs) == 2)
+            printf("  the pull alone (block ids copy + kernel, device time, best): %.1f%% of the "
+                   "copy\n",
+                   100.0 * pull_gbs / copy);
         printf("  peer check: %s", verdict);
     } else {
         fprintf(stderr, "bench_kv_ipc: %s\n", pd_last_error());

@@ -5,8 +5,8 @@
  * Makes a CUDA backend (device 0, bf16) with an N-block pool of H heads (global heads H0..),
  * starts a KV receiver on 127.0.0.1 and prints "port P"; expects requests r0..r{R-1} of T tokens
  * into blocks ids (all layers, its heads), waits for them all (30 s), then checks the pool against
- * kv_ipc_val and prints the mean import time, then "ok" or the first mismatch. Exit 0 only when
- * everything passed. */
+ * kv_ipc_val and prints the mean import time and the pulls' device time (events around each
+ * pull), then "ok" or the first mismatch. Exit 0 only when everything passed. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -52,6 +52,7 @@ int main(int argc, char **argv)
     pd_kv *kv = NULL;
     pd_kv_tcp_receiver *rx = NULL;
     int rc = pd_backend_cuda_create(NULL, &b);
+    if (rc == PD_OK) rc = pd_backend_cuda_pull_timing(b);
     if (rc == PD_OK) rc = pd_backend_get_ops(b)->kv_create(b, &p, &kv);
     pd_kv_rx_params rp = {
         .host = "127.0.0.1", .backend = b, .kv = kv, .kv_params = p, .head0 = head0};
@@ -80,8 +81,15 @@ int main(int argc, char **argv)
     if (rc == PD_OK) {
         pd_kv_rx_stats st;
         pd_kv_rx_get_stats(rx, &st);
-        printf("imports: %llu requests, %.3f ms each on average (frame checks, mapping, pull)\n",
-               (unsigned long long)st.completed, 1e3 * st.import_seconds / (double)st.completed);
+        double sum, best;
+        uint64_t pulls;
+        pd_backend_cuda_pull_time(b, &sum, &best, &pulls);
+        double bytes = 2.0 * p.n_layers * (double)tokens * (double)(p.n_kv_heads * p.head_dim * 2);
+        printf("imports: %llu requests, %.3f ms each on average (frame checks, mapping, pull); "
+               "pull on the device: best %.3f ms = %.1f GB/s, mean %.3f ms (%llu pulls)\n",
+               (unsigned long long)st.completed, 1e3 * st.import_seconds / (double)st.completed,
+               1e3 * best, best > 0 ? bytes / best / 1e9 : 0.0, 1e3 * sum / (double)pulls,
+               (unsigned long long)pulls);
         rc = kv_ipc_check(b, kv, &p, 0, head0, p.n_kv_heads, ids, n, tokens);
     }
     printf("%s\n", rc == PD_OK ? "ok" : pd_last_error());

@@ -194,6 +194,9 @@ typedef struct {
     cudaStream_t xfer_stream;
     int32_t *h_pull_ids, *d_pull_ids; // (2 * pull_ids_cap) pinned / device: a pull's source
     size_t pull_ids_cap;              // then destination blocks
+    cudaEvent_t pull_ev[2];           // pull timing (pd_backend_cuda_pull_timing; NULL: off)
+    double pull_sum, pull_min;        // device seconds of the timed pulls: sum, best
+    uint64_t pull_n;
 
     size_t free_at_create; // device memory free before this backend allocated anything
 } cuda_be;
@@ -253,6 +256,8 @@ static void be_free_state(cuda_be *cb)
     if (cb->xfer_stream) cudaStreamDestroy(cb->xfer_stream);
     cudaFree(cb->d_pull_ids);
     cudaFreeHost(cb->h_pull_ids);
+    for (int i = 0; i < 2; i++)
+        if (cb->pull_ev[i]) cudaEventDestroy(cb->pull_ev[i]);
     pthread_mutex_destroy(&cb->xfer_mu);
     free(cb);
 }
@@ -861,6 +866,10 @@ static int op_kv_pull(pd_backend *b, pd_kv *kv, pd_kv_peer *peer, const pd_kv_pu
                              __FILE__, __LINE__);
         if (rc == PD_OK) cb->pull_ids_cap = pl->n_blocks;
     }
+    const bool timed = cb->pull_ev[0] != NULL;
+    if (rc == PD_OK && timed)
+        rc = cuda_status(cudaEventRecord(cb->pull_ev[0], cb->xfer_stream), "cudaEventRecord",
+                         __FILE__, __LINE__);
     if (rc == PD_OK) { // one copy of both lists, from pinned memory (no staging)
         memcpy(cb->h_pull_ids, pl->src_blocks, ids);
         memcpy(cb->h_pull_ids + pl->n_blocks, pl->dst_blocks, ids);
@@ -873,9 +882,20 @@ static int op_kv_pull(pd_backend *b, pd_kv *kv, pd_kv_peer *peer, const pd_kv_pu
         a.dst_blocks = cb->d_pull_ids + pl->n_blocks;
         rc = cuda_kv_pull(cb->xfer_stream, &a);
     }
+    if (rc == PD_OK && timed)
+        rc = cuda_status(cudaEventRecord(cb->pull_ev[1], cb->xfer_stream), "cudaEventRecord",
+                         __FILE__, __LINE__);
     if (rc == PD_OK)
         rc = cuda_status(cudaStreamSynchronize(cb->xfer_stream), "cudaStreamSynchronize(pull)",
                          __FILE__, __LINE__);
+    float ms = 0.0f;
+    if (rc == PD_OK && timed)
+        rc = cuda_status(cudaEventElapsedTime(&ms, cb->pull_ev[0], cb->pull_ev[1]),
+                         "cudaEventElapsedTime(pull)", __FILE__, __LINE__);
+    if (rc == PD_OK && timed) {
+        cb->pull_sum += ms / 1e3;
+        if (cb->pull_n++ == 0 || ms / 1e3 < cb->pull_min) cb->pull_min = ms / 1e3;
+    }
     pthread_mutex_unlock(&cb->xfer_mu);
     return rc;
 }
@@ -1890,6 +1910,34 @@ extern "C" int pd_backend_cuda_step_stream(pd_backend *b, void **stream)
     ENTER(cb);
     *stream = (void *)cb->stream;
     return PD_OK;
+}
+
+extern "C" int pd_backend_cuda_pull_timing(pd_backend *b)
+{
+    cuda_be *cb = BE(b);
+    pthread_mutex_lock(&cb->xfer_mu);
+    int rc = cuda_status(cudaSetDevice(cb->device), "cudaSetDevice", __FILE__, __LINE__);
+    for (int i = 0; i < 2 && rc == PD_OK; i++)
+        if (!cb->pull_ev[i])
+            rc = cuda_status(cudaEventCreate(&cb->pull_ev[i]), "cudaEventCreate(pull timing)",
+                             __FILE__, __LINE__);
+    if (rc < 0) // off again: pulls time themselves only with both events
+        for (int i = 0; i < 2; i++) {
+            if (cb->pull_ev[i]) cudaEventDestroy(cb->pull_ev[i]);
+            cb->pull_ev[i] = NULL;
+        }
+    pthread_mutex_unlock(&cb->xfer_mu);
+    return rc;
+}
+
+extern "C" void pd_backend_cuda_pull_time(pd_backend *b, double *sum, double *best, uint64_t *n)
+{
+    cuda_be *cb = BE(b);
+    pthread_mutex_lock(&cb->xfer_mu);
+    *sum = cb->pull_sum;
+    *best = cb->pull_min;
+    *n = cb->pull_n;
+    pthread_mutex_unlock(&cb->xfer_mu);
 }
 
 extern "C" int pd_backend_cuda_kv_params(const pd_kv *kv, pd_kv_params *out)
