@@ -5,6 +5,7 @@
 #include <netinet/in.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -443,6 +444,60 @@ TEST(kv_tcp_dead_receiver_fails_fast)
     pd_kv_tcp_sender_destroy(tx);
     pool_free(&p);
     pool_free(&d);
+}
+
+/* Sets *flag after 150 ms (a request aborted while its KV waits for the acknowledgement). */
+static void *cancel_later(void *flag)
+{
+    pd_sleep_ns(150 * PD_NS_PER_MS);
+    atomic_store((atomic_bool *)flag, true);
+    return NULL;
+}
+
+/* A receiver that takes the frames and never acknowledges (a listening socket nobody serves):
+ * the send ends at its deadline, or soon after its cancel flag is set, naming the wait. */
+TEST(kv_tcp_silent_receiver_times_out_or_cancels)
+{
+    pool p;
+    ASSERT_OK(pool_make(&p, HEADS));
+    int ls = socket(AF_INET, SOCK_STREAM, 0);
+    ASSERT(ls >= 0);
+    struct sockaddr_in a = {.sin_family = AF_INET};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t al = sizeof a;
+    ASSERT(bind(ls, (struct sockaddr *)&a, sizeof a) == 0 && listen(ls, 4) == 0);
+    ASSERT(getsockname(ls, (struct sockaddr *)&a, &al) == 0);
+    int32_t blocks[2] = {1, 2};
+    pd_kv_tcp_sender *tx;
+    ASSERT_OK(pd_kv_tcp_sender_create(&tx));
+    pd_kv_send_req r = {.request_id = "silent",
+                        .host = "127.0.0.1",
+                        .port = ntohs(a.sin_port),
+                        .backend = p.b,
+                        .kv = p.kv,
+                        .kv_params = p.p,
+                        .block_ids = blocks,
+                        .n_blocks = 2,
+                        .head0 = 0,
+                        .n_heads = HEADS,
+                        .timeout_ms = 300};
+    int64_t t0 = pd_now_ns();
+    ASSERT_ERR(pd_kv_tcp_send(tx, &r, NULL), PD_ETIMEOUT, "waiting for the acknowledgement");
+    int64_t ms = (pd_now_ns() - t0) / PD_NS_PER_MS;
+    ASSERT(ms >= 290 && ms < 2000);
+    atomic_bool cancel = false;
+    r.cancel = &cancel;
+    r.timeout_ms = 20000;
+    pthread_t th;
+    ASSERT(pthread_create(&th, NULL, cancel_later, &cancel) == 0);
+    t0 = pd_now_ns();
+    ASSERT_ERR(pd_kv_tcp_send(tx, &r, NULL), PD_ECANCELLED, "waiting for the acknowledgement");
+    ms = (pd_now_ns() - t0) / PD_NS_PER_MS;
+    pthread_join(th, NULL);
+    ASSERT(ms >= 140 && ms < 2000); /* the flag is looked at every 50 ms while waiting */
+    pd_kv_tcp_sender_destroy(tx);
+    close(ls);
+    pool_free(&p);
 }
 
 /* A CUDA IPC frame to a receiver whose backend cannot map device memory (CPU) is refused as
