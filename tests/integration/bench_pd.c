@@ -6,10 +6,11 @@
  *       the same number of bytes over loopback in the same run. Best and median of --reps.
  *   bench_pd ttft --model DIR [--prompt-len 512] [--reps 5] [--device cpu|cuda] [--kv-transport T]
  *       Time to first token of one prompt split (a real 1P1D cluster started like the
- *       integration tests, client-side Reserve + Info + Prefill) and colocated (an in-process
- *       engine: add -> first token), both with one CPU thread, or both on GPU 0 with --device
- *       cuda (each with a quarter of its memory; --kv-transport picks the nodes' transport).
- *       Median of --reps.
+ *       integration tests, client-side Reserve + Prefill as pd-scheduler sends them; the Info
+ *       call before them, which pd-scheduler makes only in its heartbeat, is not timed) and
+ *       colocated (an in-process engine: add -> first token), both with one CPU thread, or both
+ *       on GPU 0 with --device cuda (each with a quarter of its memory; --kv-transport picks the
+ *       nodes' transport). Median of --reps.
  *   bench_pd sched --model DIR [--prompt-len 64] [--reps 100] [--streams 32] [--tokens 512]
  *       pd-scheduler's cost: time to first token of a streaming completions request through
  *       pd-scheduler against the same request sent to the nodes directly (Reserve + Prefill),
@@ -335,13 +336,12 @@ static int bench_ttft(int argc, char **argv)
         for (size_t i = 0; i < len; i++) prompt[i] = (int32_t)(40 + (i * 7 + (size_t)r) % 200);
         char id[32];
         snprintf(id, sizeof id, "split-%d", r);
-        double t0 = pd_now_s();
         if (cl_generate(&c, 0, 1, id, prompt, len, &sp, &res) < 0) {
             fprintf(stderr, "bench_pd: %s\n", res.error);
             cl_stop_all(&c);
             return 1;
         }
-        split[r] = res.t_first - t0; /* Reserve + Info + Prefill (KV transfer included) */
+        split[r] = res.t_first - res.t_start; /* Reserve + Prefill (KV transfer included) */
         split_prefill[r] = res.prefill_seconds;
         split_kv[r] = res.kv_seconds;
     }
