@@ -88,8 +88,8 @@ int main(int argc, char **argv)
         printf("imports: %llu requests, %.3f ms each on average (frame checks, mapping, pull); "
                "pull on the device: best %.3f ms = %.1f GB/s, mean %.3f ms (%llu pulls)\n",
                (unsigned long long)st.completed, 1e3 * st.import_seconds / (double)st.completed,
-               1e3 * best, best > 0 ? bytes / best / 1e9 : 0.0, 1e3 * sum / (double)pulls,
-               (unsigned long long)pulls);
+               1e3 * best, best > 0 ? bytes / best / 1e9 : 0.0,
+               pulls ? 1e3 * sum / (double)pulls : 0.0, (unsigned long long)pulls);
         rc = kv_ipc_check(b, kv, &p, 0, head0, p.n_kv_heads, ids, n, tokens);
     }
     printf("%s\n", rc == PD_OK ? "ok" : pd_last_error());
