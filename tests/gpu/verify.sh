@@ -8,7 +8,8 @@
 # launches: PD_CUDA_PDL=0, then the WMMA prefill attention kernel: PD_CUDA_ATTN_TC=wmma);
 # bench_kv_ipc; bench_pd ttft (CUDA IPC, then TCP); hf_decode_bench.py (transformers generate on
 # the same weights); serve_bench.sh (1P1D on the GPU behind pd-scheduler, CUDA IPC); with --ncu,
-# per-kernel times of two eager decode steps (ncu CSV, summed per kernel by ncu_summary.py).
+# per-kernel times of two eager decode steps (ncu CSV, summed per kernel by ncu_summary.py), and
+# ncu's detailed sections for two prefill attention launches and one decode layer's GEMVs.
 # Ends with the list of steps and their exit status; exit 1 when any failed.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -20,7 +21,7 @@ while [ $# -gt 0 ]; do
     --model) model=$2; shift ;;
     --skip-suites) suites=0 ;;
     --ncu) ncu=1 ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
     *) echo "verify.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
   esac
   shift
@@ -67,6 +68,12 @@ if [ "$ncu" = 1 ] && command -v ncu >/dev/null; then
   # about 182 launches per eager decode step of the 1b preset with the fused ops (22 layers)
   PD_CUDA_GRAPHS=0 TAILN=0 step ncu_decode 300 ncu --launch-skip 600 --launch-count 364 --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv --page raw "$B/tests/gpu/bench_cuda" --model "$model" --prompt 32 --gen 8 --prefill 16 --batch 1
   step ncu_decode_summary 30 python3 "$root/tests/gpu/ncu_summary.py" "$out/ncu_decode.txt" 2
+  # where the time of the two kernels furthest from their goals goes (ncu's "detailed" set:
+  # throughput, warp stall reasons, occupancy, memory tables): layers 0 and 1 of the 2048-token
+  # prefill's tensor-core attention (the 1-token prompt before it takes the CUDA-core kernel),
+  # and the four GEMV launches of one decode layer (q/k/v, o, gate/up + SwiGLU, down)
+  TAILN=0 step ncu_prefill_attention 300 ncu --kernel-name regex:attn_tc_mma --launch-count 2 --set detailed "$B/tests/gpu/bench_cuda" --model "$model" --prompt 1 --gen 8 --batch 1
+  PD_CUDA_GRAPHS=0 TAILN=0 step ncu_decode_gemv 300 ncu --kernel-name regex:gemv_kernel --launch-skip 400 --launch-count 4 --set detailed "$B/tests/gpu/bench_cuda" --model "$model" --prompt 32 --gen 8 --prefill 16 --batch 1
 fi
 echo "== summary"
 printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
