@@ -71,9 +71,10 @@ if [ "$ncu" = 1 ] && command -v ncu >/dev/null; then
   # where the time of the two kernels furthest from their goals goes (ncu's "detailed" set:
   # throughput, warp stall reasons, occupancy, memory tables): layers 0 and 1 of the 2048-token
   # prefill's tensor-core attention (the 1-token prompt before it takes the CUDA-core kernel),
-  # and the four GEMV launches of one decode layer (q/k/v, o, gate/up + SwiGLU, down)
+  # and the four GEMV launches of decode layer 11 (q/k/v, o, gate/up + SwiGLU, down; skipped
+  # before them: the prompt's LM head and 4 steps of 22 x 4 + 1 GEMVs)
   TAILN=0 step ncu_prefill_attention 300 ncu --kernel-name regex:attn_tc_mma --launch-count 2 --set detailed "$B/tests/gpu/bench_cuda" --model "$model" --prompt 1 --gen 8 --batch 1
-  PD_CUDA_GRAPHS=0 TAILN=0 step ncu_decode_gemv 300 ncu --kernel-name regex:gemv_kernel --launch-skip 400 --launch-count 4 --set detailed "$B/tests/gpu/bench_cuda" --model "$model" --prompt 32 --gen 8 --prefill 16 --batch 1
+  PD_CUDA_GRAPHS=0 TAILN=0 step ncu_decode_gemv 300 ncu --kernel-name regex:gemv_kernel --launch-skip 401 --launch-count 4 --set detailed "$B/tests/gpu/bench_cuda" --model "$model" --prompt 32 --gen 8 --prefill 16 --batch 1
 fi
 echo "== summary"
 printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
