@@ -204,9 +204,10 @@ TEST(cuda_greedy_small_bf16)
     ASSERT(same * 100 >= 85 * N_PROMPTS * N_GEN);
 }
 
-/* Runs the same prompts (one mixed prefill step of 57 rows) and 24 greedy decode steps of 4
+/* Runs the same prompts (one mixed prefill step of 178 rows) and 24 greedy decode steps of 4
  * sequences on two CUDA backends, b[i] through pd_forward with no_fused[i]; returns in *same the
- * steps (of 25) whose logits are bit-identical. */
+ * steps (of 25) whose logits are bit-identical. The contexts (up to 124 positions) take decode
+ * attention's split path and its K/V tiles read before griddepcontrol.wait. */
 static void decode_pair(const char *what, pd_backend *b[2], const int no_fused[2], int *same)
 {
     char dir[4096];
@@ -217,10 +218,11 @@ static void decode_pair(const char *what, pd_backend *b[2], const int no_fused[2
     for (int i = 0; i < 2; i++)
         ASSERT_OK(ctu_runner_open_ex(&r[i], b[i], m, 4, 128, 256, no_fused[i]));
     size_t V = r[0].vocab;
-    int32_t prompt[4][30], seqs[4] = {0, 1, 2, 3}, plen[4] = {30, 7, 19, 1}, ones[4] = {1, 1, 1, 1};
+    int32_t prompt[4][100], seqs[4] = {0, 1, 2, 3}, plen[4] = {100, 7, 70, 1};
+    int32_t ones[4] = {1, 1, 1, 1};
     uint64_t seed = 77;
     for (int s = 0; s < 4; s++)
-        for (int k = 0; k < 30; k++)
+        for (int k = 0; k < 100; k++)
             prompt[s][k] = (int32_t)((ctu_rand(&seed, 1.0f) + 1.0f) * 0.5f * (float)(V - 1));
     const int32_t *toks[4] = {prompt[0], prompt[1], prompt[2], prompt[3]};
     for (int i = 0; i < 2; i++) ASSERT_OK(ctu_runner_step(&r[i], 4, seqs, toks, plen));

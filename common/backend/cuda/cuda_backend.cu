@@ -1629,6 +1629,7 @@ static int attn_build(cuda_be *cb, int nqh, int nkvh, int D, int tc_ok)
                 it->kv0 = 0;
                 it->kv1 = extent;
                 it->part = -1;
+                it->fresh0 = cb->h_positions[q0];
                 continue;
             }
             size_t nsplit = 1;
@@ -1656,6 +1657,7 @@ static int attn_build(cuda_be *cb, int nqh, int nkvh, int D, int tc_ok)
                     it->kv1 = (int32_t)((k + 1) * chunk < (size_t)extent ? (k + 1) * chunk
                                                                          : (size_t)extent);
                     it->part = (int32_t)(parts + k);
+                    it->fresh0 = cb->h_positions[q0];
                 }
                 parts += nsplit;
             } else {
@@ -1666,6 +1668,7 @@ static int attn_build(cuda_be *cb, int nqh, int nkvh, int D, int tc_ok)
                 it->kv0 = 0;
                 it->kv1 = extent;
                 it->part = -1;
+                it->fresh0 = cb->h_positions[q0];
             }
         }
     }

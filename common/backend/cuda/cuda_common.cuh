@@ -84,8 +84,9 @@ static inline int cuda_status(cudaError_t e, const char *what, const char *file,
 // finished (cudaLaunchAttributeProgrammaticStreamSerialization, kept by CUDA graph capture): its
 // blocks become resident and wait in griddep_wait() until that kernel has completed and its
 // writes are visible. Every kernel launched by cuda_launch therefore calls griddep_wait() before
-// its first global memory access, read or write, other than reads of the weights, which nothing
-// writes once loaded (gemv_kernel loads its first rows before the wait);
+// its first global memory access, read or write, other than reads of memory that no kernel of
+// the step writes (gemv_kernel's first weight rows; attn_kernel's work list, block table and
+// K/V of earlier steps' positions), which overlap the previous kernel that way;
 // griddep_launch_dependents() then lets the next kernel start launching. Without the attribute
 // (cuda_pdl 0, other launches) both are no-ops.
 // cuda_pdl is set by each backend's step plan (and create) to that backend's choice, made at
@@ -144,11 +145,14 @@ static inline unsigned cdiv_u(size_t a, size_t b)
 // cached positions [kv0, kv1). part < 0: the item covers the rows' whole causal range and
 // writes the bf16 output; part >= 0: one split of a single row's range, written as f32
 // partial output + log-sum-exp into partial slot `part`, combined later by a merge item.
+// fresh0: the sequence's first position written in this step (its first row's): its K/V from
+// fresh0 on comes from the step's own KV write, positions below it from earlier steps.
 typedef struct {
     int32_t row0, nrows;
     int32_t seq;
     int32_t kv0, kv1;
     int32_t part;
+    int32_t fresh0;
 } cuda_attn_item;
 
 // Combines parts [part0, part0 + n_parts) of row `row`.

@@ -283,9 +283,12 @@ attn_tile_math(const float *Qs, const float *Ks, const float *Vs, int D, int ks,
 template <int DPL, typename T, int EPC>
 __global__ void __launch_bounds__(ATTN_THREADS) attn_kernel(cuda_attn_args a)
 {
-    GRIDDEP_ENTRY();
-    // the item is read before the count so the two loads overlap (items holds n_items entries,
-    // the grid size, either way)
+    // Before griddep_wait (programmatic dependent launch, cuda_common.cuh) this block reads only
+    // what no kernel of the step writes, while the step's KV write still runs: the work list,
+    // the counts and the block table (copied in before the step's first attention launch) and,
+    // when it lies wholly below it.fresh0, the first K/V tile (written by earlier steps).
+    // The item is read before the count so the two loads overlap (items holds n_items entries,
+    // the grid size, either way).
     const cuda_attn_item it = a.items[blockIdx.x];
     if (a.counts && (int)blockIdx.x >= a.counts[0]) return; // capacity-sized grid (graphs)
     const T *q = (const T *)a.q, *kc = (const T *)a.kc, *vc = (const T *)a.vc;
@@ -315,7 +318,10 @@ __global__ void __launch_bounds__(ATTN_THREADS) attn_kernel(cuda_attn_args a)
     attn_tile<T, DPL, EPC> tile;
     tile.init(cpr);
     tile.read_blocks(bt, bs, it.kv0, it.kv1);
-    tile.fetch(kc, vc, bs, tok_elems, head_off, it.kv0); // first tile in flight ...
+    const bool early = min(it.kv0 + CUDA_ATTN_KT, it.kv1) <= it.fresh0;
+    if (early) tile.fetch(kc, vc, bs, tok_elems, head_off, it.kv0);
+    GRIDDEP_ENTRY();
+    if (!early) tile.fetch(kc, vc, bs, tok_elems, head_off, it.kv0); // first tile in flight ...
     tile.read_blocks(bt, bs, it.kv0 + CUDA_ATTN_KT, it.kv1);
 
     // ... while the queries are staged (16-byte loads when q allows them)
