@@ -129,12 +129,14 @@ static pd_kv_tcp_receiver *rx_start(pool *d, size_t head0)
     return rx;
 }
 
-static pd_kv_send_req req_for(const char *id, pool *p, size_t src_head0, const int32_t *blocks,
-                              size_t n_blocks, pd_kv_tcp_receiver *rx, size_t h0, size_t n)
+/* A send of heads [h0, h0 + n) of blocks from p (holding heads from src_head0) to 127.0.0.1:port.
+ */
+static pd_kv_send_req req_at(const char *id, pool *p, size_t src_head0, const int32_t *blocks,
+                             size_t n_blocks, int port, size_t h0, size_t n)
 {
     return (pd_kv_send_req){.request_id = id,
                             .host = "127.0.0.1",
-                            .port = pd_kv_tcp_receiver_port(rx),
+                            .port = port,
                             .backend = p->b,
                             .kv = p->kv,
                             .kv_params = p->p,
@@ -144,6 +146,13 @@ static pd_kv_send_req req_for(const char *id, pool *p, size_t src_head0, const i
                             .head0 = h0,
                             .n_heads = n,
                             .timeout_ms = 5000};
+}
+
+/* req_at to rx's port. */
+static pd_kv_send_req req_for(const char *id, pool *p, size_t src_head0, const int32_t *blocks,
+                              size_t n_blocks, pd_kv_tcp_receiver *rx, size_t h0, size_t n)
+{
+    return req_at(id, p, src_head0, blocks, n_blocks, pd_kv_tcp_receiver_port(rx), h0, n);
 }
 
 TEST(kv_head_plan)
@@ -427,17 +436,8 @@ TEST(kv_tcp_dead_receiver_fails_fast)
     pd_kv_tcp_receiver_stop(rx);
     pd_kv_tcp_sender *tx;
     ASSERT_OK(pd_kv_tcp_sender_create(&tx));
-    pd_kv_send_req r = {.request_id = "x",
-                        .host = "127.0.0.1",
-                        .port = port,
-                        .backend = p.b,
-                        .kv = p.kv,
-                        .kv_params = p.p,
-                        .block_ids = blocks,
-                        .n_blocks = 1,
-                        .head0 = 0,
-                        .n_heads = HEADS,
-                        .timeout_ms = 2000};
+    pd_kv_send_req r = req_at("x", &p, 0, blocks, 1, port, 0, HEADS);
+    r.timeout_ms = 2000;
     int64_t t0 = pd_now_ns();
     ASSERT_ERR(pd_kv_tcp_send(tx, &r, NULL), PD_ECLOSED, "connect 127.0.0.1");
     ASSERT((pd_now_ns() - t0) / PD_NS_PER_MS < 1000);
@@ -470,17 +470,8 @@ TEST(kv_tcp_silent_receiver_times_out_or_cancels)
     int32_t blocks[2] = {1, 2};
     pd_kv_tcp_sender *tx;
     ASSERT_OK(pd_kv_tcp_sender_create(&tx));
-    pd_kv_send_req r = {.request_id = "silent",
-                        .host = "127.0.0.1",
-                        .port = ntohs(a.sin_port),
-                        .backend = p.b,
-                        .kv = p.kv,
-                        .kv_params = p.p,
-                        .block_ids = blocks,
-                        .n_blocks = 2,
-                        .head0 = 0,
-                        .n_heads = HEADS,
-                        .timeout_ms = 300};
+    pd_kv_send_req r = req_at("silent", &p, 0, blocks, 2, ntohs(a.sin_port), 0, HEADS);
+    r.timeout_ms = 300;
     int64_t t0 = pd_now_ns();
     ASSERT_ERR(pd_kv_tcp_send(tx, &r, NULL), PD_ETIMEOUT, "waiting for the acknowledgement");
     int64_t ms = (pd_now_ns() - t0) / PD_NS_PER_MS;
