@@ -7,6 +7,8 @@
 
 #include <stdlib.h>
 
+#include "util/status.h"
+
 struct pd_backend {
     const pd_backend_ops *ops;
     void *impl;
@@ -61,4 +63,22 @@ const char *pd_backend_name(const pd_backend *b)
 pd_dtype pd_backend_act_dtype(const pd_backend *b)
 {
     return b->ops->act_dtype(b);
+}
+
+int pd_backend_host_alloc(pd_backend *b, size_t bytes, void **out)
+{
+    *out = NULL;
+    if (b->ops->host_alloc) return b->ops->host_alloc(b, bytes, out);
+    *out = malloc(bytes ? bytes : 1);
+    if (!*out) return pd_error(PD_ENOMEM, "out of memory for %zu bytes of host staging", bytes);
+    return PD_OK;
+}
+
+void pd_backend_host_free(pd_backend *b, void *p)
+{
+    if (!p) return;
+    if (b->ops->host_free)
+        b->ops->host_free(b, p);
+    else
+        free(p);
 }

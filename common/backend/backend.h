@@ -318,6 +318,15 @@ typedef struct pd_backend_ops {
      * equal g or u. */
     int (*matmul_swiglu)(pd_backend *b, const void *x, size_t n, const pd_weight *wg,
                          const pd_weight *wu, void *g, void *u, void *out);
+
+    /* -- host staging ------------------------------------------------------------------------ */
+    /* Host memory that kv_export / kv_import copy to and from at full speed (CUDA: pinned, so
+     * the copy is one DMA with no bounce through the driver's own staging). Allocating it may
+     * stall the device's streams (CUDA's implicit synchronization), so callers keep and reuse
+     * it. NULL where plain memory is as good (CPU): use pd_backend_host_alloc, which falls back
+     * to malloc. */
+    int (*host_alloc)(pd_backend *b, size_t bytes, void **out);
+    void (*host_free)(pd_backend *b, void *p);
 } pd_backend_ops;
 
 #define PD_MATMUL_MULTI_MAX 4
@@ -335,6 +344,10 @@ const pd_backend_ops *pd_backend_get_ops(const pd_backend *b);
 /* Shorthands. */
 const char *pd_backend_name(const pd_backend *b);
 pd_dtype pd_backend_act_dtype(const pd_backend *b);
+/* Host staging memory of b (ops->host_alloc, else malloc); PD_ENOMEM naming the size when out
+ * of memory. Freed with pd_backend_host_free on the same backend (NULL is a no-op). */
+int pd_backend_host_alloc(pd_backend *b, size_t bytes, void **out);
+void pd_backend_host_free(pd_backend *b, void *p);
 
 /* For backend implementations: wraps ops + impl into a new instance (NULL when out of memory);
  * pd_backend_impl returns impl. */

@@ -379,6 +379,20 @@ static size_t slice_bytes(const pd_kv_params *kp, size_t n_tokens, size_t n_head
 
 /* ====================================================================== receiver ========== */
 
+/* A KV frame is read straight into kv_import's layout: K, then V, each of whole blocks with the
+ * slots past the prompt zero (they do not travel). Returns the bytes of zeros after each half:
+ * 0 when the payload already is whole blocks, and for a frame whose header does not describe
+ * such a payload (read as sent; rx_check or rx_import refuses it). */
+static size_t frame_gap(const pd_kv_params *kp, const frame_hdr *h)
+{
+    size_t bs = kp->block_size, t = h->n_tokens, nb = h->n_blocks;
+    if (h->flags & (FLAG_NCCL_INIT | FLAG_NCCL | FLAG_IPC) || h->n_heads > kp->n_kv_heads ||
+        nb == 0 || t > nb * bs || t <= (nb - 1) * bs ||
+        h->payload_bytes != slice_bytes(kp, t, h->n_heads))
+        return 0;
+    return (nb * bs - t) * token_bytes(kp, h->n_heads);
+}
+
 typedef struct expect_entry {
     struct expect_entry *next;
     char id[PD_KV_REQUEST_ID_MAX];
@@ -579,7 +593,8 @@ static void rx_mark(pd_kv_tcp_receiver *rx, expect_entry *e, expect_entry **link
     }
 }
 
-/* Checks a frame against the reservation and imports it. Called with rx->mu held.
+/* Checks a frame against the reservation and imports it; payload is laid out by frame_gap (whole
+ * blocks). Called with rx->mu held.
  * Returns PD_OK or a refusal with the message set; *complete is set when the request is done. */
 static int rx_import(pd_kv_tcp_receiver *rx, const frame_hdr *h, const uint8_t *payload,
                      expect_entry **complete)
@@ -593,23 +608,12 @@ static int rx_import(pd_kv_tcp_receiver *rx, const frame_hdr *h, const uint8_t *
     if (h->payload_bytes != want)
         return pd_error(PD_EINVAL, "kv frame %s: payload of %llu bytes, expected %zu",
                         h->request_id, (unsigned long long)h->payload_bytes, want);
-    /* the blocks' slots past the prompt did not move: import whole blocks with those empty */
-    size_t half = want / 2, full_half = e->n_blocks * kp->block_size * token_bytes(kp, h->n_heads);
-    uint8_t *whole = NULL;
-    if (half < full_half) {
-        whole = calloc(2, full_half);
-        if (!whole) return pd_error(PD_ENOMEM, "kv receive: out of memory");
-        memcpy(whole, payload, half);
-        memcpy(whole + full_half, payload + half, half);
-        payload = whole;
-    }
     pd_kv_range r = {.layer = (int)h->layer,
                      .block_ids = e->blocks,
                      .n_blocks = e->n_blocks,
                      .head0 = h->head0 - rx->p.head0,
                      .n_heads = h->n_heads};
     rc = pd_backend_get_ops(rx->p.backend)->kv_import(rx->p.backend, rx->p.kv, &r, payload);
-    free(whole);
     if (rc < 0) return rc;
     rx->stats.bytes += h->payload_bytes;
     rx_mark(rx, e, link, h, h->layer, 1, complete);
@@ -872,19 +876,32 @@ static void *rx_conn_main(void *arg)
                      (unsigned long long)h.payload_bytes, rx->p.max_frame_bytes);
             break;
         }
-        if (h.payload_bytes > cap) {
-            uint8_t *nb = realloc(buf, h.payload_bytes);
-            if (!nb) {
-                PD_ERROR(h.request_id, "kv receive: out of memory for a %llu-byte frame",
-                         (unsigned long long)h.payload_bytes);
+        size_t gap = frame_gap(&rx->p.kv_params, &h), half = h.payload_bytes / 2;
+        size_t need = h.payload_bytes + 2 * gap;
+        if (need > cap) { /* the backend's staging: imports from it are one DMA */
+            pd_backend_host_free(rx->p.backend, buf);
+            buf = NULL;
+            cap = 0;
+            void *nb = NULL;
+            if (pd_backend_host_alloc(rx->p.backend, need, &nb) < 0) {
+                PD_ERROR(h.request_id, "kv receive: a %llu-byte frame: %s",
+                         (unsigned long long)h.payload_bytes, pd_last_error());
                 break;
             }
             buf = nb;
-            cap = h.payload_bytes;
+            cap = need;
         }
-        if (read_full(c->fd, buf, h.payload_bytes, rx->stop_pipe[0], NULL, deadline) != PD_OK) {
+        int rrc =
+            read_full(c->fd, buf, gap ? half : h.payload_bytes, rx->stop_pipe[0], NULL, deadline);
+        if (gap && rrc == PD_OK)
+            rrc = read_full(c->fd, buf + half + gap, half, rx->stop_pipe[0], NULL, deadline);
+        if (rrc != PD_OK) {
             PD_WARN(h.request_id, "kv receive: connection lost inside a frame");
             break;
+        }
+        if (gap) {
+            memset(buf + half, 0, gap);
+            memset(buf + 2 * half + gap, 0, gap);
         }
         if (strcmp(h.request_id, cur_id) != 0) { /* a new request on this connection */
             snprintf(cur_id, sizeof cur_id, "%s", h.request_id);
@@ -951,7 +968,7 @@ static void *rx_conn_main(void *arg)
             cur_id[0] = '\0';
         }
     }
-    free(buf);
+    pd_backend_host_free(rx->p.backend, buf);
     if (c->link) /* only this thread uses it; closing aborts whatever it had in flight */
         pd_backend_get_ops(rx->p.backend)->kv_link_close(rx->p.backend, c->link);
     c->link = NULL;
@@ -1122,10 +1139,69 @@ static void tx_conn_close(tx_conn *c)
     c->fd = -1;
 }
 
+/* Host staging of the export path (send_on), kept for the next send from the same backend:
+ * the backend's host memory (pinned on CUDA) is costly to allocate and to touch the first time.
+ * One per send in flight; it keeps the largest size a send needed. */
+typedef struct stage_buf {
+    struct stage_buf *next;
+    pd_backend *b;
+    uint8_t *p;
+    size_t cap;
+} stage_buf;
+
 struct pd_kv_tcp_sender {
     pthread_mutex_t mu;
     idle_conn *idle;
+    stage_buf *stages; /* idle ones */
 };
+
+static void stage_free(stage_buf *sb)
+{
+    pd_backend_host_free(sb->b, sb->p);
+    free(sb);
+}
+
+/* A staging buffer of b with at least bytes (an idle one when there is, grown if need be). */
+static int take_stage(pd_kv_tcp_sender *tx, pd_backend *b, size_t bytes, stage_buf **out)
+{
+    stage_buf *sb = NULL;
+    pthread_mutex_lock(&tx->mu);
+    for (stage_buf **pp = &tx->stages; *pp; pp = &(*pp)->next)
+        if ((*pp)->b == b) {
+            sb = *pp;
+            *pp = sb->next;
+            break;
+        }
+    pthread_mutex_unlock(&tx->mu);
+    if (!sb) {
+        sb = calloc(1, sizeof *sb);
+        if (!sb) return pd_error(PD_ENOMEM, "kv send: out of memory");
+        sb->b = b;
+    }
+    if (sb->cap < bytes) {
+        pd_backend_host_free(b, sb->p);
+        sb->p = NULL;
+        sb->cap = 0;
+        void *p = NULL;
+        int rc = pd_backend_host_alloc(b, bytes, &p);
+        if (rc < 0) {
+            free(sb);
+            return pd_error_prefix(rc, "kv send: staging");
+        }
+        sb->p = p;
+        sb->cap = bytes;
+    }
+    *out = sb;
+    return PD_OK;
+}
+
+static void give_stage(pd_kv_tcp_sender *tx, stage_buf *sb)
+{
+    pthread_mutex_lock(&tx->mu);
+    sb->next = tx->stages;
+    tx->stages = sb;
+    pthread_mutex_unlock(&tx->mu);
+}
 
 int pd_kv_tcp_sender_create(pd_kv_tcp_sender **out)
 {
@@ -1145,6 +1221,11 @@ void pd_kv_tcp_sender_destroy(pd_kv_tcp_sender *tx)
         tx_conn tc = {.fd = c->fd, .owner = c->owner, .link = c->link};
         tx_conn_close(&tc);
         free(c);
+    }
+    while (tx->stages) {
+        stage_buf *sb = tx->stages;
+        tx->stages = sb->next;
+        stage_free(sb);
     }
     pthread_mutex_destroy(&tx->mu);
     free(tx);
@@ -1429,8 +1510,8 @@ static int send_nccl(tx_conn *c, const pd_kv_send_req *r, size_t tokens, int64_t
 
 /* Frames of one request over fd, then the acknowledgement. *keep tells whether the
  * connection is still in sync (success, or a refusal the receiver acknowledged). */
-static int send_on(tx_conn *c, const pd_kv_send_req *r, int64_t deadline, pd_kv_send_stats *st,
-                   bool *keep)
+static int send_on(pd_kv_tcp_sender *tx, tx_conn *c, const pd_kv_send_req *r, int64_t deadline,
+                   pd_kv_send_stats *st, bool *keep)
 {
     int fd = c->fd;
     *keep = false;
@@ -1457,8 +1538,9 @@ static int send_on(tx_conn *c, const pd_kv_send_req *r, int64_t deadline, pd_kv_
     }
     size_t cap = (coalesce > HDR_BYTES + per_layer ? coalesce : HDR_BYTES + per_layer) + HDR_BYTES +
                  full_layer;
-    uint8_t *buf = malloc(cap);
-    if (!buf) return pd_error(PD_ENOMEM, "kv send: out of memory for %zu bytes", cap);
+    stage_buf *sb = NULL;
+    PD_CHECK(take_stage(tx, r->backend, cap, &sb));
+    uint8_t *buf = sb->p;
     const pd_backend_ops *ops = pd_backend_get_ops(r->backend);
     size_t used = 0;
     int rc = PD_OK;
@@ -1487,7 +1569,7 @@ static int send_on(tx_conn *c, const pd_kv_send_req *r, int64_t deadline, pd_kv_
             used = 0;
         }
     }
-    free(buf);
+    give_stage(tx, sb);
     if (rc < 0) return rc;
 ack:
     return read_ack(fd, r, deadline, keep);
@@ -1519,12 +1601,12 @@ int pd_kv_tcp_send(pd_kv_tcp_sender *tx, const pd_kv_send_req *r, pd_kv_send_sta
     bool reused = take_conn(tx, addr, owner, &c);
     if (!reused) PD_CHECK(dial(r->host, r->port, r->cancel, deadline, &c.fd));
     bool keep = false;
-    int rc = send_on(&c, r, deadline, &st, &keep);
+    int rc = send_on(tx, &c, r, deadline, &st, &keep);
     if (rc == PD_ECLOSED && reused && !keep) { /* the pooled connection had gone stale */
         tx_conn_close(&c);
         st = (pd_kv_send_stats){0};
         PD_CHECK(dial(r->host, r->port, r->cancel, deadline, &c.fd));
-        rc = send_on(&c, r, deadline, &st, &keep);
+        rc = send_on(tx, &c, r, deadline, &st, &keep);
     }
     if (keep)
         give_conn(tx, addr, &c);

@@ -712,6 +712,24 @@ static int op_kv_import(pd_backend *b, pd_kv *kv, const pd_kv_range *r, const vo
     return rc;
 }
 
+// Pinned staging for kv_export / kv_import callers; portable, so any device's copies use it
+// as pinned memory.
+static int op_host_alloc(pd_backend *b, size_t bytes, void **out)
+{
+    ENTER(BE(b));
+    cudaError_t e = cudaHostAlloc(out, bytes ? bytes : 1, cudaHostAllocPortable);
+    if (e == cudaSuccess) return PD_OK;
+    *out = NULL;
+    return cuda_status(e, "cudaHostAlloc(staging)", __FILE__, __LINE__);
+}
+
+static void op_host_free(pd_backend *b, void *p)
+{
+    (void)b;
+    cudaFreeHost(p);
+    cudaGetLastError();
+}
+
 // ---- KV between processes (CUDA IPC) ------------------------------------------------------------
 
 static pthread_mutex_t peers_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -1899,6 +1917,8 @@ static const pd_backend_ops cuda_ops = {
     op_rope_kv_write,
     op_add_rmsnorm,
     op_matmul_swiglu,
+    op_host_alloc,
+    op_host_free,
 };
 
 extern "C" int pd_backend_cuda_device(const pd_backend *b)

@@ -242,7 +242,8 @@ TEST(kv_tcp_p_tp1_to_two_d_ranks)
 
 /* Only the prompt's tokens move (9 tokens in three 4-token blocks): straight from the pool
  * (every head) and through kv_export (a head split over two decode ranks); the last block's
- * unused slots arrive empty. The sender's token count must be the reservation's. */
+ * unused slots arrive empty, over what the blocks held before. The sender's token count must be
+ * the reservation's. */
 TEST(kv_tcp_moves_only_the_prompt_tokens)
 {
     enum { TOKENS = 2 * BLOCK + 1 };
@@ -253,6 +254,9 @@ TEST(kv_tcp_moves_only_the_prompt_tokens)
     ASSERT_OK(pool_make(&d1, HEADS / 2));
     int32_t pb[3] = {3, 7, 1}, db[3] = {10, 2, 5};
     ASSERT_OK(fill(&p, pb, 3, 0));
+    ASSERT_OK(fill(&d, db, 3, 0)); /* every slot, so an unused one left alone shows */
+    ASSERT_OK(fill(&d0, db, 3, 0));
+    ASSERT_OK(fill(&d1, db, 3, 2));
     pd_kv_tcp_receiver *rx = rx_start(&d, 0), *rx0 = rx_start(&d0, 0), *rx1 = rx_start(&d1, 2);
     ASSERT(rx && rx0 && rx1);
     atomic_store(&g_done, 0);
