@@ -46,8 +46,7 @@ typedef struct {
     const char *node_ports;      /* NODE_PORTS (required): one port per P then per D */
     int heartbeat_ms;   /* --heartbeat-ms: heartbeat period and deadline of each Stats call, 1000 */
     int rpc_timeout_ms; /* deadline of Info/Stats/Reserve/Abort: 5000 */
-    int prefill_timeout_ms; /* deadline of Prefill: 60000 */
-    int decode_timeout_ms;  /* deadline of a Decode stream: 600000 */
+    int prefill_timeout_ms; /* deadline of Prefill: 60000 (Decode and Relay streams have none) */
 } pd_sched_params;
 
 /* Built-in defaults; environment and flags are applied on top by pd_sched_parse_args. */

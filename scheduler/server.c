@@ -393,8 +393,6 @@ static void send_abort(pd_sched *s, int k, const char *sub_id)
 
 /* ---- relayed token events (see the file-top comment) ---------------------------------------- */
 
-enum { RELAY_DEADLINE_MS = 0x7fffffff }; /* a Relay stream lasts as long as its node (~24 days) */
-
 typedef struct { /* which Relay stream a callback belongs to */
     pd_sched *s;
     int k, gen;
@@ -483,7 +481,7 @@ static void relay_for(pd_sched *s, int k, char *out)
     PD_INFO(NULL, "opening relay stream %s on %s", out, pd_reg_name(s->reg, k));
     uint64_t id = 0;
     pd_reg_stream(s->reg, k, "/pd.PD/Relay", buf, pd__relay_request__pack(&q, buf),
-                  RELAY_DEADLINE_MS, on_relay_msg, on_relay_done, x, &id);
+                  PD_RPC_NO_DEADLINE, on_relay_msg, on_relay_done, x, &id);
     pthread_mutex_lock(&s->rl_mu);
     if (rl->gen == gen) rl->call_id = id;
     pthread_mutex_unlock(&s->rl_mu);
@@ -814,8 +812,10 @@ static void on_prefill_done(void *arg, int st, const char *details, const uint8_
         cmap_add(s, c);
     }
     uint64_t id = 0;
-    pd_reg_stream(s->reg, c->d_node, "/pd.PD/Decode", buf, qlen, s->p.decode_timeout_ms,
-                  on_decode_msg, on_decode_done, c, &id);
+    /* no deadline: a generation may last any time; a decode instance that stops answering
+       its heartbeat fails its streams (instance_lost), a client that leaves cancels them */
+    pd_reg_stream(s->reg, c->d_node, "/pd.PD/Decode", buf, qlen, PD_RPC_NO_DEADLINE, on_decode_msg,
+                  on_decode_done, c, &id);
     free(buf);
     chain_started(c, PH_DECODE, id);
 }
@@ -2323,7 +2323,6 @@ pd_sched_params pd_sched_default_params(void)
     p.heartbeat_ms = 1000;
     p.rpc_timeout_ms = 5000;
     p.prefill_timeout_ms = 60000;
-    p.decode_timeout_ms = 600000;
     return p;
 }
 

@@ -122,6 +122,7 @@ static int64_t deadline_to_ns(gpr_timespec d)
 
 static gpr_timespec deadline_in(int timeout_ms)
 {
+    if (timeout_ms == PD_RPC_NO_DEADLINE) return gpr_inf_future(GPR_CLOCK_MONOTONIC);
     return gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
                         gpr_time_from_millis(timeout_ms, GPR_TIMESPAN));
 }
@@ -944,7 +945,7 @@ static int start_call(pd_rpc_channel *ch, const char *method, const void *req, s
                       void *arg, uint64_t *id)
 {
     pd_rpc_client *cl = ch->cl;
-    if (timeout_ms <= 0) {
+    if (timeout_ms <= 0 && timeout_ms != PD_RPC_NO_DEADLINE) {
         int rc = pd_error(PD_EINVAL, "rpc %s: a deadline is required", method);
         done(arg, PD_RPC_INVALID_ARGUMENT, pd_last_error(), NULL, 0);
         return rc;

@@ -119,9 +119,14 @@ typedef void (*pd_rpc_done_fn)(void *arg, int grpc_status, const char *details, 
 /* One message of a server stream (valid during the callback). Runs on the client thread. */
 typedef void (*pd_rpc_msg_fn)(void *arg, const uint8_t *msg, size_t len);
 
+/* timeout_ms of a call that ends only when it is cancelled, when its peer ends it or when the
+ * connection fails: for a stream whose life has no bound known in advance (a generation), where
+ * the caller watches the peer's liveness otherwise (the scheduler's heartbeat). */
+#define PD_RPC_NO_DEADLINE (-1)
+
 /* Starts a unary call; done runs exactly once (also on failure to start: then from this
  * thread, and the return value is negative). *id (may be NULL) names the call for
- * pd_rpc_cancel. timeout_ms > 0 is required: every call has a deadline. */
+ * pd_rpc_cancel. timeout_ms > 0, or PD_RPC_NO_DEADLINE: any other value is refused. */
 int pd_rpc_unary_async(pd_rpc_channel *ch, const char *method, const void *req, size_t len,
                        int timeout_ms, pd_rpc_done_fn done, void *arg, uint64_t *id);
 /* Starts a server-streaming call: on_msg for each message in order, then done exactly once. */

@@ -68,11 +68,19 @@ static void hang(void *ctx, pd_rpc_call *call, const uint8_t *req, size_t len)
     pd_rpc_on_cancel(call, hang_cancelled, NULL);
 }
 
+static atomic_llong g_hang_deadline; /* the last Hang call's pd_rpc_deadline_ns */
+
+static void hang_noting_deadline(void *ctx, pd_rpc_call *call, const uint8_t *req, size_t len)
+{
+    atomic_store(&g_hang_deadline, (long long)pd_rpc_deadline_ns(call));
+    hang(ctx, call, req, len);
+}
+
 static const pd_rpc_method methods[] = {
     {"/t.T/Echo", PD_RPC_UNARY, echo, NULL},
     {"/t.T/Fail", PD_RPC_UNARY, fail, NULL},
     {"/t.T/Count", PD_RPC_SERVER_STREAM, count, NULL},
-    {"/t.T/Hang", PD_RPC_SERVER_STREAM, hang, NULL},
+    {"/t.T/Hang", PD_RPC_SERVER_STREAM, hang_noting_deadline, NULL},
 };
 
 typedef struct {
@@ -222,6 +230,36 @@ TEST(rpc_deadline_cancels_server_side)
     fx_stop(&fx);
 }
 
+/* A stream started with PD_RPC_NO_DEADLINE carries none to the server, outlives a deadline that
+ * would have ended it, and still ends on the client's cancel. */
+TEST(rpc_stream_without_deadline)
+{
+    fixture fx;
+    ASSERT_OK(fx_start(&fx, 0));
+    atomic_store(&g_cancels, 0);
+    collector c, d;
+    col_init(&c);
+    col_init(&d);
+    uint64_t id = 0;
+    ASSERT_OK(pd_rpc_stream_async(fx.ch, "/t.T/Hang", "x", 1, 100, NULL, col_done, &d, NULL));
+    ASSERT(col_wait(&d, 5000));
+    ASSERT_EQ_INT(d.status, PD_RPC_DEADLINE_EXCEEDED);
+    int64_t finite = atomic_load(&g_hang_deadline);
+    ASSERT(finite > 0 && finite < INT64_MAX);
+    ASSERT_OK(pd_rpc_stream_async(fx.ch, "/t.T/Hang", "x", 1, PD_RPC_NO_DEADLINE, NULL, col_done,
+                                  &c, &id));
+    for (int i = 0; i < 2000 && atomic_load(&g_hang_deadline) != INT64_MAX; i++)
+        pd_sleep_ns(PD_NS_PER_MS);
+    ASSERT_EQ_INT(atomic_load(&g_hang_deadline), INT64_MAX);
+    ASSERT(!col_wait(&c, 300)); /* three times the deadline that ended the first */
+    pd_rpc_cancel(fx.cl, id);
+    ASSERT(col_wait(&c, 5000));
+    ASSERT_EQ_INT(c.status, PD_RPC_CANCELLED);
+    for (int i = 0; i < 2000 && atomic_load(&g_cancels) < 2; i++) pd_sleep_ns(PD_NS_PER_MS);
+    ASSERT_EQ_INT(atomic_load(&g_cancels), 2);
+    fx_stop(&fx);
+}
+
 TEST(rpc_client_cancel)
 {
     fixture fx;
@@ -303,6 +341,8 @@ TEST(rpc_unreachable_server_fails_within_deadline)
     ASSERT(st == PD_RPC_UNAVAILABLE || st == PD_RPC_DEADLINE_EXCEEDED);
     ASSERT((pd_now_ns() - t0) / PD_NS_PER_MS < 3000);
     ASSERT_ERR(pd_rpc_unary(ch, "/t.T/Echo", "x", 1, 0, &resp, NULL, &st), PD_EINTERNAL,
+               "a deadline is required");
+    ASSERT_ERR(pd_rpc_unary(ch, "/t.T/Echo", "x", 1, -2, &resp, NULL, &st), PD_EINTERNAL,
                "a deadline is required");
     pd_rpc_channel_destroy(ch);
     pd_rpc_client_destroy(cl);
