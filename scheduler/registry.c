@@ -26,6 +26,7 @@ typedef struct {
     int64_t load_tokens;     /* from Stats: queued (P) or running + reserved (D) */
     int64_t inflight_tokens; /* what this scheduler has in flight on it */
     int64_t kv_total, kv_free, preemptions;
+    int64_t cache_queries, cache_hits; /* prefix cache, cumulative */
     int max_num_seqs;
     char transport[16]; /* from Info */
     uint64_t epoch;     /* from Info: Stats with another one means the process restarted */
@@ -285,6 +286,8 @@ static void heartbeat_node(pd_reg *r, int k, bool again)
     nd->kv_total = st->kv_blocks_total;
     nd->kv_free = st->kv_blocks_free;
     nd->preemptions = st->num_preemptions;
+    nd->cache_queries = st->prefix_cache_queries;
+    nd->cache_hits = st->prefix_cache_hits;
     pthread_mutex_unlock(&r->mu);
     pd__stats_reply__free_unpacked(st, NULL);
     if (draining)
@@ -554,4 +557,15 @@ int64_t pd_reg_preemptions(pd_reg *r)
         if (r->nodes[k].inst->role == RT_ROLE_DECODE) s += r->nodes[k].preemptions;
     pthread_mutex_unlock(&r->mu);
     return s;
+}
+
+void pd_reg_prefix_cache(pd_reg *r, int64_t *queries, int64_t *hits)
+{
+    *queries = *hits = 0;
+    pthread_mutex_lock(&r->mu);
+    for (int k = 0; k < r->n; k++) {
+        *queries += r->nodes[k].cache_queries;
+        *hits += r->nodes[k].cache_hits;
+    }
+    pthread_mutex_unlock(&r->mu);
 }

@@ -86,5 +86,7 @@ int pd_reg_max_num_seqs(pd_reg *r);
  * block is known), preemptions summed over decode instances. */
 double pd_reg_kv_usage(pd_reg *r);
 int64_t pd_reg_preemptions(pd_reg *r);
+/* Prefix cache tokens queried and hit, summed over every instance (from the last Stats). */
+void pd_reg_prefix_cache(pd_reg *r, int64_t *queries, int64_t *hits);
 
 #endif

@@ -233,6 +233,8 @@ struct pd_sched {
     uint64_t rng;
     /* metrics */
     pd_metrics *m;
+    pd_metric *m_cache_q, *m_cache_h;
+    int64_t cache_q_seen, cache_h_seen;
     pd_metric *m_running, *m_waiting, *m_kv, *m_gpu_kv, *m_preempt, *m_prompt, *m_gen, *m_success,
         *m_h_prompt, *m_h_gen, *m_h_n, *m_h_max, *m_ttft, *m_tpot, *m_e2e, *m_queue, *m_prefill,
         *m_decode, *m_infer, *m_kv_bytes, *m_kv_secs, *m_up, *m_unsent;
@@ -2105,6 +2107,16 @@ static void handle_models(pd_sched *s, pd_http_exchange *ex)
     pd_sb_free(&b);
 }
 
+/* Counter m follows a cluster-wide cumulative figure: it grows by what the figure grew since
+ * *seen (an instance that restarts from 0 lowers the figure; the counter waits until it is
+ * passed again). */
+static void follow_counter(pd_metric *m, const char *const *labels, int64_t now, int64_t *seen)
+{
+    if (now <= *seen) return;
+    pd_metric_inc(m, labels, (double)(now - *seen));
+    *seen = now;
+}
+
 static void handle_metrics(pd_sched *s, pd_http_exchange *ex)
 {
     pd_metric_set(s->m_running, s->labels, (double)s->n_running);
@@ -2116,11 +2128,11 @@ static void handle_metrics(pd_sched *s, pd_http_exchange *ex)
     double kv = pd_reg_kv_usage(s->reg);
     pd_metric_set(s->m_kv, s->labels, kv);
     pd_metric_set(s->m_gpu_kv, s->labels, kv);
-    int64_t pre = pd_reg_preemptions(s->reg);
-    if (pre > s->preempt_seen) {
-        pd_metric_inc(s->m_preempt, s->labels, (double)(pre - s->preempt_seen));
-        s->preempt_seen = pre;
-    }
+    follow_counter(s->m_preempt, s->labels, pd_reg_preemptions(s->reg), &s->preempt_seen);
+    int64_t cq, ch;
+    pd_reg_prefix_cache(s->reg, &cq, &ch);
+    follow_counter(s->m_cache_q, s->labels, cq, &s->cache_q_seen);
+    follow_counter(s->m_cache_h, s->labels, ch, &s->cache_h_seen);
     char *text = pd_metrics_render(s->m);
     if (!text) {
         pd_http_respond_error(ex, 500, "out of memory", NULL);
@@ -2244,6 +2256,10 @@ static int metrics_init(pd_sched *s)
         "GPU KV-cache usage. 1 means 100 percent usage.", ml, NULL, 0);
     ADD(s->m_preempt, PD_METRIC_COUNTER, "vllm:num_preemptions_total",
         "Cumulative number of preemption from the engine.", ml, NULL, 0);
+    ADD(s->m_cache_q, PD_METRIC_COUNTER, "vllm:prefix_cache_queries_total",
+        "Prefix cache queries, in terms of number of queried tokens.", ml, NULL, 0);
+    ADD(s->m_cache_h, PD_METRIC_COUNTER, "vllm:prefix_cache_hits_total",
+        "Prefix cache hits, in terms of number of cached tokens.", ml, NULL, 0);
     ADD(s->m_prompt, PD_METRIC_COUNTER, "vllm:prompt_tokens_total",
         "Number of prefill tokens processed.", ml, NULL, 0);
     ADD(s->m_gen, PD_METRIC_COUNTER, "vllm:generation_tokens_total",
@@ -2284,10 +2300,10 @@ static int metrics_init(pd_sched *s)
         "Bytes of streamed responses held for clients that read slowly (relay and HTTP layer).",
         "model_name", NULL, 0);
 #undef ADD
-    pd_metric *zero[] = {s->m_running, s->m_waiting, s->m_kv,       s->m_gpu_kv, s->m_preempt,
-                         s->m_prompt,  s->m_gen,     s->m_h_prompt, s->m_h_gen,  s->m_h_n,
-                         s->m_h_max,   s->m_ttft,    s->m_tpot,     s->m_e2e,    s->m_queue,
-                         s->m_prefill, s->m_decode,  s->m_infer};
+    pd_metric *zero[] = {s->m_running, s->m_waiting, s->m_kv,       s->m_gpu_kv,  s->m_preempt,
+                         s->m_prompt,  s->m_gen,     s->m_h_prompt, s->m_h_gen,   s->m_h_n,
+                         s->m_h_max,   s->m_ttft,    s->m_tpot,     s->m_e2e,     s->m_queue,
+                         s->m_prefill, s->m_decode,  s->m_infer,    s->m_cache_q, s->m_cache_h};
     for (size_t i = 0; i < NB(zero); i++) pd_metric_touch(zero[i], s->labels);
     pd_metric_touch(s->m_unsent, s->labels);
     static const char *const reasons[] = {"stop", "length", "abort"};

@@ -218,6 +218,7 @@ pd_engine_params pd_engine_default_params(void)
         .kv_cache_bytes = 0,
         .kv_cache_fraction = 0.4,
         .num_kv_blocks = 0,
+        .enable_prefix_caching = true,
         .max_num_seqs = 256,
         .max_num_batched_tokens = 0,
         .max_model_len = 0,
@@ -1471,6 +1472,7 @@ static int create_kv(pd_engine *e)
             n_blocks, p->block_size, tokens, (double)(n_blocks * block_bytes) / (1024.0 * 1024.0),
             e->tp, p->max_model_len, (double)tokens / (double)p->max_model_len);
     PD_CHECK(pd_kvpool_create(n_blocks, p->block_size, &e->pool));
+    if (p->enable_prefix_caching) PD_CHECK(pd_kvpool_enable_prefix_cache(e->pool));
     return PD_OK;
 }
 
@@ -1559,7 +1561,8 @@ int pd_engine_create(const pd_engine_params *params, pd_engine **out)
     pd_sched_params sp = {.max_num_seqs = e->p.max_num_seqs,
                           .max_num_batched_tokens = e->p.max_num_batched_tokens,
                           .max_model_len = e->p.max_model_len,
-                          .max_prefill_chunk = e->p.max_prefill_chunk};
+                          .max_prefill_chunk = e->p.max_prefill_chunk,
+                          .prefix_caching = e->p.enable_prefix_caching};
     PD_CHECK_GOTO(pd_sched_create(&sp, e->pool, &e->sched), rc, fail);
     PD_CHECK_GOTO(create_buffers(e), rc, fail);
     PD_CHECK_GOTO(start_rank_threads(e), rc, fail);
@@ -1657,6 +1660,8 @@ void pd_engine_get_stats(pd_engine *e, pd_engine_stats *out)
     out->num_preemptions = pd_sched_num_preemptions(e->sched);
     out->kv_blocks_total = pd_kvpool_num_blocks(e->pool);
     out->kv_blocks_free = pd_kvpool_num_free(e->pool);
+    out->kv_blocks_cached = pd_kvpool_num_cached(e->pool);
+    pd_sched_prefix_cache_stats(e->sched, &out->prefix_cache_queries, &out->prefix_cache_hits);
     out->block_size = e->p.block_size;
     pthread_mutex_unlock(&e->mu);
 }

@@ -79,11 +79,14 @@ typedef struct {
     int cuda_weight_dtype;         /* CUDA: -1 (default) the backend's choice (bf16 compute);
                                       PD_DTYPE_F32 the f32 precision mode (--dtype float32) */
     /* -- KV cache ------------------------------------------------------------------------- */
-    size_t block_size;        /* tokens per block (16) */
-    size_t kv_cache_bytes;    /* KV budget per rank in bytes; 0 = kv_cache_fraction of the
-                                 MemAvailable of /proc/meminfo */
-    double kv_cache_fraction; /* (0.4) used when kv_cache_bytes is 0 */
-    size_t num_kv_blocks;     /* exact block count (overrides the byte budget; tests); 0 = off */
+    size_t block_size;          /* tokens per block (16) */
+    size_t kv_cache_bytes;      /* KV budget per rank in bytes; 0 = kv_cache_fraction of the
+                                   MemAvailable of /proc/meminfo */
+    double kv_cache_fraction;   /* (0.4) used when kv_cache_bytes is 0 */
+    size_t num_kv_blocks;       /* exact block count (overrides the byte budget; tests); 0 = off */
+    bool enable_prefix_caching; /* (true) vLLM's automatic prefix caching: full blocks of
+                                   computed K/V stay cached by content while free, and a new
+                                   sequence reuses those of its longest cached prefix */
     /* -- scheduling ------------------------------------------------------------------------ */
     size_t max_num_seqs;           /* (256) */
     size_t max_num_batched_tokens; /* rows per step; 0 = max(max_model_len, 2048) */
@@ -212,8 +215,11 @@ void pd_engine_event_done(pd_engine *e);
 typedef struct {
     size_t num_running; /* sequences */
     size_t num_waiting;
-    size_t num_held;          /* prefill-only hand-overs and reservations */
-    uint64_t num_preemptions; /* cumulative */
+    size_t num_held;               /* prefill-only hand-overs and reservations */
+    uint64_t num_preemptions;      /* cumulative */
+    uint64_t prefix_cache_queries; /* cumulative: tokens of sequences admitted without KV */
+    uint64_t prefix_cache_hits;    /* cumulative: of those, tokens found in the prefix cache */
+    size_t kv_blocks_cached;       /* blocks registered in the prefix cache (held or free) */
     size_t kv_blocks_total;
     size_t kv_blocks_free;
     size_t block_size;

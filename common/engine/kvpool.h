@@ -6,8 +6,15 @@
  * share their prompt blocks after pd_kvtable_fork. Writing into a shared, partially filled last
  * block is copy-on-write: pd_kvtable_grow swaps in a fresh block and reports the (src, dst) pair;
  * the caller copies the device data on every rank before the step runs (vLLM's blocks_to_copy).
- * A free list (LIFO stack of ids) makes alloc/free O(1). Nothing here allocates after create
- * except pd_kvtable_create (once per sequence).
+ * A free list (a doubly linked list of ids) makes alloc/free O(1). Nothing here allocates after
+ * create except pd_kvtable_create (once per sequence) and pd_kvpool_enable_prefix_cache (once).
+ *
+ * Prefix caching (vLLM's automatic prefix caching): a full block whose K/V are computed can be
+ * registered under a key of its tokens and of every token before it (pd_kvpool_block_key
+ * chains them). It stays cached while it is free, at the free list's tail, until it is handed
+ * out again (evicted, least recently freed first); a new sequence whose first blocks' keys are
+ * cached takes references on those blocks instead of computing them
+ * (pd_kvtable_append_cached).
  *
  * Sizing helpers turn a byte budget into a block count (bytes per block from pd_kv_params, so
  * the same function serves the CPU byte budget and a GPU's free memory) and refuse a
@@ -24,6 +31,12 @@
 
 typedef struct pd_kvpool pd_kvpool;
 typedef struct pd_kvtable pd_kvtable;
+
+/* The key of a full block of tokens under the prefix cache: its tokens chained onto the key of
+ * the block before it (128 bits). */
+typedef struct {
+    uint64_t h[2];
+} pd_kv_block_key;
 
 /* A copy-on-write order: copy every layer's K and V of block src into block dst. */
 typedef struct {
@@ -68,9 +81,26 @@ int pd_kvpool_refcount(const pd_kvpool *p, int32_t block);
 /* Cumulative counters: blocks handed out, copy-on-write copies ordered. */
 uint64_t pd_kvpool_num_allocs(const pd_kvpool *p);
 uint64_t pd_kvpool_num_cow(const pd_kvpool *p);
-/* Checks the invariants (free list holds each free block once, counts add up); PD_EINTERNAL
- * with a message naming the first broken one. O(n_blocks): for tests and debug builds. */
+/* Checks the invariants (free list holds each free block once, counts add up, every cached
+ * block is found by its key); PD_EINTERNAL with a message naming the first broken one.
+ * O(n_blocks): for tests and debug builds. */
 int pd_kvpool_verify(const pd_kvpool *p);
+
+/* ---- prefix cache ------------------------------------------------------------------------- */
+
+/* Turns the prefix cache on (idempotent; PD_ENOMEM). Off, the calls below do nothing. */
+int pd_kvpool_enable_prefix_cache(pd_kvpool *p);
+bool pd_kvpool_prefix_cache_enabled(const pd_kvpool *p);
+/* The key of the block holding tokens[0 .. block_size) after the block keyed parent (NULL: the
+ * sequence's first block). Keys are seeded per pool at random: they mean nothing elsewhere. */
+pd_kv_block_key pd_kvpool_block_key(const pd_kvpool *p, const pd_kv_block_key *parent,
+                                    const int32_t *tokens);
+/* Registers block (held, full, its K/V computed) under key. A no-op when the block is already
+ * registered or another block holds the key (the same content computed twice). */
+void pd_kvpool_cache_block(pd_kvpool *p, int32_t block, const pd_kv_block_key *key);
+/* Blocks registered now (held or free); free blocks handed out while registered. */
+size_t pd_kvpool_num_cached(const pd_kvpool *p);
+uint64_t pd_kvpool_num_evictions(const pd_kvpool *p);
 
 /* ---- per-sequence block tables -------------------------------------------------------------- */
 
@@ -91,6 +121,11 @@ size_t pd_kvtable_blocks_needed(const pd_kvtable *t, size_t n_tokens);
  * PD_ENOMEM (nothing changed) when the pool lacks the blocks; PD_ERANGE when n_tokens exceeds
  * the table's max_tokens. Shrinking is not allowed (PD_EINVAL); equal is a no-op. */
 int pd_kvtable_grow(pd_kvtable *t, size_t n_tokens, pd_kv_block_copy *cow, size_t *n_cow);
+
+/* Appends the block cached under key to t, whose blocks are all full, taking a reference (a
+ * free block leaves the free list): t then holds block_size more tokens. false (nothing done)
+ * when no block is cached under key or t has no room. */
+bool pd_kvtable_append_cached(pd_kvtable *t, const pd_kv_block_key *key);
 
 /* Makes dst (empty, same pool) share every block of src (reference counts + 1), with src's
  * token count. PD_EINVAL when dst is not empty or too small. */

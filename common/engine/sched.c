@@ -39,8 +39,10 @@ struct pd_sched_seq {
     uint32_t n_forked;       /* children forked from this sequence so far */
     size_t pending_children; /* forks still to come (reserved against max_num_seqs) */
     uint32_t n_preempt;
-    list_node q;   /* link in waiting or running */
-    list_node all; /* link in the list of every sequence */
+    pd_kv_block_key chain; /* prefix cache: the key of block n_chain - 1 ... */
+    size_t n_chain;        /* ... and the blocks [0, n_chain) registered or taken from it */
+    list_node q;           /* link in waiting or running */
+    list_node all;         /* link in the list of every sequence */
 };
 
 struct pd_sched {
@@ -51,7 +53,8 @@ struct pd_sched {
     size_t running_slots; /* running sequences + their pending children */
     uint64_t next_arrival;
     uint64_t n_preemptions;
-    pd_sched_item *items; /* (max_num_seqs) */
+    uint64_t cache_queries, cache_hits; /* tokens (pd_sched_prefix_cache_stats) */
+    pd_sched_item *items;               /* (max_num_seqs) */
     size_t n_items;
     pd_kv_block_copy *copies; /* (max_num_seqs) at most one copy per scheduled sequence */
     size_t n_copies;
@@ -131,6 +134,8 @@ int pd_sched_create(const pd_sched_params *p, pd_kvpool *pool, pd_sched **out)
 {
     *out = NULL;
     PD_CHECK(pd_sched_check_params(p));
+    if (p->prefix_caching && !pd_kvpool_prefix_cache_enabled(pool))
+        return pd_error(PD_EINVAL, "scheduler: prefix caching needs the pool's prefix cache");
     pd_sched *s = calloc(1, sizeof *s);
     if (!s) return pd_error(PD_ENOMEM, "scheduler: out of memory");
     s->p = *p;
@@ -274,6 +279,8 @@ int pd_sched_fork(pd_sched *s, pd_sched_seq *parent, void *user, pd_sched_seq **
     c->n_tokens = parent->n_tokens;
     c->n_prompt = parent->n_prompt;
     c->n_computed = parent->n_computed;
+    c->chain = parent->chain;
+    c->n_chain = parent->n_chain;
     c->arrival = parent->arrival;
     c->sub = parent->sub + ++parent->n_forked;
     c->state = PD_SEQ_RUNNING;
@@ -358,6 +365,36 @@ static size_t evict_waiting(pd_sched *s, const pd_sched_seq *head, size_t need)
     return n;
 }
 
+/* Prefix caching: a waiting sequence without KV takes the cached blocks of its longest cached
+ * prefix of full blocks, short of its last token, which is always computed (its logits give the
+ * next token). */
+static void take_cached(pd_sched *s, pd_sched_seq *seq)
+{
+    if (!s->p.prefix_caching || seq->n_computed || pd_kvtable_num_blocks(seq->table)) return;
+    size_t bs = pd_kvpool_block_size(s->pool), full = (seq->n_tokens - 1) / bs;
+    for (seq->n_chain = 0; seq->n_chain < full; seq->n_chain++) {
+        pd_kv_block_key k = pd_kvpool_block_key(s->pool, seq->n_chain ? &seq->chain : NULL,
+                                                seq->tokens + seq->n_chain * bs);
+        if (!pd_kvtable_append_cached(seq->table, &k)) break;
+        seq->chain = k;
+    }
+    seq->n_computed = seq->n_chain * bs;
+}
+
+/* Prefix caching: registers seq's full blocks whose K/V are now computed. */
+static void cache_computed(pd_sched *s, pd_sched_seq *seq)
+{
+    if (!s->p.prefix_caching) return;
+    size_t bs = pd_kvpool_block_size(s->pool), full = seq->n_computed / bs;
+    const int32_t *ids = pd_kvtable_ids(seq->table);
+    for (; seq->n_chain < full; seq->n_chain++) {
+        pd_kv_block_key k = pd_kvpool_block_key(s->pool, seq->n_chain ? &seq->chain : NULL,
+                                                seq->tokens + seq->n_chain * bs);
+        pd_kvpool_cache_block(s->pool, ids[seq->n_chain], &k);
+        seq->chain = k;
+    }
+}
+
 /* Rows seq may take now: its uncomputed tokens, capped by the budget and, while prefilling, by
  * max_prefill_chunk. */
 static size_t rows_for(const pd_sched *s, const pd_sched_seq *seq, size_t budget)
@@ -416,12 +453,23 @@ int pd_sched_schedule(pd_sched *s, pd_sched_out *out)
     while (n_preempted == 0 && budget > 0 && s->waiting.head) {
         pd_sched_seq *seq = s->waiting.head;
         if (s->running_slots + 1 + seq->pending_children > s->p.max_num_seqs) break;
+        bool fresh = seq->n_computed == 0 && pd_kvtable_num_blocks(seq->table) == 0;
+        if (fresh) take_cached(s, seq);
         size_t n_new = rows_for(s, seq, budget);
-        if (n_new == 0) break;
         size_t need = pd_kvtable_blocks_needed(seq->table, seq->n_computed + n_new);
-        if (need > pd_kvpool_num_free(s->pool) && !s->running.head)
+        if (n_new > 0 && need > pd_kvpool_num_free(s->pool) && !s->running.head)
             n_preempted += evict_waiting(s, seq, need);
-        if (need > pd_kvpool_num_free(s->pool)) break;
+        if (n_new == 0 || need > pd_kvpool_num_free(s->pool)) {
+            if (fresh) { /* not admitted: the cached blocks go back (still cached) */
+                pd_kvtable_clear(seq->table);
+                seq->n_computed = 0;
+            }
+            break;
+        }
+        if (fresh && s->p.prefix_caching) {
+            s->cache_queries += seq->n_tokens;
+            s->cache_hits += seq->n_computed;
+        }
         list_remove(&s->waiting, seq);
         seq->state = PD_SEQ_RUNNING;
         s->running_slots += 1 + seq->pending_children;
@@ -441,7 +489,10 @@ int pd_sched_schedule(pd_sched *s, pd_sched_out *out)
 
 void pd_sched_commit(pd_sched *s)
 {
-    for (size_t i = 0; i < s->n_items; i++) s->items[i].seq->n_computed += s->items[i].n_new;
+    for (size_t i = 0; i < s->n_items; i++) {
+        s->items[i].seq->n_computed += s->items[i].n_new;
+        cache_computed(s, s->items[i].seq);
+    }
     s->n_items = 0;
     s->n_copies = 0;
 }
@@ -459,6 +510,11 @@ size_t pd_sched_num_running(const pd_sched *s)
 uint64_t pd_sched_num_preemptions(const pd_sched *s)
 {
     return s->n_preemptions;
+}
+void pd_sched_prefix_cache_stats(const pd_sched *s, uint64_t *queries, uint64_t *hits)
+{
+    *queries = s->cache_queries;
+    *hits = s->cache_hits;
 }
 const pd_sched_params *pd_sched_get_params(const pd_sched *s)
 {

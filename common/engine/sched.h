@@ -36,6 +36,10 @@ typedef struct {
     size_t max_prefill_chunk;      /* rows one sequence may take in a step while it is
                                       prefilling (vLLM's long_prefill_token_threshold);
                                       0 = no limit but the token budget */
+    bool prefix_caching;           /* a sequence admitted without KV takes the cached blocks of
+                                      its longest cached prefix of full blocks (at least its last
+                                      token is computed), and computed full blocks are cached
+                                      (the pool's prefix cache must be on): false */
 } pd_sched_params;
 
 /* Defaults as documented on each field. */
@@ -139,6 +143,9 @@ void pd_sched_commit(pd_sched *s);
 size_t pd_sched_num_waiting(const pd_sched *s);
 size_t pd_sched_num_running(const pd_sched *s);
 uint64_t pd_sched_num_preemptions(const pd_sched *s);
+/* Prefix caching, cumulative: tokens of the sequences admitted without KV (queries) and of
+ * those tokens, the ones found in the cache (hits). */
+void pd_sched_prefix_cache_stats(const pd_sched *s, uint64_t *queries, uint64_t *hits);
 const pd_sched_params *pd_sched_get_params(const pd_sched *s);
 
 pd_seq_state pd_seq_get_state(const pd_sched_seq *seq);

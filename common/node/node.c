@@ -428,6 +428,8 @@ static void h_stats(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len)
     m.kv_blocks_total = (int64_t)st.kv_blocks_total;
     m.kv_blocks_free = (int64_t)st.kv_blocks_free;
     m.num_preemptions = (int64_t)st.num_preemptions;
+    m.prefix_cache_queries = (int64_t)st.prefix_cache_queries;
+    m.prefix_cache_hits = (int64_t)st.prefix_cache_hits;
     m.running_tokens = (int64_t)((st.kv_blocks_total - st.kv_blocks_free) * st.block_size);
     m.prompt_tokens = (int64_t)st.prompt_tokens;
     m.generation_tokens = (int64_t)st.generation_tokens;
@@ -1140,6 +1142,7 @@ pd_node_params pd_node_default_params(void)
     return (pd_node_params){
         .role = RT_ROLE_PREFILL,
         .max_num_seqs = 256,
+        .enable_prefix_caching = true,
         .block_size = 16,
         .seed = -1,
         .shutdown_timeout_s = 30,
@@ -1298,6 +1301,7 @@ int pd_node_create(const pd_node_params *p, pd_node **out)
     ep.block_size = p->block_size;
     ep.kv_cache_bytes = p->kv_cache_bytes;
     ep.max_num_seqs = p->max_num_seqs;
+    ep.enable_prefix_caching = p->enable_prefix_caching;
     ep.max_num_batched_tokens = p->max_num_batched_tokens;
     ep.max_model_len = p->max_model_len;
     ep.seed = p->seed;

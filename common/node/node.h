@@ -38,6 +38,7 @@ typedef struct {
     size_t max_num_batched_tokens; /* --max-num-batched-tokens; 0 = engine default */
     size_t block_size;             /* --block-size (16) */
     size_t kv_cache_bytes;         /* --kv-cache-bytes; 0 = a fraction of free memory */
+    bool enable_prefix_caching;    /* --[no-]enable-prefix-caching (on) */
     int64_t seed;                  /* --seed (-1: random per request) */
     int cpu_threads;               /* --cpu-threads; <= 0 = all cores */
     const char *host;              /* --host; NULL = the instance's server_ip */

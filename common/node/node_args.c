@@ -29,6 +29,8 @@ void pd_node_usage(const char *prog, rt_role role)
         "  --max-num-batched-tokens N     tokens per step; >= max-model-len\n"
         "  --block-size N                 tokens per KV block (16)\n"
         "  --kv-cache-bytes N             KV budget per rank (default: 40%% of free memory)\n"
+        "  --[no-]enable-prefix-caching   reuse the cached KV of a prompt's longest cached\n"
+        "                                 prefix of full blocks (on)\n"
         "  --seed N                       base seed of requests without one (default: random)\n"
         "  --cpu-threads N                CPU threads (default: all cores)\n"
         "  --device cpu|cuda              backend of the engine (cpu); cuda: one GPU per rank\n"
@@ -87,6 +89,11 @@ int pd_node_parse_args(int argc, char **argv, rt_role role, pd_node_params *p)
         }
         if (strncmp(a, "--", 2) != 0) return pd_error(PD_EINVAL, "unexpected argument '%s'", a);
         if (strcmp(a, "--trust-request-chat-template") == 0) continue; /* scheduler flag */
+        if (strcmp(a, "--enable-prefix-caching") == 0 ||
+            strcmp(a, "--no-enable-prefix-caching") == 0) {
+            p->enable_prefix_caching = a[2] == 'e';
+            continue;
+        }
         char name[64];
         const char *eq = strchr(a, '=');
         const char *v;

@@ -48,15 +48,19 @@ static int drain(pd_engine *e, run_out *o)
     return PD_OK;
 }
 
+static size_t g_shared; /* run(): tokens every prompt starts with (0: prompts of their own) */
+
 /* Adds requests [lo, hi) (greedy, or seeded sampling when seeded) and runs them to the end. */
 static int run(pd_engine *e, int lo, int hi, bool seeded, run_out *o)
 {
     for (int i = lo; i < hi; i++) {
         int32_t prompt[MAX_PROMPT];
-        uint64_t s = 77 + (uint64_t)i;
+        uint64_t s = 77 + (uint64_t)i, s0 = 77;
         size_t n = 5 + (size_t)(i * 7) % (MAX_PROMPT - 5);
+        if (g_shared && n <= g_shared) n = g_shared + 1 + (size_t)i % 8;
         for (size_t k = 0; k < n; k++)
-            prompt[k] = (int32_t)(3 + (ctu_rand(&s, 1.0f) + 1.0f) * 0.5f * 2000.0f);
+            prompt[k] =
+                (int32_t)(3 + (ctu_rand(k < g_shared ? &s0 : &s, 1.0f) + 1.0f) * 0.5f * 2000.0f);
         pd_sampling_params sp = pd_sampling_default_params();
         sp.max_tokens = N_GEN;
         sp.ignore_eos = true;
@@ -208,7 +212,7 @@ TEST(cuda_engine_small_pool_preempts)
     char dir[4096];
     ASSERT_OK(ctu_make_model(model_base(), "small", "bfloat16", dir, sizeof dir));
     pd_engine_params p = engine_params(dir, PD_DTYPE_F32);
-    p.num_kv_blocks = 12; /* 192 tokens; 16 requests of up to 63 + 32 tokens */
+    p.num_kv_blocks = 12;  /* 192 tokens; 16 requests of up to 63 + 32 tokens */
     p.max_model_len = 160; /* a pool must hold one sequence of max_model_len */
     pd_engine *e = NULL;
     ASSERT_OK(pd_engine_create(&p, &e));
@@ -226,6 +230,43 @@ TEST(cuda_engine_small_pool_preempts)
     printf("    %llu preemptions; %d of %d tokens identical to the requests run alone\n",
            (unsigned long long)st.num_preemptions, same, N_REQ * N_GEN);
     ASSERT(st.num_preemptions > 0);
+    ASSERT_EQ_INT(st.kv_blocks_free, st.kv_blocks_total);
+    ASSERT(same * 100 >= N_REQ * N_GEN * 95);
+}
+
+/* Prefix caching on the GPU: 16 prompts that share their first 40 tokens, without the cache and
+ * then with it (the first request alone, so the others find its two full blocks). In the f32
+ * mode >= 95% of the tokens are identical (the cached run computes prompt tails with GEMMs of
+ * other shapes), and the cache is hit. */
+TEST(cuda_engine_prefix_cache_f32_mode)
+{
+    if (!ctu_have_gpu()) SKIP(pd_last_error());
+    char dir[4096];
+    ASSERT_OK(ctu_make_model(model_base(), "small", "bfloat16", dir, sizeof dir));
+    static run_out off, on;
+    memset(&off, 0, sizeof off);
+    memset(&on, 0, sizeof on);
+    g_shared = 40;
+    pd_engine_stats st = {0};
+    int rc = PD_OK;
+    for (int cache = 0; cache < 2 && rc == PD_OK; cache++) {
+        pd_engine_params p = engine_params(dir, PD_DTYPE_F32);
+        p.enable_prefix_caching = cache;
+        pd_engine *e = NULL;
+        rc = pd_engine_create(&p, &e);
+        if (rc == PD_OK) rc = run(e, 0, 1, false, cache ? &on : &off);
+        if (rc == PD_OK) rc = run(e, 1, N_REQ, false, cache ? &on : &off);
+        if (e) pd_engine_get_stats(e, &st);
+        pd_engine_destroy(e);
+    }
+    g_shared = 0;
+    ASSERT_OK(rc);
+    int same = compare(&off, &on, 0, N_REQ);
+    printf("    prefix cache: %llu of %llu prompt tokens hit; %d of %d tokens identical to the run "
+           "without it\n",
+           (unsigned long long)st.prefix_cache_hits, (unsigned long long)st.prefix_cache_queries,
+           same, N_REQ * N_GEN);
+    ASSERT(st.prefix_cache_hits >= (N_REQ - 1) * 32);
     ASSERT_EQ_INT(st.kv_blocks_free, st.kv_blocks_total);
     ASSERT(same * 100 >= N_REQ * N_GEN * 95);
 }

@@ -2911,6 +2911,7 @@ typedef struct {
     double pt_count, pt_sum, pt_b[8], gt_count, gt_sum, gt_b[8];
     double ttft_count, tpot_count, e2e_count, queue_count, prefill_count, decode_count, infer_count;
     double kv_bytes, kv_count;
+    double cache_queries, cache_hits;
 } snapshot;
 
 /* Every §16 series of the metrics scheduler, with exact names, types, labels and buckets. */
@@ -2933,6 +2934,9 @@ static bool read_snapshot(snapshot *s, char *why, size_t wn)
          check_single(&e, "vllm:kv_cache_usage_perc", "gauge", &d, why, wn) &&
          check_single(&e, "vllm:gpu_cache_usage_perc", "gauge", &d, why, wn) &&
          check_single(&e, "vllm:num_preemptions_total", "counter", &d, why, wn) &&
+         check_single(&e, "vllm:prefix_cache_queries_total", "counter", &s->cache_queries, why,
+                      wn) &&
+         check_single(&e, "vllm:prefix_cache_hits_total", "counter", &s->cache_hits, why, wn) &&
          check_single(&e, "vllm:prompt_tokens_total", "counter", &s->prompt_total, why, wn) &&
          check_single(&e, "vllm:generation_tokens_total", "counter", &s->gen_total, why, wn);
     if (ok) {
@@ -3132,6 +3136,49 @@ TEST(golden_40_metrics_kv_bytes)
                "kv_transfer_bytes_total %g after 16 moved prompt tokens, want %lld (%lld per "
                "token)",
                g_after.kv_bytes, (long long)(16 * per_tok), (long long)per_tok);
+}
+
+/* Prefix caching: the same 40-token prompt twice; the second finds its first two 16-token
+ * blocks on the prefill instance (its third block holds the last token, always computed).
+ * The counters come with the instances' Stats (the heartbeat). */
+TEST(golden_40_metrics_prefix_cache)
+{
+    FIXTURE();
+    snapshot s0, s;
+    char why[512] = "";
+    /* the instances served earlier tests (and other schedulers): wait until their last Stats
+     * are in, i.e. the counters stay put over more than a heartbeat period */
+    bool steady = false;
+    for (int i = 0; i < 8 && !steady; i++) {
+        ASSERT_MSG(read_snapshot(&s0, why, sizeof why), "before: %s", why);
+        pd_sleep_ns(1200 * PD_NS_PER_MS);
+        ASSERT_MSG(read_snapshot(&s, why, sizeof why), "before: %s", why);
+        steady = s.cache_queries == s0.cache_queries && s.cache_hits == s0.cache_hits;
+    }
+    ASSERT_MSG(steady, "the prefix cache counters kept moving without traffic");
+    char body[1024];
+    size_t o = (size_t)snprintf(body, sizeof body, "{\"prompt\":[");
+    for (int i = 0; i < 40; i++)
+        o += (size_t)snprintf(body + o, sizeof body - o, "%s%d", i ? "," : "", 500 + 7 * i);
+    snprintf(body + o, sizeof body - o, "],\"max_tokens\":2,\"ignore_eos\":true}");
+    for (int i = 0; i < 2; i++) {
+        resp r;
+        ASSERT(post(g_port_metrics, "/v1/completions", body, &r) == 0);
+        int st = r.status;
+        resp_free(&r);
+        ASSERT_EQ_INT(st, 200);
+    }
+    int64_t deadline = pd_now_ns() + 10 * PD_NS_PER_S;
+    bool got = false;
+    while (pd_now_ns() < deadline && !got) {
+        got = read_snapshot(&s, why, sizeof why) && s.cache_hits - s0.cache_hits >= 32 &&
+              s.cache_queries - s0.cache_queries >= 80;
+        if (!got) pd_sleep_ns(100 * PD_NS_PER_MS);
+    }
+    ASSERT_MSG(got, "prefix cache counters: %s; queries %g -> %g, hits %g -> %g", why,
+               s0.cache_queries, s.cache_queries, s0.cache_hits, s.cache_hits);
+    ASSERT_NEAR(s.cache_queries - s0.cache_queries, 80, 1e-9);
+    ASSERT_NEAR(s.cache_hits - s0.cache_hits, 32, 1e-9);
 }
 
 /* True when node k holds nothing for any request (no running, waiting, held sequences or

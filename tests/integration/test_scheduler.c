@@ -1189,8 +1189,11 @@ static int adm_burst(int port, const char *body, int n, const char *want_503, in
 TEST(sched_admission_queue)
 {
     FIXTURE();
-    /* tiny: 2 KiB of KV per token, 16-token blocks -> 16 blocks = 256 tokens per rank */
-    char *node_args[] = {"--kv-cache-bytes", "524288", "--max-model-len", "256", NULL};
+    /* tiny: 2 KiB of KV per token, 16-token blocks -> 16 blocks = 256 tokens per rank; every
+     * request sends the same prompt, which prefix caching would prefill in no time, draining
+     * the queue faster than the timeouts this case needs */
+    char *node_args[] = {"--kv-cache-bytes",           "524288", "--max-model-len", "256",
+                         "--no-enable-prefix-caching", NULL};
     cl_cluster c2;
     ASSERT_OK(cl_start(&c2, g_model, "0", "1", node_args));
     cl_proc sp, sq;

@@ -40,9 +40,10 @@ typedef struct {
     double temperature, top_p;
     int64_t top_k, seed;
     int threads;
-    int cuda_device;     /* --cuda-device N: run on this GPU; -1 = the CPU backend */
-    int cuda_dtype;      /* --dtype on CUDA: -1 = bfloat16 (auto), or a pd_dtype */
-    int64_t concurrency; /* requests in flight at once; 0 = all */
+    int cuda_device;      /* --cuda-device N: run on this GPU; -1 = the CPU backend */
+    int cuda_dtype;       /* --dtype on CUDA: -1 = bfloat16 (auto), or a pd_dtype */
+    int64_t concurrency;  /* requests in flight at once; 0 = all */
+    bool no_prefix_cache; /* --no-enable-prefix-caching */
 } args_t;
 
 typedef struct {
@@ -65,6 +66,7 @@ static void usage(FILE *o)
                "                   [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] "
                "[--seed S]\n"
                "                   [--concurrency N] [--json] [--bench] [--cpu-threads N]\n"
+               "                   [--[no-]enable-prefix-caching]\n"
                "                   [--cuda-device N [--dtype auto|float32|bfloat16|float16]]\n");
 }
 
@@ -82,6 +84,8 @@ static int parse_args(int argc, char **argv, args_t *a)
             a->json = true;
         else if (!strcmp(o, "--bench"))
             a->bench = true;
+        else if (!strcmp(o, "--enable-prefix-caching") || !strcmp(o, "--no-enable-prefix-caching"))
+            a->no_prefix_cache = o[2] == 'n';
         else if (!strcmp(o, "--help") || !strcmp(o, "-h")) {
             usage(stdout);
             exit(0);
@@ -358,6 +362,7 @@ int main(int argc, char **argv)
     ep.model = m;
     ep.tok = tok;
     ep.n_threads = a.threads;
+    ep.enable_prefix_caching = !a.no_prefix_cache;
     if (a.cuda_device >= 0) { /* the engine explains when this build or machine has no GPU */
         ep.n_cuda_devices = 1;
         ep.cuda_devices[0] = a.cuda_device;

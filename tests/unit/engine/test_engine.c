@@ -344,6 +344,76 @@ TEST(engine_small_pool_preempts_outputs_identical)
         ASSERT_MSG(same_tokens(&alone[i], &batch[i], 1), "request %d differs after preemption", i);
 }
 
+/* Requests of a shared 70-token prefix (4 full blocks), some repeating an earlier prompt whole,
+ * some with n = 2: with prefix caching, arriving while the prefix's owners still run or after
+ * they finished, in a pool so small that sequences are preempted and cached blocks evicted,
+ * every choice gets exactly the tokens it gets without the cache, and the cache is hit. */
+TEST(engine_prefix_cache_outputs_identical)
+{
+    ASSERT_OK(tiny());
+    enum { N = 16 };
+    static treq reqs[N];
+    static tout ref[MAX_REQ], late[MAX_REQ], small[MAX_REQ];
+    memset(ref, 0, sizeof ref);
+    memset(late, 0, sizeof late);
+    memset(small, 0, sizeof small);
+    for (int i = 0; i < N; i++) {
+        make_req(&reqs[i], i, pd_tok_vocab_size(g_tok));
+        if (i % 5 == 4) { /* the whole prompt of the request before it */
+            memcpy(reqs[i].prompt, reqs[i - 1].prompt, sizeof reqs[i].prompt);
+            reqs[i].n_prompt = reqs[i - 1].n_prompt;
+        } else {
+            reqs[i].n_prompt = 71 + (size_t)(i * 7) % 40;
+            if (i) memcpy(reqs[i].prompt, reqs[0].prompt, 70 * sizeof(int32_t));
+        }
+        reqs[i].sp.max_tokens = 20;
+        reqs[i].sp.ignore_eos = true;
+        if (i % 4 == 1) reqs[i].sp.n = 2; /* seeded: two different choices */
+    }
+    pd_engine_params p = base_params();
+    p.enable_prefix_caching = false;
+    pd_engine *e;
+    ASSERT_OK(pd_engine_create(&p, &e));
+    for (int i = 0; i < N; i++) ASSERT_OK(add_req(e, &reqs[i], PD_PHASE_FULL));
+    ASSERT_OK(run_to_end(e, ref));
+    pd_engine_stats st;
+    pd_engine_get_stats(e, &st);
+    ASSERT_EQ_INT(st.prefix_cache_hits, 0);
+    ASSERT_EQ_INT(st.kv_blocks_cached, 0);
+    pd_engine_destroy(e);
+
+    p.enable_prefix_caching = true;
+    ASSERT_OK(pd_engine_create(&p, &e));
+    for (int i = 0; i < N / 2; i++) ASSERT_OK(add_req(e, &reqs[i], PD_PHASE_FULL));
+    for (int k = 0; k < 3; k++) ASSERT_OK(pd_engine_step(e, NULL)); /* the first ones run */
+    ASSERT_OK(drain(e, late));
+    for (int i = N / 2; i < N; i++) ASSERT_OK(add_req(e, &reqs[i], PD_PHASE_FULL));
+    ASSERT_OK(run_to_end(e, late));
+    pd_engine_get_stats(e, &st);
+    /* the later half at least finds the 4 shared blocks (the first half arrived together) */
+    ASSERT(st.prefix_cache_hits >= (N / 2) * 64);
+    ASSERT(st.kv_blocks_cached > 0);
+    ASSERT_EQ_INT(st.kv_blocks_free, st.kv_blocks_total);
+    pd_engine_destroy(e);
+
+    p.num_kv_blocks = 24; /* 384 slots for 20 sequences of 90-130 tokens */
+    ASSERT_OK(pd_engine_create(&p, &e));
+    for (int i = 0; i < N; i++) ASSERT_OK(add_req(e, &reqs[i], PD_PHASE_FULL));
+    ASSERT_OK(run_to_end(e, small));
+    pd_engine_get_stats(e, &st);
+    ASSERT(st.num_preemptions > 0);
+    ASSERT(st.prefix_cache_hits > 0);
+    ASSERT_EQ_INT(st.kv_blocks_free, st.kv_blocks_total);
+    pd_engine_destroy(e);
+    for (int i = 0; i < N; i++) {
+        int n = (int)reqs[i].sp.n;
+        ASSERT_MSG(same_tokens(&ref[i], &late[i], n), "request %d differs with the cache", i);
+        ASSERT_MSG(same_tokens(&ref[i], &small[i], n),
+                   "request %d differs with the cache in a small pool", i);
+        for (int c = 0; c < n; c++) ASSERT_STR_EQ(late[i].text[c], ref[i].text[c]);
+    }
+}
+
 TEST(engine_chunked_prefill_equals_one_chunk)
 {
     ASSERT_OK(tiny());

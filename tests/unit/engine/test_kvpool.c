@@ -126,6 +126,75 @@ TEST(kvpool_fork_shares_and_copies_on_write)
 
 /* ---- scheduler ---------------------------------------------------------------------------- */
 
+/* Blocks registered by content are found by a later table while held and while free; freed
+ * ones are handed out again after uncached free blocks, least recently freed first, and then
+ * no longer found. */
+TEST(kvpool_prefix_cache_hits_and_lru_eviction)
+{
+    pd_kvpool *p;
+    ASSERT_OK(pd_kvpool_create(6, 4, &p));
+    int32_t toks[12] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
+    pd_kvtable *a, *b, *c, *d;
+    ASSERT_OK(pd_kvtable_create(p, 24, &a));
+    ASSERT_OK(pd_kvtable_create(p, 24, &b));
+    ASSERT_OK(pd_kvtable_create(p, 24, &c));
+    ASSERT_OK(pd_kvtable_create(p, 24, &d));
+    pd_kv_block_key k[3];
+    for (int i = 0; i < 3; i++) k[i] = pd_kvpool_block_key(p, i ? &k[i - 1] : NULL, toks + 4 * i);
+    /* off: nothing is registered or found */
+    ASSERT_OK(pd_kvtable_grow(a, 12, NULL, NULL));
+    pd_kvpool_cache_block(p, pd_kvtable_ids(a)[0], &k[0]);
+    ASSERT(!pd_kvtable_append_cached(b, &k[0]));
+    ASSERT_OK(pd_kvpool_enable_prefix_cache(p));
+    ASSERT(pd_kvpool_prefix_cache_enabled(p));
+    for (int i = 0; i < 3; i++) pd_kvpool_cache_block(p, pd_kvtable_ids(a)[i], &k[i]);
+    ASSERT_EQ_INT(pd_kvpool_num_cached(p), 3);
+    ASSERT_OK(pd_kvpool_verify(p));
+    /* the same key chained differently, or other tokens, is another key */
+    pd_kv_block_key other = pd_kvpool_block_key(p, &k[0], toks);
+    ASSERT(!pd_kvtable_append_cached(b, &other));
+    ASSERT(pd_kvtable_append_cached(b, &k[0]));
+    ASSERT(pd_kvtable_append_cached(b, &k[1]));
+    ASSERT_EQ_INT(pd_kvtable_num_tokens(b), 8);
+    ASSERT_EQ_INT(pd_kvtable_ids(b)[1], pd_kvtable_ids(a)[1]);
+    ASSERT_EQ_INT(pd_kvpool_refcount(p, pd_kvtable_ids(a)[1]), 2);
+    /* a block of the same content computed again is not registered twice */
+    ASSERT_OK(pd_kvtable_grow(c, 4, NULL, NULL));
+    pd_kvpool_cache_block(p, pd_kvtable_ids(c)[0], &k[0]);
+    ASSERT_EQ_INT(pd_kvpool_num_cached(p), 3);
+    pd_kvtable_clear(c);
+    int32_t a2 = pd_kvtable_ids(a)[2];
+    pd_kvtable_clear(a); /* blocks 0 and 1 stay held by b; block 2 is free and cached */
+    pd_kvtable_clear(b);
+    ASSERT(pd_kvpool_all_free(p));
+    ASSERT_EQ_INT(pd_kvpool_num_cached(p), 3);
+    ASSERT_OK(pd_kvpool_verify(p));
+    /* a free cached block is taken back from the free list */
+    ASSERT(pd_kvtable_append_cached(d, &k[0]));
+    ASSERT_EQ_INT(pd_kvpool_num_free(p), 5);
+    pd_kvtable_clear(d);
+    /* 3 uncached blocks go first, then the least recently freed cached one (a's block 2) */
+    ASSERT_OK(pd_kvtable_grow(c, 16, NULL, NULL));
+    ASSERT_EQ_INT(pd_kvtable_ids(c)[3], a2);
+    ASSERT_EQ_INT(pd_kvpool_num_evictions(p), 1);
+    ASSERT_EQ_INT(pd_kvpool_num_cached(p), 2);
+    ASSERT_OK(pd_kvpool_verify(p));
+    ASSERT(pd_kvtable_append_cached(d, &k[0]));
+    ASSERT(pd_kvtable_append_cached(d, &k[1]));
+    ASSERT(!pd_kvtable_append_cached(d, &k[2])); /* evicted */
+    /* only into a table of full blocks */
+    pd_kvtable_clear(d);
+    ASSERT_OK(pd_kvtable_grow(d, 2, NULL, NULL));
+    ASSERT(!pd_kvtable_append_cached(d, &k[0]));
+    pd_kvtable_free(a);
+    pd_kvtable_free(b);
+    pd_kvtable_free(c);
+    pd_kvtable_free(d);
+    ASSERT(pd_kvpool_all_free(p));
+    ASSERT_OK(pd_kvpool_verify(p));
+    pd_kvpool_destroy(p);
+}
+
 TEST(sched_param_errors_use_vllm_wording)
 {
     pd_sched_params p = pd_sched_default_params();
@@ -159,7 +228,10 @@ TEST(sched_param_errors_use_vllm_wording)
 }
 
 /* A simulated engine: sequence i wants out_len[i] output tokens; the "model" emits token
- * 1000 * i + k as output k. Returns the step count, or -1 on a failed check. */
+ * 1000 * i + k as output k. Its K/V cache is a shadow array with one value per slot, what a
+ * model would compute for (token, position): every step checks that a sequence's context is in
+ * its blocks (after the step's copy-on-write orders) and writes its rows. Returns the step
+ * count, or -1 on a failed check. */
 typedef struct {
     size_t n;
     size_t *prompt_len;
@@ -171,13 +243,49 @@ typedef struct {
     size_t max_chunk_seen; /* largest n_new of a prefilling (n_new > 1) item */
     bool mixed_seen;       /* a step with both a decode row and a prefill chunk */
     size_t preempt_events;
+    size_t shared;   /* sim_add_all: every prompt starts with the same `shared` tokens */
+    int64_t *shadow; /* (pool blocks x block_size) the simulated K/V of each slot, -1 = none */
 } sim;
+
+static int64_t kv_of(int32_t token, size_t pos)
+{
+    return ((int64_t)token << 24) | (int64_t)pos;
+}
+
+static int sim_shadow(sim *m, const pd_kvpool *pool)
+{
+    size_t n = pd_kvpool_num_blocks(pool) * pd_kvpool_block_size(pool);
+    if (!m->shadow && (m->shadow = malloc(n * sizeof *m->shadow)))
+        for (size_t i = 0; i < n; i++) m->shadow[i] = -1;
+    return m->shadow ? PD_OK : PD_ENOMEM;
+}
+
+/* Writes (write) or checks the simulated K/V of q's tokens [from, to); false on a mismatch. */
+static bool sim_kv(sim *m, const pd_sched_seq *q, size_t from, size_t to, bool write)
+{
+    size_t n;
+    const int32_t *t = pd_seq_tokens(q, &n);
+    for (size_t pos = from; pos < to; pos++) {
+        int64_t slot = pd_kvtable_slot(pd_seq_table(q), pos);
+        if (slot < 0) return false;
+        if (write)
+            m->shadow[slot] = kv_of(t[pos], pos);
+        else if (m->shadow[slot] != kv_of(t[pos], pos))
+            return false;
+    }
+    return true;
+}
 
 static int sim_run(pd_sched *s, pd_kvpool *pool, sim *m, size_t max_steps)
 {
+    if (sim_shadow(m, pool) < 0) return -1;
+    size_t bs = pd_kvpool_block_size(pool);
     for (size_t step = 0; step < max_steps; step++) {
         pd_sched_out o;
         if (pd_sched_schedule(s, &o) < 0) return -1;
+        for (size_t i = 0; i < o.n_copies; i++)
+            memcpy(m->shadow + (size_t)o.copies[i].dst * bs,
+                   m->shadow + (size_t)o.copies[i].src * bs, bs * sizeof *m->shadow);
         if (o.n_items == 0) {
             if (pd_sched_num_running(s) == 0 && pd_sched_num_waiting(s) == 0) return (int)step;
             pdt_fail(__FILE__, __LINE__, "empty step with work left");
@@ -199,6 +307,14 @@ static int sim_run(pd_sched *s, pd_kvpool *pool, sim *m, size_t max_steps)
                 pre = true;
             if (it->start != pd_seq_num_computed(it->seq)) return -1;
             if (pd_kvtable_num_tokens(pd_seq_table(it->seq)) < it->start + it->n_new) return -1;
+            if (!sim_kv(m, it->seq, 0, it->start, false)) {
+                pdt_fail(__FILE__, __LINE__,
+                         "step %zu: sequence %zu's context is not in its "
+                         "blocks",
+                         step, idx);
+                return -1;
+            }
+            sim_kv(m, it->seq, it->start, it->start + it->n_new, true);
             rows += it->n_new;
         }
         if (dec && pre) m->mixed_seen = true;
@@ -236,6 +352,7 @@ static void sim_free(sim *m)
     free(m->out_len);
     free(m->seqs);
     free(m->first_step);
+    free(m->shadow);
 }
 
 /* Checks each sequence's tokens: prompt, then 1000 * i + k. */
@@ -255,7 +372,8 @@ static int sim_add_all(pd_sched *s, sim *m)
 {
     int32_t prompt[256];
     for (size_t i = 0; i < m->n; i++) {
-        for (size_t k = 0; k < m->prompt_len[i]; k++) prompt[k] = (int32_t)(i + k);
+        for (size_t k = 0; k < m->prompt_len[i]; k++)
+            prompt[k] = (int32_t)(k < m->shared ? 5000 + k : i + k);
         PD_CHECK(
             pd_sched_seq_create(s, prompt, m->prompt_len[i], (void *)(uintptr_t)i, &m->seqs[i]));
         PD_CHECK(pd_sched_add(s, m->seqs[i], 0));
@@ -472,6 +590,8 @@ TEST(sched_waiting_imports_filling_the_pool_still_finish)
         ASSERT_OK(pd_sched_reserve(s, m.seqs[i], 8));
         ASSERT_OK(pd_sched_append(s, m.seqs[i], (int32_t)(1000 * i))); /* the first token */
         ASSERT_OK(pd_sched_admit_computed(s, m.seqs[i], 8));
+        ASSERT_OK(sim_shadow(&m, pool));
+        ASSERT(sim_kv(&m, m.seqs[i], 0, 8, true)); /* what the import wrote */
     }
     ASSERT_EQ_INT(pd_kvpool_num_free(pool), 0);
     int steps = sim_run(s, pool, &m, 1000);
@@ -479,6 +599,110 @@ TEST(sched_waiting_imports_filling_the_pool_still_finish)
     ASSERT(sim_tokens_ok(&m));
     ASSERT(pd_sched_num_preemptions(s) > 0);
     ASSERT(pd_kvpool_all_free(pool));
+    pd_sched_destroy(s);
+    sim_free(&m);
+    pd_kvpool_destroy(pool);
+}
+
+/* Prefix caching in the scheduler: a prompt that shares full blocks with one computed before
+ * starts after them; its last token is always computed (its logits give the next token), also
+ * when every block of it is cached; the counters add up. */
+TEST(sched_prefix_cache_skips_cached_blocks)
+{
+    pd_kvpool *pool;
+    ASSERT_OK(pd_kvpool_create(32, 4, &pool));
+    pd_sched_params p = {.max_num_seqs = 4,
+                         .max_num_batched_tokens = 64,
+                         .max_model_len = 64,
+                         .prefix_caching = true};
+    pd_sched *s;
+    ASSERT_ERR(pd_sched_create(&p, pool, &s), PD_EINVAL, "needs the pool's prefix cache");
+    ASSERT_OK(pd_kvpool_enable_prefix_cache(pool));
+    ASSERT_OK(pd_sched_create(&p, pool, &s));
+    int32_t pa[10] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9}, pb[11] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 50, 51};
+    pd_sched_seq *a, *b, *c;
+    pd_sched_out o;
+    ASSERT_OK(pd_sched_seq_create(s, pa, 10, NULL, &a));
+    ASSERT_OK(pd_sched_add(s, a, 0));
+    ASSERT_OK(pd_sched_schedule(s, &o));
+    ASSERT_EQ_INT(o.items[0].start, 0);
+    ASSERT_EQ_INT(o.items[0].n_new, 10);
+    pd_sched_commit(s);
+    ASSERT_EQ_INT(pd_kvpool_num_cached(pool), 2); /* the two full blocks */
+    int32_t a0 = pd_kvtable_ids(pd_seq_table(a))[0], a1 = pd_kvtable_ids(pd_seq_table(a))[1];
+    pd_sched_finish(s, a);
+    ASSERT_OK(pd_sched_seq_create(s, pb, 11, NULL, &b));
+    ASSERT_OK(pd_sched_add(s, b, 0));
+    ASSERT_OK(pd_sched_seq_create(s, pa, 8, NULL, &c)); /* exactly a's two full blocks */
+    ASSERT_OK(pd_sched_add(s, c, 0));
+    ASSERT_OK(pd_sched_schedule(s, &o));
+    ASSERT_EQ_INT(o.n_items, 2);
+    ASSERT_EQ_INT(o.items[0].start, 8); /* tokens 0..7 cached, 8 differs in the block after */
+    ASSERT_EQ_INT(o.items[0].n_new, 3);
+    ASSERT_EQ_INT(o.items[1].start, 4); /* its second block holds its last token: recomputed */
+    ASSERT_EQ_INT(o.items[1].n_new, 4);
+    ASSERT_EQ_INT(o.n_tokens, 7);
+    const int32_t *ib = pd_kvtable_ids(pd_seq_table(b)), *ic = pd_kvtable_ids(pd_seq_table(c));
+    ASSERT_EQ_INT(ib[0], a0);
+    ASSERT_EQ_INT(ib[1], a1);
+    ASSERT_EQ_INT(ic[0], a0);
+    ASSERT(ic[1] != a1);
+    uint64_t q = 0, h = 0;
+    pd_sched_prefix_cache_stats(s, &q, &h);
+    ASSERT_EQ_INT(q, 10 + 11 + 8);
+    ASSERT_EQ_INT(h, 8 + 4);
+    pd_sched_commit(s);
+    /* a's second block's tokens as a first block: other positions and context, no hit */
+    int32_t pd_[9] = {4, 5, 6, 7, 100, 101, 102, 103, 8};
+    pd_sched_seq *d;
+    ASSERT_OK(pd_sched_seq_create(s, pd_, 9, NULL, &d));
+    ASSERT_OK(pd_sched_add(s, d, 0));
+    ASSERT_OK(pd_sched_schedule(s, &o));
+    ASSERT_EQ_INT(o.n_items, 1); /* b and c wait for a sampled token */
+    ASSERT(o.items[0].seq == d);
+    ASSERT_EQ_INT(o.items[0].start, 0);
+    ASSERT_EQ_INT(o.items[0].n_new, 9);
+    pd_sched_commit(s);
+    pd_sched_destroy(s);
+    ASSERT(pd_kvpool_all_free(pool));
+    ASSERT_OK(pd_kvpool_verify(pool));
+    pd_kvpool_destroy(pool);
+}
+
+/* Prompts sharing 13 tokens in a pool too small for all of them: sequences are preempted and
+ * cached blocks evicted, yet every step finds each sequence's context in its blocks (the
+ * simulated K/V), the cache is hit, and every block comes back. */
+TEST(sched_prefix_cache_under_preemption_and_eviction)
+{
+    pd_kvpool *pool;
+    ASSERT_OK(pd_kvpool_create(14, 4, &pool));
+    ASSERT_OK(pd_kvpool_enable_prefix_cache(pool));
+    pd_sched_params p = {.max_num_seqs = 8,
+                         .max_num_batched_tokens = 56,
+                         .max_model_len = 56,
+                         .max_prefill_chunk = 6,
+                         .prefix_caching = true};
+    pd_sched *s;
+    ASSERT_OK(pd_sched_create(&p, pool, &s));
+    sim m;
+    sim_init(&m, 10);
+    m.shared = 13;
+    for (size_t i = 0; i < m.n; i++) {
+        m.prompt_len[i] = 14 + (i * 5) % 9;
+        m.out_len[i] = 6 + (i * 3) % 11;
+    }
+    ASSERT_OK(sim_add_all(s, &m));
+    int steps = sim_run(s, pool, &m, 4000);
+    ASSERT(steps > 0);
+    ASSERT(sim_tokens_ok(&m));
+    ASSERT(pd_sched_num_preemptions(s) > 0);
+    ASSERT(pd_kvpool_num_evictions(pool) > 0);
+    uint64_t q = 0, h = 0;
+    pd_sched_prefix_cache_stats(s, &q, &h);
+    ASSERT(h >= 12 * 5); /* the later prompts at least find the 3 shared full blocks */
+    ASSERT(h < q);
+    ASSERT(pd_kvpool_all_free(pool));
+    ASSERT_OK(pd_kvpool_verify(pool));
     pd_sched_destroy(s);
     sim_free(&m);
     pd_kvpool_destroy(pool);
