@@ -200,6 +200,9 @@ int pd_sched_parse_args(int argc, char **argv, pd_sched_params *p, bool *help)
             /* One command line serves every role (start_servers.sh, as in the Ascend guide):
              * flags meant for the prefill/decode instances are accepted and not used here. */
             NEED();
+        } else if (strcmp(flag, "--enable-prefix-caching") == 0 ||
+                   strcmp(flag, "--no-enable-prefix-caching") == 0) {
+            if (eq) return pd_error(PD_EINVAL, "%s takes no value", flag); /* an instance flag */
         } else {
             return pd_error(PD_EINVAL, "unknown flag '%s' (see --help)", flag);
         }

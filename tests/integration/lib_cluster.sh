@@ -31,7 +31,7 @@ start_1p1d() {
     # one command line for every role, as in the guide (only the port differs)
     args=(--model "$work/tiny" --tensor-parallel-size 1 --max-model-len 512 --max-num-seqs 16
           --max-num-batched-tokens 1024 --host 127.0.0.1 --served-model-name tiny --cpu-threads 1
-          --kv-cache-bytes 16777216)
+          --kv-cache-bytes 16777216 --enable-prefix-caching)
     local spec role table port
     for spec in "prefill:0:$pp" "decode:1:$dp" "scheduler:host:$sp"; do
         IFS=: read -r role table port <<<"$spec"

@@ -51,12 +51,14 @@ static void len_range(int64_t len, double r, int64_t *lo, int64_t *hi)
     if (*hi < *lo) *hi = *lo;
 }
 
-int pdb_dataset_random(pdb_dataset *d, size_t n, int64_t input_len, int64_t output_len,
-                       double range_ratio, int64_t vocab, bool ids, uint64_t seed)
+int pdb_dataset_random(pdb_dataset *d, size_t n, int64_t prefix_len, int64_t input_len,
+                       int64_t output_len, double range_ratio, int64_t vocab, bool ids,
+                       uint64_t seed)
 {
     memset(d, 0, sizeof *d);
     if (n == 0) return pd_error(PD_EINVAL, "--num-prompts: must be at least 1");
     if (input_len < 1) return pd_error(PD_EINVAL, "--random-input-len: must be at least 1");
+    if (prefix_len < 0) return pd_error(PD_EINVAL, "--random-prefix-len: must be at least 0");
     if (output_len < 1) return pd_error(PD_EINVAL, "--random-output-len: must be at least 1");
     if (!(range_ratio >= 0.0 && range_ratio < 1.0))
         return pd_error(PD_EINVAL, "--random-range-ratio: must be in [0, 1), got %g", range_ratio);
@@ -72,22 +74,26 @@ int pdb_dataset_random(pdb_dataset *d, size_t n, int64_t input_len, int64_t outp
     for (size_t i = 0; i < n; i++) {
         pdb_prompt *p = &d->items[i];
         uint32_t idx = (uint32_t)i;
-        p->input_len = uniform_int(seed, idx, 0, STREAM_LEN, ilo, ihi);
+        int64_t own = uniform_int(seed, idx, 0, STREAM_LEN, ilo, ihi);
+        p->input_len = prefix_len + own;
         p->output_len = uniform_int(seed, idx, 1, STREAM_LEN, olo, ohi);
+        size_t cap = (size_t)p->input_len * 16 + 1, len = 0;
         if (ids) {
             p->ids = malloc((size_t)p->input_len * sizeof *p->ids);
-            if (!p->ids) goto oom;
             p->n_ids = (size_t)p->input_len;
-            for (int64_t k = 0; k < p->input_len; k++)
-                p->ids[k] =
-                    (int32_t)uniform_int(seed, idx, (uint64_t)k, STREAM_TOKEN, 3, vocab - 1);
         } else {
-            size_t cap = (size_t)p->input_len * 16 + 1, len = 0;
             p->text = malloc(cap);
-            if (!p->text) goto oom;
-            for (int64_t k = 0; k < p->input_len; k++) {
-                const char *w = k_words[uniform_int(seed, idx, (uint64_t)k, STREAM_TOKEN, 0,
-                                                    (int64_t)N_WORDS - 1)];
+        }
+        if (!p->ids && !p->text) goto oom;
+        for (int64_t k = 0; k < p->input_len; k++) {
+            /* the shared prefix is prompt "-1"'s (an index no prompt has) */
+            uint32_t at = k < prefix_len ? UINT32_MAX : idx;
+            uint64_t pos = (uint64_t)(k < prefix_len ? k : k - prefix_len);
+            if (ids) {
+                p->ids[k] = (int32_t)uniform_int(seed, at, pos, STREAM_TOKEN, 3, vocab - 1);
+            } else {
+                const char *w =
+                    k_words[uniform_int(seed, at, pos, STREAM_TOKEN, 0, (int64_t)N_WORDS - 1)];
                 len += (size_t)snprintf(p->text + len, cap - len, "%s%s", k ? " " : "", w);
             }
         }

@@ -3,6 +3,7 @@
  *   pd-bench [--base-url http://127.0.0.1:9000] [--endpoint /v1/completions] [--model NAME]
  *            [--num-prompts 100] [--dataset random|jsonl] [--dataset-path F]
  *            [--random-input-len 128] [--random-output-len 32] [--random-range-ratio 0]
+ *            [--random-prefix-len 0]
  *            [--random-vocab-size 2048] [--request-rate inf] [--max-concurrency C]
  *            [--warmup N] [--seed 0] [--goodput ttft:MS,tpot:MS,e2el:MS] [--api-key KEY]
  *            [--result-file F.json] [--dump-timestamps F.jsonl] [--save-dataset F]
@@ -53,6 +54,7 @@ typedef struct {
     const char *base_url, *endpoint, *model, *dataset, *dataset_path, *result_file, *dump_file,
         *api_key, *goodput, *save_dataset, *node_stats;
     int64_t num_prompts, input_len, output_len, vocab, max_concurrency, warmup, seed, timeout_s;
+    int64_t prefix_len; /* --random-prefix-len: tokens every random prompt starts with */
     double range_ratio, request_rate; /* request_rate: INFINITY = all at once */
     double duration_s;                /* > 0: send for this long (finite rate) */
     double abort_ratio;               /* mixed workload: share of streams aborted */
@@ -84,6 +86,7 @@ static void usage(FILE *o)
                "[--dataset-path F]\n"
                "                [--random-input-len N] [--random-output-len N] "
                "[--random-range-ratio R] [--random-vocab-size V]\n"
+               "                [--random-prefix-len N]\n"
                "                [--request-rate R|inf] [--max-concurrency C] [--warmup N] "
                "[--seed S]\n"
                "                [--goodput ttft:MS,tpot:MS,e2el:MS] [--api-key KEY] "
@@ -178,6 +181,8 @@ static int parse_args(int argc, char **argv, bench_args *a)
             PD_CHECK(pd_arg_i64(o, v, 1, 1 << 24, &a->input_len));
         else if (!strcmp(o, "--random-output-len"))
             PD_CHECK(pd_arg_i64(o, v, 1, 1 << 24, &a->output_len));
+        else if (!strcmp(o, "--random-prefix-len"))
+            PD_CHECK(pd_arg_i64(o, v, 0, 1 << 24, &a->prefix_len));
         else if (!strcmp(o, "--random-vocab-size"))
             PD_CHECK(pd_arg_i64(o, v, 4, 1 << 24, &a->vocab));
         else if (!strcmp(o, "--max-concurrency"))
@@ -657,8 +662,9 @@ int main(int argc, char **argv)
     t.timeout_s = (int)a.timeout_s;
     size_t n_prompts = (size_t)a.num_prompts;
     if (!strcmp(a.dataset, "random"))
-        rc = pdb_dataset_random(&d, n_prompts, a.input_len, a.output_len, a.range_ratio, a.vocab,
-                                t.endpoint == PDB_EP_COMPLETIONS && !a.mixed, (uint64_t)a.seed);
+        rc = pdb_dataset_random(&d, n_prompts, a.prefix_len, a.input_len, a.output_len,
+                                a.range_ratio, a.vocab, t.endpoint == PDB_EP_COMPLETIONS && !a.mixed,
+                                (uint64_t)a.seed);
     else
         rc = pdb_dataset_jsonl(&d, a.dataset_path, n_prompts, a.output_len);
     if (rc < 0) goto out;
