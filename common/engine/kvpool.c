@@ -513,7 +513,9 @@ int pd_kvtable_fork(pd_kvtable *dst, const pd_kvtable *src)
 
 void pd_kvtable_clear(pd_kvtable *t)
 {
-    for (size_t i = 0; i < t->n_blocks; i++) pool_unref(t->pool, t->ids[i]);
+    /* last block first: of a sequence's cached blocks, the later ones are evicted first (a
+       prefix's first blocks are the ones other prompts share) */
+    for (size_t i = t->n_blocks; i-- > 0;) pool_unref(t->pool, t->ids[i]);
     t->n_blocks = 0;
     t->n_tokens = 0;
 }

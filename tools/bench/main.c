@@ -663,8 +663,8 @@ int main(int argc, char **argv)
     size_t n_prompts = (size_t)a.num_prompts;
     if (!strcmp(a.dataset, "random"))
         rc = pdb_dataset_random(&d, n_prompts, a.prefix_len, a.input_len, a.output_len,
-                                a.range_ratio, a.vocab, t.endpoint == PDB_EP_COMPLETIONS && !a.mixed,
-                                (uint64_t)a.seed);
+                                a.range_ratio, a.vocab,
+                                t.endpoint == PDB_EP_COMPLETIONS && !a.mixed, (uint64_t)a.seed);
     else
         rc = pdb_dataset_jsonl(&d, a.dataset_path, n_prompts, a.output_len);
     if (rc < 0) goto out;

@@ -182,6 +182,13 @@ TEST(kvpool_prefix_cache_hits_and_lru_eviction)
     ASSERT(pd_kvtable_append_cached(d, &k[0]));
     ASSERT(pd_kvtable_append_cached(d, &k[1]));
     ASSERT(!pd_kvtable_append_cached(d, &k[2])); /* evicted */
+    /* a table's blocks are freed last first: its later blocks are evicted before its first */
+    pd_kvtable_clear(d);
+    ASSERT_OK(pd_kvtable_grow(c, 20, NULL, NULL));
+    ASSERT(pd_kvtable_append_cached(d, &k[0]));
+    ASSERT(!pd_kvtable_append_cached(d, &k[1]));
+    ASSERT_EQ_INT(pd_kvpool_num_evictions(p), 2);
+    ASSERT_OK(pd_kvpool_verify(p));
     /* only into a table of full blocks */
     pd_kvtable_clear(d);
     ASSERT_OK(pd_kvtable_grow(d, 2, NULL, NULL));
