@@ -7,7 +7,8 @@
 # exactly 16 x output-length generated tokens. Also checks that a bad option and a dead server
 # give clear errors, and runs the soak's mixed workload (--workload mixed --duration, client
 # aborts) with every request shape seen in the raw events and both KV pools whole afterwards
-# (--node-stats). Bounded in time; stops everything it started; exit 0 = pass.
+# (--node-stats), and that prompts of a shared prefix hit the prefill instance's prefix cache.
+# Bounded in time; stops everything it started; exit 0 = pass.
 set -uo pipefail
 # shellcheck source=tests/integration/lib_cluster.sh
 . "$(dirname "$0")/lib_cluster.sh"
@@ -149,6 +150,20 @@ for port in "$pp" "$dp"; do
     $py -c 'import json,sys; s=json.load(open(sys.argv[1])); assert s["kv_blocks_free"]==s["kv_blocks_total"]>0, s' \
         "$work/stats.json" || fail "KV pool of 127.0.0.1:$port not whole after the mixed run"
 done
+# prompts of a shared 64-token prefix (--random-prefix-len): the prefill instance finds it in its
+# prefix cache for every prompt after the first (its Stats counters, read directly)
+"$bench" --node-stats "127.0.0.1:$pp" >"$work/pc0.json" || fail "--node-stats before the prefix run"
+"$bench" --base-url "http://127.0.0.1:$sp" --model tiny --num-prompts 4 --random-prefix-len 64 \
+    --random-input-len 8 --random-output-len 2 --max-concurrency 1 --seed 5 --timeout 60 \
+    --quiet >"$work/pc.log" 2>&1 || fail "prefix run: $(cat "$work/pc.log")"
+"$bench" --node-stats "127.0.0.1:$pp" >"$work/pc1.json" || fail "--node-stats after the prefix run"
+$py - "$work/pc0.json" "$work/pc1.json" <<'PY' || fail "prefix cache counters"
+import json, sys
+a, b = (json.load(open(f)) for f in sys.argv[1:3])
+q, h = (b[k] - a[k] for k in ("prefix_cache_queries", "prefix_cache_hits"))
+assert (q, h) == (4 * 72, 3 * 64), (q, h)   # 4 prompts of 72 tokens; 3 find 4 blocks each
+print(f"prefix cache: {h} of {q} prompt tokens hit")
+PY
 out=$("$bench" --duration 5 2>&1); st=$?
 [ $st = 2 ] && grep -q -- "--duration needs a finite --request-rate" <<<"$out" || fail "--duration without a rate: $st, $out"
 out=$("$bench" --abort-ratio 0.1 2>&1); st=$?

@@ -614,7 +614,7 @@ static int node_stats(const char *target, int timeout_s)
     free(resp);
     if (!st) return pd_error(PD_EPARSE, "--node-stats %s: the Stats reply does not parse", target);
     json_t *o = json_pack(
-        "{s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:b}", "num_running",
+        "{s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:b}", "num_running",
         (json_int_t)st->num_running, "num_waiting", (json_int_t)st->num_waiting, "num_held",
         (json_int_t)st->num_held, "kv_blocks_total", (json_int_t)st->kv_blocks_total,
         "kv_blocks_free", (json_int_t)st->kv_blocks_free, "num_preemptions",
@@ -623,7 +623,8 @@ static int node_stats(const char *target, int timeout_s)
         (json_int_t)st->reserved_tokens, "leases_held", (json_int_t)st->leases_held,
         "kv_transfer_bytes", (json_int_t)st->kv_transfer_bytes, "prompt_tokens",
         (json_int_t)st->prompt_tokens, "requests_finished", (json_int_t)st->requests_finished,
-        "draining", (int)st->draining);
+        "prefix_cache_queries", (json_int_t)st->prefix_cache_queries, "prefix_cache_hits",
+        (json_int_t)st->prefix_cache_hits, "draining", (int)st->draining);
     pd__stats_reply__free_unpacked(st, NULL);
     char *text = o ? json_dumps(o, JSON_COMPACT) : NULL;
     json_decref(o);
