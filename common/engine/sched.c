@@ -365,6 +365,13 @@ static size_t evict_waiting(pd_sched *s, const pd_sched_seq *head, size_t need)
     return n;
 }
 
+/* Prefix caching: the key of seq's block n_chain (chained onto the key of the block before). */
+static pd_kv_block_key next_key(const pd_sched *s, const pd_sched_seq *seq)
+{
+    return pd_kvpool_block_key(s->pool, seq->n_chain ? &seq->chain : NULL,
+                               seq->tokens + seq->n_chain * pd_kvpool_block_size(s->pool));
+}
+
 /* Prefix caching: a waiting sequence without KV takes the cached blocks of its longest cached
  * prefix of full blocks, short of its last token, which is always computed (its logits give the
  * next token). */
@@ -373,8 +380,7 @@ static void take_cached(pd_sched *s, pd_sched_seq *seq)
     if (!s->p.prefix_caching || seq->n_computed || pd_kvtable_num_blocks(seq->table)) return;
     size_t bs = pd_kvpool_block_size(s->pool), full = (seq->n_tokens - 1) / bs;
     for (seq->n_chain = 0; seq->n_chain < full; seq->n_chain++) {
-        pd_kv_block_key k = pd_kvpool_block_key(s->pool, seq->n_chain ? &seq->chain : NULL,
-                                                seq->tokens + seq->n_chain * bs);
+        pd_kv_block_key k = next_key(s, seq);
         if (!pd_kvtable_append_cached(seq->table, &k)) break;
         seq->chain = k;
     }
@@ -385,12 +391,10 @@ static void take_cached(pd_sched *s, pd_sched_seq *seq)
 static void cache_computed(pd_sched *s, pd_sched_seq *seq)
 {
     if (!s->p.prefix_caching) return;
-    size_t bs = pd_kvpool_block_size(s->pool), full = seq->n_computed / bs;
-    const int32_t *ids = pd_kvtable_ids(seq->table);
+    size_t full = seq->n_computed / pd_kvpool_block_size(s->pool);
     for (; seq->n_chain < full; seq->n_chain++) {
-        pd_kv_block_key k = pd_kvpool_block_key(s->pool, seq->n_chain ? &seq->chain : NULL,
-                                                seq->tokens + seq->n_chain * bs);
-        pd_kvpool_cache_block(s->pool, ids[seq->n_chain], &k);
+        pd_kv_block_key k = next_key(s, seq);
+        pd_kvpool_cache_block(s->pool, pd_kvtable_ids(seq->table)[seq->n_chain], &k);
         seq->chain = k;
     }
 }
