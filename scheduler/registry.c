@@ -14,6 +14,11 @@
 
 #define REG_MAX_RANKS 64
 
+/* Prefix affinity (pd_reg_pick_prefill): per prefill instance, the block keys of the prompts this
+ * scheduler sent it, direct-mapped (a newer key takes an older one's slot). */
+#define PFX_SLOTS      (1u << 15)
+#define PFX_MAX_BLOCKS 512 /* a prompt's first blocks that count */
+
 typedef struct {
     const rt_instance *inst; /* borrowed from the global table */
     char name[300];          /* "<server_ip>:<port>" */
@@ -30,6 +35,8 @@ typedef struct {
     int max_num_seqs;
     char transport[16]; /* from Info */
     uint64_t epoch;     /* from Info: Stats with another one means the process restarted */
+    int block_size;     /* from Info */
+    uint64_t *pfx;      /* prefill: (PFX_SLOTS) block keys sent to it, 0 = empty */
     size_t n_ranks;
     Pd__DecodeTarget targets[REG_MAX_RANKS]; /* host strings in target_hosts */
     char target_hosts[REG_MAX_RANKS][64];
@@ -105,6 +112,10 @@ int pd_reg_create(const char *global_file, const char *node_ports, pd_rpc_client
     for (int i = 0; i < r->n; i++) {
         reg_node *nd = &r->nodes[i];
         nd->inst = rt_global_node(r->g, (size_t)i);
+        if (nd->inst->role == RT_ROLE_PREFILL && !(nd->pfx = calloc(PFX_SLOTS, sizeof *nd->pfx))) {
+            rc = pd_error(PD_ENOMEM, "registry: out of memory");
+            goto fail;
+        }
         snprintf(nd->name, sizeof nd->name, "%s:%d", nd->inst->server_ip, nd->port);
         snprintf(nd->reason, sizeof nd->reason, "not contacted yet");
         for (int j = 0; j < i; j++) {
@@ -237,6 +248,8 @@ static void heartbeat_node(pd_reg *r, int k, bool again)
         pthread_mutex_lock(&r->mu);
         nd->verified = true;
         nd->epoch = m->instance_epoch;
+        nd->block_size = m->block_size;
+        if (nd->pfx) memset(nd->pfx, 0, PFX_SLOTS * sizeof *nd->pfx); /* a new process */
         nd->max_num_seqs = m->max_num_seqs;
         snprintf(nd->transport, sizeof nd->transport, "%s", m->kv_transport);
         nd->n_ranks = m->n_ranks;
@@ -356,6 +369,7 @@ void pd_reg_free(pd_reg *r)
 {
     if (!r) return;
     pd_reg_close(r);
+    for (int i = 0; r->nodes && i < r->n; i++) free(r->nodes[i].pfx);
     free(r->nodes);
     rt_global_free(r->g);
     pthread_mutex_destroy(&r->mu);
@@ -478,6 +492,65 @@ int pd_reg_pick(pd_reg *r, rt_role role, int64_t tokens, int exclude)
     }
     if (best >= 0) r->nodes[best].inflight_tokens += tokens;
     pthread_mutex_unlock(&r->mu);
+    return best;
+}
+
+static uint64_t mix64(uint64_t x)
+{
+    x ^= x >> 30;
+    x *= 0xbf58476d1ce4e5b9ull;
+    x ^= x >> 27;
+    x *= 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+int pd_reg_pick_prefill(pd_reg *r, const int32_t *ids, size_t n_ids, int exclude,
+                        int64_t *hit_tokens)
+{
+    uint64_t keys[PFX_MAX_BLOCKS];
+    pthread_mutex_lock(&r->mu);
+    int bs = 0, first = -1, n_role = 0;
+    for (int k = 0; k < r->n; k++)
+        if (r->nodes[k].inst->role == RT_ROLE_PREFILL) {
+            if (first < 0) first = k;
+            if (!bs) bs = r->nodes[k].block_size;
+            n_role++;
+        }
+    if (bs <= 0) bs = 16;
+    /* key of block b: every token up to its end chained (a prefix, as the instance's cache
+       keys it; never 0, the empty slot) */
+    size_t nb = n_ids / (size_t)bs;
+    if (nb > PFX_MAX_BLOCKS) nb = PFX_MAX_BLOCKS;
+    uint64_t h = 0x9e3779b97f4a7c15ull;
+    for (size_t b = 0; b < nb; b++) {
+        for (int t = 0; t < bs; t++) h = mix64(h ^ (uint32_t)ids[b * (size_t)bs + (size_t)t]);
+        keys[b] = h | 1;
+    }
+    int best = -1;
+    int64_t best_cost = 0, best_hit = 0;
+    unsigned start = n_role ? r->rr[RT_ROLE_PREFILL]++ : 0;
+    for (int i = 0; i < n_role; i++) {
+        int k = first + (int)((start + (unsigned)i) % (unsigned)n_role);
+        reg_node *nd = &r->nodes[k];
+        if (!nd->up || k == exclude) continue;
+        size_t hit = 0;
+        while (hit < nb && nd->pfx[keys[hit] & (PFX_SLOTS - 1)] == keys[hit]) hit++;
+        /* prefill work ahead of the prompt's first token there: what is queued, less what its
+           cache likely holds of the prompt */
+        int64_t cost = nd->load_tokens + nd->inflight_tokens - (int64_t)hit * bs;
+        if (best < 0 || cost < best_cost) {
+            best = k;
+            best_cost = cost;
+            best_hit = (int64_t)hit * bs;
+        }
+    }
+    if (best >= 0) {
+        reg_node *nd = &r->nodes[best];
+        nd->inflight_tokens += (int64_t)n_ids;
+        for (size_t b = 0; b < nb; b++) nd->pfx[keys[b] & (PFX_SLOTS - 1)] = keys[b];
+    }
+    pthread_mutex_unlock(&r->mu);
+    if (hit_tokens) *hit_tokens = best_hit;
     return best;
 }
 

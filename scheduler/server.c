@@ -752,7 +752,8 @@ static void on_prefill_done(void *arg, int st, const char *details, const uint8_
                 pd_rpc_status_name(st), m ? "reply without a first token" : details);
         if (m) pd__prefill_reply__free_unpacked(m, NULL);
         send_abort(s, pk, c->sub_id);
-        int next = c->attempts < 2 ? pd_reg_pick(s->reg, RT_ROLE_PREFILL, c->p_tokens, pk) : -1;
+        const pd_api_prompt *pr = &r->req.prompts[c->prompt_idx];
+        int next = c->attempts < 2 ? pd_reg_pick_prefill(s->reg, pr->ids, pr->n_ids, pk, NULL) : -1;
         if (next >= 0) {
             c->attempts++;
             pthread_mutex_lock(&r->mu);
@@ -1903,7 +1904,7 @@ static void dispatch(sreq *r)
         c->p_tokens = (int64_t)pr->n_ids;
         c->d_tokens = (int64_t)pr->n_ids + pr->max_tokens;
         c->d_node = pd_reg_pick(s->reg, RT_ROLE_DECODE, c->d_tokens, -1);
-        c->p_node = c->d_node >= 0 ? pd_reg_pick(s->reg, RT_ROLE_PREFILL, c->p_tokens, -1) : -1;
+        c->p_node = c->d_node >= 0 ? pd_reg_pick_prefill(s->reg, pr->ids, pr->n_ids, -1, NULL) : -1;
         const char *why = c->d_node < 0 ? "No healthy decode instance is available."
                                         : "No healthy prefill instance is available.";
         if (c->p_node < 0 ||

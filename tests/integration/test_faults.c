@@ -726,6 +726,67 @@ TEST(faults_registry_round_robin)
     ASSERT_MSG(wait_instance(D1, 1, 10000), "decode instance 1 did not rejoin after SIGCONT");
 }
 
+/* Prefix-aware prefill routing against the live cluster (2 idle prefill instances, 16-token
+ * blocks): a prompt goes back to the instance that took its leading blocks before, as far as
+ * they match, unless that instance has more queued work than the blocks would save; a prompt
+ * that shares nothing takes turns as before. */
+TEST(faults_registry_prefix_affinity)
+{
+    FIXTURE();
+    for (int k = 0; k < 2; k++) ASSERT(wait_idle(k, 5000));
+    pd_rpc_client *cl = NULL;
+    ASSERT_OK(pd_rpc_client_create(&cl));
+    char ports[64];
+    snprintf(ports, sizeof ports, "%d,%d,%d,%d", g_c.ports[0], g_c.ports[1], g_c.ports[2],
+             g_c.ports[3]);
+    pd_reg *reg = NULL;
+    int rc = pd_reg_create(g_c.global, ports, cl, &reg);
+    if (rc == PD_OK) rc = pd_reg_start(reg, 200, 2000, NULL, NULL);
+    bool round = rc == PD_OK && pd_reg_wait_round(reg, 10000);
+    int32_t a[48], b[48], a2[40];
+    for (int i = 0; i < 48; i++) a[i] = 100 + i, b[i] = 300 + i;
+    for (int i = 0; i < 40; i++) a2[i] = i < 32 ? a[i] : 500 + i;
+    int64_t hit[6] = {0};
+    int pa = -1, again = -1, part = -1, excl = -1, busy = -1, other = -1;
+    if (round) {
+        pa = pd_reg_pick_prefill(reg, a, 48, -1, &hit[0]);
+        pd_reg_release(reg, pa, 48); /* equal loads again */
+        again = pd_reg_pick_prefill(reg, a, 48, -1, &hit[1]);
+        pd_reg_release(reg, again, 48);
+        part = pd_reg_pick_prefill(reg, a2, 40, -1, &hit[2]); /* its first 2 blocks are a's */
+        pd_reg_release(reg, part, 40);
+        /* 100 tokens queued on a's instance outweigh the 48 its cache would save */
+        int q = pd_reg_pick(reg, RT_ROLE_PREFILL, 100, pa == P0 ? P1 : P0);
+        busy = pd_reg_pick_prefill(reg, a, 48, -1, &hit[4]);
+        pd_reg_release(reg, busy, 48);
+        pd_reg_release(reg, q, 100);
+        excl = pd_reg_pick_prefill(reg, b, 48, busy, &hit[3]); /* b: new everywhere */
+        pd_reg_release(reg, excl, 48);
+        other = pd_reg_pick_prefill(reg, b, 48, -1, &hit[5]);
+        pd_reg_release(reg, other, 48);
+    }
+    pd_reg_free(reg);
+    pd_rpc_client_destroy(cl);
+    printf("    prompt a -> %d (hit %lld), again -> %d (hit %lld), a's first 32 tokens -> %d (hit "
+           "%lld), busy -> %d (hit %lld), b excluding %d -> %d, b again -> %d (hit %lld)\n",
+           pa, (long long)hit[0], again, (long long)hit[1], part, (long long)hit[2], busy,
+           (long long)hit[4], busy, excl, other, (long long)hit[5]);
+    ASSERT_OK(rc);
+    ASSERT(round);
+    ASSERT(pa == P0 || pa == P1);
+    ASSERT_EQ_INT(hit[0], 0);
+    ASSERT_EQ_INT(again, pa);
+    ASSERT_EQ_INT(hit[1], 48);
+    ASSERT_EQ_INT(part, pa);
+    ASSERT_EQ_INT(hit[2], 32);
+    ASSERT(busy >= 0 && busy != pa);
+    ASSERT_EQ_INT(hit[4], 0);
+    ASSERT(excl >= 0 && excl != busy);
+    ASSERT_EQ_INT(hit[3], 0);
+    ASSERT_EQ_INT(other, excl); /* b went there */
+    ASSERT_EQ_INT(hit[5], 48);
+}
+
 /* A scheduler killed while it streams: the decode instances lose its relay streams and Decode
  * calls at once, abort its requests and free their KV, and keep serving another scheduler. */
 TEST(faults_scheduler_kill_midstream)
