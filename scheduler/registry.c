@@ -516,6 +516,7 @@ int pd_reg_pick_prefill(pd_reg *r, const int32_t *ids, size_t n_ids, int exclude
             if (!bs) bs = r->nodes[k].block_size;
             n_role++;
         }
+    pthread_mutex_unlock(&r->mu);
     if (bs <= 0) bs = 16;
     /* key of block b: every token up to its end chained (a prefix, as the instance's cache
        keys it; never 0, the empty slot) */
@@ -526,6 +527,7 @@ int pd_reg_pick_prefill(pd_reg *r, const int32_t *ids, size_t n_ids, int exclude
         for (int t = 0; t < bs; t++) h = mix64(h ^ (uint32_t)ids[b * (size_t)bs + (size_t)t]);
         keys[b] = h | 1;
     }
+    pthread_mutex_lock(&r->mu);
     int best = -1;
     int64_t best_cost = 0, best_hit = 0;
     unsigned start = n_role ? r->rr[RT_ROLE_PREFILL]++ : 0;
