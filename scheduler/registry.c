@@ -9,6 +9,7 @@
 
 #include "rpc/pd_msg.h"
 #include "util/clock.h"
+#include "util/hash.h"
 #include "util/log.h"
 #include "util/status.h"
 
@@ -495,15 +496,6 @@ int pd_reg_pick(pd_reg *r, rt_role role, int64_t tokens, int exclude)
     return best;
 }
 
-static uint64_t mix64(uint64_t x)
-{
-    x ^= x >> 30;
-    x *= 0xbf58476d1ce4e5b9ull;
-    x ^= x >> 27;
-    x *= 0x94d049bb133111ebull;
-    return x ^ (x >> 31);
-}
-
 int pd_reg_pick_prefill(pd_reg *r, const int32_t *ids, size_t n_ids, int exclude,
                         int64_t *hit_tokens)
 {
@@ -524,7 +516,7 @@ int pd_reg_pick_prefill(pd_reg *r, const int32_t *ids, size_t n_ids, int exclude
     if (nb > PFX_MAX_BLOCKS) nb = PFX_MAX_BLOCKS;
     uint64_t h = 0x9e3779b97f4a7c15ull;
     for (size_t b = 0; b < nb; b++) {
-        for (int t = 0; t < bs; t++) h = mix64(h ^ (uint32_t)ids[b * (size_t)bs + (size_t)t]);
+        for (int t = 0; t < bs; t++) h = pd_mix64(h ^ (uint32_t)ids[b * (size_t)bs + (size_t)t]);
         keys[b] = h | 1;
     }
     pthread_mutex_lock(&r->mu);

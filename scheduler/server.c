@@ -47,6 +47,7 @@
 #include "rpc/pd_msg.h"
 #include "sbuf.h"
 #include "util/clock.h"
+#include "util/hash.h"
 #include "util/log.h"
 #include "util/status.h"
 
@@ -247,10 +248,7 @@ struct pd_sched {
 
 static uint64_t next_rand(pd_sched *s)
 {
-    uint64_t z = (s->rng += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
+    return pd_mix64(s->rng += 0x9e3779b97f4a7c15ull);
 }
 
 static void hex32(pd_sched *s, char out[33])

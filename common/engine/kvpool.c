@@ -23,6 +23,7 @@
 #include <unistd.h>
 
 #include "model/dtype.h"
+#include "util/hash.h"
 #include "util/status.h"
 
 struct pd_kvpool {
@@ -314,25 +315,16 @@ bool pd_kvpool_prefix_cache_enabled(const pd_kvpool *p)
     return p->keys != NULL;
 }
 
-static uint64_t mix64(uint64_t x)
-{
-    x ^= x >> 30;
-    x *= 0xbf58476d1ce4e5b9ull;
-    x ^= x >> 27;
-    x *= 0x94d049bb133111ebull;
-    return x ^ (x >> 31);
-}
-
 pd_kv_block_key pd_kvpool_block_key(const pd_kvpool *p, const pd_kv_block_key *parent,
                                     const int32_t *tokens)
 {
     uint64_t a = parent ? parent->h[0] : p->seed[0], b = parent ? parent->h[1] : p->seed[1];
     for (size_t i = 0; i < p->block_size; i++) {
         uint64_t t = (uint32_t)tokens[i];
-        a = mix64(a ^ t ^ (i << 32));
-        b = mix64(b + t * 0x9e3779b97f4a7c15ull + i);
+        a = pd_mix64(a ^ t ^ (i << 32));
+        b = pd_mix64(b + t * 0x9e3779b97f4a7c15ull + i);
     }
-    return (pd_kv_block_key){{mix64(a ^ 0x2545f4914f6cdd1dull), mix64(b ^ a)}};
+    return (pd_kv_block_key){{pd_mix64(a ^ 0x2545f4914f6cdd1dull), pd_mix64(b ^ a)}};
 }
 
 void pd_kvpool_cache_block(pd_kvpool *p, int32_t block, const pd_kv_block_key *key)

@@ -9,6 +9,7 @@
 
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_info.h"
+#include "util/hash.h"
 #include "util/status.h"
 
 int ctu_have_gpu(void)
@@ -56,10 +57,7 @@ void ctu_pair_close(cuda_pair *p)
 
 float ctu_rand(uint64_t *seed, float scale)
 {
-    uint64_t x = *seed += 0x9e3779b97f4a7c15ull;
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-    x ^= x >> 31;
+    uint64_t x = pd_mix64(*seed += 0x9e3779b97f4a7c15ull);
     float u = (float)(x >> 40) / (float)(1ull << 24); /* [0, 1) */
     return pd_bf16_to_f32(pd_f32_to_bf16((2.0f * u - 1.0f) * scale));
 }

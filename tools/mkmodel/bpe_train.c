@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "json/json.h"
+#include "util/hash.h"
 #include "util/status.h"
 
 #define ENGLISH_WEIGHT 1000 /* frequency of one corpus occurrence */
@@ -76,15 +77,6 @@ static uint64_t hash_bytes(const void *p, size_t n)
     uint64_t h = 1469598103934665603ull;
     for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 1099511628211ull;
     return h;
-}
-
-static uint64_t mix64(uint64_t x)
-{
-    x ^= x >> 30;
-    x *= 0xbf58476d1ce4e5b9ull;
-    x ^= x >> 27;
-    x *= 0x94d049bb133111ebull;
-    return x ^ (x >> 31);
 }
 
 static int oom(void)
@@ -273,12 +265,12 @@ static int add_pseudo_words(trainer *t, int64_t count)
     for (int64_t i = 0; i < count; i++) {
         char buf[64];
         size_t n = 0;
-        uint64_t r = mix64(st += 0x9e3779b97f4a7c15ull);
+        uint64_t r = pd_mix64(st += 0x9e3779b97f4a7c15ull);
         if (r % 100 < 85) buf[n++] = ' ';
         bool cap = (r >> 8) % 10 == 0;
         int syl = 1 + (int)((r >> 16) % 4);
         for (int k = 0; k < syl; k++) {
-            uint64_t q = mix64(st += 0x9e3779b97f4a7c15ull);
+            uint64_t q = pd_mix64(st += 0x9e3779b97f4a7c15ull);
             const char *parts[3] = {onset[q % 32], vowel[(q >> 8) % 10], coda[(q >> 16) % 16]};
             for (int p = 0; p < 3; p++)
                 for (const char *c = parts[p]; *c; c++) buf[n++] = *c;
@@ -296,7 +288,7 @@ static int add_pseudo_words(trainer *t, int64_t count)
 static size_t pair_slot(const trainer *t, uint64_t key)
 {
     size_t mask = t->pairs_cap - 1;
-    size_t h = (size_t)mix64(key) & mask;
+    size_t h = (size_t)pd_mix64(key) & mask;
     while (t->pairs[h].used && t->pairs[h].key != key) h = (h + 1) & mask;
     return h;
 }
@@ -316,7 +308,7 @@ static int pair_upsert(trainer *t, uint64_t key, pair_ent **out)
         if (!np) return oom();
         for (size_t i = 0; i < t->pairs_cap; i++) {
             if (!t->pairs[i].used) continue;
-            size_t h = (size_t)mix64(t->pairs[i].key) & (cap - 1);
+            size_t h = (size_t)pd_mix64(t->pairs[i].key) & (cap - 1);
             while (np[h].used) h = (h + 1) & (cap - 1);
             np[h] = t->pairs[i];
         }

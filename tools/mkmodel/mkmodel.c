@@ -30,8 +30,9 @@
 #include "model/dtype.h"
 #include "model/model.h"
 #include "model/safetensors.h"
-#include "util/clock.h"
 #include "util/args.h"
+#include "util/clock.h"
+#include "util/hash.h"
 #include "util/status.h"
 #include "util/threadpool.h"
 
@@ -58,15 +59,6 @@ static const preset k_presets[] = {
 };
 
 /* ---- weight generation ------------------------------------------------------------------ */
-
-static uint64_t mix64(uint64_t x)
-{
-    x ^= x >> 30;
-    x *= 0xbf58476d1ce4e5b9ull;
-    x ^= x >> 27;
-    x *= 0x94d049bb133111ebull;
-    return x ^ (x >> 31);
-}
 
 static uint64_t name_hash(const char *s)
 {
@@ -112,15 +104,15 @@ typedef struct {
 /* Element i of a tensor, as float32 (before rounding to the stored dtype). */
 static inline float weight_at(const wspec *w, uint64_t key, size_t i)
 {
-    if (w->kind == W_NORMAL) return w->mean + w->std * gauss(mix64(key + i * GOLDEN));
+    if (w->kind == W_NORMAL) return w->mean + w->std * gauss(pd_mix64(key + i * GOLDEN));
     const size_t cols = (size_t)w->t.shape[w->t.ndim - 1], half = cols / 2;
     const size_t col = i % cols;
-    if (col < half) return w->mean + w->std * gauss(mix64(key + i * GOLDEN));
+    if (col < half) return w->mean + w->std * gauss(pd_mix64(key + i * GOLDEN));
     const size_t mate = i - half;
-    float v = w->mean + w->std * gauss(mix64(key + mate * GOLDEN));
+    float v = w->mean + w->std * gauss(pd_mix64(key + mate * GOLDEN));
     if (w->kind == W_ANTISYM) return -v;
     float a = fabsf(v);
-    return (mix64(~key + i * GOLDEN) >> 63) ? -a : a;
+    return (pd_mix64(~key + i * GOLDEN) >> 63) ? -a : a;
 }
 
 static void fill_task(void *ctx, int task, int n_tasks)
@@ -159,7 +151,7 @@ typedef struct {
 static int fill_tensor(void *ctx, size_t index, void *buf, size_t nbytes)
 {
     const fill_ctx *f = ctx;
-    fill_job j = {&f->specs[index], mix64(f->seed ^ name_hash(f->specs[index].name)), buf,
+    fill_job j = {&f->specs[index], pd_mix64(f->seed ^ name_hash(f->specs[index].name)), buf,
                   nbytes / pd_dtype_size(f->specs[index].t.dtype)};
     size_t tasks = (j.numel + FILL_CHUNK - 1) / FILL_CHUNK;
     pd_pool_run(f->pool, fill_task, &j, (int)tasks);
