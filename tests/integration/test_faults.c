@@ -664,6 +664,17 @@ TEST(faults_prefill_retry_after_partial_kv)
     ASSERT(wait_idle(D1, 5000));
 }
 
+/* A registry of the live cluster on client cl, its heartbeat started (every 200 ms). */
+static int live_registry(pd_rpc_client *cl, pd_reg **reg)
+{
+    char ports[64];
+    snprintf(ports, sizeof ports, "%d,%d,%d,%d", g_c.ports[0], g_c.ports[1], g_c.ports[2],
+             g_c.ports[3]);
+    *reg = NULL;
+    PD_CHECK(pd_reg_create(g_c.global, ports, cl, reg));
+    return pd_reg_start(*reg, 200, 2000, NULL, NULL);
+}
+
 /* The scheduler's registry against the live cluster: with every instance idle (equal load),
  * picks take turns over the instances of a role, and an instance out of the routing set is never
  * picked. Regression: the round-robin cursor ran over all instances, not the role's, so with
@@ -674,12 +685,8 @@ TEST(faults_registry_round_robin)
     for (int k = 0; k < 4; k++) ASSERT(wait_idle(k, 5000));
     pd_rpc_client *cl = NULL;
     ASSERT_OK(pd_rpc_client_create(&cl));
-    char ports[64];
-    snprintf(ports, sizeof ports, "%d,%d,%d,%d", g_c.ports[0], g_c.ports[1], g_c.ports[2],
-             g_c.ports[3]);
     pd_reg *reg = NULL;
-    int rc = pd_reg_create(g_c.global, ports, cl, &reg);
-    if (rc == PD_OK) rc = pd_reg_start(reg, 200, 2000, NULL, NULL);
+    int rc = live_registry(cl, &reg);
     bool round = rc == PD_OK && pd_reg_wait_round(reg, 10000);
     int picks[4] = {0}, none = 0;
     for (int i = 0; round && i < 8; i++) {
@@ -736,12 +743,8 @@ TEST(faults_registry_prefix_affinity)
     for (int k = 0; k < 2; k++) ASSERT(wait_idle(k, 5000));
     pd_rpc_client *cl = NULL;
     ASSERT_OK(pd_rpc_client_create(&cl));
-    char ports[64];
-    snprintf(ports, sizeof ports, "%d,%d,%d,%d", g_c.ports[0], g_c.ports[1], g_c.ports[2],
-             g_c.ports[3]);
     pd_reg *reg = NULL;
-    int rc = pd_reg_create(g_c.global, ports, cl, &reg);
-    if (rc == PD_OK) rc = pd_reg_start(reg, 200, 2000, NULL, NULL);
+    int rc = live_registry(cl, &reg);
     bool round = rc == PD_OK && pd_reg_wait_round(reg, 10000);
     int32_t a[48], b[48], a2[40];
     for (int i = 0; i < 48; i++) a[i] = 100 + i, b[i] = 300 + i;
