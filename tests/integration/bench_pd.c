@@ -409,7 +409,10 @@ static int bench_sched(int argc, char **argv)
     cl_cluster c;
     cl_proc sp;
     int port = 0;
-    if (cl_start(&c, model, "0", "1", NULL) < 0 ||
+    /* each pair sends one prompt twice (directly, then through pd-scheduler): without the
+       prefix cache both compute it whole, so the difference is the scheduler's alone */
+    char *node_args[] = {"--no-enable-prefix-caching", NULL};
+    if (cl_start(&c, model, "0", "1", node_args) < 0 ||
         cl_sched_start(&c, &sp, "sched", NULL, &port) < 0) {
         fprintf(stderr, "bench_pd: %s\n", pd_last_error());
         cl_stop_all(&c);
