@@ -25,6 +25,8 @@ static const char USAGE[] =
     "  --body-timeout S              a request's body must arrive within S (default 60)\n"
     "  --chat-template FILE|STRING   override the model's chat template\n"
     "  --trust-request-chat-template allow a request's own chat_template\n"
+    "  --enable-prompt-tokens-details usage.prompt_tokens_details.cached_tokens: prompt\n"
+    "                               tokens found in the prefix cache\n"
     "  --default-chat-template-kwargs JSON  extra template variables (an object)\n"
     "  --generation-config auto|vllm default auto\n"
     "  --response-role ROLE          default assistant\n"
@@ -171,6 +173,9 @@ int pd_sched_parse_args(int argc, char **argv, pd_sched_params *p, bool *help)
         } else if (strcmp(flag, "--trust-request-chat-template") == 0) {
             if (eq) return pd_error(PD_EINVAL, "%s takes no value", flag);
             p->trust_request_chat_template = true;
+        } else if (strcmp(flag, "--enable-prompt-tokens-details") == 0) {
+            if (eq) return pd_error(PD_EINVAL, "%s takes no value", flag);
+            p->enable_prompt_tokens_details = true;
         } else if (strcmp(flag, "--default-chat-template-kwargs") == 0) {
             NEED();
             p->default_chat_template_kwargs = val;

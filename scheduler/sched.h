@@ -35,6 +35,7 @@ typedef struct {
     double body_timeout_s;   /* --body-timeout: end of headers to end of body, default 60 */
     const char *chat_template;                /* --chat-template FILE|STRING, or NULL */
     bool trust_request_chat_template;         /* --trust-request-chat-template */
+    bool enable_prompt_tokens_details;        /* --enable-prompt-tokens-details */
     const char *default_chat_template_kwargs; /* --default-chat-template-kwargs JSON, or NULL */
     bool generation_config_vllm;              /* --generation-config vllm (default auto) */
     const char *response_role;                /* --response-role, default "assistant" */

@@ -107,6 +107,7 @@ typedef struct choice {
     char err[256];
     int64_t kv_bytes;
     double kv_seconds, prefill_seconds;
+    int64_t cached_tokens; /* of its prompt, found in the prefill instance's prefix cache */
     bool kv_reported;
     bool admit_wait;    /* Reserve was refused for lack of KV: the loop queues the choice */
     bool reserve_retry; /* Reserve found its decode instance gone: the loop picks another */
@@ -770,6 +771,7 @@ static void on_prefill_done(void *arg, int st, const char *details, const uint8_
     c->kv_bytes = m->kv_bytes;
     c->kv_seconds = m->kv_seconds;
     c->prefill_seconds = m->prefill_seconds;
+    c->cached_tokens = m->cached_tokens;
     if (m->first->status != 0) {
         c->err_http = 500;
         snprintf(c->err, sizeof c->err, "Generation failed: %s", m->first->error);
@@ -1145,11 +1147,29 @@ static void chunk_head(sreq *r)
     pd_sb_str(&r->ev, ",\"choices\":[");
 }
 
-static void usage_obj(pd_sb *b, int64_t p, int64_t c, bool details)
+/* A usage object. details: with prompt_tokens_details (a response body; stream usage leaves it
+ * out); cached > 0 (--enable-prompt-tokens-details): it is {"cached_tokens": cached}, also in a
+ * stream's usage, as vLLM writes it. */
+static void usage_obj(pd_sb *b, int64_t p, int64_t c, bool details, int64_t cached)
 {
-    pd_sb_printf(b, "{\"prompt_tokens\":%lld,\"total_tokens\":%lld,\"completion_tokens\":%lld%s}",
-                 (long long)p, (long long)(p + c), (long long)c,
-                 details ? ",\"prompt_tokens_details\":null" : "");
+    pd_sb_printf(b, "{\"prompt_tokens\":%lld,\"total_tokens\":%lld,\"completion_tokens\":%lld",
+                 (long long)p, (long long)(p + c), (long long)c);
+    if (cached > 0)
+        pd_sb_printf(b, ",\"prompt_tokens_details\":{\"cached_tokens\":%lld}", (long long)cached);
+    else if (details)
+        pd_sb_str(b, ",\"prompt_tokens_details\":null");
+    pd_sb_str(b, "}");
+}
+
+/* The request's prompt tokens found in the prefix cache (each prompt's first choice: the
+ * others may find what it computed), or 0 without --enable-prompt-tokens-details. */
+static int64_t cached_tokens(const sreq *r)
+{
+    if (!r->s->p.enable_prompt_tokens_details || r->req.n_prompts == 0) return 0;
+    int n = r->n_choices / (int)r->req.n_prompts;
+    int64_t sum = 0;
+    for (int i = 0; i < r->n_choices; i += n) sum += r->choices[i].cached_tokens;
+    return sum;
 }
 
 static void stop_reason_json(pd_sb *b, const choice *c)
@@ -1323,7 +1343,7 @@ static void token_chunk(sreq *r, choice *c, const char *text, size_t len, bool f
         pd_sb_str(&r->ev, "}]");
         if (r->req.continuous_usage) {
             pd_sb_str(&r->ev, ",\"usage\":");
-            usage_obj(&r->ev, choice_prompt_tokens(r, c), c->completion_tokens, false);
+            usage_obj(&r->ev, choice_prompt_tokens(r, c), c->completion_tokens, false, 0);
         }
         pd_sb_str(&r->ev, "}");
     } else {
@@ -1342,7 +1362,7 @@ static void token_chunk(sreq *r, choice *c, const char *text, size_t len, bool f
         choice_tail(&r->ev, c, lp, final, true);
         pd_sb_str(&r->ev, "}],\"usage\":");
         if (r->req.continuous_usage)
-            usage_obj(&r->ev, choice_prompt_tokens(r, c), c->completion_tokens, true);
+            usage_obj(&r->ev, choice_prompt_tokens(r, c), c->completion_tokens, true, 0);
         else
             pd_sb_str(&r->ev, "null");
         pd_sb_str(&r->ev, "}");
@@ -1369,7 +1389,7 @@ static void stream_start(sreq *r)
         pd_sb_str(&r->ev, ",\"content\":\"\"},\"logprobs\":null,\"finish_reason\":null}]");
         if (r->req.continuous_usage) {
             pd_sb_str(&r->ev, ",\"usage\":");
-            usage_obj(&r->ev, choice_prompt_tokens(r, &r->choices[i]), 0, false);
+            usage_obj(&r->ev, choice_prompt_tokens(r, &r->choices[i]), 0, false, 0);
         }
         pd_sb_str(&r->ev, "}");
         emit(r);
@@ -1392,7 +1412,7 @@ static void finish_stream(sreq *r)
         for (int i = 0; i < r->n_choices; i++) comp += r->choices[i].completion_tokens;
         chunk_head(r);
         pd_sb_str(&r->ev, "],\"usage\":");
-        usage_obj(&r->ev, r->prompt_tokens, comp, false);
+        usage_obj(&r->ev, r->prompt_tokens, comp, false, cached_tokens(r));
         pd_sb_str(&r->ev, "}");
         emit(r);
     }
@@ -1478,7 +1498,7 @@ static void respond_full(sreq *r)
         }
     }
     pd_sb_str(b, "],\"service_tier\":null,\"system_fingerprint\":null,\"usage\":");
-    usage_obj(b, r->prompt_tokens, comp, true);
+    usage_obj(b, r->prompt_tokens, comp, true, cached_tokens(r));
     pd_sb_str(b, chat ? ",\"prompt_logprobs\":null,\"kv_transfer_params\":null}"
                       : ",\"kv_transfer_params\":null}");
     if (pd_sb_failed(b)) {

@@ -671,6 +671,7 @@ static int seq_emit_token(pd_engine *e, eng_seq *s, int32_t token, const pd_samp
         size_t nb = pd_kvtable_num_blocks(t);
         memcpy(sl->blocks, pd_kvtable_ids(t), nb * sizeof *sl->blocks);
         sl->ev.n_blocks = nb;
+        sl->ev.cached_tokens = pd_seq_num_cached(s->sq);
         sl->ev.held = true;
         sl->ev.final = true;
         PD_CHECK(pd_sched_hold(e->sched, s->sq));

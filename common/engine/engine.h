@@ -201,7 +201,8 @@ typedef struct {
     bool held;                /* blocks kept until pd_engine_release */
     const int32_t *block_ids; /* (n_blocks) holding the prompt's K/V */
     size_t n_blocks;
-    uint64_t seed; /* the sampling seed in use (pass it to the decode side) */
+    uint64_t seed;        /* the sampling seed in use (pass it to the decode side) */
+    size_t cached_tokens; /* prompt tokens the prefix cache held when it was admitted */
 } pd_engine_event;
 
 /* Borrows the oldest event: 1 and *ev set, or 0 when the queue is empty. Every pointer in *ev

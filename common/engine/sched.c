@@ -41,6 +41,8 @@ struct pd_sched_seq {
     uint32_t n_preempt;
     pd_kv_block_key chain; /* prefix cache: the key of block n_chain - 1 ... */
     size_t n_chain;        /* ... and the blocks [0, n_chain) registered or taken from it */
+    size_t n_cached;       /* tokens taken from the prefix cache at the first admission */
+    bool admitted;         /* admitted once (n_cached is set) */
     list_node q;           /* link in waiting or running */
     list_node all;         /* link in the list of every sequence */
 };
@@ -474,6 +476,8 @@ int pd_sched_schedule(pd_sched *s, pd_sched_out *out)
             s->cache_queries += seq->n_tokens;
             s->cache_hits += seq->n_computed;
         }
+        if (!seq->admitted) seq->n_cached = fresh ? seq->n_computed : 0;
+        seq->admitted = true;
         list_remove(&s->waiting, seq);
         seq->state = PD_SEQ_RUNNING;
         s->running_slots += 1 + seq->pending_children;
@@ -549,6 +553,10 @@ size_t pd_seq_num_output(const pd_sched_seq *seq)
 size_t pd_seq_num_computed(const pd_sched_seq *seq)
 {
     return seq->n_computed;
+}
+size_t pd_seq_num_cached(const pd_sched_seq *seq)
+{
+    return seq->n_cached;
 }
 uint32_t pd_seq_num_preemptions(const pd_sched_seq *seq)
 {

@@ -155,6 +155,8 @@ const int32_t *pd_seq_tokens(const pd_sched_seq *seq, size_t *n);
 size_t pd_seq_num_prompt(const pd_sched_seq *seq);
 size_t pd_seq_num_output(const pd_sched_seq *seq);
 size_t pd_seq_num_computed(const pd_sched_seq *seq);
+/* Prompt tokens whose KV the prefix cache held when the sequence was first admitted. */
+size_t pd_seq_num_cached(const pd_sched_seq *seq);
 /* Times this sequence was preempted. */
 uint32_t pd_seq_num_preemptions(const pd_sched_seq *seq);
 /* The sequence's block table (never NULL). */

@@ -88,6 +88,7 @@ typedef struct job {
     int32_t *src_blocks;   /* (n_src_blocks) in r->arena */
     size_t n_src_blocks;
     uint64_t seed;
+    int64_t cached_tokens; /* of the prompt, from the prefix cache */
     bool needs_transfer;
 } job;
 
@@ -683,6 +684,7 @@ static void *transfer_worker(void *arg)
             Pd__PrefillReply m = PD__PREFILL_REPLY__INIT;
             m.first = j->first;
             m.seed = j->seed;
+            m.cached_tokens = j->cached_tokens;
             m.kv_bytes = bytes;
             m.kv_seconds = seconds;
             m.prefill_seconds = (double)(pd_now_ns() - r->t_received) / 1e9 - seconds;
@@ -735,6 +737,7 @@ static void prefill_event(pd_node *n, req *r, const pd_engine_event *ev)
     j->src_blocks = blocks;
     j->n_src_blocks = ev->n_blocks;
     j->seed = ev->seed;
+    j->cached_tokens = (int64_t)ev->cached_tokens;
     /* a first token that already ends the request needs no decode side */
     j->needs_transfer = ev->finish == PD_FINISH_NONE;
     n->leases++;

@@ -88,7 +88,9 @@ int pd_node_parse_args(int argc, char **argv, rt_role role, pd_node_params *p)
             return 1;
         }
         if (strncmp(a, "--", 2) != 0) return pd_error(PD_EINVAL, "unexpected argument '%s'", a);
-        if (strcmp(a, "--trust-request-chat-template") == 0) continue; /* scheduler flag */
+        if (strcmp(a, "--trust-request-chat-template") == 0 ||
+            strcmp(a, "--enable-prompt-tokens-details") == 0)
+            continue; /* scheduler flags */
         if (strcmp(a, "--enable-prefix-caching") == 0 ||
             strcmp(a, "--no-enable-prefix-caching") == 0) {
             p->enable_prefix_caching = a[2] == 'e';

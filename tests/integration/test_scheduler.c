@@ -1131,6 +1131,43 @@ TEST(sched_concurrency_limit)
     ASSERT_EQ_INT(st, 200);
 }
 
+/* --enable-prompt-tokens-details: the usage tells the prompt tokens the prefill instance found
+ * in its prefix cache (vLLM's field), in a response body and in a stream's usage chunk; without
+ * the flag it stays null. A 40-token prompt, sent again, finds its 2 full 16-token blocks. */
+TEST(sched_prompt_tokens_details_cached)
+{
+    FIXTURE();
+    char *extra[] = {"--enable-prompt-tokens-details", NULL};
+    cl_proc sp;
+    int port = 0;
+    ASSERT_MSG(start_scheduler(&sp, &port, "scheduler_details", extra, "1") == 0,
+               "pd-scheduler with --enable-prompt-tokens-details did not start");
+    char body[1024], stream[1100];
+    size_t o = (size_t)snprintf(body, sizeof body, "{\"prompt\":[");
+    for (int i = 0; i < 40; i++)
+        o += (size_t)snprintf(body + o, sizeof body - o, "%s%d", i ? "," : "", 700 + 3 * i);
+    snprintf(body + o, sizeof body - o, "],\"max_tokens\":2,\"ignore_eos\":true");
+    snprintf(stream, sizeof stream, "%s,\"stream\":true,\"stream_options\":{}}", body);
+    strcat(body, "}");
+    http_resp r[4];
+    int got = 0;
+    got += http_do(port, "POST", "/v1/completions", NULL, body, &r[0]) == 0;
+    got += http_do(port, "POST", "/v1/completions", NULL, body, &r[1]) == 0;
+    got += http_do(port, "POST", "/v1/completions", NULL, stream, &r[2]) == 0;
+    got += http_do(g_port, "POST", "/v1/completions", NULL, body, &r[3]) == 0;
+    int stopped = cl_stop(&sp, 10000);
+    ASSERT_EQ_INT(got, 4);
+    for (int i = 0; i < 4; i++) ASSERT_EQ_INT(r[i].status, 200);
+    /* the first may find what earlier tests left; the second finds at least this one's */
+    ASSERT_CONTAINS(r[1].body, "\"prompt_tokens_details\":{\"cached_tokens\":32}");
+    ASSERT_CONTAINS(r[2].body, "\"usage\":{\"prompt_tokens\":40,\"total_tokens\":42,"
+                               "\"completion_tokens\":2,\"prompt_tokens_details\":"
+                               "{\"cached_tokens\":32}}");
+    ASSERT_CONTAINS(r[3].body, "\"prompt_tokens_details\":null"); /* the flag is off there */
+    for (int i = 0; i < 4; i++) resp_free(&r[i]);
+    ASSERT_EQ_INT(stopped, 0);
+}
+
 /* ---- admission: requests wait for decode KV capacity ---------------------------------------- */
 
 typedef struct {
