@@ -75,6 +75,7 @@ typedef struct req {
     bool finished;      /* relayed: the engine's final event came (it may still be held) */
     bool done;          /* relayed: the final event is out; the Decode call waits for the
                            caller's cancel (so the caller ends it after that event) */
+    bool caller_gone;   /* decode: its call was cancelled before its final event */
     int64_t done_ns;
     bool handed_over;   /* prefill: a transfer worker owns the request now */
     atomic_bool cancel; /* prefill: aborted while its KV is being sent; the send gives up */
@@ -364,7 +365,10 @@ static void on_call_cancelled(void *arg, pd_rpc_call *call)
         table_remove(n, r);
         r = NULL;
     }
-    if (r) snprintf(id, sizeof id, "%s", r->id);
+    if (r) {
+        snprintf(id, sizeof id, "%s", r->id);
+        r->caller_gone = true;
+    }
     if (r && r->handed_over) atomic_store(&r->cancel, true); /* the transfer frees the KV */
     pthread_mutex_unlock(&n->mu);
     if (id[0]) {
@@ -933,6 +937,16 @@ static void decode_event(pd_node *n, req *r, const pd_engine_event *ev)
     r->first_seen = true;
     /* the first token came to the scheduler from the prefill side already */
     if (first && !ev->final && ev->n_tokens) return;
+    if (r->caller_gone) {
+        /* cancelled: nobody reads its events, and its final one (the abort's, or the end of a
+           generation the abort came too late for) ends the call now (relayed: not after the
+           wait for a cancel that already came) */
+        if (ev->final) {
+            pd_rpc_stream_end(r->call, PD_RPC_CANCELLED, "");
+            table_remove(n, r);
+        }
+        return;
+    }
     if (r->rl && ev->status >= 0) {
         relay_event(n, r, ev);
         return;
