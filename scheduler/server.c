@@ -592,8 +592,9 @@ static uint8_t *chain_pack(choice *c, int ph, const ProtobufCMessage *m, size_t 
                    ph == PH_PREFILL ? "Prefill" : "Decode");
         return NULL;
     }
-    if (!chain_begin(c, ph)) {
+    if (!chain_begin(c, ph)) { /* aborted: D holds the reservation (or the KV) */
         free(buf);
+        send_abort(c->r->s, c->d_node, c->sub_id);
         chain_end(c);
         return NULL;
     }
@@ -741,6 +742,8 @@ static void on_prefill_done(void *arg, int st, const char *details, const uint8_
     pthread_mutex_unlock(&r->mu);
     pd_reg_release(s->reg, pk, c->p_tokens);
     if (aborted) {
+        /* abort_chains passes a chain that ended by then: the reservation on D is ours to free */
+        send_abort(s, c->d_node, c->sub_id);
         chain_end(c);
         return;
     }
