@@ -7,8 +7,9 @@
 # end these checks:
 #   1. RSS of each server after the warm-up stays within +-RSS_TOL % of its first post-warm-up
 #      sample;
-#   2. zero unexpected errors: pd-bench failed requests == 0 (client aborts are intended) and no
-#      ERROR line in any server log;
+#   2. zero unexpected errors: pd-bench failed requests == 0 (client aborts are intended), no
+#      ERROR line in any server log, and nothing on the decode instance freed only by its time
+#      limit (an expired reservation, a relayed Decode call its caller never ended);
 #   3. the KV pools are whole again: pd-prefill and pd-decode Stats (pd-bench --node-stats) show
 #      kv_blocks_free == kv_blocks_total and nothing running, waiting, held or reserved, and the
 #      scheduler's /metrics shows vllm:kv_cache_usage_perc 0 and no running request;
@@ -178,12 +179,17 @@ log "decode stats at the end:  $(cat "$work/decode_stats.json")"
 # 4. verdict
 errors=$(cat "$work/prefill.log" "$work/decode.log" "$work/scheduler.log" | grep -c ' ERROR ')
 grep -h ' ERROR ' "$work/prefill.log" "$work/decode.log" "$work/scheduler.log" | head -n 5 >"$work/errors_head.txt"
+# state that only its time limit freed: KV whose owner forgot it, a call nobody ended
+stale_re='reservation expired before Decode started|relayed request not closed by its caller'
+stale=$(grep -cE "$stale_re" "$work/decode.log")
+grep -hE "$stale_re" "$work/decode.log" | head -n 5 >>"$work/errors_head.txt"
 grep -q -F "$key" "$work/prefill.log" "$work/decode.log" "$work/scheduler.log" && fail "the API key appears in a log"
-$py - "$csv" "$work/soak.json" "$warmup" "$rss_tol" "$bench_st" "$end_ok" "$errors" <<'PY' | tee -a "$work/soak.log"
+$py - "$csv" "$work/soak.json" "$warmup" "$rss_tol" "$bench_st" "$end_ok" "$errors" "$stale" <<'PY' | tee -a "$work/soak.log"
 import csv, json, sys
 rows = list(csv.DictReader(open(sys.argv[1])))
 res = json.load(open(sys.argv[2]))
 warm, tol, bench_st, end_ok, errors = float(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7])
+stale = int(sys.argv[8])
 ok = True
 def check(cond, msg):
     global ok
@@ -211,11 +217,12 @@ print(f"INFO offered {res['request_rate']:.3f} req/s for {res['duration']:.0f} s
       f"{res['output_throughput']:.1f} output tok/s; TTFT mean {res['mean_ttft_ms']:.1f} ms p99 {res['p99_ttft_ms']:.1f} ms; "
       f"E2EL mean {res['mean_e2el_ms']:.1f} ms p99 {res['p99_e2el_ms']:.1f} ms")
 check(errors == 0, f"{errors} ERROR lines in the server logs")
+check(stale == 0, f"{stale} decode reservations or calls freed only by their time limit")
 check(end_ok == 1, "KV pools whole again at the end (prefill and decode Stats, scheduler /metrics)")
 print("SOAK " + ("PASSED" if ok else "FAILED"))
 sys.exit(0 if ok else 1)
 PY
 st=${PIPESTATUS[0]}
-[ -s "$work/errors_head.txt" ] && { log "first ERROR lines:"; tee -a "$work/soak.log" <"$work/errors_head.txt"; }
+[ -s "$work/errors_head.txt" ] && { log "first ERROR (and time-limit) lines:"; tee -a "$work/soak.log" <"$work/errors_head.txt"; }
 log "figures: $work/soak.log, RSS samples: $csv"
 exit "$st"
