@@ -66,13 +66,14 @@ typedef struct {
 } pdb_dataset;
 
 /* Random prompts: prefix_len tokens shared by every prompt (vLLM's --random-prefix-len: a
- * system prompt, say), then input lengths uniform in [in*(1-r), in*(1+r)]; output lengths
- * likewise. For /v1/completions prompts are token ids uniform in [3, vocab) (ids below 3 are
- * the synthetic models' special tokens); otherwise words from a fixed list, one word per token
- * asked for. A pure function of seed. */
-int pdb_dataset_random(pdb_dataset *d, size_t n, int64_t prefix_len, int64_t input_len,
-                       int64_t output_len, double range_ratio, int64_t vocab, bool ids,
-                       uint64_t seed);
+ * system prompt, say; with n_prefixes > 1, prompt i starts with prefix i mod n_prefixes), then
+ * input lengths uniform in [in*(1-r), in*(1+r)]; output lengths likewise. For /v1/completions
+ * prompts are token ids uniform in [3, vocab) (ids below 3 are the synthetic models' special
+ * tokens); otherwise words from a fixed list, one word per token asked for. A pure function of
+ * seed. */
+int pdb_dataset_random(pdb_dataset *d, size_t n, int64_t prefix_len, int64_t n_prefixes,
+                       int64_t input_len, int64_t output_len, double range_ratio, int64_t vocab,
+                       bool ids, uint64_t seed);
 /* JSONL: one object per line with "prompt" (string) and optional "output_len" (integer,
  * default default_out). Takes the first n lines (all when n == 0); errors name file:line. */
 int pdb_dataset_jsonl(pdb_dataset *d, const char *file, size_t n, int64_t default_out);

@@ -51,14 +51,15 @@ static void len_range(int64_t len, double r, int64_t *lo, int64_t *hi)
     if (*hi < *lo) *hi = *lo;
 }
 
-int pdb_dataset_random(pdb_dataset *d, size_t n, int64_t prefix_len, int64_t input_len,
-                       int64_t output_len, double range_ratio, int64_t vocab, bool ids,
-                       uint64_t seed)
+int pdb_dataset_random(pdb_dataset *d, size_t n, int64_t prefix_len, int64_t n_prefixes,
+                       int64_t input_len, int64_t output_len, double range_ratio, int64_t vocab,
+                       bool ids, uint64_t seed)
 {
     memset(d, 0, sizeof *d);
     if (n == 0) return pd_error(PD_EINVAL, "--num-prompts: must be at least 1");
     if (input_len < 1) return pd_error(PD_EINVAL, "--random-input-len: must be at least 1");
     if (prefix_len < 0) return pd_error(PD_EINVAL, "--random-prefix-len: must be at least 0");
+    if (n_prefixes < 1) return pd_error(PD_EINVAL, "--random-num-prefixes: must be at least 1");
     if (output_len < 1) return pd_error(PD_EINVAL, "--random-output-len: must be at least 1");
     if (!(range_ratio >= 0.0 && range_ratio < 1.0))
         return pd_error(PD_EINVAL, "--random-range-ratio: must be in [0, 1), got %g", range_ratio);
@@ -86,8 +87,8 @@ int pdb_dataset_random(pdb_dataset *d, size_t n, int64_t prefix_len, int64_t inp
         }
         if (!p->ids && !p->text) goto oom;
         for (int64_t k = 0; k < p->input_len; k++) {
-            /* the shared prefix is prompt "-1"'s (an index no prompt has) */
-            uint32_t at = k < prefix_len ? UINT32_MAX : idx;
+            /* prefix j (prompt i's is i mod n_prefixes) is prompt "-1 - j"'s: no prompt's index */
+            uint32_t at = k < prefix_len ? UINT32_MAX - (uint32_t)(i % (uint64_t)n_prefixes) : idx;
             uint64_t pos = (uint64_t)(k < prefix_len ? k : k - prefix_len);
             if (ids) {
                 p->ids[k] = (int32_t)uniform_int(seed, at, pos, STREAM_TOKEN, 3, vocab - 1);

@@ -3,7 +3,7 @@
  *   pd-bench [--base-url http://127.0.0.1:9000] [--endpoint /v1/completions] [--model NAME]
  *            [--num-prompts 100] [--dataset random|jsonl] [--dataset-path F]
  *            [--random-input-len 128] [--random-output-len 32] [--random-range-ratio 0]
- *            [--random-prefix-len 0]
+ *            [--random-prefix-len 0] [--random-num-prefixes 1]
  *            [--random-vocab-size 2048] [--request-rate inf] [--max-concurrency C]
  *            [--warmup N] [--seed 0] [--goodput ttft:MS,tpot:MS,e2el:MS] [--api-key KEY]
  *            [--result-file F.json] [--dump-timestamps F.jsonl] [--save-dataset F]
@@ -55,6 +55,7 @@ typedef struct {
         *api_key, *goodput, *save_dataset, *node_stats;
     int64_t num_prompts, input_len, output_len, vocab, max_concurrency, warmup, seed, timeout_s;
     int64_t prefix_len; /* --random-prefix-len: tokens every random prompt starts with */
+    int64_t n_prefixes; /* --random-num-prefixes: distinct such prefixes, in turn */
     double range_ratio, request_rate; /* request_rate: INFINITY = all at once */
     double duration_s;                /* > 0: send for this long (finite rate) */
     double abort_ratio;               /* mixed workload: share of streams aborted */
@@ -70,6 +71,7 @@ static bench_args default_args(void)
                         .num_prompts = 100,
                         .input_len = 128,
                         .output_len = 32,
+                        .n_prefixes = 1,
                         .vocab = 2048,
                         .timeout_s = 600,
                         .request_rate = INFINITY,
@@ -86,7 +88,7 @@ static void usage(FILE *o)
                "[--dataset-path F]\n"
                "                [--random-input-len N] [--random-output-len N] "
                "[--random-range-ratio R] [--random-vocab-size V]\n"
-               "                [--random-prefix-len N]\n"
+               "                [--random-prefix-len N] [--random-num-prefixes K]\n"
                "                [--request-rate R|inf] [--max-concurrency C] [--warmup N] "
                "[--seed S]\n"
                "                [--goodput ttft:MS,tpot:MS,e2el:MS] [--api-key KEY] "
@@ -183,6 +185,8 @@ static int parse_args(int argc, char **argv, bench_args *a)
             PD_CHECK(pd_arg_i64(o, v, 1, 1 << 24, &a->output_len));
         else if (!strcmp(o, "--random-prefix-len"))
             PD_CHECK(pd_arg_i64(o, v, 0, 1 << 24, &a->prefix_len));
+        else if (!strcmp(o, "--random-num-prefixes"))
+            PD_CHECK(pd_arg_i64(o, v, 1, 1 << 20, &a->n_prefixes));
         else if (!strcmp(o, "--random-vocab-size"))
             PD_CHECK(pd_arg_i64(o, v, 4, 1 << 24, &a->vocab));
         else if (!strcmp(o, "--max-concurrency"))
@@ -663,8 +667,8 @@ int main(int argc, char **argv)
     t.timeout_s = (int)a.timeout_s;
     size_t n_prompts = (size_t)a.num_prompts;
     if (!strcmp(a.dataset, "random"))
-        rc = pdb_dataset_random(&d, n_prompts, a.prefix_len, a.input_len, a.output_len,
-                                a.range_ratio, a.vocab,
+        rc = pdb_dataset_random(&d, n_prompts, a.prefix_len, a.n_prefixes, a.input_len,
+                                a.output_len, a.range_ratio, a.vocab,
                                 t.endpoint == PDB_EP_COMPLETIONS && !a.mixed, (uint64_t)a.seed);
     else
         rc = pdb_dataset_jsonl(&d, a.dataset_path, n_prompts, a.output_len);
