@@ -55,6 +55,8 @@ struct pd_reg {
     bool stop, running;
     int rounds;
     unsigned rr[RT_ROLE_COUNT]; /* round-robin cursor per role */
+    int first[RT_ROLE_COUNT];   /* the role's instances: nodes [first, first + count), as the */
+    int count[RT_ROLE_COUNT];   /* global table orders them (prefill first, then decode) */
     pthread_t thread;
     int period_ms, timeout_ms;
     pd_reg_change_fn on_change;
@@ -113,6 +115,7 @@ int pd_reg_create(const char *global_file, const char *node_ports, pd_rpc_client
     for (int i = 0; i < r->n; i++) {
         reg_node *nd = &r->nodes[i];
         nd->inst = rt_global_node(r->g, (size_t)i);
+        if (r->count[nd->inst->role]++ == 0) r->first[nd->inst->role] = i;
         if (nd->inst->role == RT_ROLE_PREFILL && !(nd->pfx = calloc(PFX_SLOTS, sizeof *nd->pfx))) {
             rc = pd_error(PD_ENOMEM, "registry: out of memory");
             goto fail;
@@ -472,14 +475,8 @@ int pd_reg_pick(pd_reg *r, rt_role role, int64_t tokens, int exclude)
     pthread_mutex_lock(&r->mu);
     int best = -1;
     int64_t best_load = 0;
-    /* the role's instances are contiguous (prefill first, then decode); scan them from the
-     * role's round-robin cursor so that ties take turns */
-    int first = -1, n_role = 0;
-    for (int k = 0; k < r->n; k++)
-        if (r->nodes[k].inst->role == role) {
-            if (first < 0) first = k;
-            n_role++;
-        }
+    /* scan the role's instances from its round-robin cursor so that ties take turns */
+    int first = r->first[role], n_role = r->count[role];
     unsigned start = r->rr[role]++;
     for (int i = 0; i < n_role; i++) {
         int k = first + (int)((start + (unsigned)i) % (unsigned)n_role);
@@ -500,14 +497,9 @@ int pd_reg_pick_prefill(pd_reg *r, const int32_t *ids, size_t n_ids, int exclude
                         int64_t *hit_tokens)
 {
     uint64_t keys[PFX_MAX_BLOCKS];
+    int first = r->first[RT_ROLE_PREFILL], n_role = r->count[RT_ROLE_PREFILL];
     pthread_mutex_lock(&r->mu);
-    int bs = 0, first = -1, n_role = 0;
-    for (int k = 0; k < r->n; k++)
-        if (r->nodes[k].inst->role == RT_ROLE_PREFILL) {
-            if (first < 0) first = k;
-            if (!bs) bs = r->nodes[k].block_size;
-            n_role++;
-        }
+    int bs = n_role ? r->nodes[first].block_size : 0; /* from its Info (0: not read yet) */
     pthread_mutex_unlock(&r->mu);
     if (bs <= 0) bs = 16;
     /* key of block b: every token up to its end chained (a prefix, as the instance's cache
