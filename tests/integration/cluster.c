@@ -705,9 +705,12 @@ int cl_reference_ex(const char *model, const int32_t *const *prompts, const size
     size_t k = 0;
     while (f && k < n && fgets(line, sizeof line, f)) {
         if (line[0] != '{') continue; /* log lines */
-        json_error_t err;
-        json_t *o = json_loads(line, 0, &err);
-        if (!o) continue;
+        json_error_t err;             /* a sampled byte token may be U+0000 */
+        json_t *o = json_loads(line, JSON_ALLOW_NUL, &err);
+        if (!o) {
+            fclose(f);
+            return pd_error(PD_EINTERNAL, "%s: result %zu: %s", json, k, err.text);
+        }
         memset(&out[k], 0, sizeof out[k]);
         json_t *toks = json_object_get(o, "token_ids");
         for (size_t i = 0; i < json_array_size(toks) && i < 4096; i++)
