@@ -10,7 +10,7 @@
  * transfer's bytes / seconds over reps requests, each timed from the sender's first byte to
  * the decode side's acknowledgement (frame, pull, completion over the control connection);
  * the first request (which maps the pool) is reported apart; then the pull's own device time
- * (events on the decode side around the block-id copy and the kernel) against the same copy.
+ * (events on the decode side around the kernel) against the same copy.
  * The peer checks the copied KV. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -98,7 +98,7 @@ int main(int argc, char **argv)
         const char *dev = strstr(imports, "device: best");
         double pull_ms = 0, pull_gbs = 0;
         if (dev && sscanf(dev, "device: best %lf ms = %lf GB/s", &pull_ms, &pull_gbs) == 2)
-            printf("  the pull alone (block ids copy + kernel, device time, best): %.1f%% of the "
+            printf("  the pull alone (kernel, device time, best): %.1f%% of the "
                    "copy\n",
                    100.0 * pull_gbs / copy);
         printf("  peer check: %s", verdict);

@@ -4,7 +4,8 @@
  * side (its own pool and receiver), which checks every copied element. Cases: all heads with
  * a prompt that ends inside its last block and blocks numbered differently on both sides; the
  * head overlap of a prefill rank holding 4 heads and a decode rank holding heads 2..3 (TP 1 to
- * TP 2); the same connection reused for a second request (the mapping is kept). Exits 77
+ * TP 2); the same connection reused for a second request (the mapping is kept); a prompt of
+ * more blocks than one pull launch takes (CUDA_KV_PULL_IDS), scattered on both sides. Exits 77
  * without a GPU. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -17,7 +18,7 @@
 #include "kv_ipc_util.h"
 #include "transfer/kv_tcp.h"
 
-enum { LAYERS = 3, BLOCKS = 32, HEADS = 4, HD = 64 };
+enum { LAYERS = 3, BLOCKS = 1024, HEADS = 4, HD = 64 };
 
 static const pd_kv_params k_pool = {.n_layers = LAYERS,
                                     .n_blocks = BLOCKS,
@@ -49,7 +50,7 @@ static void transfer_case(const int32_t *src_ids, const int32_t *dst_ids, size_t
     int rc = kv_ipc_fill(b, kv, &p, 0, src_ids, n);
     pd_kv_share share;
     if (rc == PD_OK) rc = o->kv_share(b, kv, &share);
-    char args[1024];
+    static char args[16384];
     int off = snprintf(args, sizeof args,
                        "--layers %d --heads %zu --head0 %zu --head-dim %d --blocks %d "
                        "--tokens %zu --reps %d --ids ",
@@ -92,6 +93,18 @@ TEST(cuda_ipc_head_overlap_tp1_to_tp2)
     if (!ctu_have_gpu()) SKIP(pd_last_error());
     const int32_t src[2] = {1, 3}, dst[2] = {7, 6};
     transfer_case(src, dst, 2, 32, 2, 2, 1);
+}
+
+TEST(cuda_ipc_more_blocks_than_one_launch)
+{
+    if (!ctu_have_gpu()) SKIP(pd_last_error());
+    enum { N = 1000 }; /* > 2 launches of CUDA_KV_PULL_IDS (448) blocks */
+    static int32_t src[N], dst[N];
+    for (int i = 0; i < N; i++) {
+        src[i] = BLOCKS - 1 - i;
+        dst[i] = (i * 7) % BLOCKS; /* a permutation: 7 is odd, BLOCKS a power of 2 */
+    }
+    transfer_case(src, dst, N, N * 16 - 5, 0, HEADS, 1);
 }
 
 TEST(cuda_ipc_peer_checks)

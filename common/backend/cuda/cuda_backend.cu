@@ -192,10 +192,8 @@ typedef struct {
     // KV transfers: their own stream, one at a time (xfer_mu), any thread.
     pthread_mutex_t xfer_mu;
     cudaStream_t xfer_stream;
-    int32_t *h_pull_ids, *d_pull_ids; // (2 * pull_ids_cap) pinned / device: a pull's source
-    size_t pull_ids_cap;              // then destination blocks
-    cudaEvent_t pull_ev[2];           // pull timing (pd_backend_cuda_pull_timing; NULL: off)
-    double pull_sum, pull_min;        // device seconds of the timed pulls: sum, best
+    cudaEvent_t pull_ev[2];    // pull timing (pd_backend_cuda_pull_timing; NULL: off)
+    double pull_sum, pull_min; // device seconds of the timed pulls: sum, best
     uint64_t pull_n;
 
     size_t free_at_create; // device memory free before this backend allocated anything
@@ -254,8 +252,6 @@ static void be_free_state(cuda_be *cb)
     if (cb->stage_done) cudaEventDestroy(cb->stage_done);
     if (cb->stream) cudaStreamDestroy(cb->stream);
     if (cb->xfer_stream) cudaStreamDestroy(cb->xfer_stream);
-    cudaFree(cb->d_pull_ids);
-    cudaFreeHost(cb->h_pull_ids);
     for (int i = 0; i < 2; i++)
         if (cb->pull_ev[i]) cudaEventDestroy(cb->pull_ev[i]);
     pthread_mutex_destroy(&cb->xfer_mu);
@@ -869,37 +865,14 @@ static int op_kv_pull(pd_backend *b, pd_kv *kv, pd_kv_peer *peer, const pd_kv_pu
     a.block_size = bs;
     a.n_tokens = pl->n_tokens;
     a.n_layers = kv->p.n_layers;
-    size_t ids = pl->n_blocks * sizeof(int32_t);
     pthread_mutex_lock(&cb->xfer_mu);
     int rc = cuda_status(cudaSetDevice(cb->device), "cudaSetDevice", __FILE__, __LINE__);
-    if (rc == PD_OK && pl->n_blocks > cb->pull_ids_cap) {
-        cudaFree(cb->d_pull_ids);
-        cudaFreeHost(cb->h_pull_ids);
-        cb->d_pull_ids = cb->h_pull_ids = NULL;
-        cb->pull_ids_cap = 0;
-        rc = cuda_status(cudaMalloc(&cb->d_pull_ids, 2 * ids), "cudaMalloc(pull ids)", __FILE__,
-                         __LINE__);
-        if (rc == PD_OK)
-            rc = cuda_status(cudaMallocHost(&cb->h_pull_ids, 2 * ids), "cudaMallocHost(pull ids)",
-                             __FILE__, __LINE__);
-        if (rc == PD_OK) cb->pull_ids_cap = pl->n_blocks;
-    }
     const bool timed = cb->pull_ev[0] != NULL;
     if (rc == PD_OK && timed)
         rc = cuda_status(cudaEventRecord(cb->pull_ev[0], cb->xfer_stream), "cudaEventRecord",
                          __FILE__, __LINE__);
-    if (rc == PD_OK) { // one copy of both lists, from pinned memory (no staging)
-        memcpy(cb->h_pull_ids, pl->src_blocks, ids);
-        memcpy(cb->h_pull_ids + pl->n_blocks, pl->dst_blocks, ids);
-        rc = cuda_status(cudaMemcpyAsync(cb->d_pull_ids, cb->h_pull_ids, 2 * ids,
-                                         cudaMemcpyHostToDevice, cb->xfer_stream),
-                         "cudaMemcpyAsync(pull ids)", __FILE__, __LINE__);
-    }
-    if (rc == PD_OK) {
-        a.src_blocks = cb->d_pull_ids;
-        a.dst_blocks = cb->d_pull_ids + pl->n_blocks;
-        rc = cuda_kv_pull(cb->xfer_stream, &a);
-    }
+    if (rc == PD_OK)
+        rc = cuda_kv_pull(cb->xfer_stream, &a, pl->src_blocks, pl->dst_blocks, pl->n_blocks);
     if (rc == PD_OK && timed)
         rc = cuda_status(cudaEventRecord(cb->pull_ev[1], cb->xfer_stream), "cudaEventRecord",
                          __FILE__, __LINE__);

@@ -50,8 +50,8 @@ int pd_backend_cuda_device(const pd_backend *b);
  * *stream to the step stream (a cudaStream_t). Call from the thread that runs b's steps. */
 int pd_backend_cuda_step_stream(pd_backend *b, void **stream);
 /* Device time of b's KV pulls (kv_pull, the CUDA IPC import), for benchmarks: after
- * pd_backend_cuda_pull_timing, each pull records an event before its block-id copy and one after
- * its kernel (two calls more per pull), and pd_backend_cuda_pull_time reports the sum and the
+ * pd_backend_cuda_pull_timing, each pull records an event before its kernel(s) and one after
+ * (two calls more per pull), and pd_backend_cuda_pull_time reports the sum and the
  * best of those times in seconds and the number of pulls timed. */
 int pd_backend_cuda_pull_timing(pd_backend *b);
 void pd_backend_cuda_pull_time(pd_backend *b, double *sum, double *best, uint64_t *n);

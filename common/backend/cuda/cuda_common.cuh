@@ -235,7 +235,10 @@ int cuda_kv_write(cudaStream_t s, int act, const void *k, const void *v, size_t 
 // k_kv.cu: device-to-device copy of a prompt's KV between two pools (CUDA IPC pull): for every
 // layer and K/V, token t of the prompt moves from slot src_blocks[t / block_size] * block_size +
 // t % block_size of src to the same offset of dst_blocks' block in dst, `row` bytes starting
-// src_off / dst_off bytes into the token (a head range).
+// src_off / dst_off bytes into the token (a head range). The block ids (host memory, n_blocks
+// each) travel in the kernel's parameters, so nothing is copied to the device before the kernel:
+// one launch per CUDA_KV_PULL_IDS blocks, the parameters within the classic 4 KiB.
+#define CUDA_KV_PULL_IDS 448
 typedef struct {
     const unsigned char *src;
     unsigned char *dst;
@@ -245,9 +248,9 @@ typedef struct {
     size_t row;                // bytes copied per token
     size_t block_size, n_tokens;
     int n_layers;
-    const int32_t *src_blocks, *dst_blocks; // device
 } cuda_kv_pull_args;
-int cuda_kv_pull(cudaStream_t s, const cuda_kv_pull_args *a);
+int cuda_kv_pull(cudaStream_t s, const cuda_kv_pull_args *a, const int32_t *src_blocks,
+                 const int32_t *dst_blocks, size_t n_blocks);
 
 // k_attention.cu
 typedef struct {

@@ -230,7 +230,7 @@ struct pd_kv_link {
     cudaEvent_t done;    // recorded after a chunk's operations
     void *staging;       // (staging_cap) bytes, device: one chunk in the chunk layout
     size_t staging_cap;
-    int32_t *h_ids, *d_ids; // (2 * ids_cap) host / device: pool blocks, then 0..n-1
+    int32_t *h_ids; // (2 * ids_cap): pool blocks, then 0..n-1 (the staging's)
     size_t ids_cap;
     int aborted;
     char why[256]; // the abort's reason
@@ -442,7 +442,6 @@ static void link_free(pd_kv_link *l)
     cudaSetDevice(l->device);
     if (l->stream) {
         if (l->staging) cudaFreeAsync(l->staging, l->stream);
-        if (l->d_ids) cudaFreeAsync(l->d_ids, l->stream);
         cudaStreamSynchronize(l->stream); // after an abort the NCCL kernels have returned
         cudaStreamDestroy(l->stream);
     }
@@ -536,8 +535,9 @@ typedef struct {
     size_t block_size; // tokens per block
 } pool_geom;
 
-// Validates x against kv and loads the block lists (pool blocks, then 0..n-1 for the staging)
-// into d_ids on the link's stream. *chunk_b = bytes of x's layers in the chunk layout.
+// Validates x against kv and fills the block lists (pool blocks, then 0..n-1 for the staging)
+// in h_ids, which the pull kernels take as parameters. *chunk_b = bytes of x's layers in the chunk
+// layout.
 static int xfer_prepare(pd_backend *b, const pd_kv *kv, pd_kv_link *l, const pd_kv_xfer *x,
                         pool_geom *g, size_t *chunk_b)
 {
@@ -578,24 +578,12 @@ static int xfer_prepare(pd_backend *b, const pd_kv *kv, pd_kv_link *l, const pd_
     if (x->n_blocks > l->ids_cap) {
         int32_t *h = (int32_t *)malloc(2 * x->n_blocks * sizeof *h);
         if (!h) return pd_error(PD_ENOMEM, "kv link: out of memory");
-        void *d = NULL;
-        int rc = cuda_status(cudaMallocAsync(&d, 2 * x->n_blocks * sizeof(int32_t), l->stream),
-                             "cudaMallocAsync(block ids)", __FILE__, __LINE__);
-        if (rc < 0) {
-            free(h);
-            return rc;
-        }
-        if (l->d_ids) cudaFreeAsync(l->d_ids, l->stream);
         free(l->h_ids);
         l->h_ids = h;
-        l->d_ids = (int32_t *)d;
         l->ids_cap = x->n_blocks;
     }
     memcpy(l->h_ids, x->blocks, x->n_blocks * sizeof(int32_t));
     for (size_t i = 0; i < x->n_blocks; i++) l->h_ids[x->n_blocks + i] = (int32_t)i;
-    // pageable source: the driver stages it before the call returns, so h_ids may change after
-    CUDA_TRY(cudaMemcpyAsync(l->d_ids, l->h_ids, 2 * x->n_blocks * sizeof(int32_t),
-                             cudaMemcpyHostToDevice, l->stream));
     return PD_OK;
 }
 
@@ -613,23 +601,25 @@ static int staging_reserve(pd_kv_link *l, size_t bytes)
 
 // Pull-kernel arguments moving layers [layer_off, layer_off + n) of the transfer (relative to
 // x->layer0) between the pool and the staging (chunk layout: the staging is a pool whose block
-// list is 0..n_blocks-1 and whose token is the moved heads alone).
+// list is 0..n_blocks-1 and whose token is the moved heads alone), and the source and
+// destination block lists.
 static cuda_kv_pull_args chunk_args(const pd_kv_link *l, const pd_kv_xfer *x, const pool_geom *g,
-                                    int layer_off, int n, int gather)
+                                    int layer_off, int n, int gather, const int32_t **src_ids,
+                                    const int32_t **dst_ids)
 {
     cuda_kv_pull_args a;
     memset(&a, 0, sizeof a);
     const unsigned char *pool = g->k0 + (size_t)layer_off * 2 * g->half;
     size_t st_half = x->n_tokens * g->row;
-    const int32_t *pool_ids = l->d_ids, *st_ids = l->d_ids + x->n_blocks;
+    const int32_t *pool_ids = l->h_ids, *st_ids = l->h_ids + x->n_blocks;
     if (gather) {
         a.src = pool, a.src_half = g->half, a.src_tok = g->tok, a.src_off = g->off;
         a.dst = (unsigned char *)l->staging, a.dst_half = st_half, a.dst_tok = g->row;
-        a.src_blocks = pool_ids, a.dst_blocks = st_ids;
+        *src_ids = pool_ids, *dst_ids = st_ids;
     } else {
         a.src = (const unsigned char *)l->staging, a.src_half = st_half, a.src_tok = g->row;
         a.dst = (unsigned char *)pool, a.dst_half = g->half, a.dst_tok = g->tok, a.dst_off = g->off;
-        a.src_blocks = st_ids, a.dst_blocks = pool_ids;
+        *src_ids = st_ids, *dst_ids = pool_ids;
     }
     a.row = g->row;
     a.block_size = g->block_size;
@@ -686,8 +676,10 @@ extern "C" int pd_nccl_link_send(pd_backend *b, const pd_kv *kv, pd_kv_link *l, 
     int rc = PD_OK;
     for (int l0 = 0; l0 < x->n_layers && rc == PD_OK; l0 += chunk) {
         int n = x->n_layers - l0 < chunk ? x->n_layers - l0 : chunk;
-        cuda_kv_pull_args a = chunk_args(l, x, &g, l0, n, 1);
-        rc = cuda_kv_pull(l->stream, &a); // the gather; the send below waits for it (stream order)
+        const int32_t *src, *dst;
+        cuda_kv_pull_args a = chunk_args(l, x, &g, l0, n, 1, &src, &dst);
+        // the gather; the send below waits for it (stream order)
+        rc = cuda_kv_pull(l->stream, &a, src, dst, x->n_blocks);
         if (rc == PD_OK) rc = p2p(l, 1, l->staging, layer_b * (size_t)n, w);
         // the next gather reuses the staging after this send on the same stream
     }
@@ -732,8 +724,9 @@ extern "C" int pd_nccl_link_scatter(pd_backend *b, pd_kv *kv, pd_kv_link *l, con
     if (bytes > l->staging_cap)
         return pd_error(PD_EINVAL, "kv link: scatter of %zu bytes, %zu received", bytes,
                         l->staging_cap);
-    cuda_kv_pull_args a = chunk_args(l, x, &g, 0, x->n_layers, 0);
-    PD_CHECK(cuda_kv_pull(l->stream, &a));
+    const int32_t *src, *dst;
+    cuda_kv_pull_args a = chunk_args(l, x, &g, 0, x->n_layers, 0, &src, &dst);
+    PD_CHECK(cuda_kv_pull(l->stream, &a, src, dst, x->n_blocks));
     // no NCCL operation in flight here: a plain synchronization (copies within this GPU)
     CUDA_TRY(cudaStreamSynchronize(l->stream));
     return PD_OK;
