@@ -73,10 +73,11 @@ template <int D> __global__ void __launch_bounds__(TC_THREADS) attn_tc_wmma_kern
     float *Ow = (float *)(tc_smem + L::o_off) + (size_t)warp * 16 * L::LDO; // (16, LDO)
     float *Aw = (float *)(tc_smem + L::a_off) + warp * 16;                  // (16) alpha
 
-    const cuda_attn_item it = a.tc_items[blockIdx.x];
+    const int n_groups = a.n_q_heads / a.tc_heads_per_item;
+    const cuda_attn_item it = a.tc_items[blockIdx.x / n_groups];
     const int hpi = a.tc_heads_per_item;
     const int G = a.n_q_heads / a.n_kv_heads;
-    const int h0 = blockIdx.y * hpi, kvhead = h0 / G;
+    const int h0 = (int)(blockIdx.x % n_groups) * hpi, kvhead = h0 / G;
     const int nq = it.nrows * hpi, nqh = a.n_q_heads;
     const bf16 *kc = (const bf16 *)a.kc, *vc = (const bf16 *)a.vc;
     const float qs = a.scale * 1.4426950408889634f;
@@ -293,10 +294,11 @@ template <int D> __global__ void __launch_bounds__(TC_THREADS) attn_tc_mma_kerne
     bf16 *Vs = (bf16 *)(tc_smem + L::v_off);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q4 = lane & 3;
 
-    const cuda_attn_item it = a.tc_items[blockIdx.x];
+    const int n_groups = a.n_q_heads / a.tc_heads_per_item;
+    const cuda_attn_item it = a.tc_items[blockIdx.x / n_groups];
     const int hpi = a.tc_heads_per_item;
     const int G = a.n_q_heads / a.n_kv_heads;
-    const int h0 = blockIdx.y * hpi, kvhead = h0 / G;
+    const int h0 = (int)(blockIdx.x % n_groups) * hpi, kvhead = h0 / G;
     const int nq = it.nrows * hpi, nqh = a.n_q_heads;
     const float qs = a.scale * 1.4426950408889634f;
 
@@ -469,7 +471,14 @@ int cuda_attention_tc(cudaStream_t s, const cuda_attn_args *a)
     if (a->act != ACT_BF16 || (a->head_dim != 64 && a->head_dim != 128))
         return pd_error(PD_EINTERNAL, "cuda attention: tensor-core items for head_dim %d / act %d",
                         a->head_dim, a->act);
-    dim3 grid((unsigned)a->n_tc_items, (unsigned)(a->n_q_heads / a->tc_heads_per_item));
+    // one block per (item, head group), the groups of an item next to each other: the host
+    // sorts the items longest first, so the blocks start in that order and the last wave holds
+    // the short ones (with items as x and groups as y, every group's long items came after the
+    // short items of the groups before it: a tail of long blocks)
+    size_t blocks = a->n_tc_items * (size_t)(a->n_q_heads / a->tc_heads_per_item);
+    if (blocks > 0x7fffffffu)
+        return pd_error(PD_EINVAL, "cuda attention: %zu tensor-core blocks", blocks);
+    const unsigned grid = (unsigned)blocks;
     if (a->tc_wmma) {
         if (a->head_dim == 64)
             attn_tc_wmma_kernel<64><<<grid, TC_THREADS, tc_layout<64>::bytes, s>>>(*a);
