@@ -65,7 +65,15 @@ struct pd_forward {
     double *inv_freq;   /* (D/2) base frequencies (non-dynamic: fixed at create) */
     double *inv_dyn;    /* (D/2) per-sequence frequencies for dynamic NTK */
     double rope_scaling;
+    /* cos and sin rows of positions [0, rope_tab_n) under inv_freq (not with dynamic NTK): a
+     * row is the same for every step, and computing it (double cos and sin per pair) cost more
+     * than a millisecond of host time per 2048-token prefill, before the step's first kernel */
+    float *rope_tab; /* (rope_tab_cap, 2, D/2): cos row, then sin row */
+    size_t rope_tab_n, rope_tab_cap;
 };
+
+/* Positions whose RoPE rows are kept (forward.rope_tab); later ones are computed per step. */
+#define ROPE_TAB_MAX 32768
 
 pd_forward_params pd_forward_default_params(void)
 {
@@ -167,6 +175,7 @@ void pd_forward_destroy(pd_forward *f)
     free(f->rope_sin);
     free(f->inv_freq);
     free(f->inv_dyn);
+    free(f->rope_tab);
     free(f);
 }
 
@@ -280,6 +289,41 @@ size_t pd_forward_bytes_per_step(const pd_forward *f)
 /* ---- one step
  * ------------------------------------------------------------------------------------ */
 
+/* cos and sin of position pos under inv / scaling, into cr and sr (half each). As transformers:
+ * angle = float32(pos) * float32(inv_freq) in float32, then cos/sin times the attention
+ * scaling. */
+static void rope_row(int32_t pos, const double *inv, double scaling, size_t half, float *cr,
+                     float *sr)
+{
+    for (size_t j = 0; j < half; j++) {
+        float ang = (float)pos * (float)inv[j];
+        cr[j] = (float)(cos((double)ang) * scaling);
+        sr[j] = (float)(sin((double)ang) * scaling);
+    }
+}
+
+/* Extends rope_tab to cover position pos (below ROPE_TAB_MAX), doubling its capacity. */
+static int rope_tab_cover(pd_forward *f, int32_t pos)
+{
+    const size_t half = f->D / 2, need = (size_t)pos + 1;
+    if (need <= f->rope_tab_n) return PD_OK;
+    if (need > f->rope_tab_cap) {
+        size_t cap = f->rope_tab_cap ? f->rope_tab_cap : 256;
+        while (cap < need) cap *= 2;
+        if (cap > ROPE_TAB_MAX) cap = ROPE_TAB_MAX;
+        float *t = realloc(f->rope_tab, cap * 2 * half * sizeof(float));
+        if (!t) return pd_error(PD_ENOMEM, "forward: out of memory (RoPE table)");
+        f->rope_tab = t;
+        f->rope_tab_cap = cap;
+    }
+    for (size_t p = f->rope_tab_n; p < need; p++) {
+        float *row = f->rope_tab + p * 2 * half;
+        rope_row((int32_t)p, f->inv_freq, f->rope_scaling, half, row, row + half);
+    }
+    f->rope_tab_n = need;
+    return PD_OK;
+}
+
 /* Positions, slots and RoPE rows for every row of the step; validates the step first. */
 static int prepare_step(pd_forward *f, size_t block_size, const pd_step *st, size_t *n_tokens)
 {
@@ -327,13 +371,14 @@ static int prepare_step(pd_forward *f, size_t block_size, const pd_step *st, siz
             f->slots[r] =
                 (int64_t)st->block_ids[b0 + pos / (int32_t)block_size] * (int64_t)block_size +
                 pos % (int32_t)block_size;
-            /* As transformers: angle = float32(pos) * float32(inv_freq) in float32, then cos/sin
-             * times the attention scaling. */
             float *cr = f->rope_cos + r * half, *sr = f->rope_sin + r * half;
-            for (size_t j = 0; j < half; j++) {
-                float ang = (float)pos * (float)inv[j];
-                cr[j] = (float)(cos((double)ang) * scaling);
-                sr[j] = (float)(sin((double)ang) * scaling);
+            if (!dynamic && pos < ROPE_TAB_MAX) {
+                PD_CHECK(rope_tab_cover(f, pos));
+                const float *row = f->rope_tab + (size_t)pos * 2 * half;
+                memcpy(cr, row, half * sizeof(float));
+                memcpy(sr, row + half, half * sizeof(float));
+            } else {
+                rope_row(pos, inv, scaling, half, cr, sr);
             }
         }
     }

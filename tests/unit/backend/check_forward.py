@@ -8,7 +8,8 @@ fwd_dump and llama_ref.py and requires:
   * logits at the last prompt position within relative error 1e-4
     (max |c - ref| / max |ref|, ref in float64);
   * identical greedy tokens for 64 steps;
-  * with --all-logits on one variant per group, every prompt position within 1e-4;
+  * with --all-logits on one variant per group, every prompt position within 1e-4; also for a
+    600-token prompt on LONG variants (RoPE rows past the first table sizes);
   * fwd_dump --check-determinism (bit-identical logits and tokens alone, chunked 1/3/7, and
     batched with other sequences) on a few variants, with both kernel families.
 Tiny shapes keep the whole run to a few seconds.
@@ -58,6 +59,10 @@ PROMPTS = [
 ]
 
 ALL_LOGITS = {"gqa_f32", "rope_dynamic", "bf16"}
+# a prompt past the forward's first RoPE table sizes (rows cached per position, the table
+# doubling from 256 positions): every position's logits against the reference
+LONG_PROMPT = [(i * 7919 + 13) % 2000 + 1 for i in range(600)]
+LONG = {"gqa_f32", "rope_llama3"}
 DETERMINISM = {"gqa_f32", "qwen2", "bf16", "head_dim_48"}
 GENERATE = {"gqa_f32", "qwen2"}
 
@@ -171,6 +176,19 @@ def main():
                     if not ea <= REL_TOL:
                         print(f"FAIL {name} prompt {pi}: all-position logits rel error {ea:.3g}")
                         failures += 1
+            if name in LONG:
+                ids = ",".join(str(t) for t in LONG_PROMPT)
+                cmd = ["--model", mdir, "--prompt-ids", ids, "--steps", "4", "--all-logits"]
+                ref = json.loads(run([sys.executable, args.ref] + cmd))
+                got = json.loads(run([args.fwd_dump] + cmd))
+                checks += 1
+                ea = rel_err(got["all_logits"], ref["all_logits"])
+                worst = max(worst, ea)
+                if not ea <= REL_TOL or got["greedy_tokens"] != ref["greedy_tokens"]:
+                    print(f"FAIL {name}: {len(LONG_PROMPT)}-token prompt: all-position logits "
+                          f"rel error {ea:.3g}, tokens equal: "
+                          f"{got['greedy_tokens'] == ref['greedy_tokens']}")
+                    failures += 1
             # the scalar kernels must agree with the reference too
             sc = json.loads(run([args.fwd_dump, "--model", mdir, "--prompt-ids",
                                  ",".join(str(t) for t in PROMPTS[1]), "--steps", str(STEPS),
