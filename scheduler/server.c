@@ -100,6 +100,7 @@ typedef struct choice {
     bool in_phase[3];
     int32_t *block_ids; /* malloc'd copy of the reservation (rpc thread) */
     size_t n_block_ids;
+    int64_t decode_cached; /* leading prompt tokens whose KV the reservation holds already */
     /* results: under r->mu */
     rec_buf pending;
     bool chain_done; /* the chain posted its last record */
@@ -627,6 +628,7 @@ static void start_prefill(choice *c)
     q.n_targets = c->n_targets;
     q.decode_block_ids = c->block_ids;
     q.n_decode_block_ids = c->n_block_ids;
+    q.decode_cached_tokens = c->decode_cached;
     q.lease_ms = s->p.prefill_timeout_ms;
     size_t len = 0;
     uint8_t *buf = chain_pack(c, PH_PREFILL, &q.base, &len);
@@ -872,6 +874,7 @@ static void on_reserve_done(void *arg, int st, const char *details, const uint8_
     }
     memcpy(c->block_ids, m->block_ids, m->n_block_ids * sizeof *c->block_ids);
     c->n_block_ids = m->n_block_ids;
+    c->decode_cached = m->cached_tokens;
     pd__reserve_reply__free_unpacked(m, NULL);
     pthread_mutex_lock(&r->mu);
     c->admitted = true; /* after a retry from the queue, the next queued choice may go */
@@ -1560,18 +1563,26 @@ static void send_reserve(choice *c)
 {
     sreq *r = c->r;
     pd_sched *s = r->s;
+    const pd_api_prompt *pr = &r->req.prompts[c->prompt_idx];
     Pd__ReserveRequest q = PD__RESERVE_REQUEST__INIT;
     q.request_id = c->sub_id;
-    q.num_prompt_tokens = (int64_t)r->req.prompts[c->prompt_idx].n_ids;
+    q.num_prompt_tokens = (int64_t)pr->n_ids;
     q.ttl_ms = s->p.prefill_timeout_ms;
-    uint8_t buf[256];
-    size_t len = pd__reserve_request__pack(&q, buf);
+    q.prompt_ids = pr->ids; /* the decode instance's prefix cache may hold its first blocks */
+    q.n_prompt_ids = pr->n_ids;
+    size_t len = 0;
+    uint8_t *buf = pd_msg_pack(&q.base, &len);
+    if (!buf) {
+        chain_fail(c, 500, "out of memory packing the Reserve request");
+        return;
+    }
     pthread_mutex_lock(&r->mu);
     c->in_phase[PH_RESERVE] = true;
     pthread_mutex_unlock(&r->mu);
     uint64_t id = 0;
     pd_reg_unary(s->reg, c->d_node, "/pd.PD/Reserve", buf, len, s->p.rpc_timeout_ms,
                  on_reserve_done, c, &id);
+    free(buf);
     pthread_mutex_lock(&r->mu);
     c->call_id[PH_RESERVE] = id;
     pthread_mutex_unlock(&r->mu);

@@ -885,8 +885,9 @@ int pd_engine_release(pd_engine *e, const char *request_id)
     return rc;
 }
 
-int pd_engine_reserve(pd_engine *e, const char *request_id, size_t n_tokens, int32_t *block_ids,
-                      size_t cap, size_t *n_blocks)
+int pd_engine_reserve(pd_engine *e, const char *request_id, size_t n_tokens,
+                      const int32_t *prompt_ids, int32_t *block_ids, size_t cap, size_t *n_blocks,
+                      size_t *n_cached)
 {
     if (!request_id || !request_id[0] || strlen(request_id) > PD_ENGINE_MAX_REQUEST_ID)
         return pd_error(PD_EINVAL, "request id must be 1 to %d bytes", PD_ENGINE_MAX_REQUEST_ID);
@@ -906,16 +907,20 @@ int pd_engine_reserve(pd_engine *e, const char *request_id, size_t n_tokens, int
     r->n_prompt = n_tokens;
     r->seqs[0].req = r;
     r->arena = pd_arena_create(0);
-    int32_t *zeros = calloc(
-        n_tokens, sizeof *zeros); /* the real prompt ids arrive with pd_engine_add_imported */
-    int rc = (r->arena && zeros) ? PD_OK : pd_error(PD_ENOMEM, "engine: out of memory");
+    /* without prompt_ids, the real ids arrive with pd_engine_add_imported */
+    int32_t *zeros = prompt_ids ? NULL : calloc(n_tokens, sizeof *zeros);
+    const int32_t *ids = prompt_ids ? prompt_ids : zeros;
+    size_t cached = 0;
+    int rc = (r->arena && ids) ? PD_OK : pd_error(PD_ENOMEM, "engine: out of memory");
     pthread_mutex_lock(&e->mu);
     if (rc >= 0 && e->closing) rc = pd_error(PD_ECLOSED, "engine is shutting down");
     if (rc >= 0 && req_find(e, request_id))
         rc = pd_error(PD_EEXIST, "request id '%s' is already in use", request_id);
-    if (rc >= 0) rc = pd_sched_seq_create(e->sched, zeros, n_tokens, &r->seqs[0], &r->seqs[0].sq);
-    if (rc >= 0) rc = pd_sched_reserve(e->sched, r->seqs[0].sq, n_tokens);
+    if (rc >= 0) rc = pd_sched_seq_create(e->sched, ids, n_tokens, &r->seqs[0], &r->seqs[0].sq);
+    if (rc >= 0)
+        rc = pd_sched_reserve(e->sched, r->seqs[0].sq, n_tokens, prompt_ids != NULL, &cached);
     if (rc >= 0) {
+        if (n_cached) *n_cached = cached;
         const pd_kvtable *t = pd_seq_table(r->seqs[0].sq);
         memcpy(block_ids, pd_kvtable_ids(t), nb * sizeof *block_ids);
         *n_blocks = nb;
@@ -951,7 +956,8 @@ int pd_engine_add_imported(pd_engine *e, const pd_engine_request *rq, int32_t fi
     else if (r->n_prompt != rq->n_prompt)
         rc = pd_error(PD_EINVAL, "request '%s': prompt has %zu tokens but %zu were reserved",
                       rq->request_id, rq->n_prompt, r->n_prompt);
-    if (rc >= 0) rc = pd_sched_seq_set_prompt(r->seqs[0].sq, rq->prompt_ids, rq->n_prompt);
+    if (rc >= 0)
+        rc = pd_sched_seq_set_prompt(e->sched, r->seqs[0].sq, rq->prompt_ids, rq->n_prompt);
     if (rc >= 0) rc = pd_sched_append(e->sched, r->seqs[0].sq, first_token);
     if (rc >= 0) {
         /* move the built per-sequence state into the reservation */

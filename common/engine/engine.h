@@ -148,10 +148,15 @@ int pd_engine_release(pd_engine *e, const char *request_id);
 
 /* Decode side of PD: reserves blocks for the K/V of n_tokens prompt tokens under request_id.
  * block_ids (cap entries) receives the ids, *n_blocks their count (ceil(n_tokens/block_size)).
+ * prompt_ids (n_tokens, or NULL): with prefix caching on, the first blocks are the cached ones
+ * of the prompt's longest cached prefix (short of its last token), and *n_cached (may be NULL;
+ * 0 without prompt_ids) receives their tokens: their K/V is here already, the transfer carries
+ * the rest; pd_engine_add_imported must then bring the same prompt.
  * PD_EBUSY (nothing reserved) when the pool cannot hold them now; PD_EINVAL when n_tokens >=
  * max_model_len or cap is too small; PD_EEXIST for a live id. Undo with pd_engine_abort. */
-int pd_engine_reserve(pd_engine *e, const char *request_id, size_t n_tokens, int32_t *block_ids,
-                      size_t cap, size_t *n_blocks);
+int pd_engine_reserve(pd_engine *e, const char *request_id, size_t n_tokens,
+                      const int32_t *prompt_ids, int32_t *block_ids, size_t cap, size_t *n_blocks,
+                      size_t *n_cached);
 
 /* Admits a reserved request whose prompt K/V the transfer wrote: r->prompt_ids must have the
  * reserved length, r->sampling must carry the seed the prefill side used (has_seed) and n = 1;

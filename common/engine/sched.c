@@ -214,29 +214,50 @@ int pd_sched_add(pd_sched *s, pd_sched_seq *seq, size_t n_children)
     return PD_OK;
 }
 
-int pd_sched_reserve(pd_sched *s, pd_sched_seq *seq, size_t n_tokens)
+static void take_cached(pd_sched *s, pd_sched_seq *seq);
+
+int pd_sched_reserve(pd_sched *s, pd_sched_seq *seq, size_t n_tokens, bool use_cache,
+                     size_t *n_cached)
 {
     if (seq->state != PD_SEQ_NEW)
         return pd_error(PD_EINVAL, "scheduler: reserve of a queued sequence");
-    if (n_tokens == 0 || n_tokens >= s->p.max_model_len)
-        return pd_error(PD_EINVAL, "reserve: %zu tokens (max_model_len %zu)", n_tokens,
-                        s->p.max_model_len);
+    if (n_tokens == 0 || n_tokens >= s->p.max_model_len || n_tokens != seq->n_tokens)
+        return pd_error(PD_EINVAL, "reserve: %zu tokens (max_model_len %zu, prompt %zu)", n_tokens,
+                        s->p.max_model_len, seq->n_tokens);
+    if (use_cache) take_cached(s, seq); /* n_computed = the cached tokens, for now */
+    size_t cached = seq->n_computed;
+    seq->n_computed = 0; /* a HELD sequence has computed nothing until its KV is admitted */
     size_t need = pd_kvtable_blocks_needed(seq->table, n_tokens);
-    if (need > pd_kvpool_num_free(s->pool))
+    if (need > pd_kvpool_num_free(s->pool)) {
+        pd_kvtable_clear(seq->table); /* cached blocks go back, still cached */
+        seq->n_chain = 0;
         return pd_error(PD_EBUSY, "KV cache full: %zu blocks needed for %zu tokens, %zu free", need,
                         n_tokens, pd_kvpool_num_free(s->pool));
+    }
     PD_CHECK(pd_kvtable_grow(seq->table, n_tokens, NULL, NULL));
+    if (use_cache && s->p.prefix_caching) {
+        s->cache_queries += n_tokens;
+        s->cache_hits += cached;
+    }
     seq->state = PD_SEQ_HELD;
+    if (n_cached) *n_cached = cached;
     return PD_OK;
 }
 
-int pd_sched_seq_set_prompt(pd_sched_seq *seq, const int32_t *prompt, size_t n_prompt)
+int pd_sched_seq_set_prompt(const pd_sched *s, pd_sched_seq *seq, const int32_t *prompt,
+                            size_t n_prompt)
 {
     if ((seq->state != PD_SEQ_NEW && seq->state != PD_SEQ_HELD) || seq->n_tokens != seq->n_prompt)
         return pd_error(PD_EINVAL, "scheduler: prompt of a sequence that already ran");
     if (n_prompt != seq->n_prompt)
         return pd_error(PD_EINVAL, "prompt has %zu tokens but %zu were reserved", n_prompt,
                         seq->n_prompt);
+    size_t cached = seq->n_chain * pd_kvpool_block_size(s->pool);
+    if (cached && memcmp(seq->tokens, prompt, cached * sizeof *prompt) != 0)
+        return pd_error(PD_EINVAL,
+                        "prompt differs from the reserved one in its first %zu tokens, whose "
+                        "cached KV the reservation holds",
+                        cached);
     memcpy(seq->tokens, prompt, n_prompt * sizeof *prompt);
     return PD_OK;
 }

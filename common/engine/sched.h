@@ -98,13 +98,19 @@ int pd_sched_seq_create(pd_sched *s, const int32_t *prompt, size_t n_prompt, voi
 int pd_sched_add(pd_sched *s, pd_sched_seq *seq, size_t n_children);
 
 /* Reserves blocks for a NEW sequence's first n_tokens slots and moves it to HELD (the decode side
- * of PD: a transfer writes the prompt's K/V into them). PD_EBUSY when the pool lacks the blocks
- * (nothing reserved). */
-int pd_sched_reserve(pd_sched *s, pd_sched_seq *seq, size_t n_tokens);
+ * of PD: a transfer writes the prompt's K/V into them). With use_cache (the sequence was created
+ * with its real prompt ids) and prefix caching on, the reservation starts with the cached blocks
+ * of the prompt's longest cached prefix, short of its last token, as at admission; *n_cached
+ * (may be NULL) receives their tokens, whose K/V need no transfer. PD_EBUSY when the pool lacks
+ * the blocks (nothing reserved). */
+int pd_sched_reserve(pd_sched *s, pd_sched_seq *seq, size_t n_tokens, bool use_cache,
+                     size_t *n_cached);
 
 /* Replaces the prompt ids of a NEW or HELD sequence that has no output yet by n_prompt ids
- * (the same count): a reservation is created before the prompt ids arrive. */
-int pd_sched_seq_set_prompt(pd_sched_seq *seq, const int32_t *prompt, size_t n_prompt);
+ * (the same count): a reservation is created before the prompt ids arrive. PD_EINVAL when the
+ * reservation holds cached blocks and the new ids differ in their tokens. */
+int pd_sched_seq_set_prompt(const pd_sched *s, pd_sched_seq *seq, const int32_t *prompt,
+                            size_t n_prompt);
 
 /* Admits a HELD sequence whose first n_computed tokens have their K/V in its blocks (an import
  * finished): state RUNNING, computing from token n_computed on. */

@@ -58,7 +58,8 @@ typedef struct req {
     size_t n_targets;
     int32_t *dst_blocks; /* (n_dst_blocks) */
     size_t n_dst_blocks;
-    size_t n_prompt; /* tokens whose KV moves */
+    size_t n_prompt;    /* tokens of the prompt */
+    size_t skip_blocks; /* leading blocks the decode side holds already (decode_cached_tokens) */
     int lease_ms;
     /* decode */
     int64_t deadline_ns; /* reservation TTL */
@@ -518,12 +519,19 @@ static void h_prefill(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len
     }
     size_t bs = pd_engine_block_size(n->e);
     size_t need = (q->n_prompt_ids + bs - 1) / bs;
-    if (q->n_decode_block_ids != need) {
-        char msg[160];
-        snprintf(msg, sizeof msg, "Prefill: %zu decode blocks for %zu prompt tokens, expected %zu",
+    char bad[200] = "";
+    if (q->n_decode_block_ids != need)
+        snprintf(bad, sizeof bad, "Prefill: %zu decode blocks for %zu prompt tokens, expected %zu",
                  q->n_decode_block_ids, q->n_prompt_ids, need);
+    else if (q->decode_cached_tokens < 0 || (size_t)q->decode_cached_tokens >= q->n_prompt_ids ||
+             (size_t)q->decode_cached_tokens % bs)
+        snprintf(bad, sizeof bad,
+                 "Prefill: decode_cached_tokens %lld is not a multiple of the block size %zu "
+                 "below the prompt's %zu tokens",
+                 (long long)q->decode_cached_tokens, bs, q->n_prompt_ids);
+    if (bad[0]) {
         pd__prefill_request__free_unpacked(q, NULL);
-        pd_rpc_fail(call, PD_RPC_INVALID_ARGUMENT, msg);
+        pd_rpc_fail(call, PD_RPC_INVALID_ARGUMENT, bad);
         return;
     }
     pthread_mutex_lock(&n->mu);
@@ -536,6 +544,7 @@ static void h_prefill(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len
         r->targets = pd_arena_calloc(r->arena, q->n_targets, sizeof *r->targets);
         r->n_dst_blocks = q->n_decode_block_ids;
         r->n_prompt = q->n_prompt_ids;
+        r->skip_blocks = (size_t)q->decode_cached_tokens / bs;
         r->dst_blocks = pd_arena_alloc(r->arena, need * sizeof(int32_t), 0);
         for (size_t i = 0; r->targets && i < q->n_targets; i++) {
             r->targets[i] = *q->targets[i];
@@ -613,9 +622,10 @@ static int transfer_kv(pd_node *n, job *j, int64_t *bytes, double *seconds)
                                  .kv = pd_engine_kv(n->e, rank),
                                  .kv_params = n->kvp,
                                  .src_head0 = p_heads * (size_t)rank,
-                                 .block_ids = j->src_blocks,
-                                 .n_blocks = j->n_src_blocks,
-                                 .n_tokens = r->n_prompt,
+                                 /* the blocks the decode side lacks */
+                                 .block_ids = j->src_blocks + r->skip_blocks,
+                                 .n_blocks = j->n_src_blocks - r->skip_blocks,
+                                 .n_tokens = r->n_prompt - r->skip_blocks * n->kvp.block_size,
                                  .head0 = h0,
                                  .n_heads = nh,
                                  .timeout_ms = r->lease_ms,
@@ -774,25 +784,30 @@ static void h_reserve(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len
         return;
     }
     Pd__ReserveRequest *q = pd__reserve_request__unpack(NULL, len, b);
-    if (!q || !valid_request_id(q->request_id) || q->num_prompt_tokens <= 0) {
+    if (!q || !valid_request_id(q->request_id) || q->num_prompt_tokens <= 0 ||
+        (q->n_prompt_ids && q->n_prompt_ids != (size_t)q->num_prompt_tokens)) {
         if (q) pd__reserve_request__free_unpacked(q, NULL);
         pd_rpc_fail(call, PD_RPC_INVALID_ARGUMENT,
-                    "Reserve: request_id and num_prompt_tokens > 0 are required");
+                    "Reserve: request_id and num_prompt_tokens > 0 are required, and prompt_ids "
+                    "when given has num_prompt_tokens ids");
         return;
     }
-    size_t cap = (size_t)q->num_prompt_tokens / pd_engine_block_size(n->e) + 2;
+    size_t bs = pd_engine_block_size(n->e), cap = (size_t)q->num_prompt_tokens / bs + 2;
+    size_t cached = 0;
     pthread_mutex_lock(&n->mu);
     req *r = table_add(n, q->request_id);
     int rc = r ? PD_OK : PD_EEXIST;
     if (r) {
         r->blocks = pd_arena_alloc(r->arena, cap * sizeof(int32_t), 0);
-        rc = r->blocks ? pd_engine_reserve(n->e, r->id, (size_t)q->num_prompt_tokens, r->blocks,
-                                           cap, &r->n_blocks)
+        rc = r->blocks ? pd_engine_reserve(n->e, r->id, (size_t)q->num_prompt_tokens,
+                                           q->n_prompt_ids ? q->prompt_ids : NULL, r->blocks, cap,
+                                           &r->n_blocks, &cached)
                        : pd_error(PD_ENOMEM, "out of memory");
+        /* the transfer brings the blocks after the cached ones */
         int k = 0;
         for (; rc == PD_OK && k < n->tp; k++)
-            rc = pd_kv_rx_expect(n->rx[k], r->id, r->blocks, r->n_blocks,
-                                 (size_t)q->num_prompt_tokens);
+            rc = pd_kv_rx_expect(n->rx[k], r->id, r->blocks + cached / bs,
+                                 r->n_blocks - cached / bs, (size_t)q->num_prompt_tokens - cached);
         if (rc < 0) {
             char keep[512];
             snprintf(keep, sizeof keep, "%s", pd_last_error());
@@ -811,6 +826,7 @@ static void h_reserve(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len
     if (rc == PD_OK) {
         m.block_ids = r->blocks;
         m.n_block_ids = r->n_blocks;
+        m.cached_tokens = (int64_t)cached;
         reply_msg(call, &m.base); /* packed under the lock: r cannot go away meanwhile */
     }
     pthread_mutex_unlock(&n->mu);

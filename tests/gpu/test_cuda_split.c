@@ -2,8 +2,8 @@
  * (real pd-prefill / pd-decode processes, --device cuda, bf16) on the same GPU move the KV by
  * CUDA IPC (and, in the second case, through host memory over TCP); every greedy and seeded
  * request's tokens must equal pd-generate's on the same GPU, one request at a time (bf16
- * rounding depends on the batch's shape, so the reference runs the same shapes). Exits 77
- * without a GPU.
+ * rounding depends on the batch's shape, so the reference runs the same shapes); a prompt whose
+ * first blocks the decode instance holds pulls only the rest. Exits 77 without a GPU.
  *
  * With two GPUs (skipped with the reason otherwise): the same over NCCL, prefill on GPU 0 and
  * decode on GPU 1; and the NCCL watchdog: a decode process frozen then killed while the prefill
@@ -116,6 +116,46 @@ TEST(cuda_split_ipc_equals_colocated)
 TEST(cuda_split_tcp_equals_colocated)
 {
     split_case("tcp");
+}
+
+/* The decode instance's prefix cache over CUDA IPC: a prompt that starts with an earlier
+ * prompt's blocks is reserved with them and only the rest of its KV is pulled. pd-generate,
+ * one prompt at a time with its own prefix cache, computes the same shapes (the second prompt's
+ * tail after its cached blocks), so the tokens must be equal bit for bit. */
+TEST(cuda_split_ipc_decode_prefix_cache)
+{
+    if (!ctu_have_gpu()) SKIP(pd_last_error());
+    static int32_t a[40], b[64];
+    for (int i = 0; i < 64; i++) b[i] = (int32_t)(32 + (i * 29) % 90);
+    memcpy(a, b, sizeof a);
+    const int32_t *ptrs[2] = {a, b};
+    size_t len[2] = {40, 64};
+    cl_cluster c;
+    ASSERT_OK(start_1p1d(&c, "cuda_ipc", NULL, true));
+    static cl_result ref[2], got[2];
+    char *gen[] = {"--cuda-device", "0", "--dtype", "bfloat16", "--concurrency", "1", NULL};
+    int rc = cl_reference_ex(c.model, ptrs, len, 2, MAX_TOKENS, 0.0, 0, c.dir, gen, ref);
+    if (rc < 0) printf("    reference: %s\n", pd_last_error());
+    Pd__SamplingParams sp = cl_sampling(0.0, 0, MAX_TOKENS);
+    for (int i = 0; i < 2 && rc >= 0; i++) {
+        char id[32];
+        snprintf(id, sizeof id, "gpu-prefix-%d", i);
+        rc = cl_generate(&c, 0, 1, id, ptrs[i], len[i], &sp, &got[i]);
+        if (rc < 0) printf("    prompt %d: %s\n", i, got[i].error);
+    }
+    ASSERT_EQ_INT(cl_stop_all(&c), 0);
+    ASSERT_OK(rc);
+    printf("    KV pulled: %lld bytes for 40 tokens, then %lld for 64 tokens of which the decode "
+           "instance held %lld\n",
+           (long long)got[0].kv_bytes, (long long)got[1].kv_bytes, (long long)got[1].decode_cached);
+    ASSERT_EQ_INT(got[1].decode_cached, 32);
+    ASSERT_EQ_INT(got[1].kv_bytes * 40, got[0].kv_bytes * (64 - 32));
+    for (int i = 0; i < 2; i++) {
+        size_t k = 0;
+        while (k < got[i].n && k < ref[i].n && got[i].tokens[k] == ref[i].tokens[k]) k++;
+        ASSERT_MSG(got[i].n == ref[i].n && k == got[i].n,
+                   "prompt %d: split and colocated differ at token %zu", i, k);
+    }
 }
 
 static int need_two_gpus(void)

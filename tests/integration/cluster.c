@@ -545,6 +545,8 @@ int cl_prefill(cl_cluster *c, int pk, int dk, const char *id, const int32_t *pro
     rq.request_id = (char *)id;
     rq.num_prompt_tokens = (int64_t)n_prompt;
     rq.ttl_ms = 30000;
+    rq.prompt_ids = (int32_t *)prompt;
+    rq.n_prompt_ids = n_prompt;
     Pd__ReserveReply *rr = (Pd__ReserveReply *)cl_call(c->ch[dk], "/pd.PD/Reserve", &rq.base,
                                                        &pd__reserve_reply__descriptor, 5000, &st);
     if (!rr) {
@@ -576,6 +578,7 @@ int cl_prefill(cl_cluster *c, int pk, int dk, const char *id, const int32_t *pro
     pq.n_targets = info->n_ranks;
     pq.decode_block_ids = rr->block_ids;
     pq.n_decode_block_ids = rr->n_block_ids;
+    pq.decode_cached_tokens = out->decode_cached = rr->cached_tokens;
     pq.lease_ms = 10000;
     Pd__PrefillReply *pr = (Pd__PrefillReply *)cl_call(c->ch[pk], "/pd.PD/Prefill", &pq.base,
                                                        &pd__prefill_reply__descriptor, 30000, &st);
@@ -585,6 +588,7 @@ int cl_prefill(cl_cluster *c, int pk, int dk, const char *id, const int32_t *pro
     out->t_first = pd_now_s();
     out->prefill_seconds = pr->prefill_seconds;
     out->kv_seconds = pr->kv_seconds;
+    out->kv_bytes = pr->kv_bytes;
     append_event(out, pr->first);
     bool final = pr->first->final;
     *seed_out = pr->seed;

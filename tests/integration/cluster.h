@@ -86,6 +86,9 @@ typedef struct {
     double t_first; /* pd_now_s() when the first token (the Prefill reply) arrived */
     double prefill_seconds, kv_seconds; /* the Prefill reply's: request -> reply less the KV time,
                                            and first KV byte sent -> decode acknowledgement */
+    int64_t kv_bytes;      /* the Prefill reply's: payload moved to the decode instance */
+    int64_t decode_cached; /* the Reserve reply's cached_tokens (the prompt ids go in Reserve,
+                              as pd-scheduler sends them) */
     char error[512];
 } cl_result;
 

@@ -591,7 +591,8 @@ typedef struct {
 } partial_kv;
 
 /* Plays a prefill instance that dies half-way through its transfer: sends the reservation's
- * first KV head of every layer (zeros, not the prompt's KV) to decode rank 0, then hangs up. */
+ * first KV head of every layer (zeros, not the prompt's KV) to decode rank 0, then hangs up.
+ * Like a prefill instance, it sends only the blocks after the reply's cached_tokens. */
 static int send_partial_kv(void *arg, const Pd__InfoReply *info, const Pd__ReserveReply *rr)
 {
     partial_kv *pk = arg;
@@ -616,6 +617,10 @@ static int send_partial_kv(void *arg, const Pd__InfoReply *info, const Pd__Reser
                                    : pd_error(PD_ERANGE, "too many blocks");
     pd_kv_tcp_sender *tx = NULL;
     if (rc == PD_OK) rc = pd_kv_tcp_sender_create(&tx);
+    size_t skip = (size_t)rr->cached_tokens / (size_t)info->block_size;
+    if (rc == PD_OK && skip >= rr->n_block_ids)
+        rc = pd_error(PD_EINVAL, "%lld cached tokens of %zu blocks", (long long)rr->cached_tokens,
+                      rr->n_block_ids);
     if (rc == PD_OK) {
         pd_kv_send_req r = {.request_id = pk->id,
                             .host = rk->device_ip,
@@ -624,9 +629,9 @@ static int send_partial_kv(void *arg, const Pd__InfoReply *info, const Pd__Reser
                             .kv = kv,
                             .kv_params = kp,
                             .src_head0 = (size_t)rk->kv_head0,
-                            .block_ids = blocks,
-                            .n_blocks = rr->n_block_ids,
-                            .n_tokens = pk->n_tokens,
+                            .block_ids = blocks + skip,
+                            .n_blocks = rr->n_block_ids - skip,
+                            .n_tokens = pk->n_tokens - (size_t)rr->cached_tokens,
                             .head0 = (size_t)rk->kv_head0,
                             .n_heads = 1,
                             .timeout_ms = 10000};

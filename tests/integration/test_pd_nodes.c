@@ -122,6 +122,50 @@ TEST(pd_prefill_tp2_to_decode_tp1)
     run_shape("0,1", "2", N_PROMPTS);
 }
 
+/* The decode instance's prefix cache: a prompt that starts with an earlier prompt's blocks is
+ * reserved with them (Reserve's prompt_ids), the prefill instance sends the KV of the other
+ * tokens only, and the tokens still equal pd-generate's. */
+TEST(pd_decode_prefix_cache_skips_transfer)
+{
+    const char *model = model_dir();
+    ASSERT_MSG(model, "pd-mkmodel failed");
+    static int32_t a[40], b[64];
+    for (int i = 0; i < 64; i++) b[i] = (int32_t)(32 + (i * 17) % 90);
+    memcpy(a, b, sizeof a);
+    const int32_t *ptrs[2] = {a, b};
+    size_t len[2] = {40, 64};
+    cl_cluster c;
+    int rc = cl_start(&c, model, "0", "1", NULL);
+    if (rc < 0) {
+        printf("    %s\n", pd_last_error());
+        cl_stop_all(&c);
+        ASSERT_OK(rc);
+    }
+    static cl_result ref[2], got[2];
+    rc = cl_reference(c.model, ptrs, len, 2, MAX_TOKENS, 0.0, 0, c.dir, ref);
+    Pd__SamplingParams sp = sampling(0.0, 0);
+    for (int i = 0; i < 2 && rc >= 0; i++) {
+        char id[32];
+        snprintf(id, sizeof id, "prefix-%d", i);
+        rc = cl_generate(&c, 0, 1, id, ptrs[i], len[i], &sp, &got[i]);
+        if (rc < 0) printf("    prompt %d: %s\n", i, got[i].error);
+    }
+    int bad_exit = cl_stop_all(&c);
+    ASSERT_OK(rc);
+    printf("    KV moved: %lld bytes for 40 tokens, then %lld for 64 tokens of which the decode "
+           "instance held %lld\n",
+           (long long)got[0].kv_bytes, (long long)got[1].kv_bytes, (long long)got[1].decode_cached);
+    ASSERT_EQ_INT(got[0].decode_cached, 0);
+    ASSERT_EQ_INT(got[1].decode_cached, 32); /* the first prompt's two full blocks */
+    ASSERT(got[0].kv_bytes > 0);
+    ASSERT_EQ_INT(got[1].kv_bytes * 40, got[0].kv_bytes * (64 - 32)); /* bytes per token alike */
+    for (int i = 0; i < 2; i++) {
+        ASSERT_EQ_INT(got[i].n, ref[i].n);
+        ASSERT(memcmp(got[i].tokens, ref[i].tokens, got[i].n * sizeof(int32_t)) == 0);
+    }
+    ASSERT_EQ_INT(bad_exit, 0);
+}
+
 static Pd__StatsReply *stats(cl_cluster *c, int k)
 {
     Pd__StatsRequest q = PD__STATS_REQUEST__INIT;

@@ -661,12 +661,12 @@ TEST(engine_prefill_then_decode_through_exported_kv)
 
     int32_t dblocks[64];
     size_t n_dblocks = 0;
-    ASSERT_ERR(pd_engine_reserve(D, r.id, r.n_prompt, dblocks, 0, &n_dblocks), PD_EINVAL,
-               "block ids needed");
-    ASSERT_OK(pd_engine_reserve(D, r.id, r.n_prompt, dblocks, 64, &n_dblocks));
+    ASSERT_ERR(pd_engine_reserve(D, r.id, r.n_prompt, NULL, dblocks, 0, &n_dblocks, NULL),
+               PD_EINVAL, "block ids needed");
+    ASSERT_OK(pd_engine_reserve(D, r.id, r.n_prompt, NULL, dblocks, 64, &n_dblocks, NULL));
     ASSERT_EQ_INT(n_dblocks, pre[7].n_blocks);
-    ASSERT_ERR(pd_engine_reserve(D, r.id, r.n_prompt, dblocks, 64, &n_dblocks), PD_EEXIST,
-               "already in use");
+    ASSERT_ERR(pd_engine_reserve(D, r.id, r.n_prompt, NULL, dblocks, 64, &n_dblocks, NULL),
+               PD_EEXIST, "already in use");
     ASSERT_OK(move_kv(P, pre[7].blocks, D, dblocks, n_dblocks));
     ASSERT_ERR(pd_engine_release(P, "nope"), PD_ENOTFOUND, "no held");
     ASSERT_OK(pd_engine_release(P, r.id));
@@ -692,7 +692,7 @@ TEST(engine_prefill_then_decode_through_exported_kv)
     ASSERT(same_tokens(&full[7], &dec[7], 1));
     ASSERT_STR_EQ(dec[7].text[0], full[7].text[0]);
     /* a reservation that is never imported is undone by abort */
-    ASSERT_OK(pd_engine_reserve(D, "req-9", 40, dblocks, 64, &n_dblocks));
+    ASSERT_OK(pd_engine_reserve(D, "req-9", 40, NULL, dblocks, 64, &n_dblocks, NULL));
     ASSERT_OK(pd_engine_abort(D, "req-9"));
     ASSERT_OK(run_to_end(D, dec));
     pd_engine_get_stats(D, &st);
@@ -702,9 +702,107 @@ TEST(engine_prefill_then_decode_through_exported_kv)
     pd_engine_destroy(D);
     p.num_kv_blocks = 16;
     ASSERT_OK(pd_engine_create(&p, &D));
-    ASSERT_OK(pd_engine_reserve(D, "req-1", 200, dblocks, 64, &n_dblocks));
-    ASSERT_ERR(pd_engine_reserve(D, "req-2", 200, dblocks, 64, &n_dblocks), PD_EBUSY,
+    ASSERT_OK(pd_engine_reserve(D, "req-1", 200, NULL, dblocks, 64, &n_dblocks, NULL));
+    ASSERT_ERR(pd_engine_reserve(D, "req-2", 200, NULL, dblocks, 64, &n_dblocks, NULL), PD_EBUSY,
                "KV cache full");
+    pd_engine_destroy(D);
+    pd_engine_destroy(P);
+}
+
+/* One PD hand-over, as the nodes do it: r prefilled on P, reserved on D with its prompt ids
+ * (*n_cached: the tokens D's prefix cache holds), the KV of the other blocks moved, P's blocks
+ * released, r admitted on D with P's seed and first token and run there. */
+static int hand_over(pd_engine *P, pd_engine *D, const treq *r, tout *pre, tout *dec,
+                     int32_t *dblocks, size_t *n_cached)
+{
+    int i = req_index(r->id);
+    PD_CHECK(add_req(P, r, PD_PHASE_PREFILL_ONLY));
+    PD_CHECK(run_to_end(P, pre));
+    size_t nb = 0;
+    PD_CHECK(pd_engine_reserve(D, r->id, r->n_prompt, r->prompt, dblocks, 64, &nb, n_cached));
+    size_t skip = *n_cached / 16;
+    if (nb != pre[i].n_blocks || skip >= nb)
+        return pd_error(PD_EINTERNAL, "%zu blocks reserved, %zu cached, %zu prefilled", nb, skip,
+                        pre[i].n_blocks);
+    PD_CHECK(move_kv(P, pre[i].blocks + skip, D, dblocks + skip, nb - skip));
+    PD_CHECK(pd_engine_release(P, r->id));
+    treq rd = *r;
+    rd.sp.has_seed = true;
+    rd.sp.seed = (int64_t)pre[i].seed;
+    pd_engine_request rq = {.request_id = rd.id,
+                            .prompt_ids = rd.prompt,
+                            .n_prompt = rd.n_prompt,
+                            .sampling = &rd.sp,
+                            .phase = PD_PHASE_FULL};
+    PD_CHECK(pd_engine_add_imported(D, &rq, pre[i].toks[0][0]));
+    return run_to_end(D, dec);
+}
+
+/* The decode side's prefix cache: a reservation with the prompt's ids starts with the cached
+ * blocks of an earlier request's prompt (imported, then decoded there), only the other blocks'
+ * KV moves, and the tokens equal a colocated run's; an import whose prompt differs from the
+ * reserved one in the cached tokens is refused. */
+TEST(engine_decode_reservation_takes_cached_prefix)
+{
+    ASSERT_OK(tiny());
+    static treq a, b;
+    static tout pre[MAX_REQ], dec[MAX_REQ], full[MAX_REQ];
+    memset(pre, 0, sizeof pre);
+    memset(dec, 0, sizeof dec);
+    memset(full, 0, sizeof full);
+    size_t vocab = pd_tok_vocab_size(g_tok);
+    make_req(&a, 2, vocab); /* greedy */
+    a.n_prompt = 40;
+    for (size_t k = 0; k < a.n_prompt; k++) a.prompt[k] = (int32_t)(3 + (k * 37) % (vocab - 3));
+    a.sp.max_tokens = 12;
+    a.sp.ignore_eos = true;
+    b = a; /* the same first 40 tokens, then 10 more */
+    snprintf(b.id, sizeof b.id, "req-4");
+    b.n_prompt = 50;
+    for (size_t k = 40; k < b.n_prompt; k++) b.prompt[k] = (int32_t)(5 + k);
+    pd_engine_params p = base_params();
+    pd_engine *P, *D;
+    ASSERT_OK(pd_engine_create(&p, &P));
+    p.num_kv_blocks = 100; /* other block ids than P's */
+    ASSERT_OK(pd_engine_create(&p, &D));
+    int32_t da[64], db[64];
+    size_t ca = 99, cb = 0;
+    ASSERT_OK(hand_over(P, D, &a, pre, dec, da, &ca));
+    ASSERT_EQ_INT(ca, 0);
+    ASSERT_OK(hand_over(P, D, &b, pre, dec, db, &cb));
+    /* a's blocks 0 and 1 (tokens 0-31); block 2 holds a's generated tokens from 40 on */
+    ASSERT_EQ_INT(cb, 32);
+    ASSERT_EQ_INT(db[0], da[0]);
+    ASSERT_EQ_INT(db[1], da[1]);
+    pd_engine_stats st;
+    pd_engine_get_stats(D, &st);
+    ASSERT_EQ_INT(st.prefix_cache_queries, 90);
+    ASSERT_EQ_INT(st.prefix_cache_hits, 32);
+    treq both[2] = {a, b};
+    ASSERT_OK(run_alone(&p, both, 2, full));
+    ASSERT(same_tokens(&full[2], &dec[2], 1));
+    ASSERT(same_tokens(&full[4], &dec[4], 1));
+    ASSERT_STR_EQ(dec[4].text[0], full[4].text[0]);
+
+    /* reserved with b's ids, imported with other first tokens: refused, then undone */
+    int32_t dc[64];
+    size_t n = 0, cc = 0;
+    ASSERT_OK(pd_engine_reserve(D, "req-6", b.n_prompt, b.prompt, dc, 64, &n, &cc));
+    ASSERT_EQ_INT(cc, 48); /* b's third block too, now */
+    treq c = b;
+    snprintf(c.id, sizeof c.id, "req-6");
+    c.prompt[3] ^= 1;
+    c.sp.has_seed = true;
+    pd_engine_request rq = {.request_id = c.id,
+                            .prompt_ids = c.prompt,
+                            .n_prompt = c.n_prompt,
+                            .sampling = &c.sp,
+                            .phase = PD_PHASE_FULL};
+    ASSERT_ERR(pd_engine_add_imported(D, &rq, 7), PD_EINVAL, "prompt differs");
+    ASSERT_OK(pd_engine_abort(D, "req-6"));
+    ASSERT_OK(run_to_end(D, dec));
+    pd_engine_get_stats(D, &st);
+    ASSERT_EQ_INT(st.kv_blocks_free, st.kv_blocks_total);
     pd_engine_destroy(D);
     pd_engine_destroy(P);
 }
@@ -973,7 +1071,7 @@ TEST(engine_imports_filling_the_pool_recompute_and_match)
         ASSERT(pre[i].held && pre[i].n_blocks == 2);
         int32_t dblocks[2];
         size_t nb = 0;
-        ASSERT_OK(pd_engine_reserve(D, r[i].id, 32, dblocks, 2, &nb));
+        ASSERT_OK(pd_engine_reserve(D, r[i].id, 32, NULL, dblocks, 2, &nb, NULL));
         ASSERT_OK(move_kv(P, pre[i].blocks, D, dblocks, nb));
         ASSERT_OK(pd_engine_release(P, r[i].id));
         pd_engine_request rq = {.request_id = r[i].id,

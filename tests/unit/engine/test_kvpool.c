@@ -488,7 +488,7 @@ TEST(sched_abort_anywhere_frees_every_block_once)
     /* A reservation, then its abort. */
     pd_sched_seq *r;
     ASSERT_OK(pd_sched_seq_create(s, prompt, 9, NULL, &r));
-    ASSERT_OK(pd_sched_reserve(s, r, 9));
+    ASSERT_OK(pd_sched_reserve(s, r, 9, false, NULL));
     ASSERT_EQ_INT(pd_seq_get_state(r), PD_SEQ_HELD);
     ASSERT_EQ_INT(pd_kvtable_num_blocks(pd_seq_table(r)), 3);
     pd_sched_seq_free(s, r);
@@ -502,7 +502,7 @@ TEST(sched_abort_anywhere_frees_every_block_once)
     pd_sched *s2;
     ASSERT_OK(pd_sched_create(&p, tiny, &s2));
     ASSERT_OK(pd_sched_seq_create(s2, big, 20, NULL, &r));
-    ASSERT_ERR(pd_sched_reserve(s2, r, 20), PD_EBUSY, "KV cache full");
+    ASSERT_ERR(pd_sched_reserve(s2, r, 20, false, NULL), PD_EBUSY, "KV cache full");
     ASSERT(pd_kvpool_all_free(tiny));
     pd_sched_destroy(s2); /* frees r too */
     pd_kvpool_destroy(tiny);
@@ -550,7 +550,7 @@ TEST(sched_fork_shares_prompt_and_imported_sequences_continue)
     /* An imported sequence: reserve, admit with 9 computed tokens and a first token. */
     pd_sched_seq *imp;
     ASSERT_OK(pd_sched_seq_create(s, prompt, 9, NULL, &imp));
-    ASSERT_OK(pd_sched_reserve(s, imp, 9));
+    ASSERT_OK(pd_sched_reserve(s, imp, 9, false, NULL));
     ASSERT_OK(pd_sched_append(s, imp, 77));
     ASSERT_OK(pd_sched_admit_computed(s, imp, 9));
     ASSERT_OK(pd_sched_schedule(s, &o));
@@ -594,7 +594,7 @@ TEST(sched_waiting_imports_filling_the_pool_still_finish)
         m.out_len[i] = 6;
         for (size_t k = 0; k < 8; k++) prompt[k] = (int32_t)(i + k);
         ASSERT_OK(pd_sched_seq_create(s, prompt, 8, (void *)(uintptr_t)i, &m.seqs[i]));
-        ASSERT_OK(pd_sched_reserve(s, m.seqs[i], 8));
+        ASSERT_OK(pd_sched_reserve(s, m.seqs[i], 8, false, NULL));
         ASSERT_OK(pd_sched_append(s, m.seqs[i], (int32_t)(1000 * i))); /* the first token */
         ASSERT_OK(pd_sched_admit_computed(s, m.seqs[i], 8));
         ASSERT_OK(sim_shadow(&m, pool));
