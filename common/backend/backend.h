@@ -318,6 +318,12 @@ typedef struct pd_backend_ops {
      * equal g or u. */
     int (*matmul_swiglu)(pd_backend *b, const void *x, size_t n, const pd_weight *wg,
                          const pd_weight *wu, void *g, void *u, void *out);
+    /* matmul_multi(x, n, 3, w = {wq, wk, wv}, bias, {q, k, v}), then rope_kv_write(kv, layer,
+     * q, wq's rows / head_dim, k, v) (head_dim = the pool's); k's and v's contents are
+     * unspecified afterwards. */
+    int (*qkv_rope_kv_write)(pd_backend *b, pd_kv *kv, int layer, const void *x, size_t n,
+                             const pd_weight *const *w, const pd_weight *const *bias, void *q,
+                             void *k, void *v);
 
     /* -- host staging ------------------------------------------------------------------------ */
     /* Host memory that kv_export / kv_import copy to and from at full speed (CUDA: pinned, so

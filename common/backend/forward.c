@@ -409,9 +409,14 @@ static int gate_up_swiglu(pd_forward *f, const fwd_layer *L, size_t n)
     return f->o->swiglu(f->b, f->g, f->u, n, f->I_loc, f->g);
 }
 
-/* q, k rotated; k, v into the pool's layer. */
-static int rope_kv_write(pd_forward *f, pd_kv *kv, int layer)
+/* q, k, v of the normed rows (f->h); q and k rotated; k, v into the pool's layer. */
+static int qkv_rope_kv_write(pd_forward *f, const fwd_layer *L, size_t n, pd_kv *kv, int layer)
 {
+    const pd_weight *w[] = {L->wq, L->wk, L->wv}, *bias[] = {L->bq, L->bk, L->bv};
+    if (f->o->qkv_rope_kv_write && !f->p.no_fused)
+        return f->o->qkv_rope_kv_write(f->b, kv, layer, f->h, n, w, bias, f->q, f->k, f->v);
+    void *y[] = {f->q, f->k, f->v};
+    PD_CHECK(matmuls(f, f->h, n, 3, w, bias, y));
     if (f->o->rope_kv_write && !f->p.no_fused)
         return f->o->rope_kv_write(f->b, kv, layer, f->q, f->nq_loc, f->k, f->v);
     PD_CHECK(f->o->rope(f->b, f->q, f->nq_loc, f->D));
@@ -461,10 +466,7 @@ int pd_forward_run(pd_forward *f, pd_kv *kv, const pd_step *st, float *logits)
     for (size_t l = 0; l < f->n_layers; l++) {
         const fwd_layer *L = &f->layers[l];
         /* attention block: x += o_proj(attn(rope(q), rope(k), v)) */
-        const pd_weight *qkv_w[] = {L->wq, L->wk, L->wv}, *qkv_b[] = {L->bq, L->bk, L->bv};
-        void *qkv_y[] = {f->q, f->k, f->v};
-        PD_CHECK(matmuls(f, f->h, n, 3, qkv_w, qkv_b, qkv_y));
-        PD_CHECK(rope_kv_write(f, kv, (int)l));
+        PD_CHECK(qkv_rope_kv_write(f, L, n, kv, (int)l));
         PD_CHECK(o->attention(b, kv, (int)l, f->q, f->nq_loc, f->attn_scale, f->att));
         PD_CHECK(o->matmul(b, f->att, n, L->wo, L->bo, f->t));
         if (f->p.shard.size > 1) PD_CHECK(f->p.allreduce(f->p.allreduce_ctx, b, f->t, n * H));

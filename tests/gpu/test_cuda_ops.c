@@ -3,9 +3,9 @@
  * f32 results; attention with GQA ratios 1, 3, 8, head dims 64/96/128/256, block sizes 16 and 5,
  * mixed prefill/decode/chunked rows in one step over shuffled (non-contiguous) block tables and a
  * long decode context that takes the split (flash-decoding) path; KV export/import; the fused
- * ops (matmul_multi, matmul_swiglu, add_rmsnorm, rope_kv_write) bit for bit against the plain GPU
- * ops they stand for; and the errors the backend must return instead of crashing. Exits 77 without
- * a GPU. */
+ * ops (matmul_multi, matmul_swiglu, add_rmsnorm, rope_kv_write, qkv_rope_kv_write) bit for bit
+ * against the plain GPU ops they stand for; and the errors the backend must return instead of
+ * crashing. Exits 77 without a GPU. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -807,6 +807,25 @@ static void fused_norm_case(int mode)
     ctu_pair_close(&p);
 }
 
+/* Layer 1 of kv (nblk whole blocks of nkv heads x D) as f32 into out (2 * nblk * 16 * nkv * D). */
+static int pool_layer_f32(pd_backend *b, pd_kv *kv, size_t nblk, size_t nkv, size_t D, float *out)
+{
+    const pd_backend_ops *o = pd_backend_get_ops(b);
+    size_t ne = 2 * nblk * 16 * nkv * D;
+    int32_t *ids = malloc(nblk * 4);
+    uint16_t *raw = malloc(ne * 2);
+    int rc = ids && raw ? PD_OK : pd_error(PD_ENOMEM, "out of memory");
+    for (size_t i = 0; ids && i < nblk; i++) ids[i] = (int32_t)i;
+    pd_kv_range rg = {1, ids, nblk, 0, nkv};
+    int f32 = pd_backend_act_dtype(b) == PD_DTYPE_F32;
+    if (rc == PD_OK) rc = o->kv_export(b, kv, &rg, f32 ? (void *)out : (void *)raw);
+    if (rc == PD_OK) rc = o->sync(b);
+    if (rc == PD_OK && !f32) pd_bf16_to_f32_n(raw, out, ne);
+    free(ids);
+    free(raw);
+    return rc;
+}
+
 /* rope_kv_write on the GPU = rope, rope, kv_write on the GPU (q and the pool) bit for bit, and the
  * CPU's within NMSE_MAX; a head_dim other than the planned rope_dim is refused. */
 static void fused_rope_kv_case(int mode)
@@ -853,21 +872,12 @@ static void fused_rope_kv_case(int mode)
         double e_q, e_kv;
         ASSERT_OK(compare(&p, qs, n * nq * D, &e_q));
         /* the pools' layer 1, whole blocks, as f32 */
-        int32_t *ids = malloc(nblk * 4);
         size_t ne = 2 * nblk * 16 * nkv * D;
         float *pool[3];
-        uint16_t *raw = malloc(ne * 4);
-        ASSERT(ids && raw);
-        for (size_t b = 0; b < nblk; b++) ids[b] = (int32_t)b;
-        pd_kv_range rg = {1, ids, nblk, 0, nkv};
         for (int i = 0; i < 3; i++) {
-            const pd_backend_ops *o = pd_backend_get_ops(kb[i]);
             pool[i] = malloc(ne * 4);
             ASSERT(pool[i]);
-            int f32 = pd_backend_act_dtype(kb[i]) == PD_DTYPE_F32;
-            ASSERT_OK(o->kv_export(kb[i], kv[i], &rg, f32 ? (void *)pool[i] : (void *)raw));
-            ASSERT_OK(o->sync(kb[i]));
-            if (!f32) pd_bf16_to_f32_n(raw, pool[i], ne);
+            ASSERT_OK(pool_layer_f32(kb[i], kv[i], nblk, nkv, D, pool[i]));
         }
         int same_kv = memcmp(pool[1], pool[2], ne * 4) == 0;
         e_kv = ctu_nmse(pool[2], pool[0], ne);
@@ -893,11 +903,113 @@ static void fused_rope_kv_case(int mode)
             o->kv_free(kb[i], kv[i]);
             free(pool[i]);
         }
-        free(ids);
-        free(raw);
         free(q);
         free(k);
         free(v);
+        simple_step_free(&st);
+    }
+    ctu_pair_close(&p);
+}
+
+/* qkv_rope_kv_write on the GPU (decode rows: one GEMV launch rotating q and k and writing the
+ * pool in its epilogue) = matmul_multi then rope_kv_write on the GPU (q and the pool) bit for
+ * bit, and the plain ops on the CPU within NMSE_MAX; shapes with 1 and 2 warps per row, a head
+ * of 36 (18 pairs, 2 per block), biases, and rows of 3 warps and prefill rows (n > 8), which
+ * take the two ops' launches. */
+static void fused_qkv_rope_case(int mode)
+{
+    cuda_pair p;
+    ASSERT_OK(ctu_pair_open(&p, mode));
+    /* n, in, q heads, kv heads, head_dim, with biases */
+    static const size_t shapes[][6] = {{1, 2048, 32, 4, 64, 0},
+                                       {3, 4096, 8, 2, 128, 1},
+                                       {8, 64, 6, 2, 36, 1},
+                                       {2, 5632, 4, 2, 64, 0},
+                                       {20, 256, 4, 2, 64, 1}};
+    uint64_t seed = 29;
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        size_t n = shapes[si][0], in = shapes[si][1], nq = shapes[si][2], nkv = shapes[si][3],
+               D = shapes[si][4], nblk = (n + 15) / 16 + 2;
+        size_t rows[3] = {nq * D, nkv * D, nkv * D};
+        simple_step st;
+        ASSERT_OK(simple_step_make(&st, n, 100, D, &seed));
+        float *x = malloc(n * in * 4);
+        ASSERT(x);
+        ctu_fill(x, n * in, &seed, 1.0f);
+        pd_backend *kb[3] = {p.b[PAIR_CPU], p.b[PAIR_GPU], p.b[PAIR_GPU]}; /* CPU, plain, fused */
+        pd_weight *w[3][3], *bias[3][3];
+        void *xb[3], *y[3][3];
+        pd_kv *kv[3];
+        for (int m = 0; m < 3; m++) {
+            float *W = malloc(rows[m] * in * 4), *bv = malloc(rows[m] * 4);
+            ASSERT(W && bv);
+            ctu_fill(W, rows[m] * in, &seed, 0.5f);
+            ctu_fill(bv, rows[m], &seed, 1.0f);
+            pd_tensor wt = tensor_f32("proj.weight", W, rows[m], in);
+            pd_tensor bt = tensor_f32("proj.bias", bv, 0, rows[m]);
+            for (int i = 0; i < 3; i++) {
+                const pd_backend_ops *o = pd_backend_get_ops(kb[i]);
+                ASSERT_OK(o->weight_load(kb[i], &wt, NULL, &w[i][m]));
+                bias[i][m] = NULL;
+                if (shapes[si][5]) ASSERT_OK(o->weight_load(kb[i], &bt, NULL, &bias[i][m]));
+                ASSERT_OK(ctu_act_alloc(kb[i], n * rows[m], &y[i][m]));
+            }
+            free(W);
+            free(bv);
+        }
+        for (int i = 0; i < 3; i++) {
+            const pd_backend_ops *o = pd_backend_get_ops(kb[i]);
+            pd_kv_params kp = {2, nblk, 16, nkv, D, pd_backend_act_dtype(kb[i])};
+            ASSERT_OK(o->kv_create(kb[i], &kp, &kv[i]));
+            ASSERT_OK(ctu_act_upload(kb[i], x, n * in, &xb[i]));
+            ASSERT_OK(o->plan(kb[i], &st.b));
+            const pd_weight *ws[3] = {w[i][0], w[i][1], w[i][2]};
+            const pd_weight *bs[3] = {bias[i][0], bias[i][1], bias[i][2]};
+            if (i == 2) {
+                ASSERT_OK(o->qkv_rope_kv_write(kb[i], kv[i], 1, xb[i], n, ws, bs, y[i][0], y[i][1],
+                                               y[i][2]));
+            } else if (i == 1) {
+                ASSERT_OK(o->matmul_multi(kb[i], xb[i], n, 3, ws, bs, y[i]));
+                ASSERT_OK(o->rope_kv_write(kb[i], kv[i], 1, y[i][0], nq, y[i][1], y[i][2]));
+            } else {
+                for (int m = 0; m < 3; m++)
+                    ASSERT_OK(o->matmul(kb[i], xb[i], n, ws[m], bs[m], y[i][m]));
+                ASSERT_OK(o->rope(kb[i], y[i][0], nq, D));
+                ASSERT_OK(o->rope(kb[i], y[i][1], nkv, D));
+                ASSERT_OK(o->kv_write(kb[i], kv[i], 1, y[i][1], y[i][2]));
+            }
+        }
+        int same_q = 0;
+        ASSERT_OK(gpu_same(&p, y[2][0], y[1][0], n * rows[0], &same_q));
+        void *qs[2] = {y[0][0], y[2][0]};
+        double e_q;
+        ASSERT_OK(compare(&p, qs, n * rows[0], &e_q));
+        size_t ne = 2 * nblk * 16 * nkv * D;
+        float *pool[3];
+        for (int i = 0; i < 3; i++) {
+            pool[i] = malloc(ne * 4);
+            ASSERT(pool[i]);
+            ASSERT_OK(pool_layer_f32(kb[i], kv[i], nblk, nkv, D, pool[i]));
+        }
+        int same_kv = memcmp(pool[1], pool[2], ne * 4) == 0;
+        double e_kv = ctu_nmse(pool[2], pool[0], ne);
+        printf("    %s qkv_rope_kv_write n %zu, in %zu, %zu/%zu heads x %zu%s: nmse vs CPU q %.2e, "
+               "kv %.2e; q %s, pool %s\n",
+               mode < 0 ? "bf16" : "f32", n, in, nq, nkv, D, shapes[si][5] ? ", biases" : "", e_q,
+               e_kv, same_q ? "=" : "DIFFERS", same_kv ? "=" : "DIFFERS");
+        ASSERT(same_q && same_kv && e_q <= NMSE_MAX && e_kv <= NMSE_MAX);
+        for (int i = 0; i < 3; i++) {
+            const pd_backend_ops *o = pd_backend_get_ops(kb[i]);
+            for (int m = 0; m < 3; m++) {
+                o->weight_free(kb[i], w[i][m]);
+                if (bias[i][m]) o->weight_free(kb[i], bias[i][m]);
+                o->buf_free(kb[i], y[i][m]);
+            }
+            o->buf_free(kb[i], xb[i]);
+            o->kv_free(kb[i], kv[i]);
+            free(pool[i]);
+        }
+        free(x);
         simple_step_free(&st);
     }
     ctu_pair_close(&p);
@@ -914,6 +1026,8 @@ TEST(cuda_fused_ops)
     fused_norm_case(PD_DTYPE_F32);
     fused_rope_kv_case(-1);
     fused_rope_kv_case(PD_DTYPE_F32);
+    fused_qkv_rope_case(-1);
+    fused_qkv_rope_case(PD_DTYPE_F32);
 }
 
 /* ---- KV export / import

@@ -103,12 +103,14 @@ enum {
     T_MATMUL_MULTI,
     T_ROPE_KV_WRITE,
     T_ADD_RMSNORM,
-    T_MATMUL_SWIGLU
+    T_MATMUL_SWIGLU,
+    T_QKV_ROPE_KV_WRITE
 };
 
 typedef struct {
     int op;
-    const void *p[1 + 3 * PD_MATMUL_MULTI_MAX]; // matmul_multi: x, then w, bias, y of each
+    // matmul_multi: x, then w, bias, y of each; qkv_rope_kv_write: the same, then the pool
+    const void *p[2 + 3 * PD_MATMUL_MULTI_MAX];
     size_t z[3];
     float f;
 } tape_ent;
@@ -1375,6 +1377,40 @@ static int exec_matmul_multi(cuda_be *cb, const tape_ent *e)
     return PD_OK;
 }
 
+// Rotary embedding of q and k and the KV-cache write of the step's rows, one launch.
+static int exec_rope_kv_write(cuda_be *cb, const pd_kv *kv, int layer, void *q, size_t nq,
+                              const void *k, const void *v)
+{
+    return cuda_rope_kv_write(cb->stream, cb->act, q, k, v, cb->n_tokens, nq, kv->p.n_kv_heads,
+                              kv->p.head_dim, cb->d_cos, cb->d_sin, cb->rope_dim / 2, cb->d_slots,
+                              kv_k(kv, layer), kv_v(kv, layer));
+}
+
+// Decode rows: one GEMV launch with the rotary embedding and the KV write in its epilogue;
+// otherwise matmul_multi, then rope_kv_write. The entry is matmul_multi's (3 weights), the pool
+// after it, the layer in z[2].
+static int exec_qkv_rope_kv_write(cuda_be *cb, const tape_ent *e)
+{
+    const pd_kv *kv = (const pd_kv *)e->p[1 + 3 * PD_MATMUL_MULTI_MAX];
+    const int layer = (int)e->z[2];
+    const size_t D = kv->p.head_dim, nq = MM_W(e, 0)->rows / D;
+    if (MM_W(e, 1)->dtype == MM_W(e, 0)->dtype && MM_W(e, 2)->dtype == MM_W(e, 0)->dtype) {
+        const void *W[3];
+        const float *bias[3];
+        for (int i = 0; i < 3; i++) {
+            W[i] = MM_W(e, i)->data;
+            bias[i] = MM_B(e, i) ? (const float *)MM_B(e, i)->data : NULL;
+        }
+        int rc =
+            cuda_gemv_qkv_rope(cb->stream, cb->act, e->p[0], e->z[0], W, (int)MM_W(e, 0)->dtype, nq,
+                               kv->p.n_kv_heads, D, MM_W(e, 0)->cols, bias, MM_Y(e, 0), cb->d_cos,
+                               cb->d_sin, cb->d_slots, kv_k(kv, layer), kv_v(kv, layer));
+        if (rc != PD_EUNSUPPORTED) return rc;
+    }
+    PD_CHECK(exec_matmul_multi(cb, e));
+    return exec_rope_kv_write(cb, kv, layer, MM_Y(e, 0), nq, MM_Y(e, 1), MM_Y(e, 2));
+}
+
 // Decode rows: one GEMV launch ending in the SwiGLU; otherwise gate and up, then swiglu.
 static int exec_matmul_swiglu(cuda_be *cb, const tape_ent *e)
 {
@@ -1425,18 +1461,15 @@ static int tape_exec(cuda_be *cb, const tape_ent *e)
         return cuda_gather_rows(cb->stream, cb->act, e->p[0], e->z[0], cb->d_out_rows, cb->n_out,
                                 (void *)e->p[1]);
     case T_MATMUL_MULTI: return exec_matmul_multi(cb, e);
-    case T_ROPE_KV_WRITE: {
-        const pd_kv *kv = (const pd_kv *)e->p[0];
-        return cuda_rope_kv_write(cb->stream, cb->act, (void *)e->p[1], e->p[2], e->p[3],
-                                  cb->n_tokens, e->z[1], kv->p.n_kv_heads, kv->p.head_dim,
-                                  cb->d_cos, cb->d_sin, cb->rope_dim / 2, cb->d_slots,
-                                  kv_k(kv, (int)e->z[0]), kv_v(kv, (int)e->z[0]));
-    }
+    case T_ROPE_KV_WRITE:
+        return exec_rope_kv_write(cb, (const pd_kv *)e->p[0], (int)e->z[0], (void *)e->p[1],
+                                  e->z[1], e->p[2], e->p[3]);
     case T_ADD_RMSNORM:
         return cuda_add_rmsnorm(cb->stream, cb->act, (void *)e->p[0], e->p[1],
                                 (const float *)((const pd_weight *)e->p[2])->data, e->f, e->z[0],
                                 e->z[1], (void *)e->p[3]);
     case T_MATMUL_SWIGLU: return exec_matmul_swiglu(cb, e);
+    case T_QKV_ROPE_KV_WRITE: return exec_qkv_rope_kv_write(cb, e);
     case T_DOWNLOAD: // the device part of download_f32: bf16 -> f32 into dl_ws
         if (cb->act == ACT_F32) return PD_OK;
         return cuda_act_convert(cb->stream, ACT_BF16, e->p[0], e->z[0], ACT_F32, cb->dl_ws);
@@ -1751,31 +1784,40 @@ static int op_gather_rows(pd_backend *b, const void *x, size_t dim, void *out)
     return step_op(cb, &e);
 }
 
-static int op_matmul_multi(pd_backend *b, const void *x, size_t n, size_t n_w,
-                           const pd_weight *const *w, const pd_weight *const *bias, void *const *y)
+// A matmul_multi tape entry of op `op` (checked: one x for every weight).
+static int multi_entry(int op, const void *x, size_t n, size_t n_w, const pd_weight *const *w,
+                       const pd_weight *const *bias, void *const *y, tape_ent *e)
 {
     if (n_w < 1 || n_w > PD_MATMUL_MULTI_MAX)
         return pd_error(PD_EINVAL, "cuda matmul: %zu weights in one call, expected 1 to %d", n_w,
                         PD_MATMUL_MULTI_MAX);
-    if (BE(b)->unfused) {
-        for (size_t i = 0; i < n_w; i++)
-            PD_CHECK(op_matmul(b, x, n, w[i], bias ? bias[i] : NULL, y[i]));
-        return PD_OK;
-    }
-    tape_ent e = ent(T_MATMUL_MULTI);
-    e.p[0] = x;
+    *e = ent(op);
+    e->p[0] = x;
     for (size_t i = 0; i < n_w; i++) {
         PD_CHECK(matmul_check(w[i], bias ? bias[i] : NULL, n));
         if (w[i]->cols != w[0]->cols)
             return pd_error(PD_EINVAL, "cuda matmul: weight %zu has %zu columns, weight 0 has %zu",
                             i, w[i]->cols, w[0]->cols);
-        e.p[1 + i] = w[i];
-        e.p[1 + PD_MATMUL_MULTI_MAX + i] = bias ? bias[i] : NULL;
-        e.p[1 + 2 * PD_MATMUL_MULTI_MAX + i] = y[i];
+        e->p[1 + i] = w[i];
+        e->p[1 + PD_MATMUL_MULTI_MAX + i] = bias ? bias[i] : NULL;
+        e->p[1 + 2 * PD_MATMUL_MULTI_MAX + i] = y[i];
     }
+    e->z[0] = n;
+    e->z[1] = n_w;
+    return PD_OK;
+}
+
+static int op_matmul_multi(pd_backend *b, const void *x, size_t n, size_t n_w,
+                           const pd_weight *const *w, const pd_weight *const *bias, void *const *y)
+{
+    if (BE(b)->unfused && n_w >= 1 && n_w <= PD_MATMUL_MULTI_MAX) {
+        for (size_t i = 0; i < n_w; i++)
+            PD_CHECK(op_matmul(b, x, n, w[i], bias ? bias[i] : NULL, y[i]));
+        return PD_OK;
+    }
+    tape_ent e;
+    PD_CHECK(multi_entry(T_MATMUL_MULTI, x, n, n_w, w, bias, y, &e));
     if (n == 0) return PD_OK;
-    e.z[0] = n;
-    e.z[1] = n_w;
     return step_op(BE(b), &e);
 }
 
@@ -1800,6 +1842,36 @@ static int op_rope_kv_write(pd_backend *b, pd_kv *kv, int layer, void *q, size_t
     e.p[3] = v;
     e.z[0] = (size_t)layer;
     e.z[1] = n_q_heads;
+    return step_op(cb, &e);
+}
+
+static int op_qkv_rope_kv_write(pd_backend *b, pd_kv *kv, int layer, const void *x, size_t n,
+                                const pd_weight *const *w, const pd_weight *const *bias, void *q,
+                                void *k, void *v)
+{
+    cuda_be *cb = BE(b);
+    const size_t D = kv->p.head_dim, kv_row = kv->p.n_kv_heads * D;
+    if (w[0]->rows % D || w[1]->rows != kv_row || w[2]->rows != kv_row)
+        return pd_error(PD_EINVAL,
+                        "cuda qkv_rope_kv_write: q, k, v have %zu, %zu, %zu rows; the pool holds "
+                        "%zu heads of %zu",
+                        w[0]->rows, w[1]->rows, w[2]->rows, kv->p.n_kv_heads, D);
+    void *y[3] = {q, k, v};
+    if (cb->unfused || n > CUDA_GEMV_MAX_N) { // no GEMV here: the two ops' launches
+        PD_CHECK(op_matmul_multi(b, x, n, 3, w, bias, y));
+        return op_rope_kv_write(b, kv, layer, q, w[0]->rows / D, k, v);
+    }
+    PD_CHECK(need_plan(cb, "qkv_rope_kv_write"));
+    PD_CHECK(check_kv(cb, kv, layer, "qkv_rope_kv_write"));
+    if (D != cb->rope_dim || n != cb->n_tokens)
+        return pd_error(PD_EINVAL,
+                        "cuda qkv_rope_kv_write: head_dim %zu and %zu rows, planned rope_dim %zu "
+                        "and %zu rows",
+                        D, n, cb->rope_dim, cb->n_tokens);
+    tape_ent e;
+    PD_CHECK(multi_entry(T_QKV_ROPE_KV_WRITE, x, n, 3, w, bias, y, &e));
+    e.p[1 + 3 * PD_MATMUL_MULTI_MAX] = kv;
+    e.z[2] = (size_t)layer;
     return step_op(cb, &e);
 }
 
@@ -1890,6 +1962,7 @@ static const pd_backend_ops cuda_ops = {
     op_rope_kv_write,
     op_add_rmsnorm,
     op_matmul_swiglu,
+    op_qkv_rope_kv_write,
     op_host_alloc,
     op_host_free,
 };

@@ -77,6 +77,16 @@ static inline int cuda_status(cudaError_t e, const char *what, const char *file,
 // After a <<<>>> or cuda_launch launch in a launcher.
 #define CUDA_LAUNCH_CHECK(name) return cuda_status(cudaGetLastError(), name, __FILE__, __LINE__)
 
+// The rotated pair (x1, x2) -> (o1, o2) of the rotary embedding; one definition, and explicit
+// roundings (no FMA contraction left to the compiler), so every kernel that rotates (k_rope.cu,
+// the q/k/v GEMV's epilogue in k_gemv.cu) gives the same bits.
+__device__ __forceinline__ void rope_pair(float x1, float x2, float c, float sn, float *o1,
+                                          float *o2)
+{
+    *o1 = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, sn));
+    *o2 = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, sn));
+}
+
 // ---- programmatic dependent launch (Hopper) ------------------------------------------------
 // The decode step is a chain of short kernels, each a few microseconds, so the time between one
 // kernel's end and the next one's start is a large share of the step. A kernel launched by
@@ -208,6 +218,17 @@ int cuda_gemv_multi(cudaStream_t s, int act, const void *x, size_t n, int nm, co
 // refuse or the rows of `in` elements split over 3 or more warps.
 int cuda_gemv_swiglu(cudaStream_t s, int act, const void *x, size_t n, const void *Wg,
                      const void *Wu, int wdtype, size_t out, size_t in, void *y);
+// The q/k/v projection of decode rows with the rotary embedding and the KV-cache write in its
+// epilogue, in one launch: W[0..2] = wq (nq * D, in), wk and wv (kv_row = nkv * D, in), bias[i]
+// or NULL; q (n, nq * D) receives the rotated q, the rotated k and v go to slot slots[r] of the
+// layer's pools kc, vc (n_slots, kv_row), as cuda_gemv_multi then cuda_rope_kv_write would
+// write them, bit for bit (each row's dot product and rounding as there, then rope_pair). cos_t,
+// sin_t (n, D / 2). PD_EUNSUPPORTED where that launch pair would not be replaced: cuda_gemv
+// refusing, rows split over 3 or more warps, a rotary pair group not dividing D / 2.
+int cuda_gemv_qkv_rope(cudaStream_t s, int act, const void *x, size_t n, const void *const *W,
+                       int wdtype, size_t nq, size_t nkv, size_t D, size_t in,
+                       const float *const *bias, void *q, const float *cos_t, const float *sin_t,
+                       const int64_t *slots, void *kc, void *vc);
 
 // k_rmsnorm.cu: y (n, dim) = x * rsqrt(mean(x^2) + eps) * w; w (dim) f32. y may equal x.
 int cuda_rmsnorm(cudaStream_t s, int act, const void *x, const float *w, float eps, size_t n,

@@ -19,7 +19,10 @@
 // vLLM fuses them by concatenating the weights; here the grid is): blocks are assigned to the
 // matrices in order, and each row is computed exactly as in a launch of its matrix alone. The
 // gate/up pair can also end in the SwiGLU itself (cuda_gemv_swiglu): a block then holds the
-// same rows of both matrices and writes silu(gate) * up, not gate and up.
+// same rows of both matrices and writes silu(gate) * up, not gate and up. The q/k/v triple can
+// end in the rotary embedding and the KV-cache write (cuda_gemv_qkv_rope): a block of q or k then
+// holds both rows of its rotary pairs (dims i and i + D/2 of a head), rotates them and writes q
+// and the pool's k; v's rows go to the pool.
 #include <stdint.h>
 #include <string.h>
 
@@ -96,7 +99,7 @@ __device__ __forceinline__ void gemv_load_pass(gemv_chunk<TW> w[GEMV_UNROLL], co
 }
 
 // The matrices of one launch (q/k/v or gate/up: one x, the same `in`): block b works on the
-// last matrix i with blk0[i] <= b, on its rows (b - blk0[i]) * R onwards.
+// last matrix i with blk0[i] <= b, on its rows (b - blk0[i]) * R onwards (GEMV_ROPE: see there).
 template <typename TW, typename TX> struct gemv_mats {
     const TW *W[CUDA_GEMV_MAX_MATS];
     const float *bias[CUDA_GEMV_MAX_MATS];
@@ -104,7 +107,17 @@ template <typename TW, typename TX> struct gemv_mats {
     unsigned out[CUDA_GEMV_MAX_MATS];
     unsigned blk0[CUDA_GEMV_MAX_MATS];
     int n;
+    // GEMV_ROPE only: the step's rotary tables (n, half), slots (n), the layer's pools
+    // (n_slots, kv_row), the head size
+    const float *cos_t, *sin_t;
+    const int64_t *slots;
+    TX *kc, *vc;
+    unsigned head_dim, kv_row;
 };
+
+// What a launch writes: y = the products (GEMV_PLAIN); silu(gate) * up (GEMV_SWIGLU); rotated q,
+// and rotated k and v into the KV pool (GEMV_ROPE).
+enum { GEMV_PLAIN, GEMV_SWIGLU, GEMV_ROPE };
 
 // The value an activation of type T stores for v (what a store and a load round it to).
 template <typename T> __device__ __forceinline__ float act_round(float v)
@@ -117,14 +130,19 @@ template <typename T> __device__ __forceinline__ float act_round(float v)
 // Block: R rows x S warps per row (blockDim.x = 32 * S * R); warp (r, sp) covers chunks
 // [sp * per, min((sp + 1) * per, in / 8)) of row (blockIdx.x - blk0) * R + r of its matrix,
 // per = a multiple of GEMV_SEG (a function of in only).
-// SWI (SwiGLU epilogue): M holds gate (0) and up (1) of the same shape, and the output is
+// GEMV_SWIGLU: M holds gate (0) and up (1) of the same shape, and the output is
 // y[0] = silu(gate . x) * (up . x). The block's R row slots (R even) are R / 2 gate rows and the
 // same R / 2 up rows; each dot product is computed and rounded exactly as in a plain launch, so
 // the result equals two GEMV launches and a swiglu launch bit for bit.
-template <typename TW, typename TX, int N, bool SWI>
+// GEMV_ROPE: M holds q (0), k (1) and v (2). A block of q or k holds P = R / 2 rotary pairs of
+// one head: slots s < P are dims c * P + s of the head, slots P + s the dims half further; each
+// row is computed and rounded as in a plain launch, then the pair goes through rope_pair as in
+// the rotary kernels: the result equals a GEMV launch and a rope_kv_write launch bit for bit.
+template <typename TW, typename TX, int N, int MODE>
 __global__ void __launch_bounds__(GEMV_MAX_WARPS * 32)
     gemv_kernel(const TX *x, gemv_mats<TW, TX> M, size_t in, int S, size_t per)
 {
+    constexpr bool SWI = MODE == GEMV_SWIGLU, ROPE = MODE == GEMV_ROPE;
     __shared__ float part[GEMV_MAX_WARPS][N]; // per warp: its partial for each input row
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int R = (int)(blockDim.x >> 5) / S;
@@ -136,6 +154,7 @@ __global__ void __launch_bounds__(GEMV_MAX_WARPS * 32)
     TX *y = M.y[0];
     size_t out = M.out[0];
     size_t j;
+    int mat = 0;
     if (SWI) {
         const bool up = slot >= R / 2;
         if (up) W = M.W[1];
@@ -150,8 +169,14 @@ __global__ void __launch_bounds__(GEMV_MAX_WARPS * 32)
                 y = M.y[i];
                 out = M.out[i];
                 b0 = M.blk0[i];
+                mat = i;
             }
         j = (size_t)(blockIdx.x - b0) * R + slot;
+        if (ROPE && mat < 2) { // the pair group c of head h: dims c * P + s and half further
+            const unsigned P = (unsigned)R / 2, half = M.head_dim / 2, groups = half / P;
+            const unsigned bb = blockIdx.x - b0, h = bb / groups, c = bb % groups;
+            j = (size_t)h * M.head_dim + c * P + (slot < (int)P ? slot : half + slot - P);
+        }
     }
     const bool active = j < out;
     float acc[N];
@@ -192,7 +217,7 @@ __global__ void __launch_bounds__(GEMV_MAX_WARPS * 32)
 #pragma unroll
     for (int r = 0; r < N; r++)
         for (int o = 16; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
-    if (!SWI && S == 1) { // grid-uniform
+    if (MODE == GEMV_PLAIN && S == 1) { // grid-uniform
         if (active && lane == 0)
 #pragma unroll
             for (int r = 0; r < N; r++)
@@ -212,24 +237,49 @@ __global__ void __launch_bounds__(GEMV_MAX_WARPS * 32)
                 acc[r] = v;
             }
     }
-    if (!SWI) {
+    if (MODE == GEMV_PLAIN) {
         if (!active || sp != 0 || lane != 0) return;
 #pragma unroll
         for (int r = 0; r < N; r++) stf(y, (size_t)r * out + j, bias ? acc[r] + bias[j] : acc[r]);
         return;
     }
-    // SwiGLU: each slot's leader publishes its row's value as stored (rounded), then the gate
-    // slots combine with the up slot of the same row
+    // SwiGLU, rope: each slot's leader publishes its row's value as stored (rounded), then the
+    // gate slots combine with the up slot of the same row / the first slot of each rotary pair
+    // with the second
     __shared__ float res[GEMV_MAX_WARPS][N];
     if (sp == 0 && lane == 0)
 #pragma unroll
-        for (int r = 0; r < N; r++) res[slot][r] = act_round<TX>(acc[r]);
+        for (int r = 0; r < N; r++)
+            res[slot][r] = act_round<TX>(active && bias ? acc[r] + bias[j] : acc[r]);
     __syncthreads();
-    if (!active || slot >= R / 2 || sp != 0 || lane != 0) return;
+    if (!active || sp != 0 || lane != 0) return;
+    if (ROPE && mat == 2) { // v: into the pool as it is
+#pragma unroll
+        for (int r = 0; r < N; r++) stf(M.vc, (size_t)M.slots[r] * M.kv_row + j, res[slot][r]);
+        return;
+    }
+    if (slot >= R / 2) return;
+    if (SWI) {
+#pragma unroll
+        for (int r = 0; r < N; r++) {
+            float g = res[slot][r], u = res[slot + R / 2][r];
+            stf(y, (size_t)r * out + j, (g / (1.0f + expf(-g))) * u);
+        }
+        return;
+    }
+    const unsigned half = M.head_dim / 2, pair = (unsigned)(j % M.head_dim);
 #pragma unroll
     for (int r = 0; r < N; r++) {
-        float g = res[slot][r], u = res[slot + R / 2][r];
-        stf(y, (size_t)r * out + j, (g / (1.0f + expf(-g))) * u);
+        float o1, o2;
+        rope_pair(res[slot][r], res[slot + R / 2][r], M.cos_t[(size_t)r * half + pair],
+                  M.sin_t[(size_t)r * half + pair], &o1, &o2);
+        if (mat == 0) {
+            stf(y, (size_t)r * out + j, o1);
+            stf(y, (size_t)r * out + j + half, o2);
+        } else {
+            stf(M.kc, (size_t)M.slots[r] * M.kv_row + j, o1);
+            stf(M.kc, (size_t)M.slots[r] * M.kv_row + j + half, o2);
+        }
     }
 }
 
@@ -243,9 +293,18 @@ static void gemv_shape(size_t in, int *S, size_t *per, int *R)
     *R = *S >= GEMV_WARPS ? 1 : GEMV_WARPS / *S;
 }
 
-template <typename TW, typename TX, bool SWI>
+// GEMV_ROPE's extra arguments (host side).
+typedef struct {
+    const float *cos_t, *sin_t;
+    const int64_t *slots;
+    void *kc, *vc;
+    size_t head_dim, kv_row;
+} gemv_rope_args;
+
+template <typename TW, typename TX, int MODE>
 static void gemv_launch(cudaStream_t s, const TX *x, size_t n, int nm, const void *const *W,
-                        const size_t *out, size_t in, const float *const *bias, void *const *y)
+                        const size_t *out, size_t in, const float *const *bias, void *const *y,
+                        const gemv_rope_args *ra)
 {
     int S, R;
     size_t per;
@@ -260,53 +319,70 @@ static void gemv_launch(cudaStream_t s, const TX *x, size_t n, int nm, const voi
         M.y[i] = (TX *)y[i];
         M.out[i] = (unsigned)out[i];
         M.blk0[i] = (unsigned)grid;
-        grid += SWI ? 0 : (out[i] + R - 1) / R;
+        grid += MODE == GEMV_SWIGLU ? 0 : (out[i] + R - 1) / R; // GEMV_ROPE: q, k rows % R == 0
     }
-    if (SWI) grid = (out[0] + R / 2 - 1) / (R / 2); // R / 2 rows of gate and of up per block
+    if (MODE == GEMV_SWIGLU) grid = (out[0] + R / 2 - 1) / (R / 2); // R / 2 gate, R / 2 up rows
+    if (ra) {
+        M.cos_t = ra->cos_t;
+        M.sin_t = ra->sin_t;
+        M.slots = ra->slots;
+        M.kc = (TX *)ra->kc;
+        M.vc = (TX *)ra->vc;
+        M.head_dim = (unsigned)ra->head_dim;
+        M.kv_row = (unsigned)ra->kv_row;
+    }
     const unsigned g = (unsigned)grid, th = (unsigned)(32 * S * R);
     switch (n) {
-    case 1: cuda_launch(gemv_kernel<TW, TX, 1, SWI>, g, th, 0, s, x, M, in, S, per); break;
-    case 2: cuda_launch(gemv_kernel<TW, TX, 2, SWI>, g, th, 0, s, x, M, in, S, per); break;
-    case 3: cuda_launch(gemv_kernel<TW, TX, 3, SWI>, g, th, 0, s, x, M, in, S, per); break;
-    case 4: cuda_launch(gemv_kernel<TW, TX, 4, SWI>, g, th, 0, s, x, M, in, S, per); break;
-    case 5: cuda_launch(gemv_kernel<TW, TX, 5, SWI>, g, th, 0, s, x, M, in, S, per); break;
-    case 6: cuda_launch(gemv_kernel<TW, TX, 6, SWI>, g, th, 0, s, x, M, in, S, per); break;
-    case 7: cuda_launch(gemv_kernel<TW, TX, 7, SWI>, g, th, 0, s, x, M, in, S, per); break;
-    default: cuda_launch(gemv_kernel<TW, TX, 8, SWI>, g, th, 0, s, x, M, in, S, per); break;
+    case 1: cuda_launch(gemv_kernel<TW, TX, 1, MODE>, g, th, 0, s, x, M, in, S, per); break;
+    case 2: cuda_launch(gemv_kernel<TW, TX, 2, MODE>, g, th, 0, s, x, M, in, S, per); break;
+    case 3: cuda_launch(gemv_kernel<TW, TX, 3, MODE>, g, th, 0, s, x, M, in, S, per); break;
+    case 4: cuda_launch(gemv_kernel<TW, TX, 4, MODE>, g, th, 0, s, x, M, in, S, per); break;
+    case 5: cuda_launch(gemv_kernel<TW, TX, 5, MODE>, g, th, 0, s, x, M, in, S, per); break;
+    case 6: cuda_launch(gemv_kernel<TW, TX, 6, MODE>, g, th, 0, s, x, M, in, S, per); break;
+    case 7: cuda_launch(gemv_kernel<TW, TX, 7, MODE>, g, th, 0, s, x, M, in, S, per); break;
+    default: cuda_launch(gemv_kernel<TW, TX, 8, MODE>, g, th, 0, s, x, M, in, S, per); break;
     }
 }
 
-// Runs gemv_launch<.., SWI> for the activation / weight type pair; PD_EUNSUPPORTED for others.
-template <bool SWI>
+// Runs gemv_launch<.., MODE> for the activation / weight type pair; PD_EUNSUPPORTED for others.
+template <int MODE>
 static int gemv_dispatch(cudaStream_t s, int act, const void *x, size_t n, int nm,
                          const void *const *W, int wdtype, const size_t *out, size_t in,
-                         const float *const *bias, void *const *y)
+                         const float *const *bias, void *const *y, const gemv_rope_args *ra = NULL)
 {
     if (act == ACT_BF16 && wdtype == ACT_BF16)
-        gemv_launch<bf16, bf16, SWI>(s, (const bf16 *)x, n, nm, W, out, in, bias, y);
+        gemv_launch<bf16, bf16, MODE>(s, (const bf16 *)x, n, nm, W, out, in, bias, y, ra);
     else if (act == ACT_BF16 && wdtype == ACT_F16)
-        gemv_launch<__half, bf16, SWI>(s, (const bf16 *)x, n, nm, W, out, in, bias, y);
+        gemv_launch<__half, bf16, MODE>(s, (const bf16 *)x, n, nm, W, out, in, bias, y, ra);
     else if (act == ACT_F32 && wdtype == ACT_F32)
-        gemv_launch<float, float, SWI>(s, (const float *)x, n, nm, W, out, in, bias, y);
+        gemv_launch<float, float, MODE>(s, (const float *)x, n, nm, W, out, in, bias, y, ra);
     else
         return PD_EUNSUPPORTED;
     CUDA_LAUNCH_CHECK("gemv_kernel");
+}
+
+// What cuda_gemv_multi accepts (nm matrices W of out[i] rows): else PD_EUNSUPPORTED.
+static bool gemv_fits(const void *x, size_t n, int nm, const void *const *W, const size_t *out,
+                      size_t in)
+{
+    if (n < 1 || n > CUDA_GEMV_MAX_N || nm < 1 || nm > CUDA_GEMV_MAX_MATS || in % 8 ||
+        (uintptr_t)x % 16)
+        return false;
+    size_t blocks = 0;
+    for (int i = 0; i < nm; i++) {
+        if ((uintptr_t)W[i] % 16 || out[i] > (size_t)0x7fffffff) return false;
+        blocks += out[i];
+    }
+    return blocks <= (size_t)0x7fffffff;
 }
 
 int cuda_gemv_multi(cudaStream_t s, int act, const void *x, size_t n, int nm, const void *const *W,
                     int wdtype, const size_t *out, size_t in, const float *const *bias,
                     void *const *y)
 {
-    if (n < 1 || n > CUDA_GEMV_MAX_N || nm < 1 || nm > CUDA_GEMV_MAX_MATS || in % 8 ||
-        (uintptr_t)x % 16)
+    if (!gemv_fits(x, n, nm, W, out, in))
         return PD_EUNSUPPORTED; // the caller takes the GEMM path; no message needed
-    size_t blocks = 0;
-    for (int i = 0; i < nm; i++) {
-        if ((uintptr_t)W[i] % 16 || out[i] > (size_t)0x7fffffff) return PD_EUNSUPPORTED;
-        blocks += out[i];
-    }
-    if (blocks > (size_t)0x7fffffff) return PD_EUNSUPPORTED;
-    return gemv_dispatch<false>(s, act, x, n, nm, W, wdtype, out, in, bias, y);
+    return gemv_dispatch<GEMV_PLAIN>(s, act, x, n, nm, W, wdtype, out, in, bias, y);
 }
 
 int cuda_gemv_swiglu(cudaStream_t s, int act, const void *x, size_t n, const void *Wg,
@@ -322,7 +398,24 @@ int cuda_gemv_swiglu(cudaStream_t s, int act, const void *x, size_t n, const voi
     const size_t outs[2] = {out, out};
     const float *bias[2] = {NULL, NULL};
     void *ys[2] = {y, y};
-    return gemv_dispatch<true>(s, act, x, n, 2, W, wdtype, outs, in, bias, ys);
+    return gemv_dispatch<GEMV_SWIGLU>(s, act, x, n, 2, W, wdtype, outs, in, bias, ys);
+}
+
+int cuda_gemv_qkv_rope(cudaStream_t s, int act, const void *x, size_t n, const void *const *W,
+                       int wdtype, size_t nq, size_t nkv, size_t D, size_t in,
+                       const float *const *bias, void *q, const float *cos_t, const float *sin_t,
+                       const int64_t *slots, void *kc, void *vc)
+{
+    int S, R;
+    size_t per;
+    gemv_shape(in, &S, &per, &R);
+    const size_t out[3] = {nq * D, nkv * D, nkv * D};
+    if (!gemv_fits(x, n, 3, W, out, in) || R % 2 || D % 2 || D == 0 || (D / 2) % (R / 2) ||
+        out[0] == 0 || out[1] == 0)
+        return PD_EUNSUPPORTED; // the caller takes matmul_multi and rope_kv_write
+    gemv_rope_args ra = {cos_t, sin_t, slots, kc, vc, D, nkv * D};
+    void *y[3] = {q, NULL, NULL};
+    return gemv_dispatch<GEMV_ROPE>(s, act, x, n, 3, W, wdtype, out, in, bias, y, &ra);
 }
 
 int cuda_gemv(cudaStream_t s, int act, const void *x, size_t n, const void *W, int wdtype,

@@ -11,15 +11,6 @@
 // straight to its slot, so a decode step launches one kernel here instead of three.
 #include "backend/cuda/cuda_common.cuh"
 
-// The rotated pair (x1, x2) -> (o1, o2); one definition, and explicit roundings (no FMA
-// contraction left to the compiler), so both kernels give the same bits.
-__device__ __forceinline__ void rope_pair(float x1, float x2, float c, float sn, float *o1,
-                                          float *o2)
-{
-    *o1 = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, sn));
-    *o2 = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, sn));
-}
-
 // V consecutive elements of T as one access (V = 16 / sizeof(T): one 16-byte load or store; V = 1:
 // a scalar).
 template <typename T, int V> struct __align__(sizeof(T) * V) rope_vec
