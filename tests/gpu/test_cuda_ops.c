@@ -826,6 +826,34 @@ static int pool_layer_f32(pd_backend *b, pd_kv *kv, size_t nblk, size_t nkv, siz
     return rc;
 }
 
+/* The three arms of a rotary + KV-write comparison (CPU, GPU plain, GPU fused: backends kb,
+ * pools kv, rotated q of nq_elems elements): whether the fused GPU arm's q and pool (layer 1,
+ * nblk blocks) equal the plain GPU arm's bit for bit, and their NMSE against the CPU's. */
+typedef struct {
+    int same_q, same_kv;
+    double e_q, e_kv;
+} rope_verdict;
+
+static int rope_kv_compare(cuda_pair *p, pd_backend *const kb[3], pd_kv *const kv[3],
+                           void *const q[3], size_t nq_elems, size_t nblk, size_t nkv, size_t D,
+                           rope_verdict *v)
+{
+    PD_CHECK(gpu_same(p, q[2], q[1], nq_elems, &v->same_q));
+    void *qs[2] = {q[0], q[2]};
+    PD_CHECK(compare(p, qs, nq_elems, &v->e_q));
+    size_t ne = 2 * nblk * 16 * nkv * D;
+    float *pool[3] = {malloc(ne * 4), malloc(ne * 4), malloc(ne * 4)};
+    int rc = pool[0] && pool[1] && pool[2] ? PD_OK : pd_error(PD_ENOMEM, "out of memory");
+    for (int i = 0; i < 3 && rc == PD_OK; i++)
+        rc = pool_layer_f32(kb[i], kv[i], nblk, nkv, D, pool[i]);
+    if (rc == PD_OK) {
+        v->same_kv = memcmp(pool[1], pool[2], ne * 4) == 0;
+        v->e_kv = ctu_nmse(pool[2], pool[0], ne);
+    }
+    for (int i = 0; i < 3; i++) free(pool[i]);
+    return rc;
+}
+
 /* rope_kv_write on the GPU = rope, rope, kv_write on the GPU (q and the pool) bit for bit, and the
  * CPU's within NMSE_MAX; a head_dim other than the planned rope_dim is refused. */
 static void fused_rope_kv_case(int mode)
@@ -866,26 +894,13 @@ static void fused_rope_kv_case(int mode)
             ASSERT_OK(o->rope(kb[i], kbuf[i], nkv, D));
             ASSERT_OK(o->kv_write(kb[i], kv[i], 1, kbuf[i], vb[i]));
         }
-        int same_q = 0;
-        ASSERT_OK(gpu_same(&p, qb[2], qb[1], n * nq * D, &same_q));
-        void *qs[2] = {qb[0], qb[2]};
-        double e_q, e_kv;
-        ASSERT_OK(compare(&p, qs, n * nq * D, &e_q));
-        /* the pools' layer 1, whole blocks, as f32 */
-        size_t ne = 2 * nblk * 16 * nkv * D;
-        float *pool[3];
-        for (int i = 0; i < 3; i++) {
-            pool[i] = malloc(ne * 4);
-            ASSERT(pool[i]);
-            ASSERT_OK(pool_layer_f32(kb[i], kv[i], nblk, nkv, D, pool[i]));
-        }
-        int same_kv = memcmp(pool[1], pool[2], ne * 4) == 0;
-        e_kv = ctu_nmse(pool[2], pool[0], ne);
+        rope_verdict rv;
+        ASSERT_OK(rope_kv_compare(&p, kb, kv, qb, n * nq * D, nblk, nkv, D, &rv));
         printf("    %s rope_kv_write n %zu, %zu/%zu heads x %zu: nmse vs CPU q %.2e, kv %.2e; q "
                "%s, pool %s\n",
-               mode < 0 ? "bf16" : "f32", n, nq, nkv, D, e_q, e_kv, same_q ? "=" : "DIFFERS",
-               same_kv ? "=" : "DIFFERS");
-        ASSERT(same_q && same_kv && e_q <= NMSE_MAX && e_kv <= NMSE_MAX);
+               mode < 0 ? "bf16" : "f32", n, nq, nkv, D, rv.e_q, rv.e_kv,
+               rv.same_q ? "=" : "DIFFERS", rv.same_kv ? "=" : "DIFFERS");
+        ASSERT(rv.same_q && rv.same_kv && rv.e_q <= NMSE_MAX && rv.e_kv <= NMSE_MAX);
         if (si == 0) {
             pd_kv_params kp = {1, 4, 16, nkv, D / 2, pd_backend_act_dtype(p.b[PAIR_GPU])};
             pd_kv *narrow;
@@ -901,7 +916,6 @@ static void fused_rope_kv_case(int mode)
             o->buf_free(kb[i], kbuf[i]);
             o->buf_free(kb[i], vb[i]);
             o->kv_free(kb[i], kv[i]);
-            free(pool[i]);
         }
         free(q);
         free(k);
@@ -979,25 +993,14 @@ static void fused_qkv_rope_case(int mode)
                 ASSERT_OK(o->kv_write(kb[i], kv[i], 1, y[i][1], y[i][2]));
             }
         }
-        int same_q = 0;
-        ASSERT_OK(gpu_same(&p, y[2][0], y[1][0], n * rows[0], &same_q));
-        void *qs[2] = {y[0][0], y[2][0]};
-        double e_q;
-        ASSERT_OK(compare(&p, qs, n * rows[0], &e_q));
-        size_t ne = 2 * nblk * 16 * nkv * D;
-        float *pool[3];
-        for (int i = 0; i < 3; i++) {
-            pool[i] = malloc(ne * 4);
-            ASSERT(pool[i]);
-            ASSERT_OK(pool_layer_f32(kb[i], kv[i], nblk, nkv, D, pool[i]));
-        }
-        int same_kv = memcmp(pool[1], pool[2], ne * 4) == 0;
-        double e_kv = ctu_nmse(pool[2], pool[0], ne);
+        void *qs[3] = {y[0][0], y[1][0], y[2][0]};
+        rope_verdict rv;
+        ASSERT_OK(rope_kv_compare(&p, kb, kv, qs, n * rows[0], nblk, nkv, D, &rv));
         printf("    %s qkv_rope_kv_write n %zu, in %zu, %zu/%zu heads x %zu%s: nmse vs CPU q %.2e, "
                "kv %.2e; q %s, pool %s\n",
-               mode < 0 ? "bf16" : "f32", n, in, nq, nkv, D, shapes[si][5] ? ", biases" : "", e_q,
-               e_kv, same_q ? "=" : "DIFFERS", same_kv ? "=" : "DIFFERS");
-        ASSERT(same_q && same_kv && e_q <= NMSE_MAX && e_kv <= NMSE_MAX);
+               mode < 0 ? "bf16" : "f32", n, in, nq, nkv, D, shapes[si][5] ? ", biases" : "",
+               rv.e_q, rv.e_kv, rv.same_q ? "=" : "DIFFERS", rv.same_kv ? "=" : "DIFFERS");
+        ASSERT(rv.same_q && rv.same_kv && rv.e_q <= NMSE_MAX && rv.e_kv <= NMSE_MAX);
         for (int i = 0; i < 3; i++) {
             const pd_backend_ops *o = pd_backend_get_ops(kb[i]);
             for (int m = 0; m < 3; m++) {
@@ -1007,7 +1010,6 @@ static void fused_qkv_rope_case(int mode)
             }
             o->buf_free(kb[i], xb[i]);
             o->kv_free(kb[i], kv[i]);
-            free(pool[i]);
         }
         free(x);
         simple_step_free(&st);
