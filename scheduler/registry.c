@@ -15,7 +15,7 @@
 
 #define REG_MAX_RANKS 64
 
-/* Prefix affinity (pd_reg_pick_prefill): per prefill instance, the block keys of the prompts this
+/* Prefix affinity (pd_reg_pick_cached): per instance, the block keys of the prompts this
  * scheduler sent it, direct-mapped (a newer key takes an older one's slot). */
 #define PFX_SLOTS      (1u << 15)
 #define PFX_MAX_BLOCKS 512 /* a prompt's first blocks that count */
@@ -37,7 +37,7 @@ typedef struct {
     char transport[16]; /* from Info */
     uint64_t epoch;     /* from Info: Stats with another one means the process restarted */
     int block_size;     /* from Info */
-    uint64_t *pfx;      /* prefill: (PFX_SLOTS) block keys sent to it, 0 = empty */
+    uint64_t *pfx;      /* (PFX_SLOTS) block keys sent to it, 0 = empty */
     size_t n_ranks;
     Pd__DecodeTarget targets[REG_MAX_RANKS]; /* host strings in target_hosts */
     char target_hosts[REG_MAX_RANKS][64];
@@ -116,7 +116,7 @@ int pd_reg_create(const char *global_file, const char *node_ports, pd_rpc_client
         reg_node *nd = &r->nodes[i];
         nd->inst = rt_global_node(r->g, (size_t)i);
         if (r->count[nd->inst->role]++ == 0) r->first[nd->inst->role] = i;
-        if (nd->inst->role == RT_ROLE_PREFILL && !(nd->pfx = calloc(PFX_SLOTS, sizeof *nd->pfx))) {
+        if (!(nd->pfx = calloc(PFX_SLOTS, sizeof *nd->pfx))) {
             rc = pd_error(PD_ENOMEM, "registry: out of memory");
             goto fail;
         }
@@ -493,11 +493,11 @@ int pd_reg_pick(pd_reg *r, rt_role role, int64_t tokens, int exclude)
     return best;
 }
 
-int pd_reg_pick_prefill(pd_reg *r, const int32_t *ids, size_t n_ids, int exclude,
-                        int64_t *hit_tokens)
+int pd_reg_pick_cached(pd_reg *r, rt_role role, const int32_t *ids, size_t n_ids, int64_t tokens,
+                       int exclude, int64_t *hit_tokens)
 {
     uint64_t keys[PFX_MAX_BLOCKS];
-    int first = r->first[RT_ROLE_PREFILL], n_role = r->count[RT_ROLE_PREFILL];
+    int first = r->first[role], n_role = r->count[role];
     pthread_mutex_lock(&r->mu);
     int bs = n_role ? r->nodes[first].block_size : 0; /* from its Info (0: not read yet) */
     pthread_mutex_unlock(&r->mu);
@@ -514,15 +514,15 @@ int pd_reg_pick_prefill(pd_reg *r, const int32_t *ids, size_t n_ids, int exclude
     pthread_mutex_lock(&r->mu);
     int best = -1;
     int64_t best_cost = 0, best_hit = 0;
-    unsigned start = n_role ? r->rr[RT_ROLE_PREFILL]++ : 0;
+    unsigned start = n_role ? r->rr[role]++ : 0;
     for (int i = 0; i < n_role; i++) {
         int k = first + (int)((start + (unsigned)i) % (unsigned)n_role);
         reg_node *nd = &r->nodes[k];
         if (!nd->up || k == exclude) continue;
         size_t hit = 0;
         while (hit < nb && nd->pfx[keys[hit] & (PFX_SLOTS - 1)] == keys[hit]) hit++;
-        /* prefill work ahead of the prompt's first token there: what is queued, less what its
-           cache likely holds of the prompt */
+        /* its load (prefill: the work ahead of the prompt's first token; decode: the KV its
+           sequences take), less what its cache likely holds of the prompt */
         int64_t cost = nd->load_tokens + nd->inflight_tokens - (int64_t)hit * bs;
         if (best < 0 || cost < best_cost) {
             best = k;
@@ -532,7 +532,7 @@ int pd_reg_pick_prefill(pd_reg *r, const int32_t *ids, size_t n_ids, int exclude
     }
     if (best >= 0) {
         reg_node *nd = &r->nodes[best];
-        nd->inflight_tokens += (int64_t)n_ids;
+        nd->inflight_tokens += tokens;
         for (size_t b = 0; b < nb; b++) nd->pfx[keys[b] & (PFX_SLOTS - 1)] = keys[b];
     }
     pthread_mutex_unlock(&r->mu);

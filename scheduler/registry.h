@@ -69,14 +69,15 @@ bool pd_reg_wait_round(pd_reg *r, int timeout_ms);
 /* Picks the least loaded instance of role in the routing set (round-robin among ties), not
  * exclude (-1 = none), and adds tokens to its in-flight count. -1 when none is up. */
 int pd_reg_pick(pd_reg *r, rt_role role, int64_t tokens, int exclude);
-/* Picks the prefill instance for prompt ids (prefix-aware routing): in the routing set, not
- * exclude, the one with the least prefill work ahead of the prompt's first token, i.e. its
- * queued and in-flight tokens less the prompt's leading full blocks (the instances' block size)
- * that this scheduler sent it before, which its prefix cache likely still holds; round-robin
- * among ties. Adds n_ids to its in-flight count and records the prompt's blocks as its own.
- * *hit_tokens (may be NULL): the tokens counted as cached there. -1 when none is up. */
-int pd_reg_pick_prefill(pd_reg *r, const int32_t *ids, size_t n_ids, int exclude,
-                        int64_t *hit_tokens);
+/* Picks the instance of role for prompt ids (prefix-aware routing): in the routing set, not
+ * exclude, the one whose load (as pd_reg_pick's: prefill, the prompt tokens queued ahead; decode,
+ * the tokens its sequences and reservations hold) and in-flight tokens, less the prompt's
+ * leading full blocks (the instances' block size) that this scheduler sent it before, which its
+ * prefix cache likely still holds, are the least; round-robin among ties. Adds tokens to its
+ * in-flight count and records the prompt's blocks as its own. *hit_tokens (may be NULL): the
+ * tokens counted as cached there. -1 when none is up. */
+int pd_reg_pick_cached(pd_reg *r, rt_role role, const int32_t *ids, size_t n_ids, int64_t tokens,
+                       int exclude, int64_t *hit_tokens);
 /* Takes tokens back from instance k's in-flight count. */
 void pd_reg_release(pd_reg *r, int k, int64_t tokens);
 

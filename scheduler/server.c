@@ -757,7 +757,9 @@ static void on_prefill_done(void *arg, int st, const char *details, const uint8_
         if (m) pd__prefill_reply__free_unpacked(m, NULL);
         send_abort(s, pk, c->sub_id);
         const pd_api_prompt *pr = &r->req.prompts[c->prompt_idx];
-        int next = c->attempts < 2 ? pd_reg_pick_prefill(s->reg, pr->ids, pr->n_ids, pk, NULL) : -1;
+        int next = c->attempts < 2 ? pd_reg_pick_cached(s->reg, RT_ROLE_PREFILL, pr->ids, pr->n_ids,
+                                                        (int64_t)pr->n_ids, pk, NULL)
+                                   : -1;
         if (next >= 0) {
             c->attempts++;
             pthread_mutex_lock(&r->mu);
@@ -1607,17 +1609,20 @@ static void admit_expire(pd_sched *s)
     }
 }
 
-/* Retries the head of the admission queue on the least loaded decode instance. */
+/* Retries the head of the admission queue on the decode instance picked as at first (the least
+ * loaded, less what its prefix cache likely holds of the prompt). */
 static void admit_pump(pd_sched *s)
 {
     s->admit_kick = false;
     if (s->admit_busy || !s->admit_head) return;
     choice *c = s->admit_head;
     sreq *r = c->r;
+    const pd_api_prompt *pr = &r->req.prompts[c->prompt_idx];
     admit_unlink(s, c);
     int old = c->d_node;
     pd_reg_release(s->reg, old, c->d_tokens);
-    c->d_node = pd_reg_pick(s->reg, RT_ROLE_DECODE, c->d_tokens, -1);
+    c->d_node =
+        pd_reg_pick_cached(s->reg, RT_ROLE_DECODE, pr->ids, pr->n_ids, c->d_tokens, -1, NULL);
     if (c->d_node < 0 ||
         (c->d_node != old &&
          pd_reg_decode_targets(s->reg, c->d_node, r->a, &c->targets, &c->n_targets) < 0)) {
@@ -1935,8 +1940,11 @@ static void dispatch(sreq *r)
         }
         c->p_tokens = (int64_t)pr->n_ids;
         c->d_tokens = (int64_t)pr->n_ids + pr->max_tokens;
-        c->d_node = pd_reg_pick(s->reg, RT_ROLE_DECODE, c->d_tokens, -1);
-        c->p_node = c->d_node >= 0 ? pd_reg_pick_prefill(s->reg, pr->ids, pr->n_ids, -1, NULL) : -1;
+        c->d_node =
+            pd_reg_pick_cached(s->reg, RT_ROLE_DECODE, pr->ids, pr->n_ids, c->d_tokens, -1, NULL);
+        c->p_node = c->d_node >= 0 ? pd_reg_pick_cached(s->reg, RT_ROLE_PREFILL, pr->ids, pr->n_ids,
+                                                        c->p_tokens, -1, NULL)
+                                   : -1;
         const char *why = c->d_node < 0 ? "No healthy decode instance is available."
                                         : "No healthy prefill instance is available.";
         if (c->p_node < 0 ||

@@ -745,33 +745,42 @@ TEST(faults_registry_round_robin)
 TEST(faults_registry_prefix_affinity)
 {
     FIXTURE();
-    for (int k = 0; k < 2; k++) ASSERT(wait_idle(k, 5000));
+    for (int k = 0; k < 4; k++) ASSERT(wait_idle(k, 5000));
     pd_rpc_client *cl = NULL;
     ASSERT_OK(pd_rpc_client_create(&cl));
     pd_reg *reg = NULL;
     int rc = live_registry(cl, &reg);
     bool round = rc == PD_OK && pd_reg_wait_round(reg, 10000);
     int32_t a[48], b[48], a2[40];
+    int64_t dhit[2] = {0};
+    int da = -1, da2 = -1;
     for (int i = 0; i < 48; i++) a[i] = 100 + i, b[i] = 300 + i;
     for (int i = 0; i < 40; i++) a2[i] = i < 32 ? a[i] : 500 + i;
     int64_t hit[6] = {0};
     int pa = -1, again = -1, part = -1, excl = -1, busy = -1, other = -1;
     if (round) {
-        pa = pd_reg_pick_prefill(reg, a, 48, -1, &hit[0]);
+        pa = pd_reg_pick_cached(reg, RT_ROLE_PREFILL, a, 48, 48, -1, &hit[0]);
         pd_reg_release(reg, pa, 48); /* equal loads again */
-        again = pd_reg_pick_prefill(reg, a, 48, -1, &hit[1]);
+        again = pd_reg_pick_cached(reg, RT_ROLE_PREFILL, a, 48, 48, -1, &hit[1]);
         pd_reg_release(reg, again, 48);
-        part = pd_reg_pick_prefill(reg, a2, 40, -1, &hit[2]); /* its first 2 blocks are a's */
+        part = pd_reg_pick_cached(reg, RT_ROLE_PREFILL, a2, 40, 40, -1,
+                                  &hit[2]); /* its first 2 blocks are a's */
         pd_reg_release(reg, part, 40);
         /* 100 tokens queued on a's instance outweigh the 48 its cache would save */
         int q = pd_reg_pick(reg, RT_ROLE_PREFILL, 100, pa == P0 ? P1 : P0);
-        busy = pd_reg_pick_prefill(reg, a, 48, -1, &hit[4]);
+        busy = pd_reg_pick_cached(reg, RT_ROLE_PREFILL, a, 48, 48, -1, &hit[4]);
         pd_reg_release(reg, busy, 48);
         pd_reg_release(reg, q, 100);
-        excl = pd_reg_pick_prefill(reg, b, 48, busy, &hit[3]); /* b: new everywhere */
+        excl = pd_reg_pick_cached(reg, RT_ROLE_PREFILL, b, 48, 48, busy,
+                                  &hit[3]); /* b: new everywhere */
         pd_reg_release(reg, excl, 48);
-        other = pd_reg_pick_prefill(reg, b, 48, -1, &hit[5]);
+        other = pd_reg_pick_cached(reg, RT_ROLE_PREFILL, b, 48, 48, -1, &hit[5]);
         pd_reg_release(reg, other, 48);
+        /* decode instances alike: a's reservation goes where a's blocks went */
+        da = pd_reg_pick_cached(reg, RT_ROLE_DECODE, a, 48, 64, -1, &dhit[0]);
+        pd_reg_release(reg, da, 64);
+        da2 = pd_reg_pick_cached(reg, RT_ROLE_DECODE, a, 48, 64, -1, &dhit[1]);
+        pd_reg_release(reg, da2, 64);
     }
     pd_reg_free(reg);
     pd_rpc_client_destroy(cl);
@@ -793,6 +802,12 @@ TEST(faults_registry_prefix_affinity)
     ASSERT_EQ_INT(hit[3], 0);
     ASSERT_EQ_INT(other, excl); /* b went there */
     ASSERT_EQ_INT(hit[5], 48);
+    printf("    decode: prompt a -> %d (hit %lld), again -> %d (hit %lld)\n", da,
+           (long long)dhit[0], da2, (long long)dhit[1]);
+    ASSERT(da == D0 || da == D1);
+    ASSERT_EQ_INT(dhit[0], 0);
+    ASSERT_EQ_INT(da2, da);
+    ASSERT_EQ_INT(dhit[1], 48);
 }
 
 /* A scheduler killed while it streams: the decode instances lose its relay streams and Decode
