@@ -669,15 +669,20 @@ TEST(faults_prefill_retry_after_partial_kv)
     ASSERT(wait_idle(D1, 5000));
 }
 
-/* A registry of the live cluster on client cl, its heartbeat started (every 200 ms). */
-static int live_registry(pd_rpc_client *cl, pd_reg **reg)
+/* A client *cl and a registry *reg of the live cluster, its heartbeat started (every 200 ms);
+ * *round: its first heartbeat round completed within 10 s. The caller frees both. */
+static int live_registry(pd_rpc_client **cl, pd_reg **reg, bool *round)
 {
     char ports[64];
     snprintf(ports, sizeof ports, "%d,%d,%d,%d", g_c.ports[0], g_c.ports[1], g_c.ports[2],
              g_c.ports[3]);
     *reg = NULL;
-    PD_CHECK(pd_reg_create(g_c.global, ports, cl, reg));
-    return pd_reg_start(*reg, 200, 2000, NULL, NULL);
+    *round = false;
+    PD_CHECK(pd_rpc_client_create(cl));
+    PD_CHECK(pd_reg_create(g_c.global, ports, *cl, reg));
+    PD_CHECK(pd_reg_start(*reg, 200, 2000, NULL, NULL));
+    *round = pd_reg_wait_round(*reg, 10000);
+    return PD_OK;
 }
 
 /* The scheduler's registry against the live cluster: with every instance idle (equal load),
@@ -689,10 +694,9 @@ TEST(faults_registry_round_robin)
     FIXTURE();
     for (int k = 0; k < 4; k++) ASSERT(wait_idle(k, 5000));
     pd_rpc_client *cl = NULL;
-    ASSERT_OK(pd_rpc_client_create(&cl));
     pd_reg *reg = NULL;
-    int rc = live_registry(cl, &reg);
-    bool round = rc == PD_OK && pd_reg_wait_round(reg, 10000);
+    bool round;
+    int rc = live_registry(&cl, &reg, &round);
     int picks[4] = {0}, none = 0;
     for (int i = 0; round && i < 8; i++) {
         int p = pd_reg_pick(reg, RT_ROLE_PREFILL, 0, -1),
@@ -747,10 +751,9 @@ TEST(faults_registry_prefix_affinity)
     FIXTURE();
     for (int k = 0; k < 4; k++) ASSERT(wait_idle(k, 5000));
     pd_rpc_client *cl = NULL;
-    ASSERT_OK(pd_rpc_client_create(&cl));
     pd_reg *reg = NULL;
-    int rc = live_registry(cl, &reg);
-    bool round = rc == PD_OK && pd_reg_wait_round(reg, 10000);
+    bool round;
+    int rc = live_registry(&cl, &reg, &round);
     int32_t a[48], b[48], a2[40];
     int64_t dhit[2] = {0};
     int da = -1, da2 = -1;
