@@ -37,6 +37,7 @@ typedef struct {
     char transport[16]; /* from Info */
     uint64_t epoch;     /* from Info: Stats with another one means the process restarted */
     int block_size;     /* from Info */
+    bool caches;        /* from Info: it runs with prefix caching */
     uint64_t *pfx;      /* (PFX_SLOTS) block keys sent to it, 0 = empty */
     size_t n_ranks;
     Pd__DecodeTarget targets[REG_MAX_RANKS]; /* host strings in target_hosts */
@@ -253,6 +254,7 @@ static void heartbeat_node(pd_reg *r, int k, bool again)
         nd->verified = true;
         nd->epoch = m->instance_epoch;
         nd->block_size = m->block_size;
+        nd->caches = m->prefix_caching;
         if (nd->pfx) memset(nd->pfx, 0, PFX_SLOTS * sizeof *nd->pfx); /* a new process */
         nd->max_num_seqs = m->max_num_seqs;
         snprintf(nd->transport, sizeof nd->transport, "%s", m->kv_transport);
@@ -616,6 +618,16 @@ int64_t pd_reg_preemptions(pd_reg *r)
         if (r->nodes[k].inst->role == RT_ROLE_DECODE) s += r->nodes[k].preemptions;
     pthread_mutex_unlock(&r->mu);
     return s;
+}
+
+int pd_reg_cache_block(pd_reg *r, rt_role role)
+{
+    pthread_mutex_lock(&r->mu);
+    int bs = 0;
+    for (int k = r->first[role]; k < r->first[role] + r->count[role] && !bs; k++)
+        if (r->nodes[k].up && r->nodes[k].caches) bs = r->nodes[k].block_size;
+    pthread_mutex_unlock(&r->mu);
+    return bs;
 }
 
 void pd_reg_prefix_cache(pd_reg *r, int64_t *queries, int64_t *hits)

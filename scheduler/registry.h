@@ -95,6 +95,9 @@ int pd_reg_max_num_seqs(pd_reg *r);
  * block is known), preemptions summed over decode instances. */
 double pd_reg_kv_usage(pd_reg *r);
 int64_t pd_reg_preemptions(pd_reg *r);
+/* The block size of the first up instance of role that caches prefixes (its Info), 0 when none
+ * does. */
+int pd_reg_cache_block(pd_reg *r, rt_role role);
 /* Prefix cache tokens queried and hit, summed over every instance (from the last Stats). */
 void pd_reg_prefix_cache(pd_reg *r, int64_t *queries, int64_t *hits);
 

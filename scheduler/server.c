@@ -23,6 +23,14 @@
  * does when the relay was not open yet). The rpc thread maps request ids to choices (relay
  * events name their request) from the Decode call's start to its end; backpressure for a
  * relayed choice is a Pause call that makes the node hold its events.
+ *
+ * n > 1: the choices of one prompt share its KV. The first (the leader) starts at once; the
+ * others wait (deferred) until the decode instance has stepped the leader, when the prompt's full
+ * blocks are in both instances' prefix caches: each follower then prefills only the prompt's
+ * last partial block on the prefill instance, and the decode instance that holds the leader
+ * reserves the cached blocks, so only that block moves (vLLM v1's n child requests share the
+ * prompt's blocks through its prefix cache the same way). Prompts of at most one block, and
+ * clusters without prefix caching, start every choice at once.
  */
 #include "sched.h"
 
@@ -125,6 +133,7 @@ typedef struct choice {
     /* admission queue (loop thread) */
     bool in_queue, retrying;
     struct choice *q_prev, *q_next;
+    bool deferred; /* an n > 1 follower waiting for its leader (see the file-top comment) */
     /* loop side */
     rec_buf work;
     bool chain_running; /* holds a reference */
@@ -1027,8 +1036,9 @@ static void abort_chains(sreq *r)
     for (int i = 0; i < r->n_choices; i++) {
         choice *c = &r->choices[i];
         if (!c->chain_running) continue;
-        if (c->in_queue) { /* nothing in flight and nothing held on any instance */
+        if (c->in_queue || c->deferred) { /* nothing in flight and nothing held anywhere */
             admit_unlink(s, c);
+            c->deferred = false;
             chain_end(c);
             continue;
         }
@@ -1656,6 +1666,49 @@ static void admit_wait(pd_sched *s, choice *c, bool front)
     }
 }
 
+/* Picks c's decode and prefill instances and the decode targets: NULL, or why it could not (what
+ * was picked is given back). */
+static const char *pick_instances(pd_sched *s, choice *c)
+{
+    sreq *r = c->r;
+    const pd_api_prompt *pr = &r->req.prompts[c->prompt_idx];
+    c->d_node =
+        pd_reg_pick_cached(s->reg, RT_ROLE_DECODE, pr->ids, pr->n_ids, c->d_tokens, -1, NULL);
+    if (c->d_node < 0 ||
+        pd_reg_decode_targets(s->reg, c->d_node, r->a, &c->targets, &c->n_targets) < 0) {
+        pd_reg_release(s->reg, c->d_node, c->d_tokens);
+        c->d_node = -1;
+        return "No healthy decode instance is available.";
+    }
+    c->p_node =
+        pd_reg_pick_cached(s->reg, RT_ROLE_PREFILL, pr->ids, pr->n_ids, c->p_tokens, -1, NULL);
+    if (c->p_node >= 0) return NULL;
+    pd_reg_release(s->reg, c->d_node, c->d_tokens);
+    c->d_node = -1;
+    return "No healthy prefill instance is available.";
+}
+
+/* Starts the deferred followers of leader l (n > 1, see the file-top comment): on the instances
+ * picked now, which prefer those whose caches hold the leader's blocks. */
+static void start_followers(pd_sched *s, sreq *r, const choice *l)
+{
+    for (int i = l->index + 1; i < l->index + r->req.sp.n; i++) {
+        choice *c = &r->choices[i];
+        if (!c->deferred) continue;
+        c->deferred = false;
+        const char *why = pick_instances(s, c);
+        if (why) {
+            chain_end(c);
+            request_fail(r, 503, why); /* ends the other followers too */
+            return;
+        }
+        if (s->admit_head || s->admit_busy)
+            admit_wait(s, c, false);
+        else
+            send_reserve(c);
+    }
+}
+
 /* Applies the pending records of every choice of r (loop thread). */
 static void process(sreq *r)
 {
@@ -1750,6 +1803,11 @@ static void process(sreq *r)
             }
         }
         c->work.n = 0;
+        /* a leader that the decode instance has stepped (or that ended well) lets its followers
+         * go: the prompt's blocks are cached */
+        if (!r->done && r->req.sp.n > 1 && c->index % r->req.sp.n == 0 &&
+            (c->completion_tokens >= 2 || (c->finished && !err_http)))
+            start_followers(s, r, c);
         bool was_head = c->retrying;
         if (c->retrying && (wait || retry || admitted || chain_done)) { /* it has its answer */
             c->retrying = false;
@@ -1809,7 +1867,8 @@ static void instance_lost(pd_sched *s, int k)
         bool fail = false;
         for (int i = 0; i < r->n_choices; i++) {
             choice *c = &r->choices[i];
-            if (!c->chain_running || c->in_queue) continue; /* queued: picks again on retry */
+            if (!c->chain_running || c->in_queue || c->deferred)
+                continue; /* queued: picks again on retry; deferred: picks when it starts */
             pthread_mutex_lock(&r->mu);
             bool pre = c->p_node == k && c->in_phase[PH_PREFILL] && !c->in_phase[PH_DECODE];
             uint64_t id = c->call_id[PH_PREFILL];
@@ -1897,6 +1956,10 @@ static void dispatch(sreq *r)
     pd_metric_observe(s->m_h_max, s->labels, (double)r->req.prompts[0].max_tokens);
     pd_metric_inc(s->m_prompt, s->labels, (double)r->prompt_tokens);
     pd_metric_observe(s->m_h_prompt, s->labels, (double)r->prompt_tokens);
+    /* n > 1: the block size of an instance that caches prefixes, for the followers */
+    int cache_bs = 0;
+    if (n > 1) cache_bs = pd_reg_cache_block(s->reg, RT_ROLE_PREFILL);
+    if (n > 1 && !cache_bs) cache_bs = pd_reg_cache_block(s->reg, RT_ROLE_DECODE);
     for (int i = 0; i < r->n_choices; i++) {
         choice *c = &r->choices[i];
         c->r = r;
@@ -1940,19 +2003,16 @@ static void dispatch(sreq *r)
         }
         c->p_tokens = (int64_t)pr->n_ids;
         c->d_tokens = (int64_t)pr->n_ids + pr->max_tokens;
-        c->d_node =
-            pd_reg_pick_cached(s->reg, RT_ROLE_DECODE, pr->ids, pr->n_ids, c->d_tokens, -1, NULL);
-        c->p_node = c->d_node >= 0 ? pd_reg_pick_cached(s->reg, RT_ROLE_PREFILL, pr->ids, pr->n_ids,
-                                                        c->p_tokens, -1, NULL)
-                                   : -1;
-        const char *why = c->d_node < 0 ? "No healthy decode instance is available."
-                                        : "No healthy prefill instance is available.";
-        if (c->p_node < 0 ||
-            pd_reg_decode_targets(s->reg, c->d_node, r->a, &c->targets, &c->n_targets) < 0) {
-            for (int j = 0; j <= i; j++) { /* give back what was picked so far */
+        if (i % n && cache_bs && pr->n_ids > (size_t)cache_bs) { /* waits for its leader */
+            c->deferred = true;
+            continue;
+        }
+        const char *why = pick_instances(s, c);
+        if (why) {
+            for (int j = 0; j < i; j++) { /* give back what was picked so far */
                 choice *cj = &r->choices[j];
-                if (cj->d_node >= 0) pd_reg_release(s->reg, cj->d_node, cj->d_tokens);
-                if (cj->p_node >= 0) pd_reg_release(s->reg, cj->p_node, cj->p_tokens);
+                pd_reg_release(s->reg, cj->d_node, cj->d_tokens);
+                pd_reg_release(s->reg, cj->p_node, cj->p_tokens);
                 cj->d_node = cj->p_node = -1;
             }
             request_fail(r, 503, why);
@@ -1972,6 +2032,7 @@ static void dispatch(sreq *r)
         choice *c = &r->choices[i];
         c->chain_running = true;
         r->refs++;
+        if (c->deferred) continue;
         if (queue)
             admit_wait(s, c, false);
         else

@@ -417,6 +417,7 @@ static void h_info(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len)
     m.version = PD_VERSION;
     m.max_num_seqs = (int32_t)n->p.max_num_seqs;
     m.instance_epoch = n->epoch;
+    m.prefix_caching = n->p.enable_prefix_caching;
     reply_msg(call, &m.base);
     pd_arena_destroy(a);
 }

@@ -164,6 +164,13 @@ q, h = (b[k] - a[k] for k in ("prefix_cache_queries", "prefix_cache_hits"))
 assert (q, h) == (4 * 72, 3 * 64), (q, h)   # 4 prompts of 72 tokens; 3 find 4 blocks each
 print(f"prefix cache: {h} of {q} prompt tokens hit")
 PY
+# tools/bench/bench_n.py: n = 3 on 40-token prompts; the later choices of each prompt find its two
+# full blocks on both instances (scheduler.md, n > 1), 2 x 2 x 32 hits on each of the two
+$py "$src/tools/bench/bench_n.py" --port "$sp" --requests 2 --concurrency 2 --n 3 --prompt-len 40 \
+    --max-tokens 4 --vocab 1000 --stats-wait 2.5 >"$work/bench_n.log" 2>&1 ||
+    fail "bench_n.py: $(cat "$work/bench_n.log")"
+grep -q "requests 2 (0 failed).*prefix cache hits 256 of 480 tokens" "$work/bench_n.log" ||
+    fail "bench_n.py: $(cat "$work/bench_n.log")"
 out=$("$bench" --duration 5 2>&1); st=$?
 [ $st = 2 ] && grep -q -- "--duration needs a finite --request-rate" <<<"$out" || fail "--duration without a rate: $st, $out"
 out=$("$bench" --abort-ratio 0.1 2>&1); st=$?

@@ -3120,17 +3120,24 @@ TEST(golden_40_metrics_max_tokens_per_request)
  * whole blocks; each choice that goes on to decode moves its own copy (the n=2 request's two
  * choices are prefilled and moved separately: 5 + 5 + 3 + 3), and the request whose first token
  * ends it (EOS) moves none. */
-TEST(golden_40_metrics_kv_bytes)
+/* KV bytes of one token of the golden model (f32 KV on the CPU backend), 0 when its config.json
+ * does not read. */
+static int64_t kv_bytes_per_token(void)
 {
-    if (!g_after_ok) SKIP("no snapshot after traffic");
     char path[700];
     snprintf(path, sizeof path, "%s/config.json", g_model);
     json_t *cfg = json_load_file(path, 0, NULL);
-    ASSERT(cfg);
     int64_t per_tok = json_integer_value(json_object_get(cfg, "num_hidden_layers")) * 2 *
                       json_integer_value(json_object_get(cfg, "num_key_value_heads")) *
                       json_integer_value(json_object_get(cfg, "head_dim")) * 4;
     json_decref(cfg);
+    return per_tok;
+}
+
+TEST(golden_40_metrics_kv_bytes)
+{
+    if (!g_after_ok) SKIP("no snapshot after traffic");
+    int64_t per_tok = kv_bytes_per_token();
     ASSERT(per_tok > 0);
     ASSERT_MSG(g_after.kv_bytes == (double)(16 * per_tok),
                "kv_transfer_bytes_total %g after 16 moved prompt tokens, want %lld (%lld per "
@@ -3143,26 +3150,53 @@ TEST(golden_40_metrics_kv_bytes)
  * the decode instance's reservation finds them too (the first request's, registered when it
  * decoded), so their KV does not move. Each instance counts the prompt's 40 tokens per lookup;
  * the counters are the instances' sums, from their Stats (the heartbeat). */
+/* A snapshot once the prefix cache counters stay put over more than a heartbeat period: the
+ * instances served earlier tests (and other schedulers), whose last Stats must be in. */
+static bool steady_snapshot(snapshot *s0, char *why, size_t wn)
+{
+    for (int i = 0; i < 8; i++) {
+        snapshot s;
+        if (!read_snapshot(s0, why, wn)) return false;
+        pd_sleep_ns(1200 * PD_NS_PER_MS);
+        if (!read_snapshot(&s, why, wn)) return false;
+        if (s.cache_queries == s0->cache_queries && s.cache_hits == s0->cache_hits) return true;
+    }
+    snprintf(why, wn, "the prefix cache counters kept moving without traffic");
+    return false;
+}
+
+/* Waits (10 s at most) until the prefix cache counters have grown from s0's by queries and
+ * hits; *s: the last snapshot. */
+static bool cache_grown(const snapshot *s0, double queries, double hits, snapshot *s, char *why,
+                        size_t wn)
+{
+    int64_t deadline = pd_now_ns() + 10 * PD_NS_PER_S;
+    for (;;) {
+        if (read_snapshot(s, why, wn) && s->cache_hits - s0->cache_hits >= hits &&
+            s->cache_queries - s0->cache_queries >= queries)
+            return true;
+        if (pd_now_ns() > deadline) return false;
+        pd_sleep_ns(100 * PD_NS_PER_MS);
+    }
+}
+
+/* {"prompt":[40 ids: base + 7 i], <rest>} */
+static void prompt40_body(char *body, size_t n, int base, const char *rest)
+{
+    size_t o = (size_t)snprintf(body, n, "{\"prompt\":[");
+    for (int i = 0; i < 40; i++)
+        o += (size_t)snprintf(body + o, n - o, "%s%d", i ? "," : "", base + 7 * i);
+    snprintf(body + o, n - o, "],%s}", rest);
+}
+
 TEST(golden_40_metrics_prefix_cache)
 {
     FIXTURE();
     snapshot s0, s;
     char why[512] = "";
-    /* the instances served earlier tests (and other schedulers): wait until their last Stats
-     * are in, i.e. the counters stay put over more than a heartbeat period */
-    bool steady = false;
-    for (int i = 0; i < 8 && !steady; i++) {
-        ASSERT_MSG(read_snapshot(&s0, why, sizeof why), "before: %s", why);
-        pd_sleep_ns(1200 * PD_NS_PER_MS);
-        ASSERT_MSG(read_snapshot(&s, why, sizeof why), "before: %s", why);
-        steady = s.cache_queries == s0.cache_queries && s.cache_hits == s0.cache_hits;
-    }
-    ASSERT_MSG(steady, "the prefix cache counters kept moving without traffic");
+    ASSERT_MSG(steady_snapshot(&s0, why, sizeof why), "before: %s", why);
     char body[1024];
-    size_t o = (size_t)snprintf(body, sizeof body, "{\"prompt\":[");
-    for (int i = 0; i < 40; i++)
-        o += (size_t)snprintf(body + o, sizeof body - o, "%s%d", i ? "," : "", 500 + 7 * i);
-    snprintf(body + o, sizeof body - o, "],\"max_tokens\":2,\"ignore_eos\":true}");
+    prompt40_body(body, sizeof body, 500, "\"max_tokens\":2,\"ignore_eos\":true");
     for (int i = 0; i < 2; i++) {
         resp r;
         ASSERT(post(g_port_metrics, "/v1/completions", body, &r) == 0);
@@ -3170,17 +3204,64 @@ TEST(golden_40_metrics_prefix_cache)
         resp_free(&r);
         ASSERT_EQ_INT(st, 200);
     }
-    int64_t deadline = pd_now_ns() + 10 * PD_NS_PER_S;
-    bool got = false;
-    while (pd_now_ns() < deadline && !got) {
-        got = read_snapshot(&s, why, sizeof why) && s.cache_hits - s0.cache_hits >= 64 &&
-              s.cache_queries - s0.cache_queries >= 160;
-        if (!got) pd_sleep_ns(100 * PD_NS_PER_MS);
-    }
+    bool got = cache_grown(&s0, 160, 64, &s, why, sizeof why);
     ASSERT_MSG(got, "prefix cache counters: %s; queries %g -> %g, hits %g -> %g", why,
                s0.cache_queries, s.cache_queries, s0.cache_hits, s.cache_hits);
     ASSERT_NEAR(s.cache_queries - s0.cache_queries, 160, 1e-9); /* 2 x 40 on each instance */
     ASSERT_NEAR(s.cache_hits - s0.cache_hits, 64, 1e-9);        /* 32 on each, the second time */
+}
+
+/* n > 1 shares the prompt's KV: of an n=4 request's choices on a 40-token prompt, the first is
+ * prefilled and moved whole; the other three start once the decode instance has stepped it, find
+ * its two full blocks in both instances' caches, and prefill and move only the last 8 tokens:
+ * (40 + 3 x 8) tokens of KV instead of 4 x 40, 3 x 32 hits on each instance. Each choice still
+ * equals the n=1 request with its seed (seed + index). */
+TEST(golden_40_metrics_n_shares_prompt)
+{
+    FIXTURE();
+    int64_t per_tok = kv_bytes_per_token();
+    ASSERT(per_tok > 0);
+    snapshot s0, s;
+    char why[512] = "";
+    ASSERT_MSG(steady_snapshot(&s0, why, sizeof why), "before: %s", why);
+    char body[1024];
+    prompt40_body(body, sizeof body, 301,
+                  "\"n\":4,\"max_tokens\":4,\"ignore_eos\":true,\"temperature\":1.0,\"seed\":5");
+    json_t *o = post_ok(g_port_metrics, "/v1/completions", body);
+    ASSERT(o);
+    bool got = cache_grown(&s0, 320, 192, &s, why, sizeof why);
+    double kv = s.kv_bytes - s0.kv_bytes;
+    if (!got || s.cache_queries - s0.cache_queries != 320 || s.cache_hits - s0.cache_hits != 192 ||
+        kv != (double)(64 * per_tok))
+        json_decref(o);
+    ASSERT_MSG(got, "prefix cache counters: %s; queries %g -> %g, hits %g -> %g", why,
+               s0.cache_queries, s.cache_queries, s0.cache_hits, s.cache_hits);
+    ASSERT_NEAR(s.cache_queries - s0.cache_queries, 320, 1e-9); /* 4 x 40 on each instance */
+    ASSERT_NEAR(s.cache_hits - s0.cache_hits, 192, 1e-9);       /* 3 x 32 on each */
+    ASSERT_MSG(kv == (double)(64 * per_tok), "%g KV bytes moved, want %lld (64 tokens)", kv,
+               (long long)(64 * per_tok));
+    json_t *ch = json_object_get(o, "choices");
+    for (size_t i = 0; i < 4; i++) {
+        char one[1024], rest[160];
+        snprintf(rest, sizeof rest,
+                 "\"max_tokens\":4,\"ignore_eos\":true,\"temperature\":1.0,\"seed\":%zu", 5 + i);
+        prompt40_body(one, sizeof one, 301, rest);
+        json_t *a = post_ok(g_port, "/v1/completions", one);
+        json_t *c = json_array_get(ch, i);
+        const char *want = json_string_value(
+            json_object_get(json_array_get(json_object_get(a, "choices"), 0), "text"));
+        const char *have = json_string_value(json_object_get(c, "text"));
+        bool same = want && have &&
+                    json_integer_value(json_object_get(c, "index")) == (json_int_t)i &&
+                    strcmp(want, have) == 0;
+        char msg[300];
+        snprintf(msg, sizeof msg, "choice %zu: \"%.100s\", alone with seed %zu: \"%.100s\"", i,
+                 have ? have : "(none)", 5 + i, want ? want : "(none)");
+        json_decref(a);
+        if (!same) json_decref(o);
+        ASSERT_MSG(same, "%s", msg);
+    }
+    json_decref(o);
 }
 
 /* True when node k holds nothing for any request (no running, waiting, held sequences or
@@ -3200,39 +3281,47 @@ static bool node_idle(int k, int timeout_ms)
 }
 
 /* §18.19: a client that disconnects mid-stream frees the KV on every instance (prefill and
- * decode), and request_success_total{finished_reason="abort"} goes up by exactly 1. */
+ * decode), and request_success_total{finished_reason="abort"} goes up by exactly 1. Also with
+ * n = 3 on a 40-token prompt, whose followers wait for the leader when the client leaves. */
 TEST(golden_19_disconnect_frees_every_instance)
 {
     FIXTURE();
     const char *key = "vllm:request_success_total{model_name=\"tiny\",engine=\"0\","
                       "finished_reason=\"abort\"} ";
-    char *m = get_metrics(g_port_metrics);
-    ASSERT(m);
-    double before = cl_metric(m, key, -1);
-    free(m);
-    ASSERT(before >= 0);
-    cl_conn c;
-    ASSERT(cl_conn_open(&c, g_port_metrics, "POST", "/v1/completions", NULL,
-                        "{\"prompt\":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20],"
-                        "\"max_tokens\":40,\"ignore_eos\":true,\"stream\":true}",
-                        true) == 0);
-    int64_t deadline = pd_now_ns() + 30 * PD_NS_PER_S;
-    while (!strstr(c.buf ? c.buf : "", "data: ") && !c.eof && pd_now_ns() < deadline)
-        cl_conn_poll(&c, 1, 100, 0);
-    bool streaming = c.buf && strstr(c.buf, "data: ") && !strstr(c.buf, "[DONE]");
-    cl_conn_close(&c);
-    ASSERT_MSG(streaming, "the stream did not start (or ended before the hang-up)");
-    double after = before;
-    deadline = pd_now_ns() + 10 * PD_NS_PER_S;
-    while (after == before && pd_now_ns() < deadline) {
-        pd_sleep_ns(100 * PD_NS_PER_MS);
-        m = get_metrics(g_port_metrics);
-        after = m ? cl_metric(m, key, before) : before;
+    char n3[1024];
+    prompt40_body(n3, sizeof n3, 302,
+                  "\"n\":3,\"max_tokens\":20,\"ignore_eos\":true,\"stream\":true");
+    const char *bodies[] = {"{\"prompt\":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20],"
+                            "\"max_tokens\":40,\"ignore_eos\":true,\"stream\":true}",
+                            n3};
+    for (int b = 0; b < 2; b++) {
+        char *m = get_metrics(g_port_metrics);
+        ASSERT(m);
+        double before = cl_metric(m, key, -1);
         free(m);
+        ASSERT(before >= 0);
+        cl_conn c;
+        ASSERT(cl_conn_open(&c, g_port_metrics, "POST", "/v1/completions", NULL, bodies[b], true) ==
+               0);
+        int64_t deadline = pd_now_ns() + 30 * PD_NS_PER_S;
+        while (!strstr(c.buf ? c.buf : "", "data: ") && !c.eof && pd_now_ns() < deadline)
+            cl_conn_poll(&c, 1, 100, 0);
+        bool streaming = c.buf && strstr(c.buf, "data: ") && !strstr(c.buf, "[DONE]");
+        cl_conn_close(&c);
+        ASSERT_MSG(streaming, "request %d: the stream did not start (or ended before the hang-up)",
+                   b);
+        double after = before;
+        deadline = pd_now_ns() + 10 * PD_NS_PER_S;
+        while (after == before && pd_now_ns() < deadline) {
+            pd_sleep_ns(100 * PD_NS_PER_MS);
+            m = get_metrics(g_port_metrics);
+            after = m ? cl_metric(m, key, before) : before;
+            free(m);
+        }
+        ASSERT_NEAR(after, before + 1, 1e-9);
+        ASSERT_MSG(node_idle(0, 10000), "request %d: the prefill instance still holds state", b);
+        ASSERT_MSG(node_idle(1, 10000), "request %d: the decode instance still holds state", b);
     }
-    ASSERT_NEAR(after, before + 1, 1e-9);
-    ASSERT_MSG(node_idle(0, 10000), "the prefill instance still holds state");
-    ASSERT_MSG(node_idle(1, 10000), "the decode instance still holds state");
 }
 
 /* §18.18: the only prefill instance dies before the first token of a stream: the client gets a

@@ -1,0 +1,98 @@
+#!/usr/bin/env python3
+"""Completions with n > 1 against a pd-scheduler: latency, output rate, and what the cluster did
+(KV moved, prefix cache hits) from the scheduler's /metrics. Standard library only.
+
+  python3 tools/bench/bench_n.py --port 9420 --requests 8 --concurrency 1 --n 4 \\
+      --prompt-len 512 --max-tokens 32
+
+Prompts are random token ids below --vocab (a fixed seed, one prompt per request, so the same
+arguments send the same prompts); request i uses seed i, temperature 1 and ignore_eos, so every
+choice generates --max-tokens tokens. docs/benchmarks.md records the figures.
+"""
+import argparse
+import json
+import random
+import threading
+import time
+import urllib.request
+
+
+def metric_sums(base):
+    text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+
+    def total(name):
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith(name + "{") or line.startswith(name + " "))
+
+    return (total("pd:kv_transfer_bytes_total"), total("vllm:prefix_cache_queries_total"),
+            total("vllm:prefix_cache_hits_total"))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--port", type=int, required=True, help="pd-scheduler's port on 127.0.0.1")
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--concurrency", type=int, default=1, help="requests in flight")
+    ap.add_argument("--n", type=int, default=4, help="choices per request")
+    ap.add_argument("--prompt-len", type=int, default=512, help="prompt tokens")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--vocab", type=int, default=4000, help="prompt ids are in [10, vocab)")
+    ap.add_argument("--stats-wait", type=float, default=2.5,
+                    help="seconds for the instances' Stats to reach the scheduler, waited "
+                         "before and after the requests")
+    a = ap.parse_args()
+    base = f"http://127.0.0.1:{a.port}"
+    rng = random.Random(7)
+    prompts = [[rng.randrange(10, a.vocab) for _ in range(a.prompt_len)]
+               for _ in range(a.requests)]
+    lat, errors = [], []
+    lock = threading.Lock()
+    queue = list(range(a.requests))
+
+    def worker():
+        while True:
+            with lock:
+                if not queue:
+                    return
+                i = queue.pop(0)
+            body = json.dumps({"prompt": prompts[i], "n": a.n, "max_tokens": a.max_tokens,
+                               "ignore_eos": True, "temperature": 1.0, "seed": i}).encode()
+            t0 = time.time()
+            try:
+                req = urllib.request.Request(base + "/v1/completions", body,
+                                             {"Content-Type": "application/json"})
+                out = json.loads(urllib.request.urlopen(req, timeout=600).read())
+                if len(out["choices"]) != a.n:
+                    raise ValueError(f"{len(out['choices'])} choices")
+                with lock:
+                    lat.append(time.time() - t0)
+            except Exception as e:  # noqa: BLE001 - every failure is counted and shown
+                with lock:
+                    errors.append(f"request {i}: {e}")
+
+    time.sleep(a.stats_wait)  # earlier traffic's counters reach the scheduler first
+    m0 = metric_sums(base)
+    t0 = time.time()
+    threads = [threading.Thread(target=worker) for _ in range(a.concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.time() - t0
+    time.sleep(a.stats_wait)
+    m1 = metric_sums(base)
+    for e in errors:
+        print(e)
+    lat.sort()
+    med = lat[len(lat) // 2] * 1e3 if lat else float("nan")
+    top = lat[-1] * 1e3 if lat else float("nan")
+    print(f"requests {a.requests} ({len(errors)} failed), {a.concurrency} in flight, n {a.n}, "
+          f"prompt {a.prompt_len}, max_tokens {a.max_tokens}: wall {wall:.2f} s, "
+          f"{len(lat) * a.n * a.max_tokens / wall:.1f} output tok/s, latency median {med:.0f} ms, "
+          f"max {top:.0f} ms, KV moved {(m1[0] - m0[0]) / 1e6:.1f} MB, prefix cache hits "
+          f"{m1[2] - m0[2]:.0f} of {m1[1] - m0[1]:.0f} tokens")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
