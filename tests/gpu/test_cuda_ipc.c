@@ -5,7 +5,8 @@
  * a prompt that ends inside its last block and blocks numbered differently on both sides; the
  * head overlap of a prefill rank holding 4 heads and a decode rank holding heads 2..3 (TP 1 to
  * TP 2); the same connection reused for a second request (the mapping is kept); a prompt of
- * more blocks than one pull launch takes (CUDA_KV_PULL_IDS), scattered on both sides. Exits 77
+ * more blocks than one pull launch takes (CUDA_KV_PULL_IDS), scattered on both sides; a frame
+ * describing a pool larger than the mapping, refused before the request goes through. Exits 77
  * without a GPU. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -38,9 +39,11 @@ static int open_pool(pd_backend **b, pd_kv **kv)
 }
 
 /* Sends n_tokens of src_ids (heads [h0, h0 + nh) of a 4-head pool) to a peer holding nh heads
- * from global head h0 in dst_ids, reps times, and returns the peer's verdict. */
+ * from global head h0 in dst_ids, reps times, and returns the peer's verdict. oversized: before
+ * that, a frame that describes the pool as 64 times its size, which the peer must refuse (the
+ * pull would read past the mapping) without dropping the connection or the request. */
 static void transfer_case(const int32_t *src_ids, const int32_t *dst_ids, size_t n, size_t n_tokens,
-                          size_t h0, size_t nh, int reps)
+                          size_t h0, size_t nh, int reps, bool oversized)
 {
     pd_backend *b = NULL;
     pd_kv *kv = NULL;
@@ -62,6 +65,16 @@ static void transfer_case(const int32_t *src_ids, const int32_t *dst_ids, size_t
     if (rc == PD_OK) rc = kv_ipc_spawn_peer(args, &peer, &port);
     pd_kv_tcp_sender *tx = NULL;
     if (rc == PD_OK) rc = pd_kv_tcp_sender_create(&tx);
+    char refusal[512] = "";
+    int rc_big = PD_EINVAL;
+    if (rc == PD_OK && oversized) {
+        pd_kv_params big = p;
+        big.n_blocks *= 64;
+        pd_kv_send_stats st;
+        rc_big = kv_ipc_send(tx, port, 0, b, kv, &big, &share, src_ids, n, n_tokens, h0, nh, &st);
+        snprintf(refusal, sizeof refusal, "%s", pd_last_error());
+        printf("    oversized frame: %s\n", refusal);
+    }
     for (int r = 0; r < reps && rc == PD_OK; r++) {
         pd_kv_send_stats st;
         rc = kv_ipc_send(tx, port, r, b, kv, &p, &share, src_ids, n, n_tokens, h0, nh, &st);
@@ -79,20 +92,23 @@ static void transfer_case(const int32_t *src_ids, const int32_t *dst_ids, size_t
     ASSERT_OK(rc);
     printf("    peer: %s", verdict);
     ASSERT_EQ_INT(st, 0);
+    ASSERT_EQ_INT(rc_big, PD_EINVAL);
+    ASSERT_MSG(!oversized || strstr(refusal, "but the mapped allocation holds"), "refusal: %s",
+               refusal);
 }
 
 TEST(cuda_ipc_all_heads_partial_last_block)
 {
     if (!ctu_have_gpu()) SKIP(pd_last_error());
     const int32_t src[3] = {5, 2, 17}, dst[3] = {30, 0, 9};
-    transfer_case(src, dst, 3, 37, 0, HEADS, 2);
+    transfer_case(src, dst, 3, 37, 0, HEADS, 2, false);
 }
 
 TEST(cuda_ipc_head_overlap_tp1_to_tp2)
 {
     if (!ctu_have_gpu()) SKIP(pd_last_error());
     const int32_t src[2] = {1, 3}, dst[2] = {7, 6};
-    transfer_case(src, dst, 2, 32, 2, 2, 1);
+    transfer_case(src, dst, 2, 32, 2, 2, 1, false);
 }
 
 TEST(cuda_ipc_more_blocks_than_one_launch)
@@ -104,7 +120,14 @@ TEST(cuda_ipc_more_blocks_than_one_launch)
         src[i] = BLOCKS - 1 - i;
         dst[i] = (i * 7) % BLOCKS; /* a permutation: 7 is odd, BLOCKS a power of 2 */
     }
-    transfer_case(src, dst, N, N * 16 - 5, 0, HEADS, 1);
+    transfer_case(src, dst, N, N * 16 - 5, 0, HEADS, 1, false);
+}
+
+TEST(cuda_ipc_frame_larger_than_mapping)
+{
+    if (!ctu_have_gpu()) SKIP(pd_last_error());
+    const int32_t src[] = {5, 9}, dst[] = {1, 0};
+    transfer_case(src, dst, 2, 20, 0, HEADS, 1, true);
 }
 
 TEST(cuda_ipc_peer_checks)

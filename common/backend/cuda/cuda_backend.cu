@@ -14,6 +14,7 @@
 // (kv_export/kv_import/kv_pull) run on a second stream of their own under a mutex, so the
 // transfer threads of a node never touch the step's stream or its graph state (see "KV pool").
 #include <cublas_v2.h>
+#include <cuda.h> // CUresult, CUdeviceptr: cuMemGetAddressRange through the runtime's entry point
 #include <fcntl.h>
 #include <limits.h>
 #include <pthread.h>
@@ -759,6 +760,33 @@ static int op_kv_share(pd_backend *b, const pd_kv *kv, pd_kv_share *out)
     return PD_OK;
 }
 
+// Bytes of the allocation that ptr lies in, from the driver's cuMemGetAddressRange (the runtime
+// has no call for it; its entry point is looked up once, so libcuda need not be linked): 0 when
+// it cannot be told.
+typedef CUresult (*mem_range_fn)(CUdeviceptr *, size_t *, CUdeviceptr);
+static mem_range_fn mem_range;
+static pthread_once_t mem_range_once = PTHREAD_ONCE_INIT;
+
+static void mem_range_init(void)
+{
+    cudaDriverEntryPointQueryResult q;
+    void *fn = NULL;
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault,
+                                         &q) == cudaSuccess &&
+        q == cudaDriverEntryPointSuccess)
+        mem_range = (mem_range_fn)fn;
+    cudaGetLastError();
+}
+
+static size_t mapping_bytes(void *ptr)
+{
+    pthread_once(&mem_range_once, mem_range_init);
+    CUdeviceptr base = 0;
+    size_t bytes = 0;
+    if (!mem_range || mem_range(&base, &bytes, (CUdeviceptr)ptr) != CUDA_SUCCESS) return 0;
+    return bytes - (size_t)((CUdeviceptr)ptr - base);
+}
+
 static int op_kv_peer_open(pd_backend *b, const pd_kv *kv, const pd_kv_share *s, pd_kv_peer **out)
 {
     cuda_be *cb = BE(b);
@@ -789,6 +817,9 @@ static int op_kv_peer_open(pd_backend *b, const pd_kv *kv, const pd_kv_share *s,
         cudaIpcMemHandle_t h;
         memcpy(&h, s->handle, sizeof h);
         cudaError_t e = cudaIpcOpenMemHandle(&p->base, h, cudaIpcMemLazyEnablePeerAccess);
+        // the pool the frame describes must lie inside the mapping: the pull reads all of it
+        size_t need = 2 * (size_t)sp->n_layers * sp->n_blocks * sp->block_size * tok,
+               have = e == cudaSuccess ? mapping_bytes(p->base) : 0;
         if (e != cudaSuccess) {
             cudaGetLastError();
             free(p);
@@ -797,6 +828,15 @@ static int op_kv_peer_open(pd_backend *b, const pd_kv *kv, const pd_kv_share *s,
                           "cuda kv peer: cannot map the peer's KV pool on device %d: %s (another "
                           "host, another container without --ipc=host, or no peer access)",
                           cb->device, cudaGetErrorString(e));
+        } else if (have && have < need) {
+            cudaIpcCloseMemHandle(p->base);
+            cudaGetLastError();
+            free(p);
+            p = NULL;
+            rc = pd_error(PD_EINVAL,
+                          "cuda kv peer: its pool of %zu blocks takes %zu bytes, but the mapped "
+                          "allocation holds %zu",
+                          sp->n_blocks, need, have);
         } else {
             p->device = cb->device;
             p->id = s->id;
