@@ -12,6 +12,8 @@
  *   - prefill of --prefill tokens in one step (best of 3), and the time of the same GEMMs alone
  *     (the backend's matmul op on weights of the same shapes: q, k, v, o, gate, up, down per
  *     layer + lm_head for one row): prefill efficiency = GEMM time / prefill time;
+ *   - the decode step's weight GEMVs alone, back to back in a CUDA graph (gemv_chain), against
+ *     the copy bandwidth: what the GEMV kernels reach with nothing between them;
  *   - decode throughput at --batch sequences (tokens/s over --gen steps, step time only);
  *   - per-op timings at decode shapes (matmul through the op table vs cuBLAS's GemmEx called
  *     directly, the cost of one small element-wise op = the launch floor, attention at decode
@@ -105,6 +107,121 @@ static int gemm_time(pd_backend *b, const pd_model_config *c, size_t n, double *
     *secs = best;
     *flops = fl;
     return rc;
+}
+
+/* The decode step's weight GEMVs alone, back to back at batch 1 (per layer q/k/v in one
+ * matmul_multi, o, gate/up + SwiGLU in one matmul_swiglu, down; then the LM head), on weights of
+ * c's shapes, captured from the step stream into a CUDA graph as the step's own graph is (with
+ * programmatic dependent launch where the backend uses it), and timed per graph launch with
+ * events. Against the copy bandwidth this is how close the GEMV kernels come with nothing
+ * between them; the decode step's time less this is what its other kernels (norms, attention)
+ * and their boundaries cost. A failure is printed and does not end the benchmark. */
+static int gemv_chain(pd_backend *b, const pd_model_config *c, double copy_gbs)
+{
+    const pd_backend_ops *o = pd_backend_get_ops(b);
+    size_t H = (size_t)c->hidden_size, I = (size_t)c->intermediate_size;
+    size_t QD = (size_t)c->num_attention_heads * (size_t)c->head_dim;
+    size_t KD = (size_t)c->num_key_value_heads * (size_t)c->head_dim;
+    size_t V = (size_t)c->vocab_size, L = (size_t)c->num_hidden_layers;
+    enum { WQ, WK, WV, WO, WG, WU, WD, NW };
+    const size_t shape[NW][2] = {{QD, H}, {KD, H}, {KD, H}, {H, QD}, {I, H}, {I, H}, {H, I}};
+    pd_weight **w = calloc(L * NW + 1, sizeof *w);
+    size_t host_n = V * H > I * H ? V * H : I * H, act = (I > QD ? I : QD) + V;
+    uint16_t *host = malloc(host_n * 2);
+    void *x = NULL, *y[4] = {NULL};
+    cudaGraph_t graph = NULL;
+    cudaGraphExec_t exec = NULL;
+    cudaEvent_t ev[2] = {NULL, NULL};
+    double bytes = 0, best = 1e30, sum = 0;
+    int rc = w && host ? PD_OK : pd_error(PD_ENOMEM, "gemv chain: out of memory");
+    uint64_t seed = 3;
+    for (size_t i = 0; rc == PD_OK && i < host_n; i++)
+        host[i] = pd_f32_to_bf16(ctu_rand(&seed, 0.05f));
+    for (size_t i = 0; rc == PD_OK && i <= L * NW; i++) {
+        size_t out = i == L * NW ? V : shape[i % NW][0], in = i == L * NW ? H : shape[i % NW][1];
+        pd_tensor t;
+        memset(&t, 0, sizeof t);
+        t.name = "chain.weight";
+        t.dtype = PD_DTYPE_BF16;
+        t.ndim = 2;
+        t.shape[0] = (int64_t)out;
+        t.shape[1] = (int64_t)in;
+        t.data = host;
+        t.nbytes = out * in * 2;
+        rc = o->weight_load(b, &t, NULL, &w[i]);
+        bytes += (double)t.nbytes;
+    }
+    if (rc == PD_OK) rc = o->buf_alloc(b, act * 4, &x);
+    for (int i = 0; i < 4 && rc == PD_OK; i++) rc = o->buf_alloc(b, act * 4, &y[i]);
+    if (rc == PD_OK) rc = o->upload(b, x, host, act * 2);
+    /* one pass eagerly (anything the ops set up on first use), then the same pass captured */
+    void *stream = NULL;
+    for (int pass = 0; pass < 2 && rc == PD_OK; pass++) {
+        if (pass == 1) {
+            rc = pd_backend_cuda_step_stream(b, &stream);
+            cudaError_t e = rc == PD_OK ? cudaStreamBeginCapture((cudaStream_t)stream,
+                                                                 cudaStreamCaptureModeThreadLocal)
+                                        : cudaSuccess;
+            if (e != cudaSuccess) rc = pd_error(PD_EINTERNAL, "capture: %s", cudaGetErrorString(e));
+            if (rc < 0) break;
+        }
+        for (size_t l = 0; l < L && rc == PD_OK; l++) {
+            pd_weight **lw = w + l * NW;
+            const pd_weight *qkv[3] = {lw[WQ], lw[WK], lw[WV]};
+            void *out3[3] = {y[0], y[1], y[2]};
+            rc = o->matmul_multi(b, x, 1, 3, qkv, NULL, out3);
+            if (rc == PD_OK) rc = o->matmul(b, y[0], 1, lw[WO], NULL, y[3]);
+            if (rc == PD_OK) rc = o->matmul_swiglu(b, x, 1, lw[WG], lw[WU], y[0], y[1], y[0]);
+            if (rc == PD_OK) rc = o->matmul(b, y[0], 1, lw[WD], NULL, y[3]);
+        }
+        if (rc == PD_OK) rc = o->matmul(b, x, 1, w[L * NW], NULL, y[3]);
+        if (pass == 1) {
+            cudaError_t e = cudaStreamEndCapture((cudaStream_t)stream, &graph);
+            if (rc == PD_OK && e != cudaSuccess)
+                rc = pd_error(PD_EINTERNAL, "capture: %s", cudaGetErrorString(e));
+        } else if (rc == PD_OK) {
+            rc = o->sync(b);
+        }
+    }
+    cudaError_t e = cudaSuccess;
+    if (rc == PD_OK) e = cudaGraphInstantiate(&exec, graph, 0);
+    for (int i = 0; i < 2 && e == cudaSuccess; i++) e = cudaEventCreate(&ev[i]);
+    int reps = 0;
+    for (int r = 0; r < 23 && rc == PD_OK && e == cudaSuccess; r++) {
+        e = cudaEventRecord(ev[0], (cudaStream_t)stream);
+        if (e == cudaSuccess) e = cudaGraphLaunch(exec, (cudaStream_t)stream);
+        if (e == cudaSuccess) e = cudaEventRecord(ev[1], (cudaStream_t)stream);
+        if (e == cudaSuccess) e = cudaEventSynchronize(ev[1]);
+        float ms = 0;
+        if (e == cudaSuccess) e = cudaEventElapsedTime(&ms, ev[0], ev[1]);
+        if (e == cudaSuccess && r >= 3) { /* 3 warm-up launches */
+            sum += ms / 1e3;
+            reps++;
+            if (ms / 1e3 < best) best = ms / 1e3;
+        }
+    }
+    if (rc == PD_OK && e != cudaSuccess)
+        rc = pd_error(PD_EINTERNAL, "gemv chain graph: %s", cudaGetErrorString(e));
+    if (rc == PD_OK)
+        printf("decode GEMVs alone (batch 1, %zu launches in a CUDA graph, %.1f MiB of weights): "
+               "best %.3f ms = %.0f GB/s, %.1f%% of the copy; mean %.3f ms over %d launches\n",
+               L * 4 + 1, bytes / 1048576.0, best * 1e3, bytes / best / 1e9,
+               100.0 * bytes / best / (copy_gbs * 1e9), sum / reps * 1e3, reps);
+    else
+        printf("decode GEMVs alone: not measured: %s\n", pd_last_error());
+    for (int i = 0; i < 2; i++)
+        if (ev[i]) cudaEventDestroy(ev[i]);
+    if (exec) cudaGraphExecDestroy(exec);
+    if (graph) cudaGraphDestroy(graph);
+    cudaGetLastError();
+    for (size_t i = 0; w && i <= L * NW; i++)
+        if (w[i]) o->weight_free(b, w[i]);
+    free(w);
+    if (x) o->buf_free(b, x);
+    for (int i = 0; i < 4; i++)
+        if (y[i]) o->buf_free(b, y[i]);
+    free(host);
+    return PD_OK;
 }
 
 /* Per-op timings (us per call, wall clock over 200 calls + sync). */
@@ -457,6 +574,7 @@ static int run(const bench_opts *op)
                "bytes/step %.1f MiB; bandwidth bound %.1f tokens/s; %.1f%% of bound\n",
                tps, 1e3 * dt / steps, steps, op->prompt + 4, op->prompt + op->gen,
                bytes / 1048576.0, bound, 100.0 * tps / bound);
+        gemv_chain(b, c, bw);
     }
 
     /* ---- prefill ---- */
