@@ -124,8 +124,9 @@ TEST(pd_prefill_tp2_to_decode_tp1)
 
 /* The decode instance's prefix cache: a prompt that starts with an earlier prompt's blocks is
  * reserved with them (Reserve's prompt_ids), the prefill instance sends the KV of the other
- * tokens only, and the tokens still equal pd-generate's. */
-TEST(pd_decode_prefix_cache_skips_transfer)
+ * tokens only (every prefill rank to every decode rank whose heads it holds), and the tokens
+ * still equal pd-generate's. */
+static void prefix_cache_case(const char *prefill, const char *decode)
 {
     const char *model = model_dir();
     ASSERT_MSG(model, "pd-mkmodel failed");
@@ -135,7 +136,7 @@ TEST(pd_decode_prefix_cache_skips_transfer)
     const int32_t *ptrs[2] = {a, b};
     size_t len[2] = {40, 64};
     cl_cluster c;
-    int rc = cl_start(&c, model, "0", "1", NULL);
+    int rc = cl_start(&c, model, prefill, decode, NULL);
     if (rc < 0) {
         printf("    %s\n", pd_last_error());
         cl_stop_all(&c);
@@ -147,14 +148,15 @@ TEST(pd_decode_prefix_cache_skips_transfer)
     for (int i = 0; i < 2 && rc >= 0; i++) {
         char id[32];
         snprintf(id, sizeof id, "prefix-%d", i);
-        rc = cl_generate(&c, 0, 1, id, ptrs[i], len[i], &sp, &got[i]);
+        rc = cl_generate(&c, 0, c.n_prefill, id, ptrs[i], len[i], &sp, &got[i]);
         if (rc < 0) printf("    prompt %d: %s\n", i, got[i].error);
     }
     int bad_exit = cl_stop_all(&c);
     ASSERT_OK(rc);
-    printf("    KV moved: %lld bytes for 40 tokens, then %lld for 64 tokens of which the decode "
-           "instance held %lld\n",
-           (long long)got[0].kv_bytes, (long long)got[1].kv_bytes, (long long)got[1].decode_cached);
+    printf("    P %s, D %s: KV moved: %lld bytes for 40 tokens, then %lld for 64 tokens of which "
+           "the decode instance held %lld\n",
+           prefill, decode, (long long)got[0].kv_bytes, (long long)got[1].kv_bytes,
+           (long long)got[1].decode_cached);
     ASSERT_EQ_INT(got[0].decode_cached, 0);
     ASSERT_EQ_INT(got[1].decode_cached, 32); /* the first prompt's two full blocks */
     ASSERT(got[0].kv_bytes > 0);
@@ -164,6 +166,18 @@ TEST(pd_decode_prefix_cache_skips_transfer)
         ASSERT(memcmp(got[i].tokens, ref[i].tokens, got[i].n * sizeof(int32_t)) == 0);
     }
     ASSERT_EQ_INT(bad_exit, 0);
+}
+
+TEST(pd_decode_prefix_cache_skips_transfer)
+{
+    prefix_cache_case("0", "1");
+}
+
+/* The same across tensor-parallel sizes: P TP 2 to D TP 1, and P TP 1 to D TP 2. */
+TEST(pd_decode_prefix_cache_tp)
+{
+    prefix_cache_case("0,1", "2");
+    prefix_cache_case("0", "1,2");
 }
 
 static Pd__StatsReply *stats(cl_cluster *c, int k)
