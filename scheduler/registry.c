@@ -495,17 +495,17 @@ int pd_reg_pick(pd_reg *r, rt_role role, int64_t tokens, int exclude)
     return best;
 }
 
-int pd_reg_pick_cached(pd_reg *r, rt_role role, const int32_t *ids, size_t n_ids, int64_t tokens,
-                       int exclude, int64_t *hit_tokens)
+/* The keys of the full blocks of ids (at most PFX_MAX_BLOCKS) for role's instances, whose block
+ * size *bs is the first one's (from its Info; 16 until it is read): block b's key chains every
+ * token up to its end (a prefix, as the instance's cache keys it; never 0, the empty slot). */
+static size_t block_keys(pd_reg *r, rt_role role, const int32_t *ids, size_t n_ids,
+                         uint64_t keys[PFX_MAX_BLOCKS], int *bs_out)
 {
-    uint64_t keys[PFX_MAX_BLOCKS];
-    int first = r->first[role], n_role = r->count[role];
     pthread_mutex_lock(&r->mu);
-    int bs = n_role ? r->nodes[first].block_size : 0; /* from its Info (0: not read yet) */
+    int bs = r->count[role] ? r->nodes[r->first[role]].block_size : 0;
     pthread_mutex_unlock(&r->mu);
     if (bs <= 0) bs = 16;
-    /* key of block b: every token up to its end chained (a prefix, as the instance's cache
-       keys it; never 0, the empty slot) */
+    *bs_out = bs;
     size_t nb = n_ids / (size_t)bs;
     if (nb > PFX_MAX_BLOCKS) nb = PFX_MAX_BLOCKS;
     uint64_t h = 0x9e3779b97f4a7c15ull;
@@ -513,6 +513,16 @@ int pd_reg_pick_cached(pd_reg *r, rt_role role, const int32_t *ids, size_t n_ids
         for (int t = 0; t < bs; t++) h = pd_mix64(h ^ (uint32_t)ids[b * (size_t)bs + (size_t)t]);
         keys[b] = h | 1;
     }
+    return nb;
+}
+
+int pd_reg_pick_cached(pd_reg *r, rt_role role, const int32_t *ids, size_t n_ids, int64_t tokens,
+                       int exclude, int64_t *hit_tokens)
+{
+    uint64_t keys[PFX_MAX_BLOCKS];
+    int first = r->first[role], n_role = r->count[role];
+    int bs;
+    size_t nb = block_keys(r, role, ids, n_ids, keys, &bs);
     pthread_mutex_lock(&r->mu);
     int best = -1;
     int64_t best_cost = 0, best_hit = 0;
@@ -540,6 +550,18 @@ int pd_reg_pick_cached(pd_reg *r, rt_role role, const int32_t *ids, size_t n_ids
     pthread_mutex_unlock(&r->mu);
     if (hit_tokens) *hit_tokens = best_hit;
     return best;
+}
+
+void pd_reg_note_cached(pd_reg *r, int k, const int32_t *ids, size_t n_ids)
+{
+    if (k < 0 || k >= r->n) return;
+    uint64_t keys[PFX_MAX_BLOCKS];
+    int bs;
+    size_t nb = block_keys(r, r->nodes[k].inst->role, ids, n_ids, keys, &bs);
+    pthread_mutex_lock(&r->mu);
+    reg_node *nd = &r->nodes[k];
+    for (size_t b = 0; nd->pfx && b < nb; b++) nd->pfx[keys[b] & (PFX_SLOTS - 1)] = keys[b];
+    pthread_mutex_unlock(&r->mu);
 }
 
 void pd_reg_release(pd_reg *r, int k, int64_t tokens)

@@ -80,6 +80,10 @@ int pd_reg_pick_cached(pd_reg *r, rt_role role, const int32_t *ids, size_t n_ids
                        int exclude, int64_t *hit_tokens);
 /* Takes tokens back from instance k's in-flight count. */
 void pd_reg_release(pd_reg *r, int k, int64_t tokens);
+/* Records the full blocks of ids as held by instance k's prefix cache (as pd_reg_pick_cached
+ * does for the prompt it picks k for): for a decode instance, a finished sequence's prompt and
+ * the generated tokens it computed, which a later turn's prompt starts with. */
+void pd_reg_note_cached(pd_reg *r, int k, const int32_t *ids, size_t n_ids);
 
 /* Decode instance k's ranks as Prefill targets: *out is an array of *n pointers to targets,
  * allocated with their strings in a. PD_ENOTFOUND when k has not been verified. */

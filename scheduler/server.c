@@ -151,6 +151,8 @@ typedef struct choice {
                        * tokens, top_logprobs items; chat: lp[0] holds the content items */
     bool first_sent;  /* streaming: this choice's first chunk went out */
     int64_t last_tok_ns;
+    int32_t *gen; /* the generated ids (malloc'd; NULL after a failed growth), for note_decode */
+    size_t n_gen, cap_gen;
 } choice;
 
 struct sreq {
@@ -931,6 +933,7 @@ static void sreq_free(sreq *r)
         for (int k = 0; k < 4; k++) pd_sb_free(&c->lp[k]);
         free(c->stop_string);
         free(c->block_ids);
+        free(c->gen);
     }
     pd_sb_free(&r->out);
     pd_sb_free(&r->ev);
@@ -1709,6 +1712,35 @@ static void start_followers(pd_sched *s, sreq *r, const choice *l)
     }
 }
 
+/* Appends a generated id to c->gen (which is dropped if it cannot grow). */
+static void gen_push(choice *c, int32_t token)
+{
+    if (c->n_gen == c->cap_gen && (c->gen || !c->cap_gen)) {
+        size_t cap = c->cap_gen ? 2 * c->cap_gen : 64;
+        int32_t *g = realloc(c->gen, cap * sizeof *g);
+        if (!g) free(c->gen);
+        c->gen = g;
+        c->cap_gen = cap;
+    }
+    if (c->gen) c->gen[c->n_gen++] = token;
+}
+
+/* A choice that finished well: its decode instance computed the prompt and every generated
+ * token but the last, whose full blocks its prefix cache now holds; the registry learns them, so
+ * that a later turn (whose prompt starts with this one and its answer) is routed there. */
+static void note_decode(pd_sched *s, const choice *c)
+{
+    const pd_api_prompt *pr = &c->r->req.prompts[c->prompt_idx];
+    if (!c->gen || c->n_gen < 2) return; /* nothing decoded there beyond the prompt */
+    size_t n = pr->n_ids + c->n_gen - 1;
+    int32_t *ids = malloc(n * sizeof *ids);
+    if (!ids) return;
+    memcpy(ids, pr->ids, pr->n_ids * sizeof *ids);
+    memcpy(ids + pr->n_ids, c->gen, (c->n_gen - 1) * sizeof *ids);
+    pd_reg_note_cached(s->reg, c->d_node, ids, n);
+    free(ids);
+}
+
 /* Applies the pending records of every choice of r (loop thread). */
 static void process(sreq *r)
 {
@@ -1767,6 +1799,7 @@ static void process(sreq *r)
                     pd_metric_observe(s->m_tpot, s->labels, since(c->last_tok_ns, now));
                 c->last_tok_ns = now;
                 c->completion_tokens += t->n_tokens;
+                gen_push(c, t->token);
                 pd_metric_inc(s->m_gen, s->labels, t->n_tokens);
             }
             if (t->final) {
@@ -1824,6 +1857,7 @@ static void process(sreq *r)
             }
         }
         if (chain_done) {
+            if (c->finished && !err_http) note_decode(s, c);
             s->admit_kick = true; /* KV was freed (or never taken): the head may fit now */
             c->chain_running = false;
             pd_reg_release(s->reg, c->d_node, c->d_tokens);

@@ -437,7 +437,6 @@ static void h_stats(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len)
     m.num_preemptions = (int64_t)st.num_preemptions;
     m.prefix_cache_queries = (int64_t)st.prefix_cache_queries;
     m.prefix_cache_hits = (int64_t)st.prefix_cache_hits;
-    m.running_tokens = (int64_t)((st.kv_blocks_total - st.kv_blocks_free) * st.block_size);
     m.prompt_tokens = (int64_t)st.prompt_tokens;
     m.generation_tokens = (int64_t)st.generation_tokens;
     m.requests_finished = (int64_t)st.requests_finished;
@@ -451,6 +450,9 @@ static void h_stats(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len)
             for (req *r = n->table[b2]; r; r = r->next)
                 if (!r->decoding) reserved += (int64_t)(r->n_blocks * st.block_size);
     m.reserved_tokens = reserved;
+    /* the blocks in use less the reservations (which hold blocks too: counted once, there) */
+    int64_t used = (int64_t)((st.kv_blocks_total - st.kv_blocks_free) * st.block_size);
+    m.running_tokens = used > reserved ? used - reserved : 0;
     m.relay_batches = n->relay_batches;
     m.relay_events = n->relay_events;
     m.relay_pauses = n->relay_pauses;

@@ -13,6 +13,7 @@
 #define _GNU_SOURCE
 #include "harness.h"
 
+#include <jansson.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -418,8 +419,9 @@ static int64_t st_leases(const Pd__StatsReply *s)
     return s->leases_held;
 }
 
-/* Reserve on dk and Info of dk, for a Prefill that targets it. */
-static bool reserve_on(int dk, const char *id, Pd__ReserveReply **rr, Pd__InfoReply **info)
+/* Reserve of tokens on dk and Info of dk, for a Prefill that targets it. */
+static bool reserve_on(int dk, const char *id, int tokens, Pd__ReserveReply **rr,
+                       Pd__InfoReply **info)
 {
     int st;
     Pd__InfoRequest iq = PD__INFO_REQUEST__INIT;
@@ -427,7 +429,7 @@ static bool reserve_on(int dk, const char *id, Pd__ReserveReply **rr, Pd__InfoRe
                                      &pd__info_reply__descriptor, 5000, &st);
     Pd__ReserveRequest q = PD__RESERVE_REQUEST__INIT;
     q.request_id = (char *)id;
-    q.num_prompt_tokens = 10;
+    q.num_prompt_tokens = tokens;
     q.ttl_ms = 60000;
     *rr = (Pd__ReserveReply *)cl_call(cl_node(&g_c, dk), "/pd.PD/Reserve", &q.base,
                                       &pd__reserve_reply__descriptor, 5000, &st);
@@ -462,7 +464,7 @@ TEST(faults_lease_freed_on_decode_restart)
     ASSERT(wait_idle(P1, 10000));
     /* (a) lease expiry */
     prefill_job j = {.id = "lease-expires", .pk = P1, .dk = D0, .lease_ms = 1500};
-    ASSERT(reserve_on(D0, j.id, &j.rr, &j.info));
+    ASSERT(reserve_on(D0, j.id, 10, &j.rr, &j.info));
     cl_signal(&g_c.procs[D0], SIGSTOP);
     pthread_t th;
     pthread_create(&th, NULL, prefill_thread, &j);
@@ -486,7 +488,7 @@ TEST(faults_lease_freed_on_decode_restart)
 
     /* (b) the decode instance dies and comes back while the lease is held */
     prefill_job k = {.id = "lease-broken", .pk = P1, .dk = D0, .lease_ms = 30000};
-    ASSERT(reserve_on(D0, k.id, &k.rr, &k.info));
+    ASSERT(reserve_on(D0, k.id, 10, &k.rr, &k.info));
     cl_signal(&g_c.procs[D0], SIGSTOP);
     pthread_create(&th, NULL, prefill_thread, &k);
     leases_seen = 0;
@@ -539,7 +541,7 @@ TEST(faults_stuck_transfer_aborted)
     for (; reserved < N; reserved++) {
         snprintf(ids[reserved], sizeof ids[reserved], "stuck-%d", reserved);
         jobs[reserved] = (prefill_job){.id = ids[reserved], .pk = P1, .dk = D0, .lease_ms = 30000};
-        if (!reserve_on(D0, ids[reserved], &jobs[reserved].rr, &jobs[reserved].info)) break;
+        if (!reserve_on(D0, ids[reserved], 10, &jobs[reserved].rr, &jobs[reserved].info)) break;
     }
     if (reserved < N) {
         for (int i = 0; i < reserved; i++) free_reserve(&jobs[i]);
@@ -754,9 +756,9 @@ TEST(faults_registry_prefix_affinity)
     pd_reg *reg = NULL;
     bool round;
     int rc = live_registry(&cl, &reg, &round);
-    int32_t a[48], b[48], a2[40];
-    int64_t dhit[2] = {0};
-    int da = -1, da2 = -1;
+    int32_t a[48], b[48], a2[40], turn2[88], alt[88];
+    int64_t dhit[4] = {0};
+    int da = -1, da2 = -1, dt = -1, dalt = -1;
     for (int i = 0; i < 48; i++) a[i] = 100 + i, b[i] = 300 + i;
     for (int i = 0; i < 40; i++) a2[i] = i < 32 ? a[i] : 500 + i;
     int64_t hit[6] = {0};
@@ -784,6 +786,17 @@ TEST(faults_registry_prefix_affinity)
         pd_reg_release(reg, da, 64);
         da2 = pd_reg_pick_cached(reg, RT_ROLE_DECODE, a, 48, 64, -1, &dhit[1]);
         pd_reg_release(reg, da2, 64);
+        /* a later turn: a, the 24 tokens generated for it, 16 new ones. Once a's sequence on
+         * da is noted, the block of generated tokens da computed counts there too (48 + 23
+         * tokens: 4 full blocks); a turn after another answer finds a's 3 blocks only */
+        for (int i = 0; i < 88; i++) turn2[i] = i < 48 ? a[i] : 700 + i;
+        memcpy(alt, turn2, sizeof alt);
+        alt[60] = 1;
+        dalt = pd_reg_pick_cached(reg, RT_ROLE_DECODE, alt, 88, 104, -1, &dhit[2]);
+        pd_reg_release(reg, dalt, 104);
+        pd_reg_note_cached(reg, da, turn2, 48 + 24 - 1);
+        dt = pd_reg_pick_cached(reg, RT_ROLE_DECODE, turn2, 88, 104, -1, &dhit[3]);
+        pd_reg_release(reg, dt, 104);
     }
     pd_reg_free(reg);
     pd_rpc_client_destroy(cl);
@@ -811,6 +824,97 @@ TEST(faults_registry_prefix_affinity)
     ASSERT_EQ_INT(dhit[0], 0);
     ASSERT_EQ_INT(da2, da);
     ASSERT_EQ_INT(dhit[1], 48);
+    printf("    decode, the next turn after another answer -> %d (hit %lld); after a's sequence "
+           "was noted -> %d (hit %lld)\n",
+           dalt, (long long)dhit[2], dt, (long long)dhit[3]);
+    ASSERT_EQ_INT(dalt, da);
+    ASSERT_EQ_INT(dhit[2], 48);
+    ASSERT_EQ_INT(dt, da);
+    ASSERT_EQ_INT(dhit[3], 64);
+}
+
+static int64_t st_queries(const Pd__StatsReply *s)
+{
+    return s->prefix_cache_queries;
+}
+
+static int64_t st_hits(const Pd__StatsReply *s)
+{
+    return s->prefix_cache_hits;
+}
+
+/* A conversation's next turn goes to the decode instance that holds the last turn's answer
+ * (scheduler.md: the scheduler notes a finished sequence's blocks). Turn 1: a 48-token prompt
+ * and 40 generated tokens, whose first 87 the decode instance computed (5 full blocks: the
+ * prompt's 3 and 2 of the answer). Then that instance carries 96 reserved tokens and the other
+ * 32, so that only the answer's blocks make it the cheaper pick (96 - 80 < 32 < 96 - 48). Turn 2
+ * (turn 1's prompt and answer, 16 new tokens) must go there and find 80 tokens in its cache. */
+TEST(faults_next_turn_follows_the_answer)
+{
+    FIXTURE();
+    for (int k = 0; k < 4; k++) ASSERT(wait_idle(k, 5000));
+    char body[2048];
+    size_t o = (size_t)snprintf(body, sizeof body, "{\"prompt\":[");
+    for (int i = 0; i < 48; i++)
+        o += (size_t)snprintf(body + o, sizeof body - o, "%s%d", i ? "," : "", 200 + 3 * i);
+    snprintf(body + o, sizeof body - o,
+             "],\"max_tokens\":40,\"ignore_eos\":true,\"temperature\":0,\"logprobs\":0,"
+             "\"return_tokens_as_token_ids\":true}");
+    int64_t q0[2] = {stat_of(D0, st_queries), stat_of(D1, st_queries)};
+    char *resp = NULL;
+    int st = cl_http(g_port, "POST", "/v1/completions", body, 30000, &resp, NULL);
+    json_t *js = st == 200 && resp ? json_loads(resp, 0, NULL) : NULL;
+    free(resp);
+    json_t *toks = json_object_get(
+        json_object_get(json_array_get(json_object_get(js, "choices"), 0), "logprobs"), "tokens");
+    int32_t gen[40];
+    size_t n_gen = 0;
+    for (size_t i = 0; i < json_array_size(toks) && n_gen < 40; i++) {
+        const char *t = json_string_value(json_array_get(toks, i));
+        if (t && strncmp(t, "token_id:", 9) == 0) gen[n_gen++] = (int32_t)atoi(t + 9);
+    }
+    json_decref(js);
+    ASSERT_EQ_INT(st, 200);
+    ASSERT_EQ_INT(n_gen, 40);
+    int dx = -1;
+    for (int k = 0; k < 2; k++)
+        if (stat_of(D0 + k, st_queries) > q0[k]) dx = D0 + k;
+    ASSERT_MSG(dx >= 0, "turn 1 reached no decode instance's prefix cache");
+    int dy = dx == D0 ? D1 : D0;
+    Pd__ReserveReply *rr[2] = {NULL, NULL};
+    Pd__InfoReply *info[2] = {NULL, NULL};
+    bool held = reserve_on(dx, "hold-x", 96, &rr[0], &info[0]) &&
+                reserve_on(dy, "hold-y", 32, &rr[1], &info[1]);
+    pd_sleep_ns(2500 * PD_NS_PER_MS); /* the scheduler's view of both loads: its heartbeat */
+    int64_t h0[2] = {stat_of(dx, st_hits), stat_of(dy, st_hits)};
+    int64_t q1[2] = {stat_of(dx, st_queries), stat_of(dy, st_queries)};
+    o = (size_t)snprintf(body, sizeof body, "{\"prompt\":[");
+    for (int i = 0; i < 104; i++) {
+        int id = i < 48 ? 200 + 3 * i : i < 88 ? gen[i - 48] : 900 + i;
+        o += (size_t)snprintf(body + o, sizeof body - o, "%s%d", i ? "," : "", id);
+    }
+    snprintf(body + o, sizeof body - o, "],\"max_tokens\":2,\"ignore_eos\":true}");
+    resp = NULL;
+    int st2 = held ? cl_http(g_port, "POST", "/v1/completions", body, 30000, &resp, NULL) : -1;
+    free(resp);
+    int64_t h1[2] = {stat_of(dx, st_hits), stat_of(dy, st_hits)};
+    int64_t q2[2] = {stat_of(dx, st_queries), stat_of(dy, st_queries)};
+    abort_on(dx, "hold-x");
+    abort_on(dy, "hold-y");
+    for (int k = 0; k < 2; k++) {
+        if (rr[k]) pd__reserve_reply__free_unpacked(rr[k], NULL);
+        if (info[k]) pd__info_reply__free_unpacked(info[k], NULL);
+    }
+    printf("    turn 1 on node %d; turn 2: queries +%lld / +%lld, hits +%lld / +%lld (node %d / "
+           "%d)\n",
+           dx, (long long)(q2[0] - q1[0]), (long long)(q2[1] - q1[1]), (long long)(h1[0] - h0[0]),
+           (long long)(h1[1] - h0[1]), dx, dy);
+    ASSERT(held);
+    ASSERT_EQ_INT(st2, 200);
+    ASSERT_EQ_INT(q2[0] - q1[0], 104); /* turn 2 reserved on dx */
+    ASSERT_EQ_INT(q2[1] - q1[1], 0);
+    ASSERT_EQ_INT(h1[0] - h0[0], 80); /* the prompt's 3 blocks and the answer's 2 */
+    for (int k = 0; k < 4; k++) ASSERT(wait_idle(k, 5000));
 }
 
 /* A scheduler killed while it streams: the decode instances lose its relay streams and Decode
