@@ -171,6 +171,13 @@ $py "$src/tools/bench/bench_n.py" --port "$sp" --requests 2 --concurrency 2 --n 
     fail "bench_n.py: $(cat "$work/bench_n.log")"
 grep -q "requests 2 (0 failed).*prefix cache hits 256 of 480 tokens" "$work/bench_n.log" ||
     fail "bench_n.py: $(cat "$work/bench_n.log")"
+# tools/bench/bench_turns.py: 2 conversations of 2 turns (40 tokens, then those, 8 answered and 8
+# new): turn 2 finds 2 blocks on each instance (the decode one computed 47 tokens of turn 1)
+$py "$src/tools/bench/bench_turns.py" --port "$sp" --conversations 2 --turns 2 --concurrency 2 \
+    --first-len 40 --turn-len 8 --answer-len 8 --vocab 1000 >"$work/bench_turns.log" 2>&1 ||
+    fail "bench_turns.py: $(cat "$work/bench_turns.log")"
+grep -q "conversations 2 (0 failed).*prefix cache hits 128 of 384 tokens" "$work/bench_turns.log" ||
+    fail "bench_turns.py: $(cat "$work/bench_turns.log")"
 out=$("$bench" --duration 5 2>&1); st=$?
 [ $st = 2 ] && grep -q -- "--duration needs a finite --request-rate" <<<"$out" || fail "--duration without a rate: $st, $out"
 out=$("$bench" --abort-ratio 0.1 2>&1); st=$?
