@@ -496,8 +496,9 @@ int pd_reg_pick(pd_reg *r, rt_role role, int64_t tokens, int exclude)
 }
 
 /* The keys of the full blocks of ids (at most PFX_MAX_BLOCKS) for role's instances, whose block
- * size *bs is the first one's (from its Info; 16 until it is read): block b's key chains every
- * token up to its end (a prefix, as the instance's cache keys it; never 0, the empty slot). */
+ * size (*bs_out, may be NULL) is the first one's (from its Info; 16 until it is read): block b's
+ * key chains every token up to its end (a prefix, as the instance's cache keys it; never 0, the
+ * empty slot). */
 static size_t block_keys(pd_reg *r, rt_role role, const int32_t *ids, size_t n_ids,
                          uint64_t keys[PFX_MAX_BLOCKS], int *bs_out)
 {
@@ -505,7 +506,7 @@ static size_t block_keys(pd_reg *r, rt_role role, const int32_t *ids, size_t n_i
     int bs = r->count[role] ? r->nodes[r->first[role]].block_size : 0;
     pthread_mutex_unlock(&r->mu);
     if (bs <= 0) bs = 16;
-    *bs_out = bs;
+    if (bs_out) *bs_out = bs;
     size_t nb = n_ids / (size_t)bs;
     if (nb > PFX_MAX_BLOCKS) nb = PFX_MAX_BLOCKS;
     uint64_t h = 0x9e3779b97f4a7c15ull;
@@ -556,8 +557,7 @@ void pd_reg_note_cached(pd_reg *r, int k, const int32_t *ids, size_t n_ids)
 {
     if (k < 0 || k >= r->n) return;
     uint64_t keys[PFX_MAX_BLOCKS];
-    int bs;
-    size_t nb = block_keys(r, r->nodes[k].inst->role, ids, n_ids, keys, &bs);
+    size_t nb = block_keys(r, r->nodes[k].inst->role, ids, n_ids, keys, NULL);
     pthread_mutex_lock(&r->mu);
     reg_node *nd = &r->nodes[k];
     for (size_t b = 0; nd->pfx && b < nb; b++) nd->pfx[keys[b] & (PFX_SLOTS - 1)] = keys[b];
