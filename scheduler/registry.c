@@ -300,8 +300,11 @@ static void heartbeat_node(pd_reg *r, int k, bool again)
         }
         return;
     }
-    nd->load_tokens = nd->inst->role == RT_ROLE_PREFILL ? st->queued_tokens
-                                                        : st->running_tokens + st->reserved_tokens;
+    /* decode: the KV its sequences and reservations hold. A prefill instance's work ahead is what
+       this scheduler (the cluster's one) has in flight there: its Stats' queued_tokens are a
+       heartbeat old, older than a prefill takes, and would count work already done */
+    nd->load_tokens =
+        nd->inst->role == RT_ROLE_PREFILL ? 0 : st->running_tokens + st->reserved_tokens;
     nd->kv_total = st->kv_blocks_total;
     nd->kv_free = st->kv_blocks_free;
     nd->preemptions = st->num_preemptions;
@@ -545,7 +548,7 @@ int pd_reg_pick_cached(pd_reg *r, rt_role role, const int32_t *ids, size_t n_ids
     }
     if (best >= 0) {
         reg_node *nd = &r->nodes[best];
-        nd->inflight_tokens += tokens;
+        nd->inflight_tokens += tokens - best_hit;
         for (size_t b = 0; b < nb; b++) nd->pfx[keys[b] & (PFX_SLOTS - 1)] = keys[b];
     }
     pthread_mutex_unlock(&r->mu);

@@ -7,8 +7,8 @@
  * on every verified one, every heartbeat period. A failed call takes the instance out of the
  * routing set (and out of verification, so a restarted process is checked again); it rejoins
  * when it answers. Routing is least outstanding tokens (prefill: prompt tokens this scheduler
- * has in flight on it plus its queued tokens; decode: running + reserved tokens from Stats plus
- * this scheduler's in-flight tokens), round-robin among ties. All state sits under one mutex;
+ * has in flight on it; decode: running + reserved tokens from Stats plus this scheduler's
+ * in-flight tokens), round-robin among ties. All state sits under one mutex;
  * every function is thread-safe.
  */
 #ifndef PD_SCHEDULER_REGISTRY_H
@@ -70,12 +70,14 @@ bool pd_reg_wait_round(pd_reg *r, int timeout_ms);
  * exclude (-1 = none), and adds tokens to its in-flight count. -1 when none is up. */
 int pd_reg_pick(pd_reg *r, rt_role role, int64_t tokens, int exclude);
 /* Picks the instance of role for prompt ids (prefix-aware routing): in the routing set, not
- * exclude, the one whose load (as pd_reg_pick's: prefill, the prompt tokens queued ahead; decode,
+ * exclude, the one whose load (as pd_reg_pick's: prefill, the prompt tokens in flight; decode,
  * the tokens its sequences and reservations hold) and in-flight tokens, less the prompt's
  * leading full blocks (the instances' block size) that this scheduler sent it before, which its
- * prefix cache likely still holds, are the least; round-robin among ties. Adds tokens to its
- * in-flight count and records the prompt's blocks as its own. *hit_tokens (may be NULL): the
- * tokens counted as cached there. -1 when none is up. */
+ * prefix cache likely still holds, are the least; round-robin among ties. Adds tokens less
+ * those cached tokens to its in-flight count (the work, or the KV, the request brings there;
+ * tokens >= n_ids) and records the prompt's blocks as its own. *hit_tokens (may be NULL): the
+ * tokens counted as cached there (so tokens - *hit_tokens is what pd_reg_release gives back).
+ * -1 when none is up. */
 int pd_reg_pick_cached(pd_reg *r, rt_role role, const int32_t *ids, size_t n_ids, int64_t tokens,
                        int exclude, int64_t *hit_tokens);
 /* Takes tokens back from instance k's in-flight count. */

@@ -96,13 +96,13 @@ typedef struct choice {
     char sub_id[48]; /* request id the nodes see */
     /* set by the loop before the chain starts; read-only afterwards */
     int d_node;
-    int64_t d_tokens;
+    int64_t d_tokens; /* charged to d_node in the registry (pick_for) */
     Pd__DecodeTarget **targets;
     size_t n_targets;
     Pd__SamplingParams sampling; /* arrays in the request arena */
     /* chain state: rpc thread (and the loop under r->mu for cancellation) */
-    int p_node; /* under r->mu */
-    int64_t p_tokens;
+    int p_node;       /* under r->mu */
+    int64_t p_tokens; /* charged to p_node (pick_for) */
     int attempts;
     uint64_t call_id[3]; /* per phase, under r->mu */
     bool in_phase[3];
@@ -357,6 +357,18 @@ static void on_rpc_idle(void *arg)
     if (s->wake_pending && !s->closing) uv_async_send(&s->async);
     s->wake_pending = false;
     pthread_mutex_unlock(&s->qmu);
+}
+
+/* pd_reg_pick_cached for c's prompt on role (not exclude): the tokens the request brings there
+ * (prefill: the prompt; decode: the prompt and max_tokens) less those the instance's cache likely
+ * holds are charged to it, *charged: that, for pd_reg_release. */
+static int pick_for(pd_sched *s, const choice *c, rt_role role, int exclude, int64_t *charged)
+{
+    const pd_api_prompt *pr = &c->r->req.prompts[c->prompt_idx];
+    int64_t tokens = (int64_t)pr->n_ids + (role == RT_ROLE_DECODE ? pr->max_tokens : 0), hit = 0;
+    int k = pd_reg_pick_cached(s->reg, role, pr->ids, pr->n_ids, tokens, exclude, &hit);
+    *charged = tokens - hit;
+    return k;
 }
 
 /* ---- the chain (rpc thread) ------------------------------------------------------------------ */
@@ -767,12 +779,11 @@ static void on_prefill_done(void *arg, int st, const char *details, const uint8_
                 pd_rpc_status_name(st), m ? "reply without a first token" : details);
         if (m) pd__prefill_reply__free_unpacked(m, NULL);
         send_abort(s, pk, c->sub_id);
-        const pd_api_prompt *pr = &r->req.prompts[c->prompt_idx];
-        int next = c->attempts < 2 ? pd_reg_pick_cached(s->reg, RT_ROLE_PREFILL, pr->ids, pr->n_ids,
-                                                        (int64_t)pr->n_ids, pk, NULL)
-                                   : -1;
+        int64_t charged = 0;
+        int next = c->attempts < 2 ? pick_for(s, c, RT_ROLE_PREFILL, pk, &charged) : -1;
         if (next >= 0) {
             c->attempts++;
+            c->p_tokens = charged;
             pthread_mutex_lock(&r->mu);
             c->p_node = next;
             pthread_mutex_unlock(&r->mu);
@@ -1630,12 +1641,10 @@ static void admit_pump(pd_sched *s)
     if (s->admit_busy || !s->admit_head) return;
     choice *c = s->admit_head;
     sreq *r = c->r;
-    const pd_api_prompt *pr = &r->req.prompts[c->prompt_idx];
     admit_unlink(s, c);
     int old = c->d_node;
     pd_reg_release(s->reg, old, c->d_tokens);
-    c->d_node =
-        pd_reg_pick_cached(s->reg, RT_ROLE_DECODE, pr->ids, pr->n_ids, c->d_tokens, -1, NULL);
+    c->d_node = pick_for(s, c, RT_ROLE_DECODE, -1, &c->d_tokens);
     if (c->d_node < 0 ||
         (c->d_node != old &&
          pd_reg_decode_targets(s->reg, c->d_node, r->a, &c->targets, &c->n_targets) < 0)) {
@@ -1674,17 +1683,14 @@ static void admit_wait(pd_sched *s, choice *c, bool front)
 static const char *pick_instances(pd_sched *s, choice *c)
 {
     sreq *r = c->r;
-    const pd_api_prompt *pr = &r->req.prompts[c->prompt_idx];
-    c->d_node =
-        pd_reg_pick_cached(s->reg, RT_ROLE_DECODE, pr->ids, pr->n_ids, c->d_tokens, -1, NULL);
+    c->d_node = pick_for(s, c, RT_ROLE_DECODE, -1, &c->d_tokens);
     if (c->d_node < 0 ||
         pd_reg_decode_targets(s->reg, c->d_node, r->a, &c->targets, &c->n_targets) < 0) {
         pd_reg_release(s->reg, c->d_node, c->d_tokens);
         c->d_node = -1;
         return "No healthy decode instance is available.";
     }
-    c->p_node =
-        pd_reg_pick_cached(s->reg, RT_ROLE_PREFILL, pr->ids, pr->n_ids, c->p_tokens, -1, NULL);
+    c->p_node = pick_for(s, c, RT_ROLE_PREFILL, -1, &c->p_tokens);
     if (c->p_node >= 0) return NULL;
     pd_reg_release(s->reg, c->d_node, c->d_tokens);
     c->d_node = -1;
@@ -2035,8 +2041,6 @@ static void dispatch(sreq *r)
             request_fail(r, 500, pd_last_error());
             return;
         }
-        c->p_tokens = (int64_t)pr->n_ids;
-        c->d_tokens = (int64_t)pr->n_ids + pr->max_tokens;
         if (i % n && cache_bs && pr->n_ids > (size_t)cache_bs) { /* waits for its leader */
             c->deferred = true;
             continue;

@@ -1664,6 +1664,7 @@ void pd_engine_get_stats(pd_engine *e, pd_engine_stats *out)
     out->num_running = pd_sched_num_running(e->sched);
     out->num_waiting = pd_sched_num_waiting(e->sched);
     out->num_held = e->n_held;
+    out->queued_tokens = pd_sched_num_queued_tokens(e->sched);
     out->num_preemptions = pd_sched_num_preemptions(e->sched);
     out->kv_blocks_total = pd_kvpool_num_blocks(e->pool);
     out->kv_blocks_free = pd_kvpool_num_free(e->pool);

@@ -222,6 +222,7 @@ typedef struct {
     size_t num_running; /* sequences */
     size_t num_waiting;
     size_t num_held;               /* prefill-only hand-overs and reservations */
+    size_t queued_tokens;          /* prompt tokens waiting or being prefilled, not computed */
     uint64_t num_preemptions;      /* cumulative */
     uint64_t prefix_cache_queries; /* cumulative: tokens of sequences admitted without KV */
     uint64_t prefix_cache_hits;    /* cumulative: of those, tokens found in the prefix cache */

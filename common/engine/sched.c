@@ -536,6 +536,15 @@ size_t pd_sched_num_running(const pd_sched *s)
 {
     return s->running.n;
 }
+size_t pd_sched_num_queued_tokens(const pd_sched *s)
+{
+    size_t n = 0;
+    const seq_list *lists[2] = {&s->waiting, &s->running};
+    for (int i = 0; i < 2; i++)
+        for (const pd_sched_seq *q = lists[i]->head; q; q = q->q.next)
+            if (q->n_computed < q->n_prompt) n += q->n_prompt - q->n_computed;
+    return n;
+}
 uint64_t pd_sched_num_preemptions(const pd_sched *s)
 {
     return s->n_preemptions;

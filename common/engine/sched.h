@@ -149,6 +149,9 @@ void pd_sched_commit(pd_sched *s);
 size_t pd_sched_num_waiting(const pd_sched *s);
 size_t pd_sched_num_running(const pd_sched *s);
 uint64_t pd_sched_num_preemptions(const pd_sched *s);
+/* Prompt tokens of the waiting and running sequences not computed yet (the prefill work queued;
+ * a waiting sequence's cached prefix counts until it is admitted). */
+size_t pd_sched_num_queued_tokens(const pd_sched *s);
 /* Prefix caching, cumulative: tokens of the sequences admitted without KV (queries) and of
  * those tokens, the ones found in the cache (hits). */
 void pd_sched_prefix_cache_stats(const pd_sched *s, uint64_t *queries, uint64_t *hits);

@@ -435,6 +435,7 @@ static void h_stats(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len)
     m.kv_blocks_total = (int64_t)st.kv_blocks_total;
     m.kv_blocks_free = (int64_t)st.kv_blocks_free;
     m.num_preemptions = (int64_t)st.num_preemptions;
+    m.queued_tokens = (int64_t)st.queued_tokens;
     m.prefix_cache_queries = (int64_t)st.prefix_cache_queries;
     m.prefix_cache_hits = (int64_t)st.prefix_cache_hits;
     m.prompt_tokens = (int64_t)st.prompt_tokens;

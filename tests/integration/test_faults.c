@@ -765,27 +765,27 @@ TEST(faults_registry_prefix_affinity)
     int pa = -1, again = -1, part = -1, excl = -1, busy = -1, other = -1;
     if (round) {
         pa = pd_reg_pick_cached(reg, RT_ROLE_PREFILL, a, 48, 48, -1, &hit[0]);
-        pd_reg_release(reg, pa, 48); /* equal loads again */
+        pd_reg_release(reg, pa, 48 - hit[0]); /* equal loads again */
         again = pd_reg_pick_cached(reg, RT_ROLE_PREFILL, a, 48, 48, -1, &hit[1]);
-        pd_reg_release(reg, again, 48);
+        pd_reg_release(reg, again, 48 - hit[1]);
         part = pd_reg_pick_cached(reg, RT_ROLE_PREFILL, a2, 40, 40, -1,
                                   &hit[2]); /* its first 2 blocks are a's */
-        pd_reg_release(reg, part, 40);
+        pd_reg_release(reg, part, 40 - hit[2]);
         /* 100 tokens queued on a's instance outweigh the 48 its cache would save */
         int q = pd_reg_pick(reg, RT_ROLE_PREFILL, 100, pa == P0 ? P1 : P0);
         busy = pd_reg_pick_cached(reg, RT_ROLE_PREFILL, a, 48, 48, -1, &hit[4]);
-        pd_reg_release(reg, busy, 48);
+        pd_reg_release(reg, busy, 48 - hit[4]);
         pd_reg_release(reg, q, 100);
         excl = pd_reg_pick_cached(reg, RT_ROLE_PREFILL, b, 48, 48, busy,
                                   &hit[3]); /* b: new everywhere */
-        pd_reg_release(reg, excl, 48);
+        pd_reg_release(reg, excl, 48 - hit[3]);
         other = pd_reg_pick_cached(reg, RT_ROLE_PREFILL, b, 48, 48, -1, &hit[5]);
-        pd_reg_release(reg, other, 48);
+        pd_reg_release(reg, other, 48 - hit[5]);
         /* decode instances alike: a's reservation goes where a's blocks went */
         da = pd_reg_pick_cached(reg, RT_ROLE_DECODE, a, 48, 64, -1, &dhit[0]);
-        pd_reg_release(reg, da, 64);
+        pd_reg_release(reg, da, 64 - dhit[0]);
         da2 = pd_reg_pick_cached(reg, RT_ROLE_DECODE, a, 48, 64, -1, &dhit[1]);
-        pd_reg_release(reg, da2, 64);
+        pd_reg_release(reg, da2, 64 - dhit[1]);
         /* a later turn: a, the 24 tokens generated for it, 16 new ones. Once a's sequence on
          * da is noted, the block of generated tokens da computed counts there too (48 + 23
          * tokens: 4 full blocks); a turn after another answer finds a's 3 blocks only */
@@ -793,10 +793,10 @@ TEST(faults_registry_prefix_affinity)
         memcpy(alt, turn2, sizeof alt);
         alt[60] = 1;
         dalt = pd_reg_pick_cached(reg, RT_ROLE_DECODE, alt, 88, 104, -1, &dhit[2]);
-        pd_reg_release(reg, dalt, 104);
+        pd_reg_release(reg, dalt, 104 - dhit[2]);
         pd_reg_note_cached(reg, da, turn2, 48 + 24 - 1);
         dt = pd_reg_pick_cached(reg, RT_ROLE_DECODE, turn2, 88, 104, -1, &dhit[3]);
-        pd_reg_release(reg, dt, 104);
+        pd_reg_release(reg, dt, 104 - dhit[3]);
     }
     pd_reg_free(reg);
     pd_rpc_client_destroy(cl);

@@ -228,10 +228,20 @@ TEST(engine_64_concurrent_equal_alone)
     ASSERT_OK(run_alone(&p, reqs, MAX_REQ, alone));
     pd_engine *e;
     ASSERT_OK(pd_engine_create(&p, &e));
-    for (int i = 0; i < MAX_REQ; i++) ASSERT_OK(add_req(e, &reqs[i], PD_PHASE_FULL));
-    ASSERT_OK(run_to_end(e, batch));
+    size_t prompts = 0;
+    for (int i = 0; i < MAX_REQ; i++) {
+        ASSERT_OK(add_req(e, &reqs[i], PD_PHASE_FULL));
+        prompts += reqs[i].n_prompt;
+    }
     pd_engine_stats st;
     pd_engine_get_stats(e, &st);
+    ASSERT_EQ_INT(st.queued_tokens, prompts); /* nothing computed yet */
+    ASSERT_OK(pd_engine_step(e, NULL));
+    pd_engine_get_stats(e, &st);
+    ASSERT(st.queued_tokens < prompts); /* the first step's prompt rows */
+    ASSERT_OK(run_to_end(e, batch));
+    pd_engine_get_stats(e, &st);
+    ASSERT_EQ_INT(st.queued_tokens, 0);
     ASSERT_EQ_INT(st.kv_blocks_free, st.kv_blocks_total);
     ASSERT_EQ_INT(st.requests_finished, MAX_REQ);
     ASSERT(st.steps < 200); /* they really ran together */
