@@ -46,6 +46,22 @@ typedef struct {
     int no_fused; /* --no-fused: the plain ops only */
 } bench_opts;
 
+/* A bf16 weight of (out, in) from host on b (the benchmarks' weights: shapes matter, not values).
+ */
+static int load_bf16(pd_backend *b, const uint16_t *host, size_t out, size_t in, pd_weight **w)
+{
+    pd_tensor t;
+    memset(&t, 0, sizeof t);
+    t.name = "bench.weight";
+    t.dtype = PD_DTYPE_BF16;
+    t.ndim = 2;
+    t.shape[0] = (int64_t)out;
+    t.shape[1] = (int64_t)in;
+    t.data = host;
+    t.nbytes = out * in * 2;
+    return pd_backend_get_ops(b)->weight_load(b, &t, NULL, w);
+}
+
 /* Times the GEMMs of one prefill step of n rows on weights shaped like cfg's. */
 static int gemm_time(pd_backend *b, const pd_model_config *c, size_t n, double *secs, double *flops)
 {
@@ -68,18 +84,8 @@ static int gemm_time(pd_backend *b, const pd_model_config *c, size_t n, double *
     if (!host) return pd_error(PD_ENOMEM, "gemm_time: out of memory");
     uint64_t seed = 1;
     for (size_t i = 0; i < host_n; i++) host[i] = pd_f32_to_bf16(ctu_rand(&seed, 0.05f));
-    for (int i = 0; i < 8 && rc == 0; i++) {
-        pd_tensor t;
-        memset(&t, 0, sizeof t);
-        t.name = "bench.weight";
-        t.dtype = PD_DTYPE_BF16;
-        t.ndim = 2;
-        t.shape[0] = (int64_t)shapes[i][1];
-        t.shape[1] = (int64_t)shapes[i][2];
-        t.data = host;
-        t.nbytes = shapes[i][1] * shapes[i][2] * 2;
-        rc = o->weight_load(b, &t, NULL, &w[i]);
-    }
+    for (int i = 0; i < 8 && rc == 0; i++)
+        rc = load_bf16(b, host, shapes[i][1], shapes[i][2], &w[i]);
     if (rc == 0) rc = o->buf_alloc(b, n * maxdim * 2, &x);
     if (rc == 0) rc = o->buf_alloc(b, n * (maxdim > V ? maxdim : V) * 2, &y);
     if (rc == 0) rc = o->upload(b, x, host, n * maxdim * 2);
@@ -139,17 +145,8 @@ static int gemv_chain(pd_backend *b, const pd_model_config *c, double copy_gbs)
         host[i] = pd_f32_to_bf16(ctu_rand(&seed, 0.05f));
     for (size_t i = 0; rc == PD_OK && i <= L * NW; i++) {
         size_t out = i == L * NW ? V : shape[i % NW][0], in = i == L * NW ? H : shape[i % NW][1];
-        pd_tensor t;
-        memset(&t, 0, sizeof t);
-        t.name = "chain.weight";
-        t.dtype = PD_DTYPE_BF16;
-        t.ndim = 2;
-        t.shape[0] = (int64_t)out;
-        t.shape[1] = (int64_t)in;
-        t.data = host;
-        t.nbytes = out * in * 2;
-        rc = o->weight_load(b, &t, NULL, &w[i]);
-        bytes += (double)t.nbytes;
+        rc = load_bf16(b, host, out, in, &w[i]);
+        bytes += (double)(out * in * 2);
     }
     if (rc == PD_OK) rc = o->buf_alloc(b, act * 4, &x);
     for (int i = 0; i < 4 && rc == PD_OK; i++) rc = o->buf_alloc(b, act * 4, &y[i]);
@@ -248,17 +245,8 @@ static int op_micro(pd_backend *b, const pd_model_config *c, int iters)
     if (rc == 0) rc = o->buf_alloc(b, maxw * 2, &wdev);
     for (int si = 0; si < 5 && rc == 0; si++) {
         size_t out = shapes[si][0], in = shapes[si][1];
-        pd_tensor t;
-        memset(&t, 0, sizeof t);
-        t.name = "micro.weight";
-        t.dtype = PD_DTYPE_BF16;
-        t.ndim = 2;
-        t.shape[0] = (int64_t)out;
-        t.shape[1] = (int64_t)in;
-        t.data = host;
-        t.nbytes = out * in * 2;
         pd_weight *w = NULL;
-        rc = o->weight_load(b, &t, NULL, &w);
+        rc = load_bf16(b, host, out, in, &w);
         if (rc == 0) rc = o->upload(b, wdev, host, out * in * 2);
         for (int ni = 0; ni < 2 && rc == 0; ni++) {
             int n = ni ? 64 : 1;

@@ -28,6 +28,23 @@ def metric_sums(base):
             total("vllm:prefix_cache_hits_total"))
 
 
+def measure(base, work, concurrency, stats_wait):
+    """Runs work() on `concurrency` threads between two reads of metric_sums, each after
+    stats_wait seconds (the instances' Stats reach the scheduler by their heartbeat, so the
+    counters of earlier traffic and of this run are in): (wall seconds, before, after)."""
+    time.sleep(stats_wait)
+    before = metric_sums(base)
+    t0 = time.time()
+    threads = [threading.Thread(target=work) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.time() - t0
+    time.sleep(stats_wait)
+    return wall, before, metric_sums(base)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--port", type=int, required=True, help="pd-scheduler's port on 127.0.0.1")
@@ -70,17 +87,7 @@ def main():
                 with lock:
                     errors.append(f"request {i}: {e}")
 
-    time.sleep(a.stats_wait)  # earlier traffic's counters reach the scheduler first
-    m0 = metric_sums(base)
-    t0 = time.time()
-    threads = [threading.Thread(target=worker) for _ in range(a.concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.time() - t0
-    time.sleep(a.stats_wait)
-    m1 = metric_sums(base)
+    wall, m0, m1 = measure(base, worker, a.concurrency, a.stats_wait)
     for e in errors:
         print(e)
     lat.sort()

@@ -17,7 +17,7 @@ import threading
 import time
 import urllib.request
 
-from bench_n import metric_sums
+from bench_n import measure
 
 
 def main():
@@ -76,17 +76,7 @@ def main():
                 with lock:
                     errors.append(f"conversation {c}: {e}")
 
-    time.sleep(a.stats_wait)  # earlier traffic's counters reach the scheduler first
-    m0 = metric_sums(base)
-    t0 = time.time()
-    threads = [threading.Thread(target=worker) for _ in range(a.concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.time() - t0
-    time.sleep(a.stats_wait)
-    m1 = metric_sums(base)
+    wall, m0, m1 = measure(base, worker, a.concurrency, a.stats_wait)
     for e in errors:
         print(e)
     later.sort()
