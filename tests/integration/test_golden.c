@@ -3115,11 +3115,6 @@ TEST(golden_40_metrics_max_tokens_per_request)
     ASSERT_NEAR(g_after.mt_sum, 11, 1e-9);
 }
 
-/* §18.40: pd:kv_transfer_bytes_total grows by each request's KV size: P tokens x layers x (K,V)
- * x kv_heads x head_dim x 4 bytes (f32 KV on the CPU backend). The prompt's tokens move, not
- * whole blocks; each choice that goes on to decode moves its own copy (the n=2 request's two
- * choices are prefilled and moved separately: 5 + 5 + 3 + 3), and the request whose first token
- * ends it (EOS) moves none. */
 /* KV bytes of one token of the golden model (f32 KV on the CPU backend), 0 when its config.json
  * does not read. */
 static int64_t kv_bytes_per_token(void)
@@ -3134,6 +3129,11 @@ static int64_t kv_bytes_per_token(void)
     return per_tok;
 }
 
+/* §18.40: pd:kv_transfer_bytes_total grows by each request's KV size: P tokens x layers x (K,V)
+ * x kv_heads x head_dim x 4 bytes (f32 KV on the CPU backend). The prompt's tokens move, not
+ * whole blocks; each choice that goes on to decode moves its own copy (the n=2 request's
+ * prompts are shorter than a block, so nothing is shared: 5 + 5 + 3 + 3), and the request whose
+ * first token ends it (EOS) moves none. */
 TEST(golden_40_metrics_kv_bytes)
 {
     if (!g_after_ok) SKIP("no snapshot after traffic");
@@ -3145,11 +3145,6 @@ TEST(golden_40_metrics_kv_bytes)
                g_after.kv_bytes, (long long)(16 * per_tok), (long long)per_tok);
 }
 
-/* Prefix caching: the same 40-token prompt twice; the second finds its first two 16-token
- * blocks on the prefill instance (its third block holds the last token, always computed), and
- * the decode instance's reservation finds them too (the first request's, registered when it
- * decoded), so their KV does not move. Each instance counts the prompt's 40 tokens per lookup;
- * the counters are the instances' sums, from their Stats (the heartbeat). */
 /* A snapshot once the prefix cache counters stay put over more than a heartbeat period: the
  * instances served earlier tests (and other schedulers), whose last Stats must be in. */
 static bool steady_snapshot(snapshot *s0, char *why, size_t wn)
@@ -3189,6 +3184,11 @@ static void prompt40_body(char *body, size_t n, int base, const char *rest)
     snprintf(body + o, n - o, "],%s}", rest);
 }
 
+/* Prefix caching: the same 40-token prompt twice; the second finds its first two 16-token
+ * blocks on the prefill instance (its third block holds the last token, always computed), and
+ * the decode instance's reservation finds them too (the first request's, registered when it
+ * decoded), so their KV does not move. Each instance counts the prompt's 40 tokens per lookup;
+ * the counters are the instances' sums, from their Stats (the heartbeat). */
 TEST(golden_40_metrics_prefix_cache)
 {
     FIXTURE();
