@@ -81,17 +81,24 @@ static int compare_split_colocated(cl_cluster *c, int n, double temperature, int
     return bad;
 }
 
-static void run_shape(const char *prefill, const char *decode, int n_prompts)
+/* A cluster of the test model in the shape given (cl_start's prefill and decode lists); on a
+ * failure the error is printed and what started is stopped. */
+static int start_shape(cl_cluster *c, const char *prefill, const char *decode)
 {
     const char *model = model_dir();
-    ASSERT_MSG(model, "pd-mkmodel failed");
-    cl_cluster c;
-    int rc = cl_start(&c, model, prefill, decode, NULL);
+    if (!model) return pd_error(PD_EINTERNAL, "pd-mkmodel failed");
+    int rc = cl_start(c, model, prefill, decode, NULL);
     if (rc < 0) {
         printf("    %s\n", pd_last_error());
-        cl_stop_all(&c);
-        ASSERT_OK(rc);
+        cl_stop_all(c);
     }
+    return rc;
+}
+
+static void run_shape(const char *prefill, const char *decode, int n_prompts)
+{
+    cl_cluster c;
+    ASSERT_OK(start_shape(&c, prefill, decode));
     int bad_greedy = compare_split_colocated(&c, n_prompts, 0.0, 7);
     int bad_seeded = compare_split_colocated(&c, n_prompts, 0.8, 1234);
     if (bad_greedy || bad_seeded)
@@ -128,22 +135,15 @@ TEST(pd_prefill_tp2_to_decode_tp1)
  * still equal pd-generate's. */
 static void prefix_cache_case(const char *prefill, const char *decode)
 {
-    const char *model = model_dir();
-    ASSERT_MSG(model, "pd-mkmodel failed");
     static int32_t a[40], b[64];
     for (int i = 0; i < 64; i++) b[i] = (int32_t)(32 + (i * 17) % 90);
     memcpy(a, b, sizeof a);
     const int32_t *ptrs[2] = {a, b};
     size_t len[2] = {40, 64};
     cl_cluster c;
-    int rc = cl_start(&c, model, prefill, decode, NULL);
-    if (rc < 0) {
-        printf("    %s\n", pd_last_error());
-        cl_stop_all(&c);
-        ASSERT_OK(rc);
-    }
+    ASSERT_OK(start_shape(&c, prefill, decode));
     static cl_result ref[2], got[2];
-    rc = cl_reference(c.model, ptrs, len, 2, MAX_TOKENS, 0.0, 0, c.dir, ref);
+    int rc = cl_reference(c.model, ptrs, len, 2, MAX_TOKENS, 0.0, 0, c.dir, ref);
     Pd__SamplingParams sp = sampling(0.0, 0);
     for (int i = 0; i < 2 && rc >= 0; i++) {
         char id[32];
