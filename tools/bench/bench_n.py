@@ -28,10 +28,47 @@ def metric_sums(base):
             total("vllm:prefix_cache_hits_total"))
 
 
-def measure(base, work, concurrency, stats_wait):
-    """Runs work() on `concurrency` threads between two reads of metric_sums, each after
-    stats_wait seconds (the instances' Stats reach the scheduler by their heartbeat, so the
-    counters of earlier traffic and of this run are in): (wall seconds, before, after)."""
+def common_args(ap):
+    """The options both benchmark scripts take: --port, --vocab, --stats-wait."""
+    ap.add_argument("--port", type=int, required=True, help="pd-scheduler's port on 127.0.0.1")
+    ap.add_argument("--vocab", type=int, default=4000, help="prompt ids are in [10, vocab)")
+    ap.add_argument("--stats-wait", type=float, default=2.5,
+                    help="seconds for the instances' Stats to reach the scheduler, waited "
+                         "before and after the run")
+
+
+def random_ids(rng, n, vocab):
+    """n random prompt ids in [10, vocab)."""
+    return [rng.randrange(10, vocab) for _ in range(n)]
+
+
+def complete(base, payload):
+    """POST /v1/completions with payload (a dict); the parsed response."""
+    req = urllib.request.Request(base + "/v1/completions", json.dumps(payload).encode(),
+                                 {"Content-Type": "application/json"})
+    return json.loads(urllib.request.urlopen(req, timeout=600).read())
+
+
+def measure(base, n_items, run_one, name, concurrency, stats_wait):
+    """Runs run_one(i) for i < n_items on `concurrency` threads between two reads of
+    metric_sums, each after stats_wait seconds (the instances' Stats reach the scheduler by their
+    heartbeat, so the counters of earlier traffic and of this run are in): (wall seconds, before,
+    after, the failures as "<name> i: error")."""
+    lock = threading.Lock()
+    queue, errors = list(range(n_items)), []
+
+    def work():
+        while True:
+            with lock:
+                if not queue:
+                    return
+                i = queue.pop(0)
+            try:
+                run_one(i)
+            except Exception as e:  # noqa: BLE001 - every failure is counted and shown
+                with lock:
+                    errors.append(f"{name} {i}: {e}")
+
     time.sleep(stats_wait)
     before = metric_sums(base)
     t0 = time.time()
@@ -42,52 +79,33 @@ def measure(base, work, concurrency, stats_wait):
         t.join()
     wall = time.time() - t0
     time.sleep(stats_wait)
-    return wall, before, metric_sums(base)
+    return wall, before, metric_sums(base), errors
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--port", type=int, required=True, help="pd-scheduler's port on 127.0.0.1")
+    common_args(ap)
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--concurrency", type=int, default=1, help="requests in flight")
     ap.add_argument("--n", type=int, default=4, help="choices per request")
     ap.add_argument("--prompt-len", type=int, default=512, help="prompt tokens")
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--vocab", type=int, default=4000, help="prompt ids are in [10, vocab)")
-    ap.add_argument("--stats-wait", type=float, default=2.5,
-                    help="seconds for the instances' Stats to reach the scheduler, waited "
-                         "before and after the requests")
     a = ap.parse_args()
     base = f"http://127.0.0.1:{a.port}"
     rng = random.Random(7)
-    prompts = [[rng.randrange(10, a.vocab) for _ in range(a.prompt_len)]
-               for _ in range(a.requests)]
-    lat, errors = [], []
-    lock = threading.Lock()
-    queue = list(range(a.requests))
+    prompts = [random_ids(rng, a.prompt_len, a.vocab) for _ in range(a.requests)]
+    lat = []
 
-    def worker():
-        while True:
-            with lock:
-                if not queue:
-                    return
-                i = queue.pop(0)
-            body = json.dumps({"prompt": prompts[i], "n": a.n, "max_tokens": a.max_tokens,
-                               "ignore_eos": True, "temperature": 1.0, "seed": i}).encode()
-            t0 = time.time()
-            try:
-                req = urllib.request.Request(base + "/v1/completions", body,
-                                             {"Content-Type": "application/json"})
-                out = json.loads(urllib.request.urlopen(req, timeout=600).read())
-                if len(out["choices"]) != a.n:
-                    raise ValueError(f"{len(out['choices'])} choices")
-                with lock:
-                    lat.append(time.time() - t0)
-            except Exception as e:  # noqa: BLE001 - every failure is counted and shown
-                with lock:
-                    errors.append(f"request {i}: {e}")
+    def request(i):
+        t0 = time.time()
+        out = complete(base, {"prompt": prompts[i], "n": a.n, "max_tokens": a.max_tokens,
+                              "ignore_eos": True, "temperature": 1.0, "seed": i})
+        if len(out["choices"]) != a.n:
+            raise ValueError(f"{len(out['choices'])} choices")
+        lat.append(time.time() - t0)  # list.append is atomic
 
-    wall, m0, m1 = measure(base, worker, a.concurrency, a.stats_wait)
+    wall, m0, m1, errors = measure(base, a.requests, request, "request", a.concurrency,
+                                   a.stats_wait)
     for e in errors:
         print(e)
     lat.sort()

@@ -11,72 +11,47 @@ has --answer-len tokens, which come back as ids (logprobs with return_tokens_as_
 docs/benchmarks.md records the figures.
 """
 import argparse
-import json
 import random
-import threading
 import time
-import urllib.request
 
-from bench_n import measure
+from bench_n import common_args, complete, measure, random_ids
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--port", type=int, required=True, help="pd-scheduler's port on 127.0.0.1")
+    common_args(ap)
     ap.add_argument("--conversations", type=int, default=8)
     ap.add_argument("--turns", type=int, default=4, help="requests per conversation")
     ap.add_argument("--concurrency", type=int, default=4, help="conversations in flight")
     ap.add_argument("--first-len", type=int, default=256, help="tokens of the first prompt")
     ap.add_argument("--turn-len", type=int, default=32, help="new tokens of each later turn")
     ap.add_argument("--answer-len", type=int, default=64, help="max_tokens of every turn")
-    ap.add_argument("--vocab", type=int, default=4000, help="prompt ids are in [10, vocab)")
-    ap.add_argument("--stats-wait", type=float, default=2.5,
-                    help="seconds for the instances' Stats to reach the scheduler, waited "
-                         "before and after the conversations")
     a = ap.parse_args()
     base = f"http://127.0.0.1:{a.port}"
     rng = random.Random(11)
-    firsts = [[rng.randrange(10, a.vocab) for _ in range(a.first_len)]
-              for _ in range(a.conversations)]
-    news = [[[rng.randrange(10, a.vocab) for _ in range(a.turn_len)] for _ in range(a.turns)]
+    firsts = [random_ids(rng, a.first_len, a.vocab) for _ in range(a.conversations)]
+    news = [[random_ids(rng, a.turn_len, a.vocab) for _ in range(a.turns)]
             for _ in range(a.conversations)]
-    later, errors = [], []
-    lock = threading.Lock()
-    queue = list(range(a.conversations))
+    later = []
 
     def conversation(c):
         prompt = list(firsts[c])
         for t in range(a.turns):
             if t:
                 prompt += news[c][t]
-            body = json.dumps({"prompt": prompt, "max_tokens": a.answer_len, "ignore_eos": True,
-                               "temperature": 0, "logprobs": 0,
-                               "return_tokens_as_token_ids": True}).encode()
             t0 = time.time()
-            req = urllib.request.Request(base + "/v1/completions", body,
-                                         {"Content-Type": "application/json"})
-            out = json.loads(urllib.request.urlopen(req, timeout=600).read())
+            out = complete(base, {"prompt": prompt, "max_tokens": a.answer_len,
+                                  "ignore_eos": True, "temperature": 0, "logprobs": 0,
+                                  "return_tokens_as_token_ids": True})
             answer = [int(s.split(":", 1)[1]) for s in out["choices"][0]["logprobs"]["tokens"]]
             if len(answer) != a.answer_len:
                 raise ValueError(f"{len(answer)} tokens")
             if t:
-                with lock:
-                    later.append(time.time() - t0)
+                later.append(time.time() - t0)  # list.append is atomic
             prompt += answer
 
-    def worker():
-        while True:
-            with lock:
-                if not queue:
-                    return
-                c = queue.pop(0)
-            try:
-                conversation(c)
-            except Exception as e:  # noqa: BLE001 - every failure is counted and shown
-                with lock:
-                    errors.append(f"conversation {c}: {e}")
-
-    wall, m0, m1 = measure(base, worker, a.concurrency, a.stats_wait)
+    wall, m0, m1, errors = measure(base, a.conversations, conversation, "conversation",
+                                   a.concurrency, a.stats_wait)
     for e in errors:
         print(e)
     later.sort()
