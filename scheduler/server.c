@@ -864,12 +864,15 @@ static void on_reserve_done(void *arg, int st, const char *details, const uint8_
         chain_end(c);
         return;
     }
-    if (st == PD_RPC_UNAVAILABLE && c->reserve_tries < 2) {
-        /* the instance died since the last heartbeat: out of routing now, and another one */
+    if ((st == PD_RPC_UNAVAILABLE || st == PD_RPC_CANCELLED) && c->reserve_tries < 2) {
+        /* the instance died since the last heartbeat (or the heartbeat found it gone while the
+           call waited: instance_lost cancelled it): out of routing now, and another one; should
+           it come back, it drops the reservation nobody will use */
         c->reserve_tries++;
         PD_WARN(r->id, "Reserve of %s on %s failed: %s; trying another decode instance", c->sub_id,
                 pd_reg_name(r->s->reg, c->d_node), details);
         pd_reg_report_failure(r->s->reg, c->d_node, details);
+        send_abort(r->s, c->d_node, c->sub_id);
         pthread_mutex_lock(&r->mu);
         c->reserve_retry = true;
         post_ready(r);
@@ -1896,8 +1899,9 @@ static void process(sreq *r)
 static void begin_stop(pd_sched *s);
 
 /* Instance k left the routing set: a prefill call waiting on it is cancelled (its callback
- * retries on another prefill instance); a request decoding on it fails with the contract's
- * in-band error. Pending Reserve calls run into their own deadlines. */
+ * retries on another prefill instance), and so is a Reserve call (its callback tries another
+ * decode instance: nothing has been streamed for the request); a request decoding on it fails
+ * with the contract's in-band error. */
 static void instance_lost(pd_sched *s, int k)
 {
     bool decode = pd_reg_role(s->reg, k) == RT_ROLE_DECODE;
@@ -1912,11 +1916,16 @@ static void instance_lost(pd_sched *s, int k)
             pthread_mutex_lock(&r->mu);
             bool pre = c->p_node == k && c->in_phase[PH_PREFILL] && !c->in_phase[PH_DECODE];
             uint64_t id = c->call_id[PH_PREFILL];
+            bool reserving = c->in_phase[PH_RESERVE] && !c->in_phase[PH_PREFILL];
+            uint64_t rid = c->call_id[PH_RESERVE];
             bool done = c->chain_done || c->reserve_retry; /* retry: picks another instance */
             pthread_mutex_unlock(&r->mu);
             if (done) continue;
             if (!decode && pre && id) pd_rpc_cancel(s->rpc, id);
-            if (decode && c->d_node == k) fail = true;
+            if (decode && c->d_node == k && reserving && rid)
+                pd_rpc_cancel(s->rpc, rid);
+            else if (decode && c->d_node == k)
+                fail = true;
         }
         if (fail) {
             PD_WARN(r->id, "decode instance %s left the routing set", pd_reg_name(s->reg, k));

@@ -269,16 +269,15 @@ static void table_remove(pd_node *n, req *r)
 
 /* ---- helpers ------------------------------------------------------------------------------- */
 
-static void reply_msg(pd_rpc_call *call, const ProtobufCMessage *m)
+/* pd_rpc_reply of m: PD_ECANCELLED when the caller was already gone. */
+static int reply_msg(pd_rpc_call *call, const ProtobufCMessage *m)
 {
     size_t len = 0;
     uint8_t *buf = pd_msg_pack(m, &len);
-    if (!buf) {
-        pd_rpc_fail(call, PD_RPC_INTERNAL, "out of memory");
-        return;
-    }
-    pd_rpc_reply(call, buf, len);
+    if (!buf) return pd_rpc_fail(call, PD_RPC_INTERNAL, "out of memory");
+    int rc = pd_rpc_reply(call, buf, len);
     free(buf);
+    return rc;
 }
 
 /* gRPC status for an engine/library status. */
@@ -780,6 +779,15 @@ static void on_kv_imported(void *arg, const char *id, int status)
     PD_DEBUG(id, "KV imported on one rank (status %d)", status);
 }
 
+/* Frees reservation r (no Decode has started on it): its expected transfers, its blocks, its
+ * entry. Called with n->mu held. */
+static void drop_reservation(pd_node *n, req *r)
+{
+    for (int k = 0; k < n->tp; k++) pd_kv_rx_cancel(n->rx[k], r->id);
+    pd_engine_abort(n->e, r->id);
+    table_remove(n, r);
+}
+
 static void h_reserve(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len)
 {
     pd_node *n = ctx;
@@ -831,7 +839,12 @@ static void h_reserve(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len
         m.block_ids = r->blocks;
         m.n_block_ids = r->n_blocks;
         m.cached_tokens = (int64_t)cached;
-        reply_msg(call, &m.base); /* packed under the lock: r cannot go away meanwhile */
+        /* packed under the lock: r cannot go away meanwhile. A caller that has gone (it gave up
+           on this instance and reserved elsewhere) never learns the blocks: drop them */
+        if (reply_msg(call, &m.base) == PD_ECANCELLED) {
+            PD_INFO(r->id, "Reserve cancelled by its caller; blocks freed");
+            drop_reservation(n, r);
+        }
     }
     pthread_mutex_unlock(&n->mu);
     if (rc < 0) {
@@ -1115,9 +1128,7 @@ static void *reaper_main(void *arg)
                 }
                 if (r->decoding || now < r->deadline_ns) continue;
                 PD_WARN(r->id, "reservation expired before Decode started; blocks freed");
-                for (int k = 0; k < n->tp; k++) pd_kv_rx_cancel(n->rx[k], r->id);
-                pd_engine_abort(n->e, r->id);
-                table_remove(n, r);
+                drop_reservation(n, r);
             }
     }
     pthread_mutex_unlock(&n->mu);

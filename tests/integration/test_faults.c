@@ -455,6 +455,32 @@ static void abort_on(int k, const char *id)
     if (m) protobuf_c_message_free_unpacked(m, NULL);
 }
 
+/* A Reserve that waits on a decode instance the heartbeat then finds gone (stopped, so the call
+ * hangs instead of failing) is cancelled and tried on the other decode instance, as one that
+ * fails at once is: nothing has been streamed for the request. Two requests one after the other
+ * while D1 is stopped: picks among equal loads rotate, so one is routed to D1. Once D1 runs
+ * again it holds nothing of them. Regression: the heartbeat failed such a request with a 500
+ * while its Reserve was pending. */
+TEST(faults_pending_reserve_on_lost_decode_retried)
+{
+    FIXTURE();
+    ASSERT(wait_idle(D0, 5000) && wait_idle(D1, 5000));
+    ASSERT_MSG(wait_instance(D1, 1, 5000), "decode instance 1 is not in routing");
+    cl_signal(&g_c.procs[D1], SIGSTOP);
+    int64_t t0 = pd_now_ns();
+    int served = short_requests(2);
+    double took = (double)(pd_now_ns() - t0) / 1e9;
+    bool out = wait_instance(D1, 0, 5000);
+    cl_signal(&g_c.procs[D1], SIGCONT);
+    bool back = wait_instance(D1, 1, 10000);
+    bool idle = back && wait_idle(D1, 10000);
+    printf("    decode instance stopped: %d of 2 requests served in %.3f s\n", served, took);
+    ASSERT_EQ_INT(served, 2);
+    ASSERT_MSG(out, "the stopped decode instance stayed in routing");
+    ASSERT_MSG(back, "the decode instance did not rejoin after SIGCONT");
+    ASSERT_MSG(idle, "the decode instance kept the cancelled reservation");
+}
+
 /* The decode side stops acknowledging while the prefill instance holds the KV under its lease:
  * (a) it stays stopped: the lease runs out and frees the KV; (b) it is killed and started again
  * on its port: the broken transfer frees the KV at once. Stats must show nothing held. */
