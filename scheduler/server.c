@@ -1599,6 +1599,9 @@ static void send_reserve(choice *c)
     q.ttl_ms = s->p.prefill_timeout_ms;
     q.prompt_ids = pr->ids; /* the decode instance's prefix cache may hold its first blocks */
     q.n_prompt_ids = pr->n_ids;
+    char relay_id[48];
+    relay_for(s, c->d_node, relay_id); /* should this scheduler die, the reservation goes too */
+    q.relay_id = relay_id;
     size_t len = 0;
     uint8_t *buf = pd_msg_pack(&q.base, &len);
     if (!buf) {

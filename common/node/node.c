@@ -67,7 +67,9 @@ typedef struct req {
     size_t n_blocks;
     int kv_ranks_done;
     bool decoding, first_seen;
-    relay *rl;          /* decode: its events go to this Relay stream (NULL: to its own call) */
+    relay *rl; /* decode: its events go to this Relay stream (NULL: to its own call) */
+    char reserved_by[RELAY_ID_MAX]; /* decode: the Reserve's relay_id ("" none): a reservation
+                                       no Decode has taken goes when that relay closes */
     ev_list held;       /* relayed: events waiting (paused or out of credit), in order */
     bool paused;        /* relayed: the caller's client reads slowly (Pause) */
     uint64_t pause_seq; /* the newest Pause applied */
@@ -830,6 +832,7 @@ static void h_reserve(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len
         } else {
             int ttl = q->ttl_ms > 0 ? q->ttl_ms : DEFAULT_RESERVE_TTL_MS;
             r->deadline_ns = pd_now_ns() + (int64_t)ttl * PD_NS_PER_MS;
+            snprintf(r->reserved_by, sizeof r->reserved_by, "%s", q->relay_id ? q->relay_id : "");
         }
     }
     char msg[512];
@@ -1024,6 +1027,11 @@ static void on_relay_cancelled(void *arg, pd_rpc_call *call)
     for (size_t b = 0; rl && b < REQ_BUCKETS; b++)
         for (req *r = n->table[b], *next; r; r = next) {
             next = r->next;
+            if (!r->decoding && n->rx && strcmp(r->reserved_by, rl->id) == 0) {
+                PD_INFO(r->id, "the relay of its caller closed before Decode; reservation freed");
+                drop_reservation(n, r);
+                continue;
+            }
             if (r->rl != rl) continue;
             r->rl = NULL;
             if (r->finished) { /* the engine is done with it: nothing more comes */

@@ -527,3 +527,55 @@ TEST(pd_relay_credit)
     ASSERT(decode_open);
     ASSERT_EQ_INT(bad_exit, 0);
 }
+
+/* A reservation made with the caller's relay_id goes when that Relay stream closes (the caller,
+ * a pd-scheduler, is gone), not after its TTL: one that no Decode has taken is freed at once. */
+TEST(pd_reservation_dropped_with_its_relay)
+{
+    const char *model = model_dir();
+    ASSERT(model);
+    cl_cluster c;
+    ASSERT_OK(cl_start(&c, model, "0", "1", NULL));
+    relay_watch w = {.decode_status = -1};
+    pthread_mutex_init(&w.mu, NULL);
+    pthread_cond_init(&w.cv, NULL);
+    Pd__RelayRequest rq = PD__RELAY_REQUEST__INIT;
+    rq.relay_id = "gone-relay";
+    uint8_t rbuf[64];
+    uint64_t relay_call = 0;
+    pd_rpc_stream_async(cl_node(&c, 1), "/pd.PD/Relay", rbuf, pd__relay_request__pack(&rq, rbuf),
+                        60000, on_relay_batch, on_relay_end, &w, &relay_call);
+    pd_sleep_ns(300 * PD_NS_PER_MS); /* the node has no "open" message: give it time */
+    Pd__ReserveRequest q = PD__RESERVE_REQUEST__INIT;
+    q.request_id = "held-1";
+    q.num_prompt_tokens = 20;
+    q.ttl_ms = 60000;
+    q.relay_id = "gone-relay";
+    int st;
+    Pd__ReserveReply *rr = (Pd__ReserveReply *)cl_call(cl_node(&c, 1), "/pd.PD/Reserve", &q.base,
+                                                       &pd__reserve_reply__descriptor, 3000, &st);
+    Pd__StatsReply *s0 = stats(&c, 1);
+    int64_t held0 = s0 ? s0->num_held : -1;
+    pd_rpc_cancel(c.client, relay_call);
+    int64_t held1 = -1, deadline = pd_now_ns() + 5 * PD_NS_PER_S;
+    while (held1 != 0 && pd_now_ns() < deadline) {
+        Pd__StatsReply *s1 = stats(&c, 1);
+        held1 = s1 ? s1->num_held : -1;
+        if (s1) pd__stats_reply__free_unpacked(s1, NULL);
+        if (held1 != 0) pd_sleep_ns(50 * PD_NS_PER_MS);
+    }
+    pthread_mutex_lock(&w.mu);
+    while (!w.relay_done) pthread_cond_wait(&w.cv, &w.mu);
+    pthread_mutex_unlock(&w.mu);
+    printf("    held reservations: %lld with the relay open, %lld once it closed\n",
+           (long long)held0, (long long)held1);
+    if (rr) pd__reserve_reply__free_unpacked(rr, NULL);
+    if (s0) pd__stats_reply__free_unpacked(s0, NULL);
+    pthread_mutex_destroy(&w.mu);
+    pthread_cond_destroy(&w.cv);
+    int bad_exit = cl_stop_all(&c);
+    ASSERT(rr);
+    ASSERT_EQ_INT(held0, 1);
+    ASSERT_EQ_INT(held1, 0);
+    ASSERT_EQ_INT(bad_exit, 0);
+}
