@@ -160,6 +160,18 @@ typedef struct {
     void *check_arg;
 } pd_kv_link_wait;
 
+/* A sublayer's input norm handed to the projection that reads it (norm_qkv_rope_kv_write,
+ * norm_matmul_swiglu): the residual rows x (n, H), the sublayer output to add first (NULL: none)
+ * and where the sum goes, the norm's (1, H) f32 weight and eps, and h, the normed rows. */
+typedef struct {
+    const void *x;
+    const void *add;
+    void *x_out;
+    const pd_weight *w;
+    float eps;
+    void *h;
+} pd_norm_in;
+
 /* One forward step, as the backend sees it. All arrays are host memory; see "Ordering" above
  * for their lifetime. Rows of one sequence are contiguous and in position order. */
 typedef struct {
@@ -324,6 +336,17 @@ typedef struct pd_backend_ops {
     int (*qkv_rope_kv_write)(pd_backend *b, pd_kv *kv, int layer, const void *x, size_t n,
                              const pd_weight *const *w, const pd_weight *const *bias, void *q,
                              void *k, void *v);
+    /* The sublayer's input norm done by the projection after it: with pre->add, add(x_out =
+     * x + add) then rmsnorm(x_out, pre->w, pre->eps, n, H, pre->h), else rmsnorm(x, ...) into
+     * pre->h (x_out untouched); then qkv_rope_kv_write / matmul_swiglu of pre->h. H = the
+     * projection's columns; x_out must not overlap x or add (it is written while they are read);
+     * pre->h's contents are unspecified afterwards. A decode step on a GPU then needs no norm
+     * launch between its projections. */
+    int (*norm_qkv_rope_kv_write)(pd_backend *b, pd_kv *kv, int layer, const pd_norm_in *pre,
+                                  size_t n, const pd_weight *const *w, const pd_weight *const *bias,
+                                  void *q, void *k, void *v);
+    int (*norm_matmul_swiglu)(pd_backend *b, const pd_norm_in *pre, size_t n, const pd_weight *wg,
+                              const pd_weight *wu, void *g, void *u, void *out);
 
     /* -- host staging ------------------------------------------------------------------------ */
     /* Host memory that kv_export / kv_import copy to and from at full speed (CUDA: pinned, so

@@ -9,7 +9,10 @@
  * adds an all-reduce after o_proj and down_proj. Where the backend has the fused ops (backend.h:
  * q/k/v in one matmul_multi, gate/up with the SwiGLU in one matmul_swiglu, rotary + cache
  * write, residual add + the next norm),
- * the pass issues those instead of the plain ops they stand for (params.no_fused: never).
+ * the pass issues those instead of the plain ops they stand for (params.no_fused: never). Where
+ * the backend's q/k/v and gate/up projections also take the norm before them (norm_in), the
+ * residual add and the norm go with them: the sum is written to the stream's other buffer, as
+ * the projection's blocks still read the old rows.
  */
 #include "backend/forward.h"
 
@@ -45,7 +48,8 @@ struct pd_forward {
     size_t weight_bytes, step_bytes;
 
     /* device activations, act dtype; rows = max_tokens unless noted */
-    void *x;      /* (rows, H) residual stream */
+    void *x;      /* (rows, H) residual stream: xb[0] at a step's start, then where the sum went */
+    void *xb[2];  /* its buffers; xb[1] only with the norm_in ops (else NULL) */
     void *h;      /* (rows, H) normed input of a sublayer */
     void *q;      /* (rows, nq_loc*D) */
     void *k;      /* (rows, nkv_loc*D) */
@@ -166,7 +170,8 @@ void pd_forward_destroy(pd_forward *f)
     if (f->lm_head && f->lm_head != f->embed) o->weight_free(f->b, f->lm_head);
     if (f->embed) o->weight_free(f->b, f->embed);
     if (f->norm) o->weight_free(f->b, f->norm);
-    void *bufs[] = {f->x, f->h, f->q, f->k, f->v, f->att, f->t, f->g, f->u, f->xo, f->logits};
+    void *bufs[] = {f->xb[0], f->xb[1], f->h, f->q, f->k,  f->v,
+                    f->att,   f->t,     f->g, f->u, f->xo, f->logits};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         if (bufs[i]) o->buf_free(f->b, bufs[i]);
     free(f->positions);
@@ -235,7 +240,10 @@ int pd_forward_create(pd_backend *b, const pd_model *m, const pd_forward_params 
     PD_CHECK_GOTO(pd_rope_inv_freq(c, 0, f->inv_freq, &f->rope_scaling), rc, fail);
     PD_CHECK_GOTO(load_weights(f, &m->weights), rc, fail);
     size_t qd = f->nq_loc * f->D, kvd = f->nkv_loc * f->D;
-    PD_CHECK_GOTO(alloc_act(f, &f->x, T, f->H), rc, fail);
+    PD_CHECK_GOTO(alloc_act(f, &f->xb[0], T, f->H), rc, fail);
+    if (f->o->norm_qkv_rope_kv_write && f->o->norm_matmul_swiglu && !p.no_fused)
+        PD_CHECK_GOTO(alloc_act(f, &f->xb[1], T, f->H), rc, fail);
+    f->x = f->xb[0];
     PD_CHECK_GOTO(alloc_act(f, &f->h, T, f->H), rc, fail);
     PD_CHECK_GOTO(alloc_act(f, &f->q, T, qd), rc, fail);
     PD_CHECK_GOTO(alloc_act(f, &f->k, T, kvd), rc, fail);
@@ -398,9 +406,37 @@ static int matmuls(pd_forward *f, const void *x, size_t n, size_t n_w, const pd_
     return PD_OK;
 }
 
-/* g = silu(h . gate^T) * (h . up^T) (u: scratch). */
-static int gate_up_swiglu(pd_forward *f, const fwd_layer *L, size_t n)
+/* x += t (the sublayer output), h = rmsnorm(x, w). */
+static int add_rmsnorm(pd_forward *f, const pd_weight *w, size_t n)
 {
+    if (f->o->add_rmsnorm && !f->p.no_fused)
+        return f->o->add_rmsnorm(f->b, f->x, f->t, w, f->eps, n, f->H, f->h);
+    PD_CHECK(f->o->add(f->b, f->x, f->t, n * f->H));
+    return f->o->rmsnorm(f->b, f->x, w, f->eps, n, f->H, f->h);
+}
+
+/* A sublayer's input norm, h = rmsnorm(x += t, w) (add: false for the first layer, x as it is):
+ * handed to the projection after it as *pre when the backend takes it there (f->x then becomes
+ * the other buffer, which that projection writes the sum to), else done now (*pre = NULL). */
+static int sublayer_norm(pd_forward *f, bool add, const pd_weight *w, size_t n, pd_norm_in *in,
+                         const pd_norm_in **pre)
+{
+    *pre = NULL;
+    if (f->xb[1]) {
+        void *other = f->x == f->xb[0] ? f->xb[1] : f->xb[0];
+        *in = (pd_norm_in){f->x, add ? f->t : NULL, add ? other : NULL, w, f->eps, f->h};
+        if (add) f->x = other;
+        *pre = in;
+        return PD_OK;
+    }
+    if (add) return add_rmsnorm(f, w, n);
+    return f->o->rmsnorm(f->b, f->x, w, f->eps, n, f->H, f->h);
+}
+
+/* g = silu(h . gate^T) * (h . up^T) (u: scratch); pre: h's norm, done by the projection. */
+static int gate_up_swiglu(pd_forward *f, const fwd_layer *L, size_t n, const pd_norm_in *pre)
+{
+    if (pre) return f->o->norm_matmul_swiglu(f->b, pre, n, L->wg, L->wu, f->g, f->u, f->g);
     if (f->o->matmul_swiglu && !f->p.no_fused)
         return f->o->matmul_swiglu(f->b, f->h, n, L->wg, L->wu, f->g, f->u, f->g);
     const pd_weight *w[] = {L->wg, L->wu};
@@ -409,10 +445,14 @@ static int gate_up_swiglu(pd_forward *f, const fwd_layer *L, size_t n)
     return f->o->swiglu(f->b, f->g, f->u, n, f->I_loc, f->g);
 }
 
-/* q, k, v of the normed rows (f->h); q and k rotated; k, v into the pool's layer. */
-static int qkv_rope_kv_write(pd_forward *f, const fwd_layer *L, size_t n, pd_kv *kv, int layer)
+/* q, k, v of the normed rows (f->h); q and k rotated; k, v into the pool's layer; pre: h's
+ * norm, done by the projection. */
+static int qkv_rope_kv_write(pd_forward *f, const fwd_layer *L, size_t n, pd_kv *kv, int layer,
+                             const pd_norm_in *pre)
 {
     const pd_weight *w[] = {L->wq, L->wk, L->wv}, *bias[] = {L->bq, L->bk, L->bv};
+    if (pre)
+        return f->o->norm_qkv_rope_kv_write(f->b, kv, layer, pre, n, w, bias, f->q, f->k, f->v);
     if (f->o->qkv_rope_kv_write && !f->p.no_fused)
         return f->o->qkv_rope_kv_write(f->b, kv, layer, f->h, n, w, bias, f->q, f->k, f->v);
     void *y[] = {f->q, f->k, f->v};
@@ -422,15 +462,6 @@ static int qkv_rope_kv_write(pd_forward *f, const fwd_layer *L, size_t n, pd_kv 
     PD_CHECK(f->o->rope(f->b, f->q, f->nq_loc, f->D));
     PD_CHECK(f->o->rope(f->b, f->k, f->nkv_loc, f->D));
     return f->o->kv_write(f->b, kv, layer, f->k, f->v);
-}
-
-/* x += t (the sublayer output), h = rmsnorm(x, w). */
-static int add_rmsnorm(pd_forward *f, const pd_weight *w, size_t n)
-{
-    if (f->o->add_rmsnorm && !f->p.no_fused)
-        return f->o->add_rmsnorm(f->b, f->x, f->t, w, f->eps, n, f->H, f->h);
-    PD_CHECK(f->o->add(f->b, f->x, f->t, n * f->H));
-    return f->o->rmsnorm(f->b, f->x, w, f->eps, n, f->H, f->h);
 }
 
 int pd_forward_run(pd_forward *f, pd_kv *kv, const pd_step *st, float *logits)
@@ -459,27 +490,27 @@ int pd_forward_run(pd_forward *f, pd_kv *kv, const pd_step *st, float *logits)
         .out_rows = st->out_rows,
     };
     PD_CHECK(o->plan(b, &bt));
+    f->x = f->xb[0]; /* every step the same buffers: a recorded step replays as it is */
     PD_CHECK(o->embed(b, f->embed, f->x));
     const size_t H = f->H;
-    /* The first layer's input norm; each later one is fused with the previous MLP's add. */
-    PD_CHECK(o->rmsnorm(b, f->x, f->layers[0].ln1, f->eps, n, H, f->h));
+    pd_norm_in in;
+    const pd_norm_in *pre;
     for (size_t l = 0; l < f->n_layers; l++) {
         const fwd_layer *L = &f->layers[l];
-        /* attention block: x += o_proj(attn(rope(q), rope(k), v)) */
-        PD_CHECK(qkv_rope_kv_write(f, L, n, kv, (int)l));
+        /* attention block: x += o_proj(attn(rope(q), rope(k), v)); its input norm takes the
+         * previous MLP's add (none before the first layer) */
+        PD_CHECK(sublayer_norm(f, l > 0, L->ln1, n, &in, &pre));
+        PD_CHECK(qkv_rope_kv_write(f, L, n, kv, (int)l, pre));
         PD_CHECK(o->attention(b, kv, (int)l, f->q, f->nq_loc, f->attn_scale, f->att));
         PD_CHECK(o->matmul(b, f->att, n, L->wo, L->bo, f->t));
         if (f->p.shard.size > 1) PD_CHECK(f->p.allreduce(f->p.allreduce_ctx, b, f->t, n * H));
-        PD_CHECK(add_rmsnorm(f, L->ln2, n));
         /* MLP block: x += down(silu(gate(h)) * up(h)) */
-        PD_CHECK(gate_up_swiglu(f, L, n));
+        PD_CHECK(sublayer_norm(f, true, L->ln2, n, &in, &pre));
+        PD_CHECK(gate_up_swiglu(f, L, n, pre));
         PD_CHECK(o->matmul(b, f->g, n, L->wd, NULL, f->t));
         if (f->p.shard.size > 1) PD_CHECK(f->p.allreduce(f->p.allreduce_ctx, b, f->t, n * H));
-        if (l + 1 < f->n_layers)
-            PD_CHECK(add_rmsnorm(f, f->layers[l + 1].ln1, n));
-        else
-            PD_CHECK(o->add(b, f->x, f->t, n * H));
     }
+    if (f->n_layers) PD_CHECK(o->add(b, f->x, f->t, n * H));
     if (st->n_out == 0) return o->sync(b);
     PD_CHECK(o->gather_rows(b, f->x, H, f->xo));
     PD_CHECK(o->rmsnorm(b, f->xo, f->norm, f->eps, st->n_out, H, f->xo));

@@ -1017,6 +1017,114 @@ static void fused_qkv_rope_case(int mode)
     ctu_pair_close(&p);
 }
 
+/* The norm_* ops on the GPU (decode rows: the projection's GEMV computes the norm, and writes
+ * the residual sum, itself) = add, rmsnorm, then matmul_swiglu / qkv_rope_kv_write on the GPU bit
+ * for bit: the SwiGLU output, q, the pool and the sum; x is left as it was. Shapes: the 1b decode
+ * shape (256 norm threads), a short row, no add (the first layer); rows the GEMVs do not take,
+ * where the norm kernel runs first: 6 warps a row (in 12288, also 2 chunks per norm thread), 3
+ * warps, and prefill rows (n > 8). */
+static void norm_proj_case(int mode)
+{
+    cuda_pair p;
+    ASSERT_OK(ctu_pair_open(&p, mode));
+    pd_backend *b = p.b[PAIR_GPU];
+    const pd_backend_ops *o = p.o[PAIR_GPU];
+    ASSERT(o->norm_matmul_swiglu && o->norm_qkv_rope_kv_write);
+    /* n, in, add, SwiGLU rows, q heads, kv heads, head_dim */
+    static const size_t shapes[][7] = {{1, 2048, 1, 5632, 32, 4, 64}, {3, 64, 1, 96, 4, 2, 16},
+                                       {2, 12288, 1, 64, 4, 2, 64},   {1, 2048, 0, 256, 8, 2, 64},
+                                       {2, 5632, 1, 77, 4, 2, 64},    {20, 256, 1, 128, 4, 2, 64}};
+    uint64_t seed = 31;
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        const size_t n = shapes[si][0], in = shapes[si][1], rows = shapes[si][3];
+        const size_t nq = shapes[si][4], nkv = shapes[si][5], D = shapes[si][6];
+        const size_t ne = n * in, nblk = (n + 15) / 16 + 1,
+                     qkv_rows[3] = {nq * D, nkv * D, nkv * D};
+        const int add = (int)shapes[si][2];
+        float *host[3] = {malloc(ne * 4), malloc(ne * 4), malloc(in * 4)}; /* x, t, norm */
+        ASSERT(host[0] && host[1] && host[2]);
+        ctu_fill(host[0], ne, &seed, 3.0f);
+        ctu_fill(host[1], ne, &seed, 3.0f);
+        ctu_fill(host[2], in, &seed, 2.0f);
+        pd_tensor nt = tensor_f32("norm.weight", host[2], 0, in);
+        pd_weight *nw, *w[5]; /* gate, up, q, k, v */
+        ASSERT_OK(o->weight_load(b, &nt, NULL, &nw));
+        for (int m = 0; m < 5; m++) {
+            size_t r = m < 2 ? rows : qkv_rows[m - 2];
+            float *W = malloc(r * in * 4);
+            ASSERT(W);
+            ctu_fill(W, r * in, &seed, 0.5f);
+            pd_tensor wt = tensor_f32("proj.weight", W, r, in);
+            ASSERT_OK(o->weight_load(b, &wt, NULL, &w[m]));
+            free(W);
+        }
+        simple_step st;
+        ASSERT_OK(simple_step_make(&st, n, 100, D, &seed));
+        ASSERT_OK(o->plan(b, &st.b));
+        /* arm 0: the plain sequence; arm 1: the norm ops. xs[0] is summed in place, xs[1] kept. */
+        void *xs[2], *t, *xo, *x0, *h[2], *g[2], *u[2], *y[2], *q[2], *k[2], *v[2];
+        pd_kv *kv[2];
+        ASSERT_OK(ctu_act_upload(b, host[1], ne, &t));
+        ASSERT_OK(ctu_act_upload(b, host[0], ne, &x0));
+        ASSERT_OK(ctu_act_alloc(b, ne, &xo));
+        for (int a = 0; a < 2; a++) {
+            ASSERT_OK(ctu_act_upload(b, host[0], ne, &xs[a]));
+            ASSERT_OK(ctu_act_alloc(b, ne, &h[a]));
+            ASSERT_OK(ctu_act_alloc(b, n * rows, &g[a]));
+            ASSERT_OK(ctu_act_alloc(b, n * rows, &u[a]));
+            ASSERT_OK(ctu_act_alloc(b, n * rows, &y[a]));
+            ASSERT_OK(ctu_act_alloc(b, n * qkv_rows[0], &q[a]));
+            ASSERT_OK(ctu_act_alloc(b, n * qkv_rows[1], &k[a]));
+            ASSERT_OK(ctu_act_alloc(b, n * qkv_rows[1], &v[a]));
+            pd_kv_params kp = {2, nblk, 16, nkv, D, pd_backend_act_dtype(b)};
+            ASSERT_OK(o->kv_create(b, &kp, &kv[a]));
+        }
+        const pd_weight *qkv[3] = {w[2], w[3], w[4]}, *nob[3] = {NULL, NULL, NULL};
+        if (add) ASSERT_OK(o->add(b, xs[0], t, ne));
+        ASSERT_OK(o->rmsnorm(b, xs[0], nw, 1e-5f, n, in, h[0]));
+        ASSERT_OK(o->matmul_swiglu(b, h[0], n, w[0], w[1], g[0], u[0], y[0]));
+        ASSERT_OK(o->qkv_rope_kv_write(b, kv[0], 1, h[0], n, qkv, nob, q[0], k[0], v[0]));
+        pd_norm_in pre = {xs[1], add ? t : NULL, add ? xo : NULL, nw, 1e-5f, h[1]};
+        ASSERT_OK(o->norm_matmul_swiglu(b, &pre, n, w[0], w[1], g[1], u[1], y[1]));
+        ASSERT_OK(o->norm_qkv_rope_kv_write(b, kv[1], 1, &pre, n, qkv, nob, q[1], k[1], v[1]));
+        int same_y = 0, same_q = 0, same_sum = 1, same_x = 0;
+        ASSERT_OK(gpu_same(&p, y[0], y[1], n * rows, &same_y));
+        ASSERT_OK(gpu_same(&p, q[0], q[1], n * qkv_rows[0], &same_q));
+        if (add) ASSERT_OK(gpu_same(&p, xo, xs[0], ne, &same_sum));
+        ASSERT_OK(gpu_same(&p, xs[1], x0, ne, &same_x));
+        size_t pe = 2 * nblk * 16 * nkv * D;
+        float *pool[2] = {malloc(pe * 4), malloc(pe * 4)};
+        ASSERT(pool[0] && pool[1]);
+        for (int a = 0; a < 2; a++) ASSERT_OK(pool_layer_f32(b, kv[a], nblk, nkv, D, pool[a]));
+        int same_kv = memcmp(pool[0], pool[1], pe * 4) == 0;
+        printf("    %s norm ops n %zu, in %zu%s: swiglu %s, q %s, pool %s, sum %s, x %s\n",
+               mode < 0 ? "bf16" : "f32", n, in, add ? ", add" : "", same_y ? "=" : "DIFFERS",
+               same_q ? "=" : "DIFFERS", same_kv ? "=" : "DIFFERS", same_sum ? "=" : "DIFFERS",
+               same_x ? "kept" : "CHANGED");
+        ASSERT(same_y && same_q && same_kv && same_sum && same_x);
+        /* the sum must not land on what the GEMV reads */
+        pd_norm_in bad = pre;
+        bad.x_out = xs[1];
+        if (add)
+            ASSERT_ERR(o->norm_matmul_swiglu(b, &bad, n, w[0], w[1], g[1], u[1], y[1]), PD_EINVAL,
+                       "x_out must not be x");
+        for (int a = 0; a < 2; a++) {
+            void *bufs[] = {xs[a], h[a], g[a], u[a], y[a], q[a], k[a], v[a]};
+            for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) o->buf_free(b, bufs[i]);
+            o->kv_free(b, kv[a]);
+            free(pool[a]);
+        }
+        o->buf_free(b, t);
+        o->buf_free(b, xo);
+        o->buf_free(b, x0);
+        o->weight_free(b, nw);
+        for (int m = 0; m < 5; m++) o->weight_free(b, w[m]);
+        for (int i = 0; i < 3; i++) free(host[i]);
+        simple_step_free(&st);
+    }
+    ctu_pair_close(&p);
+}
+
 TEST(cuda_fused_ops)
 {
     NEED_GPU();
@@ -1030,6 +1138,8 @@ TEST(cuda_fused_ops)
     fused_rope_kv_case(PD_DTYPE_F32);
     fused_qkv_rope_case(-1);
     fused_qkv_rope_case(PD_DTYPE_F32);
+    norm_proj_case(-1);
+    norm_proj_case(PD_DTYPE_F32);
 }
 
 /* ---- KV export / import

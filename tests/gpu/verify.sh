@@ -65,9 +65,10 @@ done
 step hf_generate 300 python3 "$root/tests/gpu/hf_decode_bench.py" "$model"
 step serve_bench 600 "$root/tests/gpu/serve_bench.sh" --bin-dir "$B" --model "$model" --device cuda --dtype bfloat16 --kv-transport cuda_ipc --timeout 580 --work-dir "$out/serve"
 if [ "$ncu" = 1 ] && command -v ncu >/dev/null; then
-  # 160 launches per eager decode step of the 1b preset with the fused ops (22 layers x 7, then
-  # embed, first norm, gather, final norm, LM head, download): two steps' worth
-  PD_CUDA_GRAPHS=0 TAILN=0 step ncu_decode 300 ncu --launch-skip 600 --launch-count 320 --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv --page raw "$B/tests/gpu/bench_cuda" --model "$model" --prompt 32 --gen 8 --prefill 16 --batch 1
+  # 138 launches per eager decode step of the 1b preset with the fused ops (22 layers x 6:
+  # q/k/v with the norm, attention, the merge of its splits (contexts over 32), o, gate/up with
+  # the norm, down; then embed, the last add, gather, final norm, LM head, download): two steps
+  PD_CUDA_GRAPHS=0 TAILN=0 step ncu_decode 300 ncu --launch-skip 600 --launch-count 276 --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv --page raw "$B/tests/gpu/bench_cuda" --model "$model" --prompt 32 --gen 8 --prefill 16 --batch 1
   step ncu_decode_summary 30 python3 "$root/tests/gpu/ncu_summary.py" "$out/ncu_decode.txt" 2
   # where the time of the two kernels furthest from their goals goes (ncu's "detailed" set:
   # throughput, warp stall reasons, occupancy, memory tables): layers 0 and 1 of the 2048-token

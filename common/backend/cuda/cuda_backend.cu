@@ -108,10 +108,12 @@ enum {
     T_QKV_ROPE_KV_WRITE
 };
 
+#define PRE_P (2 + 3 * PD_MATMUL_MULTI_MAX) // a norm_* op's norm: add, x_out, w, h (eps in f)
 typedef struct {
     int op;
-    // matmul_multi: x, then w, bias, y of each; qkv_rope_kv_write: the same, then the pool
-    const void *p[2 + 3 * PD_MATMUL_MULTI_MAX];
+    // matmul_multi: x, then w, bias, y of each; qkv_rope_kv_write: the same, then the pool;
+    // the norm_* ops' norm from PRE_P on
+    const void *p[PRE_P + 4];
     size_t z[3];
     float f;
 } tape_ent;
@@ -131,7 +133,7 @@ typedef struct graph_slot {
 #define DL_WS_ELEMS     ((size_t)4 << 20)  // download_f32 chunk (f32 elements)
 #define PART_BYTES      ((size_t)32 << 20) // attention split partials (f32 o + lse)
 #define MAX_PARTS       4096               // attention split parts per step
-#define SPLIT_MIN       64                 // shortest KV range worth its own split
+#define SPLIT_MIN       CUDA_ATTN_KT       // shortest KV range worth its own split: one tile
 #define CUBLAS_WS_BYTES ((size_t)32 << 20)
 
 typedef struct {
@@ -1426,14 +1428,42 @@ static int exec_rope_kv_write(cuda_be *cb, const pd_kv *kv, int layer, void *q, 
                               kv_k(kv, layer), kv_v(kv, layer));
 }
 
-// Decode rows: one GEMV launch with the rotary embedding and the KV write in its epilogue;
-// otherwise matmul_multi, then rope_kv_write. The entry is matmul_multi's (3 weights), the pool
-// after it, the layer in z[2].
+#define PRE_ADD(e)  ((e)->p[PRE_P])
+#define PRE_XOUT(e) ((void *)(e)->p[PRE_P + 1])
+#define PRE_W(e)    ((const pd_weight *)(e)->p[PRE_P + 2])
+#define PRE_H(e)    ((void *)(e)->p[PRE_P + 3])
+
+// The norm of a norm_* entry (p[0]: the residual rows) for its GEMV, or NULL (a plain entry).
+static const cuda_norm_in *entry_norm(const tape_ent *e, cuda_norm_in *nm)
+{
+    if (!PRE_W(e)) return NULL;
+    *nm = {PRE_ADD(e), PRE_XOUT(e), (const float *)PRE_W(e)->data, e->f};
+    return nm;
+}
+
+// A norm_* entry's norm as its own launch (where its GEMV does not take it): into h, which the
+// entry's projection then reads instead of p[0] (*x). No-op for a plain entry.
+static int exec_prenorm(cuda_be *cb, const tape_ent *e, size_t dim, const void **x)
+{
+    if (!PRE_W(e)) return PD_OK;
+    const float *w = (const float *)PRE_W(e)->data;
+    *x = PRE_H(e);
+    if (PRE_ADD(e))
+        return cuda_add_rmsnorm(cb->stream, cb->act, e->p[0], PRE_ADD(e), PRE_XOUT(e), w, e->f,
+                                e->z[0], dim, PRE_H(e));
+    return cuda_rmsnorm(cb->stream, cb->act, e->p[0], w, e->f, e->z[0], dim, PRE_H(e));
+}
+
+// Decode rows: one GEMV launch with the rotary embedding and the KV write in its epilogue (and
+// the norm before it, for norm_qkv_rope_kv_write); otherwise the norm, matmul_multi, then
+// rope_kv_write. The entry is matmul_multi's (3 weights), the pool after it, the layer in z[2].
 static int exec_qkv_rope_kv_write(cuda_be *cb, const tape_ent *e)
 {
     const pd_kv *kv = (const pd_kv *)e->p[1 + 3 * PD_MATMUL_MULTI_MAX];
     const int layer = (int)e->z[2];
     const size_t D = kv->p.head_dim, nq = MM_W(e, 0)->rows / D;
+    cuda_norm_in nb;
+    const cuda_norm_in *nm = entry_norm(e, &nb);
     if (MM_W(e, 1)->dtype == MM_W(e, 0)->dtype && MM_W(e, 2)->dtype == MM_W(e, 0)->dtype) {
         const void *W[3];
         const float *bias[3];
@@ -1444,26 +1474,33 @@ static int exec_qkv_rope_kv_write(cuda_be *cb, const tape_ent *e)
         int rc =
             cuda_gemv_qkv_rope(cb->stream, cb->act, e->p[0], e->z[0], W, (int)MM_W(e, 0)->dtype, nq,
                                kv->p.n_kv_heads, D, MM_W(e, 0)->cols, bias, MM_Y(e, 0), cb->d_cos,
-                               cb->d_sin, cb->d_slots, kv_k(kv, layer), kv_v(kv, layer));
+                               cb->d_sin, cb->d_slots, kv_k(kv, layer), kv_v(kv, layer), nm);
         if (rc != PD_EUNSUPPORTED) return rc;
     }
-    PD_CHECK(exec_matmul_multi(cb, e));
+    tape_ent m = *e;
+    PD_CHECK(exec_prenorm(cb, e, MM_W(e, 0)->cols, &m.p[0]));
+    PD_CHECK(exec_matmul_multi(cb, &m));
     return exec_rope_kv_write(cb, kv, layer, MM_Y(e, 0), nq, MM_Y(e, 1), MM_Y(e, 2));
 }
 
-// Decode rows: one GEMV launch ending in the SwiGLU; otherwise gate and up, then swiglu.
+// Decode rows: one GEMV launch ending in the SwiGLU (and starting with the norm, for
+// norm_matmul_swiglu); otherwise the norm, gate and up, then swiglu.
 static int exec_matmul_swiglu(cuda_be *cb, const tape_ent *e)
 {
     const pd_weight *wg = (const pd_weight *)e->p[1], *wu = (const pd_weight *)e->p[2];
     const size_t n = e->z[0];
     void *g = (void *)e->p[3], *u = (void *)e->p[4], *out = (void *)e->p[5];
+    cuda_norm_in nb;
+    const cuda_norm_in *nm = entry_norm(e, &nb);
     if (n <= CUDA_GEMV_MAX_N && wg->dtype == wu->dtype) {
         int rc = cuda_gemv_swiglu(cb->stream, cb->act, e->p[0], n, wg->data, wu->data,
-                                  (int)wg->dtype, wg->rows, wg->cols, out);
+                                  (int)wg->dtype, wg->rows, wg->cols, out, nm);
         if (rc != PD_EUNSUPPORTED) return rc;
     }
-    PD_CHECK(exec_matmul(cb, e->p[0], n, wg, NULL, g));
-    PD_CHECK(exec_matmul(cb, e->p[0], n, wu, NULL, u));
+    const void *x = e->p[0];
+    PD_CHECK(exec_prenorm(cb, e, wg->cols, &x));
+    PD_CHECK(exec_matmul(cb, x, n, wg, NULL, g));
+    PD_CHECK(exec_matmul(cb, x, n, wu, NULL, u));
     return cuda_swiglu(cb->stream, cb->act, g, u, n * wg->rows, out);
 }
 
@@ -1505,7 +1542,7 @@ static int tape_exec(cuda_be *cb, const tape_ent *e)
         return exec_rope_kv_write(cb, (const pd_kv *)e->p[0], (int)e->z[0], (void *)e->p[1],
                                   e->z[1], e->p[2], e->p[3]);
     case T_ADD_RMSNORM:
-        return cuda_add_rmsnorm(cb->stream, cb->act, (void *)e->p[0], e->p[1],
+        return cuda_add_rmsnorm(cb->stream, cb->act, e->p[0], e->p[1], (void *)e->p[4],
                                 (const float *)((const pd_weight *)e->p[2])->data, e->f, e->z[0],
                                 e->z[1], (void *)e->p[3]);
     case T_MATMUL_SWIGLU: return exec_matmul_swiglu(cb, e);
@@ -1885,9 +1922,60 @@ static int op_rope_kv_write(pd_backend *b, pd_kv *kv, int layer, void *q, size_t
     return step_op(cb, &e);
 }
 
-static int op_qkv_rope_kv_write(pd_backend *b, pd_kv *kv, int layer, const void *x, size_t n,
-                                const pd_weight *const *w, const pd_weight *const *bias, void *q,
-                                void *k, void *v)
+// x + add into xo (== x: in place), h = rmsnorm(xo): one T_ADD_RMSNORM entry.
+static int add_rmsnorm_entry(pd_backend *b, const void *x, const void *add, void *xo,
+                             const pd_weight *w, float eps, size_t n, size_t dim, void *h)
+{
+    PD_CHECK(norm_check(w, n, dim));
+    tape_ent e = ent(T_ADD_RMSNORM);
+    e.p[0] = x;
+    e.p[1] = add;
+    e.p[2] = w;
+    e.p[3] = h;
+    e.p[4] = xo;
+    e.z[0] = n;
+    e.z[1] = dim;
+    e.f = eps;
+    return step_op(BE(b), &e);
+}
+
+// A norm_* op's arguments, for rows of dim elements.
+static int prenorm_check(const pd_norm_in *pre, size_t n, size_t dim, const char *op)
+{
+    if (!pre->x || !pre->w || !pre->h || (pre->add && !pre->x_out))
+        return pd_error(PD_EINVAL, "cuda %s: the norm needs x, w, h%s", op,
+                        pre->add ? " and x_out (add given)" : "");
+    if (pre->add && (pre->x_out == pre->x || pre->x_out == pre->add))
+        return pd_error(PD_EINVAL,
+                        "cuda %s: x_out must not be x or add (it is written while they "
+                        "are read)",
+                        op);
+    return norm_check(pre->w, n, dim);
+}
+
+// A norm_* op's norm as its own launch (rows the GEMV does not take, PD_CUDA_FUSED=0): into
+// pre->h.
+static int op_prenorm(pd_backend *b, const pd_norm_in *pre, size_t n, size_t dim)
+{
+    if (!pre->add) return op_rmsnorm(b, pre->x, pre->w, pre->eps, n, dim, pre->h);
+    return add_rmsnorm_entry(b, pre->x, pre->add, pre->x_out, pre->w, pre->eps, n, dim, pre->h);
+}
+
+// The entry's norm fields from pre (NULL: none).
+static void set_prenorm(tape_ent *e, const pd_norm_in *pre)
+{
+    if (!pre) return;
+    e->p[PRE_P] = pre->add;
+    e->p[PRE_P + 1] = pre->x_out;
+    e->p[PRE_P + 2] = pre->w;
+    e->p[PRE_P + 3] = pre->h;
+    e->f = pre->eps;
+}
+
+// qkv_rope_kv_write of x, or with pre (norm_qkv_rope_kv_write) of pre->h after the norm.
+static int qkv_rope_kv_write(pd_backend *b, pd_kv *kv, int layer, const pd_norm_in *pre,
+                             const void *x, size_t n, const pd_weight *const *w,
+                             const pd_weight *const *bias, void *q, void *k, void *v)
 {
     cuda_be *cb = BE(b);
     const size_t D = kv->p.head_dim, kv_row = kv->p.n_kv_heads * D;
@@ -1897,7 +1985,11 @@ static int op_qkv_rope_kv_write(pd_backend *b, pd_kv *kv, int layer, const void 
                         "%zu heads of %zu",
                         w[0]->rows, w[1]->rows, w[2]->rows, kv->p.n_kv_heads, D);
     void *y[3] = {q, k, v};
-    if (cb->unfused || n > CUDA_GEMV_MAX_N) { // no GEMV here: the two ops' launches
+    if (cb->unfused || n > CUDA_GEMV_MAX_N) { // no GEMV here: the ops' launches
+        if (pre) {
+            PD_CHECK(op_prenorm(b, pre, n, w[0]->cols));
+            x = pre->h;
+        }
         PD_CHECK(op_matmul_multi(b, x, n, 3, w, bias, y));
         return op_rope_kv_write(b, kv, layer, q, w[0]->rows / D, k, v);
     }
@@ -1909,10 +2001,26 @@ static int op_qkv_rope_kv_write(pd_backend *b, pd_kv *kv, int layer, const void 
                         "and %zu rows",
                         D, n, cb->rope_dim, cb->n_tokens);
     tape_ent e;
-    PD_CHECK(multi_entry(T_QKV_ROPE_KV_WRITE, x, n, 3, w, bias, y, &e));
+    PD_CHECK(multi_entry(T_QKV_ROPE_KV_WRITE, pre ? pre->x : x, n, 3, w, bias, y, &e));
     e.p[1 + 3 * PD_MATMUL_MULTI_MAX] = kv;
     e.z[2] = (size_t)layer;
+    set_prenorm(&e, pre);
     return step_op(cb, &e);
+}
+
+static int op_qkv_rope_kv_write(pd_backend *b, pd_kv *kv, int layer, const void *x, size_t n,
+                                const pd_weight *const *w, const pd_weight *const *bias, void *q,
+                                void *k, void *v)
+{
+    return qkv_rope_kv_write(b, kv, layer, NULL, x, n, w, bias, q, k, v);
+}
+
+static int op_norm_qkv_rope_kv_write(pd_backend *b, pd_kv *kv, int layer, const pd_norm_in *pre,
+                                     size_t n, const pd_weight *const *w,
+                                     const pd_weight *const *bias, void *q, void *k, void *v)
+{
+    PD_CHECK(prenorm_check(pre, n, w[0]->cols, "norm_qkv_rope_kv_write"));
+    return qkv_rope_kv_write(b, kv, layer, pre, NULL, n, w, bias, q, k, v);
 }
 
 static int op_add_rmsnorm(pd_backend *b, void *y, const void *x, const pd_weight *w, float eps,
@@ -1923,19 +2031,12 @@ static int op_add_rmsnorm(pd_backend *b, void *y, const void *x, const pd_weight
         PD_CHECK(op_add(b, y, x, n * dim));
         return op_rmsnorm(b, y, w, eps, n, dim, h);
     }
-    tape_ent e = ent(T_ADD_RMSNORM);
-    e.p[0] = y;
-    e.p[1] = x;
-    e.p[2] = w;
-    e.p[3] = h;
-    e.z[0] = n;
-    e.z[1] = dim;
-    e.f = eps;
-    return step_op(BE(b), &e);
+    return add_rmsnorm_entry(b, y, x, y, w, eps, n, dim, h);
 }
 
-static int op_matmul_swiglu(pd_backend *b, const void *x, size_t n, const pd_weight *wg,
-                            const pd_weight *wu, void *g, void *u, void *out)
+// matmul_swiglu of x, or with pre (norm_matmul_swiglu) of pre->h after the norm.
+static int matmul_swiglu(pd_backend *b, const pd_norm_in *pre, const void *x, size_t n,
+                         const pd_weight *wg, const pd_weight *wu, void *g, void *u, void *out)
 {
     PD_CHECK(matmul_check(wg, NULL, n));
     PD_CHECK(matmul_check(wu, NULL, n));
@@ -1943,20 +2044,39 @@ static int op_matmul_swiglu(pd_backend *b, const void *x, size_t n, const pd_wei
         return pd_error(PD_EINVAL, "cuda matmul_swiglu: gate is (%zu, %zu), up (%zu, %zu)",
                         wg->rows, wg->cols, wu->rows, wu->cols);
     if (BE(b)->unfused) {
+        if (pre) {
+            PD_CHECK(op_prenorm(b, pre, n, wg->cols));
+            x = pre->h;
+        }
         PD_CHECK(op_matmul(b, x, n, wg, NULL, g));
         PD_CHECK(op_matmul(b, x, n, wu, NULL, u));
         return op_swiglu(b, g, u, n, wg->rows, out);
     }
     if (n == 0) return PD_OK;
     tape_ent e = ent(T_MATMUL_SWIGLU);
-    e.p[0] = x;
+    e.p[0] = pre ? pre->x : x;
     e.p[1] = wg;
     e.p[2] = wu;
     e.p[3] = g;
     e.p[4] = u;
     e.p[5] = out;
     e.z[0] = n;
+    set_prenorm(&e, pre);
     return step_op(BE(b), &e);
+}
+
+static int op_matmul_swiglu(pd_backend *b, const void *x, size_t n, const pd_weight *wg,
+                            const pd_weight *wu, void *g, void *u, void *out)
+{
+    return matmul_swiglu(b, NULL, x, n, wg, wu, g, u, out);
+}
+
+static int op_norm_matmul_swiglu(pd_backend *b, const pd_norm_in *pre, size_t n,
+                                 const pd_weight *wg, const pd_weight *wu, void *g, void *u,
+                                 void *out)
+{
+    PD_CHECK(prenorm_check(pre, n, wg->cols, "norm_matmul_swiglu"));
+    return matmul_swiglu(b, pre, NULL, n, wg, wu, g, u, out);
 }
 
 static const pd_backend_ops cuda_ops = {
@@ -2003,6 +2123,8 @@ static const pd_backend_ops cuda_ops = {
     op_add_rmsnorm,
     op_matmul_swiglu,
     op_qkv_rope_kv_write,
+    op_norm_qkv_rope_kv_write,
+    op_norm_matmul_swiglu,
     op_host_alloc,
     op_host_free,
 };

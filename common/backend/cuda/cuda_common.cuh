@@ -201,6 +201,40 @@ int cuda_act_convert(cudaStream_t s, int act, const void *src, size_t n, int dst
 int cuda_bias_epilogue(cudaStream_t s, int act, const float *y32, const float *bias, size_t n,
                        size_t out, void *y);
 
+// The norm before a projection, done by its GEMV (cuda_gemv_swiglu, cuda_gemv_qkv_rope): x is
+// then the residual rows (n, in); with add, x_out = x + add (x_out overlapping neither; block 0
+// writes it), and the GEMV reads rmsnorm(x_out, w, eps) as cuda_add_rmsnorm would write it, else
+// rmsnorm(x, w, eps) as cuda_rmsnorm would, bit for bit (the vector kernel's reduction order).
+// PD_EUNSUPPORTED where cuda_rmsnorm would take its scalar kernel.
+struct cuda_norm_in {
+    const void *add;
+    void *x_out;
+    const float *w;
+    float eps;
+};
+
+// The vector RMSNorm kernel's shape for rows of nch 16-byte chunks (k_rmsnorm.cu): `threads`
+// threads (a multiple of 32) each taking chunks t, t + threads, ... (at most NORM_MAX_R); a
+// GEMV that does the norm itself follows the same order.
+#define NORM_MAX_THREADS 1024
+#define NORM_MAX_R       2
+__host__ __device__ inline bool norm_vec_shape(size_t nch, int *threads, int *r)
+{
+    size_t t = (nch + 31) / 32 * 32;
+    if (t > NORM_MAX_THREADS) t = NORM_MAX_THREADS;
+    if (t < 32) t = 32; // dim 0: a block that writes nothing
+    *threads = (int)t;
+    *r = (int)((nch + t - 1) / t);
+    return nch <= (size_t)NORM_MAX_THREADS * NORM_MAX_R;
+}
+
+// 16 bytes of T as EPC elements (one LDG.128 / STG.128).
+template <typename T> struct __align__(16) norm_chunk
+{
+    static constexpr int EPC = 16 / (int)sizeof(T);
+    T e[EPC];
+};
+
 // k_gemv.cu: y (n, out) = x (n, in) . W^T (+ bias) for small n (decode rows): one warp per
 // output row, 16-byte weight loads, fixed reduction order per row (independent of n).
 // W (out, in) in wdtype; requires in % 8 == 0. Returns PD_EUNSUPPORTED when not applicable.
@@ -216,8 +250,10 @@ int cuda_gemv_multi(cudaStream_t s, int act, const void *x, size_t n, int nm, co
 // y (n, out) = silu(x . Wg^T) * (x . Wu^T), Wg and Wu (out, in) of one wdtype, in one launch;
 // the values of two cuda_gemv launches and cuda_swiglu. PD_EUNSUPPORTED where cuda_gemv would
 // refuse or the rows of `in` elements split over 3 or more warps.
+// nm: the input's norm (cuda_norm_in), or NULL.
 int cuda_gemv_swiglu(cudaStream_t s, int act, const void *x, size_t n, const void *Wg,
-                     const void *Wu, int wdtype, size_t out, size_t in, void *y);
+                     const void *Wu, int wdtype, size_t out, size_t in, void *y,
+                     const struct cuda_norm_in *nm);
 // The q/k/v projection of decode rows with the rotary embedding and the KV-cache write in its
 // epilogue, in one launch: W[0..2] = wq (nq * D, in), wk and wv (kv_row = nkv * D, in), bias[i]
 // or NULL; q (n, nq * D) receives the rotated q, the rotated k and v go to slot slots[r] of the
@@ -228,14 +264,15 @@ int cuda_gemv_swiglu(cudaStream_t s, int act, const void *x, size_t n, const voi
 int cuda_gemv_qkv_rope(cudaStream_t s, int act, const void *x, size_t n, const void *const *W,
                        int wdtype, size_t nq, size_t nkv, size_t D, size_t in,
                        const float *const *bias, void *q, const float *cos_t, const float *sin_t,
-                       const int64_t *slots, void *kc, void *vc);
+                       const int64_t *slots, void *kc, void *vc, const struct cuda_norm_in *nm);
 
 // k_rmsnorm.cu: y (n, dim) = x * rsqrt(mean(x^2) + eps) * w; w (dim) f32. y may equal x.
 int cuda_rmsnorm(cudaStream_t s, int act, const void *x, const float *w, float eps, size_t n,
                  size_t dim, void *y);
-// x += add (rounded to the activation type), then y = rmsnorm(x) as cuda_rmsnorm; y != x.
-int cuda_add_rmsnorm(cudaStream_t s, int act, void *x, const void *add, const float *w, float eps,
-                     size_t n, size_t dim, void *y);
+// xo = x + add (rounded to the activation type; xo may equal x), then y = rmsnorm(xo) as
+// cuda_rmsnorm; y != x, xo.
+int cuda_add_rmsnorm(cudaStream_t s, int act, const void *x, const void *add, void *xo,
+                     const float *w, float eps, size_t n, size_t dim, void *y);
 
 // k_rope.cu: x (n, n_heads, head_dim) rotated in place with cos/sin (n, rope_half) f32.
 int cuda_rope(cudaStream_t s, int act, void *x, size_t n, size_t n_heads, size_t head_dim,

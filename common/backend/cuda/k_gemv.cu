@@ -23,7 +23,17 @@
 // end in the rotary embedding and the KV-cache write (cuda_gemv_qkv_rope): a block of q or k then
 // holds both rows of its rotary pairs (dims i and i + D/2 of a head), rotates them and writes q
 // and the pool's k; v's rows go to the pool.
+// Either of those two can also take the norm before it (cuda_norm_in): x is then the residual
+// stream, and every block normalizes its rows into shared memory after the wait (reading them,
+// plus the sublayer output to add, from L2, in the vector RMSNorm kernel's order); block 0 writes
+// the sum. A decode step then has no norm launch, each of which (launch, wait for the GEMV
+// before it, a dependent wait for it) had cost about as long as a small GEMV.
+// A launch has at most as many blocks as the device holds at once (gemv_grid); each takes row
+// groups in turn and loads the next group's first pass before it reduces and stores the one
+// it has, so the weight stream does not pause at block boundaries, and a NORM block normalizes
+// once for all its groups.
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "backend/cuda/cuda_common.cuh"
@@ -33,6 +43,7 @@
 #define GEMV_SEG       (32 * GEMV_UNROLL) // chunks of 8 elements one warp covers per pass
 #define GEMV_MAX_SPLIT 8                  // most warps sharing one row
 #define GEMV_MAX_WARPS (GEMV_MAX_SPLIT > GEMV_WARPS ? GEMV_MAX_SPLIT : GEMV_WARPS)
+#define GEMV_NORM_SMEM (48 << 10) // most bytes of normed rows a NORM block holds
 
 // 8 consecutive elements of a row in their storage type (16 bytes, or 32 for f32), loaded with
 // read-only 16-byte loads and turned into f32 only when used.
@@ -42,6 +53,10 @@ template <> struct gemv_chunk<bf16> {
     __device__ __forceinline__ void load(const bf16 *p)
     {
         u = __ldg((const uint4 *)p);
+    }
+    __device__ __forceinline__ void load_shared(const bf16 *p) // NORM's rows
+    {
+        u = *(const uint4 *)p;
     }
     __device__ __forceinline__ void get(float f[8]) const
     {
@@ -77,6 +92,11 @@ template <> struct gemv_chunk<float> {
     {
         a = __ldg((const float4 *)p);
         b = __ldg((const float4 *)p + 1);
+    }
+    __device__ __forceinline__ void load_shared(const float *p)
+    {
+        a = *(const float4 *)p;
+        b = *((const float4 *)p + 1);
     }
     __device__ __forceinline__ void get(float f[8]) const
     {
@@ -138,82 +158,133 @@ template <typename T> __device__ __forceinline__ float act_round(float v)
 // one head: slots s < P are dims c * P + s of the head, slots P + s the dims half further; each
 // row is computed and rounded as in a plain launch, then the pair goes through rope_pair as in
 // the rotary kernels: the result equals a GEMV launch and a rope_kv_write launch bit for bit.
-template <typename TW, typename TX, int N, int MODE>
-__global__ void __launch_bounds__(GEMV_MAX_WARPS * 32)
-    gemv_kernel(const TX *x, gemv_mats<TW, TX> M, size_t in, int S, size_t per)
+// The norm a launch applies to x (NORM): add, x_out, w (in) f32, eps; the vector RMSNorm
+// kernel's shape for `in` (norm_vec_shape).
+template <typename TX> struct gemv_norm {
+    const TX *add;
+    TX *x_out;
+    const float *w;
+    float eps;
+    int threads, r;
+};
+
+// NORM, after the wait: xs (N, in), in shared memory, = the normed rows as rmsnorm_vec_kernel
+// computes and rounds them: x (+ add, rounded; block 0 stores these sums into x_out), each row's
+// sum of squares reduced in that kernel's order (its thread t's chunks t + k * threads, the same
+// shuffle tree over each 32 of them, then one over the warp sums), then (v * rs) * w.
+template <typename TX, int N>
+__device__ void gemv_norm_rows(const TX *x, const gemv_norm<TX> &nm, size_t in, TX *xs)
 {
-    constexpr bool SWI = MODE == GEMV_SWIGLU, ROPE = MODE == GEMV_ROPE;
-    __shared__ float part[GEMV_MAX_WARPS][N]; // per warp: its partial for each input row
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int R = (int)(blockDim.x >> 5) / S;
-    const int sp = warp % S, slot = warp / S;
-    // this block's matrix and row (constant indices only, so the parameters stay in the
-    // constant bank)
-    const TW *W = M.W[0];
-    const float *bias = M.bias[0];
-    TX *y = M.y[0];
-    size_t out = M.out[0];
-    size_t j;
-    int mat = 0;
-    if (SWI) {
+    constexpr int EPC = norm_chunk<TX>::EPC;
+    __shared__ float wsum[N][32];
+    __shared__ float scale[N];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    const int nch = (int)(in / EPC), vwarps = nm.threads / 32;
+    norm_chunk<TX> *xc = (norm_chunk<TX> *)xs; // the sums, normed in place below
+    for (int r = 0; r < N; r++) {
+        const norm_chunk<TX> *xr = (const norm_chunk<TX> *)(x + (size_t)r * in);
+        const norm_chunk<TX> *ar = (const norm_chunk<TX> *)(nm.add + (nm.add ? (size_t)r * in : 0));
+        norm_chunk<TX> *xo = (norm_chunk<TX> *)(nm.x_out + (nm.x_out ? (size_t)r * in : 0));
+        for (int vw = warp; vw < vwarps; vw += nw) {
+            const int t = vw * 32 + lane;
+            float ss = 0.0f;
+            for (int k = 0; k < nm.r; k++) {
+                const int c = t + k * nm.threads;
+                if (c >= nch) continue;
+                norm_chunk<TX> v = xr[c];
+                if (nm.add) {
+                    norm_chunk<TX> a = ar[c];
+#pragma unroll
+                    for (int e = 0; e < EPC; e++) v.e[e] = (TX)((float)v.e[e] + (float)a.e[e]);
+                    if (blockIdx.x == 0) xo[c] = v;
+                }
+                xc[r * nch + c] = v;
+#pragma unroll
+                for (int e = 0; e < EPC; e++) {
+                    float f = (float)v.e[e];
+                    ss += f * f;
+                }
+            }
+            for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+            if (lane == 0) wsum[r][vw] = ss;
+        }
+    }
+    __syncthreads();
+    if (warp == 0)
+        for (int r = 0; r < N; r++) {
+            float v = lane < vwarps ? wsum[r][lane] : 0.0f;
+            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+            if (lane == 0) scale[r] = rsqrtf(v / (float)in + nm.eps);
+        }
+    __syncthreads();
+    const float4 *w4 = (const float4 *)nm.w;
+    for (int i = (int)threadIdx.x; i < N * nch; i += (int)blockDim.x) {
+        const int r = i / nch, c = i % nch;
+        float4 wv[EPC / 4];
+#pragma unroll
+        for (int k = 0; k < EPC / 4; k++) wv[k] = __ldg(w4 + (size_t)c * (EPC / 4) + k);
+        const float *wf = (const float *)wv;
+        norm_chunk<TX> v = xc[i];
+#pragma unroll
+        for (int e = 0; e < EPC; e++) v.e[e] = (TX)(((float)v.e[e] * scale[r]) * wf[e]);
+        xc[i] = v;
+    }
+    __syncthreads();
+}
+
+// What row slot `slot` of block b computes: its matrix's weights, bias and output, and row j
+// (j >= out: nothing). GEMV_ROPE: see gemv_kernel.
+template <typename TW, typename TX> struct gemv_row {
+    const TW *W;
+    const float *bias;
+    TX *y;
+    size_t out, j;
+    int mat;
+};
+
+template <typename TW, typename TX, int MODE>
+__device__ __forceinline__ gemv_row<TW, TX> gemv_row_of(const gemv_mats<TW, TX> &M, unsigned b,
+                                                        int R, int slot)
+{
+    // constant indices only, so the parameters stay in the constant bank
+    gemv_row<TW, TX> g = {M.W[0], M.bias[0], M.y[0], M.out[0], 0, 0};
+    if (MODE == GEMV_SWIGLU) {
         const bool up = slot >= R / 2;
-        if (up) W = M.W[1];
-        j = (size_t)blockIdx.x * (R / 2) + (up ? slot - R / 2 : slot);
-    } else {
-        unsigned b0 = 0;
-#pragma unroll
-        for (int i = 1; i < CUDA_GEMV_MAX_MATS; i++)
-            if (i < M.n && blockIdx.x >= M.blk0[i]) {
-                W = M.W[i];
-                bias = M.bias[i];
-                y = M.y[i];
-                out = M.out[i];
-                b0 = M.blk0[i];
-                mat = i;
-            }
-        j = (size_t)(blockIdx.x - b0) * R + slot;
-        if (ROPE && mat < 2) { // the pair group c of head h: dims c * P + s and half further
-            const unsigned P = (unsigned)R / 2, half = M.head_dim / 2, groups = half / P;
-            const unsigned bb = blockIdx.x - b0, h = bb / groups, c = bb % groups;
-            j = (size_t)h * M.head_dim + c * P + (slot < (int)P ? slot : half + slot - P);
-        }
+        if (up) g.W = M.W[1];
+        g.j = (size_t)b * (R / 2) + (up ? slot - R / 2 : slot);
+        return g;
     }
-    const bool active = j < out;
-    float acc[N];
+    unsigned b0 = 0;
 #pragma unroll
-    for (int r = 0; r < N; r++) acc[r] = 0.0f;
-    const size_t chunks = in / 8; // 8-element chunks of the row
-    const size_t c_end = min(chunks, (size_t)(sp + 1) * per);
-    const TW *wr = W + (active ? j : 0) * in;
-    // The first pass's weights are loaded before griddep_wait: no kernel of a step writes
-    // weights, so under programmatic dependent launch this block streams them while the
-    // previous kernel (attention, a norm) is still running. x is read only after the wait.
-    size_t c0 = (size_t)sp * per + lane;
-    gemv_chunk<TW> w[GEMV_UNROLL];
-    if (active) gemv_load_pass(w, wr, c0, c_end);
-    GRIDDEP_ENTRY();
-    for (; active && c0 < c_end;) {
-#pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; u++) {
-            size_t c = c0 + (size_t)u * 32;
-            if (c >= c_end) break;
-            float wf[8];
-            w[u].get(wf);
-#pragma unroll
-            for (int r = 0; r < N; r++) {
-                gemv_chunk<TX> xc;
-                xc.load(x + (size_t)r * in + c * 8);
-                float xv[8];
-                xc.get(xv);
-                float s = 0.0f;
-#pragma unroll
-                for (int e = 0; e < 8; e++) s += wf[e] * xv[e];
-                acc[r] += s;
-            }
+    for (int i = 1; i < CUDA_GEMV_MAX_MATS; i++)
+        if (i < M.n && b >= M.blk0[i]) {
+            g.W = M.W[i];
+            g.bias = M.bias[i];
+            g.y = M.y[i];
+            g.out = M.out[i];
+            b0 = M.blk0[i];
+            g.mat = i;
         }
-        c0 += GEMV_SEG;
-        if (c0 < c_end) gemv_load_pass(w, wr, c0, c_end);
+    g.j = (size_t)(b - b0) * R + slot;
+    if (MODE == GEMV_ROPE &&
+        g.mat < 2) { // the pair group c of head h: dims c * P + s, half further
+        const unsigned P = (unsigned)R / 2, half = M.head_dim / 2, groups = half / P;
+        const unsigned bb = b - b0, h = bb / groups, c = bb % groups;
+        g.j = (size_t)h * M.head_dim + c * P + (slot < (int)P ? slot : half + slot - P);
     }
+    return g;
+}
+
+// The end of a row group: each warp's sums reduced, the S partials of a row added in split order,
+// the result (with the bias) rounded and stored, or combined first (SwiGLU, rotary pairs).
+template <typename TW, typename TX, int N, int MODE>
+__device__ __forceinline__ void gemv_store(float acc[N], const gemv_row<TW, TX> &g,
+                                           const gemv_mats<TW, TX> &M, int S, int R,
+                                           float (*part)[N], float (*res)[N])
+{
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, sp = warp % S, slot = warp / S;
+    const bool active = g.j < g.out;
+    const size_t j = g.j, out = g.out;
 #pragma unroll
     for (int r = 0; r < N; r++)
         for (int o = 16; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
@@ -221,7 +292,7 @@ __global__ void __launch_bounds__(GEMV_MAX_WARPS * 32)
         if (active && lane == 0)
 #pragma unroll
             for (int r = 0; r < N; r++)
-                stf(y, (size_t)r * out + j, bias ? acc[r] + bias[j] : acc[r]);
+                stf(g.y, (size_t)r * out + j, g.bias ? acc[r] + g.bias[j] : acc[r]);
         return;
     }
     if (S > 1) { // grid-uniform
@@ -240,30 +311,30 @@ __global__ void __launch_bounds__(GEMV_MAX_WARPS * 32)
     if (MODE == GEMV_PLAIN) {
         if (!active || sp != 0 || lane != 0) return;
 #pragma unroll
-        for (int r = 0; r < N; r++) stf(y, (size_t)r * out + j, bias ? acc[r] + bias[j] : acc[r]);
+        for (int r = 0; r < N; r++)
+            stf(g.y, (size_t)r * out + j, g.bias ? acc[r] + g.bias[j] : acc[r]);
         return;
     }
     // SwiGLU, rope: each slot's leader publishes its row's value as stored (rounded), then the
     // gate slots combine with the up slot of the same row / the first slot of each rotary pair
     // with the second
-    __shared__ float res[GEMV_MAX_WARPS][N];
     if (sp == 0 && lane == 0)
 #pragma unroll
         for (int r = 0; r < N; r++)
-            res[slot][r] = act_round<TX>(active && bias ? acc[r] + bias[j] : acc[r]);
+            res[slot][r] = act_round<TX>(active && g.bias ? acc[r] + g.bias[j] : acc[r]);
     __syncthreads();
     if (!active || sp != 0 || lane != 0) return;
-    if (ROPE && mat == 2) { // v: into the pool as it is
+    if (MODE == GEMV_ROPE && g.mat == 2) { // v: into the pool as it is
 #pragma unroll
         for (int r = 0; r < N; r++) stf(M.vc, (size_t)M.slots[r] * M.kv_row + j, res[slot][r]);
         return;
     }
     if (slot >= R / 2) return;
-    if (SWI) {
+    if (MODE == GEMV_SWIGLU) {
 #pragma unroll
         for (int r = 0; r < N; r++) {
-            float g = res[slot][r], u = res[slot + R / 2][r];
-            stf(y, (size_t)r * out + j, (g / (1.0f + expf(-g))) * u);
+            float gv = res[slot][r], u = res[slot + R / 2][r];
+            stf(g.y, (size_t)r * out + j, (gv / (1.0f + expf(-gv))) * u);
         }
         return;
     }
@@ -273,13 +344,100 @@ __global__ void __launch_bounds__(GEMV_MAX_WARPS * 32)
         float o1, o2;
         rope_pair(res[slot][r], res[slot + R / 2][r], M.cos_t[(size_t)r * half + pair],
                   M.sin_t[(size_t)r * half + pair], &o1, &o2);
-        if (mat == 0) {
-            stf(y, (size_t)r * out + j, o1);
-            stf(y, (size_t)r * out + j + half, o2);
+        if (g.mat == 0) {
+            stf(g.y, (size_t)r * out + j, o1);
+            stf(g.y, (size_t)r * out + j + half, o2);
         } else {
             stf(M.kc, (size_t)M.slots[r] * M.kv_row + j, o1);
             stf(M.kc, (size_t)M.slots[r] * M.kv_row + j + half, o2);
         }
+    }
+}
+
+// Block: R rows x S warps per row (blockDim.x = 32 * S * R); warp (r, sp) covers chunks
+// [sp * per, min((sp + 1) * per, in / 8)) of row slot r of its row group, per = a multiple of
+// GEMV_SEG (a function of in only). The launch has nblk row groups (block b of a one-block-per-
+// group launch: rows (b - blk0) * R + r of its matrix); a grid of fewer blocks (as many as are
+// resident at once) takes them in turn, b = blockIdx.x, + gridDim.x, ..., and loads the next
+// group's first pass before it reduces and stores the current one.
+// GEMV_SWIGLU: M holds gate (0) and up (1) of the same shape, and the output is
+// y[0] = silu(gate . x) * (up . x). The block's R row slots (R even) are R / 2 gate rows and the
+// same R / 2 up rows; each dot product is computed and rounded exactly as in a plain launch, so
+// the result equals two GEMV launches and a swiglu launch bit for bit.
+// GEMV_ROPE: M holds q (0), k (1) and v (2). A block of q or k holds P = R / 2 rotary pairs of
+// one head: slots s < P are dims c * P + s of the head, slots P + s the dims half further; each
+// row is computed and rounded as in a plain launch, then the pair goes through rope_pair as in
+// the rotary kernels: the result equals a GEMV launch and a rope_kv_write launch bit for bit.
+// NORM: x is normed first (gemv_norm_rows, into the launch's dynamic shared memory).
+template <typename TW, typename TX, int N, int MODE, bool NORM>
+__global__ void __launch_bounds__(GEMV_MAX_WARPS * 32)
+    gemv_kernel(const TX *x, gemv_mats<TW, TX> M, size_t in, int S, size_t per, unsigned nblk,
+                gemv_norm<TX> nm)
+{
+    __shared__ float part[GEMV_MAX_WARPS][N]; // per warp: its partial for each input row
+    __shared__ float res[GEMV_MAX_WARPS][N];  // per row slot: its rounded value
+    extern __shared__ uint4 gemv_xs[];        // NORM: the normed rows (N, in)
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int R = (int)(blockDim.x >> 5) / S;
+    const int sp = warp % S, slot = warp / S;
+    const size_t chunks = in / 8; // 8-element chunks of the row
+    const size_t c_begin = (size_t)sp * per + lane, c_end = min(chunks, (size_t)(sp + 1) * per);
+    unsigned b = blockIdx.x;
+    gemv_row<TW, TX> g = gemv_row_of<TW, TX, MODE>(M, b, R, slot);
+    // The first pass's weights are loaded before griddep_wait: no kernel of a step writes
+    // weights, so under programmatic dependent launch this block streams them while the
+    // previous kernel (attention, a norm) is still running. x is read only after the wait.
+    gemv_chunk<TW> w[GEMV_UNROLL];
+    if (g.j < g.out) gemv_load_pass(w, g.W + g.j * in, c_begin, c_end);
+    GRIDDEP_ENTRY();
+    const TX *xr = x;
+    if constexpr (NORM) {
+        gemv_norm_rows<TX, N>(x, nm, in, (TX *)gemv_xs);
+        xr = (const TX *)gemv_xs;
+    }
+    for (;;) {
+        const bool active = g.j < g.out;
+        const TW *wr = g.W + (active ? g.j : 0) * in;
+        float acc[N];
+#pragma unroll
+        for (int r = 0; r < N; r++) acc[r] = 0.0f;
+        for (size_t c0 = c_begin; active && c0 < c_end;) {
+#pragma unroll
+            for (int u = 0; u < GEMV_UNROLL; u++) {
+                size_t c = c0 + (size_t)u * 32;
+                if (c >= c_end) break;
+                float wf[8];
+                w[u].get(wf);
+#pragma unroll
+                for (int r = 0; r < N; r++) {
+                    gemv_chunk<TX> xc;
+                    if constexpr (NORM)
+                        xc.load_shared(xr + (size_t)r * in + c * 8);
+                    else
+                        xc.load(xr + (size_t)r * in + c * 8);
+                    float xv[8];
+                    xc.get(xv);
+                    float s = 0.0f;
+#pragma unroll
+                    for (int e = 0; e < 8; e++) s += wf[e] * xv[e];
+                    acc[r] += s;
+                }
+            }
+            c0 += GEMV_SEG;
+            if (c0 < c_end) gemv_load_pass(w, wr, c0, c_end);
+        }
+        // the block's next row group: its first pass in flight while this one is reduced
+        const unsigned nb = b + gridDim.x;
+        gemv_row<TW, TX> ng = g;
+        if (nb < nblk) {
+            ng = gemv_row_of<TW, TX, MODE>(M, nb, R, slot);
+            if (ng.j < ng.out) gemv_load_pass(w, ng.W + ng.j * in, c_begin, c_end);
+        }
+        gemv_store<TW, TX, N, MODE>(acc, g, M, S, R, part, res);
+        if (nb >= nblk) break;
+        b = nb;
+        g = ng;
+        if (S > 1 || MODE != GEMV_PLAIN) __syncthreads(); // part and res are reused
     }
 }
 
@@ -301,10 +459,62 @@ typedef struct {
     size_t head_dim, kv_row;
 } gemv_rope_args;
 
+// The grid of a launch of nblk row groups: at most as many blocks as the device holds at once
+// (each then takes groups in turn and has the next one's first weights in flight while it
+// finishes one, and a NORM block normalizes x once for all its groups), or one block per group
+// with PD_CUDA_GEMV_GRID=groups (for comparison).
+template <typename K> static unsigned gemv_grid(K kernel, unsigned nblk, unsigned th, size_t smem)
+{
+    static const bool per_group = [] {
+        const char *e = getenv("PD_CUDA_GEMV_GRID");
+        return e && strcmp(e, "groups") == 0;
+    }();
+    int dev = 0, sms = 0, per_sm = 0;
+    if (per_group || cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, (int)th, smem) !=
+            cudaSuccess ||
+        per_sm < 1)
+        return nblk;
+    const unsigned resident = (unsigned)sms * (unsigned)per_sm;
+    return nblk < resident ? nblk : resident;
+}
+
+// gemv_kernel<.., N, MODE, NORM> over nblk row groups of th threads; NORM: N rows of x in
+// shared memory.
+template <typename TW, typename TX, int N, int MODE, bool NORM>
+static void gemv_launch_k(cudaStream_t s, unsigned nblk, unsigned th, const TX *x,
+                          const gemv_mats<TW, TX> &M, size_t in, int S, size_t per,
+                          const gemv_norm<TX> &nm)
+{
+    auto k = gemv_kernel<TW, TX, N, MODE, NORM>;
+    const size_t smem = NORM ? (size_t)N * in * sizeof(TX) : 0;
+    cuda_launch(k, gemv_grid(k, nblk, th, smem), th, smem, s, x, M, in, S, per, nblk, nm);
+}
+
+// gemv_launch_k with N = n.
+template <typename TW, typename TX, int MODE, bool NORM>
+static void gemv_launch_n(cudaStream_t s, unsigned g, unsigned th, size_t n, const TX *x,
+                          const gemv_mats<TW, TX> &M, size_t in, int S, size_t per,
+                          const gemv_norm<TX> &nm)
+{
+    switch (n) {
+    case 1: gemv_launch_k<TW, TX, 1, MODE, NORM>(s, g, th, x, M, in, S, per, nm); break;
+    case 2: gemv_launch_k<TW, TX, 2, MODE, NORM>(s, g, th, x, M, in, S, per, nm); break;
+    case 3: gemv_launch_k<TW, TX, 3, MODE, NORM>(s, g, th, x, M, in, S, per, nm); break;
+    case 4: gemv_launch_k<TW, TX, 4, MODE, NORM>(s, g, th, x, M, in, S, per, nm); break;
+    case 5: gemv_launch_k<TW, TX, 5, MODE, NORM>(s, g, th, x, M, in, S, per, nm); break;
+    case 6: gemv_launch_k<TW, TX, 6, MODE, NORM>(s, g, th, x, M, in, S, per, nm); break;
+    case 7: gemv_launch_k<TW, TX, 7, MODE, NORM>(s, g, th, x, M, in, S, per, nm); break;
+    default: gemv_launch_k<TW, TX, 8, MODE, NORM>(s, g, th, x, M, in, S, per, nm); break;
+    }
+}
+
+// norm: the input's norm (GEMV_SWIGLU, GEMV_ROPE only), or NULL.
 template <typename TW, typename TX, int MODE>
 static void gemv_launch(cudaStream_t s, const TX *x, size_t n, int nm, const void *const *W,
                         const size_t *out, size_t in, const float *const *bias, void *const *y,
-                        const gemv_rope_args *ra)
+                        const gemv_rope_args *ra, const cuda_norm_in *norm)
 {
     int S, R;
     size_t per;
@@ -332,30 +542,42 @@ static void gemv_launch(cudaStream_t s, const TX *x, size_t n, int nm, const voi
         M.kv_row = (unsigned)ra->kv_row;
     }
     const unsigned g = (unsigned)grid, th = (unsigned)(32 * S * R);
-    switch (n) {
-    case 1: cuda_launch(gemv_kernel<TW, TX, 1, MODE>, g, th, 0, s, x, M, in, S, per); break;
-    case 2: cuda_launch(gemv_kernel<TW, TX, 2, MODE>, g, th, 0, s, x, M, in, S, per); break;
-    case 3: cuda_launch(gemv_kernel<TW, TX, 3, MODE>, g, th, 0, s, x, M, in, S, per); break;
-    case 4: cuda_launch(gemv_kernel<TW, TX, 4, MODE>, g, th, 0, s, x, M, in, S, per); break;
-    case 5: cuda_launch(gemv_kernel<TW, TX, 5, MODE>, g, th, 0, s, x, M, in, S, per); break;
-    case 6: cuda_launch(gemv_kernel<TW, TX, 6, MODE>, g, th, 0, s, x, M, in, S, per); break;
-    case 7: cuda_launch(gemv_kernel<TW, TX, 7, MODE>, g, th, 0, s, x, M, in, S, per); break;
-    default: cuda_launch(gemv_kernel<TW, TX, 8, MODE>, g, th, 0, s, x, M, in, S, per); break;
+    gemv_norm<TX> gn;
+    memset(&gn, 0, sizeof gn);
+    if constexpr (MODE != GEMV_PLAIN && sizeof(TX) == 2) { // bf16 activations (f32: refused)
+        if (norm) {
+            gn.add = (const TX *)norm->add;
+            gn.x_out = (TX *)norm->x_out;
+            gn.w = norm->w;
+            gn.eps = norm->eps;
+            norm_vec_shape(in / norm_chunk<TX>::EPC, &gn.threads, &gn.r);
+            gemv_launch_n<TW, TX, MODE, true>(s, g, th, n, x, M, in, S, per, gn);
+            return;
+        }
     }
+    gemv_launch_n<TW, TX, MODE, false>(s, g, th, n, x, M, in, S, per, gn);
 }
 
 // Runs gemv_launch<.., MODE> for the activation / weight type pair; PD_EUNSUPPORTED for others.
 template <int MODE>
 static int gemv_dispatch(cudaStream_t s, int act, const void *x, size_t n, int nm,
                          const void *const *W, int wdtype, const size_t *out, size_t in,
-                         const float *const *bias, void *const *y, const gemv_rope_args *ra = NULL)
+                         const float *const *bias, void *const *y, const gemv_rope_args *ra = NULL,
+                         const cuda_norm_in *norm = NULL)
 {
+    if (norm) { // bf16 rows rmsnorm_vec_kernel would normalize; else the caller's norm kernel
+        int threads, r;
+        if (act != ACT_BF16 || !norm_vec_shape(in / 8, &threads, &r) ||
+            n * in * 2 > GEMV_NORM_SMEM ||
+            ((uintptr_t)norm->add | (uintptr_t)norm->x_out | (uintptr_t)norm->w) % 16)
+            return PD_EUNSUPPORTED;
+    }
     if (act == ACT_BF16 && wdtype == ACT_BF16)
-        gemv_launch<bf16, bf16, MODE>(s, (const bf16 *)x, n, nm, W, out, in, bias, y, ra);
+        gemv_launch<bf16, bf16, MODE>(s, (const bf16 *)x, n, nm, W, out, in, bias, y, ra, norm);
     else if (act == ACT_BF16 && wdtype == ACT_F16)
-        gemv_launch<__half, bf16, MODE>(s, (const bf16 *)x, n, nm, W, out, in, bias, y, ra);
+        gemv_launch<__half, bf16, MODE>(s, (const bf16 *)x, n, nm, W, out, in, bias, y, ra, norm);
     else if (act == ACT_F32 && wdtype == ACT_F32)
-        gemv_launch<float, float, MODE>(s, (const float *)x, n, nm, W, out, in, bias, y, ra);
+        gemv_launch<float, float, MODE>(s, (const float *)x, n, nm, W, out, in, bias, y, ra, norm);
     else
         return PD_EUNSUPPORTED;
     CUDA_LAUNCH_CHECK("gemv_kernel");
@@ -386,7 +608,8 @@ int cuda_gemv_multi(cudaStream_t s, int act, const void *x, size_t n, int nm, co
 }
 
 int cuda_gemv_swiglu(cudaStream_t s, int act, const void *x, size_t n, const void *Wg,
-                     const void *Wu, int wdtype, size_t out, size_t in, void *y)
+                     const void *Wu, int wdtype, size_t out, size_t in, void *y,
+                     const cuda_norm_in *nm)
 {
     int S, R;
     size_t per;
@@ -398,13 +621,13 @@ int cuda_gemv_swiglu(cudaStream_t s, int act, const void *x, size_t n, const voi
     const size_t outs[2] = {out, out};
     const float *bias[2] = {NULL, NULL};
     void *ys[2] = {y, y};
-    return gemv_dispatch<GEMV_SWIGLU>(s, act, x, n, 2, W, wdtype, outs, in, bias, ys);
+    return gemv_dispatch<GEMV_SWIGLU>(s, act, x, n, 2, W, wdtype, outs, in, bias, ys, NULL, nm);
 }
 
 int cuda_gemv_qkv_rope(cudaStream_t s, int act, const void *x, size_t n, const void *const *W,
                        int wdtype, size_t nq, size_t nkv, size_t D, size_t in,
                        const float *const *bias, void *q, const float *cos_t, const float *sin_t,
-                       const int64_t *slots, void *kc, void *vc)
+                       const int64_t *slots, void *kc, void *vc, const cuda_norm_in *nm)
 {
     int S, R;
     size_t per;
@@ -415,7 +638,7 @@ int cuda_gemv_qkv_rope(cudaStream_t s, int act, const void *x, size_t n, const v
         return PD_EUNSUPPORTED; // the caller takes matmul_multi and rope_kv_write
     gemv_rope_args ra = {cos_t, sin_t, slots, kc, vc, D, nkv * D};
     void *y[3] = {q, NULL, NULL};
-    return gemv_dispatch<GEMV_ROPE>(s, act, x, n, 3, W, wdtype, out, in, bias, y, &ra);
+    return gemv_dispatch<GEMV_ROPE>(s, act, x, n, 3, W, wdtype, out, in, bias, y, &ra, nm);
 }
 
 int cuda_gemv(cudaStream_t s, int act, const void *x, size_t n, const void *W, int wdtype,

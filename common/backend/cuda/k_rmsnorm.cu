@@ -12,15 +12,15 @@
 // into aligned chunks (dim % (16 / elem) != 0, misaligned pointers) or exceed the register
 // budget take the scalar kernel, which reads x twice.
 // With ADD (vLLM's fused_add_rms_norm) each kernel first adds the sublayer output to the
-// residual row, rounds the sum to the activation type, stores it back and normalizes that
-// rounded row: the values of an add launch followed by an rmsnorm launch, in one pass.
+// residual row, rounds the sum to the activation type, stores it (back, or to another buffer)
+// and normalizes that rounded row: the values of an add launch followed by an rmsnorm launch,
+// in one pass. The GEMVs that take the norm themselves (k_gemv.cu) follow the vector kernel's
+// order (norm_vec_shape).
 #include <stdint.h>
 
 #include "backend/cuda/cuda_common.cuh"
 
-#define NORM_THREADS     256  // scalar kernel
-#define NORM_MAX_THREADS 1024 // vector kernel: largest block
-#define NORM_MAX_R       2    // vector kernel: most chunks per thread (registers)
+#define NORM_THREADS 256 // scalar kernel
 
 // Sum of v over the block (blockDim.x a multiple of 32, <= 1024), returned to every thread.
 __device__ static float norm_block_sum(float v)
@@ -40,15 +40,18 @@ __device__ static float norm_block_sum(float v)
 }
 
 template <typename T, bool ADD>
-__global__ void rmsnorm_kernel(T *x, const T *add, const float *w, float eps, size_t dim, T *y)
+__global__ void rmsnorm_kernel(const T *x, const T *add, T *xo, const float *w, float eps,
+                               size_t dim, T *y)
 {
     GRIDDEP_ENTRY();
-    T *xr = x + (size_t)blockIdx.x * dim;
+    const T *xr = (ADD ? xo : x) + (size_t)blockIdx.x * dim; // the row normalized
     const T *ar = add + (ADD ? (size_t)blockIdx.x * dim : 0);
     T *yr = y + (size_t)blockIdx.x * dim;
     float ss = 0.0f;
     for (size_t i = threadIdx.x; i < dim; i += blockDim.x) {
-        if (ADD) stf(xr, i, ldf(xr, i) + ldf(ar, i)); // read back below by this thread only
+        if (ADD) // read back below by this thread only
+            stf(xo + (size_t)blockIdx.x * dim, i,
+                ldf(x + (size_t)blockIdx.x * dim, i) + ldf(ar, i));
         float v = ldf(xr, i);
         ss += v * v;
     }
@@ -56,23 +59,17 @@ __global__ void rmsnorm_kernel(T *x, const T *add, const float *w, float eps, si
     for (size_t i = threadIdx.x; i < dim; i += blockDim.x) stf(yr, i, (ldf(xr, i) * r) * w[i]);
 }
 
-// 16 bytes of T as EPC elements (one LDG.128 / STG.128).
-template <typename T> struct __align__(16) norm_chunk
-{
-    static constexpr int EPC = 16 / (int)sizeof(T);
-    T e[EPC];
-};
-
 // R: chunks per thread (chunk c = threadIdx.x + r * blockDim.x of the row's dim / EPC chunks).
 template <typename T, int R, bool ADD>
 __global__ void __launch_bounds__(NORM_MAX_THREADS)
-    rmsnorm_vec_kernel(T *x, const T *add, const float *w, float eps, int dim, T *y)
+    rmsnorm_vec_kernel(const T *x, const T *add, T *xo, const float *w, float eps, int dim, T *y)
 {
     GRIDDEP_ENTRY();
     constexpr int EPC = norm_chunk<T>::EPC;
     const int nch = dim / EPC;
-    norm_chunk<T> *xr = (norm_chunk<T> *)(x + (size_t)blockIdx.x * dim);
+    const norm_chunk<T> *xr = (const norm_chunk<T> *)(x + (size_t)blockIdx.x * dim);
     const norm_chunk<T> *ar = (const norm_chunk<T> *)(add + (ADD ? (size_t)blockIdx.x * dim : 0));
+    norm_chunk<T> *xw = (norm_chunk<T> *)(xo + (ADD ? (size_t)blockIdx.x * dim : 0));
     norm_chunk<T> *yr = (norm_chunk<T> *)(y + (size_t)blockIdx.x * dim);
     const float4 *w4 = (const float4 *)w; // dim / 4 float4s
     norm_chunk<T> xv[R];                  // the thread's chunks of the row
@@ -86,7 +83,7 @@ __global__ void __launch_bounds__(NORM_MAX_THREADS)
                 norm_chunk<T> a = ar[c];
 #pragma unroll
                 for (int e = 0; e < EPC; e++) xv[r].e[e] = (T)((float)xv[r].e[e] + (float)a.e[e]);
-                xr[c] = xv[r];
+                xw[c] = xv[r];
             }
 #pragma unroll
             for (int k = 0; k < EPC / 4; k++) wv[r][k] = __ldg(w4 + (size_t)c * (EPC / 4) + k);
@@ -117,29 +114,25 @@ __global__ void __launch_bounds__(NORM_MAX_THREADS)
 }
 
 template <typename T, bool ADD>
-static void rmsnorm_launch(cudaStream_t s, T *x, const T *add, const float *w, float eps, size_t n,
-                           size_t dim, T *y)
+static void rmsnorm_launch(cudaStream_t s, const T *x, const T *add, T *xo, const float *w,
+                           float eps, size_t n, size_t dim, T *y)
 {
     constexpr int EPC = norm_chunk<T>::EPC;
-    const size_t nch = dim / EPC;
-    const bool vec = dim % EPC == 0 &&
-                     ((uintptr_t)x | (uintptr_t)add | (uintptr_t)y | (uintptr_t)w) % 16 == 0 &&
-                     nch <= (size_t)NORM_MAX_THREADS * NORM_MAX_R;
+    int threads, R;
+    const bool vec =
+        norm_vec_shape(dim / EPC, &threads, &R) && dim % EPC == 0 &&
+        ((uintptr_t)x | (uintptr_t)add | (uintptr_t)xo | (uintptr_t)y | (uintptr_t)w) % 16 == 0;
     if (!vec) {
-        cuda_launch(rmsnorm_kernel<T, ADD>, (unsigned)n, NORM_THREADS, 0, s, x, add, w, eps, dim,
-                    y);
+        cuda_launch(rmsnorm_kernel<T, ADD>, (unsigned)n, NORM_THREADS, 0, s, x, add, xo, w, eps,
+                    dim, y);
         return;
     }
-    size_t threads = (nch + 31) / 32 * 32;
-    if (threads > NORM_MAX_THREADS) threads = NORM_MAX_THREADS;
-    if (threads < 32) threads = 32; // dim 0: a block that writes nothing
-    const size_t R = (nch + threads - 1) / threads;
     const unsigned g = (unsigned)n, b = (unsigned)threads;
     if (R <= 1)
-        cuda_launch(rmsnorm_vec_kernel<T, 1, ADD>, g, b, 0, s, x, add, w, eps, (int)dim, y);
+        cuda_launch(rmsnorm_vec_kernel<T, 1, ADD>, g, b, 0, s, x, add, xo, w, eps, (int)dim, y);
     else
-        cuda_launch(rmsnorm_vec_kernel<T, NORM_MAX_R, ADD>, g, b, 0, s, x, add, w, eps, (int)dim,
-                    y);
+        cuda_launch(rmsnorm_vec_kernel<T, NORM_MAX_R, ADD>, g, b, 0, s, x, add, xo, w, eps,
+                    (int)dim, y);
 }
 
 int cuda_rmsnorm(cudaStream_t s, int act, const void *x, const float *w, float eps, size_t n,
@@ -149,16 +142,18 @@ int cuda_rmsnorm(cudaStream_t s, int act, const void *x, const float *w, float e
     if (n > 0x7fffffffu) return pd_error(PD_EINVAL, "cuda rmsnorm: %zu rows is too many", n);
     // x is only read without ADD
     ACT_DISPATCH(act, T,
-                 rmsnorm_launch<T, false>(s, (T *)x, (const T *)NULL, w, eps, n, dim, (T *)y));
+                 rmsnorm_launch<T, false>(s, (const T *)x, (const T *)NULL, (T *)NULL, w, eps, n,
+                                          dim, (T *)y));
     CUDA_LAUNCH_CHECK("rmsnorm_kernel");
 }
 
-int cuda_add_rmsnorm(cudaStream_t s, int act, void *x, const void *add, const float *w, float eps,
-                     size_t n, size_t dim, void *y)
+int cuda_add_rmsnorm(cudaStream_t s, int act, const void *x, const void *add, void *xo,
+                     const float *w, float eps, size_t n, size_t dim, void *y)
 {
     if (n == 0) return PD_OK;
     if (n > 0x7fffffffu) return pd_error(PD_EINVAL, "cuda rmsnorm: %zu rows is too many", n);
-    ACT_DISPATCH(act, T,
-                 rmsnorm_launch<T, true>(s, (T *)x, (const T *)add, w, eps, n, dim, (T *)y));
+    ACT_DISPATCH(
+        act, T,
+        rmsnorm_launch<T, true>(s, (const T *)x, (const T *)add, (T *)xo, w, eps, n, dim, (T *)y));
     CUDA_LAUNCH_CHECK("rmsnorm_kernel");
 }
