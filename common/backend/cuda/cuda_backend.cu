@@ -1514,8 +1514,8 @@ static int tape_exec(cuda_be *cb, const tape_ent *e)
     }
     case T_RMSNORM:
         return cuda_rmsnorm(cb->stream, cb->act, e->p[0],
-                            (const float *)((const pd_weight *)e->p[1])->data, e->f, e->z[0],
-                            e->z[1], (void *)e->p[2]);
+                            (const float *)((const pd_weight *)e->p[2])->data, e->f, e->z[0],
+                            e->z[1], (void *)e->p[3]);
     case T_MATMUL:
         return exec_matmul(cb, e->p[0], e->z[0], (const pd_weight *)e->p[1],
                            (const pd_weight *)e->p[2], (void *)e->p[3]);
@@ -1587,19 +1587,28 @@ static int norm_check(const pd_weight *w, size_t n, size_t dim)
     return PD_OK;
 }
 
-static int op_rmsnorm(pd_backend *b, const void *x, const pd_weight *w, float eps, size_t n,
-                      size_t dim, void *y)
+// h = rmsnorm(x) (add NULL: T_RMSNORM), or x + add into xo (== x: in place), h = rmsnorm(xo)
+// (T_ADD_RMSNORM): one entry.
+static int norm_entry(pd_backend *b, const void *x, const void *add, void *xo, const pd_weight *w,
+                      float eps, size_t n, size_t dim, void *h)
 {
-    cuda_be *cb = BE(b);
     PD_CHECK(norm_check(w, n, dim));
-    tape_ent e = ent(T_RMSNORM);
+    tape_ent e = ent(add ? T_ADD_RMSNORM : T_RMSNORM);
     e.p[0] = x;
-    e.p[1] = w;
-    e.p[2] = y;
+    e.p[1] = add;
+    e.p[2] = w;
+    e.p[3] = h;
+    e.p[4] = xo;
     e.z[0] = n;
     e.z[1] = dim;
     e.f = eps;
-    return step_op(cb, &e);
+    return step_op(BE(b), &e);
+}
+
+static int op_rmsnorm(pd_backend *b, const void *x, const pd_weight *w, float eps, size_t n,
+                      size_t dim, void *y)
+{
+    return norm_entry(b, x, NULL, NULL, w, eps, n, dim, y);
 }
 
 static int matmul_check(const pd_weight *w, const pd_weight *bias, size_t n)
@@ -1922,23 +1931,6 @@ static int op_rope_kv_write(pd_backend *b, pd_kv *kv, int layer, void *q, size_t
     return step_op(cb, &e);
 }
 
-// x + add into xo (== x: in place), h = rmsnorm(xo): one T_ADD_RMSNORM entry.
-static int add_rmsnorm_entry(pd_backend *b, const void *x, const void *add, void *xo,
-                             const pd_weight *w, float eps, size_t n, size_t dim, void *h)
-{
-    PD_CHECK(norm_check(w, n, dim));
-    tape_ent e = ent(T_ADD_RMSNORM);
-    e.p[0] = x;
-    e.p[1] = add;
-    e.p[2] = w;
-    e.p[3] = h;
-    e.p[4] = xo;
-    e.z[0] = n;
-    e.z[1] = dim;
-    e.f = eps;
-    return step_op(BE(b), &e);
-}
-
 // A norm_* op's arguments, for rows of dim elements.
 static int prenorm_check(const pd_norm_in *pre, size_t n, size_t dim, const char *op)
 {
@@ -1957,8 +1949,7 @@ static int prenorm_check(const pd_norm_in *pre, size_t n, size_t dim, const char
 // pre->h.
 static int op_prenorm(pd_backend *b, const pd_norm_in *pre, size_t n, size_t dim)
 {
-    if (!pre->add) return op_rmsnorm(b, pre->x, pre->w, pre->eps, n, dim, pre->h);
-    return add_rmsnorm_entry(b, pre->x, pre->add, pre->x_out, pre->w, pre->eps, n, dim, pre->h);
+    return norm_entry(b, pre->x, pre->add, pre->x_out, pre->w, pre->eps, n, dim, pre->h);
 }
 
 // The entry's norm fields from pre (NULL: none).
@@ -2031,7 +2022,7 @@ static int op_add_rmsnorm(pd_backend *b, void *y, const void *x, const pd_weight
         PD_CHECK(op_add(b, y, x, n * dim));
         return op_rmsnorm(b, y, w, eps, n, dim, h);
     }
-    return add_rmsnorm_entry(b, y, x, y, w, eps, n, dim, h);
+    return norm_entry(b, y, x, y, w, eps, n, dim, h);
 }
 
 // matmul_swiglu of x, or with pre (norm_matmul_swiglu) of pre->h after the norm.
