@@ -429,6 +429,22 @@ static bool grant(cl_cluster *c, int dk, const char *id, uint64_t seq, uint64_t 
     return found;
 }
 
+/* Opens a Relay stream named relay_id to decode node 1 of c, its events into w (set up here),
+ * and waits until the node has it (there is no "open" message). */
+static void relay_open(cl_cluster *c, const char *relay_id, relay_watch *w, uint64_t *call)
+{
+    memset(w, 0, sizeof *w);
+    w->decode_status = -1;
+    pthread_mutex_init(&w->mu, NULL);
+    pthread_cond_init(&w->cv, NULL);
+    Pd__RelayRequest rq = PD__RELAY_REQUEST__INIT;
+    rq.relay_id = (char *)relay_id;
+    uint8_t rbuf[64];
+    pd_rpc_stream_async(cl_node(c, 1), "/pd.PD/Relay", rbuf, pd__relay_request__pack(&rq, rbuf),
+                        60000, on_relay_batch, on_relay_end, w, call);
+    pd_sleep_ns(300 * PD_NS_PER_MS);
+}
+
 /* A relayed request's events leave the decode instance only as far as its credit goes: with 1
  * byte of credit, one event comes; a Pause granting one more byte than has arrived lets exactly
  * one more through; a stale Pause (older seq) changes nothing; a large grant brings the rest, in
@@ -440,16 +456,9 @@ TEST(pd_relay_credit)
     ASSERT(model);
     cl_cluster c;
     ASSERT_OK(cl_start(&c, model, "0", "1", NULL));
-    relay_watch w = {.decode_status = -1};
-    pthread_mutex_init(&w.mu, NULL);
-    pthread_cond_init(&w.cv, NULL);
-    Pd__RelayRequest rq = PD__RELAY_REQUEST__INIT;
-    rq.relay_id = "test-relay";
-    uint8_t rbuf[64];
+    relay_watch w;
     uint64_t relay_call = 0, decode_call = 0;
-    pd_rpc_stream_async(cl_node(&c, 1), "/pd.PD/Relay", rbuf, pd__relay_request__pack(&rq, rbuf),
-                        60000, on_relay_batch, on_relay_end, &w, &relay_call);
-    pd_sleep_ns(300 * PD_NS_PER_MS); /* the node has no "open" message: give it time */
+    relay_open(&c, "test-relay", &w, &relay_call);
     Pd__StatsReply *s0 = stats(&c, 1);
     int32_t prompt[8] = {72, 101, 108, 108, 111, 32, 119, 111};
     Pd__SamplingParams sp = cl_sampling(0, 0, TOKENS);
@@ -536,16 +545,9 @@ TEST(pd_reservation_dropped_with_its_relay)
     ASSERT(model);
     cl_cluster c;
     ASSERT_OK(cl_start(&c, model, "0", "1", NULL));
-    relay_watch w = {.decode_status = -1};
-    pthread_mutex_init(&w.mu, NULL);
-    pthread_cond_init(&w.cv, NULL);
-    Pd__RelayRequest rq = PD__RELAY_REQUEST__INIT;
-    rq.relay_id = "gone-relay";
-    uint8_t rbuf[64];
+    relay_watch w;
     uint64_t relay_call = 0;
-    pd_rpc_stream_async(cl_node(&c, 1), "/pd.PD/Relay", rbuf, pd__relay_request__pack(&rq, rbuf),
-                        60000, on_relay_batch, on_relay_end, &w, &relay_call);
-    pd_sleep_ns(300 * PD_NS_PER_MS); /* the node has no "open" message: give it time */
+    relay_open(&c, "gone-relay", &w, &relay_call);
     Pd__ReserveRequest q = PD__RESERVE_REQUEST__INIT;
     q.request_id = "held-1";
     q.num_prompt_tokens = 20;
