@@ -46,19 +46,19 @@ typedef struct {
     int no_fused; /* --no-fused: the plain ops only */
 } bench_opts;
 
-/* A bf16 weight of (out, in) from host on b (the benchmarks' weights: shapes matter, not values).
- */
+/* A bf16 weight of (out, in), or a vector of in when out is 0, from host on b (the benchmarks'
+ * weights: shapes matter, not values). */
 static int load_bf16(pd_backend *b, const uint16_t *host, size_t out, size_t in, pd_weight **w)
 {
     pd_tensor t;
     memset(&t, 0, sizeof t);
     t.name = "bench.weight";
     t.dtype = PD_DTYPE_BF16;
-    t.ndim = 2;
-    t.shape[0] = (int64_t)out;
-    t.shape[1] = (int64_t)in;
+    t.ndim = out ? 2 : 1;
+    t.shape[0] = (int64_t)(out ? out : in);
+    if (out) t.shape[1] = (int64_t)in;
     t.data = host;
-    t.nbytes = out * in * 2;
+    t.nbytes = (out ? out : 1) * in * 2;
     return pd_backend_get_ops(b)->weight_load(b, &t, NULL, w);
 }
 
@@ -436,17 +436,7 @@ static int attn_norm_micro(pd_backend *b, const pd_model_config *c, int iters)
                        nb, ctx, nqh, kvh, D, us, 2.0 * nb * ctx * kvh * D * esz / us / 1e3);
         }
     pd_weight *w = NULL;
-    if (rc == 0) {
-        pd_tensor t;
-        memset(&t, 0, sizeof t);
-        t.name = "micro.norm";
-        t.dtype = PD_DTYPE_BF16;
-        t.ndim = 1;
-        t.shape[0] = (int64_t)H;
-        t.data = host;
-        t.nbytes = H * 2;
-        rc = o->weight_load(b, &t, NULL, &w);
-    }
+    if (rc == 0) rc = load_bf16(b, host, 0, H, &w);
     for (int ni = 0; ni < 2 && rc == 0; ni++) {
         size_t n = ni ? 64 : 1;
         norm_call a = {q, w, n, H, out};

@@ -49,6 +49,12 @@ def complete(base, payload):
     return json.loads(urllib.request.urlopen(req, timeout=600).read())
 
 
+def cache_summary(before, after):
+    """What the cluster did between two metric_sums reads, for a report line."""
+    return (f"KV moved {(after[0] - before[0]) / 1e6:.1f} MB, prefix cache hits "
+            f"{after[2] - before[2]:.0f} of {after[1] - before[1]:.0f} tokens")
+
+
 def measure(base, n_items, run_one, name, concurrency, stats_wait):
     """Runs run_one(i) for i < n_items on `concurrency` threads between two reads of
     metric_sums, each after stats_wait seconds (the instances' Stats reach the scheduler by their
@@ -114,8 +120,7 @@ def main():
     print(f"requests {a.requests} ({len(errors)} failed), {a.concurrency} in flight, n {a.n}, "
           f"prompt {a.prompt_len}, max_tokens {a.max_tokens}: wall {wall:.2f} s, "
           f"{len(lat) * a.n * a.max_tokens / wall:.1f} output tok/s, latency median {med:.0f} ms, "
-          f"max {top:.0f} ms, KV moved {(m1[0] - m0[0]) / 1e6:.1f} MB, prefix cache hits "
-          f"{m1[2] - m0[2]:.0f} of {m1[1] - m0[1]:.0f} tokens")
+          f"max {top:.0f} ms, {cache_summary(m0, m1)}")
     return 1 if errors else 0
 
 

@@ -14,7 +14,7 @@ import argparse
 import random
 import time
 
-from bench_n import common_args, complete, measure, random_ids
+from bench_n import cache_summary, common_args, complete, measure, random_ids
 
 
 def main():
@@ -60,8 +60,7 @@ def main():
           f"{a.concurrency} in flight, first prompt {a.first_len}, +{a.turn_len} per turn, answers "
           f"{a.answer_len}: wall {wall:.2f} s, "
           f"{a.conversations * a.turns * a.answer_len / wall:.1f} output tok/s, later turns' "
-          f"latency median {med:.0f} ms, KV moved {(m1[0] - m0[0]) / 1e6:.1f} MB, prefix cache "
-          f"hits {m1[2] - m0[2]:.0f} of {m1[1] - m0[1]:.0f} tokens")
+          f"latency median {med:.0f} ms, {cache_summary(m0, m1)}")
     return 1 if errors else 0
 
 
