@@ -158,14 +158,12 @@ template <typename T> __device__ __forceinline__ float act_round(float v)
 // one head: slots s < P are dims c * P + s of the head, slots P + s the dims half further; each
 // row is computed and rounded as in a plain launch, then the pair goes through rope_pair as in
 // the rotary kernels: the result equals a GEMV launch and a rope_kv_write launch bit for bit.
-// The norm a launch applies to x (NORM): add, x_out, w (in) f32, eps; the vector RMSNorm
-// kernel's shape for `in` (norm_vec_shape).
+// The norm a launch applies to x (NORM): add, x_out, w (in) f32, eps.
 template <typename TX> struct gemv_norm {
     const TX *add;
     TX *x_out;
     const float *w;
     float eps;
-    int threads, r;
 };
 
 // NORM, after the wait: xs (N, in), in shared memory, = the normed rows as rmsnorm_vec_kernel
@@ -179,7 +177,9 @@ __device__ void gemv_norm_rows(const TX *x, const gemv_norm<TX> &nm, size_t in, 
     __shared__ float wsum[N][32];
     __shared__ float scale[N];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-    const int nch = (int)(in / EPC), vwarps = nm.threads / 32;
+    int threads, nr; // the vector kernel's shape for these rows
+    norm_vec_shape(in / EPC, &threads, &nr);
+    const int nch = (int)(in / EPC), vwarps = threads / 32;
     norm_chunk<TX> *xc = (norm_chunk<TX> *)xs; // the sums, normed in place below
     for (int r = 0; r < N; r++) {
         const norm_chunk<TX> *xr = (const norm_chunk<TX> *)(x + (size_t)r * in);
@@ -188,8 +188,8 @@ __device__ void gemv_norm_rows(const TX *x, const gemv_norm<TX> &nm, size_t in, 
         for (int vw = warp; vw < vwarps; vw += nw) {
             const int t = vw * 32 + lane;
             float ss = 0.0f;
-            for (int k = 0; k < nm.r; k++) {
-                const int c = t + k * nm.threads;
+            for (int k = 0; k < nr; k++) {
+                const int c = t + k * threads;
                 if (c >= nch) continue;
                 norm_chunk<TX> v = xr[c];
                 if (nm.add) {
@@ -550,7 +550,6 @@ static void gemv_launch(cudaStream_t s, const TX *x, size_t n, int nm, const voi
             gn.x_out = (TX *)norm->x_out;
             gn.w = norm->w;
             gn.eps = norm->eps;
-            norm_vec_shape(in / norm_chunk<TX>::EPC, &gn.threads, &gn.r);
             gemv_launch_n<TW, TX, MODE, true>(s, g, th, n, x, M, in, S, per, gn);
             return;
         }
