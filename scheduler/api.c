@@ -132,7 +132,7 @@ typedef struct {
         has_truncate, has_priority, has_seed, has_logprobs;
     double temperature, top_p, min_p, presence, frequency, repetition;
     bool has_temperature, has_top_p, has_min_p, has_presence, has_frequency, has_repetition;
-    const json_t *logit_bias, *stream_options;
+    const json_t *logit_bias, *stream_options, *stop_ids_json;
     bool stream, echo, include_stop, ignore_eos, skip_special, use_beam_search, add_special;
     bool has_add_special, tokens_as_ids;
     const char **stop;
@@ -204,6 +204,7 @@ static int read_common(const json_t *o, pd_api_kind kind, pd_arena *a, common_fi
     }
     if ((rc = f_int_array(o, "stop_token_ids", a, &f->stop_ids, &f->n_stop_ids, &dummy)) < 0)
         return rc;
+    f->stop_ids_json = json_object_get(o, "stop_token_ids");
     if ((rc = f_int_array(o, "allowed_token_ids", a, &f->allowed, &f->n_allowed, &f->has_allowed)) <
         0)
         return rc;
@@ -236,6 +237,8 @@ static int read_common(const json_t *o, pd_api_kind kind, pd_arena *a, common_fi
     double lp;
     if ((rc = f_num(o, "length_penalty", &lp)) < 0) return rc;
     if (kind == PD_API_COMPLETIONS) RD(f_int(o, "logprobs", &f->logprobs), f->has_logprobs);
+    const json_t *rf;
+    if ((rc = f_obj(o, "response_format", &rf)) < 0) return rc;
 #undef RD
     /* logit_bias values are numbers */
     if (f->logit_bias) {
@@ -254,8 +257,8 @@ static int read_common(const json_t *o, pd_api_kind kind, pd_arena *a, common_fi
 }
 
 /* §8.1 in table order. */
-static int check_shared(const pd_api_limits *lim, const common_fields *f, pd_arena *a,
-                        pd_sampling_params *sp)
+static int check_shared(const pd_api_limits *lim, pd_api_kind kind, const common_fields *f,
+                        pd_arena *a, pd_sampling_params *sp)
 {
     char b1[32];
     int64_t n = f->has_n ? f->n : 1;
@@ -283,16 +286,20 @@ static int check_shared(const pd_api_limits *lim, const common_fields *f, pd_are
         return bad("top_k must be 0 (disable), or at least 1, got %lld.", (long long)f->top_k);
     if (f->has_min_p && !(f->min_p >= 0 && f->min_p <= 1))
         return bad("min_p must be in [0, 1], got %s.", fmt_d(f->min_p, b1));
-    if (f->has_max_tokens && f->max_tokens < 1 && !(f->max_tokens == 0 && f->echo))
+    if (f->has_max_tokens && f->max_tokens < 1 &&
+        !(f->max_tokens == 0 && f->echo && kind == PD_API_COMPLETIONS))
         return bad("max_tokens must be at least 1, got %lld.", (long long)f->max_tokens);
     if (f->has_min_tokens && f->min_tokens < 0)
         return bad("min_tokens must be greater than or equal to 0, got %lld.",
                    (long long)f->min_tokens);
     for (int32_t i = 0; i < f->n_stop; i++)
         if (!f->stop[i][0]) return bad("stop cannot contain an empty string.");
-    for (int32_t i = 0; i < f->n_stop_ids; i++)
-        if (f->stop_ids[i] < 0 || f->stop_ids[i] >= lim->vocab)
-            return bad("Token id %d in stop_token_ids is out of vocabulary.", f->stop_ids[i]);
+    for (int32_t i = 0; i < f->n_stop_ids; i++) {
+        int64_t id = 0; /* as written: stop_ids holds it clamped to int32 */
+        as_int(json_array_get(f->stop_ids_json, (size_t)i), &id);
+        if (id < 0 || id >= lim->vocab)
+            return bad("Token id %lld in stop_token_ids is out of vocabulary.", (long long)id);
+    }
     pd_logit_bias *lb = NULL;
     int32_t n_lb = 0;
     if (f->logit_bias) {
@@ -327,8 +334,14 @@ static int check_shared(const pd_api_limits *lim, const common_fields *f, pd_are
         {
             long long id = strtoll(k2, NULL, 10);
             if (id >= 0 && id < lim->vocab) continue;
+            /* the key as an integer, also past int64: sign (not for 0), digits without leading
+               zeros */
+            const char *d = k2 + (*k2 == '-' || *k2 == '+');
+            while (d[0] == '0' && d[1]) d++;
+            bool neg = *k2 == '-' && *d != '0';
             if (at < sizeof ids - 32)
-                at += (size_t)snprintf(ids + at, sizeof ids - at, "%s%lld", n_bad ? ", " : "", id);
+                at += (size_t)snprintf(ids + at, sizeof ids - at, "%s%s%.40s", n_bad ? ", " : "",
+                                       neg ? "-" : "", d);
             n_bad++;
         }
         if (n_bad)
@@ -354,8 +367,15 @@ static int check_shared(const pd_api_limits *lim, const common_fields *f, pd_are
     if (f->has_priority && f->priority != 0)
         return bad("Got priority %lld but Priority scheduling is not enabled.",
                    (long long)f->priority);
-    if (f->stream_options && json_object_size(f->stream_options) > 0 && !f->stream)
-        return bad("Stream options can only be defined when `stream=True`.");
+    if (f->stream_options && !f->stream) { /* members that are null count as absent */
+        const char *k;
+        json_t *v;
+        json_object_foreach((json_t *)f->stream_options, k, v)
+        {
+            if (!json_is_null(v))
+                return bad("Stream options can only be defined when `stream=True`.");
+        }
+    }
 
     /* the sampling parameters the engine gets */
     *sp = lim->defaults;
@@ -477,12 +497,6 @@ static int parse_completions(const pd_api_limits *lim, const json_t *o, pd_arena
     /* prompt shape (a type check: done before the model and the rules by the caller order) */
     const json_t *prompt = json_object_get(o, "prompt");
     int rc;
-    if (f->has_logprobs) {
-        if (f->logprobs < 0) return bad("`logprobs` must be a positive value.");
-        if (f->logprobs > lim->max_logprobs)
-            return bad("Requested sample logprobs of %lld, which is greater than max allowed: %d",
-                       (long long)f->logprobs, lim->max_logprobs);
-    }
     const json_t *pe = json_object_get(o, "prompt_embeds");
     if ((!prompt || json_is_null(prompt)) && (!pe || json_is_null(pe)))
         return bad("At least one of `prompt` or `prompt_embeds` must be set.");
@@ -492,19 +506,20 @@ static int parse_completions(const pd_api_limits *lim, const json_t *o, pd_arena
     if (json_is_array(prompt)) {
         for (size_t i = 0; i < json_array_size(prompt); i++) {
             const json_t *e = json_array_get(prompt, i);
-            if (json_is_array(e)) {
-                for (size_t j = 0; j < json_array_size(e); j++) {
-                    int64_t id = json_integer_value(json_array_get(e, j));
-                    if (id < 0 || id >= lim->vocab)
-                        return bad("Token id %lld is out of vocabulary", (long long)id);
-                }
-            } else if (!json_is_string(e)) {
-                int64_t id;
-                as_int(e, &id);
+            size_t n = json_is_array(e) ? json_array_size(e) : json_is_string(e) ? 0 : 1;
+            for (size_t j = 0; j < n; j++) {
+                int64_t id = 0; /* integers, or numbers with a zero fraction (type-checked) */
+                as_int(json_is_array(e) ? json_array_get(e, j) : e, &id);
                 if (id < 0 || id >= lim->vocab)
                     return bad("Token id %lld is out of vocabulary", (long long)id);
             }
         }
+    }
+    if (f->has_logprobs) {
+        if (f->logprobs < 0) return bad("`logprobs` must be a positive value.");
+        if (f->logprobs > lim->max_logprobs)
+            return bad("Requested sample logprobs of %lld, which is greater than max allowed: %d",
+                       (long long)f->logprobs, lim->max_logprobs);
     }
     const json_t *suffix = json_object_get(o, "suffix");
     if (suffix && !json_is_null(suffix)) return bad("suffix is not currently supported");
@@ -606,17 +621,18 @@ static int read_chat(const json_t *o, chat_fields *c)
     if ((rc = f_arr(o, "tools", &c->tools)) < 0) return rc;
     const json_t *tc = json_object_get(o, "tool_choice");
     if (tc && !json_is_null(tc)) c->tool_choice = tc;
-    const json_t *rf;
-    if ((rc = f_obj(o, "response_format", &rf)) < 0) return rc;
     return 0;
 }
 
 static int parse_chat(const pd_api_limits *lim, const json_t *o, pd_arena *a,
-                      const common_fields *f, const chat_fields *c, const json_t *messages,
+                      const common_fields *f, const chat_fields *c, json_t **msgs,
                       pd_api_request *r)
 {
     int rc;
-    /* §8.3 in table order (messages and their parts were checked by normalization) */
+    /* §8.3 in table order: messages (their types were checked with the other fields'), ... */
+    if ((rc = pd_chat_normalize_messages(json_object_get(o, "messages"), "messages", msgs)) < 0)
+        return rc == PD_ENOMEM ? rc : PD_EINVAL;
+    const json_t *messages = *msgs;
     if (c->has_top_logprobs) {
         if (c->top_logprobs < 0) return bad("`top_logprobs` must be a positive value.");
         if (c->top_logprobs > 0 && !c->logprobs)
@@ -763,7 +779,7 @@ static int parse_generate(const pd_api_limits *lim, const json_t *o, pd_arena *a
     pd_api_limits fixed = *lim;
     fixed.defaults = pd_sampling_default_params();
     fixed.max_new_tokens = -1;
-    if ((rc = check_shared(&fixed, &f, a, &r->sp)) < 0) return rc;
+    if ((rc = check_shared(&fixed, PD_API_GENERATE, &f, a, &r->sp)) < 0) return rc;
     r->stream = f.stream;
     r->truncate = f.has_truncate ? f.truncate : -1;
     r->add_special_tokens = true;
@@ -819,11 +835,8 @@ int pd_api_parse(const pd_api_limits *lim, pd_api_kind kind, const char *body, s
             goto done;
         }
     } else {
-        if ((rc = pd_chat_normalize_messages(json_object_get(o, "messages"), "messages",
-                                             &messages)) < 0) {
-            if (rc != PD_ENOMEM) rc = PD_EINVAL;
+        if ((rc = pd_chat_check_message_types(json_object_get(o, "messages"), "messages")) < 0)
             goto done;
-        }
         if ((rc = read_chat(o, &c)) < 0) goto done;
     }
     if ((rc = read_common(o, kind, a, &f)) < 0) goto done;
@@ -839,7 +852,7 @@ int pd_api_parse(const pd_api_limits *lim, pd_api_kind kind, const char *body, s
         }
     }
     /* §8.1 */
-    if ((rc = check_shared(lim, &f, a, &out->sp)) < 0) goto done;
+    if ((rc = check_shared(lim, kind, &f, a, &out->sp)) < 0) goto done;
     out->stream = f.stream;
     out->include_usage = f.stream_options ? f.include_usage : false;
     out->continuous_usage = f.stream_options && f.include_usage && f.continuous_usage;
@@ -853,7 +866,7 @@ int pd_api_parse(const pd_api_limits *lim, pd_api_kind kind, const char *body, s
     } else {
         out->add_special_tokens = f.has_add_special ? f.add_special : false;
         out->max_tokens = f.has_max_tokens ? f.max_tokens : -1;
-        rc = parse_chat(lim, o, a, &f, &c, messages, out);
+        rc = parse_chat(lim, o, a, &f, &c, &messages, out);
     }
     if (rc < 0) goto done;
     /* §8.5, then min_tokens */

@@ -2294,39 +2294,85 @@ static void handle_metrics(pd_sched *s, pd_http_exchange *ex)
     free(text);
 }
 
+/* The routes (api_contract.md §1). */
+static const struct {
+    const char *path, *method;
+    int mode; /* 0 always, 1 openai, 2 legacy */
+    bool auth, generation;
+} ROUTES[] = {
+    {"/health", "GET", 0, false, false},        {"/metrics", "GET", 0, false, false},
+    {"/version", "GET", 0, false, false},       {"/v1/models", "GET", 1, true, false},
+    {"/v1/completions", "POST", 1, true, true}, {"/v1/chat/completions", "POST", 1, true, true},
+    {"/generate", "POST", 2, true, true},
+};
+
+/* The first steps of §2: route and method (404/405), then the API key (401). Returns 0 with the
+ * ROUTES index in *hit when they pass, else the status, with its message and header lines in
+ * extra (cap bytes); a 401 to a generation request carries an X-Request-Id of its own, as every
+ * answer to one does (§1), and is logged under it. */
+static int gate(pd_sched *s, const pd_http_exchange *ex, int *hit, const char **msg, char *extra,
+                size_t cap)
+{
+    const char *path = pd_http_path(ex), *method = pd_http_method(ex);
+    *hit = -1;
+    for (size_t i = 0; i < sizeof ROUTES / sizeof *ROUTES; i++) {
+        if (strcmp(path, ROUTES[i].path) != 0) continue;
+        if (ROUTES[i].mode == 1 && !s->p.use_openai) continue;
+        if (ROUTES[i].mode == 2 && s->p.use_openai) continue;
+        *hit = (int)i;
+    }
+    if (*hit < 0) {
+        *msg = "Not Found";
+        return 404;
+    }
+    if (strcmp(method, ROUTES[*hit].method) != 0) {
+        *msg = "Method Not Allowed";
+        snprintf(extra, cap, "Allow: %s\r\n", ROUTES[*hit].method);
+        return 405;
+    }
+    if (ROUTES[*hit].auth && !key_ok(s, pd_http_header(ex, "Authorization"))) {
+        *msg = "Unauthorized";
+        char id[33] = "";
+        if (ROUTES[*hit].generation) {
+            hex32(s, id);
+            PD_INFO(id, "%s %s: 401 (API key missing or wrong)", method, path);
+        }
+        snprintf(extra, cap, "WWW-Authenticate: Bearer\r\n%s%s%s", *id ? "X-Request-Id: " : "", id,
+                 *id ? "\r\n" : "");
+        return 401;
+    }
+    return 0;
+}
+
+/* A body over --max-request-body-bytes: the 413 comes after route, method and key (§2). */
+static int on_too_large(void *ctx, const pd_http_exchange *ex, char *message, size_t msg_cap,
+                        char *extra, size_t extra_cap)
+{
+    int hit;
+    const char *msg;
+    int status = gate(ctx, ex, &hit, &msg, extra, extra_cap);
+    if (status) {
+        snprintf(message, msg_cap, "%s", msg);
+        return status;
+    }
+    if (ROUTES[hit].generation) {
+        char id[33];
+        hex32(ctx, id);
+        PD_INFO(id, "%s %s: 413 (%s)", pd_http_method(ex), pd_http_path(ex), message);
+        snprintf(extra, extra_cap, "X-Request-Id: %s\r\n", id);
+    }
+    return 413;
+}
+
 static void on_http(void *ctx, pd_http_exchange *ex)
 {
     pd_sched *s = ctx;
-    const char *path = pd_http_path(ex), *method = pd_http_method(ex);
-    static const struct {
-        const char *path, *method;
-        int mode; /* 0 always, 1 openai, 2 legacy */
-        bool auth;
-    } routes[] = {
-        {"/health", "GET", 0, false},         {"/metrics", "GET", 0, false},
-        {"/version", "GET", 0, false},        {"/v1/models", "GET", 1, true},
-        {"/v1/completions", "POST", 1, true}, {"/v1/chat/completions", "POST", 1, true},
-        {"/generate", "POST", 2, true},
-    };
-    int hit = -1;
-    for (size_t i = 0; i < sizeof routes / sizeof *routes; i++) {
-        if (strcmp(path, routes[i].path) != 0) continue;
-        if (routes[i].mode == 1 && !s->p.use_openai) continue;
-        if (routes[i].mode == 2 && s->p.use_openai) continue;
-        hit = (int)i;
-    }
-    if (hit < 0) {
-        pd_http_respond_error(ex, 404, "Not Found", NULL);
-        return;
-    }
-    if (strcmp(method, routes[hit].method) != 0) {
-        char allow[64];
-        snprintf(allow, sizeof allow, "Allow: %s\r\n", routes[hit].method);
-        pd_http_respond_error(ex, 405, "Method Not Allowed", allow);
-        return;
-    }
-    if (routes[hit].auth && !key_ok(s, pd_http_header(ex, "Authorization"))) {
-        pd_http_respond_error(ex, 401, "Unauthorized", "WWW-Authenticate: Bearer\r\n");
+    int hit;
+    const char *msg;
+    char extra[160] = "";
+    int status = gate(s, ex, &hit, &msg, extra, sizeof extra);
+    if (status) {
+        pd_http_respond_error(ex, status, msg, extra);
         return;
     }
     switch (hit) {
@@ -2554,7 +2600,8 @@ static int load_model(pd_sched *s)
     l->max_logprobs = p->max_logprobs;
     l->defaults = p->generation_config_vllm ? pd_sampling_default_params()
                                             : pd_sampling_model_params(&s->gen);
-    l->max_new_tokens = s->gen.has_max_new_tokens ? s->gen.max_new_tokens : -1;
+    l->max_new_tokens = // a row of the table --generation-config vllm skips (contract §7.1)
+        !p->generation_config_vllm && s->gen.has_max_new_tokens ? s->gen.max_new_tokens : -1;
     l->response_role = p->response_role;
     l->tok = s->tok;
     l->chat_template = s->tmpl;
@@ -2617,6 +2664,7 @@ int pd_sched_create(const pd_sched_params *p, pd_sched **out)
     hp.header_timeout_ms = (int)(p->header_timeout_s * 1000 + 0.5);
     hp.body_timeout_ms = (int)(p->body_timeout_s * 1000 + 0.5);
     PD_CHECK_GOTO(pd_http_server_start(&s->loop, &hp, on_http, s, &s->http), rc, fail);
+    pd_http_server_on_too_large(s->http, on_too_large);
     s->port = pd_http_server_port(s->http);
     PD_CHECK_GOTO(pd_reg_start(s->reg, p->heartbeat_ms, p->heartbeat_ms, on_instance_change, s), rc,
                   fail);

@@ -63,6 +63,7 @@ struct pd_http_server {
     int handles_open; /* listener + connections not yet freed */
     void (*on_stopped)(void *);
     void *stopped_arg;
+    pd_http_too_large_fn too_large; /* NULL: a body over the limit gets the 413 as it is */
 };
 
 /* What a parser tells its owner (a connection, or pd_http_parse_buffer). */
@@ -259,14 +260,15 @@ static size_t format_head(char *buf, size_t cap, int status, const char *content
 }
 
 /* An error response the server produces by itself (no exchange): always closes. */
-static void conn_fail(conn *c, int status, const char *message)
+static void conn_fail(conn *c, int status, const char *message, const char *extra_headers)
 {
     if (c->closing || c->close_after_write) return;
-    char body[512], head[512];
+    char body[512], head[1024];
     int bl = snprintf(body, sizeof body,
                       "{\"error\":{\"message\":\"%s\",\"type\":\"%s\",\"param\":null,\"code\":%d}}",
                       message, pd_http_error_type(status), status);
-    size_t hl = format_head(head, sizeof head, status, "application/json", bl, false, true, NULL);
+    size_t hl =
+        format_head(head, sizeof head, status, "application/json", bl, false, true, extra_headers);
     const void *parts[2] = {head, body};
     size_t lens[2] = {hl, (size_t)bl};
     if (c->reading) {
@@ -290,7 +292,7 @@ static void on_timer(uv_timer_t *t)
         if (c->write_pending == 0) conn_close(c);
     } else if (k == T_HEADER || k == T_BODY) {
         PD_DEBUG(NULL, "http: %s timeout, closing connection", k == T_HEADER ? "header" : "body");
-        conn_fail(c, 408, "Request timed out.");
+        conn_fail(c, 408, "Request timed out.", NULL);
     }
 }
 
@@ -506,9 +508,9 @@ static void exchange_free(pd_http_exchange *ex)
     free(ex);
 }
 
-/* The complete request as an exchange with everything copied into its arena; NULL when out of
- * memory. ex->c is left NULL for the owner to set. */
-static pd_http_exchange *exchange_build(const http_parse *ps)
+/* The complete request as an exchange with everything copied into its arena (the body only
+ * when with_body); NULL when out of memory. ex->c is left NULL for the owner to set. */
+static pd_http_exchange *exchange_build(const http_parse *ps, bool with_body)
 {
     pd_http_exchange *ex = calloc(1, sizeof *ex);
     pd_arena *a = pd_arena_create(4096);
@@ -529,8 +531,8 @@ static pd_http_exchange *exchange_build(const http_parse *ps)
     ex->n_headers = ps->n_hdrs;
     ex->hnames = pd_arena_calloc(a, ps->n_hdrs + 1, sizeof(char *));
     ex->hvalues = pd_arena_calloc(a, ps->n_hdrs + 1, sizeof(char *));
-    ex->body = ps->body_len ? pd_arena_strndup(a, ps->body, ps->body_len) : "";
-    ex->body_len = ps->body_len;
+    ex->body = with_body && ps->body_len ? pd_arena_strndup(a, ps->body, ps->body_len) : "";
+    ex->body_len = with_body ? ps->body_len : 0;
     if (!ex->path || !ex->query || !ex->hnames || !ex->hvalues || !ex->body) {
         exchange_free(ex);
         return NULL;
@@ -550,7 +552,7 @@ static int on_message_complete(llhttp_t *p)
 {
     http_parse *ps = p->data;
     ps->in_message = false;
-    pd_http_exchange *ex = exchange_build(ps);
+    pd_http_exchange *ex = exchange_build(ps, true);
     if (!ex) return -1;
     ps->hooks->request(ps->owner, ex);
     return HPE_PAUSED;
@@ -666,12 +668,19 @@ static void conn_process(conn *c)
             c->in_len -= used;
             if (!c->ex) llhttp_resume(&c->ps.llp); /* answered synchronously */
         } else {
-            char msg[160];
+            char msg[160], extra[256] = "";
             int status = parse_error(&c->ps, msg, sizeof msg);
+            pd_http_exchange *hx = status == 413 && c->srv->too_large
+                                       ? exchange_build(&c->ps, false) /* line and headers */
+                                       : NULL;
+            if (hx) {
+                status = c->srv->too_large(c->srv->ctx, hx, msg, sizeof msg, extra, sizeof extra);
+                exchange_free(hx);
+            }
             PD_DEBUG(NULL, "http: %d: %s (%s)", status, msg,
                      llhttp_errno_name(llhttp_get_errno(&c->ps.llp)));
             c->in_len = 0;
-            conn_fail(c, status, msg);
+            conn_fail(c, status, msg, extra);
             return;
         }
     }
@@ -1012,6 +1021,11 @@ int pd_http_server_start(uv_loop_t *loop, const pd_http_params *params, pd_http_
     }
     *out = s;
     return PD_OK;
+}
+
+void pd_http_server_on_too_large(pd_http_server *s, pd_http_too_large_fn fn)
+{
+    s->too_large = fn;
 }
 
 int pd_http_server_port(const pd_http_server *s)

@@ -55,6 +55,15 @@ typedef void (*pd_http_handler)(void *ctx, pd_http_exchange *ex);
 int pd_http_server_start(uv_loop_t *loop, const pd_http_params *params, pd_http_handler handler,
                          void *ctx, pd_http_server **out);
 int pd_http_server_port(const pd_http_server *s);
+/* What the handler's owner answers instead of the server's own 413 (a body over
+ * max_body_bytes), for an API whose processing order puts other checks first (route, method,
+ * key). Called on the loop thread with the request's line and headers (no body) and ctx, the
+ * handler's; returns the status to answer: 413 to keep it, or another (404, 405, 401). It may
+ * rewrite message (msg_cap bytes, the error body's message) and add header lines to extra
+ * ("Name: value\r\n", extra_cap bytes, empty on entry). Either answer closes the connection. */
+typedef int (*pd_http_too_large_fn)(void *ctx, const pd_http_exchange *ex, char *message,
+                                    size_t msg_cap, char *extra, size_t extra_cap);
+void pd_http_server_on_too_large(pd_http_server *s, pd_http_too_large_fn fn);
 /* Open connections (for metrics and tests). */
 int pd_http_server_connections(const pd_http_server *s);
 /* Stops listening and closes every connection (in-flight exchanges get their abort callback and

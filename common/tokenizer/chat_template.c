@@ -62,160 +62,177 @@ int pd_chat_render(const pd_chat_template *t, const json_t *vars, char **out, si
 
 /* ---- §13.3 normalization --------------------------------------------------------------- */
 
-static int content_string(const json_t *content, const char *path, size_t i, json_t **out)
+/* The `tool_calls` of message m when it is an assistant's and has them, else NULL. */
+static const json_t *assistant_calls(const json_t *m)
 {
-    if (!content || json_is_null(content)) {
-        *out = json_string("");
-    } else if (json_is_string(content)) {
-        *out = json_incref((json_t *)content);
-        return 0;
-    } else if (json_is_array(content)) {
-        size_t total = 0, n = json_array_size(content);
-        for (size_t j = 0; j < n; j++) {
+    const char *role = json_string_value(json_object_get(m, "role"));
+    const json_t *calls = json_object_get(m, "tool_calls");
+    return role && strcmp(role, "assistant") == 0 && calls && !json_is_null(calls) ? calls : NULL;
+}
+
+static int message_types(const json_t *m, const char *path, size_t i)
+{
+    if (!json_is_object(m))
+        return pd_error(PD_EINVAL, "The field `%s[%zu]` must be an object.", path, i);
+    const json_t *content = json_object_get(m, "content");
+    if (json_is_array(content)) {
+        for (size_t j = 0; j < json_array_size(content); j++) {
             const json_t *part = json_array_get(content, j);
-            const char *type = NULL;
-            if (!json_is_object(part) || !json_is_string(json_object_get(part, "type")))
+            const char *type = json_string_value(json_object_get(part, "type"));
+            if (!json_is_object(part) || !type)
                 return pd_error(PD_EINVAL,
                                 "The field `%s[%zu].content[%zu].type` must be a string.", path, i,
                                 j);
-            type = json_string_value(json_object_get(part, "type"));
-            if (strcmp(type, "text") != 0)
-                return pd_error(PD_EINVAL, "Content part type '%s' is not supported by this model.",
-                                type);
-            const json_t *text = json_object_get(part, "text");
-            if (!json_is_string(text))
+            if (strcmp(type, "text") == 0 && !json_is_string(json_object_get(part, "text")))
                 return pd_error(PD_EINVAL,
                                 "The field `%s[%zu].content[%zu].text` must be a string.", path, i,
                                 j);
-            total += json_string_length(text) + 1;
         }
-        char *buf = malloc(total + 1);
-        if (!buf) return pd_error(PD_ENOMEM, "out of memory");
-        size_t o = 0;
-        for (size_t j = 0; j < n; j++) {
-            const json_t *text = json_object_get(json_array_get(content, j), "text");
-            if (j) buf[o++] = '\n';
-            memcpy(buf + o, json_string_value(text), json_string_length(text));
-            o += json_string_length(text);
-        }
-        *out = json_stringn_nocheck(buf, o);
-        free(buf);
-    } else {
+    } else if (content && !json_is_null(content) && !json_is_string(content)) {
         return pd_error(PD_EINVAL,
-                        "The field `%s[%zu].content` must be a string or an array of content "
-                        "parts.",
+                        "The field `%s[%zu].content` must be a string, an array of content "
+                        "parts, or null.",
                         path, i);
     }
-    return *out ? 0 : pd_error(PD_ENOMEM, "out of memory");
-}
-
-static int normalize_tool_calls(const json_t *calls, const char *path, size_t i, json_t **out)
-{
-    json_t *arr = json_array();
-    if (!arr) return pd_error(PD_ENOMEM, "out of memory");
-    for (size_t j = 0; j < json_array_size(calls); j++) {
-        const json_t *call = json_array_get(calls, j);
-        if (!json_is_object(call)) {
-            json_decref(arr);
+    const json_t *calls = assistant_calls(m);
+    if (calls && !json_is_array(calls))
+        return pd_error(PD_EINVAL, "The field `%s[%zu].tool_calls` must be an array.", path, i);
+    for (size_t j = 0; calls && j < json_array_size(calls); j++)
+        if (!json_is_object(json_array_get(calls, j)))
             return pd_error(PD_EINVAL, "The field `%s[%zu].tool_calls[%zu]` must be an object.",
                             path, i, j);
-        }
-        json_t *copy = json_copy((json_t *)call);
-        const json_t *fn = json_object_get(call, "function");
-        if (copy && json_is_object(fn)) {
-            json_t *fcopy = json_copy((json_t *)fn);
-            const json_t *args = json_object_get(fn, "arguments");
-            if (fcopy && args) {
-                if (!json_is_string(args)) {
-                    json_decref(fcopy);
-                    json_decref(copy);
-                    json_decref(arr);
-                    return pd_error(PD_EINVAL,
-                                    "The field `%s[%zu].tool_calls[%zu].function.arguments` must "
-                                    "be a JSON-encoded string.",
-                                    path, i, j);
-                }
-                json_error_t err;
-                json_t *parsed = json_loadb(json_string_value(args), json_string_length(args),
-                                            JSON_DECODE_ANY, &err);
-                if (!parsed) {
-                    json_decref(fcopy);
-                    json_decref(copy);
-                    json_decref(arr);
-                    return pd_error(PD_EINVAL,
-                                    "The field `%s[%zu].tool_calls[%zu].function.arguments` must "
-                                    "be a JSON-encoded string.",
-                                    path, i, j);
-                }
-                json_object_set_new(fcopy, "arguments", parsed);
-            }
-            if (fcopy)
-                json_object_set_new(copy, "function", fcopy);
-            else {
-                json_decref(copy);
-                copy = NULL;
-            }
-        }
-        if (!copy || json_array_append_new(arr, copy) < 0) {
-            json_decref(arr);
-            return pd_error(PD_ENOMEM, "out of memory");
+    return 0;
+}
+
+int pd_chat_check_message_types(const json_t *request, const char *path)
+{
+    if (!path) path = "messages";
+    for (size_t i = 0; json_is_array(request) && i < json_array_size(request); i++)
+        PD_CHECK(message_types(json_array_get(request, i), path, i));
+    return 0;
+}
+
+/* The §8.3 rules on messages whose types are right, in table order: a non-empty array, every
+ * role a string, text parts only, tool-call arguments that are JSON strings. */
+static int message_rules(const json_t *request, const char *path)
+{
+    size_t n = json_array_size(request);
+    if (!json_is_array(request) || n == 0)
+        return pd_error(PD_EINVAL, "The field `%s` must be a non-empty array.", path);
+    for (size_t i = 0; i < n; i++)
+        if (!json_is_string(json_object_get(json_array_get(request, i), "role")))
+            return pd_error(PD_EINVAL, "The field `%s[%zu].role` must be a string.", path, i);
+    for (size_t i = 0; i < n; i++) {
+        const json_t *content = json_object_get(json_array_get(request, i), "content");
+        for (size_t j = 0; json_is_array(content) && j < json_array_size(content); j++) {
+            const char *type =
+                json_string_value(json_object_get(json_array_get(content, j), "type"));
+            if (strcmp(type, "text") != 0)
+                return pd_error(PD_EINVAL, "Content part type '%s' is not supported by this model.",
+                                type);
         }
     }
-    *out = arr;
+    for (size_t i = 0; i < n; i++) {
+        const json_t *calls = assistant_calls(json_array_get(request, i));
+        for (size_t j = 0; calls && j < json_array_size(calls); j++) {
+            const json_t *fn = json_object_get(json_array_get(calls, j), "function");
+            const json_t *args = json_is_object(fn) ? json_object_get(fn, "arguments") : NULL;
+            json_t *parsed = json_is_string(args)
+                                 ? json_loadb(json_string_value(args), json_string_length(args),
+                                              JSON_DECODE_ANY, NULL)
+                                 : NULL;
+            json_decref(parsed);
+            if (args && !parsed)
+                return pd_error(PD_EINVAL,
+                                "The field `%s[%zu].tool_calls[%zu].function.arguments` must be a "
+                                "JSON-encoded string.",
+                                path, i, j);
+        }
+    }
     return 0;
+}
+
+/* A checked message's content as one string: null -> "", text parts joined by "\n". */
+static json_t *content_string(const json_t *content)
+{
+    if (!content || json_is_null(content)) return json_string("");
+    if (json_is_string(content)) return json_incref((json_t *)content);
+    size_t total = 0, n = json_array_size(content);
+    for (size_t j = 0; j < n; j++)
+        total += json_string_length(json_object_get(json_array_get(content, j), "text")) + 1;
+    char *buf = malloc(total + 1);
+    if (!buf) return NULL;
+    size_t o = 0;
+    for (size_t j = 0; j < n; j++) {
+        const json_t *text = json_object_get(json_array_get(content, j), "text");
+        if (j) buf[o++] = '\n';
+        memcpy(buf + o, json_string_value(text), json_string_length(text));
+        o += json_string_length(text);
+    }
+    json_t *s = json_stringn_nocheck(buf, o);
+    free(buf);
+    return s;
+}
+
+/* Checked tool calls with each function's arguments parsed; NULL when out of memory. */
+static json_t *parsed_tool_calls(const json_t *calls)
+{
+    json_t *arr = json_array();
+    for (size_t j = 0; arr && j < json_array_size(calls); j++) {
+        json_t *copy = json_copy(json_array_get(calls, j));
+        const json_t *fn = json_object_get(copy, "function");
+        const json_t *args = json_is_object(fn) ? json_object_get(fn, "arguments") : NULL;
+        json_t *fcopy = args ? json_copy((json_t *)fn) : NULL;
+        json_t *parsed = fcopy ? json_loadb(json_string_value(args), json_string_length(args),
+                                            JSON_DECODE_ANY, NULL)
+                               : NULL;
+        bool ok = copy && (!args || (parsed && fcopy &&
+                                     json_object_set_new(fcopy, "arguments", parsed) == 0 &&
+                                     json_object_set_new(copy, "function", fcopy) == 0));
+        if (!ok || json_array_append_new(arr, copy) < 0) {
+            if (!ok && args && !(parsed && fcopy)) {
+                json_decref(parsed);
+                json_decref(fcopy);
+            }
+            json_decref(copy);
+            json_decref(arr);
+            return NULL;
+        }
+    }
+    return arr;
 }
 
 int pd_chat_normalize_messages(const json_t *request, const char *path, json_t **out)
 {
     *out = NULL;
     if (!path) path = "messages";
-    if (!json_is_array(request) || json_array_size(request) == 0)
-        return pd_error(PD_EINVAL, "The field `%s` must be a non-empty array.", path);
+    PD_CHECK(pd_chat_check_message_types(request, path));
+    PD_CHECK(message_rules(request, path));
     json_t *arr = json_array();
-    if (!arr) return pd_error(PD_ENOMEM, "out of memory");
-    int rc = 0;
-    for (size_t i = 0; i < json_array_size(request) && rc == 0; i++) {
+    for (size_t i = 0; arr && i < json_array_size(request); i++) {
         const json_t *m = json_array_get(request, i);
-        if (!json_is_object(m)) {
-            rc = pd_error(PD_EINVAL, "The field `%s[%zu]` must be an object.", path, i);
-            break;
+        const json_t *role = json_object_get(m, "role"), *calls = assistant_calls(m);
+        const json_t *tcid = json_object_get(m, "tool_call_id"), *name = json_object_get(m, "name");
+        json_t *msg = json_object(), *content = content_string(json_object_get(m, "content"));
+        json_t *norm = calls ? parsed_tool_calls(calls) : NULL;
+        bool ok = msg && content && (!calls || norm) &&
+                  json_object_set(msg, "role", (json_t *)role) == 0 &&
+                  json_object_set_new(msg, "content", content) == 0;
+        content = NULL;
+        if (ok && norm) ok = json_object_set_new(msg, "tool_calls", norm) == 0;
+        norm = NULL;
+        if (ok && strcmp(json_string_value(role), "tool") == 0 && tcid && !json_is_null(tcid))
+            ok = json_object_set(msg, "tool_call_id", (json_t *)tcid) == 0;
+        if (ok && json_is_string(name)) ok = json_object_set(msg, "name", (json_t *)name) == 0;
+        if (!ok || json_array_append_new(arr, msg) < 0) {
+            json_decref(content);
+            json_decref(norm);
+            if (!ok) json_decref(msg);
+            json_decref(arr);
+            arr = NULL;
         }
-        const json_t *role = json_object_get(m, "role");
-        if (!json_is_string(role)) {
-            rc = pd_error(PD_EINVAL, "The field `%s[%zu].role` must be a string.", path, i);
-            break;
-        }
-        json_t *msg = json_object(), *content = NULL;
-        if (!msg) {
-            rc = pd_error(PD_ENOMEM, "out of memory");
-            break;
-        }
-        json_object_set(msg, "role", (json_t *)role);
-        rc = content_string(json_object_get(m, "content"), path, i, &content);
-        if (rc == 0) json_object_set_new(msg, "content", content);
-        const char *r = json_string_value(role);
-        const json_t *calls = json_object_get(m, "tool_calls");
-        if (rc == 0 && strcmp(r, "assistant") == 0 && json_is_array(calls)) {
-            json_t *norm;
-            rc = normalize_tool_calls(calls, path, i, &norm);
-            if (rc == 0) json_object_set_new(msg, "tool_calls", norm);
-        } else if (rc == 0 && calls && !json_is_null(calls) && strcmp(r, "assistant") == 0) {
-            rc = pd_error(PD_EINVAL, "The field `%s[%zu].tool_calls` must be an array.", path, i);
-        }
-        const json_t *tcid = json_object_get(m, "tool_call_id");
-        if (rc == 0 && strcmp(r, "tool") == 0 && tcid && !json_is_null(tcid))
-            json_object_set(msg, "tool_call_id", (json_t *)tcid);
-        const json_t *name = json_object_get(m, "name");
-        if (rc == 0 && json_is_string(name)) json_object_set(msg, "name", (json_t *)name);
-        if (rc == 0 && json_array_append_new(arr, msg) < 0)
-            rc = pd_error(PD_ENOMEM, "out of memory");
-        else if (rc < 0)
-            json_decref(msg);
     }
-    if (rc < 0) {
-        json_decref(arr);
-        return rc;
-    }
+    if (!arr) return pd_error(PD_ENOMEM, "out of memory");
     *out = arr;
     return 0;
 }

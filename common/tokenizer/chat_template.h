@@ -56,14 +56,22 @@ int pd_chat_render(const pd_chat_template *t, const json_t *vars, char **out, si
 int pd_chat_render_at(const pd_chat_template *t, const json_t *vars, int64_t now_unix, char **out,
                       size_t *out_len);
 
+/* The type errors of a request's `messages` (the contract's "types of known fields" step, which
+ * comes before the model and the §8 rules): every message an object; its content a string, an
+ * array of content parts or null; every part an object with a string `type`, and a string `text`
+ * when it is a text part; an assistant's tool_calls an array of objects. PD_EINVAL with the §3
+ * text ("The field `messages[1].content` must be a string, an array of content parts, or
+ * null."). A `messages` that is not an array is left to the §8.3 rule. */
+int pd_chat_check_message_types(const json_t *request, const char *path);
+
 /* §13.3 messages: request is the request's `messages` value (borrowed), path names it in
  * errors ("messages"). *out is a new array of objects {role, content, [tool_calls],
  * [tool_call_id], [name]}: content always a string (null -> "", text parts joined by "\n"),
- * tool_calls[*].function.arguments parsed from its JSON string. Errors (PD_EINVAL) use the
- * §8.3 texts, e.g. "The field `messages[2].role` must be a string.",
- * "Content part type 'image_url' is not supported by this model.",
- * "The field `messages[0].tool_calls[1].function.arguments` must be a JSON-encoded string.",
- * "The field `messages` must be a non-empty array.". */
+ * tool_calls[*].function.arguments parsed from its JSON string. Errors (PD_EINVAL): the type
+ * errors of pd_chat_check_message_types first, then the §8.3 rules in table order, e.g.
+ * "The field `messages` must be a non-empty array.", "The field `messages[2].role` must be a
+ * string.", "Content part type 'image_url' is not supported by this model.",
+ * "The field `messages[0].tool_calls[1].function.arguments` must be a JSON-encoded string.". */
 int pd_chat_normalize_messages(const json_t *request, const char *path, json_t **out);
 
 /* §13.3 tools: request is the request's `tools` value (borrowed; an array). *out is a new

@@ -240,7 +240,9 @@ static bool fixture(void)
         printf("    pd-scheduler did not become healthy\n");
         return false;
     }
-    char *key_args[] = {"--api-key", "sk-test", "--max-concurrent-requests", "1", NULL};
+    char *key_args[] = {
+        "--api-key", "sk-test", "--max-concurrent-requests", "1", "--max-request-body-bytes",
+        "65536",     NULL};
     if (start_scheduler(&g_sched_key, &g_port_key, "scheduler_key", key_args, "1") < 0) {
         printf("    pd-scheduler (api key) did not become healthy\n");
         return false;
@@ -364,6 +366,15 @@ TEST(sched_api_key)
                    &r) == 0);
     ASSERT_EQ_INT(r.status, 200);
     resp_free(&r);
+    /* a 401 to a generation request carries an X-Request-Id (§1); /v1/models' does not */
+    ASSERT(http_do(g_port_key, "POST", "/v1/completions", NULL, "{}", &r) == 0);
+    ASSERT_EQ_INT(r.status, 401);
+    ASSERT(is_id(header(&r, "X-Request-Id", h, sizeof h), ""));
+    resp_free(&r);
+    ASSERT(http_do(g_port_key, "GET", "/v1/models", NULL, NULL, &r) == 0);
+    ASSERT_EQ_INT(r.status, 401);
+    ASSERT(header(&r, "X-Request-Id", h, sizeof h) == NULL);
+    resp_free(&r);
     ASSERT(http_do(g_port_key, "GET", "/health", NULL, NULL, &r) == 0);
     ASSERT_EQ_INT(r.status, 200);
     resp_free(&r);
@@ -418,11 +429,35 @@ TEST(sched_body_limit)
     body[n - 1] = '}';
     body[n] = '\0';
     http_resp r;
+    char h[64];
     ASSERT(http_do(g_port, "POST", "/v1/completions", NULL, body, &r) == 0);
     ASSERT_EQ_INT(r.status, 413);
     ASSERT_STR_EQ(r.body, "{\"error\":{\"message\":\"Request body exceeds 65536 bytes.\","
                           "\"type\":\"PayloadTooLargeError\",\"param\":null,\"code\":413}}");
+    ASSERT(is_id(header(&r, "X-Request-Id", h, sizeof h), ""));
     resp_free(&r);
+    /* §2: route and method, then the key, come before the body size */
+    static const struct {
+        int *port;
+        const char *method, *path, *auth;
+        int status;
+        const char *header, *value;
+    } first[] = {
+        {&g_port, "POST", "/nope", NULL, 404, NULL, NULL},
+        {&g_port, "PUT", "/v1/completions", NULL, 405, "Allow", "POST"},
+        {&g_port, "POST", "/health", NULL, 405, "Allow", "GET"},
+        {&g_port_key, "POST", "/v1/chat/completions", NULL, 401, "WWW-Authenticate", "Bearer"},
+        {&g_port_key, "POST", "/v1/chat/completions", "Authorization: Bearer sk-test\r\n", 413,
+         NULL, NULL},
+    };
+    for (size_t i = 0; i < sizeof first / sizeof *first; i++) {
+        ASSERT(http_do(*first[i].port, first[i].method, first[i].path, first[i].auth, body, &r) ==
+               0);
+        ASSERT_MSG(r.status == first[i].status, "case %zu: %d %s", i, r.status, r.body);
+        if (first[i].header)
+            ASSERT_STR_EQ(header(&r, first[i].header, h, sizeof h), first[i].value);
+        resp_free(&r);
+    }
     body[n - 2] = '}';
     body[n - 1] = '\0'; /* exactly at the limit: parsed (and rejected for the missing prompt) */
     ASSERT(http_do(g_port, "POST", "/v1/completions", NULL, body, &r) == 0);

@@ -197,6 +197,46 @@ TEST(api_bad_requests_exact_messages)
          "\"arguments\":\"{oops\"}}]}]}",
          400,
          "The field `messages[0].tool_calls[0].function.arguments` must be a JSON-encoded string."},
+        /* §2 for chat: the messages' types with the other fields', their §8.3 rules after the
+         * model and §8.1; within §8.3, table order (every role before any part type) */
+        {PD_API_CHAT, "{\"model\":\"gpt-4\"}", 404, "The model `gpt-4` does not exist."},
+        {PD_API_CHAT,
+         "{\"model\":\"gpt-4\",\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":"
+         "\"image_url\"}]}]}",
+         404, "The model `gpt-4` does not exist."},
+        {PD_API_CHAT, "{\"messages\":[],\"n\":0}", 400, "n must be at least 1, got 0."},
+        {PD_API_CHAT,
+         "{\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"image_url\"}]}],"
+         "\"temperature\":-1}",
+         400, "temperature must be non-negative, got -1.0."},
+        {PD_API_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":5}]}", 400,
+         "The field `messages[0].content` must be a string, an array of content parts, or null."},
+        {PD_API_CHAT,
+         "{\"messages\":[{\"role\":5,\"content\":\"x\"},{\"role\":\"user\",\"content\":5}],"
+         "\"model\":\"gpt-4\"}",
+         400,
+         "The field `messages[1].content` must be a string, an array of content parts, or null."},
+        {PD_API_CHAT,
+         "{\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"image_url\"}]},{\"role\":"
+         "7}]}",
+         400, "The field `messages[1].role` must be a string."},
+        {PD_API_CHAT,
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"echo\":true,\"max_tokens\":0}",
+         400, "max_tokens must be at least 1, got 0."},
+        /* §8.2 in table order: the prompt before logprobs */
+        {PD_API_COMPLETIONS, "{\"logprobs\":-1}", 400,
+         "At least one of `prompt` or `prompt_embeds` must be set."},
+        {PD_API_COMPLETIONS, "{\"prompt\":[[1,2],[200000.0]]}", 400,
+         "Token id 200000 is out of vocabulary"},
+        /* ids printed as written, also past int32 / int64 */
+        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"stop_token_ids\":[5,5000000000]}", 400,
+         "Token id 5000000000 in stop_token_ids is out of vocabulary."},
+        {PD_API_COMPLETIONS,
+         "{\"prompt\":\"a\",\"logit_bias\":{\"99999999999999999999\":1,\"-007\":1,\"+5\":1}}", 400,
+         "token_id(s) [99999999999999999999, -7] in logit_bias contain out-of-vocab token ids. "
+         "Vocabulary size: 128256"},
+        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"response_format\":\"text\"}", 400,
+         "The field `response_format` must be an object."},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         pd_arena *a = pd_arena_create(0);
@@ -288,6 +328,11 @@ TEST(api_completions_tokenization_and_limits)
     ASSERT_EQ_INT(r.sp.n_stop, 2);
     ASSERT_STR_EQ(r.sp.stop[0], "ab");
     ASSERT_STR_EQ(r.sp.stop[1], "\n");
+    /* stream_options whose members are null is an empty one: allowed without stream */
+    ASSERT_OK(parse(&l, PD_API_COMPLETIONS,
+                    "{\"prompt\":\"Hello\",\"stream_options\":{\"include_usage\":null}}", a, &r,
+                    &http));
+    ASSERT(!r.stream);
     pd_arena_destroy(a);
 }
 
