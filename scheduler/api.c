@@ -703,7 +703,9 @@ static int parse_chat(const pd_api_limits *lim, const json_t *o, pd_arena *a,
     }
     char *text = NULL;
     size_t len = 0;
-    rc = pd_chat_render(own ? own : lim->chat_template, vars, &text, &len);
+    const pd_chat_template *model_tmpl = // §13.1: 'tool_use' for a request with tools
+        c->tools && lim->chat_template_tools ? lim->chat_template_tools : lim->chat_template;
+    rc = pd_chat_render(own ? own : model_tmpl, vars, &text, &len);
     pd_chat_free(own);
     json_decref(vars);
     if (rc < 0) return rc == PD_ENOMEM ? rc : PD_EINVAL;

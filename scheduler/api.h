@@ -37,7 +37,9 @@ typedef struct {
     int64_t max_new_tokens;      /* generation_config max_new_tokens, -1 when none */
     const char *response_role;   /* --response-role */
     const pd_tok *tok;
-    const pd_chat_template *chat_template; /* NULL: the model has none */
+    const pd_chat_template *chat_template;       /* NULL: the model has none */
+    const pd_chat_template *chat_template_tools; /* for requests with tools: the model's
+                                                    'tool_use' template, or NULL (the default) */
     const json_t *chat_config_vars; /* pd_chat_config_vars of tokenizer_config.json, or NULL */
     bool trust_request_template;    /* --trust-request-chat-template */
     const json_t *default_kwargs;   /* --default-chat-template-kwargs object, or NULL */

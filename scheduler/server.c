@@ -215,6 +215,7 @@ struct pd_sched {
     pd_reg *reg;
     pd_tok *tok;
     pd_chat_template *tmpl;
+    pd_chat_template *tmpl_tools; /* the model's 'tool_use' template, or NULL (§13.1) */
     json_t *chat_vars;
     json_t *default_kwargs; /* --default-chat-template-kwargs, or NULL */
     pd_generation_config gen;
@@ -2575,16 +2576,18 @@ static int load_model(pd_sched *s)
     snprintf(path, sizeof path, "%s/generation_config.json", p->model);
     if (access(path, F_OK) == 0) PD_CHECK(pd_generation_config_load(path, &s->gen));
     /* chat template: a model without one still serves completions */
-    char *src = NULL, *what = NULL;
-    PD_CHECK(pd_chat_select(p->model, p->chat_template, false, &src, &what));
-    if (src) {
-        int rc = pd_chat_compile(src, what, &s->tmpl);
-        free(src);
-        free(what);
-        PD_CHECK(rc);
-    } else {
-        PD_WARN(NULL, "the model has no chat template: chat requests get 400");
-    }
+    char *src = NULL, *what = NULL, *tsrc = NULL, *twhat = NULL;
+    int rc = pd_chat_select(p->model, p->chat_template, false, &src, &what);
+    if (rc == PD_OK) rc = pd_chat_select(p->model, p->chat_template, true, &tsrc, &twhat);
+    if (rc == PD_OK && src) rc = pd_chat_compile(src, what, &s->tmpl);
+    if (rc == PD_OK && src && tsrc && strcmp(tsrc, src) != 0) /* a list with a 'tool_use' entry */
+        rc = pd_chat_compile(tsrc, twhat, &s->tmpl_tools);
+    free(src);
+    free(what);
+    free(tsrc);
+    free(twhat);
+    PD_CHECK(rc);
+    if (!s->tmpl) PD_WARN(NULL, "the model has no chat template: chat requests get 400");
     PD_CHECK(pd_chat_config_vars(pd_tok_config(s->tok), &s->chat_vars));
     if (p->default_chat_template_kwargs) {
         PD_CHECK(pdj_loads(p->default_chat_template_kwargs, strlen(p->default_chat_template_kwargs),
@@ -2605,6 +2608,7 @@ static int load_model(pd_sched *s)
     l->response_role = p->response_role;
     l->tok = s->tok;
     l->chat_template = s->tmpl;
+    l->chat_template_tools = s->tmpl_tools;
     l->chat_config_vars = s->chat_vars;
     l->trust_request_template = p->trust_request_chat_template;
     l->default_kwargs = s->default_kwargs;
@@ -2764,6 +2768,7 @@ void pd_sched_free(pd_sched *s)
     pd_sb_free(&s->tokbuf);
     for (int k = 0; k < 4; k++) pd_sb_free(&s->lpbuf[k]);
     pd_chat_free(s->tmpl);
+    pd_chat_free(s->tmpl_tools);
     json_decref(s->chat_vars);
     json_decref(s->default_kwargs);
     pd_tok_free(s->tok);

@@ -374,6 +374,21 @@ TEST(api_chat_template_and_defaults)
     ASSERT_STR_EQ(r.echo_text, "Hel");
     size_t tl = strlen(r.prompts[0].text);
     ASSERT(tl >= 3 && strcmp(r.prompts[0].text + tl - 3, "Hel") == 0);
+    /* §13.1: a request with tools renders the model's 'tool_use' template when it has one */
+    pd_chat_template *tool_use = NULL;
+    ASSERT_OK(pd_chat_compile("{{ raise_exception('tool_use template') }}", "test", &tool_use));
+    l.chat_template_tools = tool_use;
+    static const char *const with_tools =
+        "{\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"}],\"tool_choice\":\"none\","
+        "\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\"}}]}";
+    int trc = parse(&l, PD_API_CHAT, with_tools, a, &r, &http);
+    ASSERT(trc < 0);
+    ASSERT_STR_EQ(pd_last_error(), "tool_use template");
+    ASSERT_OK(parse(&l, PD_API_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"}]}", a,
+                    &r, &http)); /* no tools: the default */
+    l.chat_template_tools = NULL;
+    ASSERT_OK(parse(&l, PD_API_CHAT, with_tools, a, &r, &http));
+    pd_chat_free(tool_use);
     /* a model without a template */
     l.chat_template = NULL;
     ASSERT(parse(&l, PD_API_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"}]}", a, &r,
