@@ -174,29 +174,22 @@ static json_t *content_string(const json_t *content)
     return s;
 }
 
-/* Checked tool calls with each function's arguments parsed; NULL when out of memory. */
+/* Checked tool calls, copied, with each function's arguments parsed; NULL when out of memory. */
 static json_t *parsed_tool_calls(const json_t *calls)
 {
     json_t *arr = json_array();
     for (size_t j = 0; arr && j < json_array_size(calls); j++) {
-        json_t *copy = json_copy(json_array_get(calls, j));
-        const json_t *fn = json_object_get(copy, "function");
+        json_t *call = json_deep_copy(json_array_get(calls, j));
+        json_t *fn = json_object_get(call, "function");
         const json_t *args = json_is_object(fn) ? json_object_get(fn, "arguments") : NULL;
-        json_t *fcopy = args ? json_copy((json_t *)fn) : NULL;
-        json_t *parsed = fcopy ? json_loadb(json_string_value(args), json_string_length(args),
-                                            JSON_DECODE_ANY, NULL)
-                               : NULL;
-        bool ok = copy && (!args || (parsed && fcopy &&
-                                     json_object_set_new(fcopy, "arguments", parsed) == 0 &&
-                                     json_object_set_new(copy, "function", fcopy) == 0));
-        if (!ok || json_array_append_new(arr, copy) < 0) {
-            if (!ok && args && !(parsed && fcopy)) {
-                json_decref(parsed);
-                json_decref(fcopy);
-            }
-            json_decref(copy);
+        bool ok = call && (!args || json_object_set_new(fn, "arguments",
+                                                        json_loadb(json_string_value(args),
+                                                                   json_string_length(args),
+                                                                   JSON_DECODE_ANY, NULL)) == 0);
+        if (!ok || json_array_append_new(arr, call) < 0) { /* append_new took call */
+            if (!ok) json_decref(call);
             json_decref(arr);
-            return NULL;
+            arr = NULL;
         }
     }
     return arr;
@@ -213,20 +206,16 @@ int pd_chat_normalize_messages(const json_t *request, const char *path, json_t *
         const json_t *m = json_array_get(request, i);
         const json_t *role = json_object_get(m, "role"), *calls = assistant_calls(m);
         const json_t *tcid = json_object_get(m, "tool_call_id"), *name = json_object_get(m, "name");
-        json_t *msg = json_object(), *content = content_string(json_object_get(m, "content"));
-        json_t *norm = calls ? parsed_tool_calls(calls) : NULL;
-        bool ok = msg && content && (!calls || norm) &&
-                  json_object_set(msg, "role", (json_t *)role) == 0 &&
-                  json_object_set_new(msg, "content", content) == 0;
-        content = NULL;
-        if (ok && norm) ok = json_object_set_new(msg, "tool_calls", norm) == 0;
-        norm = NULL;
-        if (ok && strcmp(json_string_value(role), "tool") == 0 && tcid && !json_is_null(tcid))
-            ok = json_object_set(msg, "tool_call_id", (json_t *)tcid) == 0;
-        if (ok && json_is_string(name)) ok = json_object_set(msg, "name", (json_t *)name) == 0;
+        bool tool = strcmp(json_string_value(role), "tool") == 0 && tcid && !json_is_null(tcid);
+        json_t *msg = json_object(); /* set_new takes its value, also when it fails */
+        bool ok =
+            msg && json_object_set(msg, "role", (json_t *)role) == 0 &&
+            json_object_set_new(msg, "content", content_string(json_object_get(m, "content"))) ==
+                0 &&
+            (!calls || json_object_set_new(msg, "tool_calls", parsed_tool_calls(calls)) == 0) &&
+            (!tool || json_object_set(msg, "tool_call_id", (json_t *)tcid) == 0) &&
+            (!json_is_string(name) || json_object_set(msg, "name", (json_t *)name) == 0);
         if (!ok || json_array_append_new(arr, msg) < 0) {
-            json_decref(content);
-            json_decref(norm);
             if (!ok) json_decref(msg);
             json_decref(arr);
             arr = NULL;
