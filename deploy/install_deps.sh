@@ -3,7 +3,9 @@
 # Idempotent: when every package is already present it returns at once without
 # touching apt. Non-interactive. Needs root (or passwordless sudo) only when
 # something is actually missing.
+[ -n "${BASH_VERSION:-}" ] || exec bash "$0" "$@" # `sh install_deps.sh` (dash) re-runs under bash
 set -euo pipefail
+case "${1:-}" in -h|--help) sed -n '2,5p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
 
 PKGS=(
   meson ninja-build pkg-config gcc g++ libc6-dev

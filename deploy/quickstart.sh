@@ -7,6 +7,7 @@
 #
 #   deploy/quickstart.sh [--model DIR] [--port 9000] [--prefill-port 8088] [--decode-port 8089]
 #                        [--work-dir DIR] [--detach]
+[ -n "${BASH_VERSION:-}" ] || exec bash "$0" "$@" # `sh quickstart.sh` (dash) re-runs under bash
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -20,7 +21,7 @@ while [ $# -gt 0 ]; do
     --decode-port) dport=$2; shift ;;
     --work-dir) work=$2; shift ;;
     --detach) detach=1 ;;
-    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
     *) echo "quickstart.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
     esac
     shift

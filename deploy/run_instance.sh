@@ -27,12 +27,13 @@
 #   Every other argument (the guide's --model, --tensor-parallel-size, --port, ...) goes to
 #   start_servers.sh inside the container unchanged. --model DIR must be an existing directory.
 # When pd-ranktable is found ($PD_BIN_DIR, ./build, PATH), the tables are checked with it first.
+[ -n "${BASH_VERSION:-}" ] || exec bash "$0" "$@" # `sh run_instance.sh` (dash) re-runs under bash
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 me=run_instance.sh
 
 die() { echo "$me: $*" >&2; exit 1; }
-usage() { sed -n '15,30p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '15,29p' "$0" | sed 's/^# \{0,1\}//'; }
 
 global=${GLOBAL_RANK_TABLE_FILE_PATH:-} local=${RANK_TABLE_FILE_PATH:-}
 image=${PD_IMAGE:-pdserve:latest} name="" shm=16g

@@ -5,9 +5,18 @@
 # Environment: GLOBAL_RANK_TABLE_FILE_PATH, RANK_TABLE_FILE_PATH (required); NODE_PORTS (required
 # by the scheduler); USE_OPENAI (scheduler, default 1). Every flag is passed through unchanged.
 # Executables: $PD_BIN_DIR (a build directory or an install prefix's bin/), else ./build of this
-# checkout, else PATH.
+# checkout, else PATH. `sh start_servers.sh` works too (as the guide runs it): it re-runs under bash.
+# --help: without the two ranktable variables, prints this text; with them, the role's executable
+# prints its flags (every executable accepts every role's flags).
+[ -n "${BASH_VERSION:-}" ] || exec bash "$0" "$@" # `sh start_servers.sh` (dash) re-runs under bash
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
+
+if [ -z "${GLOBAL_RANK_TABLE_FILE_PATH:-}" ] || [ -z "${RANK_TABLE_FILE_PATH:-}" ]; then
+    for a in "$@"; do
+        case "$a" in -h|--help) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
+    done
+fi
 
 find_bin() { # name, path inside a build directory
     local dir=${PD_BIN_DIR:-$here/build}

@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # Stops what `deploy/quickstart.sh --detach` started (SIGTERM: each process drains and exits).
 #   deploy/stop.sh [--work-dir DIR]
+[ -n "${BASH_VERSION:-}" ] || exec bash "$0" "$@" # `sh stop.sh` (dash) re-runs under bash
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 work="$root/.cache/quickstart"
-[ "${1:-}" = "--work-dir" ] && work=$2
+case "${1:-}" in
+-h|--help) sed -n '2,3p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+--work-dir) work=$2 ;;
+esac
 pids="$work/pids"
 [ -d "$pids" ] || { echo "stop.sh: nothing to stop ($pids does not exist)"; exit 0; }
 for role in scheduler prefill decode; do # the api-server first: no new requests reach the nodes

@@ -33,8 +33,11 @@ static const char USAGE[] =
     "  --max-logprobs N              default 20\n"
     "  --log-level LEVEL             debug, info, warn, error\n"
     "  --heartbeat-ms N              instance heartbeat period and deadline (default 1000)\n"
-    "flags of pd-prefill/pd-decode (--tensor-parallel-size, --max-num-seqs, ...) are accepted\n"
-    "and not used, so one command line serves every role\n"
+    "  --shutdown-timeout S          drain time after SIGTERM before aborting (default 30)\n"
+    "flags of pd-prefill/pd-decode (--tensor-parallel-size, --max-num-seqs, --device, ...) are\n"
+    "accepted and not used, so one command line serves every role; vLLM's --swap-space N,\n"
+    "--disable-log-requests, --disable-log-stats and --trust-remote-code are accepted and have\n"
+    "no effect (logged)\n"
     "environment: GLOBAL_RANK_TABLE_FILE_PATH (required), RANK_TABLE_FILE_PATH (the _host\n"
     "table, optional), NODE_PORTS (required: one port per prefill then decode instance),\n"
     "USE_OPENAI (default 1), VLLM_API_KEY, PD_LOG_LEVEL\n";
@@ -44,7 +47,7 @@ const char *pd_sched_usage(void)
     return USAGE;
 }
 
-/* Flags of pd-prefill / pd-decode (each takes a value). */
+/* Flags of pd-prefill / pd-decode that take a value. */
 static bool is_instance_flag(const char *flag)
 {
     static const char *const names[] = {
@@ -60,7 +63,7 @@ static bool is_instance_flag(const char *flag)
         "--gpu-memory-utilization",
         "--kv-transport",
         "--kv-lease-seconds",
-        "--shutdown-timeout",
+        "--device",
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (strcmp(flag, names[i]) == 0) return true;
@@ -96,6 +99,7 @@ int pd_sched_parse_args(int argc, char **argv, pd_sched_params *p, bool *help)
     for (int i = 1; i < argc; i++) {
         char flag[64];
         const char *arg = argv[i], *val = NULL;
+        int noop;
         if (strcmp(arg, "--help") == 0 || strcmp(arg, "-h") == 0) {
             *help = true;
             return PD_OK;
@@ -201,12 +205,25 @@ int pd_sched_parse_args(int argc, char **argv, pd_sched_params *p, bool *help)
         } else if (strcmp(flag, "--log-level") == 0) {
             NEED();
             p->log_level = val;
+        } else if (strcmp(flag, "--shutdown-timeout") == 0) {
+            NEED();
+            PD_CHECK(pd_arg_f64(flag, val, &p->shutdown_timeout_s));
+            if (p->shutdown_timeout_s < 0 || p->shutdown_timeout_s > 86400)
+                return pd_error(PD_EINVAL, "%s: expected seconds in [0, 86400], got \"%s\"", flag,
+                                val);
+        } else if ((noop = pd_arg_vllm_noop(flag)) > 0) {
+            if (noop > 1)
+                NEED();
+            else if (eq)
+                return pd_error(PD_EINVAL, "%s takes no value", flag);
+            PD_CHECK(pd_arg_vllm_noop_take(flag, noop > 1 ? val : NULL));
         } else if (is_instance_flag(flag)) {
             /* One command line serves every role (start_servers.sh, as in the Ascend guide):
              * flags meant for the prefill/decode instances are accepted and not used here. */
             NEED();
         } else if (strcmp(flag, "--enable-prefix-caching") == 0 ||
-                   strcmp(flag, "--no-enable-prefix-caching") == 0) {
+                   strcmp(flag, "--no-enable-prefix-caching") == 0 ||
+                   strcmp(flag, "--enforce-eager") == 0) {
             if (eq) return pd_error(PD_EINVAL, "%s takes no value", flag); /* an instance flag */
         } else {
             return pd_error(PD_EINVAL, "unknown flag '%s' (see --help)", flag);

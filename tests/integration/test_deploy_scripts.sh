@@ -11,7 +11,8 @@
 #  3. deploy/Dockerfile*: structure (stages, COPY sources, entry point), every RUN through `sh -n`,
 #     the package list against install_deps.sh, the ldd -> package step run on our executables,
 #     and dockerfile-utils' linter (npm) when the npm cache has it.
-#  4. bash -n and shellcheck (warnings and errors) on every deploy script.
+#  4. bash -n and shellcheck (warnings and errors) on every deploy script; each one's --help
+#     under `sh` (dash, as the guide runs start_servers.sh) and under bash in POSIX mode.
 # Prints "harness: P passed, F failed, S skipped"; exit 0 when nothing failed.
 set -uo pipefail
 src=${PD_SOURCE_ROOT:?} bin=${PD_BUILD_ROOT:?}
@@ -414,6 +415,13 @@ fi
 # ---- 4. shell scripts -----------------------------------------------------------------------------
 scripts=("$src"/deploy/*.sh "$src"/deploy/k8s/*.sh "$src/tests/integration/test_deploy_scripts.sh")
 for s in "${scripts[@]}"; do check "bash -n ${s#"$src"/}" bash -n "$s"; done
+# help_ok SHELL... SCRIPT: --help exits 0 and prints the script's usage (2 lines or more)
+help_ok() { local out; out=$(env -u GLOBAL_RANK_TABLE_FILE_PATH -u RANK_TABLE_FILE_PATH "$@" --help 2>&1) &&
+    [ "$(wc -l <<<"$out")" -ge 2 ] || { echo "$out"; return 1; }; }
+for s in "$src"/deploy/*.sh; do
+    check "sh ${s#"$src"/} --help" help_ok sh "$s"
+    check "bash --posix ${s#"$src"/} --help" help_ok bash --posix "$s"
+done
 if command -v shellcheck >/dev/null 2>&1; then
     for s in "${scripts[@]}"; do check "shellcheck ${s#"$src"/}" shellcheck -S warning "$s"; done
 else

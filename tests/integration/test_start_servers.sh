@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Launches pd-prefill, pd-decode and pd-scheduler through deploy/start_servers.sh with one
 # command line each (the Ascend guide's way), completes a chat request, and stops them.
+# Also: `sh start_servers.sh` (dash, as the guide runs it), and that every role accepts every
+# role's flags and vLLM's no-op flags (--flag value and --flag=value), each role's --help run
+# through start_servers.sh after them; unknown, valueless and bad flags are refused by name.
 # Bounded in time; stops everything it started; exit 0 = pass.
 set -uo pipefail
 # shellcheck source=tests/integration/lib_cluster.sh
@@ -21,6 +24,49 @@ echo '{"version":"1.0","status":"completed","group_id":"0","server_count":"1","s
 out=$(RANK_TABLE_FILE_PATH="$work/stray.json" "$src/deploy/start_servers.sh" "${args[@]}" --port 1 2>&1) && fail "stray table accepted"
 grep -q "does not match an instance" <<<"$out" || fail "unclear message for a stray table: $out"
 
+# `sh start_servers.sh --help` (dash): without the ranktable variables it prints its own usage
+out=$(env -u GLOBAL_RANK_TABLE_FILE_PATH -u RANK_TABLE_FILE_PATH sh "$src/deploy/start_servers.sh" --help 2>&1) ||
+    fail "sh start_servers.sh --help failed: $out"
+grep -q "Per-instance launcher" <<<"$out" || fail "sh start_servers.sh --help: no usage: $out"
+
+# one command line serves every role, with vLLM's flags too: each role parses it, then --help
+noop=(--disable-log-requests --disable-log-stats --trust-remote-code)
+for form in space eq; do
+    if [ $form = space ]; then
+        more=(--device cuda --served-model-name tiny tiny-alias --shutdown-timeout 2.5 --swap-space 16)
+    else
+        more=(--device=cuda --served-model-name=tiny --shutdown-timeout=2.5 --swap-space=16)
+    fi
+    for table in 0 1 host; do
+        out=$(RANK_TABLE_FILE_PATH="$work/local_ranktable_127.0.0.1_$table.json" sh "$src/deploy/start_servers.sh" \
+            "${args[@]}" "${more[@]}" "${noop[@]}" --enforce-eager --api-key k --port 1 --help 2>&1) ||
+            fail "role of table $table refused the common command line ($form): $out"
+        grep -q "^usage: .*pd-\(scheduler\|prefill\|decode\)" <<<"$out" || fail "table $table: no --help text: $out"
+        for f in --swap-space "${noop[@]}"; do
+            grep -q -- "$f: a vLLM flag with no effect in pdserve" <<<"$out" || fail "table $table: $f not logged: $out"
+        done
+        [ $table = host ] || grep -q -- "--enforce-eager: CUDA graphs off" <<<"$out" ||
+            fail "table $table: --enforce-eager not applied: $out"
+    done
+done
+# refusals name the flag, on every executable
+for exe in scheduler/pd-scheduler prefill_node/pd-prefill decode_node/pd-decode; do
+    for spec in "unknown flag '--frobnicate'|--frobnicate" \
+                "unknown flag '--frobnicate'|--frobnicate --port 1" \
+                "--shutdown-timeout: expected a number|--shutdown-timeout abc" \
+                "--shutdown-timeout: expected seconds in [0, 86400]|--shutdown-timeout=-1" \
+                "--shutdown-timeout: expected seconds in [0, 86400]|--shutdown-timeout 1e9" \
+                "--swap-space: expected a number|--swap-space x" \
+                "--disable-log-requests takes no value|--disable-log-requests=1" \
+                "--enforce-eager takes no value|--enforce-eager=true"; do
+        want=${spec%%|*}
+        read -ra argv <<<"${spec#*|}"
+        out=$("$bin/$exe" "${argv[@]}" 2>&1); st=$?
+        [ $st = 2 ] || fail "$exe ${argv[*]}: exit $st, want 2: $out"
+        grep -qF -- "$want" <<<"$out" || fail "$exe ${argv[*]}: want \"$want\": $out"
+    done
+done
+
 # SIGTERM: every role drains and exits 0
 for i in 2 0 1; do kill "${pids[$i]}"; done
 for i in 0 1 2; do
@@ -28,4 +74,4 @@ for i in 0 1 2; do
     [ $st = 0 ] || fail "process $i exited with $st after SIGTERM"
 done
 pids=()
-echo "PASS start_servers: 3 roles from one command line, chat completed, clean shutdown"
+echo "PASS start_servers: 3 roles from one command line, chat completed, sh and vLLM flags, clean shutdown"
