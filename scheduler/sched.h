@@ -48,6 +48,9 @@ typedef struct {
     int heartbeat_ms;   /* --heartbeat-ms: heartbeat period and deadline of each Stats call, 1000 */
     int rpc_timeout_ms; /* deadline of Info/Stats/Reserve/Abort: 5000 */
     int prefill_timeout_ms; /* deadline of Prefill: 60000 (Decode and Relay streams have none) */
+    /* --shutdown-timeout: after SIGTERM/SIGINT, how long in-flight requests may finish before
+     * they end with 503 (seconds, fractions allowed); default 30 */
+    double shutdown_timeout_s;
 } pd_sched_params;
 
 /* Built-in defaults; environment and flags are applied on top by pd_sched_parse_args. */
@@ -71,7 +74,8 @@ int pd_sched_port(const pd_sched *s);
 /* Runs the loop until pd_sched_shutdown (or SIGINT/SIGTERM when install_signals was true at
  * run). Returns PD_OK after a clean shutdown. */
 int pd_sched_run(pd_sched *s, bool install_signals);
-/* Thread-safe: asks the loop to stop (in-flight requests are aborted). */
+/* Thread-safe: asks the loop to stop as SIGTERM does (a drain of up to shutdown_timeout_s; see
+ * docs/scheduler.md). */
 void pd_sched_shutdown(pd_sched *s);
 void pd_sched_free(pd_sched *s);
 

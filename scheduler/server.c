@@ -234,7 +234,10 @@ struct pd_sched {
     choice *cmap[CMAP_BUCKETS]; /* rpc thread: relayed choices by sub_id */
     bool any_down;              /* under qmu */
     atomic_bool shutdown_requested;
-    bool stopping;    /* loop: shutdown in progress */
+    bool stopping;          /* loop: shutdown in progress (new requests get 503, /health 503) */
+    bool halted;            /* loop: past the drain: everything is being closed */
+    int64_t drain_deadline; /* loop: when the drain ends (pd_now_ns) */
+    uv_timer_t drain_timer;
     sreq *live;       /* loop thread */
     int64_t inflight; /* requests counted against the limit (loop thread) */
     /* admission queue (loop thread): choices waiting for decode KV capacity, oldest first; only
@@ -1900,7 +1903,7 @@ static void process(sreq *r)
         pause_decode(r, false); /* the relayed choices' credit, as their events were taken */
 }
 
-static void begin_stop(pd_sched *s);
+static void begin_drain(pd_sched *s);
 
 /* Instance k left the routing set: a prefill call waiting on it is cancelled (its callback
  * retries on another prefill instance), and so is a Reserve call (its callback tries another
@@ -1941,7 +1944,7 @@ static void instance_lost(pd_sched *s, int k)
 static void on_async(uv_async_t *h)
 {
     pd_sched *s = h->data;
-    if (atomic_load(&s->shutdown_requested) && !s->stopping) begin_stop(s);
+    if (atomic_load(&s->shutdown_requested) && !s->stopping) begin_drain(s);
     pthread_mutex_lock(&s->qmu);
     if (s->any_down) {
         s->any_down = false;
@@ -2538,6 +2541,7 @@ pd_sched_params pd_sched_default_params(void)
     p.heartbeat_ms = 1000;
     p.rpc_timeout_ms = 5000;
     p.prefill_timeout_ms = 60000;
+    p.shutdown_timeout_s = 30;
     return p;
 }
 
@@ -2646,6 +2650,8 @@ int pd_sched_create(const pd_sched_params *p, pd_sched **out)
     uv_async_init(&s->loop, &s->async, on_async);
     s->admit_timer.data = s;
     uv_timer_init(&s->loop, &s->admit_timer);
+    s->drain_timer.data = s;
+    uv_timer_init(&s->loop, &s->drain_timer);
     int rc;
     PD_CHECK_GOTO(load_model(s), rc, fail);
     PD_CHECK_GOTO(pd_rpc_client_create(&s->rpc), rc, fail);
@@ -2670,6 +2676,7 @@ int pd_sched_create(const pd_sched_params *p, pd_sched **out)
     PD_CHECK_GOTO(pd_http_server_start(&s->loop, &hp, on_http, s, &s->http), rc, fail);
     pd_http_server_on_too_large(s->http, on_too_large);
     s->port = pd_http_server_port(s->http);
+    pd_reg_set_max_model_len(s->reg, s->L); /* an instance with a smaller L stays out */
     PD_CHECK_GOTO(pd_reg_start(s->reg, p->heartbeat_ms, p->heartbeat_ms, on_instance_change, s), rc,
                   fail);
     PD_INFO(NULL, "pd-scheduler listening on %s:%d (model %s, max-model-len %lld, %d instances)",
@@ -2696,17 +2703,19 @@ static void on_http_stopped(void *arg)
     pthread_mutex_unlock(&s->qmu);
     uv_close((uv_handle_t *)&s->async, NULL);
     uv_close((uv_handle_t *)&s->admit_timer, NULL);
+    uv_close((uv_handle_t *)&s->drain_timer, NULL);
     if (s->signals) {
         uv_close((uv_handle_t *)&s->sig_int, NULL);
         uv_close((uv_handle_t *)&s->sig_term, NULL);
     }
 }
 
+/* The end of a shutdown: whatever is still in flight is aborted, the HTTP server closes. */
 static void begin_stop(pd_sched *s)
 {
-    if (s->stopping) return;
-    s->stopping = true;
-    PD_INFO(NULL, "shutting down");
+    if (s->halted) return;
+    s->halted = s->stopping = true;
+    uv_timer_stop(&s->drain_timer);
     for (sreq *r = s->live; r; r = r->next) abort_chains(r);
     if (s->http)
         pd_http_server_stop(s->http, on_http_stopped, s);
@@ -2714,10 +2723,56 @@ static void begin_stop(pd_sched *s)
         on_http_stopped(s);
 }
 
+enum { DRAIN_TICK_MS = 50, DRAIN_FLUSH_MS = 2000 };
+
+/* Every DRAIN_TICK_MS of a drain: stops once no request is left; at the deadline, the requests
+ * still in flight fail with the contract's 503 (in-band once streaming started) and the server
+ * stops when their answers have gone out, or DRAIN_FLUSH_MS later at most. */
+static void on_drain_tick(uv_timer_t *t)
+{
+    pd_sched *s = t->data;
+    int64_t now = pd_now_ns();
+    if (!s->live || now >= s->drain_deadline + (int64_t)DRAIN_FLUSH_MS * PD_NS_PER_MS) {
+        begin_stop(s);
+        return;
+    }
+    if (now < s->drain_deadline) return;
+    int left = 0;
+    for (sreq *r = s->live; r; r = r->next) left += !r->done;
+    if (left) PD_WARN(NULL, "shutdown: failing %d request(s) still in progress", left);
+    for (sreq *r = s->live, *next; r; r = next) {
+        next = r->next;
+        if (!r->done) request_fail(r, 503, "The server is shutting down.");
+    }
+}
+
+/* SIGTERM, SIGINT or pd_sched_shutdown: new requests get 503 "The server is shutting down."
+ * and /health 503 while the requests in flight go on for up to --shutdown-timeout seconds (the
+ * listener stays open, so clients get an answer, not a refused connection); then on_drain_tick
+ * ends them. A second signal stops at once. */
+static void begin_drain(pd_sched *s)
+{
+    if (s->stopping) {
+        if (!s->halted) PD_INFO(NULL, "shutdown: second request, stopping now");
+        begin_stop(s);
+        return;
+    }
+    s->stopping = true;
+    int n = 0;
+    for (sreq *r = s->live; r; r = r->next) n += !r->done;
+    PD_INFO(NULL, "shutting down: %d request(s) in flight, draining for up to %g s", n,
+            s->p.shutdown_timeout_s);
+    s->drain_deadline = pd_now_ns() + (int64_t)(s->p.shutdown_timeout_s * 1e9);
+    if (!s->live)
+        begin_stop(s);
+    else
+        uv_timer_start(&s->drain_timer, on_drain_tick, DRAIN_TICK_MS, DRAIN_TICK_MS);
+}
+
 static void on_signal(uv_signal_t *h, int sig)
 {
     (void)sig;
-    begin_stop(h->data);
+    begin_drain(h->data);
 }
 
 int pd_sched_run(pd_sched *s, bool install_signals)
@@ -2731,7 +2786,7 @@ int pd_sched_run(pd_sched *s, bool install_signals)
         uv_signal_start(&s->sig_term, on_signal, SIGTERM);
         signal(SIGPIPE, SIG_IGN);
     }
-    if (atomic_load(&s->shutdown_requested)) begin_stop(s);
+    if (atomic_load(&s->shutdown_requested)) begin_drain(s);
     uv_run(&s->loop, UV_RUN_DEFAULT);
     return PD_OK;
 }

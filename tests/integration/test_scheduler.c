@@ -1081,6 +1081,90 @@ TEST(sched_prefill_retry)
     ASSERT_EQ_INT(bad, 0);
 }
 
+/* Reads fd until the peer closes it (or 10 s pass) into buf (NUL-terminated). */
+static void read_to_close(int fd, char *buf, size_t cap)
+{
+    size_t at = 0;
+    struct pollfd pfd = {.fd = fd, .events = POLLIN};
+    int64_t end = pd_now_ns() + 10 * PD_NS_PER_S;
+    while (at + 1 < cap && pd_now_ns() < end && poll(&pfd, 1, 1000) >= 0) {
+        ssize_t n = read(fd, buf + at, cap - 1 - at);
+        if (n <= 0) break;
+        at += (size_t)n;
+    }
+    buf[at] = '\0';
+}
+
+/* SIGTERM drains (§3, §11.5): /health and new requests get 503 while the listener stays open;
+ * a stream in flight ends with its finish or the in-band 503, then [DONE]; a request still in
+ * flight at --shutdown-timeout gets the 503; the process exits 0. */
+TEST(sched_sigterm_drains)
+{
+    FIXTURE();
+    cl_cluster c2;
+    ASSERT_OK(cl_start(&c2, g_model, "0", "1", NULL));
+    cl_proc sp;
+    int port = 0;
+    char *args[] = {"--shutdown-timeout", "1.5", NULL};
+    if (start_scheduler_on(&c2, &sp, &port, "scheduler_drain", args, "1") < 0) {
+        cl_stop_all(&c2);
+        ASSERT_MSG(0, "scheduler did not start");
+    }
+    int stream = open_long_stream(port, NULL);
+    /* a request that cannot end before the deadline: its prefill instance is stopped */
+    cl_signal(&c2.procs[0], SIGSTOP);
+    int stuck = connect_port(port);
+    static const char body[] = "{\"prompt\":\"Hi\",\"max_tokens\":4}";
+    char stuck_req[256];
+    int sl = snprintf(stuck_req, sizeof stuck_req,
+                      "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                      "application/json\r\nContent-Length: %zu\r\n\r\n%s",
+                      sizeof body - 1, body);
+    bool sent = stuck >= 0 && write(stuck, stuck_req, (size_t)sl) == sl;
+    usleep(200 * 1000);
+    int64_t t_term = pd_now_ns();
+    cl_signal(&sp, SIGTERM);
+    usleep(100 * 1000);
+    http_resp h, n;
+    int hrc = http_do(port, "GET", "/health", NULL, NULL, &h);
+    int nrc = http_do(port, "POST", "/v1/completions", NULL, "{\"prompt\":\"x\"}", &n);
+    static char out[1 << 20];
+    char stuck_out[4096];
+    out[0] = stuck_out[0] = '\0';
+    if (stream >= 0) read_to_close(stream, out, sizeof out);
+    if (sent) read_to_close(stuck, stuck_out, sizeof stuck_out);
+    cl_signal(&c2.procs[0], SIGCONT);
+    int st = cl_wait(&sp, 10000);
+    double took = (double)(pd_now_ns() - t_term) / 1e9;
+    if (st != 0) cl_dump_log(&sp, 30);
+    int bad = cl_stop_all(&c2);
+    if (stream >= 0) close(stream);
+    if (stuck >= 0) close(stuck);
+    ASSERT(stream >= 0 && sent);
+    ASSERT_EQ_INT(hrc, 0);
+    ASSERT_EQ_INT(h.status, 503);
+    resp_free(&h);
+    ASSERT_EQ_INT(nrc, 0);
+    ASSERT_EQ_INT(n.status, 503);
+    char hv[64];
+    ASSERT_STR_EQ(header(&n, "Retry-After", hv, sizeof hv), "5");
+    ASSERT_CONTAINS(n.body, "\"message\":\"The server is shutting down.\"");
+    resp_free(&n);
+    size_t ol = strlen(out); /* chunked: [DONE], then the last chunk */
+    ASSERT_MSG(strstr(out, "data: [DONE]\n\n") && ol > 5 && strcmp(out + ol - 5, "0\r\n\r\n") == 0,
+               "stream: ...%s", out + (ol > 300 ? ol - 300 : 0));
+    ASSERT_MSG(strstr(out, "\"finish_reason\":\"length\"") ||
+                   strstr(out, "data: {\"error\":{\"message\":\"The server is shutting down.\","
+                               "\"type\":\"ServiceUnavailableError\""),
+               "stream: ...%s", out + (ol > 300 ? ol - 300 : 0));
+    ASSERT_CONTAINS(stuck_out, "HTTP/1.1 503");
+    ASSERT_CONTAINS(stuck_out, "Retry-After: 5");
+    ASSERT_CONTAINS(stuck_out, "\"message\":\"The server is shutting down.\"");
+    ASSERT_EQ_INT(st, 0);
+    ASSERT_MSG(took > 1.4 && took < 6.0, "exit %.2f s after SIGTERM", took);
+    ASSERT_EQ_INT(bad, 0);
+}
+
 /* Start-up errors name the problem; an instance whose identity does not match its ranktable
  * entry stays out of routing with a logged reason. */
 TEST(sched_startup_checks)
