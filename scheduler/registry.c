@@ -60,6 +60,7 @@ struct pd_reg {
     int count[RT_ROLE_COUNT];   /* global table orders them (prefill first, then decode) */
     pthread_t thread;
     int period_ms, timeout_ms;
+    int64_t max_model_len; /* the scheduler's L; 0 = not checked (set before the heartbeat) */
     pd_reg_change_fn on_change;
     void *on_change_arg;
 };
@@ -193,6 +194,22 @@ static int check_identity(const reg_node *nd, const Pd__InfoReply *m, char *why,
     return 0;
 }
 
+/* Checks an Info reply against this scheduler's limits; 0 when the instance can serve every
+ * request the scheduler admits, else writes why. */
+static int check_limits(const pd_reg *r, const Pd__InfoReply *m, char *why, size_t n)
+{
+    /* a prompt the scheduler admits would be refused there (Reserve: INVALID_ARGUMENT) */
+    if (r->max_model_len > 0 && m->max_model_len < r->max_model_len) {
+        snprintf(why, n,
+                 "its max_model_len %lld is less than the scheduler's --max-model-len %lld; "
+                 "start it with --max-model-len %lld or more, or lower the scheduler's",
+                 (long long)m->max_model_len, (long long)r->max_model_len,
+                 (long long)r->max_model_len);
+        return -1;
+    }
+    return 0;
+}
+
 /* Marks node k out (with reason) or in; calls on_change outside the lock on a change. */
 static void set_state(pd_reg *r, int k, bool up, const char *reason)
 {
@@ -246,6 +263,13 @@ static void heartbeat_node(pd_reg *r, int k, bool again)
         if (check_identity(nd, m, why, sizeof why) < 0) {
             char msg[700];
             snprintf(msg, sizeof msg, "identity does not match the ranktable: %s", why);
+            pd__info_reply__free_unpacked(m, NULL);
+            set_state(r, k, false, msg);
+            return;
+        }
+        if (check_limits(r, m, why, sizeof why) < 0) {
+            char msg[700];
+            snprintf(msg, sizeof msg, "does not fit this scheduler: %s", why);
             pd__info_reply__free_unpacked(m, NULL);
             set_state(r, k, false, msg);
             return;
@@ -341,6 +365,11 @@ static void *heartbeat_main(void *arg)
         pthread_mutex_unlock(&r->mu);
         if (stop) return NULL;
     }
+}
+
+void pd_reg_set_max_model_len(pd_reg *r, int64_t max_model_len)
+{
+    r->max_model_len = max_model_len > 0 ? max_model_len : 0;
 }
 
 int pd_reg_start(pd_reg *r, int period_ms, int timeout_ms, pd_reg_change_fn on_change, void *arg)

@@ -3,13 +3,13 @@
  *
  * Design: one gRPC channel per instance. A heartbeat thread calls Info on every instance that
  * is not verified (the identity must match its ranktable entry: role, instance_index, server_id,
- * server_ip, tp size and device ids, else the instance stays out with a logged reason) and Stats
- * on every verified one, every heartbeat period. A failed call takes the instance out of the
- * routing set (and out of verification, so a restarted process is checked again); it rejoins
- * when it answers. Routing is least outstanding tokens (prefill: prompt tokens this scheduler
- * has in flight on it; decode: running + reserved tokens from Stats plus this scheduler's
- * in-flight tokens), round-robin among ties. All state sits under one mutex;
- * every function is thread-safe.
+ * server_ip, tp size and device ids, and its max_model_len must not be below the scheduler's,
+ * else the instance stays out with a logged reason) and Stats on every verified one, every
+ * heartbeat period. A failed call takes the instance out of the routing set (and out of
+ * verification, so a restarted process is checked again); it rejoins when it answers. Routing
+ * is least outstanding tokens (prefill: prompt tokens this scheduler has in flight on it;
+ * decode: running + reserved tokens from Stats plus this scheduler's in-flight tokens),
+ * round-robin among ties. All state sits under one mutex; every function is thread-safe.
  */
 #ifndef PD_SCHEDULER_REGISTRY_H
 #define PD_SCHEDULER_REGISTRY_H
@@ -33,6 +33,10 @@ typedef void (*pd_reg_change_fn)(void *arg, int k, bool up);
  * instance on client (which must outlive the registry). Nothing is called yet. */
 int pd_reg_create(const char *global_file, const char *node_ports, pd_rpc_client *client,
                   pd_reg **out);
+/* The scheduler's max_model_len (L): an instance whose Info reports a smaller one fails the
+ * identity check (it would refuse prompts the scheduler admits), its reason naming both values.
+ * 0 (the default) checks nothing. Call before pd_reg_start. */
+void pd_reg_set_max_model_len(pd_reg *r, int64_t max_model_len);
 /* Starts the heartbeat thread: one round at once, then every period_ms; each call has
  * timeout_ms. on_change may be NULL. */
 int pd_reg_start(pd_reg *r, int period_ms, int timeout_ms, pd_reg_change_fn on_change, void *arg);

@@ -34,6 +34,10 @@
 
 #define DEFAULT_MAX_MESSAGE (64u << 20)
 #define CQ_POLL_MS          100
+/* Longest wait between a channel's connection attempts (gRPC's default grows 1 s x 1.6 per
+ * failure up to 120 s): a peer restarted after a long outage is reached within about a second
+ * (pd-scheduler's heartbeat period), not after the next attempt tens of seconds later. */
+#define RECONNECT_BACKOFF_MAX_MS 1000
 
 typedef enum {
     T_ACCEPT,
@@ -913,11 +917,13 @@ int pd_rpc_channel_create(pd_rpc_client *cl, const char *target, size_t max_mess
     /* No BDP probing and 256 KiB stream windows: a paused stream (pd_rpc_stream_pause) holds at
      * most that much here, the rest waits on the server; a message up to that size (the
      * scheduler's relay batches: ~100 bytes per request and step) needs no window update. */
-    grpc_arg args[4] = {int_arg(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, max),
+    grpc_arg args[6] = {int_arg(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, max),
                         int_arg(GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, max),
                         int_arg(GRPC_ARG_HTTP2_BDP_PROBE, 0),
-                        int_arg(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 256 << 10)};
-    grpc_channel_args cargs = {4, args};
+                        int_arg(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 256 << 10),
+                        int_arg(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, RECONNECT_BACKOFF_MAX_MS),
+                        int_arg(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, RECONNECT_BACKOFF_MAX_MS)};
+    grpc_channel_args cargs = {6, args};
     grpc_channel_credentials *creds = grpc_insecure_credentials_create();
     ch->ch = grpc_channel_create(target, creds, &cargs);
     grpc_channel_credentials_release(creds);

@@ -106,7 +106,10 @@ bool pd_rpc_on_client_thread(void);
  * Channels must be destroyed first. */
 void pd_rpc_client_destroy(pd_rpc_client *c);
 
-/* max_message_bytes: largest message received or sent (0 = 64 MiB). */
+/* max_message_bytes: largest message received or sent (0 = 64 MiB). While the target cannot be
+ * reached the channel tries again about once a second (gRPC's reconnect backoff capped at 1 s,
+ * not its default 120 s), so a peer restarted after a long outage answers within about a
+ * second of listening again. */
 int pd_rpc_channel_create(pd_rpc_client *c, const char *target, size_t max_message_bytes,
                           pd_rpc_channel **out);
 /* Calls started on the channel keep running; the channel is released when they end. */

@@ -8,11 +8,13 @@
  *   - SIGSTOP a decode and a prefill instance: deadlines fire, no client hangs, both rejoin
  *     after SIGCONT and hold no state for the requests that were failed over;
  *   - a decode instance killed and restarted while the prefill instance holds the KV of a
- *     prompt under its lease: the prefill instance frees it (Stats: nothing held).
+ *     prompt under its lease: the prefill instance frees it (Stats: nothing held);
+ *   - a decode instance restarted after a 32 s outage rejoins the routing set within 5 s.
  * Every wait is bounded; every process is stopped at the end, also when a check fails. */
 #define _GNU_SOURCE
 #include "harness.h"
 
+#include <fcntl.h>
 #include <jansson.h>
 #include <pthread.h>
 #include <signal.h>
@@ -24,6 +26,7 @@
 #include "../../scheduler/registry.h"
 #include "transfer/kv_tcp.h"
 #include "util/clock.h"
+#include "util/log.h"
 
 /* ---- the fixture: 2 prefill + 2 decode instances and one scheduler --------------------------- */
 
@@ -697,9 +700,10 @@ TEST(faults_prefill_retry_after_partial_kv)
     ASSERT(wait_idle(D1, 5000));
 }
 
-/* A client *cl and a registry *reg of the live cluster, its heartbeat started (every 200 ms);
- * *round: its first heartbeat round completed within 10 s. The caller frees both. */
-static int live_registry(pd_rpc_client **cl, pd_reg **reg, bool *round)
+/* A client *cl and a registry *reg of the live cluster with the scheduler's max_model_len
+ * (0: none), its heartbeat started (every 200 ms); *round: its first heartbeat round completed
+ * within 10 s. The caller frees both. */
+static int live_registry(pd_rpc_client **cl, pd_reg **reg, int64_t max_model_len, bool *round)
 {
     char ports[64];
     snprintf(ports, sizeof ports, "%d,%d,%d,%d", g_c.ports[0], g_c.ports[1], g_c.ports[2],
@@ -708,6 +712,7 @@ static int live_registry(pd_rpc_client **cl, pd_reg **reg, bool *round)
     *round = false;
     PD_CHECK(pd_rpc_client_create(cl));
     PD_CHECK(pd_reg_create(g_c.global, ports, *cl, reg));
+    pd_reg_set_max_model_len(*reg, max_model_len);
     PD_CHECK(pd_reg_start(*reg, 200, 2000, NULL, NULL));
     *round = pd_reg_wait_round(*reg, 10000);
     return PD_OK;
@@ -724,7 +729,7 @@ TEST(faults_registry_round_robin)
     pd_rpc_client *cl = NULL;
     pd_reg *reg = NULL;
     bool round;
-    int rc = live_registry(&cl, &reg, &round);
+    int rc = live_registry(&cl, &reg, 0, &round);
     int picks[4] = {0}, none = 0;
     for (int i = 0; round && i < 8; i++) {
         int p = pd_reg_pick(reg, RT_ROLE_PREFILL, 0, -1),
@@ -770,6 +775,49 @@ TEST(faults_registry_round_robin)
     ASSERT_MSG(wait_instance(D1, 1, 10000), "decode instance 1 did not rejoin after SIGCONT");
 }
 
+/* The scheduler's registry with a max_model_len above the instances' (1024): none joins the
+ * routing set, each logged with both values; at 1024 every one joins. Regression: a scheduler at
+ * 2048 in front of nodes at 1024 admitted a 1199-token prompt, whose Reserve then failed with
+ * INVALID_ARGUMENT ("maximum context length is 1024"), a 500 to the client. */
+TEST(faults_registry_max_model_len)
+{
+    FIXTURE();
+    char path[600];
+    snprintf(path, sizeof path, "%s/registry_max_model_len.log", g_c.dir);
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    ASSERT(fd >= 0);
+    pd_log_set_fd(fd); /* the registry's warnings, to read back */
+    pd_rpc_client *cl = NULL, *cl2 = NULL;
+    pd_reg *big = NULL, *fits = NULL;
+    bool round_big, round_fits;
+    int rc = live_registry(&cl, &big, 2048, &round_big);
+    int rc2 = live_registry(&cl2, &fits, 1024, &round_fits);
+    int up_big = 0, up_fits = 0;
+    for (int k = 0; k < 4; k++) {
+        up_big += rc == PD_OK && pd_reg_is_up(big, k);
+        up_fits += rc2 == PD_OK && pd_reg_is_up(fits, k);
+    }
+    pd_reg_free(big);
+    pd_reg_free(fits);
+    if (cl) pd_rpc_client_destroy(cl);
+    if (cl2) pd_rpc_client_destroy(cl2);
+    pd_log_set_fd(2);
+    close(fd);
+    char cmd[1000];
+    snprintf(cmd, sizeof cmd,
+             "test \"$(grep -c \"out of the routing set: does not fit this scheduler: its "
+             "max_model_len 1024 is less than the scheduler's --max-model-len 2048\" '%s')\" -ge 4",
+             path);
+    bool logged = system(cmd) == 0;
+    printf("    instances up: %d with the scheduler at 2048, %d at 1024\n", up_big, up_fits);
+    ASSERT_OK(rc);
+    ASSERT_OK(rc2);
+    ASSERT(round_big && round_fits);
+    ASSERT_EQ_INT(up_big, 0);
+    ASSERT_EQ_INT(up_fits, 4);
+    ASSERT_MSG(logged, "no warning per instance naming both max_model_len values in %s", path);
+}
+
 /* Prefix-aware prefill routing against the live cluster (2 idle prefill instances, 16-token
  * blocks): a prompt goes back to the instance that took its leading blocks before, as far as
  * they match, unless that instance has more queued work than the blocks would save; a prompt
@@ -781,7 +829,7 @@ TEST(faults_registry_prefix_affinity)
     pd_rpc_client *cl = NULL;
     pd_reg *reg = NULL;
     bool round;
-    int rc = live_registry(&cl, &reg, &round);
+    int rc = live_registry(&cl, &reg, 0, &round);
     int32_t a[48], b[48], a2[40], turn2[88], alt[88];
     int64_t dhit[4] = {0};
     int da = -1, da2 = -1, dt = -1, dalt = -1;
@@ -994,6 +1042,34 @@ TEST(faults_y_decode_kill_before_heartbeat)
     ASSERT(out);
     ASSERT(back);
     ASSERT_EQ_INT(served, 8);
+}
+
+/* A decode instance restarted after a long outage rejoins within a heartbeat or two.
+ * Regression: the scheduler's channel to it retried the connection on gRPC's default backoff
+ * (1 s, x1.6 per failure, up to 120 s), so after a 50 s outage it rejoined 24 s after it was
+ * back (and /health stayed 503 that long in a 1P1D cluster); common/rpc/rpc.c caps the backoff
+ * at 1 s. After 32 s of failures the default's next attempt is ~11 s away. */
+TEST(faults_y_decode_rejoin_after_long_outage)
+{
+    FIXTURE();
+    ASSERT(wait_idle(D1, 5000));
+    ASSERT_MSG(wait_instance(D1, 1, 5000), "decode instance 1 is not in routing");
+    cl_signal(&g_c.procs[D1], SIGKILL);
+    bool out = wait_instance(D1, 0, 5000);
+    pd_sleep_ns(32 * PD_NS_PER_S); /* the outage: every heartbeat fails to connect */
+    int rs = cl_restart(&g_c, D1, CL_MS(30000));
+    int64_t t_back = pd_now_ns();
+    bool back = rs == PD_OK && wait_instance(D1, 1, 30000);
+    double took = (double)(pd_now_ns() - t_back) / 1e9;
+    printf("    decode instance back after a 32 s outage: in routing %.3f s after it answered "
+           "Info\n",
+           took);
+    ASSERT(out);
+    ASSERT_OK(rs);
+    ASSERT_MSG(back, "the restarted decode instance did not rejoin within 30 s");
+    ASSERT_MSG(took < CL_SEC(5.0),
+               "the restarted decode instance rejoined %.3f s after it was back", took);
+    ASSERT_MSG(reaches(D1), "no request reached the restarted decode instance");
 }
 
 TEST(faults_zz_shutdown)

@@ -1,9 +1,14 @@
 /* Unit tests of the gRPC layer: a real server on a loopback port and the async/sync client. */
 #include "harness.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include "rpc/rpc.h"
 #include "util/clock.h"
@@ -346,6 +351,107 @@ TEST(rpc_unreachable_server_fails_within_deadline)
                "a deadline is required");
     pd_rpc_channel_destroy(ch);
     pd_rpc_client_destroy(cl);
+}
+
+/* A peer that is down but listening: accepts each connection and closes it at once, so every
+ * connection attempt of a channel fails its handshake, and notes when each one came. */
+typedef struct {
+    int fd;
+    atomic_bool stop;
+    int n;
+    int64_t at_ns[64];
+} refuser;
+
+static void *refuser_main(void *arg)
+{
+    refuser *r = arg;
+    while (!atomic_load(&r->stop)) {
+        struct pollfd pfd = {.fd = r->fd, .events = POLLIN};
+        if (poll(&pfd, 1, 20) <= 0) continue;
+        int c = accept(r->fd, NULL, NULL);
+        if (c < 0) continue;
+        if (r->n < 64) r->at_ns[r->n++] = pd_now_ns();
+        close(c);
+    }
+    return NULL;
+}
+
+/* A channel whose peer stays unreachable keeps trying to connect about once a second, and a
+ * server that comes back on the port answers within about a second. Regression: gRPC's default
+ * backoff (1 s, x1.6 per failure, up to 120 s) left a pd-decode restarted after a 50 s outage out
+ * of pd-scheduler's routing set for another 24 s (the attempts after 4 s of failures: 0, 1, 2.6,
+ * 5.2 s, gaps of 2.6 s and more). */
+TEST(rpc_reconnect_backoff_bounded)
+{
+    refuser r = {.fd = socket(AF_INET, SOCK_STREAM, 0)};
+    ASSERT(r.fd >= 0);
+    struct sockaddr_in a = {.sin_family = AF_INET};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t alen = sizeof a;
+    int one = 1;
+    setsockopt(r.fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    ASSERT(bind(r.fd, (struct sockaddr *)&a, sizeof a) == 0 && listen(r.fd, 16) == 0 &&
+           getsockname(r.fd, (struct sockaddr *)&a, &alen) == 0);
+    int port = ntohs(a.sin_port);
+    pthread_t t;
+    ASSERT(pthread_create(&t, NULL, refuser_main, &r) == 0);
+    pd_rpc_client *cl;
+    pd_rpc_channel *ch;
+    char target[64];
+    snprintf(target, sizeof target, "127.0.0.1:%d", port);
+    ASSERT_OK(pd_rpc_client_create(&cl));
+    ASSERT_OK(pd_rpc_channel_create(cl, target, 0, &ch));
+    /* calls every 100 ms for 6 s, as a heartbeat would make them: each fails */
+    int ok = 0;
+    int64_t t0 = pd_now_ns();
+    while (pd_now_ns() - t0 < 6 * PD_NS_PER_S) {
+        uint8_t *resp = NULL;
+        if (pd_rpc_unary(ch, "/t.T/Echo", "x", 1, 200, &resp, NULL, NULL) == PD_OK) ok++;
+        free(resp);
+        pd_sleep_ns(100 * PD_NS_PER_MS);
+    }
+    int64_t t_end = pd_now_ns();
+    atomic_store(&r.stop, true);
+    pthread_join(t, NULL);
+    close(r.fd);
+    /* the longest time without an attempt in [t0, t_end] */
+    int64_t worst_ns = 0, prev = t0;
+    for (int i = 0; i <= r.n; i++) {
+        int64_t at = i < r.n ? r.at_ns[i] : t_end;
+        if (at - prev > worst_ns) worst_ns = at - prev;
+        prev = at;
+    }
+    double worst = (double)worst_ns / 1e9;
+    /* the server is back on the port */
+    pd_rpc_server_params p = pd_rpc_server_default_params();
+    char addr[64];
+    snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
+    p.addr = addr;
+    pd_rpc_server *srv = NULL;
+    int started = pd_rpc_server_start(&p, methods, 4, &srv);
+    int64_t t_back = pd_now_ns();
+    double answered = -1;
+    while (started == PD_OK && pd_now_ns() - t_back < 10 * PD_NS_PER_S) {
+        uint8_t *resp = NULL;
+        int rc = pd_rpc_unary(ch, "/t.T/Echo", "x", 1, 200, &resp, NULL, NULL);
+        free(resp);
+        if (rc == PD_OK) {
+            answered = (double)(pd_now_ns() - t_back) / 1e9;
+            break;
+        }
+        pd_sleep_ns(100 * PD_NS_PER_MS);
+    }
+    pd_rpc_channel_destroy(ch);
+    pd_rpc_client_destroy(cl);
+    if (srv) pd_rpc_server_stop(srv, 1000);
+    printf("    %d connection attempts in 6 s, at most %.2f s apart; answered %.2f s after the "
+           "server came back\n",
+           r.n, worst, answered);
+    ASSERT_EQ_INT(ok, 0);
+    ASSERT_MSG(worst < 1.8, "%.2f s without a connection attempt (%d attempts in 6 s)", worst, r.n);
+    ASSERT_OK(started);
+    ASSERT_MSG(answered >= 0 && answered < 2.0, "the server answered %.2f s after it came back",
+               answered);
 }
 
 TEST(rpc_stop_cancels_calls_in_flight)
