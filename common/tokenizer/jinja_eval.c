@@ -19,6 +19,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <time.h>
 
 #include "tokenizer/chat_template.h"
@@ -1929,6 +1930,50 @@ static int tojson_filter(rt *R, const jv *v, const callargs *ca, int line, jv *o
     return v_from_sb(R, &b, out);
 }
 
+/* c is an ASCII digit of base (2..36; any other base: of base 36). */
+static bool is_digit_of(char c, int base)
+{
+    int d = c >= '0' && c <= '9'   ? c - '0'
+            : c >= 'a' && c <= 'z' ? c - 'a' + 10
+            : c >= 'A' && c <= 'Z' ? c - 'A' + 10
+                                   : 99;
+    return d < (base >= 2 && base <= 36 ? base : 36);
+}
+
+/* A stripped string with Python's digit separators removed into buf (n bytes): an underscore
+ * counts only between two digits of base ("1_000"); any other one stays, so that the parse
+ * fails as Python's does ("1__0", "_1", "1e_5"). false when it does not fit. */
+static bool py_unsep(const jv *t, int base, char *buf, size_t n)
+{
+    const char *s = t->u.s.p;
+    size_t m = 0;
+    if (t->u.s.n == 0 || t->u.s.n >= n) return false;
+    for (size_t i = 0; i < t->u.s.n; i++) {
+        if (s[i] == '_' && i > 0 && i + 1 < t->u.s.n && is_digit_of(s[i - 1], base) &&
+            is_digit_of(s[i + 1], base))
+            continue;
+        buf[m++] = s[i];
+    }
+    buf[m] = 0;
+    return true;
+}
+
+/* Python's float(s) for s from py_unsep: a decimal literal or inf / infinity / nan, signed.
+ * strtod alone also takes C's hex floats ("0x10" is 16.0) and "nan(...)", which Python
+ * refuses. */
+static bool py_float(const char *s, double *out)
+{
+    const char *w = s + (*s == '+' || *s == '-');
+    bool word =
+        strcasecmp(w, "inf") == 0 || strcasecmp(w, "infinity") == 0 || strcasecmp(w, "nan") == 0;
+    if (!word && (!*w || strspn(w, "0123456789.eE+-") != strlen(w))) return false;
+    char *end;
+    double f = strtod(s, &end);
+    if (*end) return false;
+    *out = f;
+    return true;
+}
+
 /* Python int(str) / int(float) as jinja2's int filter does, with a default. */
 static int filter_int(rt *R, const jv *v, const callargs *ca, int line, jv *out)
 {
@@ -1948,13 +1993,10 @@ static int filter_int(rt *R, const jv *v, const callargs *ca, int line, jv *out)
         return 0;
     }
     if (v->kind == JV_STR) {
+        /* jinja2: int(value, base), else int(float(value)), else the default */
         jv t = do_strip(v, NULL, true, true);
         char buf[128];
-        size_t m = 0;
-        for (size_t i = 0; i < t.u.s.n && m + 1 < sizeof buf; i++)
-            if (t.u.s.p[i] != '_') buf[m++] = t.u.s.p[i];
-        buf[m] = 0;
-        if (m > 0 && t.u.s.n < sizeof buf) {
+        if (py_unsep(&t, base, buf, sizeof buf)) {
             char *end;
             errno = 0;
             long long x = strtoll(buf, &end, base);
@@ -1962,8 +2004,9 @@ static int filter_int(rt *R, const jv *v, const callargs *ca, int line, jv *out)
                 *out = v_int(x);
                 return 0;
             }
-            double f = strtod(buf, &end);
-            if (*end == 0 && isfinite(f) && fabs(f) < 9.2e18) {
+            double f;
+            if ((base == 10 || py_unsep(&t, 10, buf, sizeof buf)) && py_float(buf, &f) &&
+                isfinite(f) && fabs(f) < 9.2e18) {
                 *out = v_int((int64_t)f);
                 return 0;
             }
@@ -1985,15 +2028,10 @@ static int filter_float(rt *R, const jv *v, const callargs *ca, int line, jv *ou
     if (v->kind == JV_STR) {
         jv t = do_strip(v, NULL, true, true);
         char buf[128];
-        if (t.u.s.n > 0 && t.u.s.n < sizeof buf) {
-            memcpy(buf, t.u.s.p, t.u.s.n);
-            buf[t.u.s.n] = 0;
-            char *end;
-            double f = strtod(buf, &end);
-            if (*end == 0) {
-                *out = v_float(f);
-                return 0;
-            }
+        double f;
+        if (py_unsep(&t, 10, buf, sizeof buf) && py_float(buf, &f)) {
+            *out = v_float(f);
+            return 0;
         }
     }
     *out = d;
