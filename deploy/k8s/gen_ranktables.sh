@@ -15,6 +15,7 @@
 #       [--prefill-port 8088] [--decode-port 8089] [--namespace pdserve]
 #       [--cluster-domain cluster.local] [--out FILE]      (default: standard output)
 # pd-ranktable is taken from $PD_BIN_DIR, ./build of this checkout, or PATH.
+[ -n "${BASH_VERSION:-}" ] || exec bash "$0" "$@"
 set -euo pipefail
 here=$(cd "$(dirname "$0")/../.." && pwd)
 me=gen_ranktables.sh
