@@ -8,7 +8,11 @@ ICU we generate compact sorted tables:
     as merged code point ranges with a bit mask;
   - NFC data (Qwen2/3 use the NFC normalizer): canonical combining classes, full canonical
     decompositions, primary composites, and the set of code points for which NFC may change
-    the text (the quick-check set), so ASCII/common text skips normalization.
+    the text (the quick-check set), so ASCII/common text skips normalization;
+  - case mappings for the chat templates' upper(), lower() and title() (Python's str methods,
+    which Hugging Face's Jinja runs): the one-code-point mappings as runs of code points with
+    a common step (1, or 2 for alternating upper/lower pairs) and offset, the full mappings to
+    several code points (U+00DF -> "SS"), and the Cased property.
 
 Usage: /usr/bin/python3 common/tokenizer/gen_unicode_tables.py > common/tokenizer/unicode_tables.c
 """
@@ -168,6 +172,56 @@ def main():
     for a, b in rows:
         w('    {0x%X, 0x%X, 1},\n' % (a, b))
     w('};\nconst unsigned pd_uc_nfc_unsafe_count = %d;\n' % len(rows))
+
+    # ---- case mappings (PD_UC_UPPER, PD_UC_LOWER, PD_UC_TITLE order)
+    for name, f in (('upper', str.upper), ('lower', str.lower), ('title', str.title)):
+        single, multi = [], []
+        for cp in range(MAX):
+            if is_surrogate(cp):
+                continue
+            m = f(chr(cp))
+            if m == chr(cp):
+                continue
+            assert len(m.encode()) <= 3 * len(chr(cp).encode())  # str_case's buffer
+            if len(m) == 1:
+                single.append((cp, ord(m) - cp))
+            else:
+                assert len(m) <= 3
+                multi.append((cp, [ord(x) for x in m]))
+        runs, i = [], 0
+        while i < len(single):
+            cp, d = single[i]
+            step, n = 1, 1
+            for st in (1, 2):
+                j = i + 1
+                while j < len(single) and single[j] == (cp + (j - i) * st, d):
+                    j += 1
+                if j - i > n:
+                    step, n = st, j - i
+            runs.append((cp, cp + (n - 1) * step, step, d))
+            i += n
+        # disjoint as intervals, so a bisection finds the one run that may hold a code point
+        assert all(r[0] > q[1] for q, r in zip(runs, runs[1:]))
+        w('\nconst pd_uc_case_run pd_uc_%s_runs[] = {\n' % name)
+        for a, b, st, d in runs:
+            w('    {0x%X, 0x%X, %d, %d},\n' % (a, b, st, d))
+        w('};\nconst unsigned pd_uc_%s_run_count = %d;\n' % (name, len(runs)))
+        w('const pd_uc_case_full pd_uc_%s_full[] = {\n' % name)
+        for cp, m in multi:
+            w('    {0x%X, %d, {%s}},\n' % (cp, len(m), ', '.join('0x%X' % c for c in m)))
+        if not multi:
+            w('    {0, 0, {0}},\n')
+        w('};\nconst unsigned pd_uc_%s_full_count = %d;\n' % (name, len(multi)))
+
+    def cased(cp):
+        ch = chr(cp)
+        return not is_surrogate(cp) and (ch.isupper() or ch.islower() or ch.istitle())
+
+    rows = ranges_of(cased)
+    w('\nconst pd_uc_range pd_uc_cased[] = {\n')
+    for a, b in rows:
+        w('    {0x%X, 0x%X, 1},\n' % (a, b))
+    w('};\nconst unsigned pd_uc_cased_count = %d;\n' % len(rows))
 
 
 if __name__ == '__main__':

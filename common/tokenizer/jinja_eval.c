@@ -454,80 +454,33 @@ static size_t cp_count(const char *s, size_t n)
     return k;
 }
 
-/* Simple case mappings: ASCII, Latin-1, Latin Extended-A, Greek, Cyrillic, fullwidth. */
-static uint32_t cp_upper(uint32_t c)
-{
-    if (c < 0x80) return c >= 'a' && c <= 'z' ? c - 32 : c;
-    if (c == 0xB5) return 0x39C;
-    if (c == 0xFF) return 0x178;
-    if (c >= 0xE0 && c <= 0xFE && c != 0xF7) return c - 32;
-    if (c >= 0x100 && c <= 0x17F) {
-        if (c == 0x131) return 'I';
-        if (c == 0x17F) return 'S';
-        if ((c >= 0x139 && c <= 0x148) || (c >= 0x179 && c <= 0x17E)) return (c & 1) ? c : c - 1;
-        if (c == 0x130 || c == 0x138 || c == 0x149) return c;
-        return (c & 1) ? c - 1 : c;
-    }
-    if (c >= 0x3B1 && c <= 0x3C9 && c != 0x3C2) return c - 32;
-    if (c == 0x3C2) return 0x3A3;
-    if (c >= 0x430 && c <= 0x44F) return c - 32;
-    if (c >= 0x450 && c <= 0x45F) return c - 80;
-    if (c >= 0xFF41 && c <= 0xFF5A) return c - 32;
-    return c;
-}
+enum { CASE_UPPER = PD_UC_UPPER, CASE_LOWER = PD_UC_LOWER, CASE_TITLE = PD_UC_TITLE };
 
-static uint32_t cp_lower(uint32_t c)
-{
-    if (c < 0x80) return c >= 'A' && c <= 'Z' ? c + 32 : c;
-    if (c >= 0xC0 && c <= 0xDE && c != 0xD7) return c + 32;
-    if (c == 0x178) return 0xFF;
-    if (c >= 0x100 && c <= 0x17F) {
-        if (c == 0x130) return 'i';
-        if ((c >= 0x139 && c <= 0x148) || (c >= 0x179 && c <= 0x17E)) return (c & 1) ? c + 1 : c;
-        if (c == 0x131 || c == 0x138 || c == 0x149 || c == 0x17F) return c;
-        return (c & 1) ? c : c + 1;
-    }
-    if (c >= 0x391 && c <= 0x3A9 && c != 0x3A2) return c + 32;
-    if (c >= 0x410 && c <= 0x42F) return c + 32;
-    if (c >= 0x400 && c <= 0x40F) return c + 80;
-    if (c >= 0xFF21 && c <= 0xFF3A) return c + 32;
-    return c;
-}
-
-static bool cp_cased(uint32_t c)
-{
-    return cp_upper(c) != c || cp_lower(c) != c;
-}
-
-enum { CASE_UPPER, CASE_LOWER, CASE_TITLE };
-
+/* Python's str.upper / lower / title: full case mappings (U+00DF upper is "SS", so the text
+ * may grow, at most 3x); title() maps a character after a cased one to lower case, any
+ * other to title case. Invalid bytes are kept as they are. (Final sigma is not special-cased:
+ * Python lowers a word-final U+03A3 to U+03C2, this to U+03C3.) */
 static int str_case(rt *R, const char *s, size_t n, int mode, jv *out)
 {
-    char *o = ralloc(R, n * 2 + 1);
+    char *o = ralloc(R, n * 3 + 1);
     if (!o) return oom(R);
     size_t k = 0;
     bool prev_cased = false;
     for (size_t i = 0; i < n;) {
-        uint32_t cp;
+        uint32_t cp, m[3];
         size_t len = dec(s, n, i, &cp);
         if (cp == 0xFFFD && len == 1 && (unsigned char)s[i] >= 0x80) {
             o[k++] = s[i++];
             continue;
         }
-        uint32_t m = cp;
-        if (mode == CASE_UPPER)
-            m = cp_upper(cp);
-        else if (mode == CASE_LOWER)
-            m = cp_lower(cp);
-        else {
-            m = prev_cased ? cp_lower(cp) : cp_upper(cp);
-            prev_cased = cp_cased(cp);
-        }
-        if (m == cp) {
+        int md = mode != CASE_TITLE ? mode : prev_cased ? CASE_LOWER : CASE_TITLE;
+        size_t nm = pd_uc_case(cp, md, m);
+        if (mode == CASE_TITLE) prev_cased = pd_uc_is_cased(cp);
+        if (nm == 1 && m[0] == cp) {
             memcpy(o + k, s + i, len);
             k += len;
         } else {
-            k += pd_utf8_encode(m, (uint8_t *)o + k);
+            for (size_t j = 0; j < nm; j++) k += pd_utf8_encode(m[j], (uint8_t *)o + k);
         }
         i += len;
     }

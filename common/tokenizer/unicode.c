@@ -151,6 +151,56 @@ unsigned pd_uc_class(uint32_t cp)
     return r ? r->val : 0;
 }
 
+/* ---- case ---------------------------------------------------------------------------- */
+
+size_t pd_uc_case(uint32_t cp, int mode, uint32_t out[3])
+{
+    const pd_uc_case_run *runs = mode == PD_UC_UPPER   ? pd_uc_upper_runs
+                                 : mode == PD_UC_LOWER ? pd_uc_lower_runs
+                                                       : pd_uc_title_runs;
+    const pd_uc_case_full *full = mode == PD_UC_UPPER   ? pd_uc_upper_full
+                                  : mode == PD_UC_LOWER ? pd_uc_lower_full
+                                                        : pd_uc_title_full;
+    unsigned nr = mode == PD_UC_UPPER   ? pd_uc_upper_run_count
+                  : mode == PD_UC_LOWER ? pd_uc_lower_run_count
+                                        : pd_uc_title_run_count;
+    unsigned nf = mode == PD_UC_UPPER   ? pd_uc_upper_full_count
+                  : mode == PD_UC_LOWER ? pd_uc_lower_full_count
+                                        : pd_uc_title_full_count;
+    out[0] = cp;
+    unsigned lo = 0, hi = nr; /* the runs are disjoint intervals */
+    while (lo < hi) {
+        unsigned mid = (lo + hi) / 2;
+        if (cp < runs[mid].lo)
+            hi = mid;
+        else if (cp > runs[mid].hi)
+            lo = mid + 1;
+        else if ((cp - runs[mid].lo) % runs[mid].step == 0) {
+            out[0] = (uint32_t)((int32_t)cp + runs[mid].delta);
+            return 1;
+        } else {
+            break; /* between a step-2 run's code points: maybe a full mapping (U+1F52) */
+        }
+    }
+    for (lo = 0, hi = nf; lo < hi;) {
+        unsigned mid = (lo + hi) / 2;
+        if (full[mid].cp < cp)
+            lo = mid + 1;
+        else if (full[mid].cp > cp)
+            hi = mid;
+        else {
+            memcpy(out, full[mid].out, full[mid].n * sizeof *out);
+            return full[mid].n;
+        }
+    }
+    return 1;
+}
+
+bool pd_uc_is_cased(uint32_t cp)
+{
+    return range_find(pd_uc_cased, pd_uc_cased_count, cp) != NULL;
+}
+
 /* ---- NFC ------------------------------------------------------------------------------ */
 
 enum {

@@ -30,6 +30,17 @@ typedef struct {
     uint32_t a, b, c; /* a + b compose to c */
 } pd_uc_pair;
 
+typedef struct {
+    uint32_t lo, hi; /* code points lo, lo + step, ..., hi map to cp + delta (the runs are
+                        disjoint intervals; one of step 2 may hold full mappings between) */
+    uint32_t step;
+    int32_t delta;
+} pd_uc_case_run;
+typedef struct {
+    uint32_t cp, n; /* maps to out[0..n) */
+    uint32_t out[3];
+} pd_uc_case_full;
+
 extern const uint8_t pd_uc_ascii_class[128]; /* PD_UC_* bits of code points < 128 */
 extern const pd_uc_range pd_uc_class_ranges[];
 extern const unsigned pd_uc_class_count;
@@ -42,6 +53,12 @@ extern const pd_uc_pair pd_uc_comps[];
 extern const unsigned pd_uc_comp_count;
 extern const pd_uc_range pd_uc_nfc_unsafe[];
 extern const unsigned pd_uc_nfc_unsafe_count;
+extern const pd_uc_case_run pd_uc_upper_runs[], pd_uc_lower_runs[], pd_uc_title_runs[];
+extern const unsigned pd_uc_upper_run_count, pd_uc_lower_run_count, pd_uc_title_run_count;
+extern const pd_uc_case_full pd_uc_upper_full[], pd_uc_lower_full[], pd_uc_title_full[];
+extern const unsigned pd_uc_upper_full_count, pd_uc_lower_full_count, pd_uc_title_full_count;
+extern const pd_uc_range pd_uc_cased[];
+extern const unsigned pd_uc_cased_count;
 
 /* Decodes one code point at s[0..n) (n >= 1). Returns the number of bytes consumed (>= 1)
  * and sets *cp; an invalid or truncated sequence consumes its maximal invalid prefix (as
@@ -58,6 +75,13 @@ size_t pd_utf8_lossy(const uint8_t *s, size_t n, uint8_t *out);
 
 /* PD_UC_* bits of cp. */
 unsigned pd_uc_class(uint32_t cp);
+
+enum { PD_UC_UPPER, PD_UC_LOWER, PD_UC_TITLE };
+/* Python's full case mapping of cp (str.upper / lower / title of the one character, so
+ * U+00DF upper is "SS"): writes 1 to 3 code points to out and returns their count. */
+size_t pd_uc_case(uint32_t cp, int mode, uint32_t out[3]);
+/* The Cased property (Python's: cased characters decide str.title()'s word starts). */
+bool pd_uc_is_cased(uint32_t cp);
 
 /* NFC of s[0..n) (valid UTF-8 expected; invalid bytes become U+FFFD). Returns a malloc'd
  * buffer in *out with length *out_len, or sets *out = NULL when the text is already in NFC
