@@ -260,16 +260,13 @@ static void heartbeat_node(pd_reg *r, int k, bool again)
             set_state(r, k, false, "Info reply does not parse");
             return;
         }
-        if (check_identity(nd, m, why, sizeof why) < 0) {
+        const char *refused =
+            check_identity(nd, m, why, sizeof why) < 0 ? "identity does not match the ranktable"
+            : check_limits(r, m, why, sizeof why) < 0  ? "does not fit this scheduler"
+                                                       : NULL;
+        if (refused) {
             char msg[700];
-            snprintf(msg, sizeof msg, "identity does not match the ranktable: %s", why);
-            pd__info_reply__free_unpacked(m, NULL);
-            set_state(r, k, false, msg);
-            return;
-        }
-        if (check_limits(r, m, why, sizeof why) < 0) {
-            char msg[700];
-            snprintf(msg, sizeof msg, "does not fit this scheduler: %s", why);
+            snprintf(msg, sizeof msg, "%s: %s", refused, why);
             pd__info_reply__free_unpacked(m, NULL);
             set_state(r, k, false, msg);
             return;

@@ -1045,19 +1045,32 @@ static int open_long_stream(int port, const char *auth)
     return fd;
 }
 
+/* A cluster of its own (prefill and decode server lists as cl_start takes them) with a
+ * scheduler on it (extra flags args); false, with both stopped, when either did not start. */
+static bool side_cluster(cl_cluster *c, const char *prefill, const char *decode, cl_proc *sp,
+                         int *port, const char *name, char *const args[])
+{
+    if (cl_start(c, g_model, prefill, decode, NULL) < 0) {
+        printf("    cl_start: %s\n", pd_last_error());
+        return false;
+    }
+    if (start_scheduler_on(c, sp, port, name, args, "1") < 0) {
+        printf("    %s did not start\n", name);
+        cl_stop_all(c);
+        return false;
+    }
+    return true;
+}
+
 /* 2P1D: a prefill instance hangs; the request routed to it is cancelled when the heartbeat
  * takes it out and is retried on the other prefill instance. */
 TEST(sched_prefill_retry)
 {
     FIXTURE();
     cl_cluster c2;
-    ASSERT_OK(cl_start(&c2, g_model, "0 1", "2", NULL));
     cl_proc sp;
     int port = 0;
-    if (start_scheduler_on(&c2, &sp, &port, "scheduler_2p1d", NULL, "1") < 0) {
-        cl_stop_all(&c2);
-        ASSERT_MSG(0, "scheduler on 2P1D did not start");
-    }
+    ASSERT(side_cluster(&c2, "0 1", "2", &sp, &port, "scheduler_2p1d", NULL));
     cl_signal(&c2.procs[0], SIGSTOP);
     int ok = 0;
     for (int i = 0; i < 3; i++) {
@@ -1102,14 +1115,10 @@ TEST(sched_sigterm_drains)
 {
     FIXTURE();
     cl_cluster c2;
-    ASSERT_OK(cl_start(&c2, g_model, "0", "1", NULL));
     cl_proc sp;
     int port = 0;
     char *args[] = {"--shutdown-timeout", "1.5", NULL};
-    if (start_scheduler_on(&c2, &sp, &port, "scheduler_drain", args, "1") < 0) {
-        cl_stop_all(&c2);
-        ASSERT_MSG(0, "scheduler did not start");
-    }
+    ASSERT(side_cluster(&c2, "0", "1", &sp, &port, "scheduler_drain", args));
     int stream = open_long_stream(port, NULL);
     /* a request that cannot end before the deadline: its prefill instance is stopped */
     cl_signal(&c2.procs[0], SIGSTOP);
