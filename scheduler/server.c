@@ -2809,6 +2809,8 @@ void pd_sched_free(pd_sched *s)
         if (!uv_is_closing((uv_handle_t *)&s->async)) uv_close((uv_handle_t *)&s->async, NULL);
         if (!uv_is_closing((uv_handle_t *)&s->admit_timer))
             uv_close((uv_handle_t *)&s->admit_timer, NULL);
+        if (!uv_is_closing((uv_handle_t *)&s->drain_timer))
+            uv_close((uv_handle_t *)&s->drain_timer, NULL);
         uv_run(&s->loop, UV_RUN_DEFAULT);
     }
     pthread_mutex_lock(&s->qmu);
