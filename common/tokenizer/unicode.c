@@ -155,18 +155,22 @@ unsigned pd_uc_class(uint32_t cp)
 
 size_t pd_uc_case(uint32_t cp, int mode, uint32_t out[3])
 {
-    const pd_uc_case_run *runs = mode == PD_UC_UPPER   ? pd_uc_upper_runs
-                                 : mode == PD_UC_LOWER ? pd_uc_lower_runs
-                                                       : pd_uc_title_runs;
-    const pd_uc_case_full *full = mode == PD_UC_UPPER   ? pd_uc_upper_full
-                                  : mode == PD_UC_LOWER ? pd_uc_lower_full
-                                                        : pd_uc_title_full;
-    unsigned nr = mode == PD_UC_UPPER   ? pd_uc_upper_run_count
-                  : mode == PD_UC_LOWER ? pd_uc_lower_run_count
-                                        : pd_uc_title_run_count;
-    unsigned nf = mode == PD_UC_UPPER   ? pd_uc_upper_full_count
-                  : mode == PD_UC_LOWER ? pd_uc_lower_full_count
-                                        : pd_uc_title_full_count;
+    static const struct {
+        const pd_uc_case_run *runs;
+        const unsigned *nr;
+        const pd_uc_case_full *full;
+        const unsigned *nf;
+    } tables[] = {
+        [PD_UC_UPPER] = {pd_uc_upper_runs, &pd_uc_upper_run_count, pd_uc_upper_full,
+                         &pd_uc_upper_full_count},
+        [PD_UC_LOWER] = {pd_uc_lower_runs, &pd_uc_lower_run_count, pd_uc_lower_full,
+                         &pd_uc_lower_full_count},
+        [PD_UC_TITLE] = {pd_uc_title_runs, &pd_uc_title_run_count, pd_uc_title_full,
+                         &pd_uc_title_full_count},
+    };
+    const pd_uc_case_run *runs = tables[mode].runs;
+    const pd_uc_case_full *full = tables[mode].full;
+    unsigned nr = *tables[mode].nr, nf = *tables[mode].nf;
     out[0] = cp;
     unsigned lo = 0, hi = nr; /* the runs are disjoint intervals */
     while (lo < hi) {
