@@ -3,12 +3,14 @@
 #include <stdio.h>
 
 #include "sched.h"
+#include "util/args.h"
 #include "util/log.h"
 #include "util/status.h"
 
 int main(int argc, char **argv)
 {
     pd_log_init("scheduler");
+    pd_arg_early_log_level(argc, argv);
     pd_sched_params p = pd_sched_default_params();
     bool help = false;
     if (pd_sched_parse_args(argc, argv, &p, &help) < 0) {

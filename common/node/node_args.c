@@ -246,6 +246,7 @@ int pd_node_parse_args(int argc, char **argv, rt_role role, pd_node_params *p)
 int pd_node_main(int argc, char **argv, rt_role role)
 {
     pd_log_init(rt_role_name(role));
+    pd_arg_early_log_level(argc, argv);
     pd_node_params p;
     int rc = pd_node_parse_args(argc, argv, role, &p);
     if (rc == 1) return 0;

@@ -35,6 +35,19 @@ int pd_arg_f64(const char *flag, const char *s, double *out)
     return PD_OK;
 }
 
+void pd_arg_early_log_level(int argc, char **argv)
+{
+    const char *level = NULL;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--log-level") == 0 && i + 1 < argc)
+            level = argv[++i];
+        else if (strncmp(argv[i], "--log-level=", 12) == 0)
+            level = argv[i] + 12;
+    }
+    pd_log_level lv;
+    if (level && pd_log_parse_level(level, &lv) == PD_OK) pd_log_set_level(lv);
+}
+
 int pd_arg_vllm_noop(const char *flag)
 {
     static const char *const valueless[] = {"--disable-log-requests", "--disable-log-stats",

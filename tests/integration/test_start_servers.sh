@@ -49,6 +49,11 @@ for form in space eq; do
             fail "table $table: --enforce-eager not applied: $out"
     done
 done
+# --log-level applies to what parsing logs, wherever it stands on the line
+for exe in scheduler/pd-scheduler prefill_node/pd-prefill decode_node/pd-decode; do
+    out=$("$bin/$exe" --trust-remote-code --log-level warn --help 2>&1) || fail "$exe --log-level warn --help: $out"
+    grep -q -- "a vLLM flag with no effect" <<<"$out" && fail "$exe: INFO line under --log-level warn: $out"
+done
 # refusals name the flag, on every executable
 for exe in scheduler/pd-scheduler prefill_node/pd-prefill decode_node/pd-decode; do
     for spec in "unknown flag '--frobnicate'|--frobnicate" \
