@@ -12,7 +12,9 @@ ICU we generate compact sorted tables:
   - case mappings for the chat templates' upper(), lower() and title() (Python's str methods,
     which Hugging Face's Jinja runs): the one-code-point mappings as runs of code points with
     a common step (1, or 2 for alternating upper/lower pairs) and offset, the full mappings to
-    several code points (U+00DF -> "SS"), and the Cased property.
+    several code points (U+00DF -> "SS"), the Cased property, and the Case_Ignorable property
+    (lower() turns a word-final capital sigma into U+03C2; unicodedata does not expose
+    Case_Ignorable, so it is read off str.lower() itself, see case_ignorable below).
 
 Usage: /usr/bin/python3 common/tokenizer/gen_unicode_tables.py > common/tokenizer/unicode_tables.c
 """
@@ -217,11 +219,23 @@ def main():
         ch = chr(cp)
         return not is_surrogate(cp) and (ch.isupper() or ch.islower() or ch.istitle())
 
-    rows = ranges_of(cased)
-    w('\nconst pd_uc_range pd_uc_cased[] = {\n')
-    for a, b in rows:
-        w('    {0x%X, 0x%X, 1},\n' % (a, b))
-    w('};\nconst unsigned pd_uc_cased_count = %d;\n' % len(rows))
+    # Python lowers U+03A3 to U+03C2 when a cased character comes before it and none after it,
+    # skipping case-ignorable ones both ways. Before 'A' + c + SIGMA, a case-ignorable c is
+    # skipped to the cased 'A' (final); a c that is neither stops the look-back uncased (not
+    # final). A cased c ends the look-back as cased unless it is also case-ignorable, so those
+    # are told apart behind an uncased '1'.
+    def case_ignorable(cp):
+        if is_surrogate(cp):
+            return False
+        probe = ('1' if cased(cp) else 'A') + chr(cp) + '\u03a3'
+        return (probe.lower()[-1] == '\u03c2') != cased(cp)
+
+    for name, pred in (('cased', cased), ('case_ignorable', case_ignorable)):
+        rows = ranges_of(pred)
+        w('\nconst pd_uc_range pd_uc_%s[] = {\n' % name)
+        for a, b in rows:
+            w('    {0x%X, 0x%X, 1},\n' % (a, b))
+        w('};\nconst unsigned pd_uc_%s_count = %d;\n' % (name, len(rows)))
 
 
 if __name__ == '__main__':

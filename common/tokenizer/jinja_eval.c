@@ -456,26 +456,44 @@ static size_t cp_count(const char *s, size_t n)
 
 enum { CASE_UPPER = PD_UC_UPPER, CASE_LOWER = PD_UC_LOWER, CASE_TITLE = PD_UC_TITLE };
 
+/* Whether the first code point of s[i..n) that is not case-ignorable is cased (false at the
+ * end): what follows a capital sigma, for Python's Final_Sigma rule. */
+static bool cased_ahead(const char *s, size_t n, size_t i)
+{
+    while (i < n) {
+        uint32_t cp;
+        i += dec(s, n, i, &cp);
+        if (!pd_uc_is_case_ignorable(cp)) return pd_uc_is_cased(cp);
+    }
+    return false;
+}
+
 /* Python's str.upper / lower / title: full case mappings (U+00DF upper is "SS", so the text
  * may grow, at most 3x); title() maps a character after a cased one to lower case, any
- * other to title case. Invalid bytes are kept as they are. (Final sigma is not special-cased:
- * Python lowers a word-final U+03A3 to U+03C2, this to U+03C3.) */
+ * other to title case. Lowering U+03A3 gives U+03C2 where a cased code point comes before it
+ * and none after it, case-ignorable ones skipped (Python's handle_capital_sigma), else U+03C3.
+ * Invalid bytes are kept as they are. */
 static int str_case(rt *R, const char *s, size_t n, int mode, jv *out)
 {
     char *o = ralloc(R, n * 3 + 1);
     if (!o) return oom(R);
     size_t k = 0;
-    bool prev_cased = false;
+    bool prev_cased = false;   /* the code point before this one is cased (title()) */
+    bool cased_before = false; /* so is the last one before this that is not case-ignorable */
     for (size_t i = 0; i < n;) {
         uint32_t cp, m[3];
         size_t len = dec(s, n, i, &cp);
         if (cp == 0xFFFD && len == 1 && (unsigned char)s[i] >= 0x80) {
             o[k++] = s[i++];
+            cased_before = prev_cased = false;
             continue;
         }
         int md = mode != CASE_TITLE ? mode : prev_cased ? CASE_LOWER : CASE_TITLE;
         size_t nm = pd_uc_case(cp, md, m);
-        if (mode == CASE_TITLE) prev_cased = pd_uc_is_cased(cp);
+        if (cp == 0x3A3 && md == CASE_LOWER && cased_before && !cased_ahead(s, n, i + len))
+            m[0] = 0x3C2;
+        prev_cased = pd_uc_is_cased(cp);
+        if (mode != CASE_UPPER && !pd_uc_is_case_ignorable(cp)) cased_before = prev_cased;
         if (nm == 1 && m[0] == cp) {
             memcpy(o + k, s + i, len);
             k += len;

@@ -205,6 +205,11 @@ bool pd_uc_is_cased(uint32_t cp)
     return range_find(pd_uc_cased, pd_uc_cased_count, cp) != NULL;
 }
 
+bool pd_uc_is_case_ignorable(uint32_t cp)
+{
+    return range_find(pd_uc_case_ignorable, pd_uc_case_ignorable_count, cp) != NULL;
+}
+
 /* ---- NFC ------------------------------------------------------------------------------ */
 
 enum {

@@ -57,8 +57,8 @@ extern const pd_uc_case_run pd_uc_upper_runs[], pd_uc_lower_runs[], pd_uc_title_
 extern const unsigned pd_uc_upper_run_count, pd_uc_lower_run_count, pd_uc_title_run_count;
 extern const pd_uc_case_full pd_uc_upper_full[], pd_uc_lower_full[], pd_uc_title_full[];
 extern const unsigned pd_uc_upper_full_count, pd_uc_lower_full_count, pd_uc_title_full_count;
-extern const pd_uc_range pd_uc_cased[];
-extern const unsigned pd_uc_cased_count;
+extern const pd_uc_range pd_uc_cased[], pd_uc_case_ignorable[];
+extern const unsigned pd_uc_cased_count, pd_uc_case_ignorable_count;
 
 /* Decodes one code point at s[0..n) (n >= 1). Returns the number of bytes consumed (>= 1)
  * and sets *cp; an invalid or truncated sequence consumes its maximal invalid prefix (as
@@ -82,6 +82,9 @@ enum { PD_UC_UPPER, PD_UC_LOWER, PD_UC_TITLE };
 size_t pd_uc_case(uint32_t cp, int mode, uint32_t out[3]);
 /* The Cased property (Python's: cased characters decide str.title()'s word starts). */
 bool pd_uc_is_cased(uint32_t cp);
+/* The Case_Ignorable property (apostrophes, combining marks, modifiers: what lower() skips
+ * around a capital sigma to decide whether it ends a word). */
+bool pd_uc_is_case_ignorable(uint32_t cp);
 
 /* NFC of s[0..n) (valid UTF-8 expected; invalid bytes become U+FFFD). Returns a malloc'd
  * buffer in *out with length *out_len, or sets *out = NULL when the text is already in NFC
