@@ -94,6 +94,14 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
     return 0;
 }
 
+static bool contains(const char *s, size_t n, const char *needle)
+{
+    size_t k = strlen(needle);
+    for (size_t i = 0; i + k <= n; i++)
+        if (memcmp(s + i, needle, k) == 0) return true;
+    return false;
+}
+
 static void check_request(pd_api_kind kind, const char *body, size_t len, pd_arena *a)
 {
     pd_api_request r;
@@ -103,7 +111,11 @@ static void check_request(pd_api_kind kind, const char *body, size_t len, pd_are
     if (rc < 0) {
         if (rc == PD_ENOMEM) return;
         if (http != 400 && http != 404) fail("refusal status", pd_last_error());
-        if (!pd_last_error()[0]) fail("refusal", "no message");
+        /* the one refusal whose message may be empty: a request's own template calling
+           raise_exception('') or raise_exception(undefined) (§8.3: the message is msg exactly) */
+        if (!pd_last_error()[0] &&
+            !(g_lim.trust_request_template && contains(body, len, "raise_exception")))
+            fail("refusal", "no message");
         return;
     }
     if (r.n_prompts == 0 || !r.prompts) fail("accepted request", "no prompt");
