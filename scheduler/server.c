@@ -2575,7 +2575,7 @@ static int load_model(pd_sched *s)
     PD_CHECK(pd_model_config_load(path, &cfg));
     s->vocab = (int32_t)cfg.vocab_size;
     if (pd_tok_vocab_size(s->tok) > s->vocab) s->vocab = pd_tok_vocab_size(s->tok);
-    s->L = p->max_model_len > 0 ? p->max_model_len : cfg.max_position_embeddings;
+    s->L = p->max_model_len > 0 ? p->max_model_len : pd_model_max_len(&cfg, NULL);
     s->gen = pd_generation_config_default();
     snprintf(path, sizeof path, "%s/generation_config.json", p->model);
     if (access(path, F_OK) == 0) PD_CHECK(pd_generation_config_load(path, &s->gen));

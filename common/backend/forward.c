@@ -12,7 +12,9 @@
  * the pass issues those instead of the plain ops they stand for (params.no_fused: never). Where
  * the backend's q/k/v and gate/up projections also take the norm before them (norm_in), the
  * residual add and the norm go with them: the sum is written to the stream's other buffer, as
- * the projection's blocks still read the old rows.
+ * the projection's blocks still read the old rows. A model with per-head q/k norms (Qwen3) runs
+ * those norms between the projection and the rotary step, so it takes neither the fused
+ * projection + rotary op nor the norm_in ops.
  */
 #include "backend/forward.h"
 
@@ -26,6 +28,7 @@ typedef struct {
     pd_weight *ln1;          /* (1, H) f32 */
     pd_weight *wq, *wk, *wv; /* (nq_loc*D, H), (nkv_loc*D, H), (nkv_loc*D, H) */
     pd_weight *bq, *bk, *bv; /* (1, nq_loc*D), (1, nkv_loc*D) x2, or NULL */
+    pd_weight *qn, *kn;      /* (1, D) per-head q and k norms (Qwen3), or NULL */
     pd_weight *wo;           /* (H, nq_loc*D): input columns of this rank's heads */
     pd_weight *bo;           /* (1, H) on rank 0 only, or NULL */
     pd_weight *ln2;          /* (1, H) */
@@ -124,14 +127,16 @@ static int load_weights(pd_forward *f, const pd_model_weights *mw)
         if (w->q_bias.data) PD_CHECK(load(f, &w->q_bias, 0, 1, q0, qn, &L->bq));
         if (w->k_bias.data) PD_CHECK(load(f, &w->k_bias, 0, 1, kv0, kvn, &L->bk));
         if (w->v_bias.data) PD_CHECK(load(f, &w->v_bias, 0, 1, kv0, kvn, &L->bv));
+        if (w->q_norm.data) PD_CHECK(load_all(f, &w->q_norm, &L->qn));
+        if (w->k_norm.data) PD_CHECK(load_all(f, &w->k_norm, &L->kn));
         PD_CHECK(load(f, &w->o_proj, 0, 0, q0, qn, &L->wo));
         if (w->o_bias.data && r == 0) PD_CHECK(load_all(f, &w->o_bias, &L->bo));
         PD_CHECK(load_all(f, &w->post_attention_layernorm, &L->ln2));
         PD_CHECK(load(f, &w->gate_proj, i0, f->I_loc, 0, 0, &L->wg));
         PD_CHECK(load(f, &w->up_proj, i0, f->I_loc, 0, 0, &L->wu));
         PD_CHECK(load(f, &w->down_proj, 0, 0, i0, f->I_loc, &L->wd));
-        pd_weight *m[] = {L->ln1, L->wq, L->wk,  L->wv, L->bq, L->bk, L->bv,
-                          L->wo,  L->bo, L->ln2, L->wg, L->wu, L->wd};
+        pd_weight *m[] = {L->ln1, L->wq, L->wk, L->wv,  L->bq, L->bk, L->bv, L->qn,
+                          L->kn,  L->wo, L->bo, L->ln2, L->wg, L->wu, L->wd};
         for (size_t i = 0; i < sizeof m / sizeof m[0]; i++)
             if (m[i]) f->step_bytes += f->o->weight_nbytes(f->b, m[i]);
     }
@@ -160,8 +165,8 @@ void pd_forward_destroy(pd_forward *f)
     if (f->layers) {
         for (size_t l = 0; l < f->n_layers; l++) {
             fwd_layer *L = &f->layers[l];
-            pd_weight *m[] = {L->ln1, L->wq, L->wk,  L->wv, L->bq, L->bk, L->bv,
-                              L->wo,  L->bo, L->ln2, L->wg, L->wu, L->wd};
+            pd_weight *m[] = {L->ln1, L->wq, L->wk, L->wv,  L->bq, L->bk, L->bv, L->qn,
+                              L->kn,  L->wo, L->bo, L->ln2, L->wg, L->wu, L->wd};
             for (size_t i = 0; i < sizeof m / sizeof m[0]; i++)
                 if (m[i]) o->weight_free(f->b, m[i]);
         }
@@ -241,7 +246,7 @@ int pd_forward_create(pd_backend *b, const pd_model *m, const pd_forward_params 
     PD_CHECK_GOTO(load_weights(f, &m->weights), rc, fail);
     size_t qd = f->nq_loc * f->D, kvd = f->nkv_loc * f->D;
     PD_CHECK_GOTO(alloc_act(f, &f->xb[0], T, f->H), rc, fail);
-    if (f->o->norm_qkv_rope_kv_write && f->o->norm_matmul_swiglu && !p.no_fused)
+    if (f->o->norm_qkv_rope_kv_write && f->o->norm_matmul_swiglu && !p.no_fused && !c->qk_norm)
         PD_CHECK_GOTO(alloc_act(f, &f->xb[1], T, f->H), rc, fail);
     f->x = f->xb[0];
     PD_CHECK_GOTO(alloc_act(f, &f->h, T, f->H), rc, fail);
@@ -445,18 +450,22 @@ static int gate_up_swiglu(pd_forward *f, const fwd_layer *L, size_t n, const pd_
     return f->o->swiglu(f->b, f->g, f->u, n, f->I_loc, f->g);
 }
 
-/* q, k, v of the normed rows (f->h); q and k rotated; k, v into the pool's layer; pre: h's
- * norm, done by the projection. */
+/* q, k, v of the normed rows (f->h); q and k per-head normed (Qwen3) and rotated; k, v into the
+ * pool's layer; pre: h's norm, done by the projection. */
 static int qkv_rope_kv_write(pd_forward *f, const fwd_layer *L, size_t n, pd_kv *kv, int layer,
                              const pd_norm_in *pre)
 {
     const pd_weight *w[] = {L->wq, L->wk, L->wv}, *bias[] = {L->bq, L->bk, L->bv};
     if (pre)
         return f->o->norm_qkv_rope_kv_write(f->b, kv, layer, pre, n, w, bias, f->q, f->k, f->v);
-    if (f->o->qkv_rope_kv_write && !f->p.no_fused)
+    if (f->o->qkv_rope_kv_write && !f->p.no_fused && !L->qn)
         return f->o->qkv_rope_kv_write(f->b, kv, layer, f->h, n, w, bias, f->q, f->k, f->v);
     void *y[] = {f->q, f->k, f->v};
     PD_CHECK(matmuls(f, f->h, n, 3, w, bias, y));
+    if (L->qn) { /* Qwen3: each head's q and k RMS-normed over head_dim, in place */
+        PD_CHECK(f->o->rmsnorm(f->b, f->q, L->qn, f->eps, n * f->nq_loc, f->D, f->q));
+        PD_CHECK(f->o->rmsnorm(f->b, f->k, L->kn, f->eps, n * f->nkv_loc, f->D, f->k));
+    }
     if (f->o->rope_kv_write && !f->p.no_fused)
         return f->o->rope_kv_write(f->b, kv, layer, f->q, f->nq_loc, f->k, f->v);
     PD_CHECK(f->o->rope(f->b, f->q, f->nq_loc, f->D));

@@ -1,8 +1,8 @@
 /* config.json / generation_config.json parsing and RoPE frequencies (see config.h).
  *
- * Defaults follow transformers' LlamaConfig, MistralConfig and Qwen2Config so that a file that
- * leaves a field out means what it means to Hugging Face. Every getter error is prefixed with
- * the file name, giving "<file>: <field>: <problem>".
+ * Defaults follow transformers' LlamaConfig, MistralConfig, Qwen2Config and Qwen3Config so that a
+ * file that leaves a field out means what it means to Hugging Face. Every getter error is prefixed
+ * with the file name, giving "<file>: <field>: <problem>".
  */
 #include "model/config.h"
 
@@ -21,6 +21,7 @@ static const struct {
     {"LlamaForCausalLM", "llama", PD_ARCH_LLAMA},
     {"MistralForCausalLM", "mistral", PD_ARCH_MISTRAL},
     {"Qwen2ForCausalLM", "qwen2", PD_ARCH_QWEN2},
+    {"Qwen3ForCausalLM", "qwen3", PD_ARCH_QWEN3},
 };
 #define N_ARCHS (sizeof k_archs / sizeof k_archs[0])
 
@@ -111,7 +112,7 @@ static int parse_arch(const json_t *root, pd_arch *out)
         }
         return pd_error(PD_EUNSUPPORTED,
                         "architectures[0]: unsupported architecture \"%s\" (supported: "
-                        "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)",
+                        "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)",
                         name);
     }
     const char *mt = NULL;
@@ -125,7 +126,8 @@ static int parse_arch(const json_t *root, pd_arch *out)
         }
     }
     return pd_error(PD_EUNSUPPORTED,
-                    "model_type: unsupported model type \"%s\" (supported: llama, mistral, qwen2)",
+                    "model_type: unsupported model type \"%s\" (supported: llama, mistral, qwen2, "
+                    "qwen3)",
                     mt);
 }
 
@@ -186,7 +188,8 @@ static int config_parse(const json_t *root, pd_model_config *out)
     pd_model_config c = pd_model_config_default();
     PD_CHECK(parse_arch(root, &c.arch));
     if (c.arch == PD_ARCH_MISTRAL) c.max_position_embeddings = 4096 * 32;
-    if (c.arch == PD_ARCH_QWEN2) {
+    const bool qwen = c.arch == PD_ARCH_QWEN2 || c.arch == PD_ARCH_QWEN3;
+    if (qwen) {
         c.max_position_embeddings = 32768;
         c.bos_token_id = -1;
         c.n_eos_token_ids = 0;
@@ -207,7 +210,9 @@ static int config_parse(const json_t *root, pd_model_config *out)
                         (long long)c.num_key_value_heads, (long long)c.num_attention_heads);
     int rc = pdj_get_int_range(root, "", "head_dim", O, 2, 65536, &c.head_dim);
     PD_CHECK(rc);
-    if (rc == 0) {
+    if (rc == 0 && c.arch == PD_ARCH_QWEN3) {
+        c.head_dim = 128; /* Qwen3Config's default */
+    } else if (rc == 0) {
         if (c.hidden_size % c.num_attention_heads != 0)
             return pd_error(PD_EINVAL,
                             "head_dim: absent and hidden_size %lld is not a multiple of "
@@ -227,6 +232,7 @@ static int config_parse(const json_t *root, pd_model_config *out)
     PD_CHECK(pdj_get_bool(root, "", "attention_bias", O, &c.attention_bias));
     c.qkv_bias = c.attention_bias || c.arch == PD_ARCH_QWEN2;
     c.o_bias = c.attention_bias && c.arch != PD_ARCH_QWEN2;
+    c.qk_norm = c.arch == PD_ARCH_QWEN3;
     bool mlp_bias = false;
     PD_CHECK(pdj_get_bool(root, "", "mlp_bias", O, &mlp_bias));
     if (mlp_bias) return pd_error(PD_EUNSUPPORTED, "mlp_bias: true is not supported");
@@ -260,14 +266,21 @@ static int config_parse(const json_t *root, pd_model_config *out)
     if (json_object_get(root, "eos_token_id"))
         PD_CHECK(get_id_list(root, "eos_token_id", c.eos_token_ids, &c.n_eos_token_ids));
     PD_CHECK(parse_rope_scaling(root, &c.rope_scaling));
-    /* sliding_window: Mistral applies it when set; Qwen2 only with use_sliding_window */
+    /* sliding_window: Mistral applies it when set; Qwen2/3 only with use_sliding_window */
     int64_t sw = 0;
     PD_CHECK(pdj_get_int_range(root, "", "sliding_window", O, 0, INT64_C(1) << 32, &sw));
-    bool use_sw = c.arch != PD_ARCH_QWEN2;
+    bool use_sw = !qwen;
     PD_CHECK(pdj_get_bool(root, "", "use_sliding_window", O, &use_sw));
     c.sliding_window = use_sw ? sw : 0;
     *out = c;
     return PD_OK;
+}
+
+int64_t pd_model_max_len(const pd_model_config *c, const char **key)
+{
+    bool window = c->sliding_window > 0 && c->sliding_window < c->max_position_embeddings;
+    if (key) *key = window ? "sliding_window" : "max_position_embeddings";
+    return window ? c->sliding_window : c->max_position_embeddings;
 }
 
 int pd_model_config_from_json(const json_t *root, const char *what, pd_model_config *out)
@@ -332,7 +345,7 @@ json_t *pd_model_config_to_json(const pd_model_config *c)
         }
         json_object_set_new(o, "rope_scaling", rs);
     }
-    if (c->arch == PD_ARCH_QWEN2) {
+    if (c->arch == PD_ARCH_QWEN2 || c->arch == PD_ARCH_QWEN3) {
         json_object_set_new(o, "use_sliding_window", json_boolean(c->sliding_window > 0));
         json_object_set_new(o, "sliding_window",
                             c->sliding_window > 0 ? json_integer(c->sliding_window) : json_null());

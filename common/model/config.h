@@ -4,10 +4,10 @@
  * Design: one plain struct per file, filled from a default (pd_model_config_default) and then
  * from JSON through common/json getters, so every bad field is reported as
  * "<file>: <field>: <problem>". Fields that Hugging Face derives (head_dim, num_key_value_heads,
- * q/k/v bias for Qwen2) are resolved here once, so backends read one value and never re-derive.
- * RoPE inverse frequencies follow transformers' ROPE_INIT_FUNCTIONS (default, linear, dynamic,
- * llama3), computed in double precision (transformers computes them in float32; the values agree
- * to float32 rounding).
+ * q/k/v bias for Qwen2, the q/k norms of Qwen3) are resolved here once, so backends read one value
+ * and never re-derive. RoPE inverse frequencies follow transformers' ROPE_INIT_FUNCTIONS (default,
+ * linear, dynamic, llama3), computed in double precision (transformers computes them in float32;
+ * the values agree to float32 rounding).
  */
 #ifndef PD_MODEL_CONFIG_H
 #define PD_MODEL_CONFIG_H
@@ -19,7 +19,12 @@
 #include "model/dtype.h"
 
 /* Enums only grow at the end. */
-typedef enum { PD_ARCH_LLAMA = 0, PD_ARCH_MISTRAL = 1, PD_ARCH_QWEN2 = 2 } pd_arch;
+typedef enum {
+    PD_ARCH_LLAMA = 0,
+    PD_ARCH_MISTRAL = 1,
+    PD_ARCH_QWEN2 = 2,
+    PD_ARCH_QWEN3 = 3
+} pd_arch;
 
 typedef enum {
     PD_ROPE_NONE = 0,    /* absent, null, or rope_type "default" */
@@ -45,7 +50,7 @@ typedef struct {
     int64_t num_hidden_layers;
     int64_t num_attention_heads;
     int64_t num_key_value_heads; /* default num_attention_heads; divides it */
-    int64_t head_dim;            /* default hidden_size / num_attention_heads */
+    int64_t head_dim;            /* default hidden_size / num_attention_heads (Qwen3: 128) */
     double rms_norm_eps;         /* default 1e-6 */
     double rope_theta;           /* default 10000 */
     pd_rope_scaling rope_scaling;
@@ -54,13 +59,14 @@ typedef struct {
     bool tie_word_embeddings; /* default false (Qwen2 small models set true) */
     bool attention_bias;      /* the config field as written (default false) */
     bool qkv_bias;            /* q/k/v_proj carry a bias: attention_bias, or Qwen2 */
-    bool o_bias;              /* o_proj carries a bias: Llama/Mistral attention_bias only */
+    bool o_bias;              /* o_proj carries a bias: attention_bias, except for Qwen2 */
+    bool qk_norm;             /* q and k RMS-normed per head before RoPE (Qwen3) */
     bool has_torch_dtype;
     pd_dtype torch_dtype; /* F32 when absent */
     int64_t bos_token_id; /* -1 when absent or null */
     int n_eos_token_ids;  /* 0 when absent; "eos_token_id" may be an int or a list */
     int64_t eos_token_ids[PD_MAX_EOS_IDS];
-    int64_t sliding_window; /* 0 when absent/null/disabled; read and noted, not used */
+    int64_t sliding_window; /* 0 when absent/null/disabled; caps the context (pd_model_max_len) */
 } pd_model_config;
 
 /* Llama defaults as transformers' LlamaConfig has them (sizes 0: must come from the file). */
@@ -77,9 +83,15 @@ int pd_model_config_load(const char *file, pd_model_config *out);
  * model_type, torch_dtype, hidden_act and every field above. Used by pd-mkmodel. */
 json_t *pd_model_config_to_json(const pd_model_config *cfg);
 
-/* "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM". */
+/* The longest context the model is served at: max_position_embeddings, and at most
+ * sliding_window where the config sets one, because pdserve attends over the whole context (as
+ * vLLM does with --disable-sliding-window), which equals the model's sliding-window attention
+ * only up to the window. *key (may be NULL) names the limiting config.json field. */
+int64_t pd_model_max_len(const pd_model_config *cfg, const char **key);
+
+/* "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM". */
 const char *pd_arch_name(pd_arch arch);
-/* "llama", "mistral", "qwen2". */
+/* "llama", "mistral", "qwen2", "qwen3". */
 const char *pd_arch_model_type(pd_arch arch);
 /* "default", "linear", "dynamic", "llama3". */
 const char *pd_rope_type_name(pd_rope_type t);

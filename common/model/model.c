@@ -23,6 +23,7 @@ int64_t pd_model_param_count(const pd_model_config *c)
                     + 3 * H * I;         /* gate, up, down */
     if (c->qkv_bias) layer += q + 2 * kv;
     if (c->o_bias) layer += H;
+    if (c->qk_norm) layer += 2 * D;
     int64_t emb = c->vocab_size * H;
     return emb * (c->tie_word_embeddings ? 1 : 2) + c->num_hidden_layers * layer + H;
 }
@@ -92,6 +93,10 @@ static int resolve_weights(pd_model *m)
             PD_CHECK(R1(k_bias, "self_attn.k_proj.bias", KV));
             PD_CHECK(R1(v_bias, "self_attn.v_proj.bias", KV));
         }
+        if (c->qk_norm) {
+            PD_CHECK(R1(q_norm, "self_attn.q_norm.weight", c->head_dim));
+            PD_CHECK(R1(k_norm, "self_attn.k_norm.weight", c->head_dim));
+        }
         PD_CHECK(R2(o_proj, "self_attn.o_proj.weight", H, Q));
         if (c->o_bias) PD_CHECK(R1(o_bias, "self_attn.o_proj.bias", H));
         PD_CHECK(R1(post_attention_layernorm, "post_attention_layernorm.weight", H));
@@ -107,8 +112,9 @@ static int resolve_weights(pd_model *m)
         const pd_layer_weights *L = &w->layers[l];
         bytes += L->input_layernorm.nbytes + L->q_proj.nbytes + L->k_proj.nbytes +
                  L->v_proj.nbytes + L->q_bias.nbytes + L->k_bias.nbytes + L->v_bias.nbytes +
-                 L->o_proj.nbytes + L->o_bias.nbytes + L->post_attention_layernorm.nbytes +
-                 L->gate_proj.nbytes + L->up_proj.nbytes + L->down_proj.nbytes;
+                 L->q_norm.nbytes + L->k_norm.nbytes + L->o_proj.nbytes + L->o_bias.nbytes +
+                 L->post_attention_layernorm.nbytes + L->gate_proj.nbytes + L->up_proj.nbytes +
+                 L->down_proj.nbytes;
     }
     m->weight_bytes = bytes;
     return PD_OK;

@@ -1,4 +1,4 @@
-/* A loaded Llama-family checkpoint (Llama 2/3, Mistral, Qwen2, TinyLlama): its configuration
+/* A loaded Llama-family checkpoint (Llama 2/3, Mistral, Qwen2, Qwen3, TinyLlama): its configuration
  * and every decoder weight resolved by its Hugging Face name into a pd_tensor view.
  *
  * Design: loading checks every tensor the architecture needs (presence, dtype, shape) once, so
@@ -22,21 +22,23 @@
 #include "model/safetensors.h"
 
 typedef struct {
-    pd_tensor input_layernorm;          /* (H)         model.layers.{i}.input_layernorm.weight */
-    pd_tensor q_proj;                   /* (Nq*D, H)   model.layers.{i}.self_attn.q_proj.weight */
-    pd_tensor k_proj;                   /* (Nkv*D, H)  ...self_attn.k_proj.weight */
-    pd_tensor v_proj;                   /* (Nkv*D, H)  ...self_attn.v_proj.weight */
-    pd_tensor q_bias;                   /* (Nq*D)      ...q_proj.bias   when config.qkv_bias */
-    pd_tensor k_bias;                   /* (Nkv*D)     ...k_proj.bias   when config.qkv_bias */
-    pd_tensor v_bias;                   /* (Nkv*D)     ...v_proj.bias   when config.qkv_bias */
-    pd_tensor o_proj;                   /* (H, Nq*D)   ...self_attn.o_proj.weight */
-    pd_tensor o_bias;                   /* (H)         ...o_proj.bias   when config.o_bias */
+    pd_tensor input_layernorm; /* (H)         model.layers.{i}.input_layernorm.weight */
+    pd_tensor q_proj;          /* (Nq*D, H)   model.layers.{i}.self_attn.q_proj.weight */
+    pd_tensor k_proj;          /* (Nkv*D, H)  ...self_attn.k_proj.weight */
+    pd_tensor v_proj;          /* (Nkv*D, H)  ...self_attn.v_proj.weight */
+    pd_tensor q_bias;          /* (Nq*D)      ...q_proj.bias   when config.qkv_bias */
+    pd_tensor k_bias;          /* (Nkv*D)     ...k_proj.bias   when config.qkv_bias */
+    pd_tensor v_bias;          /* (Nkv*D)     ...v_proj.bias   when config.qkv_bias */
+    pd_tensor q_norm;          /* (D)         ...self_attn.q_norm.weight when config.qk_norm */
+    pd_tensor k_norm;          /* (D)         ...self_attn.k_norm.weight when config.qk_norm */
+    pd_tensor o_proj;          /* (H, Nq*D)   ...self_attn.o_proj.weight */
+    pd_tensor o_bias;          /* (H)         ...o_proj.bias   when config.o_bias */
     pd_tensor post_attention_layernorm; /* (H)         ...post_attention_layernorm.weight */
     pd_tensor gate_proj;                /* (I, H)      ...mlp.gate_proj.weight */
     pd_tensor up_proj;                  /* (I, H)      ...mlp.up_proj.weight */
     pd_tensor down_proj;                /* (H, I)      ...mlp.down_proj.weight */
 } pd_layer_weights;
-/* An absent bias is a zeroed pd_tensor (data == NULL). */
+/* An absent bias or norm is a zeroed pd_tensor (data == NULL). */
 
 typedef struct {
     pd_tensor embed_tokens;   /* (V, H)  model.embed_tokens.weight */

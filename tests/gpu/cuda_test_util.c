@@ -117,7 +117,14 @@ double ctu_rel_err(const float *a, const float *ref, size_t n)
 int ctu_make_model(const char *base, const char *preset, const char *dtype, char *out,
                    size_t out_size)
 {
-    snprintf(out, out_size, "%s/%s%s%s", base, preset, dtype[0] ? "-" : "", dtype);
+    return ctu_make_model_arch(base, preset, dtype, "", out, out_size);
+}
+
+int ctu_make_model_arch(const char *base, const char *preset, const char *dtype, const char *arch,
+                        char *out, size_t out_size)
+{
+    snprintf(out, out_size, "%s/%s%s%s%s%s", base, preset, dtype[0] ? "-" : "", dtype,
+             arch[0] ? "-" : "", arch);
     char probe[4096];
     snprintf(probe, sizeof probe, "%s/config.json", out);
     FILE *fp = fopen(probe, "r");
@@ -135,8 +142,8 @@ int ctu_make_model(const char *base, const char *preset, const char *dtype, char
         snprintf(exe, sizeof exe, "%s/tools/mkmodel/pd-mkmodel", root);
     }
     char cmd[8192];
-    snprintf(cmd, sizeof cmd, "'%s' --preset %s --out '%s'%s%s >/dev/null", exe, preset, out,
-             dtype[0] ? " --dtype " : "", dtype);
+    snprintf(cmd, sizeof cmd, "'%s' --preset %s --out '%s'%s%s%s%s >/dev/null", exe, preset, out,
+             dtype[0] ? " --dtype " : "", dtype, arch[0] ? " --arch " : "", arch);
     int st = system(cmd);
     if (st != 0) return pd_error(PD_EIO, "'%s' failed (status %d)", cmd, st);
     return PD_OK;

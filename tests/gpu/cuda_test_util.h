@@ -62,6 +62,9 @@ double ctu_rel_err(const float *a, const float *ref, size_t n);
  * $PD_BUILD_ROOT/tools/mkmodel/pd-mkmodel. A dir that already holds config.json is reused. */
 int ctu_make_model(const char *base, const char *preset, const char *dtype, char *out,
                    size_t out_size);
+/* The same with pd-mkmodel's --arch arch ("" = its default, llama). */
+int ctu_make_model_arch(const char *base, const char *preset, const char *dtype, const char *arch,
+                        char *out, size_t out_size);
 
 /* One forward pass + KV pool driven like a tiny engine: n_seqs sequences with interleaved
  * (non-contiguous) block tables, each step appends rows to some sequences and returns the last

@@ -42,10 +42,11 @@ static int open_backends(pd_backend *b[2], int gpu_mode)
     return rc;
 }
 
-static void logits_case(const char *preset, const char *dtype, int gpu_mode, double tol)
+static void logits_case(const char *preset, const char *dtype, const char *arch, int gpu_mode,
+                        double tol)
 {
     char dir[4096];
-    ASSERT_OK(ctu_make_model(model_base(), preset, dtype, dir, sizeof dir));
+    ASSERT_OK(ctu_make_model_arch(model_base(), preset, dtype, arch, dir, sizeof dir));
     pd_model *m;
     ASSERT_OK(pd_model_load(dir, &m));
     pd_backend *b[2];
@@ -99,21 +100,29 @@ static void logits_case(const char *preset, const char *dtype, int gpu_mode, dou
 TEST(cuda_forward_logits_tiny)
 {
     NEED_GPU();
-    logits_case("tiny", "", -1, 2e-2);
-    logits_case("tiny", "", PD_DTYPE_F32, 1e-4);
+    logits_case("tiny", "", "", -1, 2e-2);
+    logits_case("tiny", "", "", PD_DTYPE_F32, 1e-4);
+}
+
+/* Qwen3: the per-head q/k norms run as the rmsnorm op over (rows x heads, head_dim) in place */
+TEST(cuda_forward_logits_qwen3)
+{
+    NEED_GPU();
+    logits_case("small", "bfloat16", "qwen3", -1, 2e-2);
+    logits_case("small", "bfloat16", "qwen3", PD_DTYPE_F32, 1e-4);
 }
 
 TEST(cuda_forward_logits_small_bf16)
 {
     NEED_GPU();
-    logits_case("small", "bfloat16", -1, 2e-2);
-    logits_case("small", "bfloat16", PD_DTYPE_F32, 1e-4);
+    logits_case("small", "bfloat16", "", -1, 2e-2);
+    logits_case("small", "bfloat16", "", PD_DTYPE_F32, 1e-4);
 }
 
 TEST(cuda_forward_logits_small_f32)
 {
     NEED_GPU();
-    logits_case("small", "", -1, 2e-2);
+    logits_case("small", "", "", -1, 2e-2);
 }
 
 #define N_PROMPTS 20

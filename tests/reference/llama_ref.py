@@ -1,7 +1,9 @@
 #!/usr/bin/python3
-"""Independent numpy reference for Llama-family decoders (Llama 2/3, Mistral, Qwen2, TinyLlama).
+"""Independent numpy reference for Llama-family decoders (Llama 2/3, Mistral, Qwen2, Qwen3,
+TinyLlama).
 
 Written from the Hugging Face transformers definitions (modeling_llama.py, modeling_qwen2.py,
+modeling_qwen3.py,
 modeling_rope_utils.py), not from pdserve's C code, so that it can judge the C forward pass.
 Reads a model directory exactly as published: config.json and model.safetensors or
 model.safetensors.index.json with its shards (the safetensors format is parsed here with numpy).
@@ -21,7 +23,9 @@ Semantics that follow transformers exactly:
     A prompt is one call; each generated token is one call.
   * Attention: GQA (query head h reads KV head h // (n_heads / n_kv_heads)), scale
     head_dim ** -0.5, causal mask, softmax; q/k/v biases for Qwen2 or attention_bias, o_proj bias
-    only for Llama/Mistral with attention_bias.
+    for attention_bias except on Qwen2. Qwen3: q and k of each head RMS-normed over head_dim
+    (self_attn.q_norm / k_norm, eps rms_norm_eps) after the projection, before RoPE; head_dim
+    defaults to 128.
   * MLP: down(silu(gate(x)) * up(x)). LM head: lm_head.weight, or embed_tokens when
     tie_word_embeddings is true.
 
@@ -101,6 +105,7 @@ class Config:
         mt = d.get("model_type")
         self.qwen2 = arch == "Qwen2ForCausalLM" or (arch is None and mt == "qwen2")
         self.mistral = arch == "MistralForCausalLM" or (arch is None and mt == "mistral")
+        self.qwen3 = arch == "Qwen3ForCausalLM" or (arch is None and mt == "qwen3")
         self.hidden = d["hidden_size"]
         self.inter = d["intermediate_size"]
         self.layers = d["num_hidden_layers"]
@@ -108,10 +113,10 @@ class Config:
         kv = d.get("num_key_value_heads")
         self.kv_heads = kv if kv is not None else (8 if self.mistral else self.heads)
         hd = d.get("head_dim")
-        self.head_dim = hd if hd is not None else self.hidden // self.heads
+        self.head_dim = hd if hd is not None else (128 if self.qwen3 else self.hidden // self.heads)
         self.eps = d.get("rms_norm_eps", 1e-6)
         self.theta = d.get("rope_theta", 10000.0)
-        default_max = 32768 if self.qwen2 else (4096 * 32 if self.mistral else 2048)
+        default_max = 32768 if (self.qwen2 or self.qwen3) else (4096 * 32 if self.mistral else 2048)
         self.max_pos = d.get("max_position_embeddings", default_max)
         self.vocab = d["vocab_size"]
         self.tie = bool(d.get("tie_word_embeddings", False))
@@ -219,6 +224,9 @@ class Model:
             q = q.reshape(T, c.heads, c.head_dim)
             k = k.reshape(T, c.kv_heads, c.head_dim)
             v = v.reshape(T, c.kv_heads, c.head_dim)
+            if c.qwen3:
+                q = rms_norm(q, w[p + "self_attn.q_norm.weight"], c.eps)
+                k = rms_norm(k, w[p + "self_attn.k_norm.weight"], c.eps)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             self.k_cache[l] = np.concatenate([self.k_cache[l], k], axis=0)

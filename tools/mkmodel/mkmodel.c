@@ -164,7 +164,7 @@ static int build_specs(const pd_model_config *c, pd_dtype dt, wspec **out, size_
     const int64_t H = c->hidden_size, I = c->intermediate_size, V = c->vocab_size;
     const int64_t Q = c->num_attention_heads * c->head_dim;
     const int64_t KV = c->num_key_value_heads * c->head_dim;
-    size_t cap = 4 + (size_t)c->num_hidden_layers * 13;
+    size_t cap = 4 + (size_t)c->num_hidden_layers * 15;
     wspec *s = calloc(cap, sizeof *s);
     if (!s) return pd_error(PD_ENOMEM, "out of memory");
     size_t n = 0;
@@ -202,6 +202,10 @@ static int build_specs(const pd_model_config *c, pd_dtype dt, wspec **out, size_
             ADD(1, Q, 0, 0.0f, 0.2f, "%s.%lld.self_attn.q_proj.bias", p, (long long)l);
             ADD(1, KV, 0, 0.0f, 0.2f, "%s.%lld.self_attn.k_proj.bias", p, (long long)l);
             ADD(1, KV, 0, 0.0f, 0.2f, "%s.%lld.self_attn.v_proj.bias", p, (long long)l);
+        }
+        if (c->qk_norm) {
+            ADD(1, c->head_dim, 0, 1.0f, 0.1f, "%s.%lld.self_attn.q_norm.weight", p, (long long)l);
+            ADD(1, c->head_dim, 0, 1.0f, 0.1f, "%s.%lld.self_attn.k_norm.weight", p, (long long)l);
         }
         ADD(2, H, Q, 0.0f, sQ, "%s.%lld.self_attn.o_proj.weight", p, (long long)l);
         if (c->o_bias) ADD(1, H, 0, 0.0f, 0.2f, "%s.%lld.self_attn.o_proj.bias", p, (long long)l);
@@ -519,7 +523,8 @@ static void usage(FILE *f)
                "  --shards N                         write N shards + index (default 1)\n"
                "  --tokenizer-from DIR               copy tokenizer.json/tokenizer_config.json;\n"
                "                                     vocab size and bos/eos ids come from them\n"
-               "  --arch llama|mistral|qwen2         architecture (default llama)\n"
+               "  --arch llama|mistral|qwen2|qwen3   architecture (default llama; qwen3 adds\n"
+               "                                     per-head q/k norms)\n"
                "  --hidden N --intermediate N --layers N --heads N --kv-heads N --head-dim N\n"
                "  --vocab N                          tokenizer size incl. 3 special tokens\n"
                "  --max-pos N --rope-theta X --rms-eps X\n"
@@ -658,8 +663,11 @@ static int run(int argc, char **argv)
                 arch = PD_ARCH_MISTRAL;
             else if (strcmp(optarg, "qwen2") == 0)
                 arch = PD_ARCH_QWEN2;
+            else if (strcmp(optarg, "qwen3") == 0)
+                arch = PD_ARCH_QWEN3;
             else
-                return pd_error(PD_EINVAL, "--arch: expected llama, mistral or qwen2, got \"%s\"",
+                return pd_error(PD_EINVAL,
+                                "--arch: expected llama, mistral, qwen2 or qwen3, got \"%s\"",
                                 optarg);
             break;
         case O_HIDDEN: PD_CHECK(pd_arg_i64("--hidden", optarg, 2, big, &ov_hidden)); break;
@@ -729,13 +737,15 @@ static int run(int argc, char **argv)
     c.attention_bias = bias;
     c.qkv_bias = bias || arch == PD_ARCH_QWEN2;
     c.o_bias = bias && arch != PD_ARCH_QWEN2;
+    c.qk_norm = arch == PD_ARCH_QWEN3;
     c.sliding_window = 0;
     pd_dtype dt = o.has_dtype ? o.dtype : ps->dtype;
     c.torch_dtype = dt;
     c.has_torch_dtype = true;
 
-    const int64_t n_tensors = 2 + (c.tie_word_embeddings ? 0 : 1) +
-                              c.num_hidden_layers * (9 + (c.qkv_bias ? 3 : 0) + (c.o_bias ? 1 : 0));
+    const int64_t n_tensors =
+        2 + (c.tie_word_embeddings ? 0 : 1) +
+        c.num_hidden_layers * (9 + (c.qkv_bias ? 3 : 0) + (c.o_bias ? 1 : 0) + (c.qk_norm ? 2 : 0));
     if (o.shards > n_tensors)
         return pd_error(PD_EINVAL, "--shards %d: the model has only %lld tensors", o.shards,
                         (long long)n_tensors);

@@ -3,7 +3,7 @@
 
 For each model variant (made by pd-mkmodel with its shape flags: GQA and MHA, head_dim !=
 hidden/heads, rope_scaling none/linear/dynamic/llama3, tied/untied embeddings, q/k/v(/o) bias,
-Llama/Mistral/Qwen2, f32/bf16/f16 weights, single file and sharded) and several prompts, runs
+Llama/Mistral/Qwen2/Qwen3 (per-head q/k norms), f32/bf16/f16 weights, single file and sharded) and several prompts, runs
 fwd_dump and llama_ref.py and requires:
   * logits at the last prompt position within relative error 1e-4
     (max |c - ref| / max |ref|, ref in float64);
@@ -50,6 +50,8 @@ VARIANTS = [
     ("sharded", ["--shards", "3"]),
     ("bf16_sharded_tied_qwen2", ["--dtype", "bfloat16", "--shards", "2", "--tie-embeddings",
                                  "--arch", "qwen2"]),
+    ("qwen3", ["--arch", "qwen3", "--head-dim", "48"]),
+    ("bf16_tied_qwen3", ["--dtype", "bfloat16", "--tie-embeddings", "--arch", "qwen3"]),
 ]
 
 PROMPTS = [
@@ -63,8 +65,8 @@ ALL_LOGITS = {"gqa_f32", "rope_dynamic", "bf16"}
 # doubling from 256 positions): every position's logits against the reference
 LONG_PROMPT = [(i * 7919 + 13) % 2000 + 1 for i in range(600)]
 LONG = {"gqa_f32", "rope_llama3"}
-DETERMINISM = {"gqa_f32", "qwen2", "bf16", "head_dim_48"}
-GENERATE = {"gqa_f32", "qwen2"}
+DETERMINISM = {"gqa_f32", "qwen2", "qwen3", "bf16", "head_dim_48"}
+GENERATE = {"gqa_f32", "qwen2", "qwen3"}
 
 
 def gen_json(generate, mdir, extra):

@@ -559,9 +559,10 @@ static void log_logits(void *ctx, const char *id, uint32_t seq, int64_t step, co
     lg->n_rows++;
 }
 
-TEST(engine_tp2_matches_tp1)
+/* Runs six requests (one with n = 2) on model m at TP 1 and TP 2: the same logits within
+ * 1e-5 relative and the same tokens. */
+static void tp2_matches_tp1(pd_model *m)
 {
-    ASSERT_OK(tiny());
     static treq reqs[6];
     static tout o1[MAX_REQ], o2[MAX_REQ];
     memset(o1, 0, sizeof o1);
@@ -574,11 +575,12 @@ TEST(engine_tp2_matches_tp1)
     }
     reqs[5].sp.n = 2; /* copy-on-write of a shared block on both ranks */
     reqs[5].n_prompt = 40;
-    size_t V = (size_t)g_model->config.vocab_size;
+    size_t V = (size_t)m->config.vocab_size;
     logit_log l1 = {.rows = malloc(16 * V * sizeof(float)), .max_rows = 16};
     logit_log l2 = {.rows = malloc(16 * V * sizeof(float)), .max_rows = 16};
     ASSERT(l1.rows && l2.rows);
     pd_engine_params p = base_params();
+    p.model = m;
     p.on_logits = log_logits;
     p.on_logits_ctx = &l1;
     pd_engine *e;
@@ -614,6 +616,31 @@ TEST(engine_tp2_matches_tp1)
     for (int i = 0; i < 6; i++)
         ASSERT_MSG(same_tokens(&o1[i], &o2[i], i == 5 ? 2 : 1), "request %d differs under TP = 2",
                    i);
+}
+
+TEST(engine_tp2_matches_tp1)
+{
+    ASSERT_OK(tiny());
+    tp2_matches_tp1(g_model);
+}
+
+/* Qwen3's per-head q/k norms (every rank holds the whole norm weights) and a head_dim that is
+ * not hidden / heads. The tokenizer is the tiny model's: pd-mkmodel writes the same one. */
+TEST(engine_tp2_matches_tp1_qwen3)
+{
+    ASSERT_OK(tiny());
+    char dir[1100], cmd[4096];
+    snprintf(dir, sizeof dir, "%s/tiny_qwen3", pdt_tmp_dir());
+    snprintf(cmd, sizeof cmd,
+             "%s/tools/mkmodel/pd-mkmodel --preset tiny --arch qwen3 --head-dim 48 --out %s "
+             "> /dev/null",
+             getenv("PD_BUILD_ROOT"), dir);
+    ASSERT_EQ_INT(system(cmd), 0);
+    pd_model *m = NULL;
+    ASSERT_OK(pd_model_load(dir, &m));
+    ASSERT(m->config.qk_norm && m->config.head_dim == 48);
+    tp2_matches_tp1(m);
+    pd_model_free(m);
 }
 
 /* The KV transfer between two engines: every layer's blocks, through host memory. */
@@ -973,6 +1000,21 @@ TEST(engine_bad_parameters_vllm_wording)
     p.max_num_batched_tokens = 100000;
     ASSERT_ERR(pd_engine_create(&p, &e), PD_EINVAL,
                "User-specified max_model_len (100000) is greater than the derived max_model_len");
+    /* a sliding window caps the context: attention here is not windowed */
+    pd_model windowed = *g_model;
+    windowed.config.sliding_window = 128;
+    p = base_params();
+    p.model = &windowed;
+    ASSERT_ERR(pd_engine_create(&p, &e), PD_EINVAL,
+               "User-specified max_model_len (256) is greater than the derived max_model_len "
+               "(sliding_window=128 in model's config.json; attention is not windowed here, so "
+               "the context stops at the window).");
+    p.max_model_len = 0;
+    ASSERT_OK(pd_engine_create(&p, &e));
+    size_t len = pd_engine_max_model_len(e);
+    pd_engine_destroy(e);
+    e = NULL;
+    ASSERT_EQ_INT(len, 128);
     p = base_params();
     p.tp_size = 3;
     ASSERT_ERR(pd_engine_create(&p, &e), PD_EINVAL,

@@ -324,11 +324,16 @@ TEST(config_mistral_and_nemo_head_dim)
     ASSERT_EQ_INT(c.head_dim, 128);
     ASSERT_EQ_INT(c.sliding_window, 4096);
     ASSERT_EQ_INT(c.max_position_embeddings, 32768);
+    const char *key;
+    ASSERT_EQ_INT(pd_model_max_len(&c, &key), 4096); /* full attention equals the window's */
+    ASSERT_STR_EQ(key, "sliding_window");
     ASSERT_OK(pd_model_config_load(data_path("mistral-nemo.config.json"), &c));
     ASSERT_EQ_INT(c.hidden_size, 5120);
     ASSERT_EQ_INT(c.head_dim, 128); /* not 5120 / 32 = 160 */
     ASSERT_EQ_INT(c.sliding_window, 0);
     ASSERT_NEAR(c.rope_theta, 1e6, 0);
+    ASSERT_EQ_INT(pd_model_max_len(&c, &key), c.max_position_embeddings);
+    ASSERT_STR_EQ(key, "max_position_embeddings");
 }
 
 TEST(config_qwen25_bias_tied)
@@ -347,6 +352,23 @@ TEST(config_qwen25_bias_tied)
     ASSERT_EQ_INT(c.n_eos_token_ids, 1);
     ASSERT_EQ_INT(c.eos_token_ids[0], 151645);
     ASSERT_NEAR(c.rms_norm_eps, 1e-6, 1e-15);
+}
+
+TEST(config_qwen3_qk_norm)
+{
+    pd_model_config c;
+    ASSERT_OK(pd_model_config_load(data_path("qwen3-0.6b.config.json"), &c));
+    ASSERT_EQ_INT(c.arch, PD_ARCH_QWEN3);
+    ASSERT(c.qk_norm);
+    ASSERT(!c.attention_bias && !c.qkv_bias && !c.o_bias); /* no q/k/v biases, unlike Qwen2 */
+    ASSERT_EQ_INT(c.head_dim, 128);                        /* not 1024 / 16 = 64 */
+    ASSERT_EQ_INT(c.num_key_value_heads, 8);
+    ASSERT_EQ_INT(c.max_position_embeddings, 40960);
+    ASSERT_EQ_INT(c.sliding_window, 0); /* use_sliding_window false */
+    ASSERT(c.tie_word_embeddings);
+    ASSERT_NEAR(c.rope_theta, 1e6, 0);
+    /* 0.44B without the embedding, as the model card says, 0.6B with it */
+    ASSERT_EQ_INT(pd_model_param_count(&c) - c.vocab_size * c.hidden_size, 440467456);
 }
 
 TEST(config_tinyllama)
@@ -386,6 +408,14 @@ TEST(config_variants)
     ASSERT(c.qkv_bias && !c.o_bias);
     ASSERT_EQ_INT(c.bos_token_id, -1); /* Qwen2Config has no default bos/eos */
     ASSERT_EQ_INT(c.n_eos_token_ids, 0);
+    /* Qwen3: head_dim 128 when absent, q/k norms, attention_bias on q, k, v and o */
+    ASSERT_OK(
+        parse_config_text("{\"model_type\": \"qwen3\", \"attention_bias\": true, " MINI "}", &c));
+    ASSERT_EQ_INT(c.arch, PD_ARCH_QWEN3);
+    ASSERT_EQ_INT(c.head_dim, 128);
+    ASSERT(c.qk_norm && c.qkv_bias && c.o_bias);
+    ASSERT_EQ_INT(c.bos_token_id, -1);
+    ASSERT_EQ_INT(c.max_position_embeddings, 32768);
     /* explicit head_dim, eos null, bos null, newer "dtype" key */
     ASSERT_OK(parse_config_text("{\"model_type\": \"llama\", \"head_dim\": 32, \"eos_token_id\": "
                                 "null, \"bos_token_id\": null, \"dtype\": \"bfloat16\", " MINI "}",
@@ -956,6 +986,17 @@ TEST(model_missing_or_misshaped_tensor)
     d = tmp_path("mini_nocfg");
     mkdir(d, 0755);
     ASSERT_ERR(pd_model_load(d, &m), PD_ENOTFOUND, "mini_nocfg/config.json");
+    /* a Qwen3 config over a checkpoint without the q/k norms */
+    d = tmp_path("mini_qwen3");
+    ASSERT_OK(write_mini_model(d, NULL, NULL, 0));
+    char p[1100];
+    snprintf(p, sizeof p, "%s/config.json", d);
+    ASSERT(write_text(p, "{\"architectures\": [\"Qwen3ForCausalLM\"], \"hidden_size\": 8, "
+                         "\"head_dim\": 4, \"intermediate_size\": 12, \"num_hidden_layers\": 1, "
+                         "\"num_attention_heads\": 2, \"num_key_value_heads\": 1, "
+                         "\"vocab_size\": 10}") == 0);
+    ASSERT_ERR(pd_model_load(d, &m), PD_ENOTFOUND,
+               "tensor 'model.layers.0.self_attn.q_norm.weight' not found (expected shape [4])");
 }
 
 static int check_model_shapes(const pd_model *m)
@@ -974,13 +1015,13 @@ static int check_model_shapes(const pd_model *m)
         if ((L->q_bias.data != NULL) != c->qkv_bias || (L->v_bias.data != NULL) != c->qkv_bias)
             return 0;
         if ((L->o_bias.data != NULL) != c->o_bias) return 0;
-        const pd_tensor *all[] = {&L->input_layernorm, &L->q_proj,
-                                  &L->k_proj,          &L->v_proj,
-                                  &L->q_bias,          &L->k_bias,
-                                  &L->v_bias,          &L->o_proj,
-                                  &L->o_bias,          &L->post_attention_layernorm,
-                                  &L->gate_proj,       &L->up_proj,
-                                  &L->down_proj};
+        if ((L->q_norm.data != NULL) != c->qk_norm || (L->k_norm.data != NULL) != c->qk_norm)
+            return 0;
+        const pd_tensor *all[] = {&L->input_layernorm, &L->q_proj,  &L->k_proj,
+                                  &L->v_proj,          &L->q_bias,  &L->k_bias,
+                                  &L->v_bias,          &L->q_norm,  &L->k_norm,
+                                  &L->o_proj,          &L->o_bias,  &L->post_attention_layernorm,
+                                  &L->gate_proj,       &L->up_proj, &L->down_proj};
         for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
             if (all[i]->data) numel += pd_tensor_numel(all[i]);
     }
@@ -1034,6 +1075,7 @@ TEST(mkmodel_shape_variants_load)
                          "--rope-scaling llama3:8"},
         {"v_mha_dyn", "--preset tiny --heads 8 --kv-heads 8 --rope-scaling dynamic:2 --max-pos 64"},
         {"v_shards", "--preset tiny --shards 3 --dtype bfloat16"},
+        {"v_qwen3", "--preset tiny --arch qwen3 --head-dim 48"},
     };
     for (size_t i = 0; i < sizeof v / sizeof v[0]; i++) {
         ASSERT_MSG(mkmodel(v[i].dir, v[i].args) == 0, "pd-mkmodel %s failed", v[i].args);
@@ -1059,6 +1101,11 @@ TEST(mkmodel_shape_variants_load)
                  c->max_position_embeddings == 64;
             break;
         case 4: ok = ok && pd_st_file_count(m->st) == 3; break;
+        case 5:
+            ok = ok && c->arch == PD_ARCH_QWEN3 && c->qk_norm && c->head_dim == 48 &&
+                 m->weights.layers[1].q_norm.shape[0] == 48 &&
+                 m->weights.layers[1].k_norm.shape[0] == 48;
+            break;
         }
         pd_model_free(m);
         ASSERT_MSG(ok, "variant %s", v[i].args);
