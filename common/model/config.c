@@ -97,6 +97,17 @@ static int get_id_list(const json_t *root, const char *key, int64_t *ids, int *n
     return 1;
 }
 
+int pd_arch_from_model_type(const char *model_type, pd_arch *out)
+{
+    for (size_t i = 0; i < N_ARCHS; i++) {
+        if (strcmp(model_type, k_archs[i].model_type) == 0) {
+            *out = k_archs[i].arch;
+            return PD_OK;
+        }
+    }
+    return PD_EUNSUPPORTED;
+}
+
 static int parse_arch(const json_t *root, pd_arch *out)
 {
     json_t *archs = NULL;
@@ -119,16 +130,9 @@ static int parse_arch(const json_t *root, pd_arch *out)
     int rc = pdj_get_string(root, "", "model_type", PDJ_NULL_IS_ABSENT, &mt);
     PD_CHECK(rc);
     if (rc == 0) return pd_error(PD_EINVAL, "architectures: required (or model_type)");
-    for (size_t i = 0; i < N_ARCHS; i++) {
-        if (strcmp(mt, k_archs[i].model_type) == 0) {
-            *out = k_archs[i].arch;
-            return PD_OK;
-        }
-    }
-    return pd_error(PD_EUNSUPPORTED,
-                    "model_type: unsupported model type \"%s\" (supported: llama, mistral, qwen2, "
-                    "qwen3)",
-                    mt);
+    if (pd_arch_from_model_type(mt, out) == PD_OK) return PD_OK;
+    return pd_error(PD_EUNSUPPORTED, "model_type: unsupported model type \"%s\" (supported: %s)",
+                    mt, PD_MODEL_TYPES);
 }
 
 static int parse_rope_scaling(const json_t *root, pd_rope_scaling *rs)

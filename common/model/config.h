@@ -93,6 +93,11 @@ int64_t pd_model_max_len(const pd_model_config *cfg, const char **key);
 const char *pd_arch_name(pd_arch arch);
 /* "llama", "mistral", "qwen2", "qwen3". */
 const char *pd_arch_model_type(pd_arch arch);
+/* The model_type names, for messages. */
+#define PD_MODEL_TYPES "llama, mistral, qwen2, qwen3"
+/* The architecture of a model_type (one of PD_MODEL_TYPES): PD_OK, else PD_EUNSUPPORTED (no
+ * message set). */
+int pd_arch_from_model_type(const char *model_type, pd_arch *out);
 /* "default", "linear", "dynamic", "llama3". */
 const char *pd_rope_type_name(pd_rope_type t);
 

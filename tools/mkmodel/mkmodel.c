@@ -657,17 +657,8 @@ static int run(int argc, char **argv)
             o.threads = (int)v;
             break;
         case O_ARCH:
-            if (strcmp(optarg, "llama") == 0)
-                arch = PD_ARCH_LLAMA;
-            else if (strcmp(optarg, "mistral") == 0)
-                arch = PD_ARCH_MISTRAL;
-            else if (strcmp(optarg, "qwen2") == 0)
-                arch = PD_ARCH_QWEN2;
-            else if (strcmp(optarg, "qwen3") == 0)
-                arch = PD_ARCH_QWEN3;
-            else
-                return pd_error(PD_EINVAL,
-                                "--arch: expected llama, mistral, qwen2 or qwen3, got \"%s\"",
+            if (pd_arch_from_model_type(optarg, &arch) < 0)
+                return pd_error(PD_EINVAL, "--arch: expected one of %s, got \"%s\"", PD_MODEL_TYPES,
                                 optarg);
             break;
         case O_HIDDEN: PD_CHECK(pd_arg_i64("--hidden", optarg, 2, big, &ov_hidden)); break;
