@@ -3159,7 +3159,7 @@ static bool steady_snapshot(snapshot *s0, char *why, size_t wn)
     for (int i = 0; i < 8; i++) {
         snapshot s;
         if (!read_snapshot(s0, why, wn)) return false;
-        pd_sleep_ns(1200 * PD_NS_PER_MS);
+        pd_sleep_ns((int64_t)CL_MS(1200) * PD_NS_PER_MS); /* a heartbeat and then some */
         if (!read_snapshot(&s, why, wn)) return false;
         if (s.cache_queries == s0->cache_queries && s.cache_hits == s0->cache_hits) return true;
     }
@@ -3167,12 +3167,12 @@ static bool steady_snapshot(snapshot *s0, char *why, size_t wn)
     return false;
 }
 
-/* Waits (10 s at most) until the prefix cache counters have grown from s0's by queries and
- * hits; *s: the last snapshot. */
+/* Waits (10 s at most, stretched by cl_time_scale) until the prefix cache counters have grown
+ * from s0's by queries and hits; *s: the last snapshot. */
 static bool cache_grown(const snapshot *s0, double queries, double hits, snapshot *s, char *why,
                         size_t wn)
 {
-    int64_t deadline = pd_now_ns() + 10 * PD_NS_PER_S;
+    int64_t deadline = pd_now_ns() + (int64_t)(CL_SEC(10) * PD_NS_PER_S);
     for (;;) {
         if (read_snapshot(s, why, wn) && s->cache_hits - s0->cache_hits >= hits &&
             s->cache_queries - s0->cache_queries >= queries)
