@@ -140,7 +140,8 @@ typedef struct {
  * K then V, each (n_tokens, n_heads, head_dim) in the pool dtype (the TCP frame payload of
  * kv_tcp.c, layers concatenated): 2 * n_layers * n_tokens * n_heads * head_dim * elem bytes. */
 typedef struct pd_kv_link pd_kv_link;
-#define PD_KV_LINK_ID_BYTES 128 /* ncclUniqueId */
+/* A link id: the ncclUniqueId rank 0 made (128 bytes), then the UUID of rank 0's GPU (16). */
+#define PD_KV_LINK_ID_BYTES 144
 
 typedef struct {
     const int32_t *blocks;     /* (n_blocks) host: the pool's blocks of the prompt, in order */
@@ -288,8 +289,11 @@ typedef struct pd_backend_ops {
      * kv_link_open: joins the link of id as rank (0 or 1) with the device of b; both processes
      *   call it with the same id; returns once both joined. A watchdog thread of the backend
      *   watches every open link (asynchronous errors, deadlines) and aborts a failed one, so a
-     *   dead peer never blocks a caller past its deadline. PD_EUNSUPPORTED when no link can
-     *   join these two devices (the same GPU twice), PD_ETIMEOUT, or the check's status.
+     *   dead peer never blocks a caller past its deadline. PD_ETIMEOUT, or the check's status.
+     *   Two processes on one GPU join only where NCCL takes them for two hosts (a per-process
+     *   NCCL_HOSTID); then their traffic goes over NCCL's socket transport.
+     * kv_link_local: 1 when id was made on the very GPU of b (kv_link_open would join one GPU
+     *   to itself), else 0.
      * kv_link_close: aborts whatever is in flight and frees the link; never waits for the peer.
      * kv_link_send (rank 0): moves x's layers in chunks of at most chunk_layers layers: each
      *   chunk is gathered from kv into device staging and sent; complete (received) on return.
@@ -307,6 +311,7 @@ typedef struct pd_backend_ops {
     int (*kv_link_recv)(pd_backend *b, const pd_kv *kv, pd_kv_link *l, const pd_kv_xfer *x,
                         const pd_kv_link_wait *w);
     int (*kv_link_scatter)(pd_backend *b, pd_kv *kv, pd_kv_link *l, const pd_kv_xfer *x);
+    int (*kv_link_local)(pd_backend *b, const uint8_t id[PD_KV_LINK_ID_BYTES]);
 
     /* -- fused ops (vLLM's QKV projection, gate-up projection + SiluAndMul, fused_add_rms_norm,
      * rotary + cache write).

@@ -15,7 +15,7 @@
  *     barrier that a failing rank can break so no rank waits forever.
  *   - All-reduce: on CUDA with every rank on its own GPU, NCCL (pd_nccl.h: ncclAllReduce in
  *     place on each rank's stream, no host round trip); otherwise (CPU, or ranks sharing a GPU,
- *     which NCCL refuses) the host-staged sum below. A rank that fails mid-step under NCCL
+ *     which NCCL refuses unless pd_nccl_multi_rank_gpu) the host-staged sum below. A rank that fails mid-step under NCCL
  *     cannot break a barrier: it gives the others RANK_FAIL_WAIT_MS to finish, then aborts the
  *     communicators so their waits end (the instance then refuses further steps).
  */
@@ -1355,7 +1355,8 @@ static int check_params(pd_engine *e)
     return PD_OK;
 }
 
-/* NCCL when every rank has a GPU of its own, else the host-staged all-reduce; logged. */
+/* NCCL when every rank has a GPU of its own (or NCCL takes several ranks per GPU:
+ * pd_nccl_multi_rank_gpu), else the host-staged all-reduce; logged. */
 static int choose_allreduce(pd_engine *e)
 {
     if (e->tp < 2) return PD_OK;
@@ -1365,7 +1366,7 @@ static int choose_allreduce(pd_engine *e)
         for (int r = 0; r < e->tp; r++)
             for (int q = 0; q < r; q++)
                 distinct = distinct && e->p.cuda_devices[q] != e->p.cuda_devices[r];
-        if (distinct) {
+        if (distinct || pd_nccl_multi_rank_gpu()) {
             pd_backend *bs[PD_ENGINE_MAX_CUDA_DEVICES];
             for (int r = 0; r < e->tp; r++) bs[r] = e->ranks[r].b;
             if (pd_nccl_tp_create(bs, e->tp, &e->nccl) == PD_OK) return PD_OK;
@@ -1692,6 +1693,11 @@ size_t pd_engine_vocab(const pd_engine *e)
 {
     return e->vocab;
 }
+const char *pd_engine_allreduce_name(const pd_engine *e)
+{
+    return e->tp < 2 ? "none" : e->nccl ? "nccl" : "host";
+}
+
 int pd_engine_tp_size(const pd_engine *e)
 {
     return e->tp;

@@ -245,6 +245,8 @@ size_t pd_engine_max_model_len(const pd_engine *e);
 size_t pd_engine_block_size(const pd_engine *e);
 size_t pd_engine_vocab(const pd_engine *e);
 int pd_engine_tp_size(const pd_engine *e);
+/* The tensor-parallel all-reduce in use: "nccl", "host" (host-staged), or "none" (TP 1). */
+const char *pd_engine_allreduce_name(const pd_engine *e);
 /* The tokenizer in use (NULL when none). */
 const pd_tok *pd_engine_tokenizer(const pd_engine *e);
 /* The model's config (loaded or borrowed). */

@@ -637,6 +637,8 @@ static int transfer_kv(pd_node *n, job *j, int64_t *bytes, double *seconds)
                                  .cancel = &r->cancel};
             /* auto: CUDA IPC, else NCCL, else TCP, per decode rank (what it accepted before) */
             bool use_nccl = n->nccl && !(n->ipc_fallback && nccl_refused(n, addr, false));
+            /* auto leaves NCCL to processes on GPUs of their own */
+            sr.nccl_distinct_gpus = n->ipc_fallback;
             if (n->shares && !(n->ipc_fallback && ipc_refused(n, addr, false)))
                 sr.share = &n->shares[rank];
             else

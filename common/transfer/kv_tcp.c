@@ -26,10 +26,12 @@
  * NCCL (a sender given nccl = 1): the KV moves device to device over a 2-rank NCCL communicator
  * (the backend's kv_link_* ops) bound to the TCP connection: one communicator per (prefill rank,
  * decode rank) connection, created on the connection's first NCCL request and dropped with it.
- *   link set-up: a frame flagged NCCL_INIT | LAST whose payload is the link id (ncclUniqueId,
- *     128 bytes) the sender generated; the receiver acknowledges it (status 0, or
- *     PD_EUNSUPPORTED from a backend without kv_link ops: CPU) and both sides then join the link
- *     (non-blocking communicator, bounded by a deadline; a failure drops the connection).
+ *   link set-up: a frame flagged NCCL_INIT | LAST (| DISTINCT_GPUS) whose payload is the link
+ *     id the sender's backend generated (PD_KV_LINK_ID_BYTES: the ncclUniqueId and the sender's
+ *     GPU); the receiver acknowledges it (status 0, or PD_EUNSUPPORTED from a backend without
+ *     kv_link ops: CPU, and with DISTINCT_GPUS from a receiver on the sender's own GPU) and both
+ *     sides then join the link (non-blocking communicator, bounded by a deadline; a failure
+ *     drops the connection).
  *   per request: a frame flagged NCCL | LAST with the usual head and block fields and a 16-byte
  *     payload: u32 chunk_layers u32 0 u64 link_bytes (pd_kv_nccl_desc). Then the sender gathers
  *     the prompt's tokens of its blocks, layers in chunks of chunk_layers (coalesced to at most
@@ -83,6 +85,7 @@
 #define FLAG_IPC              2u
 #define FLAG_NCCL             4u
 #define FLAG_NCCL_INIT        8u
+#define FLAG_DISTINCT_GPUS    16u /* NCCL_INIT: refuse a link from the receiver's own GPU */
 #define IPC_FIXED             144   /* IPC payload bytes before the block ids */
 #define LINK_OPEN_MS          30000 /* joining an NCCL link, both sides */
 #define SOCK_BUF              (4 << 20)
@@ -746,6 +749,11 @@ static bool rx_nccl_init(pd_kv_tcp_receiver *rx, rx_conn *c, const frame_hdr *h,
         st = pd_error(PD_EUNSUPPORTED,
                       "kv NCCL link: this decode rank's %s backend cannot take KV over NCCL",
                       pd_backend_name(rx->p.backend));
+    } else if ((h->flags & FLAG_DISTINCT_GPUS) && ops->kv_link_local &&
+               ops->kv_link_local(rx->p.backend, payload)) {
+        st = pd_error(PD_EUNSUPPORTED,
+                      "kv NCCL link: the prefill rank runs on this decode rank's own GPU (NCCL "
+                      "would carry the KV over its socket transport)");
     }
     if (st < 0) {
         snprintf(msg, sizeof msg, "%s", pd_last_error());
@@ -1462,7 +1470,8 @@ static int nccl_link_up(tx_conn *c, const pd_kv_send_req *r, int64_t deadline, b
     const pd_backend_ops *ops = pd_backend_get_ops(r->backend);
     uint8_t buf[HDR_BYTES + PD_KV_LINK_ID_BYTES];
     frame_hdr h = {.version = VERSION,
-                   .flags = FLAG_NCCL_INIT | FLAG_LAST,
+                   .flags = FLAG_NCCL_INIT | FLAG_LAST |
+                            (r->nccl_distinct_gpus ? FLAG_DISTINCT_GPUS : 0u),
                    .payload_bytes = PD_KV_LINK_ID_BYTES};
     snprintf(h.request_id, sizeof h.request_id, "%s", r->request_id);
     hdr_pack(&h, buf);

@@ -109,6 +109,10 @@ typedef struct {
     int nccl;                  /* 1 (and share NULL): the KV moves over an NCCL link of the
                                 * connection (backend kv_link_* ops), created on first use;
                                 * PD_EUNSUPPORTED when the receiver or this backend cannot */
+    int nccl_distinct_gpus;    /* with nccl: the receiver refuses (PD_EUNSUPPORTED) a link from
+                                * its own GPU (--kv-transport auto: NCCL between two processes of
+                                * one GPU runs only over its socket transport, and only under a
+                                * per-process NCCL_HOSTID) */
 } pd_kv_send_req;
 
 typedef struct {

@@ -7,6 +7,9 @@ runner unpacks the payload, links those paths to this source copy and to the pac
 then runs every test with its environment and timeout: the unit and integration suites in
 parallel, the gpu suite one test at a time (each may take most of the device's memory).
 Exit status 77 counts as skipped. Ends with "N passed, M failed, K skipped".
+--test NAME (repeatable) runs only those tests; --case NAME (repeatable) only those cases of
+them (the harness takes case names as arguments); --verbose prints every test's output, e.g.
+    run_tests.py --test gpu/cuda_engine --case cuda_engine_tp2_nccl_matches_tp1_f32_mode
 """
 import argparse
 import concurrent.futures as cf
@@ -23,6 +26,9 @@ import time
 here = os.path.dirname(os.path.abspath(__file__))
 ap = argparse.ArgumentParser()
 ap.add_argument("--suite", action="append", help="unit, integration or gpu (default: all)")
+ap.add_argument("--test", action="append", help="only this test (e.g. gpu/cuda_split)")
+ap.add_argument("--case", action="append", default=[], help="only this case of the tests run")
+ap.add_argument("--verbose", action="store_true", help="print every test's whole output")
 ap.add_argument("--jobs", type=int, default=os.cpu_count() or 4)
 ap.add_argument("--timeout-multiplier", type=float, default=1.0)
 ap.add_argument("--logs", help="write every test's output into this .tar.gz")
@@ -63,7 +69,8 @@ base_env = dict(os.environ)
 base_env["LD_LIBRARY_PATH"] = ":".join(libs + [os.environ.get("LD_LIBRARY_PATH", "")])
 
 tests = [t for t in meta["tests"]
-         if not args.suite or any(s.split(":")[-1] in args.suite for s in t["suite"])]
+         if (not args.suite or any(s.split(":")[-1] in args.suite for s in t["suite"]))
+         and (not args.test or t["name"] in args.test)]
 results = {}
 
 
@@ -83,7 +90,7 @@ def run(t):
     t0 = time.time()
     limit = t["timeout"] * args.timeout_multiplier if t["timeout"] else None
     try:
-        p = subprocess.run([fix_path(a) for a in t["cmd"]], env=env, cwd=t["workdir"] or meta["build_root"], timeout=limit,
+        p = subprocess.run([fix_path(a) for a in t["cmd"]] + args.case, env=env, cwd=t["workdir"] or meta["build_root"], timeout=limit,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         rc, out = p.returncode, p.stdout
     except subprocess.TimeoutExpired as e:
@@ -105,7 +112,10 @@ for t in gpu:
 
 counts = {s: sum(1 for v in results.values() if v[0] == s) for s in ("OK", "FAIL", "SKIP")}
 for name, (status, out) in sorted(results.items()):
-    if status == "FAIL":
+    if args.verbose:
+        print(f"\n===== {name} ({status})")
+        print(out)
+    elif status == "FAIL":
         print(f"\n===== {name} (last 60 lines)")
         print("\n".join(out.splitlines()[-60:]))
 if args.logs:

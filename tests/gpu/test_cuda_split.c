@@ -5,10 +5,12 @@
  * rounding depends on the batch's shape, so the reference runs the same shapes); a prompt whose
  * first blocks the decode instance holds pulls only the rest. Exits 77 without a GPU.
  *
- * With two GPUs (skipped with the reason otherwise): the same over NCCL, prefill on GPU 0 and
- * decode on GPU 1; and the NCCL watchdog: a decode process frozen then killed while the prefill
- * side's ncclSend waits for it leaves the prefill process serving (the transfer fails fast, the
- * next request succeeds over a restarted decode on a fresh connection and link). */
+ * The same over NCCL, prefill on GPU 0 and decode on GPU 1; and the NCCL watchdog: a decode
+ * process frozen then killed while the prefill side's ncclSend waits for it leaves the prefill
+ * process serving (the transfer fails fast, the next request succeeds over a restarted decode on
+ * a fresh connection and link). With one GPU both run there, each node an NCCL host of its own
+ * (PD_TEST_NCCL_HOST_PER_NODE, cluster.h): NCCL then carries the KV over its socket transport
+ * on loopback, which proves the NCCL code, not NVLink's speed. */
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -158,17 +160,20 @@ TEST(cuda_split_ipc_decode_prefix_cache)
     }
 }
 
-static int need_two_gpus(void)
+/* Two GPUs: prefill on GPU 0, decode on GPU 1. One: both on it, each node an NCCL host of its
+ * own (NCCL refuses two ranks on one GPU of one host). */
+static void nccl_arrangement(void)
 {
-    if (!ctu_have_gpu()) return 0;
-    return ctu_gpu_count() >= 2;
+    if (ctu_gpu_count() >= 2) return;
+    setenv("PD_TEST_NCCL_HOST_PER_NODE", "1", 1);
+    printf("    one GPU: each node an NCCL host of its own (NCCL's socket transport on "
+           "loopback)\n");
 }
 
 TEST(cuda_split_nccl_equals_colocated)
 {
     if (!ctu_have_gpu()) SKIP(pd_last_error());
-    if (!need_two_gpus())
-        SKIP("NCCL KV transfer needs 2 GPUs (NCCL takes one rank per GPU); 1 present");
+    nccl_arrangement();
     split_case("nccl");
 }
 
@@ -201,8 +206,7 @@ static int freeze_then_kill(void *arg, const Pd__InfoReply *info, const Pd__Rese
 TEST(cuda_split_nccl_dead_decode_leaves_prefill_serving)
 {
     if (!ctu_have_gpu()) SKIP(pd_last_error());
-    if (!need_two_gpus())
-        SKIP("NCCL KV transfer needs 2 GPUs (NCCL takes one rank per GPU); 1 present");
+    nccl_arrangement();
     /* no prefix cache: the request after the restart repeats the first one's prompt, and its
        tokens must be the first one's bit for bit (a cached prefix changes the GEMM shapes) */
     ASSERT_OK(start_1p1d(&g_wd, "nccl", "20", false));

@@ -345,6 +345,13 @@ static int wait_info(cl_cluster *c, int k, int timeout_ms)
     }
 }
 
+/* PD_TEST_NCCL_HOST_PER_NODE=1 (cluster.h): every node its own NCCL host. */
+static bool nccl_host_per_node(void)
+{
+    const char *e = getenv("PD_TEST_NCCL_HOST_PER_NODE");
+    return e && strcmp(e, "1") == 0;
+}
+
 int cl_start(cl_cluster *c, const char *model_dir, const char *prefill_list,
              const char *decode_list, char *const extra_args[])
 {
@@ -416,7 +423,14 @@ int cl_start(cl_cluster *c, const char *model_dir, const char *prefill_list,
         for (int i = 0; fixed[i]; i++) nargv[m++] = fixed[i];
         for (int i = 0; extra_args && extra_args[i] && m < 60; i++) nargv[m++] = extra_args[i];
         nargv[m] = NULL;
-        char *env[] = {genv, lenv, NULL};
+        char hostid[64];
+        snprintf(hostid, sizeof hostid, "NCCL_HOSTID=pdtest-%d-node%d", (int)getpid(), k);
+        char *env[8] = {genv, lenv, NULL};
+        if (nccl_host_per_node()) {
+            char *more[] = {hostid, "NCCL_SOCKET_IFNAME=lo", "NCCL_P2P_DISABLE=1",
+                            "NCCL_SHM_DISABLE=1", "NCCL_IB_DISABLE=1", NULL};
+            for (int i = 0; more[i]; i++) env[2 + i] = more[i];
+        }
         int rc = cl_spawn(&c->procs[k], prefill ? "pd-prefill" : "pd-decode", nargv, env, log);
         c->argv[k] = dup_strv(nargv);
         c->env[k] = dup_strv(env);

@@ -58,7 +58,11 @@ typedef struct {
 
 /* Makes the tiny model (once per process, cached in the tmp dir) and ranktables with
  * pd-ranktable --mode gen: prefill_list / decode_list as on its command line, e.g.
- * "0" and "1", or "0,1" "2" for P TP=2 -> D TP=1. extra_args: more node flags (NULL ok). */
+ * "0" and "1", or "0,1" "2" for P TP=2 -> D TP=1. extra_args: more node flags (NULL ok).
+ * With PD_TEST_NCCL_HOST_PER_NODE=1 in the environment, NCCL takes every node for a host of
+ * its own (NCCL_HOSTID per process, NCCL_SOCKET_IFNAME=lo, P2P, SHM and IB off), so two nodes
+ * on one GPU can make an NCCL link: its traffic goes over NCCL's socket transport on
+ * loopback. NCCL otherwise refuses two ranks on one GPU of one host. */
 int cl_start(cl_cluster *c, const char *model_dir, const char *prefill_list,
              const char *decode_list, char *const extra_args[]);
 /* Stops every process (SIGTERM; the nodes must exit 0) and frees the client.

@@ -2109,6 +2109,7 @@ static const pd_backend_ops cuda_ops = {
     pd_nccl_link_send,
     pd_nccl_link_recv,
     pd_nccl_link_scatter,
+    pd_nccl_link_local,
     op_matmul_multi,
     op_rope_kv_write,
     op_add_rmsnorm,

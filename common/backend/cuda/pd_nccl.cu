@@ -45,7 +45,9 @@ extern "C" {
 #include "util/log.h"
 }
 
-static_assert(sizeof(ncclUniqueId) == PD_KV_LINK_ID_BYTES, "ncclUniqueId is 128 bytes");
+// A link id: the ncclUniqueId, then the UUID of the GPU that made it (kv_link_local).
+static_assert(sizeof(ncclUniqueId) + sizeof(cudaUUID_t) == PD_KV_LINK_ID_BYTES,
+              "a link id is an ncclUniqueId and a GPU's UUID");
 
 // Held around every call that issues NCCL work (see the file-top comment); innermost lock.
 static pthread_mutex_t issue_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -89,9 +91,17 @@ struct pd_nccl_tp {
     int aborted; // atomic (__atomic builtins)
 };
 
+extern "C" int pd_nccl_multi_rank_gpu(void)
+{
+    const char *e = getenv("NCCL_MULTI_RANK_GPU_ENABLE");
+    int v = 0;
+    return e && strcmp(e, "1") == 0 && ncclGetVersion(&v) == ncclSuccess && v >= 23000;
+}
+
 extern "C" int pd_nccl_tp_create(pd_backend *const *ranks, int n, pd_nccl_tp **out)
 {
     *out = NULL;
+    const int shared_ok = pd_nccl_multi_rank_gpu();
     if (n < 2 || n > 64) return pd_error(PD_EINVAL, "nccl all-reduce: %d ranks (2..64)", n);
     int devs[64];
     for (int r = 0; r < n; r++) {
@@ -100,7 +110,7 @@ extern "C" int pd_nccl_tp_create(pd_backend *const *ranks, int n, pd_nccl_tp **o
                             pd_backend_name(ranks[r]));
         devs[r] = pd_backend_cuda_device(ranks[r]);
         for (int q = 0; q < r; q++)
-            if (devs[q] == devs[r])
+            if (devs[q] == devs[r] && !shared_ok)
                 return pd_error(PD_EUNSUPPORTED,
                                 "nccl all-reduce: ranks %d and %d share CUDA device %d (NCCL "
                                 "takes one rank per GPU)",
@@ -428,13 +438,32 @@ static int wait_done(pd_kv_link *l, const pd_kv_link_wait *w, const char *what)
     return rc;
 }
 
+// The UUID of b's GPU (the same in every process that sees that GPU, whatever its ordinal).
+static int device_uuid(pd_backend *b, cudaUUID_t *out)
+{
+    cudaDeviceProp prop;
+    CUDA_TRY(cudaGetDeviceProperties(&prop, pd_backend_cuda_device(b)));
+    *out = prop.uuid;
+    return PD_OK;
+}
+
 extern "C" int pd_nccl_link_id(pd_backend *b, uint8_t id[PD_KV_LINK_ID_BYTES])
 {
     CUDA_TRY(cudaSetDevice(pd_backend_cuda_device(b)));
     ncclUniqueId u;
     NCCL_TRY(ncclGetUniqueId(&u), NULL);
+    cudaUUID_t dev;
+    PD_CHECK(device_uuid(b, &dev));
     memcpy(id, &u, sizeof u);
+    memcpy(id + sizeof u, &dev, sizeof dev);
     return PD_OK;
+}
+
+extern "C" int pd_nccl_link_local(pd_backend *b, const uint8_t id[PD_KV_LINK_ID_BYTES])
+{
+    cudaUUID_t dev;
+    if (device_uuid(b, &dev) < 0) return 0;
+    return memcmp(id + sizeof(ncclUniqueId), &dev, sizeof dev) == 0;
 }
 
 static void link_free(pd_kv_link *l)

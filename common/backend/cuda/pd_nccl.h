@@ -29,9 +29,14 @@ extern "C" {
 
 typedef struct pd_nccl_tp pd_nccl_tp;
 
+/* 1 when NCCL takes several ranks of one process on one GPU: NCCL_MULTI_RANK_GPU_ENABLE=1 in
+ * the environment and the NCCL loaded is 2.30 or later (earlier ones refuse such ranks whatever
+ * the environment says). */
+int pd_nccl_multi_rank_gpu(void);
 /* One communicator per rank over the devices of ranks[0..n) (CUDA backends, n >= 2).
- * PD_EUNSUPPORTED when two ranks share a device or a backend is not CUDA (the caller keeps its
- * host-staged all-reduce), PD_EINTERNAL with NCCL's message when NCCL cannot start. */
+ * PD_EUNSUPPORTED when two ranks share a device (unless pd_nccl_multi_rank_gpu) or a backend is
+ * not CUDA (the caller keeps its host-staged all-reduce), PD_EINTERNAL with NCCL's message when
+ * NCCL cannot start. */
 int pd_nccl_tp_create(pd_backend *const *ranks, int n, pd_nccl_tp **out);
 /* buf (n_elems) activations of rank's backend = the sum over every rank's buf, in place, enqueued
  * on the rank's step stream (the activation dtype: bf16 or f32). Called by each rank from the
@@ -56,6 +61,7 @@ int pd_nccl_link_send(pd_backend *b, const pd_kv *kv, pd_kv_link *l, const pd_kv
 int pd_nccl_link_recv(pd_backend *b, const pd_kv *kv, pd_kv_link *l, const pd_kv_xfer *x,
                       const pd_kv_link_wait *w);
 int pd_nccl_link_scatter(pd_backend *b, pd_kv *kv, pd_kv_link *l, const pd_kv_xfer *x);
+int pd_nccl_link_local(pd_backend *b, const uint8_t id[PD_KV_LINK_ID_BYTES]);
 
 #ifdef __cplusplus
 }

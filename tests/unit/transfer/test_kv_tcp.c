@@ -769,6 +769,15 @@ static void fake_destroy(pd_backend *b)
     (void)b; /* the wrapped CPU backend is destroyed by its own handle */
 }
 
+/* Whether the fake links' two ends stand for one GPU (kv_link_local). */
+static atomic_int g_same_gpu;
+
+static int fake_link_local(pd_backend *b, const uint8_t id[PD_KV_LINK_ID_BYTES])
+{
+    (void)b, (void)id;
+    return atomic_load(&g_same_gpu);
+}
+
 static pd_backend_ops g_fake_ops;
 
 /* p with a second handle f over the same CPU state whose op table has the fake link ops. */
@@ -783,6 +792,7 @@ static pd_backend *fake_linked(pool *p)
     g_fake_ops.kv_link_send = fake_link_send;
     g_fake_ops.kv_link_recv = fake_link_recv;
     g_fake_ops.kv_link_scatter = fake_link_scatter;
+    g_fake_ops.kv_link_local = fake_link_local;
     return pd_backend_wrap(&g_fake_ops, pd_backend_impl(p->b));
 }
 
@@ -860,6 +870,61 @@ TEST(kv_nccl_frame_refused_by_cpu_receiver)
     pd_kv_tcp_sender_destroy(tx);
     pd_kv_tcp_receiver_stop(rx);
     pd_backend_destroy(pf);
+    pool_free(&p);
+    pool_free(&d);
+}
+
+/* --kv-transport auto (nccl_distinct_gpus) leaves NCCL to processes on GPUs of their own: a
+ * receiver on the sender's GPU refuses the link set-up with PD_EUNSUPPORTED before any link or
+ * request frame (the sender then takes TCP); --kv-transport nccl (no flag) joins it, and auto
+ * joins a receiver on another GPU. */
+TEST(kv_nccl_auto_refuses_a_link_within_one_gpu)
+{
+    pool p, d;
+    ASSERT_OK(pool_make(&p, HEADS));
+    ASSERT_OK(pool_make(&d, HEADS));
+    pd_backend *pf = fake_linked(&p), *fd = pd_backend_wrap(&g_fake_ops, pd_backend_impl(d.b));
+    ASSERT(pf && fd);
+    int32_t pb[2] = {4, 6}, db[2] = {1, 9}, db2[2] = {3, 5};
+    ASSERT_OK(fill(&p, pb, 2, 0));
+    pd_kv_tcp_receiver *rx = rx_start_on(fd, &d, 0);
+    ASSERT(rx);
+    atomic_store(&g_done, 0);
+    atomic_store(&g_link_opens, 0);
+    atomic_store(&g_fail_recv_after, -1);
+    atomic_store(&g_same_gpu, 1);
+    ASSERT_OK(pd_kv_rx_expect(rx, "one-gpu", db, 2, 7));
+    pd_kv_tcp_sender *tx;
+    ASSERT_OK(pd_kv_tcp_sender_create(&tx));
+    pd_kv_send_req r = req_for("one-gpu", &p, 0, pb, 2, rx, 0, HEADS);
+    r.backend = pf;
+    r.n_tokens = 7;
+    r.nccl = 1;
+    r.nccl_distinct_gpus = 1;
+    pd_kv_send_stats st;
+    ASSERT_ERR(pd_kv_tcp_send(tx, &r, &st), PD_EUNSUPPORTED,
+               "the prefill rank runs on this decode rank's own GPU");
+    ASSERT_EQ_INT(st.frames, 0);
+    ASSERT_EQ_INT(atomic_load(&g_link_opens), 0);
+    r.nccl_distinct_gpus = 0; /* --kv-transport nccl */
+    ASSERT_OK(pd_kv_tcp_send(tx, &r, &st));
+    ASSERT(wait_done(1));
+    ASSERT_EQ_INT(atomic_load(&g_link_opens), 2);
+    ASSERT_EQ_INT(mismatches_upto(&d, db, 2, 0, 7), 0);
+    pd_kv_tcp_sender_destroy(tx); /* a new connection, hence a new link set-up frame */
+    ASSERT_OK(pd_kv_tcp_sender_create(&tx));
+    atomic_store(&g_same_gpu, 0);
+    ASSERT_OK(pd_kv_rx_expect(rx, "two-gpus", db2, 2, 7));
+    r.request_id = "two-gpus";
+    r.nccl_distinct_gpus = 1;
+    ASSERT_OK(pd_kv_tcp_send(tx, &r, &st));
+    ASSERT(wait_done(2));
+    ASSERT_EQ_INT(atomic_load(&g_link_opens), 4);
+    ASSERT_EQ_INT(mismatches_upto(&d, db2, 2, 0, 7), 0);
+    pd_kv_tcp_sender_destroy(tx);
+    pd_kv_tcp_receiver_stop(rx);
+    pd_backend_destroy(pf);
+    pd_backend_destroy(fd);
     pool_free(&p);
     pool_free(&d);
 }
