@@ -7,7 +7,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "util/fmt.h"
 #include "util/log.h"
 #include "util/status.h"
 
@@ -106,12 +105,6 @@ static int f_int_array(const json_t *o, const char *key, pd_arena *a, int32_t **
     *n = (int32_t)cnt;
     *present = true;
     return 1;
-}
-
-static char *fmt_d(double v, char *buf)
-{
-    pd_fmt_double(v, buf, 32);
-    return buf;
 }
 
 static int bad(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -256,105 +249,76 @@ static int read_common(const json_t *o, pd_api_kind kind, pd_arena *a, common_fi
     return 0;
 }
 
-/* §8.1 in table order. */
+/* §8.1 in table order: the sampling fields through the engine's validator, then the rest. */
 static int check_shared(const pd_api_limits *lim, pd_api_kind kind, const common_fields *f,
                         pd_arena *a, pd_sampling_params *sp)
 {
-    char b1[32];
-    int64_t n = f->has_n ? f->n : 1;
-    if (n < 1) return bad("n must be at least 1, got %lld.", (long long)n);
-    if (lim->max_n > 0 && n > lim->max_n)
-        return bad("n must be at most %d, got %lld.", lim->max_n, (long long)n);
-    if (f->has_best_of) {
-        if (f->best_of < n)
-            return bad("best_of must be greater than or equal to n, got n=%lld and best_of=%lld.",
-                       (long long)n, (long long)f->best_of);
-        if (f->best_of != n) return bad("best_of > n is not supported.");
-    }
-    if (f->has_presence && !(f->presence >= -2 && f->presence <= 2))
-        return bad("presence_penalty must be in [-2, 2], got %s.", fmt_d(f->presence, b1));
-    if (f->has_frequency && !(f->frequency >= -2 && f->frequency <= 2))
-        return bad("frequency_penalty must be in [-2, 2], got %s.", fmt_d(f->frequency, b1));
-    if (f->has_repetition && !(f->repetition > 0))
-        return bad("repetition_penalty must be greater than zero, got %s.",
-                   fmt_d(f->repetition, b1));
-    if (f->has_temperature && !(f->temperature >= 0))
-        return bad("temperature must be non-negative, got %s.", fmt_d(f->temperature, b1));
-    if (f->has_top_p && !(f->top_p > 0 && f->top_p <= 1))
-        return bad("top_p must be in (0, 1], got %s.", fmt_d(f->top_p, b1));
-    if (f->has_top_k && f->top_k < -1)
-        return bad("top_k must be 0 (disable), or at least 1, got %lld.", (long long)f->top_k);
-    if (f->has_min_p && !(f->min_p >= 0 && f->min_p <= 1))
-        return bad("min_p must be in [0, 1], got %s.", fmt_d(f->min_p, b1));
-    if (f->has_max_tokens && f->max_tokens < 1 &&
-        !(f->max_tokens == 0 && f->echo && kind == PD_API_COMPLETIONS))
-        return bad("max_tokens must be at least 1, got %lld.", (long long)f->max_tokens);
-    if (f->has_min_tokens && f->min_tokens < 0)
-        return bad("min_tokens must be greater than or equal to 0, got %lld.",
-                   (long long)f->min_tokens);
-    for (int32_t i = 0; i < f->n_stop; i++)
-        if (!f->stop[i][0]) return bad("stop cannot contain an empty string.");
-    for (int32_t i = 0; i < f->n_stop_ids; i++) {
-        int64_t id = 0; /* as written: stop_ids holds it clamped to int32 */
-        as_int(json_array_get(f->stop_ids_json, (size_t)i), &id);
-        if (id < 0 || id >= lim->vocab)
-            return bad("Token id %lld in stop_token_ids is out of vocabulary.", (long long)id);
-    }
+    /* logit_bias as written: its keys (checked by the validator) and their ids, clamped */
     pd_logit_bias *lb = NULL;
+    const char **keys = NULL;
     int32_t n_lb = 0;
     if (f->logit_bias) {
         size_t cnt = json_object_size(f->logit_bias);
         lb = pd_arena_calloc(a, cnt ? cnt : 1, sizeof *lb);
-        if (!lb) return pd_error(PD_ENOMEM, "out of memory");
+        keys = pd_arena_calloc(a, cnt ? cnt : 1, sizeof *keys);
+        if (!lb || !keys) return pd_error(PD_ENOMEM, "out of memory");
         const char *k;
         json_t *v;
         json_object_foreach((json_t *)f->logit_bias, k, v)
         {
-            char *end;
-            const char *s = k;
-            if (*s == '-' || *s == '+') s++;
-            bool digits = *s != '\0';
-            for (const char *c = s; *c; c++) digits = digits && *c >= '0' && *c <= '9';
-            long long id = digits ? strtoll(k, &end, 10) : 0;
-            if (!digits) return bad("Invalid key `%s` in logit_bias: keys must be token ids.", k);
+            long long id = strtoll(k, NULL, 10);
             double bias = json_number_value(v);
-            if (bias > 100) bias = 100;
-            if (bias < -100) bias = -100;
+            if (bias > PD_LOGIT_BIAS_MAX) bias = PD_LOGIT_BIAS_MAX;
+            if (bias < -PD_LOGIT_BIAS_MAX) bias = -PD_LOGIT_BIAS_MAX;
+            keys[n_lb] = k;
             lb[n_lb].id = id < INT32_MIN ? INT32_MIN : id > INT32_MAX ? INT32_MAX : (int32_t)id;
             lb[n_lb].bias = (float)bias;
             n_lb++;
         }
-        /* every out-of-vocabulary id, in request order */
-        char ids[512];
-        size_t at = 0;
-        int n_bad = 0;
-        const char *k2;
-        json_t *v2;
-        json_object_foreach((json_t *)f->logit_bias, k2, v2)
-        {
-            long long id = strtoll(k2, NULL, 10);
-            if (id >= 0 && id < lim->vocab) continue;
-            /* the key as an integer, also past int64: sign (not for 0), digits without leading
-               zeros */
-            const char *d = k2 + (*k2 == '-' || *k2 == '+');
-            while (d[0] == '0' && d[1]) d++;
-            bool neg = *k2 == '-' && *d != '0';
-            if (at < sizeof ids - 32)
-                at += (size_t)snprintf(ids + at, sizeof ids - at, "%s%s%.40s", n_bad ? ", " : "",
-                                       neg ? "-" : "", d);
-            n_bad++;
-        }
-        if (n_bad)
-            return bad("token_id(s) [%s] in logit_bias contain out-of-vocab token ids. "
-                       "Vocabulary size: %d",
-                       ids, lim->vocab);
     }
-    if (f->has_allowed) {
-        if (f->n_allowed == 0) return bad("allowed_token_ids is not allowed to be empty.");
-        for (int32_t i = 0; i < f->n_allowed; i++)
-            if (f->allowed[i] < 0 || f->allowed[i] >= lim->vocab)
-                return bad("allowed_token_ids contains out-of-vocab token id!");
-    }
+    /* stop_token_ids as written (stop_ids holds them clamped to int32) */
+    int64_t *stop_written =
+        pd_arena_calloc(a, f->n_stop_ids ? (size_t)f->n_stop_ids : 1, sizeof *stop_written);
+    if (!stop_written) return pd_error(PD_ENOMEM, "out of memory");
+    for (int32_t i = 0; i < f->n_stop_ids; i++)
+        as_int(json_array_get(f->stop_ids_json, (size_t)i), &stop_written[i]);
+    pd_sampling_fields sf = {.has_n = f->has_n,
+                             .has_best_of = f->has_best_of,
+                             .has_presence_penalty = f->has_presence,
+                             .has_frequency_penalty = f->has_frequency,
+                             .has_repetition_penalty = f->has_repetition,
+                             .has_temperature = f->has_temperature,
+                             .has_top_p = f->has_top_p,
+                             .has_top_k = f->has_top_k,
+                             .has_min_p = f->has_min_p,
+                             .has_max_tokens = f->has_max_tokens,
+                             .has_min_tokens = f->has_min_tokens,
+                             .n = f->n,
+                             .best_of = f->best_of,
+                             .top_k = f->top_k,
+                             .max_tokens = f->max_tokens,
+                             .min_tokens = f->min_tokens,
+                             .presence_penalty = f->presence,
+                             .frequency_penalty = f->frequency,
+                             .repetition_penalty = f->repetition,
+                             .temperature = f->temperature,
+                             .top_p = f->top_p,
+                             .min_p = f->min_p,
+                             .stop = (const char *const *)f->stop,
+                             .n_stop = f->n_stop,
+                             .stop_token_ids = f->stop_ids,
+                             .stop_token_ids_written = stop_written,
+                             .n_stop_token_ids = f->n_stop_ids,
+                             .logit_bias = lb,
+                             .logit_bias_keys = keys,
+                             .n_logit_bias = n_lb,
+                             .has_allowed_token_ids = f->has_allowed,
+                             .allowed_token_ids = f->allowed,
+                             .n_allowed_token_ids = f->n_allowed,
+                             .max_n = lim->max_n,
+                             .max_tokens_zero_ok = f->echo && kind == PD_API_COMPLETIONS};
+    PD_CHECK(pd_sampling_check(&sf, lim->vocab));
+    int64_t n = f->has_n ? f->n : 1;
     if (f->has_truncate) {
         if (f->truncate < 1)
             return bad("truncate_prompt_tokens must be at least 1, got %lld.",

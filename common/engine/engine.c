@@ -1695,7 +1695,11 @@ size_t pd_engine_vocab(const pd_engine *e)
 }
 const char *pd_engine_allreduce_name(const pd_engine *e)
 {
+#if PD_HAVE_CUDA
     return e->tp < 2 ? "none" : e->nccl ? "nccl" : "host";
+#else
+    return e->tp < 2 ? "none" : "host";
+#endif
 }
 
 int pd_engine_tp_size(const pd_engine *e)

@@ -76,87 +76,169 @@ static const char *py_float(double x, char *buf, size_t n)
     return buf;
 }
 
-int pd_sampling_params_validate(const pd_sampling_params *p, int32_t vocab)
+/* Appends the integer the key k writes to out (sign, except for 0; digits without leading
+ * zeros), also past int64. */
+static size_t key_as_int(const char *k, char *out, size_t n)
 {
-    char b[64];
-    if (p->n < 1) return pd_error(PD_EINVAL, "n must be at least 1, got %" PRId32 ".", p->n);
-    if (!(p->presence_penalty >= -2.0 && p->presence_penalty <= 2.0))
-        return pd_error(PD_EINVAL, "presence_penalty must be in [-2, 2], got %s.",
-                        py_float(p->presence_penalty, b, sizeof b));
-    if (!(p->frequency_penalty >= -2.0 && p->frequency_penalty <= 2.0))
-        return pd_error(PD_EINVAL, "frequency_penalty must be in [-2, 2], got %s.",
-                        py_float(p->frequency_penalty, b, sizeof b));
-    if (!(p->repetition_penalty > 0.0) || isinf(p->repetition_penalty))
-        return pd_error(PD_EINVAL, "repetition_penalty must be greater than zero, got %s.",
-                        py_float(p->repetition_penalty, b, sizeof b));
-    if (!(p->temperature >= 0.0) || isinf(p->temperature))
-        return pd_error(PD_EINVAL, "temperature must be non-negative, got %s.",
-                        py_float(p->temperature, b, sizeof b));
-    if (!(p->top_p > 0.0 && p->top_p <= 1.0))
-        return pd_error(PD_EINVAL, "top_p must be in (0, 1], got %s.",
-                        py_float(p->top_p, b, sizeof b));
-    if (p->top_k < -1)
-        return pd_error(PD_EINVAL, "top_k must be 0 (disable), or at least 1, got %" PRId32 ".",
-                        p->top_k);
-    if (!(p->min_p >= 0.0 && p->min_p <= 1.0))
-        return pd_error(PD_EINVAL, "min_p must be in [0, 1], got %s.",
-                        py_float(p->min_p, b, sizeof b));
-    if (p->max_tokens != -1 && p->max_tokens < 1)
-        return pd_error(PD_EINVAL, "max_tokens must be at least 1, got %" PRId64 ".",
-                        p->max_tokens);
-    if (p->min_tokens < 0)
-        return pd_error(PD_EINVAL,
-                        "min_tokens must be greater than or equal to 0, got %" PRId32 ".",
-                        p->min_tokens);
-    if (p->logprobs < -1) return pd_error(PD_EINVAL, "`logprobs` must be a positive value.");
-    if (p->n_stop < 0 || (p->n_stop > 0 && !p->stop))
-        return pd_error(PD_EINVAL, "stop: %" PRId32 " strings but no array", p->n_stop);
-    for (int32_t i = 0; i < p->n_stop; i++)
-        if (!p->stop[i] || p->stop[i][0] == '\0')
-            return pd_error(PD_EINVAL, "stop cannot contain an empty string.");
-    if (p->n_stop_token_ids < 0 || (p->n_stop_token_ids > 0 && !p->stop_token_ids))
-        return pd_error(PD_EINVAL, "stop_token_ids: %" PRId32 " ids but no array",
-                        p->n_stop_token_ids);
-    for (int32_t i = 0; i < p->n_stop_token_ids; i++)
-        if (p->stop_token_ids[i] < 0 || p->stop_token_ids[i] >= vocab)
-            return pd_error(PD_EINVAL,
-                            "Token id %" PRId32 " in stop_token_ids is out of vocabulary.",
-                            p->stop_token_ids[i]);
-    if (p->n_logit_bias < 0 || (p->n_logit_bias > 0 && !p->logit_bias))
-        return pd_error(PD_EINVAL, "logit_bias: %" PRId32 " entries but no array", p->n_logit_bias);
+    const char *d = k + (*k == '-' || *k == '+');
+    while (d[0] == '0' && d[1]) d++;
+    bool neg = *k == '-' && *d != '0';
+    int w = snprintf(out, n, "%s%.40s", neg ? "-" : "", d);
+    return w < 0 ? 0 : (size_t)w < n ? (size_t)w : n - 1;
+}
+
+/* The logit_bias rules: keys are integers, then every out-of-vocabulary id is named ("[128300,
+ * 999999]", as Python prints a list), then no bias is NaN. */
+static int check_logit_bias(const pd_sampling_fields *f, int32_t vocab)
+{
+    for (int32_t i = 0; f->logit_bias_keys && i < f->n_logit_bias; i++) {
+        const char *k = f->logit_bias_keys[i], *d = k + (*k == '-' || *k == '+');
+        bool digits = *d != '\0';
+        for (const char *c = d; *c; c++) digits = digits && *c >= '0' && *c <= '9';
+        if (!digits)
+            return pd_error(PD_EINVAL, "Invalid key `%s` in logit_bias: keys must be token ids.",
+                            k);
+    }
+    char ids[512];
+    size_t o = 0;
     int32_t n_bad = 0;
-    for (int32_t i = 0; i < p->n_logit_bias; i++)
-        if (p->logit_bias[i].id < 0 || p->logit_bias[i].id >= vocab) n_bad++;
-    if (n_bad > 0) {
-        /* "[128300, 999999]": every bad id, like Python prints a list. */
-        char ids[512];
-        size_t o = 0;
-        ids[o++] = '[';
-        int32_t k = 0;
-        for (int32_t i = 0; i < p->n_logit_bias && o < sizeof ids - 32; i++) {
-            int32_t id = p->logit_bias[i].id;
-            if (id >= 0 && id < vocab) continue;
-            o += (size_t)snprintf(ids + o, sizeof ids - o, "%s%" PRId32, k++ ? ", " : "", id);
+    bool cut = false; /* the list no longer fits: ", ..." ends it */
+    ids[o++] = '[';
+    for (int32_t i = 0; i < f->n_logit_bias && !cut; i++) {
+        int32_t id = f->logit_bias[i].id;
+        if (id >= 0 && id < vocab) continue;
+        if (n_bad++) o += (size_t)snprintf(ids + o, sizeof ids - o, ", ");
+        if ((cut = o >= sizeof ids - 64)) {
+            o += (size_t)snprintf(ids + o, sizeof ids - o, "...");
+            continue;
         }
-        if (k < n_bad) o += (size_t)snprintf(ids + o, sizeof ids - o, ", ...");
+        if (f->logit_bias_keys)
+            o += key_as_int(f->logit_bias_keys[i], ids + o, sizeof ids - o);
+        else
+            o += (size_t)snprintf(ids + o, sizeof ids - o, "%" PRId32, id);
+    }
+    if (n_bad > 0) {
         snprintf(ids + o, sizeof ids - o, "]");
         return pd_error(PD_EINVAL,
                         "token_id(s) %s in logit_bias contain out-of-vocab token ids. "
                         "Vocabulary size: %" PRId32,
                         ids, vocab);
     }
-    for (int32_t i = 0; i < p->n_logit_bias; i++)
-        if (isnan(p->logit_bias[i].bias))
+    for (int32_t i = 0; i < f->n_logit_bias; i++)
+        if (isnan(f->logit_bias[i].bias))
             return pd_error(PD_EINVAL, "logit_bias: the bias of token %" PRId32 " is NaN",
-                            p->logit_bias[i].id);
-    if (p->has_allowed_token_ids) {
-        if (p->n_allowed_token_ids <= 0 || !p->allowed_token_ids)
+                            f->logit_bias[i].id);
+    return PD_OK;
+}
+
+int pd_sampling_check(const pd_sampling_fields *f, int32_t vocab)
+{
+    char b[64];
+    int64_t n = f->has_n ? f->n : 1;
+    if (n < 1) return pd_error(PD_EINVAL, "n must be at least 1, got %" PRId64 ".", n);
+    if (f->max_n > 0 && n > f->max_n)
+        return pd_error(PD_EINVAL, "n must be at most %" PRId64 ", got %" PRId64 ".", f->max_n, n);
+    if (f->has_best_of) {
+        if (f->best_of < n)
+            return pd_error(PD_EINVAL,
+                            "best_of must be greater than or equal to n, got n=%" PRId64
+                            " and best_of=%" PRId64 ".",
+                            n, f->best_of);
+        if (f->best_of != n) return pd_error(PD_EINVAL, "best_of > n is not supported.");
+    }
+    if (f->has_presence_penalty && !(f->presence_penalty >= -2.0 && f->presence_penalty <= 2.0))
+        return pd_error(PD_EINVAL, "presence_penalty must be in [-2, 2], got %s.",
+                        py_float(f->presence_penalty, b, sizeof b));
+    if (f->has_frequency_penalty && !(f->frequency_penalty >= -2.0 && f->frequency_penalty <= 2.0))
+        return pd_error(PD_EINVAL, "frequency_penalty must be in [-2, 2], got %s.",
+                        py_float(f->frequency_penalty, b, sizeof b));
+    if (f->has_repetition_penalty &&
+        (!(f->repetition_penalty > 0.0) || isinf(f->repetition_penalty)))
+        return pd_error(PD_EINVAL, "repetition_penalty must be greater than zero, got %s.",
+                        py_float(f->repetition_penalty, b, sizeof b));
+    if (f->has_temperature && (!(f->temperature >= 0.0) || isinf(f->temperature)))
+        return pd_error(PD_EINVAL, "temperature must be non-negative, got %s.",
+                        py_float(f->temperature, b, sizeof b));
+    if (f->has_top_p && !(f->top_p > 0.0 && f->top_p <= 1.0))
+        return pd_error(PD_EINVAL, "top_p must be in (0, 1], got %s.",
+                        py_float(f->top_p, b, sizeof b));
+    if (f->has_top_k && f->top_k < -1)
+        return pd_error(PD_EINVAL, "top_k must be 0 (disable), or at least 1, got %" PRId64 ".",
+                        f->top_k);
+    if (f->has_min_p && !(f->min_p >= 0.0 && f->min_p <= 1.0))
+        return pd_error(PD_EINVAL, "min_p must be in [0, 1], got %s.",
+                        py_float(f->min_p, b, sizeof b));
+    if (f->has_max_tokens && f->max_tokens < 1 && !(f->max_tokens == 0 && f->max_tokens_zero_ok))
+        return pd_error(PD_EINVAL, "max_tokens must be at least 1, got %" PRId64 ".",
+                        f->max_tokens);
+    if (f->has_min_tokens && f->min_tokens < 0)
+        return pd_error(PD_EINVAL,
+                        "min_tokens must be greater than or equal to 0, got %" PRId64 ".",
+                        f->min_tokens);
+    if (f->has_logprobs && f->logprobs < -1)
+        return pd_error(PD_EINVAL, "`logprobs` must be a positive value.");
+    for (int32_t i = 0; i < f->n_stop; i++)
+        if (!f->stop[i] || f->stop[i][0] == '\0')
+            return pd_error(PD_EINVAL, "stop cannot contain an empty string.");
+    for (int32_t i = 0; i < f->n_stop_token_ids; i++) {
+        int64_t id =
+            f->stop_token_ids_written ? f->stop_token_ids_written[i] : f->stop_token_ids[i];
+        if (id < 0 || id >= vocab)
+            return pd_error(PD_EINVAL,
+                            "Token id %" PRId64 " in stop_token_ids is out of vocabulary.", id);
+    }
+    PD_CHECK(check_logit_bias(f, vocab));
+    if (f->has_allowed_token_ids) {
+        if (f->n_allowed_token_ids <= 0 || !f->allowed_token_ids)
             return pd_error(PD_EINVAL, "allowed_token_ids is not allowed to be empty.");
-        for (int32_t i = 0; i < p->n_allowed_token_ids; i++)
-            if (p->allowed_token_ids[i] < 0 || p->allowed_token_ids[i] >= vocab)
+        for (int32_t i = 0; i < f->n_allowed_token_ids; i++)
+            if (f->allowed_token_ids[i] < 0 || f->allowed_token_ids[i] >= vocab)
                 return pd_error(PD_EINVAL, "allowed_token_ids contains out-of-vocab token id!");
     }
     return PD_OK;
+}
+
+int pd_sampling_params_validate(const pd_sampling_params *p, int32_t vocab)
+{
+    if (p->n_stop < 0 || (p->n_stop > 0 && !p->stop))
+        return pd_error(PD_EINVAL, "stop: %" PRId32 " strings but no array", p->n_stop);
+    if (p->n_stop_token_ids < 0 || (p->n_stop_token_ids > 0 && !p->stop_token_ids))
+        return pd_error(PD_EINVAL, "stop_token_ids: %" PRId32 " ids but no array",
+                        p->n_stop_token_ids);
+    if (p->n_logit_bias < 0 || (p->n_logit_bias > 0 && !p->logit_bias))
+        return pd_error(PD_EINVAL, "logit_bias: %" PRId32 " entries but no array", p->n_logit_bias);
+    pd_sampling_fields f = {.has_n = true,
+                            .has_presence_penalty = true,
+                            .has_frequency_penalty = true,
+                            .has_repetition_penalty = true,
+                            .has_temperature = true,
+                            .has_top_p = true,
+                            .has_top_k = true,
+                            .has_min_p = true,
+                            .has_max_tokens = p->max_tokens != -1,
+                            .has_min_tokens = true,
+                            .has_logprobs = true,
+                            .n = p->n,
+                            .top_k = p->top_k,
+                            .max_tokens = p->max_tokens,
+                            .min_tokens = p->min_tokens,
+                            .logprobs = p->logprobs,
+                            .presence_penalty = p->presence_penalty,
+                            .frequency_penalty = p->frequency_penalty,
+                            .repetition_penalty = p->repetition_penalty,
+                            .temperature = p->temperature,
+                            .top_p = p->top_p,
+                            .min_p = p->min_p,
+                            .stop = p->stop,
+                            .n_stop = p->n_stop,
+                            .stop_token_ids = p->stop_token_ids,
+                            .n_stop_token_ids = p->n_stop_token_ids,
+                            .logit_bias = p->logit_bias,
+                            .n_logit_bias = p->n_logit_bias,
+                            .has_allowed_token_ids = p->has_allowed_token_ids,
+                            .allowed_token_ids = p->allowed_token_ids,
+                            .n_allowed_token_ids = p->n_allowed_token_ids};
+    return pd_sampling_check(&f, vocab);
 }
 
 int pd_sampling_params_clone(const pd_sampling_params *src, pd_arena *a, pd_sampling_params *out)

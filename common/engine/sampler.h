@@ -88,11 +88,42 @@ pd_sampling_params pd_sampling_default_params(void);
  * parsing starts from this and overwrites what the request sets. */
 pd_sampling_params pd_sampling_model_params(const pd_generation_config *g);
 
-/* Checks the numeric ranges and ids of §8.1 against a vocabulary of `vocab` tokens; on
- * failure PD_EINVAL with exactly the contract's message (e.g. "top_p must be in (0, 1],
- * got 1.5."). Checks n >= 1, penalties, temperature, top_p, top_k, min_p, min_tokens >= 0,
- * max_tokens >= 1 (when set), stop strings non-empty, stop_token_ids / logit_bias /
- * allowed_token_ids in vocabulary, logprobs >= -1. */
+/* A request's sampling fields as written, before they are clamped into pd_sampling_params, for
+ * the one validator of §8.1 (pd_sampling_check): the api-server fills it from a request body,
+ * pd_sampling_params_validate from params. has_x: x was given (absent fields are not checked).
+ * Arrays are borrowed. */
+typedef struct {
+    bool has_n, has_best_of, has_presence_penalty, has_frequency_penalty, has_repetition_penalty,
+        has_temperature, has_top_p, has_top_k, has_min_p, has_max_tokens, has_min_tokens,
+        has_logprobs;
+    int64_t n, best_of, top_k, max_tokens, min_tokens, logprobs;
+    double presence_penalty, frequency_penalty, repetition_penalty, temperature, top_p, min_p;
+    const char *const *stop; /* (n_stop) */
+    int32_t n_stop;
+    const int32_t *stop_token_ids;         /* (n_stop_token_ids) clamped to int32 */
+    const int64_t *stop_token_ids_written; /* (n_stop_token_ids) as written; NULL: the above */
+    int32_t n_stop_token_ids;
+    const pd_logit_bias *logit_bias; /* (n_logit_bias) ids clamped to int32 */
+    const char *const *logit_bias_keys; /* (n_logit_bias) the keys as written, which must be
+                                           integers; NULL: the ids are printed */
+    int32_t n_logit_bias;
+    bool has_allowed_token_ids;
+    const int32_t *allowed_token_ids; /* (n_allowed_token_ids) */
+    int32_t n_allowed_token_ids;
+    int64_t max_n;           /* > 0: n above it is refused (the api-server's --max-n-style cap) */
+    bool max_tokens_zero_ok; /* max_tokens 0 is allowed (completions with echo) */
+} pd_sampling_fields;
+
+/* Checks f against a vocabulary of `vocab` tokens in §8.1's table order: n (and max_n),
+ * best_of (>= n; > n unsupported), presence / frequency penalty, repetition_penalty,
+ * temperature, top_p, top_k, min_p, max_tokens, min_tokens, logprobs, stop strings non-empty,
+ * stop_token_ids in vocabulary, logit_bias keys and ids (every out-of-vocabulary one named),
+ * allowed_token_ids. On failure PD_EINVAL with exactly the contract's (vLLM's) message, e.g.
+ * "top_p must be in (0, 1], got 1.5.". */
+int pd_sampling_check(const pd_sampling_fields *f, int32_t vocab);
+
+/* pd_sampling_check of every field of p (max_tokens when not -1), after p's own consistency
+ * (arrays present where counts say so). */
 int pd_sampling_params_validate(const pd_sampling_params *p, int32_t vocab);
 
 /* True when p selects greedy decoding (temperature < PD_SAMPLING_GREEDY_EPS). */
