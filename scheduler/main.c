@@ -3,22 +3,22 @@
 #include <stdio.h>
 
 #include "sched.h"
-#include "util/args.h"
+#include "util/flags.h"
 #include "util/log.h"
 #include "util/status.h"
 
 int main(int argc, char **argv)
 {
     pd_log_init("scheduler");
-    pd_arg_early_log_level(argc, argv);
+    pd_flags_early_log_level(argc, argv);
     pd_sched_params p = pd_sched_default_params();
     bool help = false;
     if (pd_sched_parse_args(argc, argv, &p, &help) < 0) {
-        fprintf(stderr, "pd-scheduler: %s\n%s", pd_last_error(), pd_sched_usage());
+        fprintf(stderr, "pd-scheduler: %s\n", pd_last_error());
         return 2;
     }
     if (help) {
-        fputs(pd_sched_usage(), stdout);
+        pd_sched_usage(stdout);
         return 0;
     }
     if (p.log_level) {

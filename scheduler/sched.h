@@ -15,6 +15,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #define PD_SCHED_MAX_NAMES 16
 
@@ -56,13 +57,13 @@ typedef struct {
 /* Built-in defaults; environment and flags are applied on top by pd_sched_parse_args. */
 pd_sched_params pd_sched_default_params(void);
 
-/* Applies the environment (GLOBAL_RANK_TABLE_FILE_PATH, RANK_TABLE_FILE_PATH, NODE_PORTS,
- * USE_OPENAI, VLLM_API_KEY) and then argv[1..argc-1] to *p. Strings borrow argv/environ.
+/* Applies argv[1..argc-1] and then, for what it did not set, the environment
+ * (GLOBAL_RANK_TABLE_FILE_PATH, RANK_TABLE_FILE_PATH, NODE_PORTS, USE_OPENAI, VLLM_API_KEY) to *p. Strings borrow argv/environ.
  * PD_EINVAL naming the flag or variable for an unknown flag, a missing value or a bad number.
  * *help is set when --help was given (p is then incomplete). */
 int pd_sched_parse_args(int argc, char **argv, pd_sched_params *p, bool *help);
-/* The --help text. */
-const char *pd_sched_usage(void);
+/* Writes the --help text. */
+void pd_sched_usage(FILE *out);
 
 typedef struct pd_sched pd_sched;
 

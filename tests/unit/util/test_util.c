@@ -1,15 +1,19 @@
-/* Unit tests: status/error messages, logging, arena, clock, thread pool, signals. */
+/* Unit tests: status/error messages, logging, arena, clock, thread pool, signals, the flag
+ * table. */
 #include "harness.h"
 
 #include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
+#include <stddef.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <unistd.h>
 
 #include "util/arena.h"
 #include "util/clock.h"
+#include "util/flags.h"
 #include "util/log.h"
 #include "util/signals.h"
 #include "util/status.h"
@@ -265,4 +269,157 @@ TEST(signals_flag_and_pipe)
     pd_signals_reset();
     ASSERT_EQ_INT(pd_signal_received(), 0);
     raise(SIGPIPE); /* ignored: must not kill the test */
+}
+
+/* ---- the flag table (util/flags.h) ---------------------------------------------------------- */
+
+typedef struct {
+    const char *model, *names[4], *dtype, *api_key, *ports;
+    int n_names, port, shutdown_s;
+    size_t max_num_seqs;
+    int64_t seed;
+    double gpu_util;
+    bool prefix_caching, vllm_config;
+} flag_params;
+
+static const pd_flag_bind FLAG_BINDS[] = {
+    PD_BIND(flag_params, "--model", PD_BIND_STR, model),
+    {.name = "--served-model-name",
+     .type = PD_BIND_STRV,
+     .off = offsetof(flag_params, names),
+     .count_off = offsetof(flag_params, n_names),
+     .max = 4},
+    PD_BIND(flag_params, "--port", PD_BIND_INT, port),
+    PD_BIND(flag_params, "--shutdown-timeout", PD_BIND_INT, shutdown_s),
+    PD_BIND(flag_params, "--max-num-seqs", PD_BIND_SIZE, max_num_seqs),
+    PD_BIND(flag_params, "--seed", PD_BIND_I64, seed),
+    PD_BIND(flag_params, "--dtype", PD_BIND_STR, dtype),
+    PD_BIND(flag_params, "--gpu-memory-utilization", PD_BIND_F64, gpu_util),
+    PD_BIND(flag_params, "--enable-prefix-caching", PD_BIND_BOOL, prefix_caching),
+    PD_BIND(flag_params, "--generation-config", PD_BIND_BOOL, vllm_config),
+    PD_BIND(flag_params, "--api-key", PD_BIND_STR, api_key),
+    PD_BIND(flag_params, "NODE_PORTS", PD_BIND_STR, ports),
+};
+#define N_FLAG_BINDS (sizeof FLAG_BINDS / sizeof *FLAG_BINDS)
+
+static int parse_flags(unsigned role, flag_params *p, char **argv)
+{
+    int argc = 0;
+    while (argv[argc]) argc++;
+    memset(p, 0, sizeof *p);
+    p->prefix_caching = true;
+    bool help;
+    return pd_flags_parse(role, FLAG_BINDS, N_FLAG_BINDS, argc, argv, p, &help);
+}
+
+/* vLLM's spellings (--a_b, --a=b), values into each C type, a choice's alias, a switch and its
+ * --no- form, N [N...], a fraction rounded up into an int. */
+TEST(flags_parse_spellings_and_types)
+{
+    flag_params p;
+    char *argv[] = {"x",
+                    "--model",
+                    "/m",
+                    "--served_model_name",
+                    "a",
+                    "b",
+                    "--port=8001",
+                    "--max-num-seqs",
+                    "64",
+                    "--seed=-1",
+                    "--dtype",
+                    "half",
+                    "--gpu_memory_utilization",
+                    "0.5",
+                    "--no-enable-prefix-caching",
+                    "--shutdown-timeout",
+                    "2.5",
+                    "--generation-config",
+                    "vllm",
+                    NULL};
+    ASSERT_OK(parse_flags(PD_ROLE_ALL, &p, argv));
+    ASSERT_STR_EQ(p.model, "/m");
+    ASSERT_EQ_INT(p.n_names, 2);
+    ASSERT_STR_EQ(p.names[1], "b");
+    ASSERT_EQ_INT(p.port, 8001);
+    ASSERT_EQ_INT(p.max_num_seqs, 64);
+    ASSERT_EQ_INT(p.seed, -1);
+    ASSERT_STR_EQ(p.dtype, "float16");
+    ASSERT(p.gpu_util == 0.5);
+    ASSERT(!p.prefix_caching);
+    ASSERT_EQ_INT(p.shutdown_s, 3);
+    ASSERT(p.vllm_config);
+}
+
+/* Refusals name the flag; another role's flag is checked but not stored; vLLM's no-op flags
+ * are accepted. */
+TEST(flags_parse_refusals_and_other_roles)
+{
+    flag_params p;
+    char *unknown[] = {"x", "--frobnicate", "1", NULL};
+    ASSERT_ERR(parse_flags(PD_ROLE_PREFILL, &p, unknown), PD_EINVAL, "unknown flag '--frobnicate'");
+    char *missing[] = {"x", "--model", NULL};
+    ASSERT_ERR(parse_flags(PD_ROLE_PREFILL, &p, missing), PD_EINVAL, "--model: missing value");
+    char *valued[] = {"x", "--enable-prefix-caching=1", NULL};
+    ASSERT_ERR(parse_flags(PD_ROLE_PREFILL, &p, valued), PD_EINVAL,
+               "--enable-prefix-caching takes no value");
+    char *range[] = {"x", "--max-num-seqs", "0", NULL};
+    ASSERT_ERR(parse_flags(PD_ROLE_PREFILL, &p, range), PD_EINVAL,
+               "--max-num-seqs: expected an integer in [1, 1048576], got \"0\"");
+    char *choice[] = {"x", "--dtype", "fp8", NULL};
+    ASSERT_ERR(parse_flags(PD_ROLE_PREFILL, &p, choice), PD_EINVAL,
+               "--dtype: expected auto, float32, bfloat16 or float16, got 'fp8'");
+    char *open_lo[] = {"x", "--gpu-memory-utilization", "0", NULL};
+    ASSERT_ERR(parse_flags(PD_ROLE_PREFILL, &p, open_lo), PD_EINVAL,
+               "--gpu-memory-utilization: expected a number in (0, 1], got \"0\"");
+    /* --api-key is the scheduler's: a prefill accepts it and stores nothing; a bad value of
+       another role's flag is refused all the same (one command line, one verdict) */
+    char *other[] = {"x", "--api-key", "k", "--swap-space", "4", "--trust-remote-code", NULL};
+    ASSERT_OK(parse_flags(PD_ROLE_PREFILL, &p, other));
+    ASSERT(p.api_key == NULL);
+    ASSERT_OK(parse_flags(PD_ROLE_SCHEDULER, &p, other));
+    ASSERT_STR_EQ(p.api_key, "k");
+    char *other_bad[] = {"x", "--max-num-seqs", "abc", NULL};
+    ASSERT_ERR(parse_flags(PD_ROLE_SCHEDULER, &p, other_bad), PD_EINVAL, "--max-num-seqs");
+}
+
+/* The environment fills what the command line did not set (and only for the roles it is
+ * bound in); the flag wins over its variable. */
+TEST(flags_environment_fallbacks)
+{
+    setenv("VLLM_API_KEY", "from-env", 1);
+    setenv("NODE_PORTS", "1,2", 1);
+    flag_params p;
+    char *none[] = {"x", NULL};
+    ASSERT_OK(parse_flags(PD_ROLE_SCHEDULER, &p, none));
+    ASSERT_STR_EQ(p.api_key, "from-env");
+    ASSERT_STR_EQ(p.ports, "1,2");
+    char *flag[] = {"x", "--api-key", "from-flag", NULL};
+    ASSERT_OK(parse_flags(PD_ROLE_SCHEDULER, &p, flag));
+    ASSERT_STR_EQ(p.api_key, "from-flag");
+    ASSERT_OK(parse_flags(PD_ROLE_DECODE, &p, none));
+    ASSERT(p.api_key == NULL && p.ports == NULL);
+    unsetenv("VLLM_API_KEY");
+    unsetenv("NODE_PORTS");
+}
+
+/* --help lists the role's bound flags with the defaults read from the defaults struct, and the
+ * other roles' flags as accepted. */
+TEST(flags_usage_reads_defaults)
+{
+    flag_params d = {.max_num_seqs = 321, .dtype = "auto", .prefix_caching = true};
+    char *text = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&text, &len);
+    ASSERT(f);
+    pd_flags_usage(f, PD_ROLE_PREFILL, "x --model DIR", "intro", FLAG_BINDS, N_FLAG_BINDS, &d);
+    fclose(f);
+    ASSERT(strstr(text, "usage: x --model DIR\nintro"));
+    ASSERT(strstr(text, "(default: 321)"));
+    ASSERT(strstr(text, "--[no-]enable-prefix-caching"));
+    ASSERT(strstr(text, "--dtype auto|float32|bfloat16|float16"));
+    ASSERT(!strstr(text, "half"));      /* aliases are accepted, not listed */
+    ASSERT(strstr(text, " --api-key")); /* the scheduler's, under the other roles' flags */
+    ASSERT(strstr(text, "--swap-space GiB"));
+    free(text);
 }
