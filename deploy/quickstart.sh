@@ -33,16 +33,18 @@ step "dependencies"
 deploy/install_deps.sh
 if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then export NVCC=/usr/local/cuda/bin/nvcc; fi
 
-step "build (build/)"
-[ -f build/build.ninja ] || meson setup build >/dev/null
-ninja -C build -j "$(nproc)" >/dev/null
+# A release build of its own (tests/run.sh builds build/ with checks on and warnings as errors)
+step "build (build-release/)"
+[ -f build-release/build.ninja ] || meson setup build-release --buildtype=release >/dev/null
+ninja -C build-release -j "$(nproc)" >/dev/null
+export PD_BIN_DIR=$PWD/build-release
 
 mkdir -p "$work"
 if [ -z "$model" ]; then
     model="$work/tiny"
     if [ ! -f "$model/config.json" ]; then
         step "synthetic model: pd-mkmodel --preset tiny --out $model"
-        build/tools/mkmodel/pd-mkmodel --preset tiny --out "$model" >/dev/null
+        build-release/tools/mkmodel/pd-mkmodel --preset tiny --out "$model" >/dev/null
     fi
 fi
 [ -f "$model/config.json" ] || { echo "quickstart.sh: $model has no config.json" >&2; exit 1; }
@@ -50,7 +52,7 @@ fi
 step "ranktables for 1P1D on 127.0.0.1"
 rtdir="$work/ranktable"
 rm -rf "$rtdir" && mkdir -p "$rtdir"
-build/ranktable/cli/pd-ranktable --mode gen --prefill-server-list 0 --decode-server-list 1 \
+build-release/ranktable/cli/pd-ranktable --mode gen --prefill-server-list 0 --decode-server-list 1 \
     --api-server --server-ip 127.0.0.1 --save-dir "$rtdir" >/dev/null
 export GLOBAL_RANK_TABLE_FILE_PATH="$rtdir/global_ranktable_127.0.0.1.json"
 export NODE_PORTS="$pport,$dport"

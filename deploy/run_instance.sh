@@ -26,7 +26,8 @@
 #     --dry-run           print the docker command (shell-quoted, one line) instead of running it
 #   Every other argument (the guide's --model, --tensor-parallel-size, --port, ...) goes to
 #   start_servers.sh inside the container unchanged. --model DIR must be an existing directory.
-# When pd-ranktable is found ($PD_BIN_DIR, ./build, PATH), the tables are checked with it first.
+# When pd-ranktable is found ($PD_BIN_DIR, ./build-release, ./build, PATH), the tables are checked
+# with it first.
 [ -n "${BASH_VERSION:-}" ] || exec bash "$0" "$@" # `sh run_instance.sh` (dash) re-runs under bash
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -88,8 +89,12 @@ fi
 
 # Full validation with pd-ranktable when it is at hand (the docker host may have only the image).
 rt=""
-for c in "${PD_BIN_DIR:-$here/build}/ranktable/cli/pd-ranktable" "${PD_BIN_DIR:-$here/build}/pd-ranktable"; do
-    [ -x "$c" ] && { rt=$c; break; }
+dirs=("$here/build-release" "$here/build")
+[ -z "${PD_BIN_DIR:-}" ] || dirs=("$PD_BIN_DIR")
+for d in "${dirs[@]}"; do
+    for c in "$d/ranktable/cli/pd-ranktable" "$d/pd-ranktable"; do
+        [ -x "$c" ] && { rt=$c; break 2; }
+    done
 done
 [ -n "$rt" ] || rt=$(command -v pd-ranktable || true)
 if [ -n "$rt" ]; then

@@ -4,8 +4,8 @@
 #   scheduler (the *_host.json table) -> pd-scheduler, prefill -> pd-prefill, decode -> pd-decode.
 # Environment: GLOBAL_RANK_TABLE_FILE_PATH, RANK_TABLE_FILE_PATH (required); NODE_PORTS (required
 # by the scheduler); USE_OPENAI (scheduler, default 1). Every flag is passed through unchanged.
-# Executables: $PD_BIN_DIR (a build directory or an install prefix's bin/), else ./build of this
-# checkout, else PATH. `sh start_servers.sh` works too (as the guide runs it): it re-runs under bash.
+# Executables: $PD_BIN_DIR (a build directory or an install prefix's bin/), else ./build-release
+# (deploy/quickstart.sh's) or ./build of this checkout, else PATH. `sh start_servers.sh` works too (as the guide runs it): it re-runs under bash.
 # --help: without the two ranktable variables, prints this text; with them, the role's executable
 # prints its flags (every executable accepts every role's flags).
 [ -n "${BASH_VERSION:-}" ] || exec bash "$0" "$@" # `sh start_servers.sh` (dash) re-runs under bash
@@ -19,9 +19,12 @@ if [ -z "${GLOBAL_RANK_TABLE_FILE_PATH:-}" ] || [ -z "${RANK_TABLE_FILE_PATH:-}"
 fi
 
 find_bin() { # name, path inside a build directory
-    local dir=${PD_BIN_DIR:-$here/build}
-    if [ -x "$dir/$2" ]; then echo "$dir/$2"; return; fi
-    if [ -x "$dir/$1" ]; then echo "$dir/$1"; return; fi
+    local dir dirs=("$here/build-release" "$here/build")
+    [ -z "${PD_BIN_DIR:-}" ] || dirs=("$PD_BIN_DIR")
+    for dir in "${dirs[@]}"; do
+        if [ -x "$dir/$2" ]; then echo "$dir/$2"; return; fi
+        if [ -x "$dir/$1" ]; then echo "$dir/$1"; return; fi
+    done
     command -v "$1" || { echo "start_servers.sh: $1 not found (build first, or set PD_BIN_DIR)" >&2; exit 1; }
 }
 

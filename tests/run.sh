@@ -32,8 +32,9 @@ if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
 fi
 
 jobs=$(nproc)
-builds=("build|-Dcuda=auto")
-[ "$fast" = 1 ] || builds+=("build-asan|-Dsanitize=true -Db_lundef=false -Dcuda=disabled")
+# Warnings are errors here (and in CI), not in a user's build (meson.build's default).
+builds=("build|-Dwerror=true -Dcuda=auto")
+[ "$fast" = 1 ] || builds+=("build-asan|-Dwerror=true -Dsanitize=true -Db_lundef=false -Dcuda=disabled")
 
 passed=0; failed=0; skipped=0; rc=0
 for spec in "${builds[@]}"; do
@@ -43,6 +44,8 @@ for spec in "${builds[@]}"; do
     # shellcheck disable=SC2086
     meson setup "$dir" $opts >"$dir.setup.log" 2>&1 || { cat "$dir.setup.log"; echo "run.sh: meson setup $dir failed"; failed=$((failed+1)); rc=1; continue; }
     rm -f "$dir.setup.log"
+  else
+    meson configure "$dir" -Dwerror=true >/dev/null # a directory made before with another default
   fi
   if ! ninja -C "$dir" -j "$jobs" >"$dir/ninja.log" 2>&1; then
     grep -E "error|FAILED" -A5 "$dir/ninja.log" | head -60

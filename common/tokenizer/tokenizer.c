@@ -409,7 +409,8 @@ static int add_norm(loader *L, json_t *n, const char *path, int depth)
         if (depth > 4) return lerr(L, PD_EUNSUPPORTED, "%s: normalizers nested too deeply", path);
         for (size_t i = 0; i < json_array_size(arr); i++) {
             char p[128];
-            snprintf(p, sizeof p, "%s.normalizers[%zu]", path, i);
+            if (snprintf(p, sizeof p, "%s.normalizers[%zu]", path, i) >= (int)sizeof p)
+                return lerr(L, PD_EUNSUPPORTED, "%s: normalizers nested too deeply", path);
             PD_CHECK(add_norm(L, json_array_get(arr, i), p, depth + 1));
         }
         return 0;
@@ -464,7 +465,8 @@ static int add_pre(loader *L, json_t *n, const char *path, int depth)
             return lerr(L, PD_EUNSUPPORTED, "%s: pre-tokenizers nested too deeply", path);
         for (size_t i = 0; i < json_array_size(arr); i++) {
             char p[128];
-            snprintf(p, sizeof p, "%s.pretokenizers[%zu]", path, i);
+            if (snprintf(p, sizeof p, "%s.pretokenizers[%zu]", path, i) >= (int)sizeof p)
+                return lerr(L, PD_EUNSUPPORTED, "%s: pre-tokenizers nested too deeply", path);
             PD_CHECK(add_pre(L, json_array_get(arr, i), p, depth + 1));
         }
         return 0;

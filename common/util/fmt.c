@@ -78,3 +78,15 @@ size_t pd_fmt_go_float(double v, char *buf, size_t n)
     }
     return (size_t)snprintf(buf, n, "%s", s);
 }
+
+size_t pd_str_copy(char *dst, size_t n, const char *src)
+{
+    size_t len = src ? strlen(src) : 0;
+    if (len >= n) {
+        len = n - 1;
+        while (len > 0 && ((unsigned char)src[len] & 0xC0) == 0x80) len--; /* continuation */
+    }
+    if (len) memcpy(dst, src, len);
+    dst[len] = '\0';
+    return len;
+}

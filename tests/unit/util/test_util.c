@@ -14,6 +14,7 @@
 #include "util/arena.h"
 #include "util/clock.h"
 #include "util/flags.h"
+#include "util/fmt.h"
 #include "util/log.h"
 #include "util/signals.h"
 #include "util/status.h"
@@ -422,4 +423,18 @@ TEST(flags_usage_reads_defaults)
     ASSERT(strstr(text, " --api-key")); /* the scheduler's, under the other roles' flags */
     ASSERT(strstr(text, "--swap-space GiB"));
     free(text);
+}
+
+/* A bounded copy keeps what fits and never ends inside a UTF-8 sequence. */
+TEST(str_copy_cuts_on_a_character)
+{
+    char b[6];
+    ASSERT_EQ_INT(pd_str_copy(b, sizeof b, "abc"), 3);
+    ASSERT_STR_EQ(b, "abc");
+    ASSERT_EQ_INT(pd_str_copy(b, sizeof b, "abcdefg"), 5);
+    ASSERT_STR_EQ(b, "abcde");
+    ASSERT_EQ_INT(pd_str_copy(b, sizeof b, "abc\xe2\x82\xac"), 3); /* U+20AC would not fit */
+    ASSERT_STR_EQ(b, "abc");
+    ASSERT_EQ_INT(pd_str_copy(b, sizeof b, NULL), 0);
+    ASSERT_STR_EQ(b, "");
 }
