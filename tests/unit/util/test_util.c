@@ -15,6 +15,7 @@
 #include "util/clock.h"
 #include "util/flags.h"
 #include "util/fmt.h"
+#include "util/idmap.h"
 #include "util/log.h"
 #include "util/signals.h"
 #include "util/status.h"
@@ -437,4 +438,50 @@ TEST(str_copy_cuts_on_a_character)
     ASSERT_STR_EQ(b, "abc");
     ASSERT_EQ_INT(pd_str_copy(b, sizeof b, NULL), 0);
     ASSERT_STR_EQ(b, "");
+}
+
+/* ---- the id map (util/idmap.h) -------------------------------------------------------------- */
+
+typedef struct {
+    char id[16];
+    int value;
+    pd_idmap_link link;
+} idmap_obj;
+
+/* put / get / del with colliding chains (3 buckets), iteration that deletes as it goes. */
+TEST(idmap_put_get_del_iterate)
+{
+    pd_idmap m;
+    ASSERT_OK(pd_idmap_init(&m, 3));
+    static idmap_obj objs[50];
+    for (int i = 0; i < 50; i++) {
+        snprintf(objs[i].id, sizeof objs[i].id, "req-%d", i);
+        objs[i].value = i;
+        pd_idmap_put(&m, &objs[i].link, objs[i].id);
+    }
+    ASSERT_EQ_INT(m.count, 50);
+    for (int i = 0; i < 50; i++) {
+        char id[16];
+        snprintf(id, sizeof id, "req-%d", i);
+        pd_idmap_link *l = pd_idmap_get(&m, id);
+        ASSERT(l);
+        ASSERT_EQ_INT(PD_IDMAP_ENTRY(l, idmap_obj, link)->value, i);
+    }
+    ASSERT(pd_idmap_get(&m, "req-50") == NULL);
+    ASSERT(pd_idmap_del(&m, &objs[7].link));
+    ASSERT(!pd_idmap_del(&m, &objs[7].link));
+    ASSERT(pd_idmap_get(&m, "req-7") == NULL);
+    int seen = 0, sum = 0;
+    for (pd_idmap_link *l = pd_idmap_first(&m), *nx; l; l = nx) {
+        nx = pd_idmap_next(&m, l);
+        idmap_obj *o = PD_IDMAP_ENTRY(l, idmap_obj, link);
+        seen++;
+        sum += o->value;
+        if (o->value % 2) ASSERT(pd_idmap_del(&m, l)); /* deleting while iterating */
+    }
+    ASSERT_EQ_INT(seen, 49);
+    ASSERT_EQ_INT(sum, 49 * 50 / 2 - 7);
+    ASSERT_EQ_INT(m.count, 25); /* the even ones */
+    pd_idmap_free(&m);
+    ASSERT_ERR(pd_idmap_init(&m, 0), PD_EINVAL, "0 buckets");
 }
