@@ -5,7 +5,7 @@
  * tensor-parallel size against the instance's device count, creates the engine (engine.h) and
  * serves the pd.proto control plane over gRPC (rpc.h) on --host/--port:
  *   prefill: Prefill runs the prompt as a PREFILL_ONLY request, then a transfer worker sends
- *            the held KV to every decode rank (kv_tcp.h) and replies with the first token once
+ *            the held KV to every decode rank (kv_route.h) and replies with the first token once
  *            the decode side acknowledged; the KV is leased for at most --kv-lease-seconds and
  *            released on acknowledgement, failure, abort or expiry.
  *   decode:  Reserve allocates blocks and expects their KV on each rank's TCP receiver; a

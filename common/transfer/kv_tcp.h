@@ -1,24 +1,23 @@
-/* KV-cache transfer over TCP: the data plane used when prefill and decode run without GPUs
- * (host staging through the backend's kv_export / kv_import).
+/* KV-cache transfer: the data plane that moves a prompt's KV from a prefill rank to a decode
+ * rank. Every transport shares one TCP connection per (sender, request): the frames, the
+ * acknowledgement and, where the KV moves another way, the description of that way travel on
+ * it. This header is the API callers use; the transports sit behind kv_xport.h, one file each
+ * (tcp.c: host staging, cuda_ipc.c: device to device on one host, nccl.c: device to device over
+ * an NCCL link), the bytes on the wire are in kv_frames.h, and kv_route.h picks the transport
+ * of each send (--kv-transport, and auto's fallback chain).
  *
  * What moves is planned as (layer, kv-head range, token range): a prefill rank holding kv heads
  * [p0, p0 + pn) sends to a decode rank holding [d0, d0 + dn) the overlap of the two ranges, for
  * every layer and every token of the prompt (the blocks' slots past the prompt stay behind), so
- * instances with different tensor-parallel sizes exchange KV. The sender (P rank) exports each
- * layer's slice straight into a send buffer behind an 80-byte frame header (request id, layer, head
- * range, block range, payload length) and writes frames coalesced into messages of at least
- * coalesce_bytes (1 MiB). The receiver (D rank) accepts frames only for requests it expects (blocks
- * reserved before the prefill ran), checks every header field against the reservation and its pool,
- * imports the payload into the reserved blocks, and acknowledges the sender's last frame once
- * everything that sender sent is imported. A wrong header or a frame for an unknown or already
- * imported request is refused: logged, answered with an error acknowledgement, never a crash; the
- * connection is dropped when the stream cannot be resynchronized. A (layer, head) sent again before
- * the request is complete (a prefill retried on another instance after a transfer broke half-way)
- * overwrites the first copy, so the retry completes the import.
- *
- * With a pool shared by CUDA IPC (pd_kv_send_req.share) the same connection carries one small
- * frame instead of the KV: the receiver maps the prefill pool and copies device to device
- * (kv_pull), writing only its reserved blocks; see kv_tcp.c.
+ * instances with different tensor-parallel sizes exchange KV. The receiver (D rank) accepts KV
+ * only for requests it expects (blocks reserved before the prefill ran), checks every header
+ * field against the reservation and its pool, writes into the reserved blocks, and acknowledges
+ * the sender's last frame once everything that sender sent is imported. A wrong header or a
+ * frame for an unknown or already imported request is refused: logged, answered with an error
+ * acknowledgement, never a crash; the connection is dropped when the stream cannot be
+ * resynchronized. A (layer, head) sent again before the request is complete (a prefill retried
+ * on another instance after a transfer broke half-way) overwrites the first copy, so the retry
+ * completes the import.
  */
 #ifndef PD_TRANSFER_KV_TCP_H
 #define PD_TRANSFER_KV_TCP_H
@@ -76,6 +75,8 @@ typedef struct {
     uint64_t completed;     /* requests fully imported */
     double import_seconds;  /* time spent importing accepted frames (copies into the pool) */
     int expected;           /* requests expected now */
+    const char *transport;  /* the transport of the request imported last ("tcp", "cuda_ipc",
+                               "nccl"); NULL before the first */
 } pd_kv_rx_stats;
 void pd_kv_rx_get_stats(pd_kv_tcp_receiver *rx, pd_kv_rx_stats *out);
 
@@ -103,50 +104,35 @@ typedef struct {
     size_t coalesce_bytes; /* 0 = 1 MiB */
     const atomic_bool *cancel; /* NULL, or a flag another thread may set: the send then gives up
                                 * within ~50 ms with PD_ECANCELLED (an aborted request) */
-    const pd_kv_share *share;  /* NULL: the KV moves in frames (host staging). Else CUDA IPC: one
-                                * frame describes the pool (this share) and the blocks; the
-                                * receiver copies device to device and acknowledges */
-    int nccl;                  /* 1 (and share NULL): the KV moves over an NCCL link of the
-                                * connection (backend kv_link_* ops), created on first use;
-                                * PD_EUNSUPPORTED when the receiver or this backend cannot */
-    int nccl_distinct_gpus;    /* with nccl: the receiver refuses (PD_EUNSUPPORTED) a link from
-                                * its own GPU (--kv-transport auto: NCCL between two processes of
-                                * one GPU runs only over its socket transport, and only under a
-                                * per-process NCCL_HOSTID) */
+    /* The transport of a send by pd_kv_tcp_send (a route, kv_route.h, picks its own and sets
+     * these itself): */
+    const pd_kv_share *share; /* NULL: the KV moves in frames (host staging). Else CUDA IPC: one
+                               * frame describes the pool (this share) and the blocks; the
+                               * receiver copies device to device and acknowledges */
+    int nccl;                 /* 1 (and share NULL): the KV moves over an NCCL link of the
+                               * connection (backend kv_link_* ops), created on first use;
+                               * PD_EUNSUPPORTED when the receiver or this backend cannot */
+    int nccl_distinct_gpus;   /* with nccl: the receiver refuses (PD_EUNSUPPORTED) a link from
+                               * its own GPU (--kv-transport auto: NCCL between two processes of
+                               * one GPU runs only over its socket transport, and only under a
+                               * per-process NCCL_HOSTID) */
 } pd_kv_send_req;
 
 typedef struct {
     uint64_t bytes; /* payload bytes sent */
     uint64_t frames;
-    uint64_t writes; /* socket messages (coalesced frames) */
-    double seconds;  /* first byte to acknowledgement */
+    uint64_t writes;       /* socket messages (coalesced frames) */
+    double seconds;        /* first byte to acknowledgement */
+    const char *transport; /* the transport this send used: "tcp", "cuda_ipc" or "nccl" (the
+                              one that carried the bytes, or that failed) */
 } pd_kv_send_stats;
 
-/* Sends and waits for the acknowledgement. PD_ETIMEOUT, PD_ECLOSED (connection lost),
- * PD_ECANCELLED (r->cancel was set), PD_EINVAL (refused by the receiver: its reason is in the
- * message), PD_EUNSUPPORTED (an IPC send the receiver cannot take: another host, a receiver
- * without CUDA; host staging works there). Thread-safe: one sender
- * may serve several threads (connections are taken from a per-address pool). */
+/* Sends by the transport r->share / r->nccl name and waits for the acknowledgement. PD_ETIMEOUT,
+ * PD_ECLOSED (connection lost), PD_ECANCELLED (r->cancel was set), PD_EINVAL (refused by the
+ * receiver: its reason is in the message), PD_EUNSUPPORTED (a device transport this backend or
+ * the receiver cannot take: another host, a receiver without CUDA; host staging works there).
+ * Thread-safe: one sender may serve several threads (connections are taken from a per-address
+ * pool). */
 int pd_kv_tcp_send(pd_kv_tcp_sender *tx, const pd_kv_send_req *r, pd_kv_send_stats *stats);
-
-/* ---- NCCL frames (see kv_tcp.c) ------------------------------------------------------------ */
-
-#define PD_KV_NCCL_CHUNK_BYTES ((size_t)64 << 20) /* coalesced NCCL message, at most (bytes) */
-
-/* Layers per NCCL chunk for a request whose layers are layer_bytes each (K and V): as many as
- * fit in cap bytes (0 = PD_KV_NCCL_CHUNK_BYTES), at least 1, at most n_layers. */
-int pd_kv_nccl_chunk_layers(size_t layer_bytes, int n_layers, size_t cap);
-
-/* The payload of an NCCL request frame: how the KV that follows on the link is cut. */
-typedef struct {
-    uint32_t chunk_layers; /* layers per chunk (the last chunk may have fewer) */
-    uint64_t link_bytes;   /* bytes the request moves over the link, all chunks */
-} pd_kv_nccl_desc;
-#define PD_KV_NCCL_DESC_BYTES 16
-void pd_kv_nccl_desc_pack(const pd_kv_nccl_desc *d, uint8_t out[PD_KV_NCCL_DESC_BYTES]);
-/* PD_EINVAL (message names the field) when the description is not one for a request of
- * n_layers layers of layer_bytes each. */
-int pd_kv_nccl_desc_unpack(const uint8_t in[PD_KV_NCCL_DESC_BYTES], int n_layers,
-                           size_t layer_bytes, pd_kv_nccl_desc *out);
 
 #endif

@@ -603,6 +603,7 @@ int cl_prefill(cl_cluster *c, int pk, int dk, const char *id, const int32_t *pro
     out->prefill_seconds = pr->prefill_seconds;
     out->kv_seconds = pr->kv_seconds;
     out->kv_bytes = pr->kv_bytes;
+    snprintf(out->kv_transport, sizeof out->kv_transport, "%s", pr->kv_transport);
     append_event(out, pr->first);
     bool final = pr->first->final;
     *seed_out = pr->seed;

@@ -91,6 +91,7 @@ typedef struct {
     double prefill_seconds, kv_seconds; /* the Prefill reply's: request -> reply less the KV time,
                                            and first KV byte sent -> decode acknowledgement */
     int64_t kv_bytes;      /* the Prefill reply's: payload moved to the decode instance */
+    char kv_transport[16]; /* the Prefill reply's: the transport that carried it */
     int64_t decode_cached; /* the Reserve reply's cached_tokens (the prompt ids go in Reserve,
                               as pd-scheduler sends them) */
     char error[512];

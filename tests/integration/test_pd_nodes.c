@@ -581,3 +581,38 @@ TEST(pd_reservation_dropped_with_its_relay)
     ASSERT_EQ_INT(held1, 0);
     ASSERT_EQ_INT(bad_exit, 0);
 }
+
+/* The KV transport an instance reports is the one that carried the KV: in PrefillReply for the
+ * request, and in Info for its latest transfer (the label pd-scheduler gives
+ * pd:kv_transfer_bytes_total): TCP between CPU instances. */
+TEST(pd_kv_transport_reported_on_cpu)
+{
+    const char *model = model_dir();
+    ASSERT(model);
+    cl_cluster c;
+    ASSERT_OK(cl_start(&c, model, "0", "1", NULL));
+    static int32_t prompt[64];
+    for (int i = 0; i < 64; i++) prompt[i] = 40 + i % 50;
+    static cl_result res;
+    uint64_t seed;
+    int32_t first;
+    ASSERT_OK(cl_prefill(&c, 0, 1, "xport", prompt, 64, NULL, NULL, NULL, &res, &seed, &first));
+    ASSERT(res.kv_bytes > 0);
+    ASSERT_STR_EQ(res.kv_transport, "tcp");
+    int st;
+    Pd__AbortRequest aq = PD__ABORT_REQUEST__INIT; /* the reservation nobody decodes */
+    aq.request_id = "xport";
+    ProtobufCMessage *ar =
+        cl_call(cl_node(&c, 1), "/pd.PD/Abort", &aq.base, &pd__abort_reply__descriptor, 3000, &st);
+    ASSERT(ar);
+    protobuf_c_message_free_unpacked(ar, NULL);
+    for (int k = 0; k < 2; k++) { /* the prefill instance sent it, the decode one received it */
+        Pd__InfoRequest iq = PD__INFO_REQUEST__INIT;
+        Pd__InfoReply *info = (Pd__InfoReply *)cl_call(cl_node(&c, k), "/pd.PD/Info", &iq.base,
+                                                       &pd__info_reply__descriptor, 3000, &st);
+        ASSERT(info);
+        ASSERT_STR_EQ(info->kv_transport, "tcp");
+        pd__info_reply__free_unpacked(info, NULL);
+    }
+    ASSERT_EQ_INT(cl_stop_all(&c), 0);
+}

@@ -11,6 +11,8 @@
 #include <unistd.h>
 
 #include "backend/backend.h"
+#include "transfer/kv_frames.h"
+#include "transfer/kv_route.h"
 #include "transfer/kv_tcp.h"
 #include "util/clock.h"
 
@@ -533,7 +535,7 @@ TEST(kv_tcp_ipc_frame_refused_by_cpu_receiver)
 }
 
 /* ---- NCCL frames ---------------------------------------------------------------------------
- * The NCCL protocol of kv_tcp.c (link set-up frame, request frame, chunks, drains, refusals) is
+ * The NCCL protocol of nccl.c (link set-up frame, request frame, chunks, drains, refusals) is
  * exercised here on the CPU through a host-memory stand-in for the backend's link ops: a backend
  * that wraps a CPU backend's state with the CPU op table plus kv_link_* ops moving chunks through
  * an in-process channel keyed by the link id, one chunk in flight (like NCCL's matched send and
@@ -1047,4 +1049,160 @@ TEST(kv_nccl_receiver_failure_fails_fast)
     pd_backend_destroy(fd);
     pool_free(&p);
     pool_free(&d);
+}
+
+/* ---- the route (kv_route.h) ----------------------------------------------------------------
+ * --kv-transport's choice over the stand-ins: next to the link ops above, a CUDA IPC stand-in
+ * whose share's handle holds the sender's pool (both ends live in this process) and whose
+ * kv_pull copies through kv_export and kv_import. */
+
+typedef struct {
+    pd_backend *b;
+    const pd_kv *kv;
+} fake_pool;
+
+struct pd_kv_peer { /* the test's mapped pool */
+    fake_pool src;
+};
+
+static int fake_kv_share(pd_backend *b, const pd_kv *kv, pd_kv_share *out)
+{
+    fake_pool src = {b, kv};
+    memset(out, 0, sizeof *out);
+    memcpy(out->handle, &src, sizeof src);
+    out->id = (uint64_t)(uintptr_t)kv;
+    return PD_OK;
+}
+
+static int fake_peer_open(pd_backend *b, const pd_kv *kv, const pd_kv_share *s, pd_kv_peer **out)
+{
+    (void)b, (void)kv;
+    if (!(*out = malloc(sizeof **out))) return pd_error(PD_ENOMEM, "fake peer: memory");
+    memcpy(&(*out)->src, s->handle, sizeof(*out)->src);
+    return PD_OK;
+}
+
+static void fake_peer_close(pd_backend *b, pd_kv_peer *peer)
+{
+    (void)b;
+    free(peer);
+}
+
+/* Layer by layer: the source blocks' heads out, the slots past the prompt zeroed, then in. */
+static int fake_pull(pd_backend *b, pd_kv *kv, pd_kv_peer *peer, const pd_kv_pull *pl)
+{
+    size_t row = pl->n_heads * HDIM, whole = pl->n_blocks * BLOCK * row, used = pl->n_tokens * row;
+    float *tmp = malloc(2 * whole * sizeof *tmp);
+    if (!tmp) return pd_error(PD_ENOMEM, "fake pull: memory");
+    int rc = PD_OK;
+    for (int l = 0; l < LAYERS && rc == PD_OK; l++) {
+        pd_kv_range src = {.layer = l,
+                           .block_ids = pl->src_blocks,
+                           .n_blocks = pl->n_blocks,
+                           .head0 = pl->src_head0,
+                           .n_heads = pl->n_heads},
+                    dst = src;
+        dst.block_ids = pl->dst_blocks;
+        dst.head0 = pl->dst_head0;
+        rc = pd_backend_get_ops(peer->src.b)->kv_export(peer->src.b, peer->src.kv, &src, tmp);
+        memset(tmp + used, 0, (whole - used) * sizeof *tmp);
+        memset(tmp + whole + used, 0, (whole - used) * sizeof *tmp);
+        if (rc == PD_OK) rc = pd_backend_get_ops(b)->kv_import(b, kv, &dst, tmp);
+    }
+    free(tmp);
+    return rc;
+}
+
+/* --kv-transport auto, per destination: CUDA IPC where the decode rank maps the pool, else NCCL
+ * where it takes a link, else TCP. Each send names the transport that carried it (the label of
+ * pd:kv_transfer_bytes_total) and so does the receiver; a refusal is remembered for its
+ * destination, a cancelled send is none; an explicit transport never falls back. */
+TEST(kv_route_auto_chain_per_destination)
+{
+    pool p, d[4];
+    ASSERT_OK(pool_make(&p, HEADS));
+    for (int k = 0; k < 4; k++) ASSERT_OK(pool_make(&d[k], HEADS));
+    pd_backend *pl = fake_linked(&p);
+    static pd_backend_ops ipc_ops;
+    ipc_ops = g_fake_ops;
+    ipc_ops.kv_share = fake_kv_share;
+    ipc_ops.kv_peer_open = fake_peer_open;
+    ipc_ops.kv_peer_close = fake_peer_close;
+    ipc_ops.kv_pull = fake_pull;
+    pd_backend *pi = pd_backend_wrap(&ipc_ops, pd_backend_impl(p.b));
+    pd_backend *f1 = pd_backend_wrap(&g_fake_ops, pd_backend_impl(d[1].b));
+    pd_backend *f2 = pd_backend_wrap(&ipc_ops, pd_backend_impl(d[2].b));
+    ASSERT(pl && pi && f1 && f2);
+    int32_t pb[2] = {4, 6}, db[2] = {1, 9};
+    ASSERT_OK(fill(&p, pb, 2, 0));
+    /* CPU, links, links and IPC; the fourth (CPU) is met only by the cancelled send first */
+    pd_kv_tcp_receiver *rx[4] = {rx_start(&d[0], 0), rx_start_on(f1, &d[1], 0),
+                                 rx_start_on(f2, &d[2], 0), rx_start(&d[3], 0)};
+    ASSERT(rx[0] && rx[1] && rx[2] && rx[3]);
+    atomic_store(&g_done, 0);
+    atomic_store(&g_same_gpu, 0);
+    atomic_store(&g_fail_recv_after, -1);
+    pd_backend *bs[1] = {pi};
+    const pd_kv *kvs[1] = {p.kv};
+    pd_kv_route_params rp = {
+        .transport = "auto", .device = true, .n_ranks = 1, .backends = bs, .kvs = kvs};
+    pd_kv_route *rt;
+    ASSERT_OK(pd_kv_route_create(&rp, &rt));
+    ASSERT_STR_EQ(pd_kv_route_first(rt), "cuda_ipc");
+    const char *want[4] = {"tcp", "nccl", "cuda_ipc", "tcp"};
+    const int refusals[4] = {2, 1, 0, 2}; /* IPC and NCCL's link, the first time only */
+    pd_kv_send_stats st;
+    atomic_bool cancel = true;
+    pd_kv_send_req r = req_for("c", &p, 0, pb, 2, rx[3], 0, HEADS);
+    r.backend = pi;
+    r.n_tokens = 7;
+    r.cancel = &cancel;
+    ASSERT_OK(pd_kv_rx_expect(rx[3], "c", db, 2, 7));
+    ASSERT_ERR(pd_kv_route_send(rt, 0, &r, &st), PD_ECANCELLED, "cancelled");
+    ASSERT_STR_EQ(st.transport, "cuda_ipc");
+    ASSERT_OK(pd_kv_rx_cancel(rx[3], "c"));
+    for (int round = 0, done = 0; round < 2; round++)
+        for (int k = 0; k < 4; k++) {
+            char id[16];
+            snprintf(id, sizeof id, "r%d-%d", round, k);
+            ASSERT_OK(pd_kv_rx_expect(rx[k], id, db, 2, 7));
+            r = req_for(id, &p, 0, pb, 2, rx[k], 0, HEADS);
+            r.backend = pi;
+            r.n_tokens = 7;
+            ASSERT_OK(pd_kv_route_send(rt, 0, &r, &st));
+            ASSERT_STR_EQ(st.transport, want[k]);
+            ASSERT(wait_done(++done));
+            ASSERT_EQ_INT(mismatches_upto(&d[k], db, 2, 0, 7), 0);
+            pd_kv_rx_stats rs;
+            pd_kv_rx_get_stats(rx[k], &rs);
+            ASSERT_STR_EQ(rs.transport, want[k]);
+            ASSERT_EQ_INT(rs.refused, refusals[k]);
+        }
+    pd_kv_route_destroy(rt);
+    rp.transport = "nccl";
+    ASSERT_OK(pd_kv_route_create(&rp, &rt));
+    ASSERT_OK(pd_kv_rx_expect(rx[0], "x", db, 2, 7));
+    r = req_for("x", &p, 0, pb, 2, rx[0], 0, HEADS);
+    r.backend = pi;
+    r.n_tokens = 7;
+    ASSERT_ERR(pd_kv_route_send(rt, 0, &r, &st), PD_EUNSUPPORTED, "cannot take KV over NCCL");
+    ASSERT_STR_EQ(st.transport, "nccl");
+    pd_kv_route_destroy(rt);
+    rp.transport = "auto";
+    rp.device = false; /* host memory: TCP only */
+    ASSERT_OK(pd_kv_route_create(&rp, &rt));
+    ASSERT_STR_EQ(pd_kv_route_first(rt), "tcp");
+    pd_kv_route_destroy(rt);
+    rp.transport = "cuda_ipc";
+    ASSERT_ERR(pd_kv_route_create(&rp, &rt), PD_EINVAL, "--kv-transport cuda_ipc needs --device");
+    rp.device = true;
+    bs[0] = p.b; /* a CPU backend cannot share its pool */
+    ASSERT_ERR(pd_kv_route_create(&rp, &rt), PD_EUNSUPPORTED, "cannot share its KV pool");
+    for (int k = 0; k < 4; k++) pd_kv_tcp_receiver_stop(rx[k]);
+    pd_backend_destroy(pl);
+    pd_backend_destroy(pi);
+    pd_backend_destroy(f1);
+    pd_backend_destroy(f2);
+    pool_free(&p);
+    for (int k = 0; k < 4; k++) pool_free(&d[k]);
 }
