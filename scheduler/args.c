@@ -5,7 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "sched.h"
+#include "apiserver.h"
 #include "util/args.h"
 #include "util/status.h"
 
@@ -42,7 +42,7 @@ static const char USAGE[] =
     "table, optional), NODE_PORTS (required: one port per prefill then decode instance),\n"
     "USE_OPENAI (default 1), VLLM_API_KEY, PD_LOG_LEVEL\n";
 
-const char *pd_sched_usage(void)
+const char *pd_apiserver_usage(void)
 {
     return USAGE;
 }
@@ -79,7 +79,7 @@ static int arg_seconds(const char *flag, const char *val, double *out)
     return PD_OK;
 }
 
-int pd_sched_parse_args(int argc, char **argv, pd_sched_params *p, bool *help)
+int pd_apiserver_parse_args(int argc, char **argv, pd_apiserver_params *p, bool *help)
 {
     *help = false;
     const char *e;
@@ -128,15 +128,15 @@ int pd_sched_parse_args(int argc, char **argv, pd_sched_params *p, bool *help)
             NEED();
             if (!names_given) p->n_served_names = 0;
             names_given = true;
-            if (p->n_served_names >= PD_SCHED_MAX_NAMES)
+            if (p->n_served_names >= PD_APISERVER_MAX_NAMES)
                 return pd_error(PD_EINVAL, "--served-model-name: at most %d names",
-                                PD_SCHED_MAX_NAMES);
+                                PD_APISERVER_MAX_NAMES);
             p->served_names[p->n_served_names++] = val;
             /* further names up to the next flag */
             while (!eq && i + 1 < argc && strncmp(argv[i + 1], "--", 2) != 0) {
-                if (p->n_served_names >= PD_SCHED_MAX_NAMES)
+                if (p->n_served_names >= PD_APISERVER_MAX_NAMES)
                     return pd_error(PD_EINVAL, "--served-model-name: at most %d names",
-                                    PD_SCHED_MAX_NAMES);
+                                    PD_APISERVER_MAX_NAMES);
                 p->served_names[p->n_served_names++] = argv[++i];
             }
         } else if (strcmp(flag, "--host") == 0) {
