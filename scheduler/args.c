@@ -1,38 +1,38 @@
 /* pd-scheduler command line and environment (api_contract.md §17, DESIGN.md launch contract):
- * the flags of the one table (util/flags.h) that the api-server uses, bound to pd_sched_params. */
+ * the flags of the one table (util/flags.h) that the api-server uses, bound to pd_apiserver_params. */
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "sched.h"
+#include "apiserver.h"
 #include "util/flags.h"
 #include "util/status.h"
 
-#define B(flag, type, field) PD_BIND(pd_sched_params, flag, type, field)
+#define B(flag, type, field) PD_BIND(pd_apiserver_params, flag, type, field)
 static const pd_flag_bind BINDS[] = {
     {.name = "--model",
      .type = PD_BIND_STR,
-     .off = offsetof(pd_sched_params, model),
+     .off = offsetof(pd_apiserver_params, model),
      .help = "model directory (tokenizer, chat template, config)"},
     {.name = "--served-model-name",
      .type = PD_BIND_STRV,
-     .off = offsetof(pd_sched_params, served_names),
-     .count_off = offsetof(pd_sched_params, n_served_names),
-     .max = PD_SCHED_MAX_NAMES,
+     .off = offsetof(pd_apiserver_params, served_names),
+     .count_off = offsetof(pd_apiserver_params, n_served_names),
+     .max = PD_APISERVER_MAX_NAMES,
      .help = "accepted model names; the first is used in responses",
      .dflt = "--model"},
     B("--host", PD_BIND_STR, host),
     {.name = "--port",
      .type = PD_BIND_INT,
-     .off = offsetof(pd_sched_params, port),
+     .off = offsetof(pd_apiserver_params, port),
      .help = "HTTP port; 0 = any free one"},
     {.name = "--max-model-len",
      .type = PD_BIND_I64,
-     .off = offsetof(pd_sched_params, max_model_len),
+     .off = offsetof(pd_apiserver_params, max_model_len),
      .dflt = "config.json"},
     {.name = "--api-key",
      .type = PD_BIND_STR,
-     .off = offsetof(pd_sched_params, api_key),
+     .off = offsetof(pd_apiserver_params, api_key),
      .dflt = ""},
     B("--max-concurrent-requests", PD_BIND_I64, max_concurrent_requests),
     B("--max-request-body-bytes", PD_BIND_I64, max_request_body_bytes),
@@ -42,7 +42,7 @@ static const pd_flag_bind BINDS[] = {
     B("--body-timeout", PD_BIND_F64, body_timeout_s),
     {.name = "--chat-template",
      .type = PD_BIND_STR,
-     .off = offsetof(pd_sched_params, chat_template),
+     .off = offsetof(pd_apiserver_params, chat_template),
      .dflt = "the model's"},
     B("--trust-request-chat-template", PD_BIND_BOOL, trust_request_chat_template),
     B("--enable-prompt-tokens-details", PD_BIND_BOOL, enable_prompt_tokens_details),
@@ -60,15 +60,15 @@ static const pd_flag_bind BINDS[] = {
 };
 #undef B
 
-void pd_sched_usage(FILE *out)
+void pd_apiserver_usage(FILE *out)
 {
-    pd_sched_params d = pd_sched_default_params();
+    pd_apiserver_params d = pd_apiserver_default_params();
     pd_flags_usage(out, PD_ROLE_SCHEDULER, "pd-scheduler --model DIR [options]",
                    "Serves the OpenAI-compatible HTTP API of a pdserve cluster (the api-server).\n",
                    BINDS, sizeof BINDS / sizeof *BINDS, &d);
 }
 
-int pd_sched_parse_args(int argc, char **argv, pd_sched_params *p, bool *help)
+int pd_apiserver_parse_args(int argc, char **argv, pd_apiserver_params *p, bool *help)
 {
     return pd_flags_parse(PD_ROLE_SCHEDULER, BINDS, sizeof BINDS / sizeof *BINDS, argc, argv, p,
                           help);

@@ -1,8 +1,8 @@
 /* pd-scheduler: the api-server executable. Argument parsing and wiring only; the logic is in
- * the pdsched library (sched.h). */
+ * the pdsched library (apiserver.h). */
 #include <stdio.h>
 
-#include "sched.h"
+#include "apiserver.h"
 #include "util/flags.h"
 #include "util/log.h"
 #include "util/status.h"
@@ -11,14 +11,14 @@ int main(int argc, char **argv)
 {
     pd_log_init("scheduler");
     pd_flags_early_log_level(argc, argv);
-    pd_sched_params p = pd_sched_default_params();
+    pd_apiserver_params p = pd_apiserver_default_params();
     bool help = false;
-    if (pd_sched_parse_args(argc, argv, &p, &help) < 0) {
+    if (pd_apiserver_parse_args(argc, argv, &p, &help) < 0) {
         fprintf(stderr, "pd-scheduler: %s\n", pd_last_error());
         return 2;
     }
     if (help) {
-        pd_sched_usage(stdout);
+        pd_apiserver_usage(stdout);
         return 0;
     }
     if (p.log_level) {
@@ -30,13 +30,13 @@ int main(int argc, char **argv)
         }
         pd_log_set_level(lv);
     }
-    pd_sched *s = NULL;
-    if (pd_sched_create(&p, &s) < 0) {
+    pd_apiserver *s = NULL;
+    if (pd_apiserver_create(&p, &s) < 0) {
         PD_ERROR(NULL, "start-up failed: %s", pd_last_error());
         return 1;
     }
-    int rc = pd_sched_run(s, true);
-    pd_sched_free(s);
+    int rc = pd_apiserver_run(s, true);
+    pd_apiserver_free(s);
     PD_INFO(NULL, "stopped");
     return rc < 0 ? 1 : 0;
 }

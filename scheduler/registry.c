@@ -1,4 +1,4 @@
-/* Instance registry and heartbeat (see registry.h). */
+/* Instance registry and heartbeat (see registry.h); routing decisions are balancer.h's. */
 #include "registry.h"
 
 #include <errno.h>
@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "balancer.h"
 #include "rpc/pd_msg.h"
 #include "util/clock.h"
 #include "util/hash.h"
@@ -55,9 +56,11 @@ struct pd_reg {
     bool closed;              /* under ch_lock */
     bool stop, running;
     int rounds;
-    unsigned rr[RT_ROLE_COUNT]; /* round-robin cursor per role */
-    int first[RT_ROLE_COUNT];   /* the role's instances: nodes [first, first + count), as the */
-    int count[RT_ROLE_COUNT];   /* global table orders them (prefill first, then decode) */
+    int first[RT_ROLE_COUNT]; /* the role's instances: nodes [first, first + count), as the */
+    int count[RT_ROLE_COUNT]; /* global table orders them (prefill first, then decode) */
+    pd_balancer *bal[RT_ROLE_COUNT]; /* the routing policy of each role */
+    pd_balancer_target *cand;        /* (n,) scratch of a pick, under mu */
+    bool *tried;                     /* (n,) scratch of a pick, under mu */
     pthread_t thread;
     int period_ms, timeout_ms;
     int64_t max_model_len; /* the scheduler's L; 0 = not checked (set before the heartbeat) */
@@ -86,7 +89,12 @@ int pd_reg_create(const char *global_file, const char *node_ports, pd_rpc_client
         goto fail;
     }
     r->nodes = calloc((size_t)r->n, sizeof *r->nodes);
-    if (!r->nodes) {
+    r->cand = calloc((size_t)r->n, sizeof *r->cand);
+    r->tried = calloc((size_t)r->n, sizeof *r->tried);
+    bool ok = r->nodes && r->cand && r->tried;
+    for (int role = 0; role < RT_ROLE_COUNT; role++)
+        ok = (r->bal[role] = pd_balancer_least_load_create()) != NULL && ok;
+    if (!ok) {
         rc = pd_error(PD_ENOMEM, "registry: out of memory");
         goto fail;
     }
@@ -406,6 +414,10 @@ void pd_reg_free(pd_reg *r)
     pd_reg_close(r);
     for (int i = 0; r->nodes && i < r->n; i++) free(r->nodes[i].pfx);
     free(r->nodes);
+    free(r->cand);
+    free(r->tried);
+    for (int role = 0; role < RT_ROLE_COUNT; role++)
+        if (r->bal[role]) r->bal[role]->ops->destroy(r->bal[role]);
     rt_global_free(r->g);
     pthread_mutex_destroy(&r->mu);
     pthread_cond_destroy(&r->cv);
@@ -501,27 +513,10 @@ bool pd_reg_wait_round(pd_reg *r, int timeout_ms)
     return ok;
 }
 
+/* pd_reg_pick_cached without a prompt: nothing counts as cached, nothing is recorded. */
 int pd_reg_pick(pd_reg *r, rt_role role, int64_t tokens, int exclude)
 {
-    pthread_mutex_lock(&r->mu);
-    int best = -1;
-    int64_t best_load = 0;
-    /* scan the role's instances from its round-robin cursor so that ties take turns */
-    int first = r->first[role], n_role = r->count[role];
-    unsigned start = r->rr[role]++;
-    for (int i = 0; i < n_role; i++) {
-        int k = first + (int)((start + (unsigned)i) % (unsigned)n_role);
-        reg_node *nd = &r->nodes[k];
-        if (nd->inst->role != role || !nd->up || k == exclude) continue;
-        int64_t load = nd->load_tokens + nd->inflight_tokens;
-        if (best < 0 || load < best_load) {
-            best = k;
-            best_load = load;
-        }
-    }
-    if (best >= 0) r->nodes[best].inflight_tokens += tokens;
-    pthread_mutex_unlock(&r->mu);
-    return best;
+    return pd_reg_pick_cached(r, role, NULL, 0, tokens, exclude, NULL);
 }
 
 /* The keys of the full blocks of ids (at most PFX_MAX_BLOCKS) for role's instances, whose block
@@ -554,28 +549,25 @@ int pd_reg_pick_cached(pd_reg *r, rt_role role, const int32_t *ids, size_t n_ids
     int bs;
     size_t nb = block_keys(r, role, ids, n_ids, keys, &bs);
     pthread_mutex_lock(&r->mu);
-    int best = -1;
-    int64_t best_cost = 0, best_hit = 0;
-    unsigned start = n_role ? r->rr[role]++ : 0;
     for (int i = 0; i < n_role; i++) {
-        int k = first + (int)((start + (unsigned)i) % (unsigned)n_role);
-        reg_node *nd = &r->nodes[k];
-        if (!nd->up || k == exclude) continue;
+        const reg_node *nd = &r->nodes[first + i];
         size_t hit = 0;
-        while (hit < nb && nd->pfx[keys[hit] & (PFX_SLOTS - 1)] == keys[hit]) hit++;
+        while (nd->up && hit < nb && nd->pfx[keys[hit] & (PFX_SLOTS - 1)] == keys[hit]) hit++;
         /* its load (prefill: the work ahead of the prompt's first token; decode: the KV its
-           sequences take), less what its cache likely holds of the prompt */
-        int64_t cost = nd->load_tokens + nd->inflight_tokens - (int64_t)hit * bs;
-        if (best < 0 || cost < best_cost) {
-            best = k;
-            best_cost = cost;
-            best_hit = (int64_t)hit * bs;
-        }
+           sequences take), and what its cache likely holds of the prompt */
+        r->cand[i] = (pd_balancer_target){.up = nd->up,
+                                          .load = nd->load_tokens + nd->inflight_tokens,
+                                          .cached = (int64_t)hit * bs};
+        r->tried[i] = first + i == exclude;
     }
+    pd_balancer *b = r->bal[role];
+    int i = b->ops->select(b, r->cand, (size_t)n_role, r->tried);
+    int best = i < 0 ? -1 : first + i;
+    int64_t best_hit = i < 0 ? 0 : r->cand[i].cached;
     if (best >= 0) {
         reg_node *nd = &r->nodes[best];
         nd->inflight_tokens += tokens - best_hit;
-        for (size_t b = 0; b < nb; b++) nd->pfx[keys[b] & (PFX_SLOTS - 1)] = keys[b];
+        for (size_t k = 0; k < nb; k++) nd->pfx[keys[k] & (PFX_SLOTS - 1)] = keys[k];
     }
     pthread_mutex_unlock(&r->mu);
     if (hit_tokens) *hit_tokens = best_hit;

@@ -7,9 +7,11 @@
  * else the instance stays out with a logged reason) and Stats on every verified one, every
  * heartbeat period. A failed call takes the instance out of the routing set (and out of
  * verification, so a restarted process is checked again); it rejoins when it answers. Routing
- * is least outstanding tokens (prefill: prompt tokens this scheduler has in flight on it;
- * decode: running + reserved tokens from Stats plus this scheduler's in-flight tokens),
- * round-robin among ties. All state sits under one mutex; every function is thread-safe.
+ * is a policy of balancer.h, one per role, fed with each instance's outstanding tokens
+ * (prefill: prompt tokens this scheduler has in flight on it; decode: running + reserved tokens
+ * from Stats plus this scheduler's in-flight tokens) and what its prefix cache likely holds of
+ * the prompt: least outstanding tokens less cached ones, round-robin among ties. All state sits
+ * under one mutex; every function is thread-safe.
  */
 #ifndef PD_SCHEDULER_REGISTRY_H
 #define PD_SCHEDULER_REGISTRY_H

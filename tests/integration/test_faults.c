@@ -1026,8 +1026,8 @@ TEST(faults_scheduler_kill_midstream)
  * nothing has been streamed for them, so a failed Reserve should be tried on the other decode
  * instance, as a failed Prefill is tried on another prefill instance (DESIGN.md lifecycle step
  * 6; issue #9: "new requests go to the remaining decode instance"). Regression: a Reserve
- * that failed with UNAVAILABLE ended the request with a 500 (scheduler/server.c on_reserve_done
- * now takes the instance out of routing and picks another). */
+ * that failed with UNAVAILABLE ended the request with a 500 (scheduler/server_chain.c
+ * on_reserve_done now takes the instance out of routing and picks another). */
 TEST(faults_y_decode_kill_before_heartbeat)
 {
     FIXTURE();

@@ -7,22 +7,25 @@
  * gRPC client thread runs the Reserve -> Prefill -> Decode chain; its results are appended to the
  * request under the request's mutex and the request is put on a ready list that the loop drains
  * from one uv_async callback. The registry's heartbeat thread keeps the routing set current.
- * Executables are thin: scheduler/main.c only calls the functions below.
+ * Executables are thin: scheduler/main.c only calls the functions below. The prefix is
+ * pd_apiserver_ because pd_sched_ is the engine's batch scheduler (engine/sched.h), which a
+ * program may link together with this.
  */
-#ifndef PD_SCHEDULER_SCHED_H
-#define PD_SCHEDULER_SCHED_H
+#ifndef PD_SCHEDULER_APISERVER_H
+#define PD_SCHEDULER_APISERVER_H
 
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 
-#define PD_SCHED_MAX_NAMES 16
+#define PD_APISERVER_MAX_NAMES 16
 
 /* Every flag and environment value that shapes the scheduler (api_contract.md §17). */
 typedef struct {
-    const char *model;                            /* --model DIR (required) */
-    const char *served_names[PD_SCHED_MAX_NAMES]; /* --served-model-name N [N...]; default model */
+    const char *model; /* --model DIR (required) */
+    const char
+        *served_names[PD_APISERVER_MAX_NAMES]; /* --served-model-name N [N...]; default model */
     int n_served_names;
     const char *host;                /* --host, default "0.0.0.0" */
     int port;                        /* --port, default 8000; 0 = ephemeral */
@@ -52,32 +55,33 @@ typedef struct {
     /* --shutdown-timeout: after SIGTERM/SIGINT, how long in-flight requests may finish before
      * they end with 503 (seconds, fractions allowed); default 30 */
     double shutdown_timeout_s;
-} pd_sched_params;
+} pd_apiserver_params;
 
-/* Built-in defaults; environment and flags are applied on top by pd_sched_parse_args. */
-pd_sched_params pd_sched_default_params(void);
+/* Built-in defaults; environment and flags are applied on top by pd_apiserver_parse_args. */
+pd_apiserver_params pd_apiserver_default_params(void);
 
 /* Applies argv[1..argc-1] and then, for what it did not set, the environment
- * (GLOBAL_RANK_TABLE_FILE_PATH, RANK_TABLE_FILE_PATH, NODE_PORTS, USE_OPENAI, VLLM_API_KEY) to *p. Strings borrow argv/environ.
+ * (GLOBAL_RANK_TABLE_FILE_PATH, RANK_TABLE_FILE_PATH, NODE_PORTS, USE_OPENAI, VLLM_API_KEY) to
+ * *p. Strings borrow argv/environ.
  * PD_EINVAL naming the flag or variable for an unknown flag, a missing value or a bad number.
  * *help is set when --help was given (p is then incomplete). */
-int pd_sched_parse_args(int argc, char **argv, pd_sched_params *p, bool *help);
+int pd_apiserver_parse_args(int argc, char **argv, pd_apiserver_params *p, bool *help);
 /* Writes the --help text. */
-void pd_sched_usage(FILE *out);
+void pd_apiserver_usage(FILE *out);
 
-typedef struct pd_sched pd_sched;
+typedef struct pd_apiserver pd_apiserver;
 
 /* Loads everything the scheduler needs (tokenizer, template, ranktables, registry), binds the
  * HTTP port and starts the heartbeat. Errors name the file, field, flag or address. */
-int pd_sched_create(const pd_sched_params *p, pd_sched **out);
+int pd_apiserver_create(const pd_apiserver_params *p, pd_apiserver **out);
 /* Bound HTTP port (useful with port 0). */
-int pd_sched_port(const pd_sched *s);
-/* Runs the loop until pd_sched_shutdown (or SIGINT/SIGTERM when install_signals was true at
+int pd_apiserver_port(const pd_apiserver *s);
+/* Runs the loop until pd_apiserver_shutdown (or SIGINT/SIGTERM when install_signals was true at
  * run). Returns PD_OK after a clean shutdown. */
-int pd_sched_run(pd_sched *s, bool install_signals);
+int pd_apiserver_run(pd_apiserver *s, bool install_signals);
 /* Thread-safe: asks the loop to stop as SIGTERM does (a drain of up to shutdown_timeout_s; see
  * docs/scheduler.md). */
-void pd_sched_shutdown(pd_sched *s);
-void pd_sched_free(pd_sched *s);
+void pd_apiserver_shutdown(pd_apiserver *s);
+void pd_apiserver_free(pd_apiserver *s);
 
 #endif

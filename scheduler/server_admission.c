@@ -1,0 +1,123 @@
+/* pd-scheduler: the admission queue (loop thread). A choice whose Reserve every decode instance
+ * refused for lack of KV waits here, oldest first; a request that waited --queue-timeout gets
+ * 503.
+ *
+ * Design: only the head is retried, one Reserve at a time, when a chain ends (its KV is freed)
+ * and every ADMIT_RETRY_MS; while anything waits, new requests queue behind it (srv_dispatch).
+ * So requests get KV in arrival order, and a full cluster sees one probe at a time, not one per
+ * waiting request.
+ */
+#include <stdio.h>
+
+#include "server_internal.h"
+#include "util/clock.h"
+
+enum { ADMIT_RETRY_MS = 10 };
+
+static void admit_enqueue(pd_apiserver *s, choice *c, bool front)
+{
+    sreq *r = c->r;
+    c->in_queue = true;
+    c->q_prev = front ? NULL : s->admit_tail;
+    c->q_next = front ? s->admit_head : NULL;
+    if (c->q_prev)
+        c->q_prev->q_next = c;
+    else
+        s->admit_head = c;
+    if (c->q_next)
+        c->q_next->q_prev = c;
+    else
+        s->admit_tail = c;
+    if (r->n_queued++ == 0 && r->running) {
+        r->running = false;
+        s->n_running--;
+        r->waiting = true;
+        s->n_waiting++;
+    }
+}
+
+void srv_admit_unlink(pd_apiserver *s, choice *c)
+{
+    sreq *r = c->r;
+    if (!c->in_queue) return;
+    c->in_queue = false;
+    if (c->q_prev)
+        c->q_prev->q_next = c->q_next;
+    else
+        s->admit_head = c->q_next;
+    if (c->q_next)
+        c->q_next->q_prev = c->q_prev;
+    else
+        s->admit_tail = c->q_prev;
+    c->q_prev = c->q_next = NULL;
+    if (--r->n_queued == 0 && r->waiting) {
+        r->waiting = false;
+        s->n_waiting--;
+        r->running = true;
+        s->n_running++;
+        r->t_prefill = pd_now_ns(); /* admitted: the queue time ends here */
+    }
+}
+
+/* Fails the requests that waited --queue-timeout in the admission queue. */
+static void admit_expire(pd_apiserver *s)
+{
+    int64_t limit = (int64_t)(s->p.queue_timeout_s * 1e9);
+    int64_t now = pd_now_ns();
+    for (bool again = true; again;) {
+        again = false;
+        for (choice *c = s->admit_head; c; c = c->q_next) {
+            if (now - c->r->t_accept < limit) continue;
+            char msg[96];
+            snprintf(msg, sizeof msg, "Timed out after %g s waiting for capacity.",
+                     s->p.queue_timeout_s);
+            srv_request_fail(c->r, 503, msg); /* unlinks every queued choice of the request */
+            again = true;
+            break;
+        }
+    }
+}
+
+/* Retries the head of the admission queue on the decode instance picked as at first (the least
+ * loaded, less what its prefix cache likely holds of the prompt). */
+void srv_admit_pump(pd_apiserver *s)
+{
+    s->admit_kick = false;
+    if (s->admit_busy || !s->admit_head) return;
+    choice *c = s->admit_head;
+    sreq *r = c->r;
+    srv_admit_unlink(s, c);
+    int old = c->d_node;
+    pd_reg_release(s->reg, old, c->d_tokens);
+    c->d_node = srv_pick_for(s, c, RT_ROLE_DECODE, -1, &c->d_tokens);
+    if (c->d_node < 0 ||
+        (c->d_node != old &&
+         pd_reg_decode_targets(s->reg, c->d_node, r->a, &c->targets, &c->n_targets) < 0)) {
+        srv_chain_end(c);
+        srv_request_fail(r, 503, "No healthy decode instance is available.");
+        return;
+    }
+    c->retrying = true;
+    s->admit_busy = true;
+    srv_send_reserve(c);
+}
+
+static void on_admit_timer(uv_timer_t *t)
+{
+    pd_apiserver *s = t->data;
+    admit_expire(s);
+    srv_admit_pump(s);
+    if (!s->admit_head && !s->admit_busy) {
+        uv_timer_stop(t);
+        s->admit_timer_on = false;
+    }
+}
+
+void srv_admit_wait(pd_apiserver *s, choice *c, bool front)
+{
+    admit_enqueue(s, c, front);
+    if (!s->admit_timer_on) {
+        s->admit_timer_on = true;
+        uv_timer_start(&s->admit_timer, on_admit_timer, ADMIT_RETRY_MS, ADMIT_RETRY_MS);
+    }
+}

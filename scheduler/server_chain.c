@@ -1,0 +1,380 @@
+/* pd-scheduler: the PD chain of one choice, on the gRPC client thread: Reserve on its decode
+ * instance D, Prefill on its prefill instance P (which moves the prompt's KV into the blocks D
+ * reserved), then the Decode stream on D; and the hand-over of results to the loop.
+ *
+ * Design: each step is started from the callback of the step before, so no thread ever waits
+ * on an instance. A step checks the request's aborted flag under its mutex before it starts a
+ * call and records the call's id, so the loop can cancel whatever is in flight (srv_abort_chains).
+ * A failure before anything reached the client is retried elsewhere (another prefill instance;
+ * another decode instance for a Reserve whose instance is gone); later ones fail the choice.
+ * The chain never touches a socket: it appends to the choice under the request's mutex and puts
+ * the request on the ready list, with one loop wake-up per burst of callbacks (srv_post_ready).
+ */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "rpc/pd_msg.h"
+#include "server_internal.h"
+#include "util/log.h"
+
+void srv_post_ready(sreq *r)
+{
+    pd_apiserver *s = r->s;
+    pthread_mutex_lock(&s->qmu);
+    if (!s->closing && !r->queued) {
+        r->queued = true;
+        r->next_ready = NULL;
+        if (s->ready_tail)
+            s->ready_tail->next_ready = r;
+        else
+            s->ready_head = r;
+        s->ready_tail = r;
+    }
+    /* on the rpc thread the wake-up waits for the end of the burst (srv_on_rpc_idle): one loop
+     * wake-up per burst of tokens, not per token. Under the lock: the loop sets closing under
+     * it before closing the handle. */
+    if (pd_rpc_on_client_thread())
+        s->wake_pending = true;
+    else if (!s->closing)
+        uv_async_send(&s->async);
+    pthread_mutex_unlock(&s->qmu);
+}
+
+/* The rpc thread's burst of callbacks is over: wake the loop once for all of it. */
+void srv_on_rpc_idle(void *arg)
+{
+    pd_apiserver *s = arg;
+    pthread_mutex_lock(&s->qmu);
+    if (s->wake_pending && !s->closing) uv_async_send(&s->async);
+    s->wake_pending = false;
+    pthread_mutex_unlock(&s->qmu);
+}
+
+int srv_pick_for(pd_apiserver *s, const choice *c, rt_role role, int exclude, int64_t *charged)
+{
+    const pd_api_prompt *pr = &c->r->req.prompts[c->prompt_idx];
+    int64_t tokens = (int64_t)pr->n_ids + (role == RT_ROLE_DECODE ? pr->max_tokens : 0), hit = 0;
+    int k = pd_reg_pick_cached(s->reg, role, pr->ids, pr->n_ids, tokens, exclude, &hit);
+    *charged = tokens - hit;
+    return k;
+}
+
+static void chain_fail(choice *c, int http, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void chain_fail(choice *c, int http, const char *fmt, ...)
+{
+    sreq *r = c->r;
+    pthread_mutex_lock(&r->mu);
+    if (!c->err_http) {
+        c->err_http = http;
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(c->err, sizeof c->err, fmt, ap);
+        va_end(ap);
+    }
+    c->chain_done = true;
+    srv_post_ready(r); /* before unlocking: once chain_done is visible the loop may free r */
+    pthread_mutex_unlock(&r->mu);
+}
+
+void srv_chain_end(choice *c)
+{
+    sreq *r = c->r;
+    pthread_mutex_lock(&r->mu);
+    c->chain_done = true;
+    srv_post_ready(r); /* before unlocking: once chain_done is visible the loop may free r */
+    pthread_mutex_unlock(&r->mu);
+}
+
+void srv_noop_done(void *arg, int st, const char *d, const uint8_t *resp, size_t len)
+{
+    (void)arg, (void)st, (void)d, (void)resp, (void)len;
+}
+
+void srv_send_abort(pd_apiserver *s, int k, const char *sub_id)
+{
+    Pd__AbortRequest q = PD__ABORT_REQUEST__INIT;
+    q.request_id = (char *)sub_id;
+    uint8_t buf[128];
+    if (pd__abort_request__get_packed_size(&q) > sizeof buf) return;
+    size_t len = pd__abort_request__pack(&q, buf);
+    pd_reg_unary(s->reg, k, "/pd.PD/Abort", buf, len, s->p.rpc_timeout_ms, srv_noop_done, NULL,
+                 NULL);
+}
+
+/* Starts a call of phase ph unless the request was aborted; records its id for cancellation. */
+static bool chain_begin(choice *c, int ph)
+{
+    pthread_mutex_lock(&c->r->mu);
+    bool ok = !c->r->aborted;
+    if (ok) c->in_phase[ph] = true;
+    pthread_mutex_unlock(&c->r->mu);
+    return ok;
+}
+
+/* Packs m, the request of phase ph's call, and starts that phase: the buffer (malloc'd), or
+ * NULL when packing failed (the choice failed) or the request was aborted (the chain ended). */
+static uint8_t *chain_pack(choice *c, int ph, const ProtobufCMessage *m, size_t *len)
+{
+    uint8_t *buf = pd_msg_pack(m, len);
+    if (!buf) {
+        chain_fail(c, 500, "out of memory packing the %s request",
+                   ph == PH_PREFILL ? "Prefill" : "Decode");
+        return NULL;
+    }
+    if (!chain_begin(c, ph)) { /* aborted: D holds the reservation (or the KV) */
+        free(buf);
+        srv_send_abort(c->r->s, c->d_node, c->sub_id);
+        srv_chain_end(c);
+        return NULL;
+    }
+    return buf;
+}
+
+static void chain_started(choice *c, int ph, uint64_t id)
+{
+    pthread_mutex_lock(&c->r->mu);
+    c->call_id[ph] = id;
+    bool aborted = c->r->aborted;
+    pthread_mutex_unlock(&c->r->mu);
+    if (aborted) pd_rpc_cancel(c->r->s->rpc, id);
+}
+
+static void on_prefill_done(void *arg, int st, const char *details, const uint8_t *resp,
+                            size_t len);
+
+static void start_prefill(choice *c)
+{
+    sreq *r = c->r;
+    pd_apiserver *s = r->s;
+    const pd_api_prompt *pr = &r->req.prompts[c->prompt_idx];
+    Pd__PrefillRequest q = PD__PREFILL_REQUEST__INIT;
+    q.request_id = c->sub_id;
+    q.prompt_ids = pr->ids;
+    q.n_prompt_ids = pr->n_ids;
+    q.sampling = &c->sampling;
+    q.targets = c->targets;
+    q.n_targets = c->n_targets;
+    q.decode_block_ids = c->block_ids;
+    q.n_decode_block_ids = c->n_block_ids;
+    q.decode_cached_tokens = c->decode_cached;
+    q.lease_ms = s->p.prefill_timeout_ms;
+    size_t len = 0;
+    uint8_t *buf = chain_pack(c, PH_PREFILL, &q.base, &len);
+    if (!buf) return;
+    pthread_mutex_lock(&r->mu);
+    int pk = c->p_node;
+    pthread_mutex_unlock(&r->mu);
+    uint64_t id = 0;
+    pd_reg_unary(s->reg, pk, "/pd.PD/Prefill", buf, len, s->p.prefill_timeout_ms, on_prefill_done,
+                 c, &id);
+    free(buf);
+    chain_started(c, PH_PREFILL, id);
+}
+
+static void on_decode_done(void *arg, int st, const char *details, const uint8_t *resp, size_t len)
+{
+    choice *c = arg;
+    (void)resp, (void)len;
+    srv_cmap_del(c->r->s, c);
+    pthread_mutex_lock(&c->r->mu);
+    bool aborted = c->r->aborted;
+    bool final_seen = c->final_rx;
+    pthread_mutex_unlock(&c->r->mu);
+    if (st != PD_RPC_OK && !aborted && !final_seen) {
+        PD_WARN(c->r->id, "Decode stream of %s ended with %s: %s", c->sub_id,
+                pd_rpc_status_name(st), details);
+        chain_fail(c, 500, "Generation failed: the decode instance stopped responding.");
+        return;
+    }
+    srv_chain_end(c);
+}
+
+static void on_prefill_done(void *arg, int st, const char *details, const uint8_t *resp, size_t len)
+{
+    choice *c = arg;
+    sreq *r = c->r;
+    pd_apiserver *s = r->s;
+    pthread_mutex_lock(&r->mu);
+    int pk = c->p_node;
+    bool aborted = r->aborted;
+    pthread_mutex_unlock(&r->mu);
+    pd_reg_release(s->reg, pk, c->p_tokens);
+    if (aborted) {
+        /* srv_abort_chains passes a chain that ended by then: the reservation on D is ours to free
+         */
+        srv_send_abort(s, c->d_node, c->sub_id);
+        srv_chain_end(c);
+        return;
+    }
+    Pd__PrefillReply *m = st == PD_RPC_OK ? pd__prefill_reply__unpack(NULL, len, resp) : NULL;
+    if (!m || !m->first) {
+        /* nothing has reached the client: try another prefill instance */
+        PD_WARN(r->id, "Prefill of %s on %s failed: %s: %s", c->sub_id, pd_reg_name(s->reg, pk),
+                pd_rpc_status_name(st), m ? "reply without a first token" : details);
+        if (m) pd__prefill_reply__free_unpacked(m, NULL);
+        srv_send_abort(s, pk, c->sub_id);
+        int64_t charged = 0;
+        int next = c->attempts < 2 ? srv_pick_for(s, c, RT_ROLE_PREFILL, pk, &charged) : -1;
+        if (next >= 0) {
+            c->attempts++;
+            c->p_tokens = charged;
+            pthread_mutex_lock(&r->mu);
+            c->p_node = next;
+            pthread_mutex_unlock(&r->mu);
+            PD_INFO(r->id, "retrying the prefill of %s on %s", c->sub_id,
+                    pd_reg_name(s->reg, next));
+            start_prefill(c);
+            return;
+        }
+        chain_fail(c, 500, "Prefill failed: %s: %s", pd_rpc_status_name(st),
+                   details && *details ? details : "no reply");
+        return;
+    }
+    pthread_mutex_lock(&r->mu);
+    c->kv_bytes = m->kv_bytes;
+    c->kv_seconds = m->kv_seconds;
+    c->prefill_seconds = m->prefill_seconds;
+    c->cached_tokens = m->cached_tokens;
+    if (m->first->status != 0) {
+        c->err_http = 500;
+        snprintf(c->err, sizeof c->err, "Generation failed: %s", m->first->error);
+    } else {
+        srv_rec_push(&c->pending, m->first);
+    }
+    bool final = m->first->final || m->first->status != 0;
+    pthread_mutex_unlock(&r->mu);
+    int32_t first = m->first->n_token_ids ? m->first->token_ids[0] : -1;
+    uint64_t seed = m->seed;
+    pd__prefill_reply__free_unpacked(m, NULL);
+    if (final) {
+        srv_send_abort(s, c->d_node, c->sub_id); /* frees the reservation if D still holds it */
+        srv_chain_end(c);
+        return;
+    }
+    srv_post_ready(r);
+    /* Decode on D with the seed in use */
+    const pd_api_prompt *pr = &r->req.prompts[c->prompt_idx];
+    Pd__SamplingParams ds = c->sampling;
+    ds.has_seed = true;
+    ds.seed = (int64_t)seed;
+    Pd__DecodeRequest q = PD__DECODE_REQUEST__INIT;
+    q.request_id = c->sub_id;
+    q.prompt_ids = pr->ids;
+    q.n_prompt_ids = pr->n_ids;
+    q.sampling = &ds;
+    q.first_token = first;
+    char relay_id[48];
+    srv_relay_for(s, c->d_node, relay_id);
+    q.relay_id = relay_id;
+    q.relay_credit = srv_choice_credit(c);
+    size_t qlen = 0;
+    uint8_t *buf = chain_pack(c, PH_DECODE, &q.base, &qlen);
+    if (!buf) return;
+    if (relay_id[0]) {
+        pthread_mutex_lock(&r->mu);
+        c->relayed = true;
+        c->credit = q.relay_credit;
+        pthread_mutex_unlock(&r->mu);
+        srv_cmap_add(s, c);
+    }
+    uint64_t id = 0;
+    /* no deadline: a generation may last any time; a decode instance that stops answering
+       its heartbeat fails its streams (instance_lost), a client that leaves cancels them */
+    pd_reg_stream(s->reg, c->d_node, "/pd.PD/Decode", buf, qlen, PD_RPC_NO_DEADLINE,
+                  srv_on_decode_msg, on_decode_done, c, &id);
+    free(buf);
+    chain_started(c, PH_DECODE, id);
+}
+
+static void on_reserve_done(void *arg, int st, const char *details, const uint8_t *resp, size_t len)
+{
+    choice *c = arg;
+    sreq *r = c->r;
+    pthread_mutex_lock(&r->mu);
+    bool aborted = r->aborted;
+    pthread_mutex_unlock(&r->mu);
+    if (aborted) {
+        if (st == PD_RPC_OK) srv_send_abort(r->s, c->d_node, c->sub_id);
+        srv_chain_end(c);
+        return;
+    }
+    if ((st == PD_RPC_UNAVAILABLE || st == PD_RPC_CANCELLED) && c->reserve_tries < 2) {
+        /* the instance died since the last heartbeat (or the heartbeat found it gone while the
+           call waited: instance_lost cancelled it): out of routing now, and another one; should
+           it come back, it drops the reservation nobody will use */
+        c->reserve_tries++;
+        PD_WARN(r->id, "Reserve of %s on %s failed: %s; trying another decode instance", c->sub_id,
+                pd_reg_name(r->s->reg, c->d_node), details);
+        pd_reg_report_failure(r->s->reg, c->d_node, details);
+        srv_send_abort(r->s, c->d_node, c->sub_id);
+        pthread_mutex_lock(&r->mu);
+        c->reserve_retry = true;
+        srv_post_ready(r);
+        pthread_mutex_unlock(&r->mu);
+        return;
+    }
+    if (st == PD_RPC_RESOURCE_EXHAUSTED) {
+        /* the decode instance has no KV room now: the loop queues the choice and retries */
+        pthread_mutex_lock(&r->mu);
+        c->admit_wait = true;
+        srv_post_ready(r);
+        pthread_mutex_unlock(&r->mu);
+        return;
+    }
+    Pd__ReserveReply *m = st == PD_RPC_OK ? pd__reserve_reply__unpack(NULL, len, resp) : NULL;
+    if (!m) {
+        chain_fail(c, 500, "Reserve on the decode instance failed: %s: %s", pd_rpc_status_name(st),
+                   details && *details ? details : "bad reply");
+        return;
+    }
+    c->block_ids = malloc((m->n_block_ids ? m->n_block_ids : 1) * sizeof *c->block_ids);
+    if (!c->block_ids) {
+        pd__reserve_reply__free_unpacked(m, NULL);
+        chain_fail(c, 500, "out of memory");
+        return;
+    }
+    memcpy(c->block_ids, m->block_ids, m->n_block_ids * sizeof *c->block_ids);
+    c->n_block_ids = m->n_block_ids;
+    c->decode_cached = m->cached_tokens;
+    pd__reserve_reply__free_unpacked(m, NULL);
+    pthread_mutex_lock(&r->mu);
+    c->admitted = true; /* after a retry from the queue, the next queued choice may go */
+    srv_post_ready(r);
+    pthread_mutex_unlock(&r->mu);
+    start_prefill(c);
+}
+
+void srv_send_reserve(choice *c)
+{
+    sreq *r = c->r;
+    pd_apiserver *s = r->s;
+    const pd_api_prompt *pr = &r->req.prompts[c->prompt_idx];
+    Pd__ReserveRequest q = PD__RESERVE_REQUEST__INIT;
+    q.request_id = c->sub_id;
+    q.num_prompt_tokens = (int64_t)pr->n_ids;
+    q.ttl_ms = s->p.prefill_timeout_ms;
+    q.prompt_ids = pr->ids; /* the decode instance's prefix cache may hold its first blocks */
+    q.n_prompt_ids = pr->n_ids;
+    char relay_id[48];
+    srv_relay_for(s, c->d_node, relay_id); /* should this scheduler die, the reservation goes too */
+    q.relay_id = relay_id;
+    size_t len = 0;
+    uint8_t *buf = pd_msg_pack(&q.base, &len);
+    if (!buf) {
+        chain_fail(c, 500, "out of memory packing the Reserve request");
+        return;
+    }
+    pthread_mutex_lock(&r->mu);
+    c->in_phase[PH_RESERVE] = true;
+    pthread_mutex_unlock(&r->mu);
+    uint64_t id = 0;
+    pd_reg_unary(s->reg, c->d_node, "/pd.PD/Reserve", buf, len, s->p.rpc_timeout_ms,
+                 on_reserve_done, c, &id);
+    free(buf);
+    pthread_mutex_lock(&r->mu);
+    c->call_id[PH_RESERVE] = id;
+    pthread_mutex_unlock(&r->mu);
+}

@@ -1,0 +1,300 @@
+/* pd-scheduler: HTTP routes (api_contract.md §1, §2): route, method and API key checks,
+ * /health, /version, /v1/models, and the entry of generation requests.
+ *
+ * Design: one route table answers both a request and a body over the size limit, so a 413 comes
+ * only after the same 404/405/401 checks. A generation request's body is copied and parsed
+ * (chat template, tokenization) on the libuv threadpool, touching only its own request, so a
+ * long prompt never blocks the loop.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pd_config.h"
+#include "server_internal.h"
+#include "util/clock.h"
+#include "util/hash.h"
+#include "util/log.h"
+#include "util/status.h"
+
+uint64_t srv_next_rand(pd_apiserver *s)
+{
+    return pd_mix64(s->rng += 0x9e3779b97f4a7c15ull);
+}
+
+static void hex32(pd_apiserver *s, char out[33])
+{
+    snprintf(out, 33, "%016llx%016llx", (unsigned long long)srv_next_rand(s),
+             (unsigned long long)srv_next_rand(s));
+}
+
+static bool media_is_json(const char *ct)
+{
+    if (!ct) return false;
+    while (*ct == ' ' || *ct == '\t') ct++;
+    size_t n = strcspn(ct, ";");
+    while (n > 0 && (ct[n - 1] == ' ' || ct[n - 1] == '\t')) n--;
+    return n == 16 && strncasecmp(ct, "application/json", 16) == 0;
+}
+
+static bool key_ok(const pd_apiserver *s, const char *auth)
+{
+    const char *key = s->p.api_key;
+    if (!key) return true;
+    if (!auth) return false;
+    size_t kl = strlen(key), al = strlen(auth);
+    /* "Bearer " + key, compared in constant time over the expected length */
+    unsigned diff = al != kl + 7;
+    const char *want = "Bearer ";
+    for (size_t i = 0; i < kl + 7; i++) {
+        char w = i < 7 ? want[i] : key[i - 7];
+        char g = i < al ? auth[i] : 0;
+        diff |= (unsigned)(w ^ g);
+    }
+    return diff == 0;
+}
+
+static void parse_work(uv_work_t *w);
+static void parse_done(uv_work_t *w, int status);
+
+static void handle_generation(pd_apiserver *s, pd_http_exchange *ex, pd_api_kind kind)
+{
+    sreq *r = calloc(1, sizeof *r);
+    pd_arena *a = pd_arena_create(16384);
+    if (!r || !a) {
+        free(r);
+        pd_arena_destroy(a);
+        pd_http_respond_error(ex, 500, "out of memory", NULL);
+        return;
+    }
+    r->s = s;
+    r->a = a;
+    r->ex = ex;
+    r->refs = 1;
+    pthread_mutex_init(&r->mu, NULL);
+    hex32(s, r->id);
+    snprintf(r->hdr, sizeof r->hdr, "X-Request-Id: %s\r\n", r->id);
+    r->created = pd_wall_ns() / PD_NS_PER_S;
+    r->t_accept = pd_now_ns();
+    r->next = s->live;
+    if (s->live) s->live->prev = r;
+    s->live = r;
+    pd_http_set_user(ex, r);
+    pd_http_on_abort(ex, srv_on_client_abort, r);
+    const char *cid = pd_http_header(ex, "X-Request-Id");
+    PD_INFO(r->id, "%s %s%s%s", pd_http_method(ex), pd_http_path(ex),
+            cid ? " client X-Request-Id " : "", cid ? cid : "");
+    if (kind != PD_API_GENERATE && !media_is_json(pd_http_header(ex, "Content-Type"))) {
+        srv_reject(r, 400, "Unsupported Media Type: Only 'application/json' is allowed", NULL);
+        return;
+    }
+    size_t len = 0;
+    const char *body = pd_http_body(ex, &len);
+    r->kind = kind;
+    r->lim = s->lim;
+    r->lim.max_n = pd_reg_max_num_seqs(s->reg); /* n <= the smallest decode --max-num-seqs */
+    r->body = pd_arena_alloc(r->a, len + 1, 1);
+    if (!r->body) {
+        srv_reject(r, 500, "out of memory", NULL);
+        return;
+    }
+    memcpy(r->body, body, len);
+    r->body[len] = '\0';
+    r->body_len = len;
+    r->work.data = r;
+    r->refs++; /* the worker's */
+    uv_queue_work(&s->loop, &r->work, parse_work, parse_done);
+}
+
+/* Threadpool: parse, render, tokenize. Touches only r->lim, r->body, r->a and r->req. */
+static void parse_work(uv_work_t *w)
+{
+    sreq *r = w->data;
+    r->parse_http = 400;
+    r->parse_rc =
+        pd_api_parse(&r->lim, r->kind, r->body, r->body_len, r->a, &r->req, &r->parse_http);
+    if (r->parse_rc < 0) snprintf(r->parse_err, sizeof r->parse_err, "%s", pd_last_error());
+}
+
+/* Loop: the parse result; admission, then srv_dispatch. */
+static void parse_done(uv_work_t *w, int status)
+{
+    sreq *r = w->data;
+    pd_apiserver *s = r->s;
+    if (r->done || !r->ex) { /* the client left while the request was parsed */
+        srv_sreq_unref(r);
+        return;
+    }
+    srv_sreq_unref(r); /* the worker's reference; the exchange's keeps r alive */
+    if (status != 0) {
+        srv_reject(r, 503, "The server is shutting down.", "Retry-After: 5\r\n");
+        return;
+    }
+    if (r->parse_rc < 0) {
+        PD_INFO(r->id, "rejected (%d): %s", r->parse_http, r->parse_err);
+        srv_reject(r, r->parse_http, r->parse_err, NULL);
+        return;
+    }
+    /* admission */
+    if (s->stopping) {
+        srv_reject(r, 503, "The server is shutting down.", "Retry-After: 5\r\n");
+        return;
+    }
+    if (s->p.max_concurrent_requests > 0 && s->inflight >= s->p.max_concurrent_requests) {
+        char msg[128];
+        snprintf(msg, sizeof msg,
+                 "The server is at its limit of %lld concurrent requests; retry later.",
+                 (long long)s->p.max_concurrent_requests);
+        srv_reject(r, 503, msg, "Retry-After: 1\r\n");
+        return;
+    }
+    if (r->req.max_tokens != 0) {
+        if (pd_reg_up_count(s->reg, RT_ROLE_PREFILL) == 0) {
+            srv_reject(r, 503, "No healthy prefill instance is available.", "Retry-After: 5\r\n");
+            return;
+        }
+        if (pd_reg_up_count(s->reg, RT_ROLE_DECODE) == 0) {
+            srv_reject(r, 503, "No healthy decode instance is available.", "Retry-After: 5\r\n");
+            return;
+        }
+    }
+    r->counted = true;
+    s->inflight++;
+    r->waiting = true;
+    s->n_waiting++;
+    srv_dispatch(r);
+}
+
+/* ---- plain routes ---------------------------------------------------------------------------- */
+
+static void handle_models(pd_apiserver *s, pd_http_exchange *ex)
+{
+    pd_sb b = {0};
+    long long now = (long long)(pd_wall_ns() / PD_NS_PER_S);
+    pd_sb_str(&b, "{\"object\":\"list\",\"data\":[");
+    for (int i = 0; i < s->p.n_served_names; i++) {
+        char perm[33];
+        hex32(s, perm);
+        pd_sb_str(&b, i ? ",{\"id\":" : "{\"id\":");
+        pd_sb_json_str(&b, s->p.served_names[i], strlen(s->p.served_names[i]));
+        pd_sb_printf(&b,
+                     ",\"object\":\"model\",\"created\":%lld,\"owned_by\":\"vllm\",\"root\":", now);
+        pd_sb_json_str(&b, s->p.model, strlen(s->p.model));
+        pd_sb_printf(
+            &b,
+            ",\"parent\":null,\"max_model_len\":%lld,\"permission\":[{\"id\":\"modelperm-%s\","
+            "\"object\":\"model_permission\",\"created\":%lld,\"allow_create_engine\":false,"
+            "\"allow_sampling\":true,\"allow_logprobs\":true,\"allow_search_indices\":false,"
+            "\"allow_view\":true,\"allow_fine_tuning\":false,\"organization\":\"*\","
+            "\"group\":null,\"is_blocking\":false}]}",
+            (long long)s->L, perm, now);
+    }
+    pd_sb_str(&b, "]}");
+    if (pd_sb_failed(&b))
+        pd_http_respond_error(ex, 500, "out of memory", NULL);
+    else
+        pd_http_respond(ex, 200, "application/json", b.p, b.len, NULL);
+    pd_sb_free(&b);
+}
+
+/* The routes (api_contract.md §1). */
+static const struct {
+    const char *path, *method;
+    int mode; /* 0 always, 1 openai, 2 legacy */
+    bool auth, generation;
+} ROUTES[] = {
+    {"/health", "GET", 0, false, false},        {"/metrics", "GET", 0, false, false},
+    {"/version", "GET", 0, false, false},       {"/v1/models", "GET", 1, true, false},
+    {"/v1/completions", "POST", 1, true, true}, {"/v1/chat/completions", "POST", 1, true, true},
+    {"/generate", "POST", 2, true, true},
+};
+
+/* The first steps of §2: route and method (404/405), then the API key (401). Returns 0 with the
+ * ROUTES index in *hit when they pass, else the status, with its message and header lines in
+ * extra (cap bytes); a 401 to a generation request carries an X-Request-Id of its own, as every
+ * answer to one does (§1), and is logged under it. */
+static int gate(pd_apiserver *s, const pd_http_exchange *ex, int *hit, const char **msg,
+                char *extra, size_t cap)
+{
+    const char *path = pd_http_path(ex), *method = pd_http_method(ex);
+    *hit = -1;
+    for (size_t i = 0; i < sizeof ROUTES / sizeof *ROUTES; i++) {
+        if (strcmp(path, ROUTES[i].path) != 0) continue;
+        if (ROUTES[i].mode == 1 && !s->p.use_openai) continue;
+        if (ROUTES[i].mode == 2 && s->p.use_openai) continue;
+        *hit = (int)i;
+    }
+    if (*hit < 0) {
+        *msg = "Not Found";
+        return 404;
+    }
+    if (strcmp(method, ROUTES[*hit].method) != 0) {
+        *msg = "Method Not Allowed";
+        snprintf(extra, cap, "Allow: %s\r\n", ROUTES[*hit].method);
+        return 405;
+    }
+    if (ROUTES[*hit].auth && !key_ok(s, pd_http_header(ex, "Authorization"))) {
+        *msg = "Unauthorized";
+        char id[33] = "";
+        if (ROUTES[*hit].generation) {
+            hex32(s, id);
+            PD_INFO(id, "%s %s: 401 (API key missing or wrong)", method, path);
+        }
+        snprintf(extra, cap, "WWW-Authenticate: Bearer\r\n%s%s%s", *id ? "X-Request-Id: " : "", id,
+                 *id ? "\r\n" : "");
+        return 401;
+    }
+    return 0;
+}
+
+/* A body over --max-request-body-bytes: the 413 comes after route, method and key (§2). */
+int srv_on_too_large(void *ctx, const pd_http_exchange *ex, char *message, size_t msg_cap,
+                     char *extra, size_t extra_cap)
+{
+    int hit;
+    const char *msg;
+    int status = gate(ctx, ex, &hit, &msg, extra, extra_cap);
+    if (status) {
+        snprintf(message, msg_cap, "%s", msg);
+        return status;
+    }
+    if (ROUTES[hit].generation) {
+        char id[33];
+        hex32(ctx, id);
+        PD_INFO(id, "%s %s: 413 (%s)", pd_http_method(ex), pd_http_path(ex), message);
+        snprintf(extra, extra_cap, "X-Request-Id: %s\r\n", id);
+    }
+    return 413;
+}
+
+void srv_on_http(void *ctx, pd_http_exchange *ex)
+{
+    pd_apiserver *s = ctx;
+    int hit;
+    const char *msg;
+    char extra[160] = "";
+    int status = gate(s, ex, &hit, &msg, extra, sizeof extra);
+    if (status) {
+        pd_http_respond_error(ex, status, msg, extra);
+        return;
+    }
+    switch (hit) {
+    case 0: {
+        bool ok = !s->stopping && pd_reg_up_count(s->reg, RT_ROLE_PREFILL) > 0 &&
+                  pd_reg_up_count(s->reg, RT_ROLE_DECODE) > 0;
+        pd_http_respond(ex, ok ? 200 : 503, NULL, "", 0, NULL);
+        return;
+    }
+    case 1: srv_handle_metrics(s, ex); return;
+    case 2: {
+        const char *v = "{\"version\":\"" PD_VERSION "\"}";
+        pd_http_respond(ex, 200, "application/json", v, strlen(v), NULL);
+        return;
+    }
+    case 3: handle_models(s, ex); return;
+    case 4: handle_generation(s, ex, PD_API_COMPLETIONS); return;
+    case 5: handle_generation(s, ex, PD_API_CHAT); return;
+    case 6: handle_generation(s, ex, PD_API_GENERATE); return;
+    default: pd_http_respond_error(ex, 404, "Not Found", NULL); return;
+    }
+}
