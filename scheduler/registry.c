@@ -10,6 +10,7 @@
 #include "balancer.h"
 #include "rpc/pd_msg.h"
 #include "util/clock.h"
+#include "util/fmt.h"
 #include "util/hash.h"
 #include "util/log.h"
 #include "util/status.h"
@@ -228,7 +229,7 @@ static void set_state(pd_reg *r, int k, bool up, const char *reason)
     nd->up = up;
     if (!up) {
         nd->verified = false;
-        snprintf(nd->reason, sizeof nd->reason, "%s", reason);
+        pd_str_copy(nd->reason, sizeof nd->reason, reason);
     }
     pthread_mutex_unlock(&r->mu);
     if (changed) {

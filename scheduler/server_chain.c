@@ -17,6 +17,7 @@
 
 #include "rpc/pd_msg.h"
 #include "server_internal.h"
+#include "util/fmt.h"
 #include "util/log.h"
 
 void srv_post_ready(sreq *r)
@@ -235,6 +236,7 @@ static void on_prefill_done(void *arg, int st, const char *details, const uint8_
     }
     pthread_mutex_lock(&r->mu);
     c->kv_bytes = m->kv_bytes;
+    pd_str_copy(c->kv_transport, sizeof c->kv_transport, m->kv_transport);
     c->kv_seconds = m->kv_seconds;
     c->prefill_seconds = m->prefill_seconds;
     c->cached_tokens = m->cached_tokens;

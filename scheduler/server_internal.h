@@ -94,6 +94,7 @@ typedef struct choice {
     int err_http;    /* 0, or the status of a failure */
     char err[256];
     int64_t kv_bytes;
+    char kv_transport[16]; /* what carried them (the Prefill reply's), "" when not said */
     double kv_seconds, prefill_seconds;
     int64_t cached_tokens; /* of its prompt, found in the prefill instance's prefix cache */
     bool kv_reported;

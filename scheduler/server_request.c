@@ -21,6 +21,7 @@
 #include "rpc/pd_msg.h"
 #include "server_internal.h"
 #include "util/clock.h"
+#include "util/fmt.h"
 #include "util/log.h"
 #include "util/status.h"
 
@@ -353,13 +354,14 @@ static void process(sreq *r)
         c->admit_wait = c->admitted = c->reserve_retry = false;
         bool kv = !c->kv_reported && c->kv_bytes > 0;
         int64_t kv_bytes = c->kv_bytes;
+        char tr[16];
+        pd_str_copy(tr, sizeof tr, c->kv_transport);
         double kv_secs = c->kv_seconds;
         if (kv) c->kv_reported = true;
         pthread_mutex_unlock(&r->mu);
         if (resume) srv_flow_apply(c, &op);
         if (kv) {
-            char tr[16];
-            pd_reg_transport(s->reg, c->d_node, tr, sizeof tr);
+            if (!tr[0]) pd_reg_transport(s->reg, c->d_node, tr, sizeof tr); /* not said: Info's */
             const char *lv[4] = {srv_model_name(s), tr[0] ? tr : "tcp",
                                  pd_reg_name(s->reg, c->p_node), pd_reg_name(s->reg, c->d_node)};
             pd_metric_inc(s->m_kv_bytes, lv, (double)kv_bytes);

@@ -299,9 +299,9 @@ static void h_info(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len)
     kv_transport_label(n, transport, sizeof transport);
     m.kv_transport = transport;
     m.version = PD_VERSION;
-    m.max_num_seqs = (int32_t)n->p.max_num_seqs;
+    m.max_num_seqs = (int32_t)n->p.engine.max_num_seqs;
     m.instance_epoch = n->epoch;
-    m.prefix_caching = n->p.enable_prefix_caching;
+    m.prefix_caching = n->p.engine.enable_prefix_caching;
     node_reply(call, &m.base);
     pd_arena_destroy(a);
 }
@@ -424,17 +424,13 @@ pd_node_params pd_node_default_params(void)
 {
     return (pd_node_params){
         .role = RT_ROLE_PREFILL,
-        .max_num_seqs = 256,
-        .enable_prefix_caching = true,
-        .block_size = 16,
-        .seed = -1,
         .shutdown_timeout_s = 30,
         .kv_lease_s = 30,
         .kv_transport = "auto",
         .device = "cpu",
         .dtype = "auto",
-        .gpu_memory_utilization = 0.9,
         .transfer_workers = 4,
+        .engine = pd_engine_default_params(),
     };
 }
 
@@ -495,7 +491,6 @@ static int node_device(pd_node *n, pd_engine_params *ep)
         PD_INFO(NULL, "rank %d: device_id %s -> CUDA device %d (%d visible)", r,
                 n->inst->devices[r].device_id, ep->cuda_devices[r], info.device_count);
     }
-    ep->gpu_memory_utilization = p->gpu_memory_utilization;
     ep->cuda_weight_dtype = strcmp(p->dtype, "float32") == 0    ? PD_DTYPE_F32
                             : strcmp(p->dtype, "float16") == 0  ? PD_DTYPE_F16
                             : strcmp(p->dtype, "bfloat16") == 0 ? PD_DTYPE_BF16
@@ -511,7 +506,7 @@ static int node_device(pd_node *n, pd_engine_params *ep)
 
 int pd_node_create(const pd_node_params *p, pd_node **out)
 {
-    if (!p->model_dir) return pd_error(PD_EINVAL, "--model is required");
+    if (!p->engine.model_dir) return pd_error(PD_EINVAL, "--model is required");
     if (p->port <= 0 || p->port > 65535)
         return pd_error(PD_EINVAL, "--port is required (1..65535)");
     bool on_cuda = p->device && strcmp(p->device, "cuda") == 0;
@@ -519,7 +514,7 @@ int pd_node_create(const pd_node_params *p, pd_node **out)
     pd_node *n = calloc(1, sizeof *n);
     if (!n) return pd_error(PD_ENOMEM, "out of memory");
     n->p = *p;
-    if (!n->p.served_model_name) n->p.served_model_name = p->model_dir;
+    if (!n->p.served_model_name) n->p.served_model_name = p->engine.model_dir;
     pthread_mutex_init(&n->mu, NULL);
     pthread_cond_init(&n->cv, NULL);
     pthread_mutex_init(&n->wake_mu, NULL);
@@ -528,17 +523,8 @@ int pd_node_create(const pd_node_params *p, pd_node **out)
     if (rc < 0) goto fail;
     pd_log_set_role(rt_role_name(n->role));
 
-    pd_engine_params ep = pd_engine_default_params();
-    ep.model_dir = p->model_dir;
+    pd_engine_params ep = p->engine;
     ep.tp_size = n->tp;
-    ep.n_threads = p->cpu_threads;
-    ep.block_size = p->block_size;
-    ep.kv_cache_bytes = p->kv_cache_bytes;
-    ep.max_num_seqs = p->max_num_seqs;
-    ep.enable_prefix_caching = p->enable_prefix_caching;
-    ep.max_num_batched_tokens = p->max_num_batched_tokens;
-    ep.max_model_len = p->max_model_len;
-    ep.seed = p->seed;
     ep.on_event = on_engine_event;
     ep.on_event_ctx = n;
     rc = node_device(n, &ep);

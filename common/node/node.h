@@ -22,6 +22,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "engine/engine.h"
 #include "ranktable/ranktable.h"
 
 typedef struct pd_node pd_node;
@@ -30,17 +31,8 @@ typedef struct {
     rt_role role;                  /* RT_ROLE_PREFILL or RT_ROLE_DECODE: what this binary serves */
     const char *global_ranktable;  /* GLOBAL_RANK_TABLE_FILE_PATH */
     const char *local_ranktable;   /* RANK_TABLE_FILE_PATH */
-    const char *model_dir;         /* --model */
     const char *served_model_name; /* --served-model-name (default: --model) */
     int tensor_parallel_size;      /* --tensor-parallel-size; 0 = the instance's device count */
-    size_t max_model_len;          /* --max-model-len; 0 = the model's */
-    size_t max_num_seqs;           /* --max-num-seqs (256) */
-    size_t max_num_batched_tokens; /* --max-num-batched-tokens; 0 = engine default */
-    size_t block_size;             /* --block-size (16) */
-    size_t kv_cache_bytes;         /* --kv-cache-bytes; 0 = a fraction of free memory */
-    bool enable_prefix_caching;    /* --[no-]enable-prefix-caching (on) */
-    int64_t seed;                  /* --seed (-1: random per request) */
-    int cpu_threads;               /* --cpu-threads; <= 0 = all cores */
     const char *host;              /* --host; NULL = the instance's server_ip */
     int port;                      /* --port (required) */
     int shutdown_timeout_s;        /* --shutdown-timeout (30) */
@@ -48,9 +40,13 @@ typedef struct {
     const char *kv_transport;      /* --kv-transport auto|tcp|nccl|cuda_ipc (auto) */
     const char *device;            /* --device cpu|cuda (cpu) */
     const char *dtype;             /* --dtype auto|float32|bfloat16|float16 (auto) */
-    double gpu_memory_utilization; /* --gpu-memory-utilization (0.9): CUDA KV pool sizing */
     int transfer_workers;          /* prefill: concurrent KV sends (4) */
     unsigned ranktable_flags;      /* RT_ALLOW_SHARED_DEVICES for single-GPU setups */
+    /* The engine's own (pd_engine_default_params): --model (model_dir), --max-model-len,
+     * --max-num-seqs, --max-num-batched-tokens, --block-size, --kv-cache-bytes,
+     * --[no-]enable-prefix-caching, --seed, --cpu-threads (n_threads),
+     * --gpu-memory-utilization. The node sets tp_size, the devices and the event callback. */
+    pd_engine_params engine;
 } pd_node_params;
 
 pd_node_params pd_node_default_params(void);
