@@ -33,25 +33,16 @@ static const char *role_str(rt_role r)
 
 /* ---- request table --------------------------------------------------------------------------- */
 
-static size_t bucket(const char *id)
-{
-    uint32_t h = 2166136261u;
-    for (; *id; id++) h = (h ^ (uint8_t)*id) * 16777619u;
-    return h % REQ_BUCKETS;
-}
-
 req *node_req_find(pd_node *n, const char *id)
 {
-    for (req *r = n->table[bucket(id)]; r; r = r->next)
-        if (strcmp(r->id, id) == 0) return r;
-    return NULL;
+    pd_idmap_link *l = pd_idmap_get(&n->reqs, id);
+    return l ? REQ_OF(l) : NULL;
 }
 
 static req *table_find_call(pd_node *n, const pd_rpc_call *call)
 {
-    for (size_t b = 0; b < REQ_BUCKETS; b++)
-        for (req *r = n->table[b]; r; r = r->next)
-            if (r->call == call) return r;
+    PD_IDMAP_FOREACH(&n->reqs, l, nx)
+    if (REQ_OF(l)->call == call) return REQ_OF(l);
     return NULL;
 }
 
@@ -73,10 +64,7 @@ req *node_req_add(pd_node *n, const char *id)
     snprintf(r->id, sizeof r->id, "%s", id);
     r->arena = a;
     r->t_received = pd_now_ns();
-    size_t b = bucket(id);
-    r->next = n->table[b];
-    n->table[b] = r;
-    n->n_reqs++;
+    pd_idmap_put(&n->reqs, &r->link, r->id);
     return r;
 }
 
@@ -122,12 +110,7 @@ void node_ev_list_free(ev_list *l)
 /* Unlinks and frees. Called with n->mu held. */
 void node_req_remove(pd_node *n, req *r)
 {
-    for (req **pp = &n->table[bucket(r->id)]; *pp; pp = &(*pp)->next)
-        if (*pp == r) {
-            *pp = r->next;
-            n->n_reqs--;
-            break;
-        }
+    pd_idmap_del(&n->reqs, &r->link);
     pthread_cond_broadcast(&n->cv);
     node_ev_list_free(&r->held);
     pd_arena_destroy(r->arena);
@@ -330,10 +313,8 @@ static void h_stats(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len)
     m.kv_transfer_bytes = n->kv_bytes;
     m.kv_transfer_seconds = n->kv_seconds;
     int64_t reserved = 0;
-    if (n->role == RT_ROLE_DECODE)
-        for (size_t b2 = 0; b2 < REQ_BUCKETS; b2++)
-            for (req *r = n->table[b2]; r; r = r->next)
-                if (!r->decoding) reserved += (int64_t)(r->n_blocks * st.block_size);
+    if (n->role == RT_ROLE_DECODE) PD_IDMAP_FOREACH(&n->reqs, l, nx)
+    if (!REQ_OF(l)->decoding) reserved += (int64_t)(REQ_OF(l)->n_blocks * st.block_size);
     m.reserved_tokens = reserved;
     /* the blocks in use less the reservations (which hold blocks too: counted once, there) */
     int64_t used = (int64_t)((st.kv_blocks_total - st.kv_blocks_free) * st.block_size);
@@ -514,6 +495,10 @@ int pd_node_create(const pd_node_params *p, pd_node **out)
     pd_node *n = calloc(1, sizeof *n);
     if (!n) return pd_error(PD_ENOMEM, "out of memory");
     n->p = *p;
+    if (pd_idmap_init(&n->reqs, REQ_BUCKETS) < 0) {
+        free(n);
+        return PD_ENOMEM;
+    }
     if (!n->p.served_model_name) n->p.served_model_name = p->engine.model_dir;
     pthread_mutex_init(&n->mu, NULL);
     pthread_cond_init(&n->cv, NULL);
@@ -595,14 +580,14 @@ int pd_node_run(pd_node *n)
     atomic_store(&n->draining, true);
     int64_t deadline = pd_now_ns() + (int64_t)n->p.shutdown_timeout_s * PD_NS_PER_S;
     pthread_mutex_lock(&n->mu);
-    while (n->n_reqs > 0 && pd_now_ns() < deadline) {
+    while (n->reqs.count > 0 && pd_now_ns() < deadline) {
         struct timespec ts;
         clock_gettime(CLOCK_REALTIME, &ts);
         ts.tv_nsec += 50 * PD_NS_PER_MS;
         if (ts.tv_nsec >= PD_NS_PER_S) ts.tv_sec++, ts.tv_nsec -= PD_NS_PER_S;
         pthread_cond_timedwait(&n->cv, &n->mu, &ts);
     }
-    size_t left = n->n_reqs;
+    size_t left = n->reqs.count;
     pthread_mutex_unlock(&n->mu);
     if (left) {
         PD_WARN(NULL, "aborting %zu request(s) still in progress", left);
@@ -610,9 +595,8 @@ int pd_node_run(pd_node *n)
         for (;;) {
             size_t k = 0;
             pthread_mutex_lock(&n->mu);
-            for (size_t b = 0; b < REQ_BUCKETS && k < 64; b++)
-                for (req *r = n->table[b]; r && k < 64; r = r->next)
-                    snprintf(ids[k++], sizeof ids[0], "%s", r->id);
+            PD_IDMAP_FOREACH(&n->reqs, l, nx)
+            if (k < 64) snprintf(ids[k++], sizeof ids[0], "%s", REQ_OF(l)->id);
             pthread_mutex_unlock(&n->mu);
             for (size_t i = 0; i < k; i++) pd_engine_abort(n->e, ids[i]);
             if (k < 64) break;
@@ -636,8 +620,8 @@ void pd_node_destroy(pd_node *n)
     if (n->threads_started) pthread_join(n->dispatcher, NULL);
     node_decode_stop(n);
     node_prefill_stop(n);
-    for (size_t b = 0; b < REQ_BUCKETS; b++)
-        while (n->table[b]) node_req_remove(n, n->table[b]);
+    for (pd_idmap_link *l; (l = pd_idmap_first(&n->reqs));) node_req_remove(n, REQ_OF(l));
+    pd_idmap_free(&n->reqs);
     pd_engine_destroy(n->e);
     rt_global_free(n->g);
     rt_local_free(n->l);

@@ -298,9 +298,9 @@ static void on_relay_cancelled(void *arg, pd_rpc_call *call)
             *pp = rl->next;
             break;
         }
-    for (size_t b = 0; rl && b < REQ_BUCKETS; b++)
-        for (req *r = n->table[b], *next; r; r = next) {
-            next = r->next;
+    if (rl) PD_IDMAP_FOREACH(&n->reqs, l, nx)
+        {
+            req *r = REQ_OF(l);
             if (!r->decoding && n->rx && strcmp(r->reserved_by, rl->id) == 0) {
                 PD_INFO(r->id, "the relay of its caller closed before Decode; reservation freed");
                 drop_reservation(n, r);
@@ -399,19 +399,19 @@ static void *reaper_main(void *arg)
         if (ts.tv_nsec >= PD_NS_PER_S) ts.tv_sec++, ts.tv_nsec -= PD_NS_PER_S;
         pthread_cond_timedwait(&n->cv, &n->mu, &ts);
         int64_t now = pd_now_ns();
-        for (size_t b = 0; b < REQ_BUCKETS; b++)
-            for (req *r = n->table[b], *next; r; r = next) {
-                next = r->next;
-                if (r->done && now - r->done_ns > (int64_t)RELAY_DONE_TTL_MS * PD_NS_PER_MS) {
-                    PD_WARN(r->id, "relayed request not closed by its caller; ending it");
-                    pd_rpc_stream_end(r->call, PD_RPC_OK, "");
-                    node_req_remove(n, r);
-                    continue;
-                }
-                if (r->decoding || now < r->deadline_ns) continue;
-                PD_WARN(r->id, "reservation expired before Decode started; blocks freed");
-                drop_reservation(n, r);
+        PD_IDMAP_FOREACH(&n->reqs, l, nx)
+        {
+            req *r = REQ_OF(l);
+            if (r->done && now - r->done_ns > (int64_t)RELAY_DONE_TTL_MS * PD_NS_PER_MS) {
+                PD_WARN(r->id, "relayed request not closed by its caller; ending it");
+                pd_rpc_stream_end(r->call, PD_RPC_OK, "");
+                node_req_remove(n, r);
+                continue;
             }
+            if (r->decoding || now < r->deadline_ns) continue;
+            PD_WARN(r->id, "reservation expired before Decode started; blocks freed");
+            drop_reservation(n, r);
+        }
     }
     pthread_mutex_unlock(&n->mu);
     return NULL;

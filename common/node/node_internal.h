@@ -21,10 +21,11 @@
 #include "rpc/rpc.h"
 #include "transfer/kv_route.h"
 #include "transfer/kv_tcp.h"
+#include "util/idmap.h"
 #include "util/arena.h"
 
-#define REQ_BUCKETS  4096
-#define RELAY_ID_MAX 64 /* bytes of a Relay stream id, NUL included */
+#define REQ_BUCKETS  4096 /* of the request map */
+#define RELAY_ID_MAX 64   /* bytes of a Relay stream id, NUL included */
 
 typedef struct {
     ProtobufCBinaryData *v;
@@ -42,8 +43,11 @@ typedef struct relay {
 } relay;
 
 /* One request this node holds state for. Lives in the table under n->mu. */
+/* The request of a map link. */
+#define REQ_OF(l) PD_IDMAP_ENTRY(l, req, link)
+
 typedef struct req {
-    struct req *next;
+    pd_idmap_link link; /* in pd_node.reqs, keyed by id */
     char id[PD_ENGINE_MAX_REQUEST_ID + 1];
     pd_rpc_call *call; /* prefill: the Prefill call; decode: the Decode stream once opened */
     pd_arena *arena;
@@ -108,8 +112,7 @@ struct pd_node {
     pthread_cond_t cv;
     pthread_mutex_t wake_mu; /* engine -> dispatcher wakeups; never held with mu */
     pthread_cond_t wake_cv;
-    req *table[REQ_BUCKETS];
-    size_t n_reqs;
+    pd_idmap reqs; /* req by id (reqs.count: requests in progress) */
     bool wake;
     atomic_bool stopping, draining, shutdown;
     bool threads_started, reaper_started;

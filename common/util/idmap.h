@@ -39,5 +39,9 @@ bool pd_idmap_del(pd_idmap *m, pd_idmap_link *l);
  * meanwhile, except that the link just returned may be deleted after its successor is taken. */
 pd_idmap_link *pd_idmap_first(const pd_idmap *m);
 pd_idmap_link *pd_idmap_next(const pd_idmap *m, const pd_idmap_link *l);
+/* for (every link l of m): the body may delete l (its successor nx is taken first). */
+#define PD_IDMAP_FOREACH(m, l, nx)                                                                 \
+    for (pd_idmap_link *l = pd_idmap_first(m), *nx = l ? pd_idmap_next(m, l) : NULL; l;            \
+         l = nx, nx = l ? pd_idmap_next(m, l) : NULL)
 
 #endif
