@@ -21,12 +21,13 @@
  * with others, prefilled in one chunk or many, preempted or not, with TP = 1 or t (up to the
  * float reduction order of the TP sum, which is fixed: rank 0 + rank 1 + ...).
  *
- * Tensor parallelism: with tp_size = t the engine creates t backends (CPU: threads split between
- * them; CUDA: one per cuda_devices entry) and t pd_forward instances with shard {r, t}, each with
- * a KV pool of its own head range and the same block ids; rank 0 runs on the engine thread, ranks
- * 1..t-1 on their own threads, and partial sums meet in a host allreduce (download as f32,
- * barrier, a fixed-order sum, upload converted back; CUDA steps are then not captured into
- * graphs). NCCL all-reduce is not used yet.
+ * Tensor parallelism: with tp_size = t the engine asks a backend group (backend/group.h) for t
+ * backends (CPU: threads split between them; CUDA: one per cuda_devices entry) and creates t
+ * pd_forward instances with shard {r, t}, each with a KV pool of its own head range and the same
+ * block ids; rank 0 runs on the engine thread, ranks 1..t-1 on their own threads, and partial sums
+ * meet in the group's all-reduce: NCCL when every rank has a GPU of its own, else staged through
+ * the host (download as f32, barrier, a fixed-order sum, upload converted back). Steps of TP
+ * instances are not captured into CUDA graphs.
  *
  * PD phases: a PD_PHASE_PREFILL_ONLY request runs its prompt, samples the first token and stops
  * there with its blocks kept (HELD) for the KV hand-over; its final event carries the first

@@ -13,11 +13,12 @@
  * calling thread, and the ops of that step must be called from the same thread.
  *
  * Decode-only steps whose shape (rows, outputs) repeats are captured once into a CUDA graph and
- * replayed while the op calls match the recorded ones (see "graphs" in cuda_backend.cu);
+ * replayed while the op calls match the recorded ones (see "graphs" in cuda_step.cu);
  * PD_CUDA_GRAPHS=0 in the environment at create time turns this off.
  *
  * Kernels live one family per .cu file with their host launchers (llm.c style); cuda_backend.cu
- * holds the op table. Every CUDA/cuBLAS call is checked and turned into a pd_error() status.
+ * holds the op table, whose entries live in the files cuda_be.cuh lists. Every CUDA/cuBLAS call
+ * is checked and turned into a pd_error() status.
  */
 #ifndef PD_BACKEND_CUDA_BACKEND_H
 #define PD_BACKEND_CUDA_BACKEND_H

@@ -1,5 +1,5 @@
 // Internal to the CUDA backend: error-check macros, bf16 helpers and the host launchers that
-// the kernel files export to cuda_backend.cu. Not for use outside common/backend/cuda/.
+// the kernel files export to the op files (cuda_be.cuh). Not for use outside common/backend/cuda/.
 //
 // Design: each kernel family lives in its own .cu file with its launcher (llm.c style); a
 // launcher takes the stream, sizes the grid, launches, and returns the cudaGetLastError status
@@ -149,7 +149,7 @@ static inline unsigned cdiv_u(size_t a, size_t b)
     return (unsigned)((a + b - 1) / b);
 }
 
-// ---- attention work list (built on the host by cuda_backend.cu, read by k_attention.cu) ------
+// ---- attention work list (built on the host by cuda_ops.cu, read by k_attention.cu) ----------
 
 // One block's worth of attention: query rows [row0, row0 + nrows) of one sequence against its
 // cached positions [kv0, kv1). part < 0: the item covers the rows' whole causal range and

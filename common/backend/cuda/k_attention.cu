@@ -2,7 +2,7 @@
 // mixed batch (prefill chunks and decode rows), plus the merge kernel of split
 // (flash-decoding) rows.
 //
-// Design: the host (cuda_backend.cu) turns the planned step into a work list of items: a tile
+// Design: the host (cuda_ops.cu) turns the planned step into a work list of items: a tile
 // of up to CUDA_ATTN_QV query vectors (consecutive rows of one sequence x the q heads of one
 // GQA group) against a range of that sequence's cached positions. A block runs one item for
 // one head group (grid.y): it stages the item's queries in shared memory, then walks the KV

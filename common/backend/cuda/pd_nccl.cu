@@ -5,7 +5,7 @@
 // lazy connection set-up happens at start-up and not inside the first step with a rank missing;
 // each rank then calls ncclAllReduce on its own communicator from its own thread, enqueued on its
 // step stream (no host synchronization mid-step). These communicators are blocking: a rank that
-// fails mid-step makes the engine call pd_nccl_tp_abort, which ends the others' waits.
+// fails mid-step makes the backend group call pd_nccl_tp_abort, which ends the others' waits.
 //
 // KV links: a 2-rank non-blocking communicator (config.blocking = 0) per link, created by
 // ncclCommInitRankConfig with the id the prefill side generated (it travels on the KV TCP

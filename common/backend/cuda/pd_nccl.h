@@ -4,7 +4,7 @@
  *   - Tensor parallelism inside one process: one communicator per rank over the instance's
  *     GPUs (ncclCommInitAll), ncclAllReduce(sum) in place on each rank's step stream, called
  *     from each rank's own thread. Only for ranks on distinct GPUs (NCCL refuses one GPU twice);
- *     the engine keeps its host-staged all-reduce otherwise.
+ *     the backend group (backend/group.h) keeps its host-staged all-reduce otherwise.
  *   - KV links between a prefill and a decode process (the kv_link_* ops of backend.h): a
  *     2-rank non-blocking communicator (config.blocking = 0) per link, point-to-point
  *     ncclSend/ncclRecv of coalesced chunks gathered from / scattered into the paged pool by

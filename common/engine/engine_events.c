@@ -1,0 +1,189 @@
+/* The engine's output queue (engine_internal.h) and the events a sequence pushes to it.
+ *
+ * Design: a ring of event slots allocated at create, each with buffers that grow geometrically
+ * and are kept, so a token's event allocates nothing once the buffers have grown; one producer
+ * (the engine thread) and one consumer, which borrows the head slot until it calls
+ * pd_engine_event_done. A step runs only when the queue has room for every sequence it may end.
+ */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine/engine_internal.h"
+#include "util/status.h"
+
+/* ---- the queue ------------------------------------------------------------------------------ */
+
+static int grow_buf(char **buf, size_t *cap, size_t need)
+{
+    if (need <= *cap) return PD_OK;
+    size_t c = *cap ? *cap : 64;
+    while (c < need) c *= 2;
+    char *nb = realloc(*buf, c);
+    if (!nb) return pd_error(PD_ENOMEM, "engine: out of memory for an event");
+    *buf = nb;
+    *cap = c;
+    return PD_OK;
+}
+
+size_t eng_queue_free(pd_engine *e)
+{
+    pthread_mutex_lock(&e->qmu);
+    size_t f = e->cap - e->qcount;
+    pthread_mutex_unlock(&e->qmu);
+    return f;
+}
+
+/* The next free slot, cleared; NULL when the queue is full (callers check room first). */
+static ev_slot *slot_begin(pd_engine *e, const eng_seq *s)
+{
+    pthread_mutex_lock(&e->qmu);
+    ev_slot *sl = e->qcount < e->cap ? &e->slots[(e->qhead + e->qcount) % e->cap] : NULL;
+    pthread_mutex_unlock(&e->qmu);
+    if (!sl) return NULL;
+    memset(&sl->ev, 0, sizeof sl->ev);
+    memcpy(sl->id, s->req->id, sizeof sl->id);
+    sl->err[0] = '\0';
+    sl->ev.request_id = sl->id;
+    sl->ev.seq_index = s->index;
+    sl->ev.token_ids = &sl->token;
+    sl->ev.text = sl->text ? sl->text : "";
+    sl->ev.error = sl->err;
+    sl->ev.stop_string = NULL;
+    sl->ev.top_ids = sl->top_ids;
+    sl->ev.top_logprobs = sl->top_lp;
+    sl->ev.block_ids = sl->blocks;
+    sl->ev.prompt_tokens = (int64_t)s->req->n_prompt;
+    sl->ev.completion_tokens = s->stop ? pd_stop_num_output(s->stop) : 0;
+    sl->ev.seed = (uint64_t)s->req->sp.seed;
+    return sl;
+}
+
+static void slot_publish(pd_engine *e)
+{
+    pthread_mutex_lock(&e->qmu);
+    e->qcount++;
+    e->n_pushed++;
+    pthread_mutex_unlock(&e->qmu);
+}
+
+uint64_t eng_events_pushed(pd_engine *e)
+{
+    pthread_mutex_lock(&e->qmu);
+    uint64_t n = e->n_pushed;
+    pthread_mutex_unlock(&e->qmu);
+    return n;
+}
+
+int pd_engine_next_event(pd_engine *e, const pd_engine_event **ev)
+{
+    pthread_mutex_lock(&e->qmu);
+    int got = e->qcount > 0;
+    if (got) {
+        *ev = &e->slots[e->qhead].ev;
+        e->borrowed = true;
+    }
+    pthread_mutex_unlock(&e->qmu);
+    return got;
+}
+
+void pd_engine_event_done(pd_engine *e)
+{
+    pthread_mutex_lock(&e->qmu);
+    if (e->borrowed && e->qcount > 0) {
+        e->qhead = (e->qhead + 1) % e->cap;
+        e->qcount--;
+        e->borrowed = false;
+        pthread_cond_broadcast(&e->qcv);
+    }
+    pthread_mutex_unlock(&e->qmu);
+}
+
+/* ---- a sequence's events --------------------------------------------------------------------- */
+
+bool eng_seq_end_status(pd_engine *e, eng_seq *s, int status, const char *msg)
+{
+    if (s->ended) return true;
+    ev_slot *sl = slot_begin(e, s);
+    if (!sl) return false;
+    sl->ev.final = true;
+    sl->ev.status = status;
+    snprintf(sl->err, sizeof sl->err, "%s", msg ? msg : "");
+    slot_publish(e);
+    if (s->sq) pd_sched_finish(e->sched, s->sq);
+    s->ended = true;
+    s->req->n_live--;
+    return true;
+}
+
+int eng_seq_emit_token(pd_engine *e, eng_seq *s, int32_t token, const pd_sample_result *res)
+{
+    eng_req *r = s->req;
+    ev_slot *sl = slot_begin(e, s);
+    if (!sl) return pd_error(PD_EINTERNAL, "engine: output queue overflow");
+    const char *delta = "";
+    size_t dlen = 0;
+    if (s->detok) PD_CHECK(pd_detok_push(s->detok, token, &delta, &dlen));
+    pd_stop_result sr;
+    PD_CHECK(pd_stop_push(s->stop, token, delta, dlen, &sr));
+    size_t tlen = 0;
+    PD_CHECK(grow_buf(&sl->text, &sl->text_cap, sr.text_len + 1));
+    memcpy(sl->text, sr.text, sr.text_len);
+    tlen = sr.text_len;
+    if (sr.finish != PD_FINISH_NONE) {
+        const char *tail = "";
+        size_t tail_len = 0;
+        if (s->detok) PD_CHECK(pd_detok_flush(s->detok, &tail, &tail_len));
+        pd_stop_result fr;
+        PD_CHECK(pd_stop_flush(s->stop, tail, tail_len, &fr));
+        PD_CHECK(grow_buf(&sl->text, &sl->text_cap, tlen + fr.text_len + 1));
+        memcpy(sl->text + tlen, fr.text, fr.text_len);
+        tlen += fr.text_len;
+        sl->ev.finish = sr.finish;
+        sl->ev.stop_kind = sr.stop_kind;
+        sl->ev.stop_token = sr.stop_token;
+        if (sr.stop_kind == PD_STOP_REASON_STRING && sr.stop_string) {
+            size_t n = strlen(sr.stop_string);
+            PD_CHECK(grow_buf(&sl->stop_str, &sl->stop_cap, n + 1));
+            memcpy(sl->stop_str, sr.stop_string, n + 1);
+            sl->ev.stop_string = sl->stop_str;
+        }
+    }
+    sl->text[tlen] = '\0';
+    sl->ev.text = sl->text;
+    sl->ev.text_len = tlen;
+    sl->token = token;
+    sl->ev.n_tokens = 1;
+    sl->ev.completion_tokens = pd_stop_num_output(s->stop);
+    if (res && r->sp.logprobs >= 0) {
+        sl->ev.has_logprob = true;
+        sl->ev.logprob = res->logprob;
+        int32_t k = res->n_top < e->p.max_logprobs ? res->n_top : e->p.max_logprobs;
+        memcpy(sl->top_ids, res->top_ids, (size_t)k * sizeof *sl->top_ids);
+        memcpy(sl->top_lp, res->top_logprobs, (size_t)k * sizeof *sl->top_lp);
+        sl->ev.n_top = k;
+    }
+    bool finished = sr.finish != PD_FINISH_NONE;
+    if (r->phase == PD_PHASE_PREFILL_ONLY) {
+        const pd_kvtable *t = pd_seq_table(s->sq);
+        size_t nb = pd_kvtable_num_blocks(t);
+        memcpy(sl->blocks, pd_kvtable_ids(t), nb * sizeof *sl->blocks);
+        sl->ev.n_blocks = nb;
+        sl->ev.cached_tokens = pd_seq_num_cached(s->sq);
+        sl->ev.held = true;
+        sl->ev.final = true;
+        PD_CHECK(pd_sched_hold(e->sched, s->sq));
+        r->state = REQ_HELD;
+        e->n_held++;
+        s->ended = true;
+        r->n_live--;
+    } else if (finished) {
+        sl->ev.final = true;
+        pd_sched_finish(e->sched, s->sq);
+        s->ended = true;
+        r->n_live--;
+    }
+    slot_publish(e);
+    return PD_OK;
+}

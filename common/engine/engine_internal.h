@@ -1,0 +1,208 @@
+/* The engine's internals, shared by its files (engine.h is the API):
+ *   engine.c          parameters, create / destroy, queries
+ *   engine_request.c  the request table, adding and ending requests, the inbox
+ *   engine_step.c     one step (schedule, forward, sample) and the engine thread
+ *   engine_ranks.c    the tensor-parallel ranks: their forward passes, threads and step jobs
+ *   engine_events.c   the output queue and the events a sequence pushes to it
+ *
+ * Threads and locks:
+ *   - e->mu guards the scheduler, the KV block pool, the request table and the inbox. The engine
+ *     thread holds it while it schedules and while it commits and processes a step's results,
+ *     never during the forward pass. Callers (add, abort, release, reserve, import) take it
+ *     briefly. Aborts and imports are queued in the inbox and applied by the engine thread at a
+ *     step boundary, so a sequence is never freed while a step in flight refers to it; adds and
+ *     reservations only append to the waiting queue or take free blocks, which a step in flight
+ *     never looks at, so they apply at once.
+ *   - The output queue has its own mutex (qmu): one producer (the engine thread), one consumer.
+ *   - Tensor-parallel ranks 1..t-1 run on their own threads, started per step through a
+ *     generation counter (rmu/rcv) and joined the same way. Their all-reduce and what happens
+ *     when a rank fails mid-step belong to the backend group (backend/group.h), which the engine
+ *     tells when a step's rank jobs begin and end.
+ */
+#ifndef PD_ENGINE_ENGINE_INTERNAL_H
+#define PD_ENGINE_ENGINE_INTERNAL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "backend/forward.h"
+#include "backend/group.h"
+#include "engine/engine.h"
+#include "engine/kvpool.h"
+#include "engine/sched.h"
+#include "util/arena.h"
+
+#define REQ_BUCKETS 4096 /* request table: chained hash buckets */
+
+/* ---- requests and sequences ------------------------------------------------------------------ */
+
+typedef struct eng_req eng_req;
+
+typedef struct {
+    eng_req *req;
+    uint32_t index;   /* choice index */
+    pd_sched_seq *sq; /* NULL for a child not forked yet */
+    pd_sampler_seq *smp;
+    pd_stop *stop;
+    pd_detok *detok; /* NULL without a tokenizer */
+    bool ended;      /* its final event was pushed */
+} eng_seq;
+
+typedef enum {
+    REQ_ACTIVE = 0,    /* queued, running, or ended and about to be freed */
+    REQ_HELD = 1,      /* blocks kept outside the queues: a prefill-only hand-over (phase
+                          PREFILL_ONLY, until release) or a reservation (phase FULL, until the
+                          import or an abort) */
+    REQ_IMPORTING = 2, /* a reservation whose import waits in the inbox */
+} req_state;
+
+struct eng_req {
+    char id[PD_ENGINE_MAX_REQUEST_ID + 1];
+    eng_req *hnext; /* hash chain */
+    eng_req *inext; /* inbox chain (aborts and imports) */
+    eng_req *fnext; /* list of requests to free after a step */
+    bool in_inbox;
+    bool free_mark;
+    bool abort_requested;
+    req_state state;
+    pd_engine_phase phase;
+    pd_arena *arena;       /* owns sp's arrays and strings */
+    pd_sampling_params sp; /* has_seed always true (the engine draws a seed when absent) */
+    size_t n_prompt;
+    int32_t first_token; /* imported requests */
+    uint32_t n;          /* choices */
+    uint32_t n_live;     /* sequences without a final event */
+    eng_seq seqs[];      /* (n) */
+};
+
+/* ---- output queue ---------------------------------------------------------------------------- */
+
+typedef struct {
+    pd_engine_event ev;
+    char id[PD_ENGINE_MAX_REQUEST_ID + 1];
+    int32_t token;
+    char *text; /* grows geometrically */
+    size_t text_cap;
+    char *stop_str; /* grows geometrically */
+    size_t stop_cap;
+    char err[256];
+    int32_t *top_ids; /* (max_logprobs) */
+    float *top_lp;    /* (max_logprobs) */
+    int32_t *blocks;  /* (max_blocks_per_seq) */
+} ev_slot;
+
+/* ---- tensor-parallel ranks ------------------------------------------------------------------- */
+
+typedef struct pd_engine_rank pd_engine_rank;
+
+struct pd_engine_rank {
+    pd_engine *e;
+    int r;
+    pd_backend *b; /* the backend group's */
+    pd_forward *f;
+    pd_kv *kv;
+    float *logits;   /* (max_num_seqs, vocab) f32, host */
+    uint8_t *bounce; /* (2 * block_size * n_kv_heads * head_dim * elem): one block of one
+                        layer, K then V, for copy-on-write */
+    size_t bounce_bytes;
+    pthread_t thread;
+    bool thread_started;
+    int rc;        /* status of the last job */
+    char err[512]; /* its message (thread-local errors do not cross threads) */
+};
+
+struct pd_engine {
+    pd_engine_params p;
+    /* model */
+    pd_model *own_model;
+    const pd_model *model;
+    pd_tok *own_tok;
+    const pd_tok *tok;
+    size_t vocab;
+    size_t hidden;
+    int32_t eos_ids[PD_MAX_EOS_IDS + 1]; /* every model EOS id: primary first */
+    size_t n_eos;
+    pd_stop_model stop_model;
+    /* ranks */
+    int tp;
+    pd_backend_group *group; /* the ranks' backends and their all-reduce */
+    pd_engine_rank *ranks;   /* (tp) */
+    pthread_mutex_t rmu;
+    pthread_cond_t rcv;
+    uint64_t job_gen; /* bumped to start a rank job */
+    int jobs_done;
+    bool ranks_quit;
+    /* scheduling state (under mu) */
+    pthread_mutex_t mu;
+    pthread_cond_t work_cv; /* signalled on add/abort/release/import and stop */
+    uint64_t work_gen;
+    pd_kvpool *pool;
+    pd_sched *sched;
+    eng_req *buckets[REQ_BUCKETS];
+    eng_req *inbox_head, *inbox_tail;
+    uint64_t n_requests; /* requests ever added (seed derivation) */
+    size_t n_held;
+    bool closing;
+    pd_engine_stats stats;
+    /* one step (engine thread) */
+    size_t max_blocks_per_seq;
+    int32_t *st_tokens;  /* (max_num_batched_tokens) */
+    int32_t *st_qindptr; /* (max_num_seqs + 1) */
+    int32_t *st_kvlen;   /* (max_num_seqs) */
+    int32_t *st_bindptr; /* (max_num_seqs + 1) */
+    int32_t *st_blocks;  /* (max_num_seqs * max_blocks_per_seq) */
+    int32_t *st_outrows; /* (max_num_seqs) */
+    int32_t *item_out;   /* (max_num_seqs) logits row of each item, -1 when none */
+    pd_step step;
+    pd_sched_out so;
+    pd_sampler_ws *ws;
+    /* output queue */
+    pthread_mutex_t qmu;
+    pthread_cond_t qcv; /* signalled when the consumer frees a slot */
+    ev_slot *slots;     /* (cap) */
+    size_t cap, qhead, qcount;
+    uint64_t n_pushed; /* events published so far */
+    bool borrowed;     /* the consumer holds slots[qhead] */
+    /* thread */
+    pthread_t thread;
+    bool running; /* the engine thread exists */
+    atomic_bool stop_req;
+    bool in_step; /* a step is executing (thread or synchronous) */
+};
+
+/* ---- shared between the files ------------------------------------------------------------- */
+
+/* engine_request.c (callers hold mu) */
+void eng_req_free(pd_engine *e, eng_req *r);
+/* Frees a request once every sequence has ended and it holds nothing. */
+void eng_req_maybe_free(pd_engine *e, eng_req *r);
+/* Applies queued aborts and imports while the output queue has room (PD_EBUSY when it has
+ * none). */
+int eng_apply_inbox(pd_engine *e);
+
+/* engine_events.c */
+size_t eng_queue_free(pd_engine *e);
+uint64_t eng_events_pushed(pd_engine *e);
+/* Ends one sequence with status (PD_ECANCELLED or an error) and pushes its final event. Returns
+ * false when the queue had no room (nothing done). Called under mu. */
+bool eng_seq_end_status(pd_engine *e, eng_seq *s, int status, const char *msg);
+/* Feeds one new token of s through the detokenizer and the stop checker and pushes its event
+ * (res: the sampler's result for logprobs, or NULL). Finishes the sequence when the checker says
+ * so (prefill-only sequences are held instead). Under mu; the caller checked the queue has room. */
+int eng_seq_emit_token(pd_engine *e, eng_seq *s, int32_t token, const pd_sample_result *res);
+
+/* engine_ranks.c */
+/* The backend group's parameters from e->p (and e's sizes, once known). */
+pd_backend_group_params eng_group_params(const pd_engine *e);
+/* The backend group (e->p's devices), then every rank's forward pass. */
+int eng_ranks_create(pd_engine *e);
+int eng_ranks_start(pd_engine *e);
+/* Stops the rank threads and frees the ranks' pools, forward passes and the backend group. */
+void eng_ranks_destroy(pd_engine *e);
+/* Runs the current step on every rank (rank 0 on the calling thread) and waits for all of them. */
+int eng_ranks_run(pd_engine *e);
+
+#endif

@@ -1,0 +1,378 @@
+/* The engine's requests (engine_internal.h): the request table, building a request's
+ * per-sequence state, adding, aborting, releasing, reserving and importing requests, and the
+ * inbox through which aborts and imports reach the engine thread.
+ *
+ * Design: a request is built (parameters copied and checked, samplers, stop checkers and
+ * detokenizers created) before the engine lock is taken, so the lock covers only the table and
+ * the scheduler. Everything a request owns is freed in one place, eng_req_free.
+ */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine/engine_internal.h"
+#include "engine/rng.h"
+#include "util/status.h"
+
+/* ---- the request table ------------------------------------------------------------------------
+ */
+
+static uint32_t hash_id(const char *s)
+{
+    uint32_t h = 2166136261u; /* FNV-1a */
+    for (; *s; s++) h = (h ^ (uint8_t)*s) * 16777619u;
+    return h % REQ_BUCKETS;
+}
+
+static eng_req *req_find(pd_engine *e, const char *id)
+{
+    for (eng_req *r = e->buckets[hash_id(id)]; r; r = r->hnext)
+        if (strcmp(r->id, id) == 0) return r;
+    return NULL;
+}
+
+static void req_unlink(pd_engine *e, eng_req *r)
+{
+    eng_req **pp = &e->buckets[hash_id(r->id)];
+    while (*pp && *pp != r) pp = &(*pp)->hnext;
+    if (*pp) *pp = r->hnext;
+}
+
+void eng_req_free(pd_engine *e, eng_req *r)
+{
+    for (uint32_t i = 0; i < r->n; i++) {
+        eng_seq *s = &r->seqs[i];
+        if (s->sq) pd_sched_seq_free(e->sched, s->sq);
+        pd_sampler_seq_free(s->smp);
+        pd_stop_free(s->stop);
+        pd_detok_free(s->detok);
+    }
+    pd_arena_destroy(r->arena);
+    free(r);
+}
+
+static void inbox_push(pd_engine *e, eng_req *r)
+{
+    if (r->in_inbox) return;
+    r->in_inbox = true;
+    r->inext = NULL;
+    if (e->inbox_tail)
+        e->inbox_tail->inext = r;
+    else
+        e->inbox_head = r;
+    e->inbox_tail = r;
+}
+
+static void wake_engine(pd_engine *e)
+{
+    e->work_gen++;
+    pthread_cond_broadcast(&e->work_cv);
+}
+
+static uint64_t splitmix64(uint64_t x)
+{
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+void eng_req_maybe_free(pd_engine *e, eng_req *r)
+{
+    if (r->n_live > 0 || r->state == REQ_HELD || r->in_inbox) return;
+    req_unlink(e, r);
+    e->stats.requests_finished++;
+    eng_req_free(e, r);
+}
+
+/* ---- the inbox ------------------------------------------------------------------------------- */
+
+int eng_apply_inbox(pd_engine *e)
+{
+    while (e->inbox_head) {
+        eng_req *r = e->inbox_head;
+        size_t need = r->abort_requested ? r->n_live : 1;
+        if (eng_queue_free(e) < need) return PD_EBUSY;
+        e->inbox_head = r->inext;
+        if (!e->inbox_head) e->inbox_tail = NULL;
+        r->in_inbox = false;
+        if (r->abort_requested) {
+            for (uint32_t i = 0; i < r->n; i++)
+                eng_seq_end_status(e, &r->seqs[i], PD_ECANCELLED, "request aborted");
+            if (r->state == REQ_HELD) {
+                /* a held hand-over or reservation: its blocks go back now */
+                pd_sched_finish(e->sched, r->seqs[0].sq);
+                e->n_held--;
+                r->state = REQ_ACTIVE;
+            }
+        } else if (r->state == REQ_IMPORTING) {
+            eng_seq *s = &r->seqs[0];
+            r->state = REQ_ACTIVE;
+            int rc = pd_sampler_seq_append(s->smp, r->first_token);
+            if (rc >= 0) rc = eng_seq_emit_token(e, s, r->first_token, NULL);
+            if (rc >= 0 && !s->ended) rc = pd_sched_admit_computed(e->sched, s->sq, r->n_prompt);
+            if (rc < 0) eng_seq_end_status(e, s, rc, pd_last_error());
+        }
+        eng_req_maybe_free(e, r);
+    }
+    return PD_OK;
+}
+
+/* ---- adding requests ------------------------------------------------------------------------ */
+
+/* Builds a request object: copies and validates the parameters (rq->sampling not NULL) and
+ * creates the per-sequence sampler, stop checker and detokenizer (no engine state touched). */
+static int req_build(pd_engine *e, const pd_engine_request *rq, eng_req **out)
+{
+    *out = NULL;
+    if (!rq->request_id || !rq->request_id[0])
+        return pd_error(PD_EINVAL, "request id must be a non-empty string");
+    if (strlen(rq->request_id) > PD_ENGINE_MAX_REQUEST_ID)
+        return pd_error(PD_EINVAL, "request id longer than %d bytes", PD_ENGINE_MAX_REQUEST_ID);
+    if (rq->n_prompt == 0 || !rq->prompt_ids)
+        return pd_error(PD_EINVAL, "The decoder prompt cannot be empty");
+    if (rq->n_prompt >= e->p.max_model_len)
+        return pd_error(PD_EINVAL,
+                        "This model's maximum context length is %zu tokens. However, your request "
+                        "has %zu input tokens. Please reduce the length of the input messages.",
+                        e->p.max_model_len, rq->n_prompt);
+    for (size_t i = 0; i < rq->n_prompt; i++)
+        if (rq->prompt_ids[i] < 0 || (size_t)rq->prompt_ids[i] >= e->vocab)
+            return pd_error(PD_EINVAL, "Token id %d is out of vocabulary", rq->prompt_ids[i]);
+    pd_sampling_params sp = *rq->sampling;
+    PD_CHECK(pd_sampling_params_validate(&sp, (int32_t)e->vocab));
+    if (sp.n > (int32_t)e->p.max_num_seqs)
+        return pd_error(PD_EINVAL, "n must be at most %zu, got %d.", e->p.max_num_seqs, sp.n);
+    if (sp.logprobs > e->p.max_logprobs)
+        return pd_error(PD_EINVAL,
+                        "Requested sample logprobs of %d, which is greater than max allowed: %d",
+                        sp.logprobs, e->p.max_logprobs);
+    if (sp.n_stop > 0 && !e->tok)
+        return pd_error(PD_EINVAL, "stop strings need a tokenizer; this engine has none");
+    if (rq->phase == PD_PHASE_PREFILL_ONLY && sp.n != 1)
+        return pd_error(PD_EUNSUPPORTED, "n > 1 is not supported for prefill-only requests");
+
+    eng_req *r = calloc(1, sizeof *r + (size_t)sp.n * sizeof(eng_seq));
+    if (!r) return pd_error(PD_ENOMEM, "engine: out of memory for a request");
+    snprintf(r->id, sizeof r->id, "%s", rq->request_id);
+    r->phase = rq->phase;
+    r->n = (uint32_t)sp.n;
+    r->n_live = r->n;
+    r->n_prompt = rq->n_prompt;
+    int rc = PD_OK;
+    r->arena = pd_arena_create(0);
+    if (!r->arena) {
+        rc = pd_error(PD_ENOMEM, "engine: out of memory for a request");
+        goto fail;
+    }
+    PD_CHECK_GOTO(pd_sampling_params_clone(&sp, r->arena, &r->sp), rc, fail);
+    for (uint32_t i = 0; i < r->n; i++) {
+        eng_seq *s = &r->seqs[i];
+        s->req = r;
+        s->index = i;
+        PD_CHECK_GOTO(pd_sampler_seq_create(&r->sp, (int32_t)e->vocab, e->eos_ids, e->n_eos, i,
+                                            rq->prompt_ids, rq->n_prompt, &s->smp),
+                      rc, fail);
+        PD_CHECK_GOTO(pd_stop_create(&r->sp, &e->stop_model, (int64_t)rq->n_prompt, &s->stop), rc,
+                      fail);
+        if (e->tok)
+            PD_CHECK_GOTO(pd_detok_create(e->tok, r->sp.skip_special_tokens, rq->prompt_ids,
+                                          rq->n_prompt, &s->detok),
+                          rc, fail);
+    }
+    *out = r;
+    return PD_OK;
+fail:
+    for (uint32_t i = 0; i < r->n; i++) {
+        pd_sampler_seq_free(r->seqs[i].smp);
+        pd_stop_free(r->seqs[i].stop);
+        pd_detok_free(r->seqs[i].detok);
+    }
+    pd_arena_destroy(r->arena);
+    free(r);
+    return rc;
+}
+
+/* The seed of a request that gave none (under mu). */
+static int64_t draw_seed(pd_engine *e)
+{
+    uint64_t k = e->n_requests;
+    if (e->p.seed < 0) return (int64_t)pd_rng_random_seed();
+    return (int64_t)splitmix64((uint64_t)e->p.seed ^ splitmix64(k));
+}
+
+int pd_engine_add(pd_engine *e, const pd_engine_request *rq)
+{
+    /* A request without a seed gets one now, so every choice's sampler is keyed by it and the
+     * prefill side can hand it to the decode side. */
+    pd_sampling_params sp;
+    if (rq->sampling)
+        sp = *rq->sampling;
+    else
+        sp = pd_sampling_model_params(e->model->has_generation_config ? &e->model->generation
+                                                                      : NULL);
+    if (!sp.has_seed) {
+        pthread_mutex_lock(&e->mu);
+        sp.seed = draw_seed(e);
+        e->n_requests++;
+        pthread_mutex_unlock(&e->mu);
+        sp.has_seed = true;
+    }
+    pd_engine_request rq2 = *rq;
+    rq2.sampling = &sp;
+    eng_req *r;
+    PD_CHECK(req_build(e, &rq2, &r));
+    pthread_mutex_lock(&e->mu);
+    int rc = PD_OK;
+    if (e->closing)
+        rc = pd_error(PD_ECLOSED, "engine is shutting down");
+    else if (req_find(e, r->id))
+        rc = pd_error(PD_EEXIST, "request id '%s' is already in use", r->id);
+    if (rc >= 0)
+        rc = pd_sched_seq_create(e->sched, rq->prompt_ids, rq->n_prompt, &r->seqs[0],
+                                 &r->seqs[0].sq);
+    if (rc >= 0) rc = pd_sched_add(e->sched, r->seqs[0].sq, r->n - 1);
+    if (rc >= 0) {
+        r->state = REQ_ACTIVE;
+        r->hnext = e->buckets[hash_id(r->id)];
+        e->buckets[hash_id(r->id)] = r;
+        r = NULL;
+        wake_engine(e);
+    }
+    if (r) eng_req_free(e, r); /* frees its scheduler sequence too, under the lock */
+    pthread_mutex_unlock(&e->mu);
+    return rc;
+}
+
+int pd_engine_abort(pd_engine *e, const char *request_id)
+{
+    pthread_mutex_lock(&e->mu);
+    eng_req *r = req_find(e, request_id);
+    int rc = PD_OK;
+    if (!r) {
+        rc = pd_error(PD_ENOTFOUND, "no live request '%s'", request_id);
+    } else {
+        r->abort_requested = true;
+        inbox_push(e, r);
+        wake_engine(e);
+    }
+    pthread_mutex_unlock(&e->mu);
+    return rc;
+}
+
+int pd_engine_release(pd_engine *e, const char *request_id)
+{
+    pthread_mutex_lock(&e->mu);
+    eng_req *r = req_find(e, request_id);
+    int rc = PD_OK;
+    if (!r || r->state != REQ_HELD || r->phase != PD_PHASE_PREFILL_ONLY) {
+        rc = pd_error(PD_ENOTFOUND, "no held prefill-only request '%s'", request_id);
+    } else {
+        /* held sequences are in no step: free at once */
+        pd_sched_finish(e->sched, r->seqs[0].sq);
+        e->n_held--;
+        r->state = REQ_ACTIVE;
+        eng_req_maybe_free(e, r);
+        wake_engine(e);
+    }
+    pthread_mutex_unlock(&e->mu);
+    return rc;
+}
+
+int pd_engine_reserve(pd_engine *e, const char *request_id, size_t n_tokens,
+                      const int32_t *prompt_ids, int32_t *block_ids, size_t cap, size_t *n_blocks,
+                      size_t *n_cached)
+{
+    if (!request_id || !request_id[0] || strlen(request_id) > PD_ENGINE_MAX_REQUEST_ID)
+        return pd_error(PD_EINVAL, "request id must be 1 to %d bytes", PD_ENGINE_MAX_REQUEST_ID);
+    if (n_tokens == 0 || n_tokens >= e->p.max_model_len)
+        return pd_error(PD_EINVAL,
+                        "This model's maximum context length is %zu tokens. However, your request "
+                        "has %zu input tokens. Please reduce the length of the input messages.",
+                        e->p.max_model_len, n_tokens);
+    size_t nb = (n_tokens + e->p.block_size - 1) / e->p.block_size;
+    if (cap < nb)
+        return pd_error(PD_EINVAL, "reserve: %zu block ids needed, room for %zu", nb, cap);
+    eng_req *r = calloc(1, sizeof *r + sizeof(eng_seq));
+    if (!r) return pd_error(PD_ENOMEM, "engine: out of memory for a reservation");
+    snprintf(r->id, sizeof r->id, "%s", request_id);
+    r->n = 1;
+    r->n_live = 1;
+    r->n_prompt = n_tokens;
+    r->seqs[0].req = r;
+    r->arena = pd_arena_create(0);
+    /* without prompt_ids, the real ids arrive with pd_engine_add_imported */
+    int32_t *zeros = prompt_ids ? NULL : calloc(n_tokens, sizeof *zeros);
+    const int32_t *ids = prompt_ids ? prompt_ids : zeros;
+    size_t cached = 0;
+    int rc = (r->arena && ids) ? PD_OK : pd_error(PD_ENOMEM, "engine: out of memory");
+    pthread_mutex_lock(&e->mu);
+    if (rc >= 0 && e->closing) rc = pd_error(PD_ECLOSED, "engine is shutting down");
+    if (rc >= 0 && req_find(e, request_id))
+        rc = pd_error(PD_EEXIST, "request id '%s' is already in use", request_id);
+    if (rc >= 0) rc = pd_sched_seq_create(e->sched, ids, n_tokens, &r->seqs[0], &r->seqs[0].sq);
+    if (rc >= 0)
+        rc = pd_sched_reserve(e->sched, r->seqs[0].sq, n_tokens, prompt_ids != NULL, &cached);
+    if (rc >= 0) {
+        if (n_cached) *n_cached = cached;
+        const pd_kvtable *t = pd_seq_table(r->seqs[0].sq);
+        memcpy(block_ids, pd_kvtable_ids(t), nb * sizeof *block_ids);
+        *n_blocks = nb;
+        r->state = REQ_HELD; /* held blocks, not in the queues */
+        r->phase = PD_PHASE_FULL;
+        e->n_held++;
+        r->hnext = e->buckets[hash_id(r->id)];
+        e->buckets[hash_id(r->id)] = r;
+        r = NULL;
+    }
+    if (r) eng_req_free(e, r);
+    pthread_mutex_unlock(&e->mu);
+    free(zeros);
+    return rc;
+}
+
+int pd_engine_add_imported(pd_engine *e, const pd_engine_request *rq, int32_t first_token)
+{
+    if (!rq->sampling || !rq->sampling->has_seed)
+        return pd_error(PD_EINVAL, "an imported request needs the prefill side's seed");
+    if (rq->phase != PD_PHASE_FULL)
+        return pd_error(PD_EINVAL, "an imported request runs in phase FULL");
+    if (first_token < 0 || (size_t)first_token >= e->vocab)
+        return pd_error(PD_EINVAL, "Token id %d is out of vocabulary", first_token);
+    if (rq->sampling->n != 1) return pd_error(PD_EINVAL, "an imported request has n = 1");
+    eng_req *built;
+    PD_CHECK(req_build(e, rq, &built));
+    pthread_mutex_lock(&e->mu);
+    eng_req *r = req_find(e, rq->request_id);
+    int rc = PD_OK;
+    if (!r || r->state != REQ_HELD || r->phase != PD_PHASE_FULL || r->abort_requested)
+        rc = pd_error(PD_ENOTFOUND, "no reservation for request '%s'", rq->request_id);
+    else if (r->n_prompt != rq->n_prompt)
+        rc = pd_error(PD_EINVAL, "request '%s': prompt has %zu tokens but %zu were reserved",
+                      rq->request_id, rq->n_prompt, r->n_prompt);
+    if (rc >= 0)
+        rc = pd_sched_seq_set_prompt(e->sched, r->seqs[0].sq, rq->prompt_ids, rq->n_prompt);
+    if (rc >= 0) rc = pd_sched_append(e->sched, r->seqs[0].sq, first_token);
+    if (rc >= 0) {
+        /* move the built per-sequence state into the reservation */
+        pd_arena *old = r->arena;
+        r->arena = built->arena;
+        built->arena = old;
+        r->sp = built->sp;
+        r->seqs[0].smp = built->seqs[0].smp;
+        r->seqs[0].stop = built->seqs[0].stop;
+        r->seqs[0].detok = built->seqs[0].detok;
+        built->seqs[0].smp = NULL;
+        built->seqs[0].stop = NULL;
+        built->seqs[0].detok = NULL;
+        r->first_token = first_token;
+        r->state = REQ_IMPORTING;
+        e->n_held--;
+        inbox_push(e, r);
+        wake_engine(e);
+    }
+    pthread_mutex_unlock(&e->mu);
+    eng_req_free(e, built);
+    return rc;
+}

@@ -1,0 +1,273 @@
+/* The engine's step loop (engine_internal.h): one step (apply the inbox, schedule, run the
+ * forward pass on every rank, then sample, detokenize and stop-check each sequence that produced
+ * logits), pd_engine_step, and the engine thread that runs steps until pd_engine_stop.
+ *
+ * Design: the engine lock is held while scheduling and while committing the results, never
+ * during the forward pass, so requests can be added meanwhile. A failed forward pass ends the
+ * step's sequences with its error; the engine itself goes on.
+ */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "engine/engine_internal.h"
+#include "util/clock.h"
+#include "util/log.h"
+#include "util/status.h"
+
+/* ---- one step ----------------------------------------------------------------------------- */
+
+static bool has_work_locked(pd_engine *e)
+{
+    return e->inbox_head || pd_sched_num_running(e->sched) || pd_sched_num_waiting(e->sched);
+}
+
+bool pd_engine_has_work(pd_engine *e)
+{
+    pthread_mutex_lock(&e->mu);
+    bool w = has_work_locked(e);
+    pthread_mutex_unlock(&e->mu);
+    return w;
+}
+
+/* Fills e->step from e->so (under mu). */
+static int build_step(pd_engine *e)
+{
+    size_t row = 0, nb_total = 0, n_out = 0;
+    e->st_qindptr[0] = 0;
+    e->st_bindptr[0] = 0;
+    for (size_t i = 0; i < e->so.n_items; i++) {
+        const pd_sched_item *it = &e->so.items[i];
+        size_t n_tok;
+        const int32_t *tok = pd_seq_tokens(it->seq, &n_tok);
+        memcpy(e->st_tokens + row, tok + it->start, it->n_new * sizeof *tok);
+        row += it->n_new;
+        e->st_qindptr[i + 1] = (int32_t)row;
+        e->st_kvlen[i] = (int32_t)(it->start + it->n_new);
+        const pd_kvtable *t = pd_seq_table(it->seq);
+        size_t nb = pd_kvtable_num_blocks(t);
+        memcpy(e->st_blocks + nb_total, pd_kvtable_ids(t), nb * sizeof(int32_t));
+        nb_total += nb;
+        e->st_bindptr[i + 1] = (int32_t)nb_total;
+        if (it->sample) {
+            e->item_out[i] = (int32_t)n_out;
+            e->st_outrows[n_out++] = (int32_t)(row - 1);
+        } else {
+            e->item_out[i] = -1;
+        }
+    }
+    e->step = (pd_step){
+        .n_seqs = e->so.n_items,
+        .token_ids = e->st_tokens,
+        .q_indptr = e->st_qindptr,
+        .kv_len = e->st_kvlen,
+        .block_indptr = e->st_bindptr,
+        .block_ids = e->st_blocks,
+        .n_out = n_out,
+        .out_rows = e->st_outrows,
+    };
+    return PD_OK;
+}
+
+/* Samples, detokenizes and stop-checks the sequence of item i (under mu). For a request with
+ * n > 1 whose prompt just finished, forks the other choices first: they share the prompt's
+ * blocks and each samples from the same logits row with its own choice index. */
+static int process_item(pd_engine *e, size_t i, const float *logits)
+{
+    const pd_sched_item *it = &e->so.items[i];
+    eng_seq *s = pd_seq_user(it->seq);
+    eng_req *r = s->req;
+    if (r->abort_requested) return PD_OK; /* its abort is applied at the next boundary */
+    if (s->index == 0 && pd_seq_num_output(it->seq) == 0 && r->n > 1 && !r->seqs[1].sq) {
+        for (uint32_t c = 1; c < r->n; c++)
+            PD_CHECK(pd_sched_fork(e->sched, it->seq, &r->seqs[c], &r->seqs[c].sq));
+    }
+    uint32_t first = s->index, last = s->index;
+    if (s->index == 0 && pd_seq_num_output(it->seq) == 0 && r->n > 1) last = r->n - 1;
+    for (uint32_t c = first; c <= last; c++) {
+        eng_seq *cs = &r->seqs[c];
+        if (cs->ended) continue;
+        if (e->p.on_logits)
+            e->p.on_logits(e->p.on_logits_ctx, r->id, c, pd_sampler_seq_num_output(cs->smp), logits,
+                           e->vocab);
+        pd_sample_result res;
+        PD_CHECK(pd_sample(cs->smp, logits, e->ws, &res));
+        PD_CHECK(pd_sched_append(e->sched, cs->sq, res.token));
+        e->stats.generation_tokens++;
+        PD_CHECK(eng_seq_emit_token(e, cs, res.token, &res));
+    }
+    return PD_OK;
+}
+
+/* Frees, once each, the requests of the last schedule's items that have ended (under mu). The
+ * items point into sequences that this frees, so they are not read afterwards. */
+static void free_ended_requests(pd_engine *e)
+{
+    eng_req *list = NULL;
+    for (size_t i = 0; i < e->so.n_items; i++) {
+        eng_req *r = ((eng_seq *)pd_seq_user(e->so.items[i].seq))->req;
+        if (r->free_mark || r->n_live > 0 || r->in_inbox || r->state == REQ_HELD) continue;
+        r->free_mark = true;
+        r->fnext = list;
+        list = r;
+    }
+    e->so.n_items = 0;
+    while (list) {
+        eng_req *r = list;
+        list = r->fnext;
+        eng_req_maybe_free(e, r);
+    }
+}
+
+/* One step; *did_work false when nothing was scheduled. */
+static int step_once(pd_engine *e, bool *did_work)
+{
+    *did_work = false;
+    int64_t t0 = pd_now_ns();
+    pthread_mutex_lock(&e->mu);
+    int rc = eng_apply_inbox(e);
+    if (rc == PD_OK && eng_queue_free(e) < e->p.max_num_seqs) rc = PD_EBUSY;
+    if (rc == PD_EBUSY) {
+        pthread_mutex_unlock(&e->mu);
+        return pd_error(PD_EBUSY, "output queue full: drain the events");
+    }
+    rc = pd_sched_schedule(e->sched, &e->so);
+    if (rc >= 0) rc = build_step(e);
+    if (rc < 0 || e->so.n_items == 0) {
+        e->so.n_items = 0;
+        pthread_mutex_unlock(&e->mu);
+        return rc;
+    }
+    e->stats.num_preemptions = pd_sched_num_preemptions(e->sched);
+    pthread_mutex_unlock(&e->mu);
+
+    int64_t t1 = pd_now_ns();
+    int frc = eng_ranks_run(e); /* no lock: adds and reservations may proceed meanwhile */
+    int64_t t2 = pd_now_ns();
+
+    pthread_mutex_lock(&e->mu);
+    e->stats.forward_ns += (uint64_t)(t2 - t1);
+    *did_work = true;
+    e->stats.steps++;
+    pd_sched_commit(e->sched);
+    char msg[512];
+    if (frc < 0) {
+        /* the step's sequences cannot continue: end them (all choices) with the error */
+        snprintf(msg, sizeof msg, "%s", pd_last_error());
+        PD_ERROR("-", "step failed: %s", msg);
+        for (size_t i = 0; i < e->so.n_items; i++) {
+            eng_req *r = ((eng_seq *)pd_seq_user(e->so.items[i].seq))->req;
+            for (uint32_t c = 0; c < r->n; c++) eng_seq_end_status(e, &r->seqs[c], frc, msg);
+        }
+    } else {
+        for (size_t i = 0; i < e->so.n_items; i++) {
+            const pd_sched_item *it = &e->so.items[i];
+            eng_seq *s = pd_seq_user(it->seq);
+            size_t np = pd_seq_num_prompt(it->seq);
+            if (it->start < np)
+                e->stats.prompt_tokens +=
+                    (it->start + it->n_new < np ? it->start + it->n_new : np) - it->start;
+            if (e->item_out[i] < 0) continue;
+            const float *row = e->ranks[0].logits + (size_t)e->item_out[i] * e->vocab;
+            int prc = process_item(e, i, row);
+            if (prc < 0) {
+                snprintf(msg, sizeof msg, "%s", pd_last_error());
+                PD_WARN(s->req->id, "sequence %u failed: %s", s->index, msg);
+                for (uint32_t c = 0; c < s->req->n; c++)
+                    eng_seq_end_status(e, &s->req->seqs[c], prc, msg);
+            }
+        }
+    }
+    free_ended_requests(e);
+    e->stats.step_ns += (uint64_t)(pd_now_ns() - t0);
+    pthread_mutex_unlock(&e->mu);
+    if (frc < 0) return pd_error(frc, "%s", msg);
+    return PD_OK;
+}
+
+/* ---- running ------------------------------------------------------------------------------- */
+
+int pd_engine_step(pd_engine *e, bool *did_work)
+{
+    bool dw = false;
+    pthread_mutex_lock(&e->mu);
+    if (e->running || e->in_step) {
+        pthread_mutex_unlock(&e->mu);
+        return pd_error(PD_EBUSY, "engine: a step is already running (engine thread started?)");
+    }
+    e->in_step = true;
+    pthread_mutex_unlock(&e->mu);
+    uint64_t before = eng_events_pushed(e);
+    int rc = step_once(e, &dw);
+    pthread_mutex_lock(&e->mu);
+    e->in_step = false;
+    pthread_mutex_unlock(&e->mu);
+    if (eng_events_pushed(e) != before && e->p.on_event) e->p.on_event(e->p.on_event_ctx);
+    if (did_work) *did_work = dw;
+    return rc;
+}
+
+static void *engine_main(void *arg)
+{
+    pd_engine *e = arg;
+    for (;;) {
+        pthread_mutex_lock(&e->mu);
+        while (!atomic_load(&e->stop_req) && !has_work_locked(e))
+            pthread_cond_wait(&e->work_cv, &e->mu);
+        uint64_t gen = e->work_gen;
+        pthread_mutex_unlock(&e->mu);
+        if (atomic_load(&e->stop_req)) break;
+        uint64_t before = eng_events_pushed(e);
+        bool dw = false;
+        int rc = step_once(e, &dw);
+        if (eng_events_pushed(e) != before && e->p.on_event) e->p.on_event(e->p.on_event_ctx);
+        if (rc == PD_EBUSY) {
+            /* output queue full: wait until the consumer frees room for a step */
+            pthread_mutex_lock(&e->qmu);
+            while (!atomic_load(&e->stop_req) && e->cap - e->qcount < e->p.max_num_seqs)
+                pthread_cond_wait(&e->qcv, &e->qmu);
+            pthread_mutex_unlock(&e->qmu);
+        } else if (!dw) {
+            /* nothing could be scheduled (e.g. blocks held): wait for a change */
+            pthread_mutex_lock(&e->mu);
+            while (!atomic_load(&e->stop_req) && e->work_gen == gen)
+                pthread_cond_wait(&e->work_cv, &e->mu);
+            pthread_mutex_unlock(&e->mu);
+        }
+    }
+    return NULL;
+}
+
+int pd_engine_start(pd_engine *e)
+{
+    pthread_mutex_lock(&e->mu);
+    int rc = PD_OK;
+    if (e->running || e->in_step) rc = pd_error(PD_EBUSY, "engine: already running");
+    if (rc == PD_OK) {
+        atomic_store(&e->stop_req, false);
+        if (pthread_create(&e->thread, NULL, engine_main, e))
+            rc = pd_error(PD_EINTERNAL, "engine: cannot start the engine thread");
+        else
+            e->running = true;
+    }
+    pthread_mutex_unlock(&e->mu);
+    return rc;
+}
+
+void pd_engine_stop(pd_engine *e)
+{
+    pthread_mutex_lock(&e->mu);
+    bool running = e->running;
+    atomic_store(&e->stop_req, true);
+    pthread_cond_broadcast(&e->work_cv);
+    pthread_mutex_unlock(&e->mu);
+    pthread_mutex_lock(&e->qmu);
+    pthread_cond_broadcast(&e->qcv);
+    pthread_mutex_unlock(&e->qmu);
+    if (!running) return;
+    pthread_join(e->thread, NULL);
+    pthread_mutex_lock(&e->mu);
+    e->running = false;
+    pthread_mutex_unlock(&e->mu);
+}
