@@ -39,7 +39,7 @@ pd_engine_params pd_engine_default_params(void)
         .kv_cache_fraction = 0.4,
         .num_kv_blocks = 0,
         .enable_prefix_caching = true,
-        .max_num_seqs = 256,
+        .max_num_seqs = pd_sched_default_params().max_num_seqs, /* the batch scheduler's */
         .max_num_batched_tokens = 0,
         .max_model_len = 0,
         .max_prefill_chunk = 0,
@@ -217,6 +217,7 @@ int pd_engine_create(const pd_engine_params *params, pd_engine **out)
     pthread_cond_init(&e->rcv, NULL);
     atomic_init(&e->stop_req, false);
     int rc = PD_OK;
+    PD_CHECK_GOTO(pd_idmap_init(&e->reqs, REQ_BUCKETS), rc, fail);
     if (e->p.model_dir) {
         PD_CHECK_GOTO(pd_model_load(e->p.model_dir, &e->own_model), rc, fail);
         e->model = e->own_model;
@@ -267,13 +268,11 @@ void pd_engine_destroy(pd_engine *e)
     pd_engine_stop(e);
     pthread_mutex_lock(&e->mu);
     e->closing = true;
-    for (size_t b = 0; b < REQ_BUCKETS; b++) {
-        while (e->buckets[b]) {
-            eng_req *r = e->buckets[b];
-            e->buckets[b] = r->hnext;
-            eng_req_free(e, r);
-        }
+    for (pd_idmap_link *l; (l = pd_idmap_first(&e->reqs));) {
+        pd_idmap_del(&e->reqs, l);
+        eng_req_free(e, PD_IDMAP_ENTRY(l, eng_req, link));
     }
+    pd_idmap_free(&e->reqs);
     pthread_mutex_unlock(&e->mu);
     pd_sched_destroy(e->sched);
     pd_kvpool_destroy(e->pool);

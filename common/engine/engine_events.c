@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "engine/engine_internal.h"
+#include "util/fmt.h"
 #include "util/status.h"
 
 /* ---- the queue ------------------------------------------------------------------------------ */
@@ -109,7 +110,7 @@ bool eng_seq_end_status(pd_engine *e, eng_seq *s, int status, const char *msg)
     if (!sl) return false;
     sl->ev.final = true;
     sl->ev.status = status;
-    snprintf(sl->err, sizeof sl->err, "%s", msg ? msg : "");
+    pd_str_copy(sl->err, sizeof sl->err, msg);
     slot_publish(e);
     if (s->sq) pd_sched_finish(e->sched, s->sq);
     s->ended = true;

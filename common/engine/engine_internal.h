@@ -33,9 +33,10 @@
 #include "engine/engine.h"
 #include "engine/kvpool.h"
 #include "engine/sched.h"
+#include "util/idmap.h"
 #include "util/arena.h"
 
-#define REQ_BUCKETS 4096 /* request table: chained hash buckets */
+#define REQ_BUCKETS 4096 /* of the request map */
 
 /* ---- requests and sequences ------------------------------------------------------------------ */
 
@@ -61,9 +62,9 @@ typedef enum {
 
 struct eng_req {
     char id[PD_ENGINE_MAX_REQUEST_ID + 1];
-    eng_req *hnext; /* hash chain */
-    eng_req *inext; /* inbox chain (aborts and imports) */
-    eng_req *fnext; /* list of requests to free after a step */
+    pd_idmap_link link; /* in pd_engine.reqs, keyed by id */
+    eng_req *inext;     /* inbox chain (aborts and imports) */
+    eng_req *fnext;     /* list of requests to free after a step */
     bool in_inbox;
     bool free_mark;
     bool abort_requested;
@@ -141,7 +142,7 @@ struct pd_engine {
     uint64_t work_gen;
     pd_kvpool *pool;
     pd_sched *sched;
-    eng_req *buckets[REQ_BUCKETS];
+    pd_idmap reqs; /* eng_req by id */
     eng_req *inbox_head, *inbox_tail;
     uint64_t n_requests; /* requests ever added (seed derivation) */
     size_t n_held;

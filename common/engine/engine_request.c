@@ -18,25 +18,10 @@
 /* ---- the request table ------------------------------------------------------------------------
  */
 
-static uint32_t hash_id(const char *s)
-{
-    uint32_t h = 2166136261u; /* FNV-1a */
-    for (; *s; s++) h = (h ^ (uint8_t)*s) * 16777619u;
-    return h % REQ_BUCKETS;
-}
-
 static eng_req *req_find(pd_engine *e, const char *id)
 {
-    for (eng_req *r = e->buckets[hash_id(id)]; r; r = r->hnext)
-        if (strcmp(r->id, id) == 0) return r;
-    return NULL;
-}
-
-static void req_unlink(pd_engine *e, eng_req *r)
-{
-    eng_req **pp = &e->buckets[hash_id(r->id)];
-    while (*pp && *pp != r) pp = &(*pp)->hnext;
-    if (*pp) *pp = r->hnext;
+    pd_idmap_link *l = pd_idmap_get(&e->reqs, id);
+    return l ? PD_IDMAP_ENTRY(l, eng_req, link) : NULL;
 }
 
 void eng_req_free(pd_engine *e, eng_req *r)
@@ -81,7 +66,7 @@ static uint64_t splitmix64(uint64_t x)
 void eng_req_maybe_free(pd_engine *e, eng_req *r)
 {
     if (r->n_live > 0 || r->state == REQ_HELD || r->in_inbox) return;
-    req_unlink(e, r);
+    pd_idmap_del(&e->reqs, &r->link);
     e->stats.requests_finished++;
     eng_req_free(e, r);
 }
@@ -235,8 +220,7 @@ int pd_engine_add(pd_engine *e, const pd_engine_request *rq)
     if (rc >= 0) rc = pd_sched_add(e->sched, r->seqs[0].sq, r->n - 1);
     if (rc >= 0) {
         r->state = REQ_ACTIVE;
-        r->hnext = e->buckets[hash_id(r->id)];
-        e->buckets[hash_id(r->id)] = r;
+        pd_idmap_put(&e->reqs, &r->link, r->id);
         r = NULL;
         wake_engine(e);
     }
@@ -322,8 +306,7 @@ int pd_engine_reserve(pd_engine *e, const char *request_id, size_t n_tokens,
         r->state = REQ_HELD; /* held blocks, not in the queues */
         r->phase = PD_PHASE_FULL;
         e->n_held++;
-        r->hnext = e->buckets[hash_id(r->id)];
-        e->buckets[hash_id(r->id)] = r;
+        pd_idmap_put(&e->reqs, &r->link, r->id);
         r = NULL;
     }
     if (r) eng_req_free(e, r);
