@@ -1,4 +1,4 @@
-/* Request parsing and validation (see api.h). The field tables follow api_contract.md §5/§6; the
+/* Request parsing and validation (see api.h). The field tables follow docs/api.md §5/§6; the
  * rule order follows §2 and the tables of §8. */
 #include "api.h"
 

@@ -1,4 +1,4 @@
-/* Request parsing and validation for pd-scheduler's OpenAI endpoints (api_contract.md §2, §5-§8,
+/* Request parsing and validation for pd-scheduler's OpenAI endpoints (docs/api.md §2, §5-§8,
  * §13.5): JSON body -> a typed request with its prompts tokenized and its sampling parameters
  * ready to send.
  *

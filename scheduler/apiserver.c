@@ -131,6 +131,10 @@ int pd_apiserver_create(const pd_apiserver_params *p, pd_apiserver **out)
     pd_apiserver *s = calloc(1, sizeof *s);
     if (!s) return pd_error(PD_ENOMEM, "out of memory");
     s->p = *p;
+    if (pd_idmap_init(&s->cmap, CMAP_BUCKETS) < 0) {
+        free(s);
+        return PD_ENOMEM;
+    }
     if (s->p.n_served_names == 0) {
         s->p.served_names[0] = s->p.model;
         s->p.n_served_names = 1;
@@ -316,11 +320,11 @@ void pd_apiserver_free(pd_apiserver *s)
     s->closing = true;
     pthread_mutex_unlock(&s->qmu);
     if (s->reg) pd_reg_close(s->reg); /* stops the heartbeat, refuses new calls */
-    pd_rpc_client_destroy(s->rpc);    /* cancels the calls in flight; every callback has run */
+    pd_rpc_client_free(s->rpc);       /* cancels the calls in flight; every callback has run */
     pd_reg_free(s->reg);
     while (s->live) srv_sreq_free(s->live);
     uv_loop_close(&s->loop);
-    pd_metrics_destroy(s->m);
+    pd_metrics_free(s->m);
     pd_sb_free(&s->tokbuf);
     for (int k = 0; k < 4; k++) pd_sb_free(&s->lpbuf[k]);
     pd_chat_free(s->tmpl);
@@ -331,6 +335,7 @@ void pd_apiserver_free(pd_apiserver *s)
     pthread_mutex_destroy(&s->qmu);
     free(s->went_down);
     free(s->relays);
+    pd_idmap_free(&s->cmap);
     pthread_mutex_destroy(&s->rl_mu);
     free(s);
 }

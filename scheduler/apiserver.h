@@ -1,6 +1,6 @@
 /* pd-scheduler: the api-server. Parses the launch contract (flags + environment), loads the
  * tokenizer, chat template and instance registry, serves the OpenAI-compatible HTTP API of
- * api_contract.md on a libuv loop, and drives every request through one decode instance
+ * docs/api.md on a libuv loop, and drives every request through one decode instance
  * (Reserve, Decode stream) and one prefill instance (Prefill).
  *
  * Design: one libuv loop thread owns every socket and every request's client-facing state. The
@@ -21,7 +21,7 @@
 
 #define PD_APISERVER_MAX_NAMES 16
 
-/* Every flag and environment value that shapes the scheduler (api_contract.md §17). */
+/* Every flag and environment value that shapes the scheduler (docs/api.md §17). */
 typedef struct {
     const char *model; /* --model DIR (required) */
     const char

@@ -1,5 +1,6 @@
-/* pd-scheduler command line and environment (api_contract.md §17, DESIGN.md launch contract):
- * the flags of the one table (util/flags.h) that the api-server uses, bound to pd_apiserver_params. */
+/* pd-scheduler command line and environment (docs/api.md §17):
+ * the flags of the one table (util/flags.h) that the api-server uses, bound to pd_apiserver_params.
+ */
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>

@@ -1,6 +1,6 @@
 /* Routing policies of pd-scheduler: which instance of a role a request goes to.
  *
- * Design (h2o's balancer): a policy is an ops table of two callbacks, select and destroy, over
+ * Design (h2o's balancer): a policy is an ops table of two callbacks, select and free, over
  * state of its own (a round-robin cursor, say). The registry owns one policy object per role and
  * calls select under its lock with a snapshot of that role's instances in ranktable order: each
  * one's routing state and load, what its prefix cache likely holds of the request's prompt, and
@@ -31,7 +31,7 @@ typedef struct {
      * is NULL when nothing was tried). -1 when there is none. Called under the registry's
      * lock, one call at a time. */
     int (*select)(pd_balancer *b, const pd_balancer_target *targets, size_t n, const bool *tried);
-    void (*destroy)(pd_balancer *b);
+    void (*free)(pd_balancer *b);
 } pd_balancer_ops;
 
 /* The first member of every policy's own struct. */

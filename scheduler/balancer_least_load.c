@@ -36,12 +36,12 @@ static int least_load_select(pd_balancer *b, const pd_balancer_target *targets, 
     return best;
 }
 
-static void least_load_destroy(pd_balancer *b)
+static void least_load_free(pd_balancer *b)
 {
     free(b);
 }
 
-static const pd_balancer_ops LEAST_LOAD_OPS = {least_load_select, least_load_destroy};
+static const pd_balancer_ops LEAST_LOAD_OPS = {least_load_select, least_load_free};
 
 pd_balancer *pd_balancer_least_load_create(void)
 {

@@ -403,7 +403,7 @@ void pd_reg_close(pd_reg *r)
     pthread_rwlock_wrlock(&r->ch_lock);
     r->closed = true;
     for (int i = 0; r->nodes && i < r->n; i++) {
-        if (r->nodes[i].ch) pd_rpc_channel_destroy(r->nodes[i].ch);
+        if (r->nodes[i].ch) pd_rpc_channel_free(r->nodes[i].ch);
         r->nodes[i].ch = NULL;
     }
     pthread_rwlock_unlock(&r->ch_lock);
@@ -418,7 +418,7 @@ void pd_reg_free(pd_reg *r)
     free(r->cand);
     free(r->tried);
     for (int role = 0; role < RT_ROLE_COUNT; role++)
-        if (r->bal[role]) r->bal[role]->ops->destroy(r->bal[role]);
+        if (r->bal[role]) r->bal[role]->ops->free(r->bal[role]);
     rt_global_free(r->g);
     pthread_mutex_destroy(&r->mu);
     pthread_cond_destroy(&r->cv);

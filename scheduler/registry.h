@@ -60,7 +60,7 @@ int pd_reg_unary(pd_reg *r, int k, const char *method, const void *req, size_t l
 int pd_reg_stream(pd_reg *r, int k, const char *method, const void *req, size_t len, int timeout_ms,
                   pd_rpc_msg_fn on_msg, pd_rpc_done_fn done, void *arg, uint64_t *id);
 /* Stops the heartbeat and destroys the channels (calls in flight keep running until the
- * client is destroyed); later calls are refused. Call before pd_rpc_client_destroy. */
+ * client is destroyed); later calls are refused. Call before pd_rpc_client_free. */
 void pd_reg_close(pd_reg *r);
 bool pd_reg_is_up(pd_reg *r, int k);
 /* A call to instance k failed because it cannot be reached (UNAVAILABLE): takes it out of the

@@ -25,7 +25,7 @@ void pd_sb_add(pd_sb *b, const void *data, size_t len);
 void pd_sb_str(pd_sb *b, const char *s);
 void pd_sb_printf(pd_sb *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* A JSON string literal with quotes: escapes '"', '\\' and control characters; '/' and
- * non-ASCII stay raw (api_contract.md §0). */
+ * non-ASCII stay raw (docs/api.md §0). */
 void pd_sb_json_str(pd_sb *b, const char *s, size_t len);
 /* A JSON string literal as Python's json.dumps writes it by default (ensure_ascii): every
  * character outside printable ASCII as \uXXXX (lowercase hex; surrogate pairs above U+FFFF).

@@ -37,6 +37,7 @@
 #include "metrics/metrics.h"
 #include "registry.h"
 #include "sbuf.h"
+#include "util/idmap.h"
 
 /* ---- per-request state -------------------------------------------------------------------- */
 
@@ -106,7 +107,7 @@ typedef struct choice {
     uint64_t rx_bytes;  /* relayed: packed event bytes received (under r->mu) */
     uint64_t credit;    /* relayed: packed event bytes the node may send in all (under r->mu) */
     uint64_t pause_seq; /* relayed: Pause calls sent (under r->mu) */
-    struct choice *map_next; /* the rpc thread's request-id map */
+    pd_idmap_link map_link; /* in the rpc thread's request-id map (cmap), keyed by sub_id */
     bool mapped;
     int reserve_tries; /* rpc thread */
     bool admitted;     /* a retried Reserve succeeded */
@@ -209,10 +210,10 @@ struct pd_apiserver {
     bool wake_pending;  /* under qmu: posted from the rpc thread, the loop not yet woken */
     uint8_t *went_down; /* (n instances,) under qmu: left the routing set, not yet handled */
     pthread_mutex_t rl_mu;
-    relay_st *relays;           /* (n instances,) under rl_mu */
-    char relay_tag[17];         /* this process's part of relay ids */
-    choice *cmap[CMAP_BUCKETS]; /* rpc thread: relayed choices by sub_id */
-    bool any_down;              /* under qmu */
+    relay_st *relays;   /* (n instances,) under rl_mu */
+    char relay_tag[17]; /* this process's part of relay ids */
+    pd_idmap cmap;      /* rpc thread: relayed choices by sub_id */
+    bool any_down;      /* under qmu */
     atomic_bool shutdown_requested;
     bool stopping;          /* loop: shutdown in progress (new requests get 503, /health 503) */
     bool halted;            /* loop: past the drain: everything is being closed */

@@ -80,39 +80,25 @@ typedef struct { /* which Relay stream a callback belongs to */
     int k, gen;
 } relay_ctx;
 
-static size_t cmap_bucket(const char *id)
-{
-    uint32_t h = 2166136261u;
-    for (; *id; id++) h = (h ^ (uint8_t)*id) * 16777619u;
-    return h % CMAP_BUCKETS;
-}
-
 /* The map is the rpc thread's: entries are added before a relayed Decode call starts and
  * removed when it ends, both on that thread, where relay batches are read too. */
 void srv_cmap_add(pd_apiserver *s, choice *c)
 {
-    size_t b = cmap_bucket(c->sub_id);
-    c->map_next = s->cmap[b];
-    s->cmap[b] = c;
+    pd_idmap_put(&s->cmap, &c->map_link, c->sub_id);
     c->mapped = true;
 }
 
 void srv_cmap_del(pd_apiserver *s, choice *c)
 {
     if (!c->mapped) return;
-    for (choice **pp = &s->cmap[cmap_bucket(c->sub_id)]; *pp; pp = &(*pp)->map_next)
-        if (*pp == c) {
-            *pp = c->map_next;
-            break;
-        }
+    pd_idmap_del(&s->cmap, &c->map_link);
     c->mapped = false;
 }
 
 static choice *cmap_find(pd_apiserver *s, const char *id)
 {
-    for (choice *c = s->cmap[cmap_bucket(id)]; c; c = c->map_next)
-        if (strcmp(c->sub_id, id) == 0) return c;
-    return NULL;
+    pd_idmap_link *l = pd_idmap_get(&s->cmap, id);
+    return l ? PD_IDMAP_ENTRY(l, choice, map_link) : NULL;
 }
 
 static void on_relay_msg(void *arg, const uint8_t *msg, size_t len);

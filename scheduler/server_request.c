@@ -62,7 +62,7 @@ void srv_sreq_free(sreq *r)
     pd_sb_free(&r->out);
     pd_sb_free(&r->ev);
     pthread_mutex_destroy(&r->mu);
-    pd_arena_destroy(r->a);
+    pd_arena_free(r->a);
     free(r);
 }
 

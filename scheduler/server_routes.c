@@ -1,4 +1,4 @@
-/* pd-scheduler: HTTP routes (api_contract.md §1, §2): route, method and API key checks,
+/* pd-scheduler: HTTP routes (docs/api.md §1, §2): route, method and API key checks,
  * /health, /version, /v1/models, and the entry of generation requests.
  *
  * Design: one route table answers both a request and a body over the size limit, so a 413 comes
@@ -63,7 +63,7 @@ static void handle_generation(pd_apiserver *s, pd_http_exchange *ex, pd_api_kind
     pd_arena *a = pd_arena_create(16384);
     if (!r || !a) {
         free(r);
-        pd_arena_destroy(a);
+        pd_arena_free(a);
         pd_http_respond_error(ex, 500, "out of memory", NULL);
         return;
     }
@@ -197,7 +197,7 @@ static void handle_models(pd_apiserver *s, pd_http_exchange *ex)
     pd_sb_free(&b);
 }
 
-/* The routes (api_contract.md §1). */
+/* The routes (docs/api.md §1). */
 static const struct {
     const char *path, *method;
     int mode; /* 0 always, 1 openai, 2 legacy */

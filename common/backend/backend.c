@@ -43,10 +43,10 @@ void *pd_backend_impl(const pd_backend *b)
     return b->impl;
 }
 
-void pd_backend_destroy(pd_backend *b)
+void pd_backend_free(pd_backend *b)
 {
     if (!b) return;
-    if (b->ops && b->ops->destroy) b->ops->destroy(b);
+    if (b->ops && b->ops->free) b->ops->free(b);
     free(b);
 }
 

@@ -200,7 +200,7 @@ typedef struct pd_backend_ops {
     const char *name; /* "cpu", "cuda" */
 
     /* Frees the implementation state (not the pd_backend wrapper). */
-    void (*destroy)(pd_backend *b);
+    void (*free)(pd_backend *b);
     /* Activation dtype of this instance (CPU: F32). */
     pd_dtype (*act_dtype)(const pd_backend *b);
 
@@ -372,7 +372,7 @@ typedef struct pd_backend_ops {
 int pd_backend_cpu_create(const pd_backend_params *params, pd_backend **out);
 
 /* Destroys any backend (its weights and KV pools must have been freed first). NULL is a no-op. */
-void pd_backend_destroy(pd_backend *b);
+void pd_backend_free(pd_backend *b);
 /* The op table of b (never NULL). */
 const pd_backend_ops *pd_backend_get_ops(const pd_backend *b);
 /* Shorthands. */

@@ -150,7 +150,7 @@ static int load_weights(pd_forward *f, const pd_model_weights *mw)
     return PD_OK;
 }
 
-/* ---- create / destroy ------------------------------------------------------------------------ */
+/* ---- create / free ------------------------------------------------------------------------ */
 
 static int alloc_act(pd_forward *f, void **buf, size_t rows, size_t cols)
 {
@@ -158,7 +158,7 @@ static int alloc_act(pd_forward *f, void **buf, size_t rows, size_t cols)
     return f->o->buf_alloc(f->b, rows * cols * es, buf);
 }
 
-void pd_forward_destroy(pd_forward *f)
+void pd_forward_free(pd_forward *f)
 {
     if (!f) return;
     const pd_backend_ops *o = f->o;
@@ -262,7 +262,7 @@ int pd_forward_create(pd_backend *b, const pd_model *m, const pd_forward_params 
     *out = f;
     return PD_OK;
 fail:
-    pd_forward_destroy(f);
+    pd_forward_free(f);
     return rc;
 }
 

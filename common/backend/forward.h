@@ -71,7 +71,7 @@ typedef struct {
  * does not divide the model, PD_EUNSUPPORTED for size > 1 without allreduce. */
 int pd_forward_create(pd_backend *b, const pd_model *m, const pd_forward_params *params,
                       pd_forward **out);
-void pd_forward_destroy(pd_forward *f);
+void pd_forward_free(pd_forward *f);
 
 /* KV-pool parameters matching this forward pass (layers, local kv heads, head_dim, the
  * backend's dtype) for a pool of n_blocks blocks of block_size tokens. */

@@ -68,7 +68,7 @@ int pd_backend_group_check(const pd_backend_group_params *p)
     return PD_OK;
 }
 
-/* ---- create / destroy -------------------------------------------------------------------------
+/* ---- create / free -------------------------------------------------------------------------
  */
 
 static int create_backends(pd_backend_group *g)
@@ -138,19 +138,19 @@ int pd_backend_group_create(const pd_backend_group_params *p, pd_backend_group *
     if (rc == PD_OK) rc = create_backends(g);
     if (rc == PD_OK) rc = choose_allreduce(g);
     if (rc < 0) {
-        pd_backend_group_destroy(g);
+        pd_backend_group_free(g);
         return rc;
     }
     *out = g;
     return PD_OK;
 }
 
-void pd_backend_group_destroy(pd_backend_group *g)
+void pd_backend_group_free(pd_backend_group *g)
 {
     if (!g) return;
-    if (g->ar) g->ar->ops->destroy(g->ar); /* before the backends whose streams it used */
+    if (g->ar) g->ar->ops->free(g->ar); /* before the backends whose streams it used */
     if (g->own && g->b)
-        for (int r = 0; r < g->n; r++) pd_backend_destroy(g->b[r]);
+        for (int r = 0; r < g->n; r++) pd_backend_free(g->b[r]);
     free(g->b);
     free(g->ctx);
     pthread_mutex_destroy(&g->mu);

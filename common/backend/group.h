@@ -53,7 +53,7 @@ int pd_backend_group_check(const pd_backend_group_params *p);
 int pd_backend_group_create(const pd_backend_group_params *p, pd_backend_group **out);
 /* Frees the all-reduce, then the backends the group created (every weight, pool and forward pass
  * on them must have been freed). NULL is a no-op. */
-void pd_backend_group_destroy(pd_backend_group *g);
+void pd_backend_group_free(pd_backend_group *g);
 
 int pd_backend_group_size(const pd_backend_group *g);
 /* Rank r's backend (0 <= r < size). */

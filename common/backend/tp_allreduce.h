@@ -26,7 +26,7 @@ typedef struct {
     void (*abort)(pd_tp_allreduce *a);
     /* Every rank's job of a step ended (after a fail too): ready for the next step. NULL: none. */
     void (*step_end)(pd_tp_allreduce *a);
-    void (*destroy)(pd_tp_allreduce *a);
+    void (*free)(pd_tp_allreduce *a);
 } pd_tp_allreduce_ops;
 
 /* The base of every implementation's state (its first member). */

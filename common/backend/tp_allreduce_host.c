@@ -51,7 +51,7 @@ static int barrier_init(tp_barrier *b, int n)
     return PD_OK;
 }
 
-static void barrier_destroy(tp_barrier *b)
+static void barrier_free(tp_barrier *b)
 {
     pthread_mutex_destroy(&b->mu);
     pthread_cond_destroy(&b->cv);
@@ -122,11 +122,11 @@ static void host_step_end(pd_tp_allreduce *base)
     pthread_mutex_unlock(&b->mu);
 }
 
-static void host_destroy(pd_tp_allreduce *base)
+static void host_ar_free(pd_tp_allreduce *base)
 {
     host_allreduce *a = (host_allreduce *)base;
     if (!a) return;
-    if (a->bar_ready) barrier_destroy(&a->bar);
+    if (a->bar_ready) barrier_free(&a->bar);
     if (a->stage)
         for (int r = 0; r < a->n; r++) free(a->stage[r]);
     free(a->stage);
@@ -140,7 +140,7 @@ static const pd_tp_allreduce_ops host_ops = {
     .fail = host_fail,
     .abort = NULL,
     .step_end = host_step_end,
-    .destroy = host_destroy,
+    .free = host_ar_free,
 };
 
 int pd_tp_allreduce_host_create(int n_ranks, size_t max_elems, pd_tp_allreduce **out)
@@ -163,7 +163,7 @@ int pd_tp_allreduce_host_create(int n_ranks, size_t max_elems, pd_tp_allreduce *
             rc = pd_error(PD_ENOMEM, "tensor parallel: out of memory for the staging");
     }
     if (rc < 0) {
-        host_destroy(&a->base);
+        host_ar_free(&a->base);
         return rc;
     }
     *out = &a->base;

@@ -1,4 +1,4 @@
-/* The engine (engine.h): parameters, create / destroy and queries. A request's way through it is
+/* The engine (engine.h): parameters, create / free and queries. A request's way through it is
  * in engine_request.c (adding, aborting, the inbox), engine_step.c (the step loop),
  * engine_ranks.c (the forward pass on every tensor-parallel rank) and engine_events.c (the output
  * queue); engine_internal.h holds what they share, with the threads and locks.
@@ -53,7 +53,7 @@ pd_engine_params pd_engine_default_params(void)
     };
 }
 
-/* ---- create / destroy ------------------------------------------------------------------------ */
+/* ---- create / free ------------------------------------------------------------------------ */
 
 static bool file_exists(const char *dir, const char *name)
 {
@@ -258,11 +258,11 @@ int pd_engine_create(const pd_engine_params *params, pd_engine **out)
     *out = e;
     return PD_OK;
 fail:
-    pd_engine_destroy(e);
+    pd_engine_free(e);
     return rc;
 }
 
-void pd_engine_destroy(pd_engine *e)
+void pd_engine_free(pd_engine *e)
 {
     if (!e) return;
     pd_engine_stop(e);
@@ -274,9 +274,9 @@ void pd_engine_destroy(pd_engine *e)
     }
     pd_idmap_free(&e->reqs);
     pthread_mutex_unlock(&e->mu);
-    pd_sched_destroy(e->sched);
-    pd_kvpool_destroy(e->pool);
-    eng_ranks_destroy(e);
+    pd_sched_free(e->sched);
+    pd_kvpool_free(e->pool);
+    eng_ranks_free(e);
     pd_model_free(e->own_model);
     pd_tok_free(e->own_tok);
     if (e->slots) {

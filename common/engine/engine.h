@@ -113,7 +113,7 @@ pd_engine_params pd_engine_default_params(void);
  * cache holds, max_model_len above max_position_embeddings, TP size not dividing the heads). */
 int pd_engine_create(const pd_engine_params *params, pd_engine **out);
 /* Stops the thread if running, aborts what is left, frees everything. NULL is a no-op. */
-void pd_engine_destroy(pd_engine *e);
+void pd_engine_free(pd_engine *e);
 
 /* ---- requests (any thread) -------------------------------------------------------------- */
 
@@ -134,7 +134,7 @@ typedef struct {
 /* Validates and queues a request (everything copied). Errors (nothing queued): PD_EINVAL with
  * the contract's message (empty prompt, prompt too long for max_model_len, n > max_num_seqs,
  * logprobs > max_logprobs, sampling ranges, stop strings without a tokenizer), PD_EEXIST for a
- * live request id, PD_EUNSUPPORTED for n > 1 with PREFILL_ONLY, PD_ECLOSED after destroy
+ * live request id, PD_EUNSUPPORTED for n > 1 with PREFILL_ONLY, PD_ECLOSED after pd_engine_free
  * started. */
 int pd_engine_add(pd_engine *e, const pd_engine_request *r);
 

@@ -1,5 +1,5 @@
 /* The engine's internals, shared by its files (engine.h is the API):
- *   engine.c          parameters, create / destroy, queries
+ *   engine.c          parameters, create / free, queries
  *   engine_request.c  the request table, adding and ending requests, the inbox
  *   engine_step.c     one step (schedule, forward, sample) and the engine thread
  *   engine_ranks.c    the tensor-parallel ranks: their forward passes, threads and step jobs
@@ -202,7 +202,7 @@ pd_backend_group_params eng_group_params(const pd_engine *e);
 int eng_ranks_create(pd_engine *e);
 int eng_ranks_start(pd_engine *e);
 /* Stops the rank threads and frees the ranks' pools, forward passes and the backend group. */
-void eng_ranks_destroy(pd_engine *e);
+void eng_ranks_free(pd_engine *e);
 /* Runs the current step on every rank (rank 0 on the calling thread) and waits for all of them. */
 int eng_ranks_run(pd_engine *e);
 

@@ -97,7 +97,7 @@ int eng_ranks_run(pd_engine *e)
     return PD_OK;
 }
 
-/* ---- create / destroy --------------------------------------------------------------------------
+/* ---- create / free --------------------------------------------------------------------------
  */
 
 pd_backend_group_params eng_group_params(const pd_engine *e)
@@ -153,7 +153,7 @@ int eng_ranks_start(pd_engine *e)
     return PD_OK;
 }
 
-void eng_ranks_destroy(pd_engine *e)
+void eng_ranks_free(pd_engine *e)
 {
     if (e->ranks) {
         pthread_mutex_lock(&e->rmu);
@@ -165,13 +165,13 @@ void eng_ranks_destroy(pd_engine *e)
         for (int r = 0; r < e->tp; r++) {
             pd_engine_rank *rk = &e->ranks[r];
             if (rk->kv) pd_backend_get_ops(rk->b)->kv_free(rk->b, rk->kv);
-            pd_forward_destroy(rk->f);
+            pd_forward_free(rk->f);
             free(rk->logits);
             free(rk->bounce);
         }
         free(e->ranks);
         e->ranks = NULL;
     }
-    pd_backend_group_destroy(e->group); /* after every pool and forward pass on its backends */
+    pd_backend_group_free(e->group); /* after every pool and forward pass on its backends */
     e->group = NULL;
 }

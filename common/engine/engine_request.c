@@ -33,7 +33,7 @@ void eng_req_free(pd_engine *e, eng_req *r)
         pd_stop_free(s->stop);
         pd_detok_free(s->detok);
     }
-    pd_arena_destroy(r->arena);
+    pd_arena_free(r->arena);
     free(r);
 }
 
@@ -174,7 +174,7 @@ fail:
         pd_stop_free(r->seqs[i].stop);
         pd_detok_free(r->seqs[i].detok);
     }
-    pd_arena_destroy(r->arena);
+    pd_arena_free(r->arena);
     free(r);
     return rc;
 }

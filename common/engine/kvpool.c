@@ -120,7 +120,7 @@ int pd_kvpool_create(size_t n_blocks, size_t block_size, pd_kvpool **out)
     p->fprev = malloc(n_blocks * sizeof *p->fprev);
     p->fnext = malloc(n_blocks * sizeof *p->fnext);
     if (!p->ref || !p->fprev || !p->fnext) {
-        pd_kvpool_destroy(p);
+        pd_kvpool_free(p);
         return pd_error(PD_ENOMEM, "kv pool: out of memory for %zu blocks", n_blocks);
     }
     p->n_blocks = n_blocks;
@@ -137,7 +137,7 @@ int pd_kvpool_create(size_t n_blocks, size_t block_size, pd_kvpool **out)
     return PD_OK;
 }
 
-void pd_kvpool_destroy(pd_kvpool *p)
+void pd_kvpool_free(pd_kvpool *p)
 {
     if (!p) return;
     free(p->ref);

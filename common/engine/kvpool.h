@@ -68,7 +68,7 @@ int pd_kv_check_capacity(size_t n_blocks, size_t block_size, int64_t max_model_l
  * PD_EINVAL for zero sizes or n_blocks > INT32_MAX. */
 int pd_kvpool_create(size_t n_blocks, size_t block_size, pd_kvpool **out);
 /* Frees the bookkeeping (tables made from the pool must be freed first). NULL is a no-op. */
-void pd_kvpool_destroy(pd_kvpool *p);
+void pd_kvpool_free(pd_kvpool *p);
 
 size_t pd_kvpool_num_blocks(const pd_kvpool *p);
 size_t pd_kvpool_block_size(const pd_kvpool *p);

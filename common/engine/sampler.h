@@ -1,5 +1,5 @@
 /* Sampler: turns one row of logits into one token, with vLLM's semantics and the pipeline
- * order of api_contract.md §9.4:
+ * order of docs/api.md §9.4:
  *   1. allowed_token_ids mask   2. min_tokens mask of EOS and stop ids   3. logit_bias
  *   4. repetition_penalty over prompt + output ids (positive logit / p, negative * p)
  *   5. frequency_penalty * count and presence_penalty over output ids
@@ -103,7 +103,7 @@ typedef struct {
     const int32_t *stop_token_ids;         /* (n_stop_token_ids) clamped to int32 */
     const int64_t *stop_token_ids_written; /* (n_stop_token_ids) as written; NULL: the above */
     int32_t n_stop_token_ids;
-    const pd_logit_bias *logit_bias; /* (n_logit_bias) ids clamped to int32 */
+    const pd_logit_bias *logit_bias;    /* (n_logit_bias) ids clamped to int32 */
     const char *const *logit_bias_keys; /* (n_logit_bias) the keys as written, which must be
                                            integers; NULL: the ids are printed */
     int32_t n_logit_bias;

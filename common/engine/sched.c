@@ -145,14 +145,14 @@ int pd_sched_create(const pd_sched_params *p, pd_kvpool *pool, pd_sched **out)
     s->items = calloc(p->max_num_seqs, sizeof *s->items);
     s->copies = calloc(p->max_num_seqs, sizeof *s->copies);
     if (!s->items || !s->copies) {
-        pd_sched_destroy(s);
+        pd_sched_free(s);
         return pd_error(PD_ENOMEM, "scheduler: out of memory for %zu sequences", p->max_num_seqs);
     }
     *out = s;
     return PD_OK;
 }
 
-void pd_sched_destroy(pd_sched *s)
+void pd_sched_free(pd_sched *s)
 {
     if (!s) return;
     while (s->all_head) pd_sched_seq_free(s, s->all_head);

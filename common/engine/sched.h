@@ -82,7 +82,7 @@ typedef struct {
 /* A scheduler over pool (borrowed; it must outlive the scheduler). Arrays sized here. */
 int pd_sched_create(const pd_sched_params *p, pd_kvpool *pool, pd_sched **out);
 /* Frees every sequence still known to it (and their blocks), then itself. NULL is a no-op. */
-void pd_sched_destroy(pd_sched *s);
+void pd_sched_free(pd_sched *s);
 
 /* ---- sequences -------------------------------------------------------------------------- */
 

@@ -1,5 +1,5 @@
 /* Stop checker: decides when a sequence ends and which text of each token the client sees
- * (api_contract.md §9.1-9.2, vLLM v1 semantics).
+ * (docs/api.md §9.1-9.2, vLLM v1 semantics).
  *
  * Per generated token, in this order:
  *   1. "length" when prompt + output tokens reach max_model_len, or output tokens reach the

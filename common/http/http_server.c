@@ -504,7 +504,7 @@ static int on_body(llhttp_t *p, const char *at, size_t len)
 
 static void exchange_free(pd_http_exchange *ex)
 {
-    pd_arena_destroy(ex->arena);
+    pd_arena_free(ex->arena);
     free(ex);
 }
 
@@ -516,7 +516,7 @@ static pd_http_exchange *exchange_build(const http_parse *ps, bool with_body)
     pd_arena *a = pd_arena_create(4096);
     if (!ex || !a) {
         free(ex);
-        pd_arena_destroy(a);
+        pd_arena_free(a);
         return NULL;
     }
     ex->arena = a;

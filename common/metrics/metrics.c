@@ -46,7 +46,7 @@ pd_metrics *pd_metrics_create(void)
     return r;
 }
 
-void pd_metrics_destroy(pd_metrics *r)
+void pd_metrics_free(pd_metrics *r)
 {
     if (!r) return;
     for (pd_metric *m = r->head, *mn; m; m = mn) {

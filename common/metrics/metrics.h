@@ -15,7 +15,7 @@ typedef struct pd_metric pd_metric; /* a family */
 typedef enum { PD_METRIC_COUNTER = 0, PD_METRIC_GAUGE = 1, PD_METRIC_HISTOGRAM = 2 } pd_metric_type;
 
 pd_metrics *pd_metrics_create(void);
-void pd_metrics_destroy(pd_metrics *r);
+void pd_metrics_free(pd_metrics *r);
 
 /* Registers a family. labels: comma-separated label names ("model_name,engine") or NULL.
  * Histograms take ascending bucket bounds (+Inf is implicit). NULL on a bad definition (the

@@ -57,7 +57,7 @@ req *node_req_add(pd_node *n, const char *id)
     pd_arena *a = pd_arena_create(4096);
     if (!r || !a) {
         free(r);
-        pd_arena_destroy(a);
+        pd_arena_free(a);
         pd_error(PD_ENOMEM, "out of memory");
         return NULL;
     }
@@ -113,7 +113,7 @@ void node_req_remove(pd_node *n, req *r)
     pd_idmap_del(&n->reqs, &r->link);
     pthread_cond_broadcast(&n->cv);
     node_ev_list_free(&r->held);
-    pd_arena_destroy(r->arena);
+    pd_arena_free(r->arena);
     free(r);
 }
 
@@ -286,7 +286,7 @@ static void h_info(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len)
     m.instance_epoch = n->epoch;
     m.prefix_caching = n->p.engine.enable_prefix_caching;
     node_reply(call, &m.base);
-    pd_arena_destroy(a);
+    pd_arena_free(a);
 }
 
 static void h_stats(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len)
@@ -555,7 +555,7 @@ int pd_node_create(const pd_node_params *p, pd_node **out)
 fail:;
     char msg[1024];
     snprintf(msg, sizeof msg, "%s", pd_last_error());
-    pd_node_destroy(n);
+    pd_node_free(n);
     return pd_error(rc, "%s", msg);
 }
 
@@ -605,7 +605,7 @@ int pd_node_run(pd_node *n)
     return PD_OK;
 }
 
-void pd_node_destroy(pd_node *n)
+void pd_node_free(pd_node *n)
 {
     if (!n) return;
     if (n->srv) pd_rpc_server_stop(n->srv, 2000);
@@ -622,7 +622,7 @@ void pd_node_destroy(pd_node *n)
     node_prefill_stop(n);
     for (pd_idmap_link *l; (l = pd_idmap_first(&n->reqs));) node_req_remove(n, REQ_OF(l));
     pd_idmap_free(&n->reqs);
-    pd_engine_destroy(n->e);
+    pd_engine_free(n->e);
     rt_global_free(n->g);
     rt_local_free(n->l);
     pthread_mutex_destroy(&n->mu);

@@ -66,7 +66,7 @@ int pd_node_port(const pd_node *n);
 int pd_node_run(pd_node *n);
 /* Asks a running pd_node_run to drain and return (any thread). */
 void pd_node_shutdown(pd_node *n);
-void pd_node_destroy(pd_node *n);
+void pd_node_free(pd_node *n);
 
 /* main() of pd-prefill and pd-decode. */
 int pd_node_main(int argc, char **argv, rt_role role);

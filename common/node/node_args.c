@@ -147,7 +147,7 @@ int pd_node_main(int argc, char **argv, rt_role role)
         return 1;
     }
     pd_node_run(n);
-    pd_node_destroy(n);
+    pd_node_free(n);
     PD_INFO(NULL, "stopped");
     return 0;
 }

@@ -222,7 +222,7 @@ static void relay_event(pd_node *n, req *r, const pd_engine_event *ev)
         m->request_id = r->id;
         buf = pd_msg_pack(&m->base, &len);
     }
-    pd_arena_destroy(a);
+    pd_arena_free(a);
     bool waiting = r->held.n > 0;
     int rc = buf ? node_ev_list_push(&r->held, buf, len) : PD_ENOMEM;
     if (rc < 0) {
@@ -273,7 +273,7 @@ void node_decode_event(pd_node *n, req *r, const pd_engine_event *ev)
     uint8_t *buf = m ? pd_msg_pack(&m->base, &len) : NULL;
     int rc = buf ? pd_rpc_stream_send(r->call, buf, len) : PD_ENOMEM;
     free(buf);
-    pd_arena_destroy(a);
+    pd_arena_free(a);
     if (rc == PD_ECANCELLED) {
         pd_engine_abort(n->e, r->id); /* the final cancelled event ends it */
         return;

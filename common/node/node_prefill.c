@@ -268,7 +268,7 @@ void node_prefill_stop(pd_node *n)
     for (int i = 0; n->workers && i < n->n_workers; i++) pthread_join(n->workers[i], NULL);
     free(n->workers);
     n->workers = NULL;
-    pd_kv_route_destroy(n->route);
+    pd_kv_route_free(n->route);
     n->route = NULL;
 }
 

@@ -885,7 +885,7 @@ int pd_rpc_client_create(pd_rpc_client **out)
     return PD_OK;
 }
 
-void pd_rpc_client_destroy(pd_rpc_client *cl)
+void pd_rpc_client_free(pd_rpc_client *cl)
 {
     if (!cl) return;
     pthread_mutex_lock(&cl->mu);
@@ -937,7 +937,7 @@ int pd_rpc_channel_create(pd_rpc_client *cl, const char *target, size_t max_mess
     return PD_OK;
 }
 
-void pd_rpc_channel_destroy(pd_rpc_channel *ch)
+void pd_rpc_channel_free(pd_rpc_channel *ch)
 {
     if (!ch) return;
     pd_rpc_client *cl = ch->cl;

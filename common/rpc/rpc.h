@@ -104,7 +104,7 @@ void pd_rpc_client_set_idle_hook(pd_rpc_client *c, void (*fn)(void *arg), void *
 bool pd_rpc_on_client_thread(void);
 /* Cancels every call in flight (their callbacks run with CANCELLED), joins the thread, frees.
  * Channels must be destroyed first. */
-void pd_rpc_client_destroy(pd_rpc_client *c);
+void pd_rpc_client_free(pd_rpc_client *c);
 
 /* max_message_bytes: largest message received or sent (0 = 64 MiB). While the target cannot be
  * reached the channel tries again about once a second (gRPC's reconnect backoff capped at 1 s,
@@ -113,7 +113,7 @@ void pd_rpc_client_destroy(pd_rpc_client *c);
 int pd_rpc_channel_create(pd_rpc_client *c, const char *target, size_t max_message_bytes,
                           pd_rpc_channel **out);
 /* Calls started on the channel keep running; the channel is released when they end. */
-void pd_rpc_channel_destroy(pd_rpc_channel *ch);
+void pd_rpc_channel_free(pd_rpc_channel *ch);
 
 /* Final outcome of a call: grpc_status PD_RPC_OK or another code, with details. For unary calls
  * resp/len hold the reply (valid during the callback). Runs on the client thread. */

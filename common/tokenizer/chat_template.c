@@ -43,7 +43,7 @@ int pd_chat_compile(const char *source, const char *what, pd_chat_template **out
 void pd_chat_free(pd_chat_template *t)
 {
     if (!t) return;
-    pd_arena_destroy(t->prog.arena);
+    pd_arena_free(t->prog.arena);
     free(t);
 }
 

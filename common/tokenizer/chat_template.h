@@ -1,4 +1,4 @@
-/* Chat templates: the Jinja subset of api_contract.md §13, written in C.
+/* Chat templates: the Jinja subset of docs/api.md §13, written in C.
  *
  * A template is compiled once (start-up, or per request with --trust-request-chat-template)
  * into an immutable tree, then rendered any number of times, from any number of threads at

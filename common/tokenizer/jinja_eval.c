@@ -1,5 +1,5 @@
 /* Chat-template interpreter: evaluates the tree built by jinja_parse.c against the render
- * variables, with Python/jinja2 semantics where the output depends on them (api_contract.md
+ * variables, with Python/jinja2 semantics where the output depends on them (docs/api.md
  * §13.4): Python str()/repr() printing, float repr, json.dumps-compatible tojson, deep
  * equality, Python slicing and modulo, jinja2's Undefined (prints "", is false, iterates
  * empty, compares, but any arithmetic, attribute or call on it is an error).
@@ -2558,7 +2558,7 @@ int jinja_render(const jinja_program *prog, const json_t *vars, int64_t now_unix
         rc = R.top ? exec_body(&R, prog->body, R.top) : oom(&R);
     }
     if (rc == 0) rc = sb_reserve(&text, 0);
-    pd_arena_destroy(R.A);
+    pd_arena_free(R.A);
     if (rc < 0) {
         free(text.p);
         return rc;

@@ -1,4 +1,4 @@
-/* Chat-template compiler: Jinja lexer and parser for the subset of api_contract.md §13.4.
+/* Chat-template compiler: Jinja lexer and parser for the subset of docs/api.md §13.4.
  *
  * The lexer follows jinja2 3.x's own lexer rule for rule, because byte-identical output
  * depends on its whitespace handling: newlines are normalized and one trailing newline is
@@ -1659,7 +1659,7 @@ int jinja_compile(const char *source, const char *what, jinja_program *prog)
     /* newlines -> "\n", one trailing newline dropped (keep_trailing_newline off) */
     char *src = pd_arena_alloc(A, n + 1, 1);
     if (!src) {
-        pd_arena_destroy(A);
+        pd_arena_free(A);
         return (compile_rc = pd_error(PD_ENOMEM, "chat template: out of memory"));
     }
     size_t m = 0;
@@ -1688,7 +1688,7 @@ int jinja_compile(const char *source, const char *what, jinja_program *prog)
     }
     free(L.t);
     if (rc < 0) {
-        pd_arena_destroy(A);
+        pd_arena_free(A);
         return rc;
     }
     prog->arena = A;

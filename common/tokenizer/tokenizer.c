@@ -922,7 +922,7 @@ void pd_tok_free(pd_tok *t)
 {
     if (!t) return;
     if (t->config) json_decref(t->config);
-    pd_arena_destroy(t->arena);
+    pd_arena_free(t->arena);
     free(t->norm);
     free(t->pre);
     free(t);

@@ -463,7 +463,7 @@ int pd_kv_tcp_sender_create(pd_kv_tcp_sender **out)
     for (size_t i = 0; i < kv_n_xports; i++) {
         int rc = kv_xports[i]->tx_create ? kv_xports[i]->tx_create(&tx->state[i]) : PD_OK;
         if (rc < 0) {
-            pd_kv_tcp_sender_destroy(tx);
+            pd_kv_tcp_sender_free(tx);
             return rc;
         }
     }
@@ -471,7 +471,7 @@ int pd_kv_tcp_sender_create(pd_kv_tcp_sender **out)
     return PD_OK;
 }
 
-void pd_kv_tcp_sender_destroy(pd_kv_tcp_sender *tx)
+void pd_kv_tcp_sender_free(pd_kv_tcp_sender *tx)
 {
     if (!tx) return;
     while (tx->idle) {
@@ -481,7 +481,7 @@ void pd_kv_tcp_sender_destroy(pd_kv_tcp_sender *tx)
         free(ic);
     }
     for (size_t i = 0; i < kv_n_xports; i++)
-        if (tx->state[i]) kv_xports[i]->tx_destroy(tx->state[i]);
+        if (tx->state[i]) kv_xports[i]->tx_free(tx->state[i]);
     pthread_mutex_destroy(&tx->mu);
     free(tx);
 }

@@ -172,7 +172,7 @@ int pd_kv_route_create(const pd_kv_route_params *p, pd_kv_route **out)
     if (rc < 0) {
         char msg[512];
         snprintf(msg, sizeof msg, "%s", pd_last_error());
-        pd_kv_route_destroy(rt);
+        pd_kv_route_free(rt);
         return pd_error(rc, "%s", msg);
     }
     if (rt->chain[0]->device_only) {
@@ -185,10 +185,10 @@ int pd_kv_route_create(const pd_kv_route_params *p, pd_kv_route **out)
     return PD_OK;
 }
 
-void pd_kv_route_destroy(pd_kv_route *rt)
+void pd_kv_route_free(pd_kv_route *rt)
 {
     if (!rt) return;
-    pd_kv_tcp_sender_destroy(rt->tx);
+    pd_kv_tcp_sender_free(rt->tx);
     for (size_t i = 0; i < rt->n_chain; i++)
         if (rt->chain[i]->tx_release)
             release_ranks(rt->chain[i], rt->args + i * (size_t)rt->n_ranks, rt->n_ranks);

@@ -34,7 +34,7 @@ typedef struct {
 /* Sets up every transport the route may use for every rank (CUDA IPC shares each pool) and the
  * sender the sends go through. Logs the choice. */
 int pd_kv_route_create(const pd_kv_route_params *p, pd_kv_route **out);
-void pd_kv_route_destroy(pd_kv_route *rt);
+void pd_kv_route_free(pd_kv_route *rt);
 
 /* The transport a send tries first ("tcp", "cuda_ipc" or "nccl"). */
 const char *pd_kv_route_first(const pd_kv_route *rt);

@@ -85,7 +85,7 @@ void pd_kv_rx_get_stats(pd_kv_tcp_receiver *rx, pd_kv_rx_stats *out);
 typedef struct pd_kv_tcp_sender pd_kv_tcp_sender;
 
 int pd_kv_tcp_sender_create(pd_kv_tcp_sender **out);
-void pd_kv_tcp_sender_destroy(pd_kv_tcp_sender *tx);
+void pd_kv_tcp_sender_free(pd_kv_tcp_sender *tx);
 
 typedef struct {
     const char *request_id;

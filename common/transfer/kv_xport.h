@@ -59,7 +59,7 @@ struct pd_kv_xport {
     void (*tx_release)(void *arg);
     /* Sender-wide state, made with the sender (tx_create) and freed with it. NULL: none. */
     int (*tx_create)(void **state);
-    void (*tx_destroy)(void *state);
+    void (*tx_free)(void *state);
     bool tx_own_conns; /* connections of its own per prefill backend (NCCL: each carries the
                           rank's link); else it shares the plain ones per address */
     /* Sends s->r over s->c, then reads the acknowledgement (kv_read_ack). */

@@ -23,7 +23,7 @@
  *     a check of the TCP connection (closed = the peer is gone), and the backend's watchdog
  *     aborts a communicator with an asynchronous error, so a dead peer fails the transfer with
  *     a message and never blocks a thread of either process.
- * Deviations from DESIGN.md (KV cache and transfer): the link id travels on the KV data
+ * Choices of this design: the link id travels on the KV data
  * connection, not over gRPC; it is the channel that already pairs one prefill rank with one
  * decode rank, and it keeps the communicator's life equal to the connection's. And a
  * communicator belongs to a connection, not to the (prefill rank, decode rank) pair: a pair with

@@ -54,7 +54,7 @@ static void stage_free(stage_buf *sb)
     free(sb);
 }
 
-static void tcp_tx_destroy(void *state)
+static void tcp_tx_free(void *state)
 {
     stage_pool *sp = state;
     while (sp->idle) {
@@ -278,7 +278,7 @@ const pd_kv_xport kv_xport_tcp = {
     .name = "tcp",
     .title = "TCP",
     .tx_create = tcp_tx_create,
-    .tx_destroy = tcp_tx_destroy,
+    .tx_free = tcp_tx_free,
     .tx_send = tcp_send,
     .rx_flags = 0,
     .rx_gap = tcp_rx_gap,

@@ -45,7 +45,7 @@ pd_arena *pd_arena_create(size_t chunk_bytes)
     return a;
 }
 
-void pd_arena_destroy(pd_arena *a)
+void pd_arena_free(pd_arena *a)
 {
     if (!a) return;
     for (chunk *c = a->head; c;) {

@@ -9,7 +9,7 @@ typedef struct pd_arena pd_arena;
 
 /* chunk_bytes: size of the first chunk (0 = 4 KiB). NULL when out of memory. */
 pd_arena *pd_arena_create(size_t chunk_bytes);
-void pd_arena_destroy(pd_arena *a);
+void pd_arena_free(pd_arena *a);
 /* Aligned allocation (align a power of two, 0 = max_align_t). NULL when out of memory. */
 void *pd_arena_alloc(pd_arena *a, size_t bytes, size_t align);
 /* Zeroed allocation of n * size bytes; NULL on overflow or out of memory. */

@@ -112,7 +112,7 @@ pd_threadpool *pd_pool_create(int n_threads)
     return p;
 }
 
-void pd_pool_destroy(pd_threadpool *p)
+void pd_pool_free(pd_threadpool *p)
 {
     if (!p) return;
     pthread_mutex_lock(&p->mu);

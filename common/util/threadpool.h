@@ -14,7 +14,7 @@ typedef void (*pd_task_fn)(void *ctx, int task, int n_tasks);
 
 /* n_threads counts the caller: 1 runs everything inline. <= 0 means all online cores. */
 pd_threadpool *pd_pool_create(int n_threads);
-void pd_pool_destroy(pd_threadpool *pool);
+void pd_pool_free(pd_threadpool *pool);
 int pd_pool_size(const pd_threadpool *pool);
 void pd_pool_run(pd_threadpool *pool, pd_task_fn fn, void *ctx, int n_tasks);
 

@@ -623,7 +623,7 @@ out:
     free(toks);
     ctu_runner_close(&r);
 out_model:
-    pd_backend_destroy(b);
+    pd_backend_free(b);
     pd_model_free(m);
     return rc;
 }

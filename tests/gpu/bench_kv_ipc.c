@@ -108,8 +108,8 @@ int main(int argc, char **argv)
     free(secs);
     free(src);
     free(args);
-    pd_kv_tcp_sender_destroy(tx);
+    pd_kv_tcp_sender_free(tx);
     if (kv) o->kv_free(b, kv);
-    pd_backend_destroy(b);
+    pd_backend_free(b);
     return rc == PD_OK ? 0 : 1;
 }

@@ -41,7 +41,7 @@ int ctu_pair_open(cuda_pair *p, int gpu_weight_dtype)
     gp.weight_dtype = gpu_weight_dtype;
     int rc = pd_backend_cuda_create(&gp, &p->b[PAIR_GPU]);
     if (rc < 0) {
-        pd_backend_destroy(p->b[PAIR_CPU]);
+        pd_backend_free(p->b[PAIR_CPU]);
         p->b[PAIR_CPU] = NULL;
         return rc;
     }
@@ -51,7 +51,7 @@ int ctu_pair_open(cuda_pair *p, int gpu_weight_dtype)
 
 void ctu_pair_close(cuda_pair *p)
 {
-    for (int i = 0; i < 2; i++) pd_backend_destroy(p->b[i]);
+    for (int i = 0; i < 2; i++) pd_backend_free(p->b[i]);
     memset(p, 0, sizeof *p);
 }
 
@@ -174,7 +174,7 @@ int ctu_runner_open_ex(ctu_runner *r, pd_backend *b, const pd_model *m, size_t n
     pd_kv_params kp = pd_forward_kv_params(r->f, n_seqs * r->blocks_per_seq + 3, r->block_size);
     int rc = pd_backend_get_ops(b)->kv_create(b, &kp, &r->kv);
     if (rc < 0) {
-        pd_forward_destroy(r->f);
+        pd_forward_free(r->f);
         r->f = NULL;
         return rc;
     }
@@ -204,7 +204,7 @@ int ctu_runner_open_ex(ctu_runner *r, pd_backend *b, const pd_model *m, size_t n
 void ctu_runner_close(ctu_runner *r)
 {
     if (r->kv) pd_backend_get_ops(r->b)->kv_free(r->b, r->kv);
-    pd_forward_destroy(r->f);
+    pd_forward_free(r->f);
     free(r->ctx_len);
     if (r->pinned)
         cudaFreeHost(r->logits);

@@ -95,6 +95,6 @@ int main(int argc, char **argv)
     printf("%s\n", rc == PD_OK ? "ok" : pd_last_error());
     if (rx) pd_kv_tcp_receiver_stop(rx);
     if (kv) pd_backend_get_ops(b)->kv_free(b, kv);
-    pd_backend_destroy(b);
+    pd_backend_free(b);
     return rc == PD_OK ? 0 : 1;
 }

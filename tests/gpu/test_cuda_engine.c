@@ -125,7 +125,7 @@ static void greedy_case(int cuda_dtype, int *same, int *total)
     pd_engine *cpu = NULL, *gpu = NULL;
     ASSERT_OK(open_engine(dir, -2, &cpu));
     int rc = open_engine(dir, cuda_dtype, &gpu);
-    if (rc < 0) pd_engine_destroy(cpu);
+    if (rc < 0) pd_engine_free(cpu);
     ASSERT_OK(rc);
     static run_out oc, og;
     memset(&oc, 0, sizeof oc);
@@ -137,8 +137,8 @@ static void greedy_case(int cuda_dtype, int *same, int *total)
     printf("    cuda engine: %zu KV blocks, %zu free after the run\n", (size_t)st.kv_blocks_total,
            (size_t)st.kv_blocks_free);
     bool all_free = st.kv_blocks_free == st.kv_blocks_total && st.kv_blocks_total > 0;
-    pd_engine_destroy(cpu);
-    pd_engine_destroy(gpu);
+    pd_engine_free(cpu);
+    pd_engine_free(gpu);
     ASSERT(all_free);
     *same = compare(&oc, &og, 0, N_REQ);
     *total = N_REQ * N_GEN;
@@ -176,7 +176,7 @@ static void seeded_case(int cuda_dtype, int *same)
     memset(&batched, 0, sizeof batched);
     int rc = run(e, 3, 4, true, &alone);
     if (rc >= 0) rc = run(e, 0, N_REQ, true, &batched);
-    pd_engine_destroy(e);
+    pd_engine_free(e);
     ASSERT_OK(rc);
     *same = compare(&alone, &batched, 3, 4);
     printf("    seeded sampling, cuda %s: %d of %d tokens identical alone and in a batch of %d\n",
@@ -226,7 +226,7 @@ TEST(cuda_engine_small_pool_preempts)
     if (rc == PD_OK) rc = run(e, 0, N_REQ, false, &batched);
     pd_engine_stats st;
     pd_engine_get_stats(e, &st);
-    pd_engine_destroy(e);
+    pd_engine_free(e);
     ASSERT_OK(rc);
     int same = compare(&alone, &batched, 0, N_REQ);
     printf("    %llu preemptions; %d of %d tokens identical to the requests run alone\n",
@@ -259,7 +259,7 @@ TEST(cuda_engine_prefix_cache_f32_mode)
         if (rc == PD_OK) rc = run(e, 0, 1, false, cache ? &on : &off);
         if (rc == PD_OK) rc = run(e, 1, N_REQ, false, cache ? &on : &off);
         if (e) pd_engine_get_stats(e, &st);
-        pd_engine_destroy(e);
+        pd_engine_free(e);
     }
     g_shared = 0;
     ASSERT_OK(rc);
@@ -321,7 +321,7 @@ TEST(cuda_engine_abort_returns_pool)
     }
     pd_engine_stats st;
     pd_engine_get_stats(e, &st);
-    pd_engine_destroy(e);
+    pd_engine_free(e);
     ASSERT_OK(rc);
     printf("    %d requests finished, %d of them cancelled; %zu of %zu blocks free\n", finished,
            cancelled, (size_t)st.kv_blocks_free, (size_t)st.kv_blocks_total);
@@ -354,7 +354,7 @@ static void tp2_case(int dev0, int dev1, const char *allreduce)
         const char *used = pd_engine_allreduce_name(e);
         int rc = run(e, 0, N_REQ, false, tp == 1 ? &one : &two);
         pd_engine_get_stats(e, &st);
-        pd_engine_destroy(e);
+        pd_engine_free(e);
         ASSERT_OK(rc);
         if (tp == 2) ASSERT_STR_EQ(used, allreduce);
         ASSERT_EQ_INT(st.kv_blocks_free, st.kv_blocks_total);
@@ -391,8 +391,7 @@ TEST(cuda_engine_tp2_nccl_matches_tp1_f32_mode)
         snprintf(why, sizeof why,
                  "one GPU: two TP ranks of one process on it need NCCL 2.30+ "
                  "(NCCL_MULTI_RANK_GPU_ENABLE); NCCL %d.%d.%d is loaded",
-                 info.nccl_version / 10000, info.nccl_version / 100 % 100,
-                 info.nccl_version % 100);
+                 info.nccl_version / 10000, info.nccl_version / 100 % 100, info.nccl_version % 100);
         SKIP(why);
     }
     printf("    one GPU: both ranks on it (NCCL_MULTI_RANK_GPU_ENABLE=1)\n");

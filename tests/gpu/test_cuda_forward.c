@@ -38,7 +38,7 @@ static int open_backends(pd_backend *b[2], int gpu_mode)
     pd_backend_params gp = pd_backend_default_params();
     gp.weight_dtype = gpu_mode;
     int rc = pd_backend_cuda_create(&gp, &b[PAIR_GPU]);
-    if (rc < 0) pd_backend_destroy(b[PAIR_CPU]);
+    if (rc < 0) pd_backend_free(b[PAIR_CPU]);
     return rc;
 }
 
@@ -92,7 +92,7 @@ static void logits_case(const char *preset, const char *dtype, const char *arch,
     ASSERT(worst <= tol);
     for (int i = 0; i < 2; i++) {
         ctu_runner_close(&r[i]);
-        pd_backend_destroy(b[i]);
+        pd_backend_free(b[i]);
     }
     pd_model_free(m);
 }
@@ -189,7 +189,7 @@ static void greedy_case(int gpu_mode, int teacher, int *same_out, int *full_out)
     *full_out = full;
     for (int i = 0; i < 2; i++) {
         ctu_runner_close(&r[i]);
-        pd_backend_destroy(b[i]);
+        pd_backend_free(b[i]);
     }
     pd_model_free(m);
 }
@@ -267,7 +267,7 @@ static void default_vs_off(const char *what, const char *var)
     int same = 0;
     decode_pair(what, b, no_fused, &same);
     ASSERT_EQ_INT(same, 25);
-    for (int i = 0; i < 2; i++) pd_backend_destroy(b[i]);
+    for (int i = 0; i < 2; i++) pd_backend_free(b[i]);
 }
 
 /* Decode steps replayed from CUDA graphs give bit-identical logits to the same steps run op by
@@ -302,7 +302,7 @@ TEST(cuda_fused_ops_match_plain_ops)
     int same = 0;
     decode_pair("fused vs plain ops", b, no_fused, &same);
     ASSERT_EQ_INT(same, 25);
-    for (int i = 0; i < 2; i++) pd_backend_destroy(b[i]);
+    for (int i = 0; i < 2; i++) pd_backend_free(b[i]);
     /* PD_CUDA_FUSED=0: the backend's fused ops issue the plain ones themselves */
     default_vs_off("fused vs PD_CUDA_FUSED=0", "PD_CUDA_FUSED");
 }

@@ -34,7 +34,7 @@ static int open_pool(pd_backend **b, pd_kv **kv)
     *kv = NULL;
     PD_CHECK(pd_backend_cuda_create(NULL, b));
     int rc = pd_backend_get_ops(*b)->kv_create(*b, &k_pool, kv);
-    if (rc < 0) pd_backend_destroy(*b);
+    if (rc < 0) pd_backend_free(*b);
     return rc;
 }
 
@@ -86,9 +86,9 @@ static void transfer_case(const int32_t *src_ids, const int32_t *dst_ids, size_t
     }
     char imports[256], verdict[512] = "(no peer)\n";
     int st = peer ? kv_ipc_peer_finish(peer, imports, sizeof imports, verdict, sizeof verdict) : -1;
-    pd_kv_tcp_sender_destroy(tx);
+    pd_kv_tcp_sender_free(tx);
     if (kv) o->kv_free(b, kv);
-    pd_backend_destroy(b);
+    pd_backend_free(b);
     ASSERT_OK(rc);
     printf("    peer: %s", verdict);
     ASSERT_EQ_INT(st, 0);
@@ -149,7 +149,7 @@ TEST(cuda_ipc_peer_checks)
     /* mapping this process's own pool is not what IPC is for: CUDA refuses it */
     int rc2 = o->kv_peer_open(b, kv, &share, &peer);
     o->kv_free(b, kv);
-    pd_backend_destroy(b);
+    pd_backend_free(b);
     ASSERT_EQ_INT(rc, PD_EINVAL);
     ASSERT_EQ_INT(rc2, PD_EUNSUPPORTED);
 }

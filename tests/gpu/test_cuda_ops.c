@@ -1304,5 +1304,5 @@ TEST(cuda_errors)
     o->buf_free(b, buf);
     o->kv_free(b, kv);
     simple_step_free(&st);
-    pd_backend_destroy(b);
+    pd_backend_free(b);
 }

@@ -214,12 +214,12 @@ static int bench_kv(int argc, char **argv)
            bytes / best_kv / 1e9, best_kv * 1e3, kv_s[reps / 2] * 1e3, bytes / best_raw / 1e9,
            100.0 * best_raw / best_kv);
     free(kv_s);
-    pd_kv_tcp_sender_destroy(tx);
+    pd_kv_tcp_sender_free(tx);
     pd_kv_tcp_receiver_stop(rx);
     pd_backend_get_ops(bs)->kv_free(bs, ks);
     pd_backend_get_ops(bd)->kv_free(bd, kd);
-    pd_backend_destroy(bs);
-    pd_backend_destroy(bd);
+    pd_backend_free(bs);
+    pd_backend_free(bd);
     free(blocks);
     return 0;
 }
@@ -280,7 +280,7 @@ static int bench_ttft(int argc, char **argv)
         double t0 = pd_now_s();
         if (pd_engine_add(e, &q) < 0) {
             fprintf(stderr, "bench_pd: %s\n", pd_last_error());
-            pd_engine_destroy(e);
+            pd_engine_free(e);
             free(prompt);
             return 1;
         }
@@ -304,7 +304,7 @@ static int bench_ttft(int argc, char **argv)
             while (pd_engine_next_event(e, &ev) == 1) pd_engine_event_done(e);
         }
     }
-    pd_engine_destroy(e);
+    pd_engine_free(e);
 
     /* split: a 1P1D cluster on loopback (on GPU 0 both, with --device cuda) */
     cl_cluster c;

@@ -427,8 +427,12 @@ int cl_start(cl_cluster *c, const char *model_dir, const char *prefill_list,
         snprintf(hostid, sizeof hostid, "NCCL_HOSTID=pdtest-%d-node%d", (int)getpid(), k);
         char *env[8] = {genv, lenv, NULL};
         if (nccl_host_per_node()) {
-            char *more[] = {hostid, "NCCL_SOCKET_IFNAME=lo", "NCCL_P2P_DISABLE=1",
-                            "NCCL_SHM_DISABLE=1", "NCCL_IB_DISABLE=1", NULL};
+            char *more[] = {hostid,
+                            "NCCL_SOCKET_IFNAME=lo",
+                            "NCCL_P2P_DISABLE=1",
+                            "NCCL_SHM_DISABLE=1",
+                            "NCCL_IB_DISABLE=1",
+                            NULL};
             for (int i = 0; more[i]; i++) env[2 + i] = more[i];
         }
         int rc = cl_spawn(&c->procs[k], prefill ? "pd-prefill" : "pd-decode", nargv, env, log);
@@ -457,8 +461,8 @@ int cl_stop_all(cl_cluster *c)
 {
     int bad = 0;
     for (int k = 0; k < 16; k++)
-        if (c->ch[k]) pd_rpc_channel_destroy(c->ch[k]);
-    if (c->client) pd_rpc_client_destroy(c->client);
+        if (c->ch[k]) pd_rpc_channel_free(c->ch[k]);
+    if (c->client) pd_rpc_client_free(c->client);
     for (int k = 0; k < c->n_prefill + c->n_decode; k++) {
         if (c->procs[k].pid <= 0) continue;
         int st = cl_stop(&c->procs[k], 10000);

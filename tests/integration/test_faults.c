@@ -670,16 +670,16 @@ static int send_partial_kv(void *arg, const Pd__InfoReply *info, const Pd__Reser
         rc = pd_kv_tcp_send(tx, &r, &st);
     }
     pk->status = rc;
-    pd_kv_tcp_sender_destroy(tx); /* hangs up */
+    pd_kv_tcp_sender_free(tx); /* hangs up */
     if (kv) pd_backend_get_ops(b)->kv_free(b, kv);
-    pd_backend_destroy(b);
+    pd_backend_free(b);
     return rc;
 }
 
 /* A prefill instance dies after part of the prompt's KV reached the decode instance, and the
- * prefill is retried on another instance with the same reservation (DESIGN.md, lifecycle step
- * 6): the decode side must take the retry's frames, also for the (layer, head) pairs that had
- * arrived, and the output must be the one of an undisturbed run. Regression: they were refused
+ * prefill is retried on another instance with the same reservation (docs/nodes.md, request
+ * lifecycle): the decode side must take the retry's frames, also for the (layer, head) pairs that
+ * had arrived, and the output must be the one of an undisturbed run. Regression: they were refused
  * ("layer 0 head 0 sent twice") and the retried request failed. */
 TEST(faults_prefill_retry_after_partial_kv)
 {
@@ -757,7 +757,7 @@ TEST(faults_registry_round_robin)
     while (back && !pd_reg_is_up(reg, D1) && pd_now_ns() < deadline) pd_sleep_ns(50 * PD_NS_PER_MS);
     bool rejoined = back && pd_reg_is_up(reg, D1);
     pd_reg_free(reg);
-    pd_rpc_client_destroy(cl);
+    pd_rpc_client_free(cl);
     printf("    8 picks per role among idle instances: prefill %d/%d, decode %d/%d\n", picks[P0],
            picks[P1], picks[D0], picks[D1]);
     ASSERT_OK(rc);
@@ -799,8 +799,8 @@ TEST(faults_registry_max_model_len)
     }
     pd_reg_free(big);
     pd_reg_free(fits);
-    if (cl) pd_rpc_client_destroy(cl);
-    if (cl2) pd_rpc_client_destroy(cl2);
+    if (cl) pd_rpc_client_free(cl);
+    if (cl2) pd_rpc_client_free(cl2);
     pd_log_set_fd(2);
     close(fd);
     char cmd[1000];
@@ -873,7 +873,7 @@ TEST(faults_registry_prefix_affinity)
         pd_reg_release(reg, dt, 104 - dhit[3]);
     }
     pd_reg_free(reg);
-    pd_rpc_client_destroy(cl);
+    pd_rpc_client_free(cl);
     printf("    prompt a -> %d (hit %lld), again -> %d (hit %lld), a's first 32 tokens -> %d (hit "
            "%lld), busy -> %d (hit %lld), b excluding %d -> %d, b again -> %d (hit %lld)\n",
            pa, (long long)hit[0], again, (long long)hit[1], part, (long long)hit[2], busy,
@@ -1024,8 +1024,8 @@ TEST(faults_scheduler_kill_midstream)
 
 /* A decode instance dies while idle and requests arrive before the heartbeat has noticed:
  * nothing has been streamed for them, so a failed Reserve should be tried on the other decode
- * instance, as a failed Prefill is tried on another prefill instance (DESIGN.md lifecycle step
- * 6; issue #9: "new requests go to the remaining decode instance"). Regression: a Reserve
+ * instance, as a failed Prefill is tried on another prefill instance (docs/nodes.md, request
+ * lifecycle; issue #9: "new requests go to the remaining decode instance"). Regression: a Reserve
  * that failed with UNAVAILABLE ended the request with a 500 (scheduler/server_chain.c
  * on_reserve_done now takes the instance out of routing and picks another). */
 TEST(faults_y_decode_kill_before_heartbeat)

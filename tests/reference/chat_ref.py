@@ -4,7 +4,7 @@ transformers' apply_chat_template does (chat_template_utils._compile_jinja_templ
 ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True) with the loopcontrols
 extension and a `generation` tag, tojson = json.dumps(ensure_ascii=False, indent, separators,
 sort_keys), globals raise_exception and strftime_now. Messages and tools are normalized as
-api_contract.md §13.3 says, written here independently of the C code; continue_final_message
+docs/api.md §13.3 says, written here independently of the C code; continue_final_message
 is cut with the transformers algorithm.
 
 Usage:

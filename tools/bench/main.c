@@ -611,8 +611,8 @@ static int node_stats(const char *target, int timeout_s)
     if (rc == PD_OK) rc = pd_rpc_channel_create(c, target, 0, &ch);
     if (rc == PD_OK)
         rc = pd_rpc_unary(ch, "/pd.PD/Stats", req, qlen, timeout_s * 1000, &resp, &rlen, NULL);
-    if (ch) pd_rpc_channel_destroy(ch);
-    if (c) pd_rpc_client_destroy(c);
+    if (ch) pd_rpc_channel_free(ch);
+    if (c) pd_rpc_client_free(c);
     if (rc < 0) return pd_error_prefix(rc, "--node-stats %s", target);
     Pd__StatsReply *st = pd__stats_reply__unpack(NULL, rlen, resp);
     free(resp);

@@ -480,7 +480,7 @@ out:
     free(seqs);
     for (size_t i = 0; i < n_lines; i++) free(lines[i]);
     free(lines);
-    pd_engine_destroy(e);
+    pd_engine_free(e);
     json_decref(cfg_vars);
     pd_chat_free(tpl);
     pd_tok_free(tok);

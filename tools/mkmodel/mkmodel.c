@@ -782,7 +782,7 @@ static int run(int argc, char **argv)
     if (!pool) return pd_error(PD_ENOMEM, "cannot create the thread pool");
     double t1 = pd_now_s();
     rc = write_weights(o.out, &c, dt, o.seed, o.shards, pool);
-    pd_pool_destroy(pool);
+    pd_pool_free(pool);
     PD_CHECK(rc);
     double t_w = pd_now_s() - t1;
     int64_t params = pd_model_param_count(&c);

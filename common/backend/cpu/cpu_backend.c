@@ -56,11 +56,11 @@ static void *alloc64(size_t bytes)
 
 /* ---- lifetime, memory ---------------------------------------------------------------------- */
 
-static void cpu_destroy(pd_backend *b)
+static void cpu_free(pd_backend *b)
 {
     cpu_be *be = BE(b);
     if (!be) return;
-    pd_pool_destroy(be->pool);
+    pd_pool_free(be->pool);
     free(be->row_seq);
     free(be);
 }
@@ -725,7 +725,7 @@ static int cpu_attention(pd_backend *b, const pd_kv *kv, int layer, const void *
 
 static const pd_backend_ops cpu_ops = {
     .name = "cpu",
-    .destroy = cpu_destroy,
+    .free = cpu_free,
     .act_dtype = cpu_act_dtype,
     .buf_alloc = cpu_buf_alloc,
     .buf_free = cpu_buf_free,
@@ -784,7 +784,7 @@ int pd_backend_cpu_create(const pd_backend_params *params, pd_backend **out)
     be->row_seq = malloc(p.max_tokens * sizeof(int32_t));
     pd_backend *b = be->pool && be->row_seq ? pd_backend_wrap(&cpu_ops, be) : NULL;
     if (!b) {
-        pd_pool_destroy(be->pool);
+        pd_pool_free(be->pool);
         free(be->row_seq);
         free(be);
         return pd_error(PD_ENOMEM, "cpu backend: out of memory");

@@ -57,7 +57,7 @@ static void be_free_state(cuda_be *cb)
     free(cb);
 }
 
-static void op_destroy(pd_backend *b)
+static void op_free(pd_backend *b)
 {
     be_free_state(BE(b));
 }
@@ -334,7 +334,7 @@ static size_t op_weight_nbytes(const pd_backend *b, const pd_weight *w)
 
 static const pd_backend_ops cuda_ops = {
     "cuda",
-    op_destroy,
+    op_free,
     op_act_dtype,
     op_buf_alloc,
     op_buf_free,

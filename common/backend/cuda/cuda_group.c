@@ -29,10 +29,10 @@ static void nccl_abort(pd_tp_allreduce *a)
     pd_nccl_tp_abort(((nccl_allreduce *)a)->t);
 }
 
-static void nccl_destroy(pd_tp_allreduce *a)
+static void nccl_free(pd_tp_allreduce *a)
 {
     if (!a) return;
-    pd_nccl_tp_destroy(((nccl_allreduce *)a)->t);
+    pd_nccl_tp_free(((nccl_allreduce *)a)->t);
     free(a);
 }
 
@@ -42,7 +42,7 @@ static const pd_tp_allreduce_ops nccl_ops = {
     .fail = NULL,
     .abort = nccl_abort,
     .step_end = NULL,
-    .destroy = nccl_destroy,
+    .free = nccl_free,
 };
 
 int pd_cuda_group_check(void)

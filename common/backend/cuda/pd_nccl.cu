@@ -169,7 +169,7 @@ extern "C" int pd_nccl_tp_create(pd_backend *const *ranks, int n, pd_nccl_tp **o
         cudaFree(bufs[r]);
     }
     if (rc < 0) {
-        pd_nccl_tp_destroy(t);
+        pd_nccl_tp_free(t);
         return pd_error_prefix(rc, "tensor parallel over CUDA devices");
     }
     int ver = 0;
@@ -213,7 +213,7 @@ extern "C" int pd_nccl_tp_aborted(const pd_nccl_tp *t)
     return __atomic_load_n(&t->aborted, __ATOMIC_ACQUIRE);
 }
 
-extern "C" void pd_nccl_tp_destroy(pd_nccl_tp *t)
+extern "C" void pd_nccl_tp_free(pd_nccl_tp *t)
 {
     if (!t) return;
     if (!__atomic_load_n(&t->aborted, __ATOMIC_ACQUIRE) && t->comms)

@@ -47,7 +47,7 @@ int pd_nccl_tp_allreduce(pd_nccl_tp *t, int rank, void *buf, size_t n_elems);
 void pd_nccl_tp_abort(pd_nccl_tp *t);
 /* 1 once aborted. */
 int pd_nccl_tp_aborted(const pd_nccl_tp *t);
-void pd_nccl_tp_destroy(pd_nccl_tp *t);
+void pd_nccl_tp_free(pd_nccl_tp *t);
 
 /* ---- KV links: the kv_link_* ops of the CUDA backend's table (see backend.h) ------------------
  */

@@ -6,7 +6,7 @@ guide_global.json / guide_local_67.json: the example tables of the Ascend PD-sep
 indentation, trailing blanks removed (the guide has two stray ones after "localhost",). The
 result equals Python json.dump(indent=4) of the same object, which is what the Ascend tool
 writes, so these are byte goldens for `pd-ranktable --mode gen`.
-    make_data.py --guide ../shared/seeds/002_8867959109276b19.txt
+    make_data.py --guide GUIDE.txt   (the guide's text, which is not in this repository)
 
 bad/*.json: one broken table per validation rule, made from a valid 1P1D TP2 table by a
 single edit each (tests/unit/ranktable/test_ranktable.c asserts the message of each).

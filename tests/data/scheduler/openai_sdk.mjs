@@ -1,4 +1,4 @@
-// Drives pd-scheduler with the official OpenAI Node SDK (api_contract.md §18 acceptance):
+// Drives pd-scheduler with the official OpenAI Node SDK (docs/api.md §18 acceptance):
 // models.list, completions.create and chat.completions.create, streaming and not; under greedy
 // the streamed text must equal the non-streamed text. Usage:
 //   node openai_sdk.mjs <base url, e.g. http://127.0.0.1:8000/v1> <model>

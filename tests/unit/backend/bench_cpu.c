@@ -270,7 +270,7 @@ int main(int argc, char **argv)
 #endif
     series bw = {0};
     for (int r = 0; r < reps; r++) add(&bw, measure_bw(pool, bw_mib, 3, avx));
-    pd_pool_destroy(pool);
+    pd_pool_free(pool);
     report("read bandwidth", "GB/s", &bw);
 
     /* the backend's n = 1 matmul streaming one large f32 weight (bw-mib, K = hidden): how close
@@ -410,8 +410,8 @@ int main(int argc, char **argv)
     }
     free(x), free(y), free(ids), free(blocks), free(logits);
     o->kv_free(b, kv);
-    pd_forward_destroy(f);
-    pd_backend_destroy(b);
+    pd_forward_free(f);
+    pd_backend_free(b);
     pd_model_free(m);
     if (rc < 0) {
         fprintf(stderr, "bench_cpu: %s\n", pd_last_error());

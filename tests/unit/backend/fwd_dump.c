@@ -152,8 +152,8 @@ static int rt_open(rt *r, const char *dir, int threads, pd_cpu_isa isa, int wdt,
 static void rt_close(rt *r)
 {
     if (r->kv) pd_backend_get_ops(r->b)->kv_free(r->b, r->kv);
-    pd_forward_destroy(r->f);
-    pd_backend_destroy(r->b);
+    pd_forward_free(r->f);
+    pd_backend_free(r->b);
     free(r->block_ids);
 }
 

@@ -64,7 +64,7 @@ static int have_avx512(void)
     p.n_threads = 1;
     pd_backend *b = NULL;
     if (pd_backend_cpu_create(&p, &b) < 0) return 0;
-    pd_backend_destroy(b);
+    pd_backend_free(b);
     return 1;
 }
 
@@ -147,7 +147,7 @@ TEST(matmul_matches_reference)
                                    (int)isa[ii], pd_dtype_name(dts[di]), n, K, out, worst);
                         checked++;
                     }
-        pd_backend_destroy(b);
+        pd_backend_free(b);
     }
     ASSERT(checked == n_isa * 3 * 6 * 4 * 6);
 }
@@ -187,8 +187,8 @@ TEST(matmul_rows_bit_identical_across_batches_and_threads)
         }
         o->weight_free(b2, W2);
         o->weight_free(b1, W1);
-        pd_backend_destroy(b1);
-        pd_backend_destroy(b2);
+        pd_backend_free(b1);
+        pd_backend_free(b2);
         ASSERT_MSG(ok, "isa %d: a row differs between batch sizes or thread counts", (int)isa[ii]);
     }
     /* weight_dtype = bf16 converts at load: identical to a bf16-stored tensor */
@@ -209,8 +209,8 @@ TEST(matmul_rows_bit_identical_across_batches_and_threads)
     ok = memcmp(yb, yt, N * out * 4) == 0;
     o->weight_free(bc, Wc);
     o->weight_free(bs, Ws);
-    pd_backend_destroy(bc);
-    pd_backend_destroy(bs);
+    pd_backend_free(bc);
+    pd_backend_free(bs);
     free(x), free(w), free(yb), free(y1), free(yt), free(hw.buf), free(hb.buf), free(wcopy);
     ASSERT_MSG(ok, "bf16 converted at load differs from bf16 stored");
 }
@@ -263,7 +263,7 @@ TEST(weight_slices_and_errors)
     p.weight_dtype = 7;
     pd_backend *bb = NULL;
     ASSERT_ERR(pd_backend_cpu_create(&p, &bb), PD_EINVAL, "weight_dtype");
-    pd_backend_destroy(b);
+    pd_backend_free(b);
 }
 
 /* ---- row ops ----------------------------------------------------------------------------------
@@ -316,7 +316,7 @@ TEST(rmsnorm_swiglu_add_match_reference)
         memcpy(y, x, sizeof x);
         ASSERT_OK(o->add(b, y, g, n * dim));
         for (size_t i = 0; i < n * dim; i++) ASSERT(y[i] == x[i] + g[i]);
-        pd_backend_destroy(b);
+        pd_backend_free(b);
     }
 }
 
@@ -507,7 +507,7 @@ TEST(paged_attention_matches_reference)
         pd_kv_range rg5 = {.layer = 0, .block_ids = ids, .n_blocks = 1, .head0 = 1, .n_heads = 2};
         ASSERT_ERR(o->kv_import(b, kv, &rg5, host), PD_ERANGE, "heads");
         o->kv_free(b, kv);
-        pd_backend_destroy(b);
+        pd_backend_free(b);
     }
 }
 
@@ -634,7 +634,7 @@ TEST(fused_ops_equal_plain_ops)
                 o->weight_free(b, B[i]);
                 free(hw[i].buf), free(hb[i].buf);
             }
-            pd_backend_destroy(b);
+            pd_backend_free(b);
         }
 }
 
@@ -715,7 +715,7 @@ TEST(plan_and_step_errors)
     kb = kp;
     kb.head_dim = 1024;
     ASSERT_ERR(o->kv_create(b, &kb, &kv), PD_EUNSUPPORTED, "head_dim 1024");
-    pd_backend_destroy(b);
+    pd_backend_free(b);
 }
 
 /* Attention for several head sizes (the AVX-512 register kernel covers multiples of 16 up to
@@ -794,7 +794,7 @@ TEST(attention_head_sizes_and_long_context)
                     }
                 }
             o->kv_free(b, kv);
-            pd_backend_destroy(b);
+            pd_backend_free(b);
             ASSERT_MSG(worst < 5e-6, "isa %d head_dim %zu: attention error %.3g", (int)isa[ii], D,
                        worst);
         }

@@ -1,4 +1,4 @@
-/* Unit tests for the chat-template interpreter and the chat helpers (api_contract.md §13).
+/* Unit tests for the chat-template interpreter and the chat helpers (docs/api.md §13).
  *
  * Interpreter semantics are checked against tests/data/chat/snippets.json: each snippet's
  * expected output is what python3-jinja2 (Hugging Face configuration, chat_ref.py) renders

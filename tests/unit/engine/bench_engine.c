@@ -158,7 +158,7 @@ int main(int argc, char **argv)
             double tps = 0.0, ms = 0.0, fwd = 0.0;
             if (run_once(e, cs[i], prompt_len, gen, r, &tps, &ms, &fwd) < 0) {
                 fprintf(stderr, "bench_engine: %s\n", pd_last_error());
-                pd_engine_destroy(e);
+                pd_engine_free(e);
                 return 1;
             }
             printf(
@@ -177,6 +177,6 @@ int main(int argc, char **argv)
                cs[i], best, best > 0 ? 100.0 * (best - worst) / best : 0.0, best_ms,
                100.0 * best_fwd, base > 0 ? best / base : 0.0);
     }
-    pd_engine_destroy(e);
+    pd_engine_free(e);
     return 0;
 }

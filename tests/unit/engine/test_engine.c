@@ -195,7 +195,7 @@ static int run_alone(const pd_engine_params *p, const treq *reqs, int n, tout *o
         rc = add_req(e, &reqs[i], PD_PHASE_FULL);
         if (rc >= 0) rc = run_to_end(e, outs);
     }
-    pd_engine_destroy(e);
+    pd_engine_free(e);
     return rc;
 }
 
@@ -245,7 +245,7 @@ TEST(engine_64_concurrent_equal_alone)
     ASSERT_EQ_INT(st.kv_blocks_free, st.kv_blocks_total);
     ASSERT_EQ_INT(st.requests_finished, MAX_REQ);
     ASSERT(st.steps < 200); /* they really ran together */
-    pd_engine_destroy(e);
+    pd_engine_free(e);
     int greedy = 0, seeded = 0;
     for (int i = 0; i < MAX_REQ; i++) {
         ASSERT_MSG(same_tokens(&alone[i], &batch[i], 1), "request %d differs in the batch", i);
@@ -288,7 +288,7 @@ TEST(engine_staggered_arrivals_and_chunks_equal_alone)
             if (rc >= 0) rc = drain(e, mixed);
             if (step > 5000) rc = pd_error(PD_ETIMEOUT, "did not finish");
         }
-        pd_engine_destroy(e);
+        pd_engine_free(e);
         ASSERT_OK(rc);
         for (int i = 0; i < 24; i++)
             ASSERT_MSG(same_tokens(&alone[i], &mixed[i], 1),
@@ -349,7 +349,7 @@ TEST(engine_small_pool_preempts_outputs_identical)
     pd_engine_get_stats(e, &st);
     ASSERT(st.num_preemptions > 0);
     ASSERT_EQ_INT(st.kv_blocks_free, st.kv_blocks_total);
-    pd_engine_destroy(e);
+    pd_engine_free(e);
     for (int i = 0; i < 16; i++)
         ASSERT_MSG(same_tokens(&alone[i], &batch[i], 1), "request %d differs after preemption", i);
 }
@@ -390,7 +390,7 @@ TEST(engine_prefix_cache_outputs_identical)
     pd_engine_get_stats(e, &st);
     ASSERT_EQ_INT(st.prefix_cache_hits, 0);
     ASSERT_EQ_INT(st.kv_blocks_cached, 0);
-    pd_engine_destroy(e);
+    pd_engine_free(e);
 
     p.enable_prefix_caching = true;
     ASSERT_OK(pd_engine_create(&p, &e));
@@ -404,7 +404,7 @@ TEST(engine_prefix_cache_outputs_identical)
     ASSERT(st.prefix_cache_hits >= (N / 2) * 64);
     ASSERT(st.kv_blocks_cached > 0);
     ASSERT_EQ_INT(st.kv_blocks_free, st.kv_blocks_total);
-    pd_engine_destroy(e);
+    pd_engine_free(e);
 
     p.num_kv_blocks = 24; /* 384 slots for 20 sequences of 90-130 tokens */
     ASSERT_OK(pd_engine_create(&p, &e));
@@ -414,7 +414,7 @@ TEST(engine_prefix_cache_outputs_identical)
     ASSERT(st.num_preemptions > 0);
     ASSERT(st.prefix_cache_hits > 0);
     ASSERT_EQ_INT(st.kv_blocks_free, st.kv_blocks_total);
-    pd_engine_destroy(e);
+    pd_engine_free(e);
     for (int i = 0; i < N; i++) {
         int n = (int)reqs[i].sp.n;
         ASSERT_MSG(same_tokens(&ref[i], &late[i], n), "request %d differs with the cache", i);
@@ -438,14 +438,14 @@ TEST(engine_chunked_prefill_equals_one_chunk)
     ASSERT_OK(pd_engine_create(&p, &e));
     for (int i = 0; i < 8; i++) ASSERT_OK(add_req(e, &reqs[i], PD_PHASE_FULL));
     ASSERT_OK(run_to_end(e, one));
-    pd_engine_destroy(e);
+    pd_engine_free(e);
     p.max_prefill_chunk = 5;
     ASSERT_OK(pd_engine_create(&p, &e));
     for (int i = 0; i < 8; i++) ASSERT_OK(add_req(e, &reqs[i], PD_PHASE_FULL));
     ASSERT_OK(run_to_end(e, chunked));
     pd_engine_stats st;
     pd_engine_get_stats(e, &st);
-    pd_engine_destroy(e);
+    pd_engine_free(e);
     ASSERT(st.steps > 120 / 5); /* the longest prompt took many steps */
     for (int i = 0; i < 8; i++)
         ASSERT_MSG(same_tokens(&one[i], &chunked[i], 1), "request %d differs when chunked", i);
@@ -498,7 +498,7 @@ TEST(engine_abort_mid_generation_returns_pool_to_full)
     ASSERT(o[11].final[0] && o[11].status[0] == PD_ECANCELLED);
     for (int c = 0; c < 3; c++) ASSERT(o[5].final[c]);
     for (int i = 0; i < 12; i++) ASSERT(o[i].final[0]);
-    pd_engine_destroy(e);
+    pd_engine_free(e);
 }
 
 TEST(engine_n4_shares_prompt_blocks)
@@ -530,7 +530,7 @@ TEST(engine_n4_shares_prompt_blocks)
     ASSERT_OK(run_to_end(e, o));
     pd_engine_get_stats(e, &st);
     ASSERT_EQ_INT(st.kv_blocks_free, st.kv_blocks_total);
-    pd_engine_destroy(e);
+    pd_engine_free(e);
     for (int c = 0; c < 4; c++) {
         ASSERT_EQ_INT(o[3].n[c], 12);
         ASSERT_EQ_INT(o[3].finish[c], PD_FINISH_LENGTH);
@@ -588,7 +588,7 @@ static void tp2_matches_tp1(pd_model *m)
     if (rc >= 0) {
         for (int i = 0; i < 6 && rc >= 0; i++) rc = add_req(e, &reqs[i], PD_PHASE_FULL);
         if (rc >= 0) rc = run_to_end(e, o1);
-        pd_engine_destroy(e);
+        pd_engine_free(e);
     }
     p.tp_size = 2;
     p.on_logits_ctx = &l2;
@@ -597,7 +597,7 @@ static void tp2_matches_tp1(pd_model *m)
         if (pd_engine_tp_size(e) != 2) rc = pd_error(PD_EINTERNAL, "tp size not 2");
         for (int i = 0; i < 6 && rc >= 0; i++) rc = add_req(e, &reqs[i], PD_PHASE_FULL);
         if (rc >= 0) rc = run_to_end(e, o2);
-        pd_engine_destroy(e);
+        pd_engine_free(e);
     }
     double max_diff = 0.0, max_abs = 0.0;
     for (size_t k = 0; rc >= 0 && k < l1.n_rows * V; k++) {
@@ -736,14 +736,14 @@ TEST(engine_prefill_then_decode_through_exported_kv)
     ASSERT_EQ_INT(st.kv_blocks_free, st.kv_blocks_total);
     ASSERT(dec[9].final[0] && dec[9].status[0] == PD_ECANCELLED);
     /* a reservation larger than the free pool is refused */
-    pd_engine_destroy(D);
+    pd_engine_free(D);
     p.num_kv_blocks = 16;
     ASSERT_OK(pd_engine_create(&p, &D));
     ASSERT_OK(pd_engine_reserve(D, "req-1", 200, NULL, dblocks, 64, &n_dblocks, NULL));
     ASSERT_ERR(pd_engine_reserve(D, "req-2", 200, NULL, dblocks, 64, &n_dblocks, NULL), PD_EBUSY,
                "KV cache full");
-    pd_engine_destroy(D);
-    pd_engine_destroy(P);
+    pd_engine_free(D);
+    pd_engine_free(P);
 }
 
 /* One PD hand-over, as the nodes do it: r prefilled on P, reserved on D with its prompt ids
@@ -840,8 +840,8 @@ TEST(engine_decode_reservation_takes_cached_prefix)
     ASSERT_OK(run_to_end(D, dec));
     pd_engine_get_stats(D, &st);
     ASSERT_EQ_INT(st.kv_blocks_free, st.kv_blocks_total);
-    pd_engine_destroy(D);
-    pd_engine_destroy(P);
+    pd_engine_free(D);
+    pd_engine_free(P);
 }
 
 TEST(engine_stop_string_stop_id_length_logprobs_and_seedless)
@@ -971,7 +971,7 @@ TEST(engine_thread_streams_events)
         for (int i = 0; i < 16; i++) finals += th[i].final[0];
     }
     pd_engine_stop(e);
-    pd_engine_destroy(e);
+    pd_engine_free(e);
     pthread_mutex_destroy(&w.mu);
     pthread_cond_destroy(&w.cv);
     ASSERT_OK(rc);
@@ -1012,7 +1012,7 @@ TEST(engine_bad_parameters_vllm_wording)
     p.max_model_len = 0;
     ASSERT_OK(pd_engine_create(&p, &e));
     size_t len = pd_engine_max_model_len(e);
-    pd_engine_destroy(e);
+    pd_engine_free(e);
     e = NULL;
     ASSERT_EQ_INT(len, 128);
     p = base_params();
@@ -1066,7 +1066,7 @@ TEST(engine_bad_parameters_vllm_wording)
     ASSERT_ERR(pd_engine_add(e, &rq), PD_EUNSUPPORTED, "prefill-only");
     rq.phase = PD_PHASE_FULL;
     ASSERT_ERR(pd_engine_add_imported(e, &rq, 5), PD_EINVAL, "seed");
-    pd_engine_destroy(e); /* with a request still queued: freed, no leak */
+    pd_engine_free(e); /* with a request still queued: freed, no leak */
 }
 
 /* CUDA devices: refused with a clear error where no GPU can serve (a build without the CUDA
@@ -1080,7 +1080,7 @@ TEST(engine_cuda_device_errors)
     p.cuda_devices[0] = 0;
     int rc = pd_engine_create(&p, &e);
     if (rc == PD_OK) { /* a machine with a GPU and a CUDA build: that path is tests/gpu's */
-        pd_engine_destroy(e);
+        pd_engine_free(e);
     } else {
         ASSERT(rc == PD_EUNSUPPORTED || rc == PD_ENOTFOUND);
         ASSERT_CONTAINS(pd_last_error(), "CUDA");
@@ -1148,6 +1148,6 @@ TEST(engine_imports_filling_the_pool_recompute_and_match)
         ASSERT_EQ_INT(dec[i].n[0], 12);
         ASSERT_MSG(same_tokens(&full[i], &dec[i], 1), "request %d differs from colocated", i);
     }
-    pd_engine_destroy(D);
-    pd_engine_destroy(P);
+    pd_engine_free(D);
+    pd_engine_free(P);
 }

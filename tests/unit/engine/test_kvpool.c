@@ -66,7 +66,7 @@ TEST(kvpool_alloc_grow_free)
     ASSERT(pd_kvpool_all_free(p));
     ASSERT_OK(pd_kvpool_verify(p));
     pd_kvtable_free(u);
-    pd_kvpool_destroy(p);
+    pd_kvpool_free(p);
 }
 
 TEST(kvpool_fork_shares_and_copies_on_write)
@@ -121,7 +121,7 @@ TEST(kvpool_fork_shares_and_copies_on_write)
     for (int i = 0; i < 3; i++) pd_kvtable_free(kids[i]);
     ASSERT(pd_kvpool_all_free(p));
     ASSERT_OK(pd_kvpool_verify(p));
-    pd_kvpool_destroy(p);
+    pd_kvpool_free(p);
 }
 
 /* ---- scheduler ---------------------------------------------------------------------------- */
@@ -199,7 +199,7 @@ TEST(kvpool_prefix_cache_hits_and_lru_eviction)
     pd_kvtable_free(d);
     ASSERT(pd_kvpool_all_free(p));
     ASSERT_OK(pd_kvpool_verify(p));
-    pd_kvpool_destroy(p);
+    pd_kvpool_free(p);
 }
 
 TEST(sched_param_errors_use_vllm_wording)
@@ -230,8 +230,8 @@ TEST(sched_param_errors_use_vllm_wording)
                "This model's maximum context length is 64 tokens. However, your request has 64 "
                "input tokens. Please reduce the length of the input messages.");
     ASSERT_ERR(pd_sched_seq_create(s, prompt, 0, NULL, &q), PD_EINVAL, "cannot be empty");
-    pd_sched_destroy(s);
-    pd_kvpool_destroy(pool);
+    pd_sched_free(s);
+    pd_kvpool_free(pool);
 }
 
 /* A simulated engine: sequence i wants out_len[i] output tokens; the "model" emits token
@@ -416,9 +416,9 @@ TEST(sched_budgets_chunking_and_mixing)
     /* FCFS: sequences start in arrival order. */
     for (size_t i = 1; i < m.n; i++) ASSERT(m.first_step[i] >= m.first_step[i - 1]);
     ASSERT(pd_kvpool_all_free(pool));
-    pd_sched_destroy(s);
+    pd_sched_free(s);
     sim_free(&m);
-    pd_kvpool_destroy(pool);
+    pd_kvpool_free(pool);
 }
 
 TEST(sched_small_pool_preempts_youngest_and_finishes)
@@ -451,9 +451,9 @@ TEST(sched_small_pool_preempts_youngest_and_finishes)
     ASSERT(sim_tokens_ok(&m));
     ASSERT(pd_kvpool_all_free(pool));
     ASSERT_OK(pd_kvpool_verify(pool));
-    pd_sched_destroy(s);
+    pd_sched_free(s);
     sim_free(&m);
-    pd_kvpool_destroy(pool);
+    pd_kvpool_free(pool);
 }
 
 TEST(sched_abort_anywhere_frees_every_block_once)
@@ -504,10 +504,10 @@ TEST(sched_abort_anywhere_frees_every_block_once)
     ASSERT_OK(pd_sched_seq_create(s2, big, 20, NULL, &r));
     ASSERT_ERR(pd_sched_reserve(s2, r, 20, false, NULL), PD_EBUSY, "KV cache full");
     ASSERT(pd_kvpool_all_free(tiny));
-    pd_sched_destroy(s2); /* frees r too */
-    pd_kvpool_destroy(tiny);
-    pd_sched_destroy(s);
-    pd_kvpool_destroy(pool);
+    pd_sched_free(s2); /* frees r too */
+    pd_kvpool_free(tiny);
+    pd_sched_free(s);
+    pd_kvpool_free(pool);
 }
 
 TEST(sched_fork_shares_prompt_and_imported_sequences_continue)
@@ -567,9 +567,9 @@ TEST(sched_fork_shares_prompt_and_imported_sequences_continue)
     /* A held prefill-only sequence keeps its blocks until finished. */
     ASSERT_OK(pd_sched_hold(s, imp));
     ASSERT_EQ_INT(pd_kvtable_num_blocks(pd_seq_table(imp)), 3);
-    pd_sched_destroy(s);
+    pd_sched_free(s);
     ASSERT(pd_kvpool_all_free(pool));
-    pd_kvpool_destroy(pool);
+    pd_kvpool_free(pool);
 }
 
 /* Imported sequences (KV from a prefill instance) wait holding their prompt's blocks. When they
@@ -606,9 +606,9 @@ TEST(sched_waiting_imports_filling_the_pool_still_finish)
     ASSERT(sim_tokens_ok(&m));
     ASSERT(pd_sched_num_preemptions(s) > 0);
     ASSERT(pd_kvpool_all_free(pool));
-    pd_sched_destroy(s);
+    pd_sched_free(s);
     sim_free(&m);
-    pd_kvpool_destroy(pool);
+    pd_kvpool_free(pool);
 }
 
 /* Prefix caching in the scheduler: a prompt that shares full blocks with one computed before
@@ -670,10 +670,10 @@ TEST(sched_prefix_cache_skips_cached_blocks)
     ASSERT_EQ_INT(o.items[0].start, 0);
     ASSERT_EQ_INT(o.items[0].n_new, 9);
     pd_sched_commit(s);
-    pd_sched_destroy(s);
+    pd_sched_free(s);
     ASSERT(pd_kvpool_all_free(pool));
     ASSERT_OK(pd_kvpool_verify(pool));
-    pd_kvpool_destroy(pool);
+    pd_kvpool_free(pool);
 }
 
 /* Prompts sharing 13 tokens in a pool too small for all of them: sequences are preempted and
@@ -710,7 +710,7 @@ TEST(sched_prefix_cache_under_preemption_and_eviction)
     ASSERT(h < q);
     ASSERT(pd_kvpool_all_free(pool));
     ASSERT_OK(pd_kvpool_verify(pool));
-    pd_sched_destroy(s);
+    pd_sched_free(s);
     sim_free(&m);
-    pd_kvpool_destroy(pool);
+    pd_kvpool_free(pool);
 }

@@ -128,7 +128,7 @@ TEST(metrics_render_counter_gauge_histogram)
     ASSERT_NEAR(pd_metric_value(c, stop), 41, 0);
     ASSERT_NEAR(pd_metric_value(h, ml), 3, 0);
     free(text);
-    pd_metrics_destroy(r);
+    pd_metrics_free(r);
 }
 
 TEST(metrics_bad_definitions)
@@ -142,7 +142,7 @@ TEST(metrics_bad_definitions)
     ASSERT(pd_metrics_add(r, PD_METRIC_GAUGE, "g", "x", NULL, NULL, 0) != NULL);
     ASSERT(pd_metrics_add(r, PD_METRIC_GAUGE, "g", "x", NULL, NULL, 0) == NULL);
     ASSERT_CONTAINS(pd_last_error(), "registered twice");
-    pd_metrics_destroy(r);
+    pd_metrics_free(r);
 }
 
 TEST(metrics_label_escaping_and_no_labels)
@@ -157,7 +157,7 @@ TEST(metrics_label_escaping_and_no_labels)
     ASSERT_CONTAINS(text, "g{name=\"a\\\"b\\\\c\\nd\"} 2.5\n");
     ASSERT_CONTAINS(text, "\nplain 1e+06\n");
     free(text);
-    pd_metrics_destroy(r);
+    pd_metrics_free(r);
 }
 
 TEST(metrics_125_buckets)

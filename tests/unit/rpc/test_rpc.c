@@ -107,8 +107,8 @@ static int fx_start(fixture *fx, size_t channel_max)
 
 static void fx_stop(fixture *fx)
 {
-    pd_rpc_channel_destroy(fx->ch);
-    pd_rpc_client_destroy(fx->cl);
+    pd_rpc_channel_free(fx->ch);
+    pd_rpc_client_free(fx->cl);
     pd_rpc_server_stop(fx->srv, 1000);
 }
 
@@ -319,7 +319,7 @@ TEST(rpc_message_size_limits)
     /* 8 MiB request: over the channel's send limit */
     ASSERT_EQ_INT(pd_rpc_unary(fx.ch, "/t.T/Echo", buf, big, 5000, &resp, &len, &st), PD_EINTERNAL);
     ASSERT_EQ_INT(st, PD_RPC_RESOURCE_EXHAUSTED);
-    pd_rpc_channel_destroy(fx.ch);
+    pd_rpc_channel_free(fx.ch);
     /* a channel with the default 64 MiB limit carries it both ways */
     char target[64];
     snprintf(target, sizeof target, "127.0.0.1:%d", pd_rpc_server_port(fx.srv));
@@ -349,8 +349,8 @@ TEST(rpc_unreachable_server_fails_within_deadline)
                "a deadline is required");
     ASSERT_ERR(pd_rpc_unary(ch, "/t.T/Echo", "x", 1, -2, &resp, NULL, &st), PD_EINTERNAL,
                "a deadline is required");
-    pd_rpc_channel_destroy(ch);
-    pd_rpc_client_destroy(cl);
+    pd_rpc_channel_free(ch);
+    pd_rpc_client_free(cl);
 }
 
 /* A peer that is down but listening: accepts each connection and closes it at once, so every
@@ -441,8 +441,8 @@ TEST(rpc_reconnect_backoff_bounded)
         }
         pd_sleep_ns(100 * PD_NS_PER_MS);
     }
-    pd_rpc_channel_destroy(ch);
-    pd_rpc_client_destroy(cl);
+    pd_rpc_channel_free(ch);
+    pd_rpc_client_free(cl);
     if (srv) pd_rpc_server_stop(srv, 1000);
     printf("    %d connection attempts in 6 s, at most %.2f s apart; answered %.2f s after the "
            "server came back\n",
@@ -469,8 +469,8 @@ TEST(rpc_stop_cancels_calls_in_flight)
     ASSERT_EQ_INT(atomic_load(&g_cancels), 1);
     ASSERT(col_wait(&c, 3000));
     ASSERT(c.status != PD_RPC_OK);
-    pd_rpc_channel_destroy(fx.ch);
-    pd_rpc_client_destroy(fx.cl);
+    pd_rpc_channel_free(fx.ch);
+    pd_rpc_client_free(fx.cl);
 }
 
 TEST(rpc_bind_error)

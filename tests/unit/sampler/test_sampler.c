@@ -1,5 +1,5 @@
 /* Unit tests: sampling parameters (defaults, generation_config, validation messages of
- * api_contract.md §8.1) and pd_sample (greedy, temperature frequencies against the softmax,
+ * docs/api.md §8.1) and pd_sample (greedy, temperature frequencies against the softmax,
  * top-k / top-p / min-p kept sets, penalties, logit_bias, allowed_token_ids, min_tokens,
  * determinism, logprobs). Exact processed-logit values are observed through greedy ties:
  * equal logits go to the lower id, so a probe logit one ulp above or at the expected value
@@ -249,7 +249,7 @@ TEST(sampling_params_clone)
     ASSERT_EQ_INT(c.allowed_token_ids[0], 4);
     ASSERT_EQ_INT(c.logit_bias[0].id, 1);
     ASSERT(c.has_allowed_token_ids);
-    pd_arena_destroy(a);
+    pd_arena_free(a);
 }
 
 /* ---- greedy and penalties ------------------------------------------------------------------ */

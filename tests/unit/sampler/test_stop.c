@@ -1,4 +1,4 @@
-/* Unit tests: the stop checker (api_contract.md §9.1-9.2): EOS and stop ids with their
+/* Unit tests: the stop checker (docs/api.md §9.1-9.2): EOS and stop ids with their
  * stop_reason, stop strings across deltas, hold-back release in code points,
  * include_stop_str_in_output, list order among several stop strings, min_tokens, max_tokens,
  * max_model_len, and the final flush. */

@@ -19,7 +19,7 @@ TEST(least_load_picks_the_lowest_load_less_cached)
     /* 400 - 320 = 80 beats 100: the prompt's cached blocks count against the load */
     t[0].load = 400, t[0].cached = 320;
     ASSERT_EQ_INT(pick(b, t, 3, NULL), 0);
-    b->ops->destroy(b);
+    b->ops->free(b);
 }
 
 TEST(least_load_ties_take_turns)
@@ -38,7 +38,7 @@ TEST(least_load_ties_take_turns)
     ASSERT_EQ_INT(count[1], 3);
     ASSERT_EQ_INT(count[2], 0);
     ASSERT_EQ_INT(count[3], 6);
-    b->ops->destroy(b);
+    b->ops->free(b);
 }
 
 TEST(least_load_skips_down_and_tried_instances)
@@ -53,5 +53,5 @@ TEST(least_load_skips_down_and_tried_instances)
     ASSERT_EQ_INT(pick(b, t, 0, NULL), -1);
     t[1].up = false, t[2].up = false;
     ASSERT_EQ_INT(pick(b, t, 3, NULL), -1);
-    b->ops->destroy(b);
+    b->ops->free(b);
 }

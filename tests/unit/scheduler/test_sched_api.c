@@ -243,7 +243,7 @@ TEST(api_bad_requests_exact_messages)
         pd_api_request r;
         int http = 0;
         int rc = parse(&l, cases[i].kind, cases[i].body, a, &r, &http);
-        pd_arena_destroy(a);
+        pd_arena_free(a);
         ASSERT_MSG(rc < 0, "case %zu (%s) was accepted", i, cases[i].body);
         ASSERT_MSG(http == cases[i].http, "case %zu: http %d", i, http);
         ASSERT_MSG(strcmp(pd_last_error(), cases[i].message) == 0, "case %zu (%s): \"%s\"", i,
@@ -333,7 +333,7 @@ TEST(api_completions_tokenization_and_limits)
                     "{\"prompt\":\"Hello\",\"stream_options\":{\"include_usage\":null}}", a, &r,
                     &http));
     ASSERT(!r.stream);
-    pd_arena_destroy(a);
+    pd_arena_free(a);
 }
 
 TEST(api_chat_template_and_defaults)
@@ -395,7 +395,7 @@ TEST(api_chat_template_and_defaults)
                  &http) < 0);
     ASSERT_STR_EQ(pd_last_error(), "This model has no chat template; start the server with "
                                    "--chat-template, or use /v1/completions.");
-    pd_arena_destroy(a);
+    pd_arena_free(a);
 }
 
 TEST(api_legacy_generate)
@@ -415,7 +415,7 @@ TEST(api_legacy_generate)
     ASSERT_STR_EQ(pd_last_error(), "Unsupported sampling parameter: `messages`.");
     ASSERT(parse(&l, PD_API_GENERATE, "{\"prompt\":\"Hello\",\"top_k\":-3}", a, &r, &http) < 0);
     ASSERT_STR_EQ(pd_last_error(), "top_k must be 0 (disable), or at least 1, got -3.");
-    pd_arena_destroy(a);
+    pd_arena_free(a);
 }
 
 TEST(api_request_template_and_kwargs)
@@ -453,7 +453,7 @@ TEST(api_request_template_and_kwargs)
               "\"chat_template\":\"{{ raise_exception('Conversation roles must alternate') }}\"}",
               a, &r, &http) < 0);
     ASSERT_STR_EQ(pd_last_error(), "Conversation roles must alternate");
-    pd_arena_destroy(a);
+    pd_arena_free(a);
 }
 
 TEST(api_zz_cleanup)

@@ -14,15 +14,15 @@
 
 TEST(engine_and_apiserver_link_together)
 {
-    /* the engine's batch scheduler: defaults, create and destroy */
+    /* the engine's batch scheduler: defaults, create and free */
     pd_sched_params ep = pd_sched_default_params();
     ASSERT_OK(pd_sched_check_params(&ep));
     pd_kvpool *pool = NULL;
     ASSERT_OK(pd_kvpool_create(8, 16, &pool));
     pd_sched *es = NULL;
     int rc = pd_sched_create(&ep, pool, &es);
-    if (rc == PD_OK) pd_sched_destroy(es);
-    pd_kvpool_destroy(pool);
+    if (rc == PD_OK) pd_sched_free(es);
+    pd_kvpool_free(pool);
     ASSERT_OK(rc);
     /* the api-server: defaults, and create refusing parameters without --model */
     pd_apiserver_params ap = pd_apiserver_default_params();

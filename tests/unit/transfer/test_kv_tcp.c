@@ -45,7 +45,7 @@ static int pool_make(pool *pl, size_t n_heads)
 static void pool_free(pool *pl)
 {
     pd_backend_get_ops(pl->b)->kv_free(pl->b, pl->kv);
-    pd_backend_destroy(pl->b);
+    pd_backend_free(pl->b);
 }
 
 /* Value of (layer, k/v, token t of the prompt, global head h, dim d): distinct everywhere. */
@@ -204,7 +204,7 @@ TEST(kv_tcp_moves_blocks_exactly)
     r.request_id = "req-2";
     ASSERT_OK(pd_kv_tcp_send(tx, &r, &st));
     ASSERT(wait_done(2));
-    pd_kv_tcp_sender_destroy(tx);
+    pd_kv_tcp_sender_free(tx);
     pd_kv_tcp_receiver_stop(rx);
     pool_free(&p);
     pool_free(&d);
@@ -234,7 +234,7 @@ TEST(kv_tcp_p_tp1_to_two_d_ranks)
     ASSERT(wait_done(2));
     ASSERT_EQ_INT(mismatches(&d0, db, 2, 0), 0);
     ASSERT_EQ_INT(mismatches(&d1, db, 2, 2), 0);
-    pd_kv_tcp_sender_destroy(tx);
+    pd_kv_tcp_sender_free(tx);
     pd_kv_tcp_receiver_stop(rx0);
     pd_kv_tcp_receiver_stop(rx1);
     pool_free(&p);
@@ -290,7 +290,7 @@ TEST(kv_tcp_moves_only_the_prompt_tokens)
     ASSERT_EQ_INT(mismatches_upto(&d, db, 3, 0, TOKENS), 0);
     ASSERT_EQ_INT(mismatches_upto(&d0, db, 3, 0, TOKENS), 0);
     ASSERT_EQ_INT(mismatches_upto(&d1, db, 3, 2, TOKENS), 0);
-    pd_kv_tcp_sender_destroy(tx);
+    pd_kv_tcp_sender_free(tx);
     pd_kv_tcp_receiver_stop(rx);
     pd_kv_tcp_receiver_stop(rx0);
     pd_kv_tcp_receiver_stop(rx1);
@@ -325,7 +325,7 @@ TEST(kv_tcp_p_tp2_to_one_d_rank)
     /* sending heads the P rank does not hold is refused before anything moves */
     pd_kv_send_req bad = req_for("x", &p1, 2, pb, 2, rx, 0, 2);
     ASSERT_ERR(pd_kv_tcp_send(tx, &bad, NULL), PD_EINVAL, "not held by this rank");
-    pd_kv_tcp_sender_destroy(tx);
+    pd_kv_tcp_sender_free(tx);
     pd_kv_tcp_receiver_stop(rx);
     pool_free(&p0);
     pool_free(&p1);
@@ -360,7 +360,7 @@ TEST(kv_tcp_refuses_unknown_and_cancelled_requests)
     pd_kv_rx_stats rs;
     pd_kv_rx_get_stats(rx, &rs);
     ASSERT(rs.refused >= 3);
-    pd_kv_tcp_sender_destroy(tx);
+    pd_kv_tcp_sender_free(tx);
     pd_kv_tcp_receiver_stop(rx);
     pool_free(&p);
     pool_free(&d);
@@ -425,7 +425,7 @@ TEST(kv_tcp_garbage_and_wrong_length_do_not_crash)
     ASSERT_OK(pd_kv_tcp_send(tx, &r, NULL));
     ASSERT(wait_done(1));
     ASSERT_EQ_INT(mismatches(&d, blocks, 1, 0), 0);
-    pd_kv_tcp_sender_destroy(tx);
+    pd_kv_tcp_sender_free(tx);
     pd_kv_tcp_receiver_stop(rx);
     pool_free(&p);
     pool_free(&d);
@@ -447,7 +447,7 @@ TEST(kv_tcp_dead_receiver_fails_fast)
     int64_t t0 = pd_now_ns();
     ASSERT_ERR(pd_kv_tcp_send(tx, &r, NULL), PD_ECLOSED, "connect 127.0.0.1");
     ASSERT((pd_now_ns() - t0) / PD_NS_PER_MS < 1000);
-    pd_kv_tcp_sender_destroy(tx);
+    pd_kv_tcp_sender_free(tx);
     pool_free(&p);
     pool_free(&d);
 }
@@ -492,7 +492,7 @@ TEST(kv_tcp_silent_receiver_times_out_or_cancels)
     ms = (pd_now_ns() - t0) / PD_NS_PER_MS;
     pthread_join(th, NULL);
     ASSERT(ms >= 140 && ms < 2000); /* the flag is looked at every 50 ms while waiting */
-    pd_kv_tcp_sender_destroy(tx);
+    pd_kv_tcp_sender_free(tx);
     close(ls);
     pool_free(&p);
 }
@@ -528,7 +528,7 @@ TEST(kv_tcp_ipc_frame_refused_by_cpu_receiver)
     ASSERT_OK(pd_kv_tcp_send(tx, &r, &st));
     ASSERT(wait_done(1));
     ASSERT_EQ_INT(mismatches_upto(&d, db, 2, 0, 7), 0);
-    pd_kv_tcp_sender_destroy(tx);
+    pd_kv_tcp_sender_free(tx);
     pd_kv_tcp_receiver_stop(rx);
     pool_free(&p);
     pool_free(&d);
@@ -766,7 +766,7 @@ static int fake_link_scatter(pd_backend *b, pd_kv *kv, pd_kv_link *l, const pd_k
     return rc;
 }
 
-static void fake_destroy(pd_backend *b)
+static void fake_free(pd_backend *b)
 {
     (void)b; /* the wrapped CPU backend is destroyed by its own handle */
 }
@@ -787,7 +787,7 @@ static pd_backend *fake_linked(pool *p)
 {
     g_fake_ops = *pd_backend_get_ops(p->b);
     g_fake_ops.name = "fake-link";
-    g_fake_ops.destroy = fake_destroy;
+    g_fake_ops.free = fake_free;
     g_fake_ops.kv_link_id = fake_link_id;
     g_fake_ops.kv_link_open = fake_link_open;
     g_fake_ops.kv_link_close = fake_link_close;
@@ -828,7 +828,7 @@ TEST(kv_nccl_cpu_sender_refused)
     ASSERT_ERR(pd_kv_tcp_send(tx, &r, &st), PD_EUNSUPPORTED,
                "cpu backend cannot send KV over NCCL");
     ASSERT_EQ_INT(st.frames, 0);
-    pd_kv_tcp_sender_destroy(tx);
+    pd_kv_tcp_sender_free(tx);
     pd_kv_tcp_receiver_stop(rx);
     pool_free(&p);
     pool_free(&d);
@@ -869,9 +869,9 @@ TEST(kv_nccl_frame_refused_by_cpu_receiver)
     ASSERT_OK(pd_kv_tcp_send(tx, &r, &st));
     ASSERT(wait_done(1));
     ASSERT_EQ_INT(mismatches_upto(&d, db, 2, 0, 7), 0);
-    pd_kv_tcp_sender_destroy(tx);
+    pd_kv_tcp_sender_free(tx);
     pd_kv_tcp_receiver_stop(rx);
-    pd_backend_destroy(pf);
+    pd_backend_free(pf);
     pool_free(&p);
     pool_free(&d);
 }
@@ -913,7 +913,7 @@ TEST(kv_nccl_auto_refuses_a_link_within_one_gpu)
     ASSERT(wait_done(1));
     ASSERT_EQ_INT(atomic_load(&g_link_opens), 2);
     ASSERT_EQ_INT(mismatches_upto(&d, db, 2, 0, 7), 0);
-    pd_kv_tcp_sender_destroy(tx); /* a new connection, hence a new link set-up frame */
+    pd_kv_tcp_sender_free(tx); /* a new connection, hence a new link set-up frame */
     ASSERT_OK(pd_kv_tcp_sender_create(&tx));
     atomic_store(&g_same_gpu, 0);
     ASSERT_OK(pd_kv_rx_expect(rx, "two-gpus", db2, 2, 7));
@@ -923,10 +923,10 @@ TEST(kv_nccl_auto_refuses_a_link_within_one_gpu)
     ASSERT(wait_done(2));
     ASSERT_EQ_INT(atomic_load(&g_link_opens), 4);
     ASSERT_EQ_INT(mismatches_upto(&d, db2, 2, 0, 7), 0);
-    pd_kv_tcp_sender_destroy(tx);
+    pd_kv_tcp_sender_free(tx);
     pd_kv_tcp_receiver_stop(rx);
-    pd_backend_destroy(pf);
-    pd_backend_destroy(fd);
+    pd_backend_free(pf);
+    pd_backend_free(fd);
     pool_free(&p);
     pool_free(&d);
 }
@@ -995,11 +995,11 @@ TEST(kv_nccl_protocol_over_host_link)
     ASSERT(wait_done(2));
     ASSERT_EQ_INT(mismatches_upto(&d, db2, 2, 0, 5), 0);
     ASSERT_EQ_INT(atomic_load(&g_link_opens), 4);
-    pd_kv_tcp_sender_destroy(tx);
+    pd_kv_tcp_sender_free(tx);
     pd_kv_tcp_receiver_stop(rx);
-    pd_backend_destroy(f0);
-    pd_backend_destroy(f1);
-    pd_backend_destroy(fd);
+    pd_backend_free(f0);
+    pd_backend_free(f1);
+    pd_backend_free(fd);
     pool_free(&p0);
     pool_free(&p1);
     pool_free(&d);
@@ -1043,10 +1043,10 @@ TEST(kv_nccl_receiver_failure_fails_fast)
     ASSERT_EQ_INT(atomic_load(&g_link_opens), 4);
     ASSERT(wait_done(1));
     ASSERT_EQ_INT(mismatches_upto(&d, db, 2, 0, 8), 0);
-    pd_kv_tcp_sender_destroy(tx);
+    pd_kv_tcp_sender_free(tx);
     pd_kv_tcp_receiver_stop(rx);
-    pd_backend_destroy(pf);
-    pd_backend_destroy(fd);
+    pd_backend_free(pf);
+    pd_backend_free(fd);
     pool_free(&p);
     pool_free(&d);
 }
@@ -1178,7 +1178,7 @@ TEST(kv_route_auto_chain_per_destination)
             ASSERT_STR_EQ(rs.transport, want[k]);
             ASSERT_EQ_INT(rs.refused, refusals[k]);
         }
-    pd_kv_route_destroy(rt);
+    pd_kv_route_free(rt);
     rp.transport = "nccl";
     ASSERT_OK(pd_kv_route_create(&rp, &rt));
     ASSERT_OK(pd_kv_rx_expect(rx[0], "x", db, 2, 7));
@@ -1187,22 +1187,22 @@ TEST(kv_route_auto_chain_per_destination)
     r.n_tokens = 7;
     ASSERT_ERR(pd_kv_route_send(rt, 0, &r, &st), PD_EUNSUPPORTED, "cannot take KV over NCCL");
     ASSERT_STR_EQ(st.transport, "nccl");
-    pd_kv_route_destroy(rt);
+    pd_kv_route_free(rt);
     rp.transport = "auto";
     rp.device = false; /* host memory: TCP only */
     ASSERT_OK(pd_kv_route_create(&rp, &rt));
     ASSERT_STR_EQ(pd_kv_route_first(rt), "tcp");
-    pd_kv_route_destroy(rt);
+    pd_kv_route_free(rt);
     rp.transport = "cuda_ipc";
     ASSERT_ERR(pd_kv_route_create(&rp, &rt), PD_EINVAL, "--kv-transport cuda_ipc needs --device");
     rp.device = true;
     bs[0] = p.b; /* a CPU backend cannot share its pool */
     ASSERT_ERR(pd_kv_route_create(&rp, &rt), PD_EUNSUPPORTED, "cannot share its KV pool");
     for (int k = 0; k < 4; k++) pd_kv_tcp_receiver_stop(rx[k]);
-    pd_backend_destroy(pl);
-    pd_backend_destroy(pi);
-    pd_backend_destroy(f1);
-    pd_backend_destroy(f2);
+    pd_backend_free(pl);
+    pd_backend_free(pi);
+    pd_backend_free(f1);
+    pd_backend_free(f2);
     pool_free(&p);
     for (int k = 0; k < 4; k++) pool_free(&d[k]);
 }

@@ -150,7 +150,7 @@ TEST(arena_alignment_and_growth)
     memset(big, 7, 10000);
     ASSERT_EQ_INT(pd_arena_used(a), 3 + 32 + 10000);
     ASSERT(pd_arena_alloc(a, 8, 3) == NULL); /* not a power of two */
-    pd_arena_destroy(a);
+    pd_arena_free(a);
 }
 
 TEST(arena_strings_and_reset)
@@ -169,7 +169,7 @@ TEST(arena_strings_and_reset)
     ASSERT(z != NULL);
     for (int i = 0; i < 16; i++) ASSERT_EQ_INT(z[i], 0);
     ASSERT(pd_arena_calloc(a, SIZE_MAX / 2, 4) == NULL); /* overflow */
-    pd_arena_destroy(a);
+    pd_arena_free(a);
 }
 
 TEST(clock_monotonic_and_sleep)
@@ -209,7 +209,7 @@ TEST(threadpool_runs_each_task_once)
             ASSERT_EQ_INT(atomic_load(&c.calls), n);
             for (int i = 0; i < n; i++) ASSERT_EQ_INT(atomic_load(&c.hits[i]), 1);
         }
-        pd_pool_destroy(p);
+        pd_pool_free(p);
     }
 }
 
@@ -240,7 +240,7 @@ TEST(threadpool_back_to_back_runs_never_mix)
             ASSERT_MSG(atomic_load(&hits[k][i]) == 1, "round %d task %d ran %d times", round, i,
                        atomic_load(&hits[k][i]));
     }
-    pd_pool_destroy(p);
+    pd_pool_free(p);
 }
 
 TEST(threadpool_after_idle_sleep)
@@ -254,7 +254,7 @@ TEST(threadpool_after_idle_sleep)
     pd_pool_run(p, pool_task, &c, 0); /* no tasks: returns at once */
     ASSERT_EQ_INT(atomic_load(&c.calls), 100);
     ASSERT(pd_cpu_count() >= 1);
-    pd_pool_destroy(p);
+    pd_pool_free(p);
 }
 
 TEST(signals_flag_and_pipe)
