@@ -138,7 +138,8 @@ typedef struct {
  * the prefill side (sends), rank 1 the decode side (receives). What moves is a chunk of layers
  * [layer0, layer0 + n_layers) of one prompt, in the chunk layout: for each layer of the chunk,
  * K then V, each (n_tokens, n_heads, head_dim) in the pool dtype (the TCP frame payload of
- * kv_tcp.c, layers concatenated): 2 * n_layers * n_tokens * n_heads * head_dim * elem bytes. */
+ * common/transfer/tcp.c, layers concatenated): 2 * n_layers * n_tokens * n_heads * head_dim * elem
+ * bytes. */
 typedef struct pd_kv_link pd_kv_link;
 /* A link id: the ncclUniqueId rank 0 made (128 bytes), then the UUID of rank 0's GPU (16). */
 #define PD_KV_LINK_ID_BYTES 144

@@ -9,7 +9,7 @@
 //
 // KV links: a 2-rank non-blocking communicator (config.blocking = 0) per link, created by
 // ncclCommInitRankConfig with the id the prefill side generated (it travels on the KV TCP
-// connection, see kv_tcp.c). Every NCCL call on a link is made under the link's mutex, and every
+// connection, see common/transfer/nccl.c). Every NCCL call on a link is made under the link's mutex, and every
 // call that returns ncclInProgress is followed by polling ncclCommGetAsyncError until it leaves
 // ncclInProgress (NCCL's rule for non-blocking communicators) before anything else is enqueued
 // on the link's stream. Waits (initialization, the enqueue, the completion of a chunk's copies)
