@@ -214,18 +214,22 @@ static int check_value(const flag_def *d, const char *v, double *num, int *index
     return PD_OK;
 }
 
-/* Stores a checked value into the bound field. values (NAMES): every value given. */
+/* Stores a checked value into the bound field. values (NAMES): every value given; again: the
+ * flag was given before on this command line (a list then grows). */
 static int store(const flag_def *d, const pd_flag_bind *b, void *params, const char *v,
-                 const char *const *values, int n_values, bool on, double num, int index)
+                 const char *const *values, int n_values, bool again, bool on, double num,
+                 int index)
 {
     char *f = (char *)params + b->off;
     switch (b->type) {
     case PD_BIND_STR: *(const char **)f = d->kind == PD_FLAG_CHOICE ? d->choices[index] : v; break;
     case PD_BIND_STRV: {
-        if (n_values > b->max) return pd_error(PD_EINVAL, "%s: at most %d names", label(d), b->max);
+        int *count = (int *)((char *)params + b->count_off), at = again ? *count : 0;
+        if (at + n_values > b->max)
+            return pd_error(PD_EINVAL, "%s: at most %d names", label(d), b->max);
         const char **dst = (const char **)f;
-        for (int i = 0; i < n_values; i++) dst[i] = values[i];
-        *(int *)((char *)params + b->count_off) = n_values;
+        for (int i = 0; i < n_values; i++) dst[at + i] = values[i];
+        *count = at + n_values;
         break;
     }
     case PD_BIND_BOOL: *(bool *)f = d->kind == PD_FLAG_CHOICE ? index != 0 : on; break;
@@ -278,13 +282,14 @@ int pd_flags_parse(unsigned role, const pd_flag_bind *binds, size_t n_binds, int
         double num = 0;
         int index = 0;
         PD_CHECK(check_value(d, v, &num, &index));
+        bool again = given[d - TABLE];
         given[d - TABLE] = true;
         if (d->roles == 0) {
             PD_INFO(NULL, "%s: a vLLM flag with no effect in pdserve; ignored", d->name);
             continue;
         }
         const pd_flag_bind *b = (d->roles & role) ? find_bind(d, binds, n_binds) : NULL;
-        if (b) PD_CHECK(store(d, b, params, v, values, n_values, !negated, num, index));
+        if (b) PD_CHECK(store(d, b, params, v, values, n_values, again, !negated, num, index));
     }
     /* the environment, for what the command line did not set */
     for (size_t k = 0; k < N_TABLE; k++) {
@@ -295,7 +300,7 @@ int pd_flags_parse(unsigned role, const pd_flag_bind *binds, size_t n_binds, int
         double num = 0;
         int index = 0;
         PD_CHECK(check_value(d, e, &num, &index));
-        PD_CHECK(store(d, b, params, e, &e, 1, true, num, index));
+        PD_CHECK(store(d, b, params, e, &e, 1, false, true, num, index));
     }
     return PD_OK;
 }

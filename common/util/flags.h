@@ -38,7 +38,8 @@ typedef enum {
 /* Where a bound value goes in a role's params struct. */
 typedef enum {
     PD_BIND_STR,  /* const char *: the value (CHOICE: the canonical choice; NAMES: the first) */
-    PD_BIND_STRV, /* const char *[max] at off, int count at count_off (NAMES) */
+    PD_BIND_STRV, /* const char *[max] at off, int count at count_off (NAMES; a flag given
+                     again adds its names to the list) */
     PD_BIND_BOOL, /* bool: SWITCH on/off; CHOICE: choice index != 0 */
     PD_BIND_INT,  /* int: INT; NUMBER rounded up to a whole number */
     PD_BIND_I64,  /* int64_t */

@@ -351,6 +351,12 @@ TEST(flags_parse_spellings_and_types)
     ASSERT(!p.prefix_caching);
     ASSERT_EQ_INT(p.shutdown_s, 3);
     ASSERT(p.vllm_config);
+    char *again[] = {"x", "--served-model-name", "a", "--port",
+                     "1", "--served-model-name", "c", NULL};
+    ASSERT_OK(parse_flags(PD_ROLE_ALL, &p, again)); /* names given twice: both lists count */
+    ASSERT_EQ_INT(p.n_names, 2);
+    ASSERT_STR_EQ(p.names[0], "a");
+    ASSERT_STR_EQ(p.names[1], "c");
 }
 
 /* Refusals name the flag; another role's flag is checked but not stored; vLLM's no-op flags
