@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Writes tests/data/model/rope_golden.json: RoPE inverse frequencies computed by llama_ref.py
 (transformers' ROPE_INIT_FUNCTIONS re-implemented in numpy) for configs covering every
-rope_scaling type. The C test (tests/unit/model/test_model.c) parses each config with
+rope_scaling type. The C test (tests/unit/model/test_model_config.c) parses each config with
 pd_model_config_from_json and compares pd_rope_inv_freq to these values.
 
     /usr/bin/python3 tests/reference/make_rope_golden.py > tests/data/model/rope_golden.json

@@ -1,0 +1,360 @@
+/* pd-scheduler's answers to requests: the validation messages (§3, §8), the context-length
+ * boundary, /metrics names, logprobs (§12), the legacy /generate (USE_OPENAI=0), and the
+ * official OpenAI Node SDK against it. */
+#define _GNU_SOURCE
+#include "scheduler_common.h"
+
+#include <limits.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+typedef struct {
+    const char *path, *body;
+    int status;
+    const char *message; /* exact; NULL: prefix in `prefix` */
+    const char *prefix;
+} bad_case;
+
+TEST(sched_bad_inputs)
+{
+    FIXTURE();
+    static const bad_case cases[] = {
+        {"/v1/completions", "{\"prompt\":\"a\"", 400, NULL, "Invalid JSON in request body:"},
+        {"/v1/completions", "[1,2]", 400, "Request body must be a JSON object.", NULL},
+        {"/v1/completions", "{\"prompt\":NaN}", 400, NULL, "Invalid JSON in request body:"},
+        {"/v1/completions", "{\"prompt\":\"a\",\"n\":\"2\"}", 400,
+         "The field `n` must be an integer.", NULL},
+        {"/v1/completions", "{\"prompt\":\"a\",\"n\":1.5}", 400,
+         "The field `n` must be an integer.", NULL},
+        {"/v1/completions", "{\"prompt\":\"a\",\"stream\":1}", 400,
+         "The field `stream` must be a boolean.", NULL},
+        {"/v1/completions", "{\"prompt\":\"a\",\"temperature\":\"hot\"}", 400,
+         "The field `temperature` must be a number.", NULL},
+        {"/v1/completions", "{\"prompt\":{}}", 400,
+         "The field `prompt` must be a string, an array of strings, an array of integers, or an "
+         "array of arrays of integers.",
+         NULL},
+        {"/v1/completions", "{\"prompt\":\"a\",\"stop\":3}", 400,
+         "The field `stop` must be a string or an array of strings.", NULL},
+        {"/v1/completions", "{\"prompt\":\"a\",\"model\":\"gpt-4\"}", 404,
+         "The model `gpt-4` does not exist.", NULL},
+        {"/v1/completions", "{\"prompt\":\"a\",\"n\":0}", 400, "n must be at least 1, got 0.",
+         NULL},
+        {"/v1/completions", "{\"prompt\":\"a\",\"temperature\":-1}", 400,
+         "temperature must be non-negative, got -1.0.", NULL},
+        {"/v1/completions", "{\"prompt\":\"a\",\"top_p\":1.5}", 400,
+         "top_p must be in (0, 1], got 1.5.", NULL},
+        {"/v1/completions", "{\"prompt\":\"a\",\"top_k\":-2}", 400,
+         "top_k must be 0 (disable), or at least 1, got -2.", NULL},
+        {"/v1/completions", "{\"prompt\":\"a\",\"presence_penalty\":2.5}", 400,
+         "presence_penalty must be in [-2, 2], got 2.5.", NULL},
+        {"/v1/completions", "{\"prompt\":\"a\",\"repetition_penalty\":0}", 400,
+         "repetition_penalty must be greater than zero, got 0.0.", NULL},
+        {"/v1/completions", "{\"prompt\":\"a\",\"min_p\":2}", 400,
+         "min_p must be in [0, 1], got 2.0.", NULL},
+        {"/v1/completions", "{\"prompt\":\"a\",\"max_tokens\":0}", 400,
+         "max_tokens must be at least 1, got 0.", NULL},
+        {"/v1/completions", "{\"prompt\":\"a\",\"best_of\":2}", 400,
+         "best_of > n is not supported.", NULL},
+        {"/v1/completions", "{\"prompt\":\"a\",\"stop\":[\"x\",\"\"]}", 400,
+         "stop cannot contain an empty string.", NULL},
+        {"/v1/completions", "{\"prompt\":\"a\",\"stop_token_ids\":[999999]}", 400,
+         "Token id 999999 in stop_token_ids is out of vocabulary.", NULL},
+        {"/v1/completions", "{\"prompt\":\"a\",\"logit_bias\":{\"abc\":1}}", 400,
+         "Invalid key `abc` in logit_bias: keys must be token ids.", NULL},
+        {"/v1/completions", "{\"prompt\":\"a\",\"allowed_token_ids\":[]}", 400,
+         "allowed_token_ids is not allowed to be empty.", NULL},
+        {"/v1/completions", "{\"prompt\":\"a\",\"priority\":3}", 400,
+         "Got priority 3 but Priority scheduling is not enabled.", NULL},
+        {"/v1/completions", "{\"prompt\":\"a\",\"stream_options\":{\"include_usage\":true}}", 400,
+         "Stream options can only be defined when `stream=True`.", NULL},
+        {"/v1/completions", "{\"max_tokens\":3}", 400,
+         "At least one of `prompt` or `prompt_embeds` must be set.", NULL},
+        {"/v1/completions", "{\"prompt\":[]}", 400,
+         "The field `prompt` must not be an empty array.", NULL},
+        {"/v1/completions", "{\"prompt\":[1,2,99999999]}", 400,
+         "Token id 99999999 is out of vocabulary", NULL},
+        {"/v1/completions", "{\"prompt\":\"a\",\"suffix\":\"b\"}", 400,
+         "suffix is not currently supported", NULL},
+        {"/v1/completions", "{\"prompt\":\"a\",\"use_beam_search\":true}", 400,
+         "`use_beam_search` is not supported.", NULL},
+        {"/v1/completions", "{\"prompt\":\"a\",\"guided_regex\":\"x+\"}", 400,
+         "`guided_regex` is not supported.", NULL},
+        {"/v1/completions", "{\"prompt\":\"a\",\"max_tokens\":600}", 400, NULL,
+         "'max_tokens' or 'max_completion_tokens' is too large: 600. This model's maximum "
+         "context length is 512 tokens and your request has "},
+        {"/v1/completions", "{\"prompt\":\"a\",\"min_tokens\":20,\"max_tokens\":5}", 400,
+         "min_tokens must be less than or equal to max_tokens=5, got 20.", NULL},
+        {"/v1/chat/completions", "{\"messages\":[]}", 400,
+         "The field `messages` must be a non-empty array.", NULL},
+        {"/v1/chat/completions", "{\"messages\":[{\"role\":1,\"content\":\"x\"}]}", 400,
+         "The field `messages[0].role` must be a string.", NULL},
+        {"/v1/chat/completions",
+         "{\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"image_url\"}]}]}", 400,
+         "Content part type 'image_url' is not supported by this model.", NULL},
+        {"/v1/chat/completions",
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"top_logprobs\":2}", 400,
+         "when using `top_logprobs`, `logprobs` must be set to true.", NULL},
+        {"/v1/chat/completions",
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"continue_final_message\":true}",
+         400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+         NULL},
+        {"/v1/chat/completions",
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tool_choice\":\"auto\"}", 400,
+         "When using `tool_choice`, `tools` must be set.", NULL},
+        {"/v1/chat/completions",
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"chat_template\":\"{{x}}\"}", 400,
+         "Chat template is passed with request, but --trust-request-chat-template is not set. "
+         "Refused request with untrusted chat template.",
+         NULL},
+        {"/v1/chat/completions",
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"max_completion_tokens\":0}", 400,
+         "max_tokens must be at least 1, got 0.", NULL},
+    };
+    size_t n = sizeof cases / sizeof *cases;
+    for (size_t i = 0; i < n; i++) {
+        const bad_case *c = &cases[i];
+        http_resp r;
+        ASSERT(http_do(g_port, "POST", c->path, NULL, c->body, &r) == 0);
+        ASSERT_MSG(r.status == c->status, "case %zu (%s): status %d, expected %d: %s", i, c->body,
+                   r.status, c->status, r.body);
+        json_t *o = json_loads(r.body, 0, NULL);
+        ASSERT_MSG(o, "case %zu: body is not JSON: %s", i, r.body);
+        json_t *e = json_object_get(o, "error");
+        char keys[128];
+        keys_of(e, keys, sizeof keys);
+        ASSERT_STR_EQ(keys, "message,type,param,code");
+        const char *type = json_string_value(json_object_get(e, "type"));
+        ASSERT_STR_EQ(type, c->status == 404 ? "NotFoundError" : "BadRequestError");
+        ASSERT_EQ_INT(json_integer_value(json_object_get(e, "code")), c->status);
+        ASSERT(json_is_null(json_object_get(e, "param")));
+        const char *msg = json_string_value(json_object_get(e, "message"));
+        if (c->message)
+            ASSERT_MSG(msg && strcmp(msg, c->message) == 0, "case %zu (%s): message \"%s\"", i,
+                       c->body, msg ? msg : "(null)");
+        else
+            ASSERT_MSG(msg && strncmp(msg, c->prefix, strlen(c->prefix)) == 0,
+                       "case %zu (%s): message \"%s\"", i, c->body, msg ? msg : "(null)");
+        json_decref(o);
+        resp_free(&r);
+    }
+    /* wrong content type */
+    http_resp r;
+    ASSERT(http_do(g_port, "POST", "/v1/completions", "Content-Type: text/plain\r\n",
+                   "{\"prompt\":\"a\"}", &r) == 0);
+    ASSERT_EQ_INT(r.status, 400);
+    ASSERT_CONTAINS(r.body, "\"message\":\"Unsupported Media Type: Only 'application/json' is "
+                            "allowed\"");
+    resp_free(&r);
+    ASSERT(http_do(g_port, "POST", "/v1/completions",
+                   "Content-Type: Application/JSON; charset=utf-8\r\n",
+                   "{\"prompt\":\"a\",\"max_tokens\":1}", &r) == 0);
+    ASSERT_MSG(r.status == 200, "status %d: %s", r.status, r.body);
+    resp_free(&r);
+    /* the server keeps serving */
+    ASSERT(http_do(g_port, "GET", "/health", NULL, NULL, &r) == 0);
+    ASSERT_EQ_INT(r.status, 200);
+    resp_free(&r);
+}
+
+TEST(sched_context_length_boundary)
+{
+    FIXTURE();
+    /* P + M = L is accepted, P + M = L + 1 is not: find P with a token-id prompt */
+    char body[8192];
+    size_t at = (size_t)snprintf(body, sizeof body, "{\"prompt\":[");
+    for (int i = 0; i < 500; i++)
+        at += (size_t)snprintf(body + at, sizeof body - at, "%s%d", i ? "," : "", 40 + i % 50);
+    snprintf(body + at, sizeof body - at, "],\"max_tokens\":12,\"temperature\":0}");
+    http_resp r;
+    ASSERT(http_do(g_port, "POST", "/v1/completions", NULL, body, &r) == 0);
+    ASSERT_MSG(r.status == 200, "status %d: %s", r.status, r.body);
+    resp_free(&r);
+    snprintf(body + at, sizeof body - at, "],\"max_tokens\":13,\"temperature\":0}");
+    ASSERT(http_do(g_port, "POST", "/v1/completions", NULL, body, &r) == 0);
+    ASSERT_EQ_INT(r.status, 400);
+    ASSERT_CONTAINS(r.body, "\"message\":\"'max_tokens' or 'max_completion_tokens' is too large: "
+                            "13. This model's maximum context length is 512 tokens and your "
+                            "request has 500 input tokens (13 > 512 - 500).\"");
+    resp_free(&r);
+}
+
+TEST(sched_metrics_counts)
+{
+    FIXTURE();
+    http_resp r;
+    ASSERT(http_do(g_port, "GET", "/metrics", NULL, NULL, &r) == 0);
+    ASSERT_EQ_INT(r.status, 200);
+    ASSERT_CONTAINS(r.body, "# TYPE vllm:request_success_total counter");
+    ASSERT_CONTAINS(r.body, "vllm:request_success_total{model_name=\"tiny\",engine=\"0\","
+                            "finished_reason=\"abort\"}");
+    ASSERT_CONTAINS(r.body, "vllm:time_to_first_token_seconds_bucket{model_name=\"tiny\","
+                            "engine=\"0\",le=\"0.001\"}");
+    ASSERT_CONTAINS(r.body, "pd:instance_up{role=\"prefill\",instance=\"127.0.0.1:");
+    ASSERT_CONTAINS(r.body, "pd:kv_transfer_bytes_total{model_name=\"tiny\",transport=\"tcp\"");
+    ASSERT_CONTAINS(r.body, "vllm:request_prompt_tokens_bucket{model_name=\"tiny\",engine=\"0\","
+                            "le=\"500.0\"}");
+    resp_free(&r);
+}
+
+TEST(sched_logprobs)
+{
+    FIXTURE();
+    http_resp r;
+    ASSERT(http_do(g_port, "POST", "/v1/completions", NULL,
+                   "{\"prompt\":\"Hello world\",\"max_tokens\":5,\"temperature\":0,"
+                   "\"ignore_eos\":true,\"logprobs\":2}",
+                   &r) == 0);
+    ASSERT_MSG(r.status == 200, "status %d: %s", r.status, r.body);
+    json_t *o = json_loads(r.body, 0, NULL);
+    ASSERT(o);
+    json_t *lp = json_object_get(json_array_get(json_object_get(o, "choices"), 0), "logprobs");
+    char keys[256];
+    keys_of(lp, keys, sizeof keys);
+    ASSERT_STR_EQ(keys, "text_offset,token_logprobs,tokens,top_logprobs");
+    json_t *off = json_object_get(lp, "text_offset"), *tl = json_object_get(lp, "token_logprobs");
+    json_t *toks = json_object_get(lp, "tokens"), *top = json_object_get(lp, "top_logprobs");
+    ASSERT_EQ_INT(json_array_size(off), 5);
+    ASSERT_EQ_INT(json_array_size(tl), 5);
+    ASSERT_EQ_INT(json_array_size(toks), 5);
+    ASSERT_EQ_INT(json_array_size(top), 5);
+    ASSERT_EQ_INT(json_integer_value(json_array_get(off, 0)), 0);
+    for (size_t i = 0; i < 5; i++) {
+        if (i)
+            ASSERT(json_integer_value(json_array_get(off, i)) >=
+                   json_integer_value(json_array_get(off, i - 1)));
+        double v = json_number_value(json_array_get(tl, i));
+        ASSERT(v <= 0 && v >= -9999.0);
+        json_t *d = json_array_get(top, i);
+        ASSERT(json_object_size(d) >= 1 && json_object_size(d) <= 3);
+        /* greedy: the sampled token is the most likely one */
+        const char *k;
+        json_t *x;
+        json_object_foreach(d, k, x) ASSERT(json_number_value(x) <= v + 1e-6);
+    }
+    json_decref(o);
+    resp_free(&r);
+
+    ASSERT(http_do(g_port, "POST", "/v1/chat/completions", NULL,
+                   "{\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"}],\"max_tokens\":3,"
+                   "\"temperature\":0,\"ignore_eos\":true,\"logprobs\":true,\"top_logprobs\":3,"
+                   "\"stream\":true}",
+                   &r) == 0);
+    ASSERT_MSG(r.status == 200, "status %d: %s", r.status, r.body);
+    char *ev[16];
+    int n = cl_sse_events(r.body, ev, 16);
+    ASSERT_EQ_INT(n, 1 + 3 + 1);
+    for (int i = 1; i <= 3; i++) {
+        json_t *e = json_loads(ev[i], 0, NULL);
+        ASSERT(e);
+        json_t *c = json_object_get(
+            json_object_get(json_array_get(json_object_get(e, "choices"), 0), "logprobs"),
+            "content");
+        ASSERT_EQ_INT(json_array_size(c), 1);
+        json_t *item = json_array_get(c, 0);
+        keys_of(item, keys, sizeof keys);
+        ASSERT_STR_EQ(keys, "token,logprob,bytes,top_logprobs");
+        const char *tok = json_string_value(json_object_get(item, "token"));
+        json_t *bytes = json_object_get(item, "bytes");
+        ASSERT_EQ_INT(json_array_size(bytes), strlen(tok));
+        for (size_t j = 0; j < strlen(tok); j++)
+            ASSERT_EQ_INT(json_integer_value(json_array_get(bytes, j)), (unsigned char)tok[j]);
+        json_t *tops = json_object_get(item, "top_logprobs");
+        ASSERT_EQ_INT(json_array_size(tops), 3);
+        for (size_t j = 1; j < 3; j++)
+            ASSERT(json_number_value(json_object_get(json_array_get(tops, j), "logprob")) <=
+                   json_number_value(json_object_get(json_array_get(tops, j - 1), "logprob")));
+        json_decref(e);
+    }
+    resp_free(&r);
+}
+
+TEST(sched_legacy_generate)
+{
+    FIXTURE();
+    http_resp r;
+    ASSERT(http_do(g_port_legacy, "POST", "/v1/completions", NULL, "{\"prompt\":\"a\"}", &r) == 0);
+    ASSERT_EQ_INT(r.status, 404);
+    resp_free(&r);
+    ASSERT(http_do(g_port_legacy, "POST", "/generate", "Content-Type: text/plain\r\n",
+                   "{\"prompt\":\"San Francisco is a\",\"max_tokens\":6,\"temperature\":0,"
+                   "\"ignore_eos\":true}",
+                   &r) == 0);
+    ASSERT_MSG(r.status == 200, "status %d: %s", r.status, r.body);
+    const char *pre = "{\"text\":[\"San Francisco is a";
+    ASSERT_MSG(strncmp(r.body, pre, strlen(pre)) == 0, "body %s", r.body);
+    json_t *o = json_loads(r.body, 0, NULL);
+    ASSERT(o);
+    char full[4096];
+    snprintf(full, sizeof full, "%s",
+             json_string_value(json_array_get(json_object_get(o, "text"), 0)));
+    json_decref(o);
+    resp_free(&r);
+    ASSERT(http_do(g_port_legacy, "POST", "/generate", NULL,
+                   "{\"prompt\":\"San Francisco is a\",\"max_tokens\":6,\"temperature\":0,"
+                   "\"ignore_eos\":true,\"stream\":true}",
+                   &r) == 0);
+    ASSERT_MSG(r.status == 200, "status %d: %s", r.status, r.body);
+    char h[64];
+    ASSERT_STR_EQ(header(&r, "Content-Type", h, sizeof h), "application/x-ndjson");
+    int lines = 0;
+    char last[4096] = "";
+    for (char *save = NULL, *line = strtok_r(r.body, "\n", &save); line;
+         line = strtok_r(NULL, "\n", &save)) {
+        const char *lpre = "{\"text\": [\"San Francisco is a";
+        ASSERT_MSG(strncmp(line, lpre, strlen(lpre)) == 0, "line %s", line);
+        json_t *e = json_loads(line, 0, NULL);
+        ASSERT(e);
+        const char *t = json_string_value(json_array_get(json_object_get(e, "text"), 0));
+        ASSERT(strncmp(t, last, strlen(last)) == 0); /* cumulative */
+        snprintf(last, sizeof last, "%s", t);
+        json_decref(e);
+        lines++;
+    }
+    ASSERT_EQ_INT(lines, 6);
+    ASSERT_STR_EQ(last, full);
+    resp_free(&r);
+    ASSERT(http_do(g_port_legacy, "POST", "/generate", NULL, "{\"prompt\":\"a\",\"echo\":true}",
+                   &r) == 0);
+    ASSERT_EQ_INT(r.status, 400);
+    ASSERT_CONTAINS(r.body, "\"message\":\"Unsupported sampling parameter: `echo`.\"");
+    resp_free(&r);
+    ASSERT(http_do(g_port_legacy, "POST", "/generate", NULL, "{\"max_tokens\":3}", &r) == 0);
+    ASSERT_EQ_INT(r.status, 400);
+    ASSERT_CONTAINS(r.body, "\"message\":\"The field `prompt` is required.\"");
+    resp_free(&r);
+    ASSERT(http_do(g_port_legacy, "POST", "/generate", NULL, "{\"prompt\":[1]}", &r) == 0);
+    ASSERT_EQ_INT(r.status, 400);
+    ASSERT_CONTAINS(r.body, "\"message\":\"The field `prompt` must be a string.\"");
+    resp_free(&r);
+}
+
+/* The official OpenAI Node SDK against pd-scheduler (skipped when the SDK is not cached:
+ * tests/npm_cache.sh openai@4). */
+TEST(sched_openai_node_sdk)
+{
+    FIXTURE();
+    const char *cache = getenv("PD_NPM_CACHE");
+    const char *root = getenv("PD_SOURCE_ROOT");
+    char cdir[700], pkg[800];
+    if (cache)
+        snprintf(cdir, sizeof cdir, "%s", cache);
+    else
+        snprintf(cdir, sizeof cdir, "%s/.cache/npm", root ? root : ".");
+    snprintf(pkg, sizeof pkg, "%s/node_modules/openai/package.json", cdir);
+    if (access(pkg, R_OK) != 0)
+        SKIP("openai SDK not in the npm cache (tests/npm_cache.sh openai@4)");
+    char script[800], url[64], out[800], cenv[PATH_MAX + 32];
+    snprintf(script, sizeof script, "%s/scheduler/openai_sdk.mjs", pdt_data_dir());
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/v1", g_port);
+    snprintf(out, sizeof out, "%s/openai_sdk.out", g_c.dir);
+    char abs[PATH_MAX];
+    snprintf(cenv, sizeof cenv, "PD_NPM_CACHE=%s", realpath(cdir, abs) ? abs : cdir);
+    char *argv[] = {"/usr/bin/node", script, url, "tiny", NULL};
+    char *env[] = {cenv, NULL};
+    cl_proc p;
+    ASSERT(cl_spawn(&p, "node", argv, env, out) == 0);
+    int st = cl_wait(&p, 60000);
+    if (st != 0) cl_dump_log(&p, 20);
+    ASSERT_EQ_INT(st, 0);
+}
