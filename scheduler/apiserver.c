@@ -68,7 +68,8 @@ static int load_model(pd_apiserver *s)
 {
     const pd_apiserver_params *p = &s->p;
     char path[4096];
-    PD_CHECK(pd_tok_load(p->model, &s->tok));
+    const char *tok_dir = p->tokenizer ? p->tokenizer : p->model; /* as vLLM's --tokenizer */
+    PD_CHECK(pd_tok_load(tok_dir, &s->tok));
     snprintf(path, sizeof path, "%s/config.json", p->model);
     pd_model_config cfg;
     PD_CHECK(pd_model_config_load(path, &cfg));
@@ -80,8 +81,8 @@ static int load_model(pd_apiserver *s)
     if (access(path, F_OK) == 0) PD_CHECK(pd_generation_config_load(path, &s->gen));
     /* chat template: a model without one still serves completions */
     char *src = NULL, *what = NULL, *tsrc = NULL, *twhat = NULL;
-    int rc = pd_chat_select(p->model, p->chat_template, false, &src, &what);
-    if (rc == PD_OK) rc = pd_chat_select(p->model, p->chat_template, true, &tsrc, &twhat);
+    int rc = pd_chat_select(tok_dir, p->chat_template, false, &src, &what);
+    if (rc == PD_OK) rc = pd_chat_select(tok_dir, p->chat_template, true, &tsrc, &twhat);
     if (rc == PD_OK && src) rc = pd_chat_compile(src, what, &s->tmpl);
     if (rc == PD_OK && src && tsrc && strcmp(tsrc, src) != 0) /* a list with a 'tool_use' entry */
         rc = pd_chat_compile(tsrc, twhat, &s->tmpl_tools);

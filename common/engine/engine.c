@@ -229,8 +229,10 @@ int pd_engine_create(const pd_engine_params *params, pd_engine **out)
     }
     e->p.model = NULL;
     e->tok = e->p.tok;
-    if (!e->tok && e->p.model_dir && file_exists(e->p.model_dir, "tokenizer.json")) {
-        PD_CHECK_GOTO(pd_tok_load(e->p.model_dir, &e->own_tok), rc, fail);
+    /* a tokenizer named by --tokenizer must load; the model's own is optional */
+    const char *tok_dir = e->p.tokenizer_dir ? e->p.tokenizer_dir : e->p.model_dir;
+    if (!e->tok && tok_dir && (e->p.tokenizer_dir || file_exists(tok_dir, "tokenizer.json"))) {
+        PD_CHECK_GOTO(pd_tok_load(tok_dir, &e->own_tok), rc, fail);
         e->tok = e->own_tok;
     }
     PD_CHECK_GOTO(check_params(e), rc, fail);

@@ -63,6 +63,7 @@ typedef void (*pd_engine_logits_fn)(void *ctx, const char *request_id, uint32_t 
 typedef struct {
     /* -- model: a directory to load, or an already loaded model (borrowed) ------------------ */
     const char *model_dir; /* NULL: use model */
+    const char *tokenizer_dir; /* --tokenizer: tokenizer.json from here; NULL: model_dir's */
     const pd_model *model; /* borrowed, used when model_dir is NULL; must outlive create */
     const pd_tok *tok;     /* borrowed tokenizer; NULL: loaded from model_dir when it has a
                               tokenizer.json; with neither, events carry no text and stop

@@ -458,6 +458,11 @@ static int node_device(pd_node *n, pd_engine_params *ep)
                             "--dtype %s: the CPU backend computes in float32 (use auto or "
                             "float32, or --device cuda)",
                             p->dtype);
+        if (p->gpu_memory_utilization_set)
+            PD_INFO(NULL,
+                    "--gpu-memory-utilization %g: no effect on the CPU backend, whose KV pool is "
+                    "--kv-cache-bytes",
+                    p->engine.gpu_memory_utilization);
         return PD_OK;
     }
 #if PD_HAVE_CUDA

@@ -22,6 +22,17 @@ static int apply_enforce_eager(void *params, const char *flag, const char *value
     return PD_OK;
 }
 
+/* --gpu-memory-utilization: the CUDA backend's KV sizing; noted as given, so that the CPU
+ * backend says it has no effect there (its pool is --kv-cache-bytes). */
+static int apply_gpu_memory_utilization(void *params, const char *flag, const char *value)
+{
+    pd_node_params *p = params;
+    (void)flag;
+    p->engine.gpu_memory_utilization = strtod(value, NULL); /* checked by the table */
+    p->gpu_memory_utilization_set = true;
+    return PD_OK;
+}
+
 static int apply_log_level(void *params, const char *flag, const char *value)
 {
     (void)params;
@@ -34,6 +45,10 @@ static int apply_log_level(void *params, const char *flag, const char *value)
 #define B(flag, type, field) PD_BIND(pd_node_params, flag, type, field)
 static const pd_flag_bind BINDS[] = {
     B("--model", PD_BIND_STR, engine.model_dir),
+    {.name = "--tokenizer",
+     .type = PD_BIND_STR,
+     .off = offsetof(pd_node_params, engine.tokenizer_dir),
+     .dflt = "--model"},
     {.name = "--served-model-name",
      .type = PD_BIND_STR,
      .off = offsetof(pd_node_params, served_model_name),
@@ -79,7 +94,10 @@ static const pd_flag_bind BINDS[] = {
     B("--device", PD_BIND_STR, device),
     B("--dtype", PD_BIND_STR, dtype),
     {.name = "--quantization", .type = PD_BIND_NONE, .dflt = "none"},
-    B("--gpu-memory-utilization", PD_BIND_F64, engine.gpu_memory_utilization),
+    {.name = "--gpu-memory-utilization",
+     .type = PD_BIND_FUNC,
+     .fn = apply_gpu_memory_utilization,
+     .dflt = "0.9"},
     B("--kv-transport", PD_BIND_STR, kv_transport),
     B("--kv-lease-seconds", PD_BIND_INT, kv_lease_s),
     {.name = "--shutdown-timeout",

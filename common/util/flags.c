@@ -22,6 +22,7 @@ typedef struct {
     const char *unit;    /* NUMBER's range message: "seconds", "GiB"; NULL: "a number" */
     const char *const *choices; /* CHOICE: the values, NULL-terminated; "alias=value" entries
                                    are other spellings of a value listed before them */
+    const char *why;            /* CHOICE: why a value not listed is refused (in the message) */
     const char *env;            /* the environment variable read when the flag is not given */
     bool negatable;             /* SWITCH: --no-<name> */
     const char *help;
@@ -34,6 +35,8 @@ typedef struct {
 static const flag_def TABLE[] = {
     /* every role */
     {"--model", PD_FLAG_STRING, PD_ROLE_ALL, "DIR", .help = "Hugging Face model directory (required)"},
+    {"--tokenizer", PD_FLAG_STRING, PD_ROLE_ALL, "DIR",
+     .help = "tokenizer directory (tokenizer.json, tokenizer_config.json, chat template)"},
     {"--served-model-name", PD_FLAG_NAMES, PD_ROLE_ALL, "N [N...]", .help = "model names"},
     {"--host", PD_FLAG_STRING, PD_ROLE_ALL, "ADDR", .help = "bind address"},
     {"--port", PD_FLAG_INT, PD_ROLE_ALL, "PORT", 0, 65535, .help = "port"},
@@ -124,6 +127,18 @@ static const flag_def TABLE[] = {
     {"--disable-log-requests", PD_FLAG_SWITCH, .roles = 0},
     {"--disable-log-stats", PD_FLAG_SWITCH, .roles = 0},
     {"--trust-remote-code", PD_FLAG_SWITCH, .roles = 0},
+    {"--revision", PD_FLAG_STRING, 0, "REV", .help = "the model is read from a local directory"},
+    {"--load-format", PD_FLAG_CHOICE, 0, NULL, .choices = CHOICES("auto", "safetensors"),
+     .why = "pdserve reads safetensors checkpoints"},
+    {"--tokenizer-mode", PD_FLAG_CHOICE, 0, NULL, .choices = CHOICES("auto", "slow", "hf"),
+     .why = "pdserve has one tokenizer, of tokenizer.json"},
+    {"--use-v2-block-manager", PD_FLAG_SWITCH, .roles = 0},
+    {"--enable-chunked-prefill", PD_FLAG_SWITCH, .roles = 0, .negatable = true,
+     .help = "a prompt is prefilled in one step: --max-num-batched-tokens >= --max-model-len"},
+    {"--distributed-executor-backend", PD_FLAG_CHOICE, 0, NULL, .choices = CHOICES("mp", "uni"),
+     .why = "an instance runs its tensor-parallel ranks as threads of one process"},
+    {"--disable-custom-all-reduce", PD_FLAG_SWITCH, .roles = 0,
+     .help = "the all-reduce is NCCL's on CUDA, the host's on the CPU"},
 };
 /* clang-format on */
 
@@ -185,7 +200,8 @@ static int choice_index(const flag_def *d, const char *v, int *index)
                               : i == n - 1 ? " or "
                                            : ", ",
                               d->choices[i]);
-    return pd_error(PD_EINVAL, "%s: expected %s, got '%s'", label(d), list, v);
+    return pd_error(PD_EINVAL, "%s: expected %s, got '%s'%s%s%s", label(d), list, v,
+                    d->why ? " (" : "", d->why ? d->why : "", d->why ? ")" : "");
 }
 
 /* Checks value v of d (NULL for a switch); the parsed number in *num, the choice in *index. */
@@ -285,7 +301,9 @@ int pd_flags_parse(unsigned role, const pd_flag_bind *binds, size_t n_binds, int
         bool again = given[d - TABLE];
         given[d - TABLE] = true;
         if (d->roles == 0) {
-            PD_INFO(NULL, "%s: a vLLM flag with no effect in pdserve; ignored", d->name);
+            PD_INFO(NULL, "%s%s%s%s: a vLLM flag with no effect in pdserve%s%s; ignored",
+                    negated ? "--no-" : "--", d->name + 2, v ? " " : "", v ? v : "",
+                    d->help ? ": " : "", d->help ? d->help : "");
             continue;
         }
         const pd_flag_bind *b = (d->roles & role) ? find_bind(d, binds, n_binds) : NULL;

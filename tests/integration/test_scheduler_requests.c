@@ -4,8 +4,12 @@
 #define _GNU_SOURCE
 #include "scheduler_common.h"
 
+#include <dirent.h>
+#include <errno.h>
 #include <limits.h>
 #include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 typedef struct {
@@ -357,4 +361,83 @@ TEST(sched_openai_node_sdk)
     int st = cl_wait(&p, 60000);
     if (st != 0) cl_dump_log(&p, 20);
     ASSERT_EQ_INT(st, 0);
+}
+
+/* The greedy answer's text from the scheduler on port (malloc'd), or NULL: body to path, the
+ * first choice's message content (chat) or text. */
+static char *answer_text(int port, const char *path, const char *body)
+{
+    http_resp r;
+    if (http_do(port, "POST", path, NULL, body, &r) != 0) return NULL;
+    json_t *o = r.status == 200 ? json_loads(r.body, 0, NULL) : NULL;
+    if (!o) printf("    %s: status %d: %s\n", path, r.status, r.body ? r.body : "");
+    json_t *c = json_array_get(json_object_get(o, "choices"), 0);
+    json_t *m = json_object_get(c, "message");
+    const char *t = json_string_value(m ? json_object_get(m, "content") : json_object_get(c, "text"));
+    char *out = t ? strdup(t) : NULL;
+    json_decref(o);
+    resp_free(&r);
+    return out;
+}
+
+/* --tokenizer DIR (vLLM's) on every role: the tokenizer and the chat template come from DIR, the
+ * rest of the model from --model. A 1P1D cluster and its scheduler on a model directory without
+ * tokenizer files answer as the fixture's do: chat (the template), and a stop string (which the
+ * decode instance needs the tokenizer for). Without --tokenizer that directory is refused at
+ * start-up, naming the file. */
+TEST(sched_tokenizer_from_another_directory)
+{
+    FIXTURE();
+    char dir[700], src[1000], dst[1000];
+    snprintf(dir, sizeof dir, "%s/model-without-tokenizer", pdt_tmp_dir());
+    ASSERT(mkdir(dir, 0755) == 0 || errno == EEXIST);
+    DIR *d = opendir(g_model);
+    ASSERT(d);
+    for (struct dirent *e; (e = readdir(d));) {
+        if (e->d_name[0] == '.' || strncmp(e->d_name, "tokenizer", 9) == 0 ||
+            strncmp(e->d_name, "chat_template", 13) == 0)
+            continue;
+        snprintf(src, sizeof src, "%s/%s", g_model, e->d_name);
+        snprintf(dst, sizeof dst, "%s/%s", dir, e->d_name);
+        if (symlink(src, dst) != 0 && errno != EEXIST) break;
+    }
+    closedir(d);
+    char *tok[] = {"--tokenizer", g_model, NULL};
+    cl_cluster c2;
+    ASSERT_OK(cl_start(&c2, dir, "0", "1", tok));
+    char *with[] = {"--model", dir, "--tokenizer", g_model, NULL};
+    cl_proc sp;
+    int port = 0;
+    int started = start_scheduler_on(&c2, &sp, &port, "scheduler_tokenizer", with, "1");
+    const char *chat = "{\"model\":\"tiny\",\"messages\":[{\"role\":\"user\",\"content\":\"Tell "
+                       "me a story\"}],\"max_tokens\":12,\"temperature\":0}";
+    const char *stop = "{\"model\":\"tiny\",\"prompt\":\"Once upon a time\",\"max_tokens\":16,"
+                       "\"temperature\":0,\"ignore_eos\":true,\"stop\":[\"e\"]}";
+    char *got[2] = {NULL, NULL}, *want[2] = {NULL, NULL};
+    if (started == 0) {
+        got[0] = answer_text(port, "/v1/chat/completions", chat);
+        got[1] = answer_text(port, "/v1/completions", stop);
+    }
+    want[0] = answer_text(g_port, "/v1/chat/completions", chat);
+    want[1] = answer_text(g_port, "/v1/completions", stop);
+    int stopped = started == 0 ? cl_stop(&sp, 10000) : 0;
+    cl_stop_all(&c2);
+    ASSERT_MSG(started == 0, "pd-scheduler with --tokenizer did not start");
+    for (int i = 0; i < 2; i++) {
+        ASSERT_MSG(got[i] && want[i], "request %d failed", i);
+        printf("    through --tokenizer: \"%s\"\n", got[i]);
+        ASSERT_STR_EQ(got[i], want[i]);
+        free(got[i]);
+        free(want[i]);
+    }
+    ASSERT_EQ_INT(stopped, 0);
+    char *without[] = {"--model", dir, NULL};
+    ASSERT_MSG(start_scheduler(&sp, &port, "scheduler_no_tokenizer", without, "1") != 0,
+               "pd-scheduler started on a model directory without a tokenizer");
+    cl_stop(&sp, 10000);
+    char cmd[900];
+    snprintf(cmd, sizeof cmd,
+             "grep -q 'model-without-tokenizer/tokenizer.json' '%s/scheduler_no_tokenizer.log'",
+             g_c.dir);
+    ASSERT_MSG(system(cmd) == 0, "the start-up error does not name tokenizer.json");
 }

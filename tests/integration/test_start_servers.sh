@@ -30,7 +30,9 @@ out=$(env -u GLOBAL_RANK_TABLE_FILE_PATH -u RANK_TABLE_FILE_PATH sh "$src/deploy
 grep -q "Per-instance launcher" <<<"$out" || fail "sh start_servers.sh --help: no usage: $out"
 
 # one command line serves every role, with vLLM's flags too: each role parses it, then --help
-noop=(--disable-log-requests --disable-log-stats --trust-remote-code)
+noop=(--disable-log-requests --disable-log-stats --trust-remote-code --use-v2-block-manager
+      --enable-chunked-prefill --disable-custom-all-reduce --revision main --load-format safetensors
+      --tokenizer-mode auto --distributed-executor-backend mp)
 for form in space eq; do
     if [ $form = space ]; then
         more=(--device cuda --served-model-name tiny tiny-alias --shutdown-timeout 2.5 --swap-space 16)
@@ -43,7 +45,9 @@ for form in space eq; do
             fail "role of table $table refused the common command line ($form): $out"
         grep -q "^usage: .*pd-\(scheduler\|prefill\|decode\)" <<<"$out" || fail "table $table: no --help text: $out"
         for f in --swap-space "${noop[@]}"; do
-            grep -q -- "$f: a vLLM flag with no effect in pdserve" <<<"$out" || fail "table $table: $f not logged: $out"
+            [[ $f == --* ]] || continue # a value
+            grep -q -- "$f\( [^ :]*\)\?: a vLLM flag with no effect in pdserve" <<<"$out" ||
+                fail "table $table: $f not logged: $out"
         done
         [ $table = host ] || grep -q -- "--enforce-eager: CUDA graphs off" <<<"$out" ||
             fail "table $table: --enforce-eager not applied: $out"
@@ -62,6 +66,7 @@ for exe in scheduler/pd-scheduler prefill_node/pd-prefill decode_node/pd-decode;
                 "--shutdown-timeout: expected seconds in [0, 86400]|--shutdown-timeout=-1" \
                 "--shutdown-timeout: expected seconds in [0, 86400]|--shutdown-timeout 1e9" \
                 "--swap-space: expected a number|--swap-space x" \
+                "got 'pt' (pdserve reads safetensors checkpoints)|--load-format pt" \
                 "--disable-log-requests takes no value|--disable-log-requests=1" \
                 "--enforce-eager takes no value|--enforce-eager=true"; do
         want=${spec%%|*}

@@ -391,6 +391,38 @@ TEST(flags_parse_refusals_and_other_roles)
     ASSERT_ERR(parse_flags(PD_ROLE_SCHEDULER, &p, other_bad), PD_EINVAL, "--max-num-seqs");
 }
 
+/* vLLM's flags that change nothing here are accepted in both spellings; a value pdserve cannot
+ * honour is refused with the reason. */
+TEST(flags_vllm_no_effect_values)
+{
+    flag_params p;
+    char *ok[] = {"x",
+                  "--revision",
+                  "main",
+                  "--load-format",
+                  "safetensors",
+                  "--tokenizer_mode",
+                  "auto",
+                  "--use-v2-block-manager",
+                  "--enable-chunked-prefill",
+                  "--no-enable-chunked-prefill",
+                  "--distributed-executor-backend=mp",
+                  "--disable-custom-all-reduce",
+                  NULL};
+    ASSERT_OK(parse_flags(PD_ROLE_PREFILL, &p, ok));
+    ASSERT_OK(parse_flags(PD_ROLE_SCHEDULER, &p, ok));
+    char *pt[] = {"x", "--load-format", "pt", NULL};
+    ASSERT_ERR(parse_flags(PD_ROLE_DECODE, &p, pt), PD_EINVAL,
+               "--load-format: expected auto or safetensors, got 'pt' (pdserve reads safetensors "
+               "checkpoints)");
+    char *ray[] = {"x", "--distributed-executor-backend", "ray", NULL};
+    ASSERT_ERR(parse_flags(PD_ROLE_DECODE, &p, ray), PD_EINVAL,
+               "--distributed-executor-backend: expected mp or uni, got 'ray' (an instance runs "
+               "its tensor-parallel ranks as threads of one process)");
+    char *mistral[] = {"x", "--tokenizer-mode", "mistral", NULL};
+    ASSERT_ERR(parse_flags(PD_ROLE_SCHEDULER, &p, mistral), PD_EINVAL, "one tokenizer");
+}
+
 /* The environment fills what the command line did not set (and only for the roles it is
  * bound in); the flag wins over its variable. */
 TEST(flags_environment_fallbacks)
