@@ -138,13 +138,42 @@ static void chain_started(choice *c, int ph, uint64_t id)
 {
     pthread_mutex_lock(&c->r->mu);
     c->call_id[ph] = id;
-    bool aborted = c->r->aborted;
+    /* aborted, or (a Prefill) its decode instance was lost before the id was known here */
+    bool cancel = c->r->aborted || (ph == PH_PREFILL && c->decode_lost);
     pthread_mutex_unlock(&c->r->mu);
-    if (aborted) pd_rpc_cancel(c->r->s->rpc, id);
+    if (cancel) pd_rpc_cancel(c->r->s->rpc, id);
 }
+
+/* Decode instances a choice moves on to after the first fails it before Decode. */
+enum { DECODE_RETRIES = 3 };
 
 static void on_prefill_done(void *arg, int st, const char *details, const uint8_t *resp,
                             size_t len);
+
+/* c's decode instance failed it before anything reached the client (its Reserve found it gone,
+ * or it did not take the prompt's KV): the reservation is given up and the loop picks another
+ * decode instance for c (srv_admit_wait). gone: the instance cannot be reached, so it leaves
+ * the routing set now (not for a refusal: its other streams may be well). Should it come back,
+ * it drops the reservation nobody will use. */
+static void retry_decode(choice *c, const char *what, const char *details, bool gone)
+{
+    sreq *r = c->r;
+    c->reserve_tries++;
+    PD_WARN(r->id, "%s of %s on %s failed: %s; trying another decode instance", what, c->sub_id,
+            pd_reg_name(r->s->reg, c->d_node), details);
+    if (gone) pd_reg_report_failure(r->s->reg, c->d_node, details);
+    srv_send_abort(r->s, c->d_node, c->sub_id);
+    free(c->block_ids);
+    c->block_ids = NULL;
+    c->n_block_ids = 0;
+    pthread_mutex_lock(&r->mu);
+    c->in_phase[PH_PREFILL] = false; /* the next Reserve is the call in flight */
+    c->call_id[PH_PREFILL] = 0;
+    c->decode_lost = false;
+    c->reserve_retry = true;
+    srv_post_ready(r);
+    pthread_mutex_unlock(&r->mu);
+}
 
 static void start_prefill(choice *c)
 {
@@ -211,6 +240,25 @@ static void on_prefill_done(void *arg, int st, const char *details, const uint8_
         return;
     }
     Pd__PrefillReply *m = st == PD_RPC_OK ? pd__prefill_reply__unpack(NULL, len, resp) : NULL;
+    pthread_mutex_lock(&r->mu);
+    bool decode_lost = c->decode_lost;
+    pthread_mutex_unlock(&r->mu);
+    if (!m && (st == PD_RPC_ABORTED || decode_lost) && c->reserve_tries < DECODE_RETRIES) {
+        /* the decode side did not take the KV (ABORTED: gone, refused or out of time), or left
+           the routing set meanwhile (instance_lost cancelled the call): nothing has reached the
+           client, so the prompt goes to another decode instance, prefilled again */
+        srv_send_abort(s, pk, c->sub_id);
+        int64_t charged = 0;
+        int next = srv_pick_for(s, c, RT_ROLE_PREFILL, -1, &charged);
+        if (next >= 0) {
+            c->p_tokens = charged;
+            pthread_mutex_lock(&r->mu);
+            c->p_node = next;
+            pthread_mutex_unlock(&r->mu);
+            retry_decode(c, "Prefill", details, false);
+            return;
+        }
+    }
     if (!m || !m->first) {
         /* nothing has reached the client: try another prefill instance */
         PD_WARN(r->id, "Prefill of %s on %s failed: %s: %s", c->sub_id, pd_reg_name(s->reg, pk),
@@ -303,19 +351,10 @@ static void on_reserve_done(void *arg, int st, const char *details, const uint8_
         srv_chain_end(c);
         return;
     }
-    if ((st == PD_RPC_UNAVAILABLE || st == PD_RPC_CANCELLED) && c->reserve_tries < 2) {
+    if ((st == PD_RPC_UNAVAILABLE || st == PD_RPC_CANCELLED) && c->reserve_tries < DECODE_RETRIES) {
         /* the instance died since the last heartbeat (or the heartbeat found it gone while the
-           call waited: instance_lost cancelled it): out of routing now, and another one; should
-           it come back, it drops the reservation nobody will use */
-        c->reserve_tries++;
-        PD_WARN(r->id, "Reserve of %s on %s failed: %s; trying another decode instance", c->sub_id,
-                pd_reg_name(r->s->reg, c->d_node), details);
-        pd_reg_report_failure(r->s->reg, c->d_node, details);
-        srv_send_abort(r->s, c->d_node, c->sub_id);
-        pthread_mutex_lock(&r->mu);
-        c->reserve_retry = true;
-        srv_post_ready(r);
-        pthread_mutex_unlock(&r->mu);
+           call waited: instance_lost cancelled it) */
+        retry_decode(c, "Reserve", details, true);
         return;
     }
     if (st == PD_RPC_RESOURCE_EXHAUSTED) {

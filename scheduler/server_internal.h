@@ -101,6 +101,7 @@ typedef struct choice {
     bool kv_reported;
     bool admit_wait;    /* Reserve was refused for lack of KV: the loop queues the choice */
     bool reserve_retry; /* Reserve found its decode instance gone: the loop picks another */
+    bool decode_lost;   /* its decode instance left the routing set while it prefilled */
     bool rx_paused;     /* its Decode stream waits until the loop has taken the pending records */
     bool relayed;       /* its events come over the decode instance's relay (under r->mu) */
     bool final_rx;      /* its final event arrived (under r->mu) */
@@ -109,7 +110,7 @@ typedef struct choice {
     uint64_t pause_seq; /* relayed: Pause calls sent (under r->mu) */
     pd_idmap_link map_link; /* in the rpc thread's request-id map (cmap), keyed by sub_id */
     bool mapped;
-    int reserve_tries; /* rpc thread */
+    int reserve_tries; /* decode instances tried after the first (rpc thread) */
     bool admitted;     /* a retried Reserve succeeded */
     /* admission queue (loop thread) */
     bool in_queue, retrying;

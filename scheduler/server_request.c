@@ -488,9 +488,10 @@ void srv_on_instance_change(void *arg, int k, bool up)
 }
 
 /* Instance k left the routing set: a prefill call waiting on it is cancelled (its callback
- * retries on another prefill instance), and so is a Reserve call (its callback tries another
- * decode instance: nothing has been streamed for the request); a request decoding on it fails
- * with the contract's in-band error. */
+ * retries on another prefill instance). A choice whose decode instance it was and whose Decode
+ * has not started has streamed nothing: its Reserve call, or its Prefill call (whose KV was
+ * bound for k), is cancelled, and the callback tries another decode instance. A request
+ * decoding on it fails with the contract's in-band error. */
 static void instance_lost(pd_apiserver *s, int k)
 {
     bool decode = pd_reg_role(s->reg, k) == RT_ROLE_DECODE;
@@ -503,18 +504,26 @@ static void instance_lost(pd_apiserver *s, int k)
             if (!c->chain_running || c->in_queue || c->deferred)
                 continue; /* queued: picks again on retry; deferred: picks when it starts */
             pthread_mutex_lock(&r->mu);
-            bool pre = c->p_node == k && c->in_phase[PH_PREFILL] && !c->in_phase[PH_DECODE];
+            bool decoding = c->in_phase[PH_DECODE];
+            bool prefilling = c->in_phase[PH_PREFILL] && !decoding;
+            bool on_k = c->p_node == k;
             uint64_t id = c->call_id[PH_PREFILL];
             bool reserving = c->in_phase[PH_RESERVE] && !c->in_phase[PH_PREFILL];
             uint64_t rid = c->call_id[PH_RESERVE];
             bool done = c->chain_done || c->reserve_retry; /* retry: picks another instance */
+            bool mine = decode && c->d_node == k && !done;
+            if (mine && prefilling) c->decode_lost = true;
             pthread_mutex_unlock(&r->mu);
             if (done) continue;
-            if (!decode && pre && id) pd_rpc_cancel(s->rpc, id);
-            if (decode && c->d_node == k && reserving && rid)
-                pd_rpc_cancel(s->rpc, rid);
-            else if (decode && c->d_node == k)
+            if (!decode && on_k && prefilling && id) pd_rpc_cancel(s->rpc, id);
+            if (!mine) continue;
+            if (decoding)
                 fail = true;
+            else if (prefilling && id)
+                pd_rpc_cancel(s->rpc, id);
+            else if (reserving && rid)
+                pd_rpc_cancel(s->rpc, rid);
+            /* else the Reserve is being sent: it fails or, answered, its KV transfer does */
         }
         if (fail) {
             PD_WARN(r->id, "decode instance %s left the routing set", pd_reg_name(s->reg, k));

@@ -162,11 +162,10 @@ static void *transfer_worker(void *arg)
             snprintf(n->kv_transport, sizeof n->kv_transport, "%s", transport);
         pthread_mutex_unlock(&n->mu);
         if (rc < 0) {
+            /* the decode side did not take the KV (gone, refused, out of time): ABORTED tells
+               the scheduler to reserve on a decode instance again; an abort stays CANCELLED */
             PD_WARN(r->id, "%s; KV released", msg);
-            pd_rpc_fail(r->call,
-                        node_rpc_status(rc) == PD_RPC_INTERNAL ? PD_RPC_UNAVAILABLE
-                                                               : node_rpc_status(rc),
-                        msg);
+            pd_rpc_fail(r->call, rc == PD_ECANCELLED ? PD_RPC_CANCELLED : PD_RPC_ABORTED, msg);
         } else {
             Pd__PrefillReply m = PD__PREFILL_REPLY__INIT;
             m.first = j->first;

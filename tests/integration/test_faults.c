@@ -484,6 +484,71 @@ TEST(faults_pending_reserve_on_lost_decode_retried)
     ASSERT_MSG(idle, "the decode instance kept the cancelled reservation");
 }
 
+static int64_t st_reserved(const Pd__StatsReply *s)
+{
+    return s->reserved_tokens;
+}
+
+/* 8 streams reserve on both decode instances while the prefill instances are held (SIGSTOP, for
+ * less than a heartbeat's deadline); then decode instance 1 gets sig and the prefill instances
+ * go on. The tally of the streams, within 30 s. */
+static stream_tally decode_lost_round(int sig, bool *both, double *took)
+{
+    enum { N = 8 };
+    cl_signal(&g_c.procs[P0], SIGSTOP);
+    cl_signal(&g_c.procs[P1], SIGSTOP);
+    cl_conn cs[N];
+    int64_t t0 = pd_now_ns();
+    bool opened = open_streams(cs, N, 8) == 0;
+    *both = false;
+    while (opened && !*both && pd_now_ns() < t0 + 600 * PD_NS_PER_MS) {
+        *both = stat_of(D0, st_reserved) > 0 && stat_of(D1, st_reserved) > 0;
+        if (!*both) pd_sleep_ns(10 * PD_NS_PER_MS);
+    }
+    cl_signal(&g_c.procs[D1], sig);
+    cl_signal(&g_c.procs[P0], SIGCONT);
+    cl_signal(&g_c.procs[P1], SIGCONT);
+    stream_tally t = {.other = N};
+    if (opened) {
+        if (!cl_conn_wait_all(cs, N, CL_MS(30000))) printf("    a stream hung for 30 s\n");
+        t = tally(cs, N, t0);
+        close_all(cs, N);
+    }
+    *took = (double)(pd_now_ns() - t0) / 1e9;
+    return t;
+}
+
+/* A decode instance fails after its Reserve succeeded, before Decode started: nothing has reached
+ * the client, so the request goes to the other decode instance (Reserve, Prefill again) instead
+ * of failing. Killed: the KV transfers to it fail (Prefill ends with ABORTED), or the scheduler
+ * sees it leave first. Stopped: the transfers hang until the heartbeat takes it out of routing,
+ * which cancels those Prefill calls. Either way every stream completes on D0. Regression: such
+ * requests failed with a 500 (6 of 16 in an outside test). */
+TEST(faults_decode_lost_before_decode_rerouted)
+{
+    FIXTURE();
+    static const int sigs[] = {SIGKILL, SIGSTOP};
+    for (int i = 0; i < 2; i++) {
+        ASSERT(wait_idle(P0, 10000) && wait_idle(P1, 10000));
+        ASSERT(wait_idle(D0, 10000) && wait_idle(D1, 10000));
+        ASSERT_MSG(wait_instance(D1, 1, 10000), "decode instance 1 is not in routing");
+        bool both;
+        double took;
+        stream_tally t = decode_lost_round(sigs[i], &both, &took);
+        int rs = sigs[i] == SIGKILL ? cl_restart(&g_c, D1, CL_MS(30000))
+                                    : (cl_signal(&g_c.procs[D1], SIGCONT), 0);
+        printf("    decode instance 1 %s after its reservations: %d of 8 streams completed in "
+               "%.3f s, %d lost, %d other\n",
+               sigs[i] == SIGKILL ? "killed" : "stopped", t.ok, took, t.lost, t.other);
+        ASSERT_MSG(both, "not both decode instances held reservations within 0.6 s");
+        ASSERT_EQ_INT(t.ok, 8);
+        ASSERT_OK(rs);
+        ASSERT_MSG(wait_instance(D1, 1, 10000), "decode instance 1 did not rejoin");
+    }
+    ASSERT(wait_idle(D1, 10000));
+    ASSERT_MSG(reaches(D1), "no request reached decode instance 1 after it rejoined");
+}
+
 /* The decode side stops acknowledging while the prefill instance holds the KV under its lease:
  * (a) it stays stopped: the lease runs out and frees the KV; (b) it is killed and started again
  * on its port: the broken transfer frees the KV at once. Stats must show nothing held. */
@@ -583,6 +648,11 @@ TEST(faults_stuck_transfer_aborted)
     while (leases < N && pd_now_ns() < deadline) {
         leases = stat_of(P1, st_leases);
         pd_sleep_ns(20 * PD_NS_PER_MS);
+    }
+    if (leases < N) { /* what kept a transfer from being held: the instances' own words */
+        printf("    %lld of %d leases held after 10 s\n", (long long)leases, N);
+        cl_dump_log(&g_c.procs[P1], 40);
+        cl_dump_log(&g_c.procs[D0], 20);
     }
     int64_t t0 = pd_now_ns();
     for (int i = 0; i < N; i++) abort_on(P1, ids[i]);
