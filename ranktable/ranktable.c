@@ -9,7 +9,9 @@
 #include "ranktable/ranktable.h"
 #include "ranktable/rt_internal.h"
 
+#include <dirent.h>
 #include <stdarg.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -627,6 +629,42 @@ static int parse_failed(int rc, rt_report *rep)
     return rc;
 }
 
+/* a and b spell the same name but for underscores ("local_rank_table_x" and
+ * "local_ranktable_x"). */
+static bool same_but_underscores(const char *a, const char *b)
+{
+    for (;; a++, b++) {
+        while (*a == '_') a++;
+        while (*b == '_') b++;
+        if (*a != *b) return false;
+        if (!*a) return true;
+    }
+}
+
+/* pdj_load_file; a file that is missing but has a sibling spelt the same but for underscores
+ * (the guide exports local_rank_table_<ip>_<n>.json, pd-ranktable gen writes
+ * local_ranktable_<ip>_<n>.json) is refused naming the sibling. */
+static int load_file(const char *file, json_t **root)
+{
+    int rc = pdj_load_file(file, root);
+    if (rc != PD_ENOTFOUND) return rc;
+    const char *slash = strrchr(file, '/');
+    const char *base = slash ? slash + 1 : file;
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%.*s", slash ? (int)(slash - file) : 1, slash ? file : ".");
+    DIR *d = opendir(dir[0] ? dir : "/");
+    if (!d) return rc;
+    char near[256] = "";
+    for (struct dirent *e; !near[0] && (e = readdir(d));)
+        if (strcmp(e->d_name, base) != 0 && same_but_underscores(e->d_name, base))
+            snprintf(near, sizeof near, "%s", e->d_name);
+    closedir(d);
+    if (!near[0]) return rc;
+    return pd_error(rc, "%s: No such file or directory; %s%s%s exists next to it (pd-ranktable "
+                        "writes local_ranktable_<ip>_<n>.json)",
+                    file, slash ? dir : "", slash ? "/" : "", near);
+}
+
 int rt_global_load_string(const char *text, size_t len, const char *what, unsigned flags,
                           rt_report *report, rt_global **out)
 {
@@ -641,7 +679,7 @@ int rt_global_load_file(const char *file, unsigned flags, rt_report *report, rt_
 {
     *out = NULL;
     json_t *root = NULL;
-    int rc = pdj_load_file(file, &root);
+    int rc = load_file(file, &root);
     if (rc < 0) return parse_failed(rc, report);
     return global_from_json(root, file, flags, report, out);
 }
@@ -796,7 +834,7 @@ int rt_local_load_file(const char *file, unsigned flags, rt_report *report, rt_l
     (void)flags;
     *out = NULL;
     json_t *root = NULL;
-    int rc = pdj_load_file(file, &root);
+    int rc = load_file(file, &root);
     if (rc < 0) return parse_failed(rc, report);
     return local_from_json(root, file, report, out);
 }

@@ -75,7 +75,8 @@ static int load_model(pd_apiserver *s)
     PD_CHECK(pd_model_config_load(path, &cfg));
     s->vocab = (int32_t)cfg.vocab_size;
     if (pd_tok_vocab_size(s->tok) > s->vocab) s->vocab = pd_tok_vocab_size(s->tok);
-    s->L = p->max_model_len > 0 ? p->max_model_len : pd_model_max_len(&cfg, NULL);
+    s->L = p->max_model_len;
+    PD_CHECK(pd_model_resolve_max_len(&cfg, &s->L)); /* as the instances check it */
     s->gen = pd_generation_config_default();
     snprintf(path, sizeof path, "%s/generation_config.json", p->model);
     if (access(path, F_OK) == 0) PD_CHECK(pd_generation_config_load(path, &s->gen));

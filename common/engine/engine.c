@@ -112,19 +112,9 @@ static int check_params(pd_engine *e)
                         "parallel size (%d).",
                         (long long)c->num_attention_heads, p->tp_size);
     if (p->block_size == 0) return pd_error(PD_EINVAL, "block_size must be at least 1");
-    const char *key;
-    const int64_t derived = pd_model_max_len(c, &key);
-    if (p->max_model_len == 0) p->max_model_len = (size_t)derived;
-    if ((int64_t)p->max_model_len > derived)
-        return pd_error(PD_EINVAL,
-                        "User-specified max_model_len (%zu) is greater than the derived "
-                        "max_model_len (%s=%lld in model's config.json%s). This may lead to "
-                        "incorrect model outputs or CUDA errors.",
-                        p->max_model_len, key, (long long)derived,
-                        derived < c->max_position_embeddings
-                            ? "; attention is not windowed here, so the context stops at the "
-                              "window"
-                            : "");
+    int64_t len = (int64_t)p->max_model_len;
+    PD_CHECK(pd_model_resolve_max_len(c, &len));
+    p->max_model_len = (size_t)len;
     if (p->max_num_batched_tokens == 0)
         p->max_num_batched_tokens = p->max_model_len > 2048 ? p->max_model_len : 2048;
     pd_sched_params sp = {.max_num_seqs = p->max_num_seqs,

@@ -287,6 +287,24 @@ int64_t pd_model_max_len(const pd_model_config *c, const char **key)
     return window ? c->sliding_window : c->max_position_embeddings;
 }
 
+int pd_model_resolve_max_len(const pd_model_config *c, int64_t *max_model_len)
+{
+    const char *key;
+    const int64_t derived = pd_model_max_len(c, &key);
+    if (*max_model_len == 0) *max_model_len = derived;
+    if (*max_model_len > derived)
+        return pd_error(PD_EINVAL,
+                        "User-specified max_model_len (%lld) is greater than the derived "
+                        "max_model_len (%s=%lld in model's config.json%s). This may lead to "
+                        "incorrect model outputs or CUDA errors.",
+                        (long long)*max_model_len, key, (long long)derived,
+                        derived < c->max_position_embeddings
+                            ? "; attention is not windowed here, so the context stops at the "
+                              "window"
+                            : "");
+    return PD_OK;
+}
+
 int pd_model_config_from_json(const json_t *root, const char *what, pd_model_config *out)
 {
     int rc = config_parse(root, out);

@@ -88,6 +88,9 @@ json_t *pd_model_config_to_json(const pd_model_config *cfg);
  * vLLM does with --disable-sliding-window), which equals the model's sliding-window attention
  * only up to the window. *key (may be NULL) names the limiting config.json field. */
 int64_t pd_model_max_len(const pd_model_config *cfg, const char **key);
+/* --max-model-len against the model, the same on every role: 0 becomes pd_model_max_len; a
+ * larger value is refused with vLLM's message. */
+int pd_model_resolve_max_len(const pd_model_config *cfg, int64_t *max_model_len);
 
 /* "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM". */
 const char *pd_arch_name(pd_arch arch);

@@ -441,3 +441,22 @@ TEST(sched_tokenizer_from_another_directory)
              g_c.dir);
     ASSERT_MSG(system(cmd) == 0, "the start-up error does not name tokenizer.json");
 }
+
+/* --max-model-len past the model's positions is refused by pd-scheduler with the message the
+ * instances give, instead of being accepted there and refused only by them. */
+TEST(sched_max_model_len_checked_as_on_instances)
+{
+    FIXTURE();
+    char *over[] = {"--max-model-len", "4096", NULL};
+    cl_proc sp;
+    int port = 0;
+    ASSERT_MSG(start_scheduler(&sp, &port, "scheduler_too_long", over, "1") != 0,
+               "pd-scheduler started with --max-model-len 4096 on a 2048-position model");
+    cl_stop(&sp, 10000);
+    char cmd[900];
+    snprintf(cmd, sizeof cmd,
+             "grep -qF 'User-specified max_model_len (4096) is greater than the derived "
+             "max_model_len (max_position_embeddings=2048' '%s/scheduler_too_long.log'",
+             g_c.dir);
+    ASSERT_MSG(system(cmd) == 0, "the start-up error is not the instances' message");
+}

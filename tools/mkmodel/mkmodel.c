@@ -32,6 +32,7 @@
 #include "model/safetensors.h"
 #include "util/args.h"
 #include "util/clock.h"
+#include "util/fmt.h"
 #include "util/hash.h"
 #include "util/status.h"
 #include "util/threadpool.h"
@@ -313,6 +314,23 @@ done:
 
 /* Removes checkpoint files a previous run left in dir (model.safetensors, its index, shards
  * of any count): a stale index would otherwise shadow a new single-file checkpoint. */
+/* mkdir -p dir: the directory and any missing parents (0755); the failing one named. */
+static int make_dirs(const char *dir)
+{
+    char path[4096];
+    if (pd_str_copy(path, sizeof path, dir) >= sizeof path)
+        return pd_error(PD_EINVAL, "--out: path too long");
+    for (char *p = path + 1;; p++) {
+        bool end = *p == '\0';
+        if (*p != '/' && !end) continue;
+        *p = '\0';
+        if (mkdir(path, 0755) != 0 && errno != EEXIST)
+            return pd_error(PD_EIO, "--out: cannot create %s: %s", path, strerror(errno));
+        if (end) return PD_OK;
+        *p = '/';
+    }
+}
+
 static int remove_old_checkpoint(const char *dir)
 {
     DIR *d = opendir(dir);
@@ -740,8 +758,7 @@ static int run(int argc, char **argv)
     if (o.shards > n_tensors)
         return pd_error(PD_EINVAL, "--shards %d: the model has only %lld tensors", o.shards,
                         (long long)n_tensors);
-    if (mkdir(o.out, 0755) != 0 && errno != EEXIST)
-        return pd_error(PD_EIO, "%s: %s", o.out, strerror(errno));
+    PD_CHECK(make_dirs(o.out));
     PD_CHECK(remove_old_checkpoint(o.out));
     char path[4096];
     int64_t pad = -1;

@@ -217,6 +217,16 @@ TEST(mkmodel_presets_load)
     ASSERT_MSG(ok, "small model: %lld params", (long long)params);
 }
 
+/* --out a/b/c creates the missing parents, as mkdir -p. */
+TEST(mkmodel_out_creates_parents)
+{
+    NEED_MKMODEL();
+    ASSERT_EQ_INT(mkmodel("parents/of/tiny", "--preset tiny"), 0);
+    pd_model *m;
+    ASSERT_OK(pd_model_load(tmp_path("parents/of/tiny"), &m));
+    pd_model_free(m);
+}
+
 TEST(mkmodel_shape_variants_load)
 {
     NEED_MKMODEL();

@@ -343,6 +343,19 @@ TEST(rt_gen_guide_example)
     ASSERT_EQ_INT(role, RT_ROLE_SCHEDULER);
     rt_local_free(l);
     rt_global_free(g);
+    /* the guide's Steps 6-8 spell the local tables local_rank_table_*: the refusal names the
+       file gen wrote next to it */
+    snprintf(path, sizeof path, "%s/local_rank_table_10.1.1.18_45.json", dir);
+    char want_near[1200];
+    snprintf(want_near, sizeof want_near,
+             "local_rank_table_10.1.1.18_45.json: No such file or directory; "
+             "%s/local_ranktable_10.1.1.18_45.json exists next to it",
+             dir);
+    ASSERT_ERR(rt_local_load_file(path, 0, NULL, &l), PD_ENOTFOUND, want_near);
+    snprintf(path, sizeof path, "%s/local_ranktable_10.1.1.18_99.json", dir);
+    ASSERT_ERR(rt_local_load_file(path, 0, NULL, &l), PD_ENOTFOUND,
+               "local_ranktable_10.1.1.18_99.json: No such file or directory");
+    ASSERT(!strstr(pd_last_error(), "next to it"));
 }
 
 TEST(rt_gen_bad_arguments)
