@@ -126,10 +126,23 @@ static int load_model(pd_apiserver *s)
     return PD_OK;
 }
 
+size_t pd_apiserver_body_bytes_in_flight(const pd_apiserver_params *p)
+{
+    if (p->max_body_bytes_in_flight > 0) return (size_t)p->max_body_bytes_in_flight;
+    uint64_t one = (uint64_t)p->max_request_body_bytes;
+    return one > SIZE_MAX / 4 ? SIZE_MAX : (size_t)(4 * one);
+}
+
 int pd_apiserver_create(const pd_apiserver_params *p, pd_apiserver **out)
 {
     *out = NULL;
     if (!p->model) return pd_error(PD_EINVAL, "--model is required");
+    if (p->max_body_bytes_in_flight > 0 && p->max_body_bytes_in_flight < p->max_request_body_bytes)
+        return pd_error(PD_EINVAL,
+                        "--max-body-bytes-in-flight %lld is below --max-request-body-bytes %lld: "
+                        "a body of the largest size could never be received",
+                        (long long)p->max_body_bytes_in_flight,
+                        (long long)p->max_request_body_bytes);
     pd_apiserver *s = calloc(1, sizeof *s);
     if (!s) return pd_error(PD_ENOMEM, "out of memory");
     s->p = *p;
@@ -175,11 +188,13 @@ int pd_apiserver_create(const pd_apiserver_params *p, pd_apiserver **out)
     hp.host = p->host;
     hp.port = p->port;
     hp.max_body_bytes = (size_t)p->max_request_body_bytes;
+    hp.max_body_in_flight = pd_apiserver_body_bytes_in_flight(p);
     hp.idle_timeout_ms = (int)(p->keep_alive_s * 1000 + 0.5);
     hp.header_timeout_ms = (int)(p->header_timeout_s * 1000 + 0.5);
     hp.body_timeout_ms = (int)(p->body_timeout_s * 1000 + 0.5);
     PD_CHECK_GOTO(pd_http_server_start(&s->loop, &hp, srv_on_http, s, &s->http), rc, fail);
-    pd_http_server_on_too_large(s->http, srv_on_too_large);
+    pd_http_server_on_headers(s->http, srv_on_headers);
+    pd_http_server_on_refused(s->http, srv_on_refused);
     s->port = pd_http_server_port(s->http);
     pd_reg_set_max_model_len(s->reg, s->L); /* an instance with a smaller L stays out */
     PD_CHECK_GOTO(pd_reg_start(s->reg, p->heartbeat_ms, p->heartbeat_ms, srv_on_instance_change, s),

@@ -34,6 +34,9 @@ typedef struct {
     int64_t max_model_len;           /* --max-model-len; 0 = config.json max_position_embeddings */
     int64_t max_concurrent_requests; /* --max-concurrent-requests, default 4096, 0 = no limit */
     int64_t max_request_body_bytes;  /* --max-request-body-bytes, default 16 MiB */
+    /* --max-body-bytes-in-flight: request-body bytes of requests still arriving, over all
+     * connections, before new ones get 503; 0 (the default) = 4 x max_request_body_bytes */
+    int64_t max_body_bytes_in_flight;
     double queue_timeout_s;  /* --queue-timeout: longest wait for decode KV capacity, default 600 */
     double keep_alive_s;     /* --timeout-keep-alive: idle keep-alive connection, default 5 */
     double header_timeout_s; /* --header-timeout: first byte to last header, default 10 */
@@ -60,6 +63,9 @@ typedef struct {
 
 /* Built-in defaults; environment and flags are applied on top by pd_apiserver_parse_args. */
 pd_apiserver_params pd_apiserver_default_params(void);
+/* The bound of request-body bytes in flight that p gives (--max-body-bytes-in-flight, else 4 x
+ * --max-request-body-bytes). */
+size_t pd_apiserver_body_bytes_in_flight(const pd_apiserver_params *p);
 
 /* Applies argv[1..argc-1] and then, for what it did not set, the environment
  * (GLOBAL_RANK_TABLE_FILE_PATH, RANK_TABLE_FILE_PATH, NODE_PORTS, USE_OPENAI, VLLM_API_KEY) to

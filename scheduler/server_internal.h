@@ -346,8 +346,10 @@ void srv_lp_object(pd_sb *b, bool chat, pd_sb items[4]);
 /* ---- server_routes.c, server_metrics.c (loop thread) ----------------------------------------- */
 
 void srv_on_http(void *ctx, pd_http_exchange *ex);
-int srv_on_too_large(void *ctx, const pd_http_exchange *ex, char *message, size_t msg_cap,
-                     char *extra, size_t extra_cap);
+int srv_on_headers(void *ctx, const pd_http_exchange *ex, char *message, size_t msg_cap,
+                   char *extra, size_t extra_cap);
+void srv_on_refused(void *ctx, const pd_http_exchange *ex, int status, const char *message,
+                    char *extra, size_t extra_cap);
 uint64_t srv_next_rand(pd_apiserver *s);
 int srv_metrics_init(pd_apiserver *s);
 void srv_handle_metrics(pd_apiserver *s, pd_http_exchange *ex);

@@ -1,10 +1,11 @@
 /* pd-scheduler: HTTP routes (docs/api.md §1, §2): route, method and API key checks,
  * /health, /version, /v1/models, and the entry of generation requests.
  *
- * Design: one route table answers both a request and a body over the size limit, so a 413 comes
- * only after the same 404/405/401 checks. A generation request's body is copied and parsed
- * (chat template, tokenization) on the libuv threadpool, touching only its own request, so a
- * long prompt never blocks the loop.
+ * Design: the route, method and key checks (gate) run when a request's headers are complete
+ * (the HTTP layer's headers hook), before any body byte is buffered, so a request refused there
+ * costs no memory however large a body it announces; the HTTP layer's own 413 and 503 come only
+ * after them. A generation request's body is copied and parsed (chat template, tokenization) on
+ * the libuv threadpool, touching only its own request, so a long prompt never blocks the loop.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -209,34 +210,35 @@ static const struct {
     {"/generate", "POST", 2, true, true},
 };
 
-/* The first steps of §2: route and method (404/405), then the API key (401). Returns 0 with the
- * ROUTES index in *hit when they pass, else the status, with its message and header lines in
- * extra (cap bytes); a 401 to a generation request carries an X-Request-Id of its own, as every
- * answer to one does (§1), and is logged under it. */
-static int gate(pd_apiserver *s, const pd_http_exchange *ex, int *hit, const char **msg,
-                char *extra, size_t cap)
+/* The ROUTES index of path in this USE_OPENAI mode, or -1. */
+static int route_find(const pd_apiserver *s, const char *path)
 {
-    const char *path = pd_http_path(ex), *method = pd_http_method(ex);
-    *hit = -1;
     for (size_t i = 0; i < sizeof ROUTES / sizeof *ROUTES; i++) {
         if (strcmp(path, ROUTES[i].path) != 0) continue;
         if (ROUTES[i].mode == 1 && !s->p.use_openai) continue;
         if (ROUTES[i].mode == 2 && s->p.use_openai) continue;
-        *hit = (int)i;
+        return (int)i;
     }
-    if (*hit < 0) {
-        *msg = "Not Found";
-        return 404;
-    }
-    if (strcmp(method, ROUTES[*hit].method) != 0) {
-        *msg = "Method Not Allowed";
-        snprintf(extra, cap, "Allow: %s\r\n", ROUTES[*hit].method);
-        return 405;
-    }
-    if (ROUTES[*hit].auth && !key_ok(s, pd_http_header(ex, "Authorization"))) {
+    return -1;
+}
+
+/* The first steps of §2, from the request line and headers: with an API key, any path under
+ * /v1/ needs it first (401; as vLLM's middleware does, so that a client without the key learns
+ * nothing of which /v1/ routes exist); then route and method (404/405); then the key of the
+ * other protected routes (401). Returns 0 when they pass, else the status, with its message and
+ * header lines in extra (cap bytes); a 401 to a generation route carries an X-Request-Id of its
+ * own, as every answer to one does (§1), and is logged under it. */
+static int gate(pd_apiserver *s, const pd_http_exchange *ex, const char **msg, char *extra,
+                size_t cap)
+{
+    const char *path = pd_http_path(ex), *method = pd_http_method(ex);
+    int hit = route_find(s, path);
+    bool key = key_ok(s, pd_http_header(ex, "Authorization"));
+    bool v1 = strncmp(path, "/v1/", 4) == 0;
+    if (!key && (v1 || (hit >= 0 && ROUTES[hit].auth && !strcmp(method, ROUTES[hit].method)))) {
         *msg = "Unauthorized";
         char id[33] = "";
-        if (ROUTES[*hit].generation) {
+        if (hit >= 0 && ROUTES[hit].generation) {
             hex32(s, id);
             PD_INFO(id, "%s %s: 401 (API key missing or wrong)", method, path);
         }
@@ -244,41 +246,48 @@ static int gate(pd_apiserver *s, const pd_http_exchange *ex, int *hit, const cha
                  *id ? "\r\n" : "");
         return 401;
     }
+    if (hit < 0) {
+        *msg = "Not Found";
+        return 404;
+    }
+    if (strcmp(method, ROUTES[hit].method) != 0) {
+        *msg = "Method Not Allowed";
+        snprintf(extra, cap, "Allow: %s\r\n", ROUTES[hit].method);
+        return 405;
+    }
     return 0;
 }
 
-/* A body over --max-request-body-bytes: the 413 comes after route, method and key (§2). */
-int srv_on_too_large(void *ctx, const pd_http_exchange *ex, char *message, size_t msg_cap,
-                     char *extra, size_t extra_cap)
+/* The HTTP layer's headers hook: §2 steps 2-3 before the body is read. */
+int srv_on_headers(void *ctx, const pd_http_exchange *ex, char *message, size_t msg_cap,
+                   char *extra, size_t extra_cap)
 {
-    int hit;
-    const char *msg;
-    int status = gate(ctx, ex, &hit, &msg, extra, extra_cap);
-    if (status) {
-        snprintf(message, msg_cap, "%s", msg);
-        return status;
-    }
-    if (ROUTES[hit].generation) {
-        char id[33];
-        hex32(ctx, id);
-        PD_INFO(id, "%s %s: 413 (%s)", pd_http_method(ex), pd_http_path(ex), message);
-        snprintf(extra, extra_cap, "X-Request-Id: %s\r\n", id);
-    }
-    return 413;
+    const char *msg = "";
+    int status = gate(ctx, ex, &msg, extra, extra_cap);
+    snprintf(message, msg_cap, "%s", msg);
+    return status;
 }
 
+/* The HTTP layer's own 413 (body over --max-request-body-bytes) or 503
+ * (--max-body-bytes-in-flight) to a request that passed the gate: on a generation route it
+ * carries an X-Request-Id and is logged under it (§1). */
+void srv_on_refused(void *ctx, const pd_http_exchange *ex, int status, const char *message,
+                    char *extra, size_t extra_cap)
+{
+    int hit = route_find(ctx, pd_http_path(ex));
+    if (hit < 0 || !ROUTES[hit].generation) return;
+    char id[33];
+    hex32(ctx, id);
+    PD_INFO(id, "%s %s: %d (%s)", pd_http_method(ex), pd_http_path(ex), status, message);
+    size_t used = strlen(extra);
+    snprintf(extra + used, extra_cap - used, "X-Request-Id: %s\r\n", id);
+}
+
+/* A complete request that passed the gate (srv_on_headers). */
 void srv_on_http(void *ctx, pd_http_exchange *ex)
 {
     pd_apiserver *s = ctx;
-    int hit;
-    const char *msg;
-    char extra[160] = "";
-    int status = gate(s, ex, &hit, &msg, extra, sizeof extra);
-    if (status) {
-        pd_http_respond_error(ex, status, msg, extra);
-        return;
-    }
-    switch (hit) {
+    switch (route_find(s, pd_http_path(ex))) {
     case 0: {
         bool ok = !s->stopping && pd_reg_up_count(s->reg, RT_ROLE_PREFILL) > 0 &&
                   pd_reg_up_count(s->reg, RT_ROLE_DECODE) > 0;

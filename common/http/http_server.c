@@ -1,22 +1,28 @@
 /* HTTP/1.1 server on libuv + llhttp (see http_server.h for the contract).
  *
  * Per connection: received bytes are appended to an input buffer and fed to llhttp while no
- * exchange is in flight. A complete message pauses the parser (HPE_PAUSED from
- * on_message_complete) and becomes an exchange; bytes after it stay in the input buffer until
- * the exchange ends, which is how pipelined requests are answered in order. Reading continues
- * meanwhile (bounded), so EOF during an exchange is seen and reported as an abort.
- * One timer per connection enforces the header, body and idle timeouts.
+ * exchange is in flight. A request becomes an exchange when its headers are complete (line and
+ * headers, for the owner's checks); its body is attached when the message completes, which
+ * pauses the parser (HPE_PAUSED from on_message_complete) and hands the exchange to the handler.
+ * Bytes after it stay in the input buffer until the exchange ends, which is how pipelined
+ * requests are answered in order. Reading continues meanwhile (at most max_header_bytes ahead),
+ * so a reset connection is seen and reported as an abort; EOF only marks the connection to close
+ * once what was received has been answered. One timer per connection enforces the header, body,
+ * idle and lingering-close timeouts.
  *
  * The parser (http_parse: llhttp, the request being assembled, the header/body limits) knows
- * nothing of sockets: it reports to its owner through three hooks (a request begins, its headers
- * are complete, it is complete). A connection is one owner; pd_http_parse_buffer is the other,
- * so tests and the fuzzer run exactly the code that parses what clients send.
+ * nothing of sockets: it reports to its owner through hooks (a request begins, its headers are
+ * complete, its body starts, body bytes are announced and released, it is complete). A
+ * connection is one owner; pd_http_parse_buffer is the other, so tests and the fuzzer run
+ * exactly the code that parses what clients send. The server counts the announced body bytes of
+ * all its connections against max_body_in_flight.
  */
 #include "http/http_server.h"
 
 #include <jansson.h>
 #include <llhttp.h>
 #include <pthread.h>
+#include <ctype.h>
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -27,7 +33,14 @@
 #include "util/log.h"
 #include "util/status.h"
 
-enum timer_kind { T_NONE, T_HEADER, T_BODY, T_IDLE };
+enum timer_kind { T_NONE, T_HEADER, T_BODY, T_IDLE, T_LINGER };
+
+/* A refusal while a body may still be arriving: how long the connection keeps reading (and
+ * dropping) what the client sends after the answer, before it closes. */
+#define LINGER_MS 2000
+
+/* Bytes one read takes at most. */
+#define READ_BYTES 65536
 
 typedef struct conn conn;
 
@@ -39,6 +52,7 @@ struct pd_http_exchange {
     conn *c; /* NULL once the connection is gone */
     pd_arena *arena;
     char *method, *path, *query, *body;
+    char *body_buf; /* what body points to when the body is not empty; freed with the exchange */
     size_t body_len;
     char **hnames, **hvalues;
     size_t n_headers;
@@ -63,14 +77,21 @@ struct pd_http_server {
     int handles_open; /* listener + connections not yet freed */
     void (*on_stopped)(void *);
     void *stopped_arg;
-    pd_http_too_large_fn too_large; /* NULL: a body over the limit gets the 413 as it is */
+    pd_http_headers_fn on_headers; /* NULL: every request reaches the handler */
+    pd_http_refused_fn on_refused; /* NULL: the server's 413 and 503 go out as they are */
+    size_t body_in_flight;         /* announced body bytes of requests still arriving */
 };
 
 /* What a parser tells its owner (a connection, or pd_http_parse_buffer). */
 typedef struct {
-    void (*begin)(void *owner);                           /* a request starts */
-    void (*headers_done)(void *owner, bool continue_100); /* "Expect: 100-continue" was sent */
-    void (*request)(void *owner, pd_http_exchange *ex);   /* complete; the owner takes ex */
+    void (*begin)(void *owner); /* a request starts */
+    /* its headers are complete (ex: line and headers, no body); 0 to read on, else the owner
+     * has answered it: the parser drops it (and stops when body_pending) */
+    int (*headers)(void *owner, const pd_http_exchange *ex, bool body_pending);
+    void (*body_start)(void *owner, bool continue_100); /* "Expect: 100-continue" was sent */
+    bool (*reserve)(void *owner, size_t bytes); /* body bytes announced; false: none left (503) */
+    void (*release)(void *owner, size_t bytes); /* what reserve took, when the request is over */
+    void (*request)(void *owner, pd_http_exchange *ex); /* complete; the owner takes ex */
 } parse_hooks;
 
 /* One connection's request parser: llhttp plus the request being assembled. */
@@ -89,9 +110,13 @@ typedef struct {
     size_t n_hdrs, hdrs_cap;
     bool last_was_value;
     size_t header_bytes;
-    char *body;
+    pd_http_exchange *ex; /* the request, from its headers on; NULL outside one */
+    bool answered;        /* the owner refused it from its headers: dropped, not handed over */
+    size_t announced;     /* body bytes announced (Content-Length, or the chunk sizes so far)
+                             and reserved from the owner */
+    char *body;           /* the body so far (announced + 1 bytes at most); handed to ex */
     size_t body_len, body_cap;
-    int err_status; /* a limit hit inside a callback: 413 / 431 */
+    int err_status; /* a check failed inside a callback: 400 / 413 / 431 / 503, 500 (memory) */
 } http_parse;
 
 struct conn {
@@ -102,6 +127,10 @@ struct conn {
     conn *prev, *next;
     int handles_open;
     bool closing, close_after_write, in_execute, reading;
+    bool peer_eof;  /* the client sent EOF: answer what it sent in full, then close */
+    bool lingering; /* refused with a body arriving: drop input, close after the answer */
+    bool shut;      /* the lingering close has begun (shutdown sent, T_LINGER armed) */
+    uv_shutdown_t shutdown_req;
     enum timer_kind timer_kind;
     /* input not yet parsed */
     char *in;
@@ -119,7 +148,9 @@ typedef struct {
 
 static void conn_process(conn *c);
 static void conn_close(conn *c);
+static void conn_finish(conn *c);
 static void conn_read_start(conn *c);
+static void parse_release(http_parse *ps);
 static void parse_free(http_parse *ps);
 
 pd_http_params pd_http_default_params(void)
@@ -134,6 +165,7 @@ pd_http_params pd_http_default_params(void)
         .idle_timeout_ms = 60000,
         .max_stream_buffer = 1u << 20,
         .max_connections = 65536,
+        .max_body_in_flight = 64u << 20,
     };
 }
 
@@ -192,7 +224,7 @@ static void on_write(uv_write_t *req, int status)
         cb(ex->drain_arg);
     }
     if (c->close_after_write && c->write_pending == 0)
-        conn_close(c);
+        conn_finish(c);
     else if (c->write_pending == 0 && !c->ex && !c->ps.in_message && !c->closing &&
              c->timer_kind == T_NONE)
         conn_arm(c, T_IDLE); /* an idle timeout that fired during the write starts over */
@@ -259,24 +291,66 @@ static size_t format_head(char *buf, size_t cap, int status, const char *content
     return (size_t)n < cap ? (size_t)n : 0;
 }
 
-/* An error response the server produces by itself (no exchange): always closes. */
-static void conn_fail(conn *c, int status, const char *message, const char *extra_headers)
+/* An error response the server produces by itself (no exchange); close: the connection closes
+ * once it is written. The message is one of the server's or its owner's (no JSON escaping). */
+static int conn_answer(conn *c, int status, const char *message, const char *extra_headers,
+                       bool close)
 {
-    if (c->closing || c->close_after_write) return;
     char body[512], head[1024];
     int bl = snprintf(body, sizeof body,
                       "{\"error\":{\"message\":\"%s\",\"type\":\"%s\",\"param\":null,\"code\":%d}}",
                       message, pd_http_error_type(status), status);
     size_t hl =
-        format_head(head, sizeof head, status, "application/json", bl, false, true, extra_headers);
+        format_head(head, sizeof head, status, "application/json", bl, false, close, extra_headers);
     const void *parts[2] = {head, body};
     size_t lens[2] = {hl, (size_t)bl};
-    if (c->reading) {
+    return conn_writev(c, parts, lens, 2);
+}
+
+/* The server's own error response, after which the connection closes. linger: the client may
+ * still be sending a body, so the connection keeps reading and dropping it until the answer is
+ * out and the client closes too, or LINGER_MS have passed (a lingering close): closing with
+ * unread bytes would reset the connection, and a client still sending would see the reset
+ * instead of the answer. */
+static void conn_fail(conn *c, int status, const char *message, const char *extra_headers,
+                      bool linger)
+{
+    if (c->closing || c->close_after_write) return;
+    if (linger && !c->peer_eof) {
+        c->lingering = true;
+        c->in_len = 0;
+        if (!c->reading) {
+            c->reading = true;
+            conn_read_start(c);
+        }
+        conn_arm(c, T_LINGER); /* bounds the write as well */
+    } else if (c->reading) {
         uv_read_stop((uv_stream_t *)&c->tcp);
         c->reading = false;
     }
     c->close_after_write = true;
-    if (conn_writev(c, parts, lens, 2) == PD_OK && c->write_pending == 0) conn_close(c);
+    if (conn_answer(c, status, message, extra_headers, true) == PD_OK && c->write_pending == 0)
+        conn_finish(c);
+}
+
+static void on_shutdown(uv_shutdown_t *req, int status)
+{
+    conn *c = req->data;
+    if (status < 0 && !c->closing) conn_close(c);
+}
+
+/* The answer that ends the connection has been written: close, or, lingering, send FIN and read
+ * on until the client closes or T_LINGER fires. */
+static void conn_finish(conn *c)
+{
+    if (c->closing || c->shut) return;
+    if (!c->lingering || c->peer_eof) { /* the client has sent all (its EOF was read) */
+        conn_close(c);
+        return;
+    }
+    c->shut = true;
+    c->shutdown_req.data = c;
+    if (uv_shutdown(&c->shutdown_req, (uv_stream_t *)&c->tcp, on_shutdown) < 0) conn_close(c);
 }
 
 /* ---- timers ------------------------------------------------------------------------------- */
@@ -290,9 +364,11 @@ static void on_timer(uv_timer_t *t)
         /* the last response may still be on its way to a slow reader: the idle time starts
          * once it has been written out (on_write re-arms) */
         if (c->write_pending == 0) conn_close(c);
+    } else if (k == T_LINGER) {
+        conn_close(c);
     } else if (k == T_HEADER || k == T_BODY) {
         PD_DEBUG(NULL, "http: %s timeout, closing connection", k == T_HEADER ? "header" : "body");
-        conn_fail(c, 408, "Request timed out.", NULL);
+        conn_fail(c, 408, "Request timed out.", NULL, false);
     }
 }
 
@@ -304,6 +380,7 @@ static void conn_arm(conn *c, enum timer_kind k)
     case T_HEADER: ms = p->header_timeout_ms; break;
     case T_BODY: ms = p->body_timeout_ms; break;
     case T_IDLE: ms = p->idle_timeout_ms; break;
+    case T_LINGER: ms = LINGER_MS; break;
     case T_NONE: break;
     }
     c->timer_kind = k;
@@ -347,6 +424,7 @@ static void conn_close(conn *c)
         s->conns = c->next;
     if (c->next) c->next->prev = c->prev;
     s->n_conns--;
+    parse_release(&c->ps); /* a body still arriving stops counting now */
     pd_http_exchange *ex = c->ex;
     if (ex) { /* the client left before its response ended */
         c->ex = NULL;
@@ -390,9 +468,31 @@ static int scratch_append(http_parse *ps, const char *at, size_t len)
     return 0;
 }
 
+static void exchange_free(pd_http_exchange *ex);
+
+/* Gives back the body bytes this request reserved from the owner (it is complete, refused, or
+ * its connection is gone). */
+static void parse_release(http_parse *ps)
+{
+    if (ps->announced == 0) return;
+    ps->hooks->release(ps->owner, ps->announced);
+    ps->announced = 0;
+}
+
+/* Drops the request being parsed (an error ended it, or its connection). */
+static void parse_abandon(http_parse *ps)
+{
+    parse_release(ps);
+    if (ps->ex) exchange_free(ps->ex);
+    ps->ex = NULL;
+    ps->body_len = 0;
+}
+
 static int on_message_begin(llhttp_t *p)
 {
     http_parse *ps = p->data;
+    parse_abandon(ps); /* nothing is left of the previous request; this keeps it so */
+    ps->answered = false;
     ps->scratch_len = 0;
     ps->url_len = 0;
     ps->n_hdrs = 0;
@@ -429,6 +529,12 @@ static int skip_trailer(http_parse *ps, size_t len)
 static int on_header_field(llhttp_t *p, const char *at, size_t len)
 {
     http_parse *ps = p->data;
+    /* RFC 9112 §5.1: no whitespace between a field name and its colon (llhttp takes "Name :"
+     * for a name with a blank in it) */
+    if (memchr(at, ' ', len) || memchr(at, '\t', len)) {
+        ps->err_status = 400;
+        return -1;
+    }
     if (ps->in_trailers) return skip_trailer(ps, len);
     if (ps->n_hdrs == 0 || ps->last_was_value) {
         /* a new header: NUL-end the url (first header) or the previous value */
@@ -471,6 +577,32 @@ static const char *scratch_header(const http_parse *ps, const char *name)
     return NULL;
 }
 
+static pd_http_exchange *exchange_build(const http_parse *ps);
+
+/* RFC 9112 §2.3, §3.2: HTTP/1.0 or 1.1 only (llhttp takes a request line without a version for
+ * HTTP/0.9, and any "HTTP/d.d"), with at most one Host, and one in HTTP/1.1. */
+static bool protocol_ok(const http_parse *ps)
+{
+    const llhttp_t *p = &ps->llp;
+    if (p->http_major != 1 || p->http_minor > 1) return false;
+    int hosts = 0;
+    for (size_t i = 0; i < ps->n_hdrs; i++)
+        if (strcasecmp(ps->scratch + ps->hdrs[i].name, "host") == 0) hosts++;
+    return hosts == 1 || (hosts == 0 && p->http_minor == 0);
+}
+
+/* Announces n more body bytes: reserved from the owner, or the request is refused (503). */
+static int announce(http_parse *ps, uint64_t n)
+{
+    if (n == 0) return 0;
+    if (!ps->hooks->reserve(ps->owner, (size_t)n)) {
+        ps->err_status = 503;
+        return -1;
+    }
+    ps->announced += (size_t)n;
+    return 0;
+}
+
 static int on_headers_complete(llhttp_t *p)
 {
     http_parse *ps = p->data;
@@ -479,24 +611,61 @@ static int on_headers_complete(llhttp_t *p)
     if (ps->n_hdrs > 0 && !ps->last_was_value) { /* a name without a value */
         ps->hdrs[ps->n_hdrs - 1].value = ps->scratch_len - 1;
     }
+    if (!protocol_ok(ps)) {
+        ps->err_status = 400;
+        return -1;
+    }
+    ps->ex = exchange_build(ps);
+    if (!ps->ex) {
+        ps->err_status = 500;
+        return -1;
+    }
+    /* the owner's checks come first (docs/api.md §2: route, method and key before the size) */
+    bool chunked = p->flags & F_CHUNKED;
+    bool body_pending = chunked || ((p->flags & F_CONTENT_LENGTH) && p->content_length > 0);
+    if (ps->hooks->headers(ps->owner, ps->ex, body_pending) != 0) {
+        ps->answered = true;
+        return body_pending ? -1 : 0; /* stop: the owner has answered and closes */
+    }
     if ((p->flags & F_CONTENT_LENGTH) && p->content_length > ps->lim->max_body_bytes) {
         ps->err_status = 413;
         return -1;
     }
+    if (!chunked && announce(ps, p->content_length) < 0) return -1;
     ps->in_trailers = true; /* any field from now on is a trailer */
     const char *expect = scratch_header(ps, "expect");
-    ps->hooks->headers_done(ps->owner, expect && strcasecmp(expect, "100-continue") == 0);
+    ps->hooks->body_start(ps->owner, expect && strcasecmp(expect, "100-continue") == 0);
     return 0;
 }
 
-static int on_body(llhttp_t *p, const char *at, size_t len)
+/* A chunk's size line: the body's growth is known before its bytes come (content_length holds
+ * the chunk's size here), so a body that would pass the limit gets its 413 at once. */
+static int on_chunk_header(llhttp_t *p)
 {
     http_parse *ps = p->data;
-    if (ps->body_len + len > ps->lim->max_body_bytes) {
+    if (p->content_length > ps->lim->max_body_bytes - ps->announced) {
         ps->err_status = 413;
         return -1;
     }
-    if (grow(&ps->body, &ps->body_cap, ps->body_len + len + 1) < 0) return -1;
+    return announce(ps, p->content_length);
+}
+
+/* Body bytes: never more than announced (llhttp delivers at most the announced lengths). */
+static int on_body(llhttp_t *p, const char *at, size_t len)
+{
+    http_parse *ps = p->data;
+    size_t need = ps->body_len + len + 1;
+    if (need > ps->body_cap) {
+        /* a Content-Length body is allocated once, at its size; a chunked one grows */
+        char *b = p->flags & F_CHUNKED ? NULL : realloc(ps->body, ps->announced + 1);
+        if (b) {
+            ps->body = b;
+            ps->body_cap = ps->announced + 1;
+        } else if (!(p->flags & F_CHUNKED) || grow(&ps->body, &ps->body_cap, need) < 0) {
+            ps->err_status = 500;
+            return -1;
+        }
+    }
     memcpy(ps->body + ps->body_len, at, len);
     ps->body_len += len;
     return 0;
@@ -504,13 +673,37 @@ static int on_body(llhttp_t *p, const char *at, size_t len)
 
 static void exchange_free(pd_http_exchange *ex)
 {
+    free(ex->body_buf);
     pd_arena_free(ex->arena);
     free(ex);
 }
 
-/* The complete request as an exchange with everything copied into its arena (the body only
- * when with_body); NULL when out of memory. ex->c is left NULL for the owner to set. */
-static pd_http_exchange *exchange_build(const http_parse *ps, bool with_body)
+/* The request target's path and query. Origin-form "/p?q" as it is; absolute-form
+ * "scheme://authority/p?q", which a server must accept (RFC 9112 §3.2.2), by its path ("/" when
+ * it has none), so that it is routed like the origin form. */
+static void split_target(const char *url, size_t len, const char **path, size_t *plen,
+                         const char **query, size_t *qlen)
+{
+    size_t start = 0, i = 0;
+    while (i < len && (isalnum((unsigned char)url[i]) || strchr("+-.", url[i])) &&
+           (i > 0 || isalpha((unsigned char)url[i])))
+        i++;
+    if (i > 0 && len - i >= 3 && memcmp(url + i, "://", 3) == 0) {
+        start = i + 3;
+        while (start < len && url[start] != '/' && url[start] != '?') start++;
+    }
+    const char *q = memchr(url + start, '?', len - start);
+    size_t end = q ? (size_t)(q - url) : len;
+    *path = start < end ? url + start : "/";
+    *plen = start < end ? end - start : 1;
+    *query = q ? q + 1 : "";
+    *qlen = q ? len - end - 1 : 0;
+}
+
+/* The request's line and headers as an exchange, everything copied into its arena; the body is
+ * attached when the message completes. NULL when out of memory. ex->c is left NULL for the
+ * owner to set. */
+static pd_http_exchange *exchange_build(const http_parse *ps)
 {
     pd_http_exchange *ex = calloc(1, sizeof *ex);
     pd_arena *a = pd_arena_create(4096);
@@ -523,17 +716,16 @@ static pd_http_exchange *exchange_build(const http_parse *ps, bool with_body)
     ex->keep_alive = llhttp_should_keep_alive(&ps->llp);
     ex->max_stream_buffer = ps->lim->max_stream_buffer;
     ex->method = (char *)llhttp_method_name((llhttp_method_t)ps->llp.method);
-    const char *url = ps->scratch;
-    const char *q = memchr(url, '?', ps->url_len);
-    size_t plen = q ? (size_t)(q - url) : ps->url_len;
-    ex->path = pd_arena_strndup(a, url, plen);
-    ex->query = q ? pd_arena_strndup(a, q + 1, ps->url_len - plen - 1) : "";
+    const char *path, *query;
+    size_t plen, qlen;
+    split_target(ps->scratch, ps->url_len, &path, &plen, &query, &qlen);
+    ex->path = pd_arena_strndup(a, path, plen);
+    ex->query = pd_arena_strndup(a, query, qlen);
     ex->n_headers = ps->n_hdrs;
     ex->hnames = pd_arena_calloc(a, ps->n_hdrs + 1, sizeof(char *));
     ex->hvalues = pd_arena_calloc(a, ps->n_hdrs + 1, sizeof(char *));
-    ex->body = with_body && ps->body_len ? pd_arena_strndup(a, ps->body, ps->body_len) : "";
-    ex->body_len = with_body ? ps->body_len : 0;
-    if (!ex->path || !ex->query || !ex->hnames || !ex->hvalues || !ex->body) {
+    ex->body = "";
+    if (!ex->path || !ex->query || !ex->hnames || !ex->hvalues) {
         exchange_free(ex);
         return NULL;
     }
@@ -552,9 +744,21 @@ static int on_message_complete(llhttp_t *p)
 {
     http_parse *ps = p->data;
     ps->in_message = false;
-    pd_http_exchange *ex = exchange_build(ps, true);
-    if (!ex) return -1;
-    ps->hooks->request(ps->owner, ex);
+    pd_http_exchange *ex = ps->ex;
+    ps->ex = NULL;
+    parse_release(ps); /* the body now belongs to the request */
+    if (ps->answered) {
+        exchange_free(ex);
+    } else {
+        if (ps->body_len > 0) { /* the buffer goes with the request (cap > body_len) */
+            ps->body[ps->body_len] = '\0';
+            ex->body = ex->body_buf = ps->body;
+            ex->body_len = ps->body_len;
+            ps->body = NULL;
+            ps->body_cap = ps->body_len = 0;
+        }
+        ps->hooks->request(ps->owner, ex);
+    }
     return HPE_PAUSED;
 }
 
@@ -569,6 +773,7 @@ static void settings_init(void)
     g_settings.on_header_field = on_header_field;
     g_settings.on_header_value = on_header_value;
     g_settings.on_headers_complete = on_headers_complete;
+    g_settings.on_chunk_header = on_chunk_header;
     g_settings.on_body = on_body;
     g_settings.on_message_complete = on_message_complete;
 }
@@ -587,6 +792,7 @@ static void parse_init(http_parse *ps, const pd_http_params *lim, const parse_ho
 
 static void parse_free(http_parse *ps)
 {
+    parse_abandon(ps);
     free(ps->scratch);
     free(ps->hdrs);
     free(ps->body);
@@ -612,15 +818,23 @@ static feed_result parse_feed(http_parse *ps, const char *in, size_t len, size_t
     return FEED_ERROR;
 }
 
-/* After FEED_ERROR: the status to answer and its message. */
-static int parse_error(const http_parse *ps, char *msg, size_t n)
+/* After FEED_ERROR: the status to answer, its message and header lines (extra, n bytes). */
+static int parse_error(const http_parse *ps, char *msg, size_t n, char *extra, size_t extra_n)
 {
     int status = ps->err_status ? ps->err_status : 400;
-    if (status == 413)
-        snprintf(msg, n, "Request body exceeds %zu bytes.", ps->lim->max_body_bytes);
-    else
-        snprintf(msg, n, "%s",
-                 status == 431 ? "Request headers too large." : "Malformed HTTP request.");
+    extra[0] = '\0';
+    switch (status) {
+    case 413: snprintf(msg, n, "Request body exceeds %zu bytes.", ps->lim->max_body_bytes); break;
+    case 431: snprintf(msg, n, "Request headers too large."); break;
+    case 500: snprintf(msg, n, "out of memory"); break;
+    case 503:
+        snprintf(msg, n,
+                 "The server is at its limit of %zu request body bytes in flight; retry later.",
+                 ps->lim->max_body_in_flight);
+        snprintf(extra, extra_n, "Retry-After: 1\r\n");
+        break;
+    default: snprintf(msg, n, "Malformed HTTP request."); break;
+    }
     return status;
 }
 
@@ -631,7 +845,34 @@ static void conn_on_begin(void *owner)
     conn_arm(owner, T_HEADER);
 }
 
-static void conn_on_headers(void *owner, bool continue_100)
+/* The owner's checks on the request line and headers; a refusal is answered here. */
+static int conn_on_headers(void *owner, const pd_http_exchange *ex, bool body_pending)
+{
+    conn *c = owner;
+    pd_http_server *s = c->srv;
+    char msg[160] = "", extra[256] = "";
+    int status =
+        s->on_headers ? s->on_headers(s->ctx, ex, msg, sizeof msg, extra, sizeof extra) : 0;
+    if (status == 0) return 0;
+    PD_DEBUG(NULL, "http: %d from the headers: %s", status, msg);
+    if (body_pending) { /* its body is not read: the connection cannot carry another request */
+        conn_fail(c, status, msg, extra, true);
+    } else {
+        bool close = !ex->keep_alive;
+        if (close) {
+            c->close_after_write = true;
+            if (c->reading) {
+                uv_read_stop((uv_stream_t *)&c->tcp);
+                c->reading = false;
+            }
+        }
+        if (conn_answer(c, status, msg, extra, close) == PD_OK && close && c->write_pending == 0)
+            conn_finish(c);
+    }
+    return status;
+}
+
+static void conn_on_body_start(void *owner, bool continue_100)
 {
     conn *c = owner;
     if (continue_100) {
@@ -639,6 +880,19 @@ static void conn_on_headers(void *owner, bool continue_100)
         conn_write(c, cont, sizeof cont - 1);
     }
     conn_arm(c, T_BODY);
+}
+
+static bool conn_reserve(void *owner, size_t n)
+{
+    pd_http_server *s = ((conn *)owner)->srv;
+    if (s->p.max_body_in_flight && n > s->p.max_body_in_flight - s->body_in_flight) return false;
+    s->body_in_flight += n;
+    return true;
+}
+
+static void conn_release(void *owner, size_t n)
+{
+    ((conn *)owner)->srv->body_in_flight -= n;
 }
 
 static void conn_on_request(void *owner, pd_http_exchange *ex)
@@ -650,7 +904,19 @@ static void conn_on_request(void *owner, pd_http_exchange *ex)
     c->srv->handler(c->srv->ctx, ex);
 }
 
-static const parse_hooks g_conn_hooks = {conn_on_begin, conn_on_headers, conn_on_request};
+static const parse_hooks g_conn_hooks = {conn_on_begin, conn_on_headers, conn_on_body_start,
+                                         conn_reserve,  conn_release,    conn_on_request};
+
+/* Frees the input buffer between requests when nothing is pending in it. Inside a request (a
+ * body arriving) or a lingering close it is kept for the next read: one buffer per connection,
+ * not one per read (an allocation per read would also fill ASan's quarantine). */
+static void conn_input_trim(conn *c)
+{
+    if (c->in_len > 0 || c->ps.in_message || c->lingering) return;
+    free(c->in);
+    c->in = NULL;
+    c->in_cap = 0;
+}
 
 /* Feeds buffered input to the parser while no exchange is in flight. */
 static void conn_process(conn *c)
@@ -666,34 +932,43 @@ static void conn_process(conn *c)
         } else if (fr == FEED_REQUEST) {
             memmove(c->in, c->in + used, c->in_len - used);
             c->in_len -= used;
-            if (!c->ex) llhttp_resume(&c->ps.llp); /* answered synchronously */
+            if (!c->ex) llhttp_resume(&c->ps.llp); /* answered synchronously, or refused */
+        } else if (c->close_after_write) {         /* refused from its headers: answered already */
+            parse_abandon(&c->ps);
+            c->in_len = 0;
+            return;
         } else {
-            char msg[160], extra[256] = "";
-            int status = parse_error(&c->ps, msg, sizeof msg);
-            pd_http_exchange *hx = status == 413 && c->srv->too_large
-                                       ? exchange_build(&c->ps, false) /* line and headers */
-                                       : NULL;
-            if (hx) {
-                status = c->srv->too_large(c->srv->ctx, hx, msg, sizeof msg, extra, sizeof extra);
-                exchange_free(hx);
-            }
+            char msg[160], extra[256];
+            int status = parse_error(&c->ps, msg, sizeof msg, extra, sizeof extra);
+            const pd_http_exchange *hx = c->ps.ex; /* the headers were complete */
+            if (hx && (status == 413 || status == 503) && c->srv->on_refused)
+                c->srv->on_refused(c->srv->ctx, hx, status, msg, extra, sizeof extra);
             PD_DEBUG(NULL, "http: %d: %s (%s)", status, msg,
                      llhttp_errno_name(llhttp_get_errno(&c->ps.llp)));
+            parse_abandon(&c->ps);
             c->in_len = 0;
-            conn_fail(c, status, msg, extra);
+            conn_fail(c, status, msg, extra, hx != NULL); /* a body may be arriving */
             return;
         }
     }
-    /* between requests: the idle timeout runs (inside one, the header/body timeout does) */
-    if (!c->closing && !c->close_after_write && !c->ex && !c->ps.in_message &&
-        c->timer_kind != T_IDLE)
-        conn_arm(c, T_IDLE);
-    /* resume reading once the input buffer has room again */
-    if (!c->closing && !c->close_after_write && !c->reading &&
-        c->in_len < c->srv->p.max_header_bytes + c->srv->p.max_body_bytes) {
+    if (c->closing || c->close_after_write) return;
+    if (!c->ex) {
+        /* the client sent EOF: what it sent in full has been answered; a partial request
+         * never completes */
+        if (c->peer_eof) {
+            c->close_after_write = true;
+            if (c->write_pending == 0) conn_close(c);
+            return;
+        }
+        /* between requests: the idle timeout runs (inside one, the header/body timeout does) */
+        if (!c->ps.in_message && c->timer_kind != T_IDLE) conn_arm(c, T_IDLE);
+    }
+    /* read on: at most max_header_bytes ahead of an exchange in flight (on_read) */
+    if (!c->reading && !c->peer_eof && (!c->ex || c->in_len < c->srv->p.max_header_bytes)) {
         c->reading = true;
         conn_read_start(c);
     }
+    conn_input_trim(c);
 }
 
 /* ---- the parser over a buffer -------------------------------------------------------------- */
@@ -708,10 +983,31 @@ static void buf_on_begin(void *owner)
     (void)owner;
 }
 
-static void buf_on_headers(void *owner, bool continue_100)
+static int buf_on_headers(void *owner, const pd_http_exchange *ex, bool body_pending)
+{
+    (void)owner;
+    (void)ex;
+    (void)body_pending;
+    return 0;
+}
+
+static void buf_on_body_start(void *owner, bool continue_100)
 {
     buf_owner *b = owner;
     if (continue_100) b->res->n_continue++;
+}
+
+static bool buf_reserve(void *owner, size_t n)
+{
+    (void)owner;
+    (void)n;
+    return true;
+}
+
+static void buf_release(void *owner, size_t n)
+{
+    (void)owner;
+    (void)n;
 }
 
 static void buf_on_request(void *owner, pd_http_exchange *ex)
@@ -720,7 +1016,8 @@ static void buf_on_request(void *owner, pd_http_exchange *ex)
     b->ex = ex;
 }
 
-static const parse_hooks g_buf_hooks = {buf_on_begin, buf_on_headers, buf_on_request};
+static const parse_hooks g_buf_hooks = {buf_on_begin, buf_on_headers, buf_on_body_start,
+                                        buf_reserve,  buf_release,    buf_on_request};
 
 int pd_http_parse_buffer(const pd_http_params *params, const char *buf, size_t len, size_t piece,
                          void (*on_request)(void *arg, pd_http_exchange *ex), void *arg,
@@ -741,12 +1038,13 @@ int pd_http_parse_buffer(const pd_http_params *params, const char *buf, size_t l
             feed_result fr = parse_feed(&ps, buf + off, end - off, &used);
             off += used;
             if (fr == FEED_ERROR) {
-                if (!b.ex && !ps.err_status &&
-                    llhttp_get_errno(&ps.llp) == HPE_CB_MESSAGE_COMPLETE) {
+                if (ps.err_status == 500) {
                     rc = pd_error(PD_ENOMEM, "http: out of memory for a request");
                     goto done;
                 }
-                out->error_status = parse_error(&ps, out->error_message, sizeof out->error_message);
+                char extra[64];
+                out->error_status = parse_error(&ps, out->error_message, sizeof out->error_message,
+                                                extra, sizeof extra);
                 goto done;
             }
             if (fr == FEED_REQUEST) {
@@ -768,11 +1066,14 @@ done:
     return rc;
 }
 
+/* A connection reads into its input buffer, which holds only what is not parsed yet (bytes that
+ * arrived while an exchange was in flight: at most max_header_bytes + READ_BYTES); between
+ * requests an empty one is freed (conn_input_trim), so idle keep-alive connections hold none. */
 static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
 {
     conn *c = h->data;
     (void)suggested;
-    if (grow(&c->in, &c->in_cap, c->in_len + 65536) < 0) {
+    if (grow(&c->in, &c->in_cap, c->in_len + READ_BYTES) < 0) {
         buf->base = NULL;
         buf->len = 0;
         return;
@@ -785,18 +1086,42 @@ static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf)
 {
     conn *c = stream->data;
     (void)buf;
-    if (nread < 0) { /* EOF or error: a pending exchange is aborted */
+    if (c->lingering) { /* refused: what still comes is dropped until the client closes */
+        c->in_len = 0;
+        if (nread == UV_EOF) {
+            /* the client has sent all: close once the answer is out (conn_finish) */
+            c->peer_eof = true;
+            c->reading = false;
+            if (c->write_pending == 0) conn_close(c);
+        } else if (nread < 0) {
+            conn_close(c);
+        }
+        return;
+    }
+    if (nread == UV_EOF) {
+        /* the client will send nothing more; it may still read (a half-close, RFC 9112 §9.6),
+         * and TCP cannot tell that from a close until a write fails: an exchange in flight goes
+         * on (a failed write aborts it), what was received is answered, then the connection
+         * closes (conn_process). libuv has stopped reading. */
+        c->peer_eof = true;
+        c->reading = false;
+        conn_input_trim(c);
+        if (!c->ex) conn_process(c);
+        return;
+    }
+    if (nread < 0) { /* reset or error: a pending exchange is aborted */
         conn_close(c);
         return;
     }
-    if (nread == 0) return;
     c->in_len += (size_t)nread;
     if (c->ex) {
-        /* an exchange is in flight: keep the bytes, bounded */
-        if (c->in_len >= c->srv->p.max_header_bytes + c->srv->p.max_body_bytes) {
+        /* an exchange is in flight: reading goes on so that a reset is seen at once, but only
+         * max_header_bytes ahead (the next pipelined request waits in the kernel) */
+        if (c->in_len >= c->srv->p.max_header_bytes) {
             uv_read_stop(stream);
             c->reading = false;
         }
+        conn_input_trim(c);
         return;
     }
     conn_process(c);
@@ -1023,9 +1348,19 @@ int pd_http_server_start(uv_loop_t *loop, const pd_http_params *params, pd_http_
     return PD_OK;
 }
 
-void pd_http_server_on_too_large(pd_http_server *s, pd_http_too_large_fn fn)
+void pd_http_server_on_headers(pd_http_server *s, pd_http_headers_fn fn)
 {
-    s->too_large = fn;
+    s->on_headers = fn;
+}
+
+void pd_http_server_on_refused(pd_http_server *s, pd_http_refused_fn fn)
+{
+    s->on_refused = fn;
+}
+
+size_t pd_http_server_body_bytes_in_flight(const pd_http_server *s)
+{
+    return s->body_in_flight;
 }
 
 int pd_http_server_port(const pd_http_server *s)

@@ -5,21 +5,33 @@
  * handed to the handler on the loop thread. The handler answers at once or later (after work on
  * other threads came back through uv_async), with exactly one pd_http_respond() or a stream
  * (pd_http_stream_begin / _write / _end). Pipelined requests wait, parsed bytes buffered, until
- * the exchange ahead of them has ended, so responses go out in order. The socket keeps being read
- * while an exchange is in flight, so a client that disconnects is noticed at once: the
- * exchange's abort callback runs (the scheduler turns it into an abort sent to P and D).
+ * the exchange ahead of them has ended, so responses go out in order. The owner's checks that
+ * need no body (route, method, API key) run as soon as a request's headers are complete
+ * (pd_http_server_on_headers), so a refused request's body is never buffered.
+ *
+ * A client that closes its sending side (EOF) after a complete request still gets the answer:
+ * TCP cannot tell a half-close from a close until a write fails, so EOF never aborts an exchange;
+ * a failed write or a connection reset does (the exchange's abort callback runs; the scheduler
+ * turns it into an abort sent to P and D).
  *
  * Limits (each answered as the API contract says, then the connection is closed): body over
- * max_body_bytes -> 413 (straight away when Content-Length or 100-continue announce it), headers
- * over max_header_bytes -> 431 (trailer fields after a chunked body count too; they are dropped,
- * never seen as headers), malformed HTTP -> 400, headers not complete within
- * header_timeout_ms or body not complete within body_timeout_ms -> 408 (slowloris), an idle
- * keep-alive connection is closed after idle_timeout_ms. A stream never queues more than
- * max_stream_buffer unsent bytes: pd_http_stream_write refuses with PD_EBUSY and the drain
- * callback says when to continue (backpressure towards the token source).
+ * max_body_bytes -> 413 (straight away when Content-Length, a chunk size or 100-continue
+ * announce it), request-body bytes buffered over all connections past max_body_in_flight ->
+ * 503 with Retry-After (when the headers or a chunk size announce the bytes), headers over
+ * max_header_bytes -> 431 (trailer fields after a chunked body count too; they are dropped,
+ * never seen as headers), malformed HTTP -> 400 (also RFC 9112's: no Host or two in HTTP/1.1,
+ * a version other than 1.0 and 1.1, whitespace between a field name and its colon), headers not
+ * complete within header_timeout_ms or body not complete within body_timeout_ms -> 408
+ * (slowloris), an idle keep-alive connection is closed after idle_timeout_ms. A refusal while
+ * a body may still be arriving reads and drops what the client sends, for at most 2 s from the
+ * refusal (a lingering close; the answer's write is bounded by the same 2 s), so that a client
+ * still sending sees the answer rather than a reset. A stream never queues more than
+ * max_stream_buffer unsent bytes: pd_http_stream_write refuses with PD_EBUSY and the drain callback
+ * says when to continue (backpressure towards the token source).
  *
- * Memory: an exchange owns a request-scoped arena (pd_http_arena) freed in exactly one place,
- * when the exchange ends; every write copies its bytes and frees them in the write callback.
+ * Memory: an exchange owns a request-scoped arena (pd_http_arena) and its body, freed in exactly
+ * one place, when the exchange ends; every write copies its bytes and frees them in the write
+ * callback. While an exchange is in flight a connection reads ahead at most max_header_bytes.
  */
 #ifndef PD_HTTP_SERVER_H
 #define PD_HTTP_SERVER_H
@@ -43,6 +55,10 @@ typedef struct {
     int idle_timeout_ms;      /* 60000: keep-alive connection with no request in progress */
     size_t max_stream_buffer; /* 1 MiB of unsent response bytes per connection */
     int max_connections;      /* 65536: further connections are accepted and closed at once */
+    /* 64 MiB: request-body bytes of requests still arriving, over all connections (a
+     * Content-Length body counts in full from its headers on, a chunked one chunk by chunk from
+     * each size line on, until the request is complete); 0 = no bound */
+    size_t max_body_in_flight;
 } pd_http_params;
 
 pd_http_params pd_http_default_params(void);
@@ -51,21 +67,34 @@ pd_http_params pd_http_default_params(void);
  * handler ends it (respond, or stream_end); it must always be ended, also after an abort. */
 typedef void (*pd_http_handler)(void *ctx, pd_http_exchange *ex);
 
-/* Binds, listens and starts accepting on loop. PD_EIO naming the address when it cannot bind. */
+/* Binds, listens and starts accepting on loop. PD_EIO naming the address when it cannot bind.
+ * The process must ignore SIGPIPE (pd-scheduler does): a write to a client that has gone would
+ * otherwise end it instead of failing. */
 int pd_http_server_start(uv_loop_t *loop, const pd_http_params *params, pd_http_handler handler,
                          void *ctx, pd_http_server **out);
 int pd_http_server_port(const pd_http_server *s);
-/* What the handler's owner answers instead of the server's own 413 (a body over
- * max_body_bytes), for an API whose processing order puts other checks first (route, method,
- * key). Called on the loop thread with the request's line and headers (no body) and ctx, the
- * handler's; returns the status to answer: 413 to keep it, or another (404, 405, 401). It may
- * rewrite message (msg_cap bytes, the error body's message) and add header lines to extra
- * ("Name: value\r\n", extra_cap bytes, empty on entry). Either answer closes the connection. */
-typedef int (*pd_http_too_large_fn)(void *ctx, const pd_http_exchange *ex, char *message,
-                                    size_t msg_cap, char *extra, size_t extra_cap);
-void pd_http_server_on_too_large(pd_http_server *s, pd_http_too_large_fn fn);
+/* The owner's checks that need no body (an API's route, method and key), run when a request's
+ * headers are complete, before any of its body is read: ex holds the request line and headers
+ * (pd_http_body is empty), ctx is the handler's. Returns 0 to read on (the request reaches the
+ * handler when complete), or the status to answer at once; message (msg_cap bytes, empty on
+ * entry) is the error body's message and extra ("Name: value\r\n" lines, extra_cap bytes,
+ * empty on entry) its header lines. A refused request never reaches the handler. When its body
+ * is still to come, the answer carries Connection: close and the connection closes (after a
+ * lingering close); else the connection is kept as after any answer. */
+typedef int (*pd_http_headers_fn)(void *ctx, const pd_http_exchange *ex, char *message,
+                                  size_t msg_cap, char *extra, size_t extra_cap);
+void pd_http_server_on_headers(pd_http_server *s, pd_http_headers_fn fn);
+/* Told when the server refuses, on its own, a request whose headers passed the owner's checks:
+ * status 413 (body over max_body_bytes) or 503 (max_body_in_flight reached), with the error
+ * body's message. The owner may append header lines to extra (extra_cap bytes in all; it holds
+ * the server's own, such as Retry-After) and log. The connection closes. */
+typedef void (*pd_http_refused_fn)(void *ctx, const pd_http_exchange *ex, int status,
+                                   const char *message, char *extra, size_t extra_cap);
+void pd_http_server_on_refused(pd_http_server *s, pd_http_refused_fn fn);
 /* Open connections (for metrics and tests). */
 int pd_http_server_connections(const pd_http_server *s);
+/* Request-body bytes counted against max_body_in_flight now (tests). */
+size_t pd_http_server_body_bytes_in_flight(const pd_http_server *s);
 /* Stops listening and closes every connection (in-flight exchanges get their abort callback and
  * must still be ended by their handlers, which is allowed after stop). on_stopped runs on the
  * loop once every handle is closed; the server is freed then. */
@@ -84,9 +113,11 @@ pd_arena *pd_http_arena(pd_http_exchange *ex);
 /* Opaque slot for the handler's per-request state. */
 void pd_http_set_user(pd_http_exchange *ex, void *user);
 void *pd_http_user(const pd_http_exchange *ex);
-/* 1 once the client has gone (the abort callback has run or will run). */
+/* 1 once the client has gone (the abort callback has run or will run): a write failed or the
+ * connection was reset. EOF alone is not a disconnect (a client may half-close). */
 int pd_http_aborted(const pd_http_exchange *ex);
-/* Runs once, on the loop thread, if the client disconnects before the exchange ends. */
+/* Runs once, on the loop thread, if the client disconnects before the exchange ends (as
+ * pd_http_aborted says). */
 void pd_http_on_abort(pd_http_exchange *ex, void (*cb)(void *arg), void *arg);
 
 /* ---- responses (loop thread only) -------------------------------------------------------- */
@@ -118,8 +149,9 @@ int pd_http_stream_end(pd_http_exchange *ex);
 typedef struct {
     int n_requests;          /* complete requests handed to on_request */
     int n_continue;          /* "100 Continue" interim responses the server would have sent */
-    int error_status;        /* 0, or what the server answers before closing: 400 malformed,
-                                413 body over max_body_bytes, 431 headers over max_header_bytes */
+    int error_status;        /* 0, or what the server answers before closing: 400 malformed
+                                (RFC 9112's Host, version and field-name rules included), 413
+                                body over max_body_bytes, 431 headers over max_header_bytes */
     char error_message[160]; /* the message of that answer's error body */
     bool partial;            /* buf ends inside a request (the server waits for more, then 408) */
     size_t consumed;         /* bytes parsed; after a request without keep-alive the server
@@ -131,7 +163,8 @@ typedef struct {
  * complete request is handed to on_request (may be NULL) as an exchange to read with the
  * accessors above; it is freed when the callback returns, so it must not be responded to.
  * Stops at the first error or after a request that does not keep the connection alive, as the
- * server does. PD_OK with *out filled (a rejected request is not a failure), or PD_ENOMEM. */
+ * server does. There is no owner here: no headers hook, and max_body_in_flight does not apply.
+ * PD_OK with *out filled (a rejected request is not a failure), or PD_ENOMEM. */
 int pd_http_parse_buffer(const pd_http_params *params, const char *buf, size_t len, size_t piece,
                          void (*on_request)(void *arg, pd_http_exchange *ex), void *arg,
                          pd_http_parse_result *out);

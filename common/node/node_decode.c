@@ -124,10 +124,11 @@ static void h_reserve(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len
         }
     }
     pthread_mutex_unlock(&n->mu);
-    if (rc < 0) {
+    if (rc == PD_EBUSY) /* no room: the scheduler retries every 10 ms while it lasts */
+        PD_WARN_EVERY(1000, q->request_id, "Reserve refused: %s", msg);
+    else if (rc < 0)
         PD_WARN(q->request_id, "Reserve refused: %s", msg);
-        pd_rpc_fail(call, node_rpc_status(rc), msg);
-    }
+    if (rc < 0) pd_rpc_fail(call, node_rpc_status(rc), msg);
     pd__reserve_request__free_unpacked(q, NULL);
 }
 

@@ -84,6 +84,9 @@ static const flag_def TABLE[] = {
      .help = "requests admitted at once, 0 = no limit"},
     {"--max-request-body-bytes", PD_FLAG_INT, PD_ROLE_SCHEDULER, "N", 1, I64_MAX,
      .help = "largest request body"},
+    {"--max-body-bytes-in-flight", PD_FLAG_INT, PD_ROLE_SCHEDULER, "N", 1, I64_MAX,
+     .help = "request-body bytes being received at once over all connections; a request that "
+             "would pass it gets 503 with Retry-After: 1 (at least --max-request-body-bytes)"},
     {"--queue-timeout", PD_FLAG_NUMBER, PD_ROLE_SCHEDULER, "S", 0, 1e6, .lo_open = true,
      .unit = "seconds", .help = "longest wait for decode KV capacity, then 503"},
     {"--timeout-keep-alive", PD_FLAG_NUMBER, PD_ROLE_SCHEDULER, "S", 0, 1e6, .lo_open = true,

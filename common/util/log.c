@@ -1,10 +1,14 @@
 /* One-line-per-event logger (see log.h). Each line is formatted into a stack buffer
- * and written with one write(2): no lock, no interleaving, no allocation. */
+ * and written with one write(2): no lock, no interleaving, no allocation. A rate-limited call
+ * site takes one process-wide lock for its counters only (such sites are the frequent
+ * refusals, not a hot path). */
 #include "util/log.h"
 #include "util/status.h"
 
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -70,9 +74,10 @@ void pd_log_set_fd(int fd)
     atomic_store(&g_fd, fd);
 }
 
-void pd_log(pd_log_level level, const char *request_id, const char *fmt, ...)
+/* Formats and writes one line; suffix (or NULL) goes after the message. */
+static void log_line(pd_log_level level, const char *request_id, const char *suffix,
+                     const char *fmt, va_list ap)
 {
-    if ((int)level < atomic_load(&g_level)) return;
     char line[2048];
     struct timespec ts;
     struct tm tm;
@@ -82,16 +87,58 @@ void pd_log(pd_log_level level, const char *request_id, const char *fmt, ...)
                      tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec,
                      ts.tv_nsec / 1000000, level_names[level], g_role,
                      request_id && *request_id ? request_id : "-");
-    va_list ap;
-    va_start(ap, fmt);
     int m = vsnprintf(line + n, sizeof line - (size_t)n - 1, fmt, ap);
-    va_end(ap);
     size_t len = (size_t)n + (m < 0 ? 0 : (size_t)m);
     if (len > sizeof line - 2) len = sizeof line - 2; /* truncated */
+    if (suffix) { /* kept whole: a long message gives way to it */
+        size_t sl = strlen(suffix);
+        if (len + sl > sizeof line - 2) len = sizeof line - 2 - sl;
+        memcpy(line + len, suffix, sl);
+        len += sl;
+    }
     /* one event, one line: flatten embedded newlines */
     for (size_t i = (size_t)n; i < len; i++)
         if (line[i] == '\n' || line[i] == '\r') line[i] = ' ';
     line[len++] = '\n';
     ssize_t w = write(atomic_load(&g_fd), line, len);
     (void)w;
+}
+
+void pd_log(pd_log_level level, const char *request_id, const char *fmt, ...)
+{
+    if ((int)level < atomic_load(&g_level)) return;
+    va_list ap;
+    va_start(ap, fmt);
+    log_line(level, request_id, NULL, fmt, ap);
+    va_end(ap);
+}
+
+static pthread_mutex_t g_limit_mu = PTHREAD_MUTEX_INITIALIZER;
+
+void pd_log_limited(pd_log_limit *lim, pd_log_level level, const char *request_id, const char *fmt,
+                    ...)
+{
+    if ((int)level < atomic_load(&g_level)) return;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    int64_t now = (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+    pthread_mutex_lock(&g_limit_mu);
+    bool write_it = lim->last_ns == 0 || now - lim->last_ns >= (int64_t)lim->window_ms * 1000000;
+    int64_t left_out = lim->left_out, since = now - lim->last_ns;
+    if (write_it) {
+        lim->last_ns = now;
+        lim->left_out = 0;
+    } else {
+        lim->left_out++;
+    }
+    pthread_mutex_unlock(&g_limit_mu);
+    if (!write_it) return;
+    char suffix[96] = "";
+    if (left_out > 0)
+        snprintf(suffix, sizeof suffix, " (repeated %lld times in the last %.3g s)",
+                 (long long)left_out, (double)since / 1e9);
+    va_list ap;
+    va_start(ap, fmt);
+    log_line(level, request_id, left_out > 0 ? suffix : NULL, fmt, ap);
+    va_end(ap);
 }

@@ -34,8 +34,7 @@ int connect_port(int port)
     return fd;
 }
 
-/* Sends raw bytes and reads until EOF (Connection: close) within timeout_ms. */
-static int http_raw(int port, const char *req, size_t len, int timeout_ms, http_resp *out)
+int http_raw(int port, const char *req, size_t len, bool half_close, int timeout_ms, http_resp *out)
 {
     memset(out, 0, sizeof *out);
     int fd = connect_port(port);
@@ -46,6 +45,7 @@ static int http_raw(int port, const char *req, size_t len, int timeout_ms, http_
         if (w <= 0) break;
         off += (size_t)w;
     }
+    if (half_close) shutdown(fd, SHUT_WR);
     size_t cap = 65536, n = 0;
     char *buf = malloc(cap);
     int64_t deadline = pd_now_ns() + (int64_t)timeout_ms * PD_NS_PER_MS;
@@ -106,7 +106,7 @@ int http_do(int port, const char *method, const char *path, const char *extra_he
                          : "",
                      bl);
     if (body) memcpy(req + n, body, bl);
-    int rc = http_raw(port, req, (size_t)n + bl, 60000, out);
+    int rc = http_raw(port, req, (size_t)n + bl, false, 60000, out);
     free(req);
     return rc;
 }

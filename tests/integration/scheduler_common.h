@@ -34,6 +34,10 @@ int connect_port(int port);
  * extra_headers name one), read until EOF within 60 s; 0 when a response arrived. */
 int http_do(int port, const char *method, const char *path, const char *extra_headers,
             const char *body, http_resp *out);
+/* Sends raw bytes (then shuts down the sending side when half_close) and reads until EOF
+ * within timeout_ms; 0 when an HTTP/1.1 response arrived. */
+int http_raw(int port, const char *req, size_t len, bool half_close, int timeout_ms,
+             http_resp *out);
 /* Header value (case-insensitive name) into buf; NULL when absent. */
 const char *header(const http_resp *r, const char *name, char *buf, size_t n);
 

@@ -281,11 +281,26 @@ static void unhog_kv(int n)
     }
 }
 
+/* Lines of a log file that contain needle (0 when it cannot be read). */
+static int log_count(const char *path, const char *needle)
+{
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    char line[4096];
+    int n = 0;
+    while (fgets(line, sizeof line, f))
+        if (strstr(line, needle)) n++;
+    fclose(f);
+    return n;
+}
+
 TEST(overload_queue_timeout)
 {
     FIXTURE();
     ASSERT(decode_idle(5000));
     int hogs = hog_kv(256);
+    /* the refusals of the hog and of the queued requests' retries (every 10 ms) */
+    int refused_before = log_count(g_c.procs[D0].log, "Reserve refused");
     Pd__StatsReply *s = cl_stats(&g_c, D0);
     int64_t free_blocks = s ? s->kv_blocks_free : -1;
     if (s) pd__stats_reply__free_unpacked(s, NULL);
@@ -312,9 +327,10 @@ TEST(overload_queue_timeout)
     double b_s = secs(b.t_open_ns, b.t_done_ns);
     int b_status = b.status;
     if (rb == 0) cl_conn_close(&b);
+    int refused = log_count(g_c.procs[D0].log, "Reserve refused") - refused_before;
     printf("    queue timeout: %d after %.3f s (Retry-After %s); KV freed after 0.4 s: %d after "
-           "%.3f s\n",
-           a_status, a_s, ra, b_status, b_s);
+           "%.3f s; %d \"Reserve refused\" lines in the decode log meanwhile\n",
+           a_status, a_s, ra, b_status, b_s, refused);
     ASSERT_MSG(free_blocks == 0, "%lld KV blocks still free", (long long)free_blocks);
     ASSERT_MSG(a_done, "the queued request got no answer within 10 s");
     ASSERT_EQ_INT(a_status, 503);
@@ -327,6 +343,9 @@ TEST(overload_queue_timeout)
     ASSERT_MSG(b_done, "the request did not end after the KV was freed");
     ASSERT_EQ_INT(b_status, 200);
     ASSERT(decode_idle(5000));
+    /* ~1.4 s of retries every 10 ms: about 140 refusals, logged once a second (2 or 3 lines, a
+     * fourth should the waits stretch); before the rate limit, one line each */
+    ASSERT_MSG(refused >= 1 && refused <= 4, "%d \"Reserve refused\" lines", refused);
 }
 
 /* ---- item 3: slow and hostile clients -------------------------------------------------------- */

@@ -100,6 +100,70 @@ TEST(sched_api_key)
     ASSERT(http_do(g_port_key, "GET", "/metrics", NULL, NULL, &r) == 0);
     ASSERT_EQ_INT(r.status, 200);
     resp_free(&r);
+    /* any /v1/ path needs the key before it is routed (it answered 404 for an unknown one, so a
+     * client without the key could tell which routes exist); other paths are routed first */
+    static const struct {
+        const char *method, *path, *auth;
+        int status;
+        bool id;
+    } order[] = {
+        {"GET", "/v1/nope", NULL, 401, false},
+        {"GET", "/v1/nope", "Authorization: Bearer sk-test\r\n", 404, false},
+        {"POST", "/v1/completions/", NULL, 401, false},
+        {"PUT", "/v1/completions", NULL, 401, true},
+        {"PUT", "/v1/completions", "Authorization: Bearer sk-test\r\n", 405, false},
+        {"GET", "/nope", NULL, 404, false},
+        {"POST", "/generate", NULL, 404, false}, /* a legacy route: not served here */
+    };
+    for (size_t i = 0; i < sizeof order / sizeof *order; i++) {
+        ASSERT(http_do(g_port_key, order[i].method, order[i].path, order[i].auth, NULL, &r) == 0);
+        ASSERT_MSG(r.status == order[i].status, "%s %s: %d", order[i].method, order[i].path,
+                   r.status);
+        if (r.status == 401) ASSERT_STR_EQ(header(&r, "WWW-Authenticate", h, sizeof h), "Bearer");
+        ASSERT_MSG(!header(&r, "X-Request-Id", h, sizeof h) == !order[i].id, "%s %s: X-Request-Id",
+                   order[i].method, order[i].path);
+        resp_free(&r);
+    }
+}
+
+/* HTTP/1.1 as RFC 9112 has it, end to end: the absolute form of a target is routed by its path;
+ * no Host, two Hosts, whitespace before a colon and a request line without a version get 400; a
+ * client that shuts down its sending side after a complete request still gets the answer. */
+TEST(sched_http_conformance)
+{
+    FIXTURE();
+    char req[1024];
+    http_resp r;
+    int n = snprintf(req, sizeof req,
+                     "GET http://127.0.0.1:%d/v1/models HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n"
+                     "Connection: close\r\n\r\n",
+                     g_port, g_port);
+    ASSERT(http_raw(g_port, req, (size_t)n, false, 10000, &r) == 0);
+    ASSERT_EQ_INT(r.status, 200);
+    ASSERT_CONTAINS(r.body, "\"object\":\"list\"");
+    resp_free(&r);
+    static const char *const bad[] = {
+        "GET /health HTTP/1.1\r\n\r\n",
+        "GET /health HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n",
+        "GET /health HTTP/1.1\r\nHost: a\r\nX-A : b\r\n\r\n",
+        "GET /health\r\n\r\n",
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        ASSERT_MSG(http_raw(g_port, bad[i], strlen(bad[i]), false, 10000, &r) == 0,
+                   "case %zu: no HTTP/1.1 response", i);
+        ASSERT_MSG(r.status == 400, "case %zu: %d", i, r.status);
+        ASSERT_CONTAINS(r.body, "\"message\":\"Malformed HTTP request.\"");
+        resp_free(&r);
+    }
+    const char *body = "{\"prompt\":\"Half close\",\"max_tokens\":4,\"ignore_eos\":true}";
+    n = snprintf(req, sizeof req,
+                 "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 "Content-Length: %zu\r\n\r\n%s",
+                 strlen(body), body);
+    ASSERT(http_raw(g_port, req, (size_t)n, true, 30000, &r) == 0);
+    ASSERT_MSG(r.status == 200, "%d %s", r.status, r.body);
+    ASSERT_CONTAINS(r.body, "\"completion_tokens\":4");
+    resp_free(&r);
 }
 
 /* Non-streaming completions: §10 shape, X-Request-Id, usage. Returns the text in out. */

@@ -15,6 +15,11 @@
 #   - request size limits: a body of exactly --max-request-body-bytes passes the limit, one byte
 #     more gets 413 (Content-Length and chunked), headers over 64 KiB get 431, and the
 #     scheduler keeps serving.
+#   - bodies in flight: 40 connections with a wrong key each announce a 16 MiB body and send all
+#     of it but the last byte: each gets 401 from its headers, and the scheduler's peak RSS
+#     (VmHWM) stays under 100 MB (it buffered every body, 643 MB, until the key was checked at
+#     the end); the same with the right key: --max-body-bytes-in-flight (32 MiB here) admits two
+#     bodies and answers the others 503 with Retry-After at once, under 100 MB as well.
 # Bounded in time; stops everything it started; exit 0 = pass.
 set -uo pipefail
 # shellcheck source=tests/integration/lib_cluster.sh
@@ -51,7 +56,8 @@ start prefill 0 "$pp" prefill
 start decode 1 "$dp" decode
 USE_OPENAI=1 start scheduler host "$sp" scheduler --host "$sched_ip" --max-request-body-bytes "$limit"
 # the legacy one takes the key from --api-key instead of the environment (both paths checked)
-USE_OPENAI=0 VLLM_API_KEY='' start scheduler host "$gp" legacy --host "$sched_ip" --api-key "$key"
+USE_OPENAI=0 VLLM_API_KEY='' start scheduler host "$gp" legacy --host "$sched_ip" --api-key "$key" \
+    --max-body-bytes-in-flight 33554432
 for port in "$sp" "$gp"; do
     ok=0
     for _ in $(seq 300); do
@@ -193,6 +199,104 @@ assert st == 200, ("after the limits", st, data)
 print("ok: the scheduler still serves after the refusals")
 PY
 
+# ---- request bodies in flight: the flood of large bodies -------------------------------------------
+# the legacy scheduler: the default --max-request-body-bytes (16 MiB), --max-body-bytes-in-flight 32 MiB
+$py - "$sched_ip" "$gp" "$key" "${pids[3]}" <<'PY' || fail "bodies in flight"
+import socket, sys, time
+host, port, key, pid = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+N, CL = 40, 16 << 20
+
+def kib(field):
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+
+def flood(auth):
+    """N connections each announcing CL bytes and sending all but the last; returns the sockets
+    and what each has received 10 s later at most (b"" for none)."""
+    head = (f"POST /generate HTTP/1.1\r\nHost: {host}:{port}\r\nAuthorization: {auth}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {CL}\r\n\r\n").encode()
+    chunk = b" " * (1 << 20)
+    socks, sent = [], 0
+    for _ in range(N):
+        s = socket.create_connection((host, port), timeout=10)
+        try:
+            s.sendall(head)
+            left = CL - 1
+            while left > 0:  # the server drops what a refused request sends, for up to 2 s
+                n = min(left, len(chunk))
+                s.sendall(chunk[:n])
+                left -= n
+                sent += n
+        except OSError:
+            pass
+        socks.append(s)
+    print(f"    {sent} body bytes sent on {N} connections")
+    got, deadline = [], time.time() + 10
+    for s in socks:
+        data = b""
+        s.settimeout(max(0.2, deadline - time.time()))
+        try:
+            while b"}}" not in data:
+                d = s.recv(65536)
+                if not d:
+                    break
+                data += d
+        except OSError:
+            pass
+        got.append(data)
+    return socks, got
+
+hwm0 = kib("VmHWM")
+t0 = time.time()
+socks, got = flood("Bearer sk-wrong-0123456789")
+secs = time.time() - t0
+hwm = kib("VmHWM")
+for s in socks:
+    s.close()
+bad = [g[:60] for g in got if not g.startswith(b"HTTP/1.1 401 Unauthorized\r\n")]
+print(f"ok?: {N} connections x {CL}-byte bodies (all but the last byte sent) with a wrong key in "
+      f"{secs:.2f} s: {N - len(bad)} got 401; scheduler VmHWM {hwm0} -> {hwm} KiB")
+assert not bad, bad[:3]
+assert hwm < 100 * 1000, hwm
+print(f"ok: a wrong key gets 401 from the headers: {N} x 16 MiB announced, peak RSS {hwm // 1024} MiB")
+
+socks, got = flood("Bearer " + key)
+hwm = kib("VmHWM")
+held = sum(1 for g in got if not g)
+refused = [g for g in got if g.startswith(b"HTTP/1.1 503 Service Unavailable\r\n")]
+print(f"ok?: the same with the key: {held} bodies held, {len(refused)} refused with 503; "
+      f"scheduler VmHWM {hwm} KiB")
+for s in socks:
+    s.close()
+assert held == 2 and len(refused) == N - 2, [g[:40] for g in got]
+for g in refused:
+    assert b"\r\nRetry-After: 1\r\n" in g and b"\r\nX-Request-Id: " in g, g
+    assert (b'"message":"The server is at its limit of 33554432 request body bytes in flight; '
+            b'retry later."') in g, g
+assert hwm < 100 * 1000, hwm
+# the held bodies stopped counting with their connections: two fit again, a third does not
+time.sleep(0.5)
+head = (f"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+        f"Content-Length: {CL}\r\n\r\n{{").encode()
+again = [socket.create_connection((host, port), timeout=5) for _ in range(3)]
+for s in again:
+    s.sendall(head)
+    time.sleep(0.1)
+answers = []
+for s in again:
+    s.settimeout(0.5)
+    try:
+        answers.append(s.recv(65536))
+    except socket.timeout:
+        answers.append(b"")
+    s.close()
+assert answers[0] == b"" and answers[1] == b"" and answers[2].startswith(b"HTTP/1.1 503"), answers
+print(f"ok: --max-body-bytes-in-flight: 2 bodies of 16 MiB held, {N - 2} answered 503 "
+      f"(Retry-After: 1) at once, peak RSS {hwm // 1024} MiB; the bytes are free again once "
+      "the connections close")
+PY
+
 # ---- the key in logs ---------------------------------------------------------------------------
 for f in prefill decode scheduler; do # (the legacy /generate path logs nothing at debug level)
     grep -q ' DEBUG ' "$work/$f.log" || fail "$f.log has no DEBUG line: debug logging was not on"
@@ -217,4 +321,4 @@ for i in 0 1 2 3; do
     [ $st = 0 ] || fail "process $i exited with $st after SIGTERM"
 done
 pids=()
-echo "PASS security: bind addresses, API key on every generation endpoint, no key in logs, size limits"
+echo "PASS security: bind addresses, API key on every generation endpoint, no key in logs, size limits, bodies in flight"

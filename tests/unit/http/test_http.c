@@ -7,6 +7,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <sys/socket.h>
@@ -27,6 +28,7 @@ typedef struct {
     atomic_int stopped;
     atomic_size_t max_pending; /* largest unsent byte count seen by /flood */
     atomic_int busy;           /* PD_EBUSY answers seen by /flood */
+    atomic_int handled;        /* requests handed to the handler */
 } fixture;
 
 typedef struct {
@@ -109,11 +111,39 @@ static void flood(void *arg)
     free(j);
 }
 
+static void ticks_aborted(void *arg)
+{
+    job *j = arg;
+    atomic_fetch_add(&j->fx->aborts, 1); /* the timer sees pd_http_aborted and ends it */
+}
+
+/* The owner's checks from the headers: /secret needs "X-Key: k" (as an API key). */
+static int on_headers(void *ctx, const pd_http_exchange *ex, char *message, size_t msg_cap,
+                      char *extra, size_t extra_cap)
+{
+    (void)ctx;
+    const char *key = pd_http_header(ex, "X-Key");
+    if (strcmp(pd_http_path(ex), "/secret") != 0 || (key && strcmp(key, "k") == 0)) return 0;
+    snprintf(message, msg_cap, "Unauthorized");
+    snprintf(extra, extra_cap, "WWW-Authenticate: Bearer\r\n");
+    return 401;
+}
+
+static void on_refused(void *ctx, const pd_http_exchange *ex, int status, const char *message,
+                       char *extra, size_t extra_cap)
+{
+    (void)ctx;
+    (void)message;
+    size_t used = strlen(extra);
+    snprintf(extra + used, extra_cap - used, "X-Refused: %d %s\r\n", status, pd_http_path(ex));
+}
+
 static void handler(void *ctx, pd_http_exchange *ex)
 {
     fixture *fx = ctx;
     const char *path = pd_http_path(ex);
-    if (strcmp(path, "/hello") == 0) {
+    atomic_fetch_add(&fx->handled, 1);
+    if (strcmp(path, "/hello") == 0 || strcmp(path, "/secret") == 0) {
         pd_http_respond(ex, 200, "text/plain", "hi", 2, "X-Test: 1\r\n");
     } else if (strcmp(path, "/echo") == 0) {
         size_t len;
@@ -137,6 +167,16 @@ static void handler(void *ctx, pd_http_exchange *ex)
             pd_http_stream_begin(ex, 200, "text/event-stream; charset=utf-8", NULL);
             uv_timer_start(&j->timer, stream_tick, 5, 5);
         }
+    } else if (strcmp(path, "/ticks") == 0) { /* a chunk every 10 ms for 3 s */
+        job *j = calloc(1, sizeof *j);
+        j->ex = ex;
+        j->left = 300;
+        j->fx = fx;
+        uv_timer_init(&fx->loop, &j->timer);
+        j->timer.data = j;
+        pd_http_on_abort(ex, ticks_aborted, j);
+        pd_http_stream_begin(ex, 200, "text/event-stream; charset=utf-8", NULL);
+        uv_timer_start(&j->timer, stream_tick, 10, 10);
     } else if (strcmp(path, "/hang") == 0) {
         job *j = calloc(1, sizeof *j);
         j->ex = ex;
@@ -175,8 +215,10 @@ static void *loop_main(void *arg)
     return NULL;
 }
 
-static fixture *fx_start(int header_timeout_ms, int idle_timeout_ms)
+/* in_flight: max_body_in_flight (0: the default). */
+static fixture *fx_start_bounded(int header_timeout_ms, int idle_timeout_ms, size_t in_flight)
 {
+    signal(SIGPIPE, SIG_IGN); /* as pd-scheduler: writes to a gone client fail instead */
     fixture *fx = calloc(1, sizeof *fx);
     uv_loop_init(&fx->loop);
     uv_async_init(&fx->loop, &fx->stop_async, on_stop_async);
@@ -188,13 +230,21 @@ static fixture *fx_start(int header_timeout_ms, int idle_timeout_ms)
     p.body_timeout_ms = header_timeout_ms;
     p.idle_timeout_ms = idle_timeout_ms;
     p.max_stream_buffer = 64 * 1024;
+    if (in_flight) p.max_body_in_flight = in_flight;
     if (pd_http_server_start(&fx->loop, &p, handler, fx, &fx->srv) < 0) {
         printf("    server start: %s\n", pd_last_error());
         return NULL;
     }
+    pd_http_server_on_headers(fx->srv, on_headers);
+    pd_http_server_on_refused(fx->srv, on_refused);
     fx->port = pd_http_server_port(fx->srv);
     pthread_create(&fx->thread, NULL, loop_main, fx);
     return fx;
+}
+
+static fixture *fx_start(int header_timeout_ms, int idle_timeout_ms)
+{
+    return fx_start_bounded(header_timeout_ms, idle_timeout_ms, 0);
 }
 
 static int fx_stop(fixture *fx)
@@ -299,8 +349,8 @@ TEST(http_pipelined_answers_in_order)
     int fd = cli_connect(fx->port), eof;
     char buf[8192];
     /* the middle request answers after 50 ms: the third must still come last */
-    cli_send(fd, "GET /hello HTTP/1.1\r\n\r\nGET /slow HTTP/1.1\r\n\r\n"
-                 "POST /echo?a=1 HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc");
+    cli_send(fd, "GET /hello HTTP/1.1\r\nHost: x\r\n\r\nGET /slow HTTP/1.1\r\nHost: x\r\n\r\n"
+                 "POST /echo?a=1 HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc");
     cli_read_until(fd, buf, sizeof buf, "body=abc", 3000, &eof);
     const char *hi = strstr(buf, "\r\n\r\nhi"), *slow = strstr(buf, "slow"),
                *echo = strstr(buf, "POST /echo q=a=1 len=3");
@@ -315,7 +365,7 @@ TEST(http_chunked_request_body)
     fixture *fx = fx_start(2000, 2000);
     int fd = cli_connect(fx->port), eof;
     char buf[4096];
-    cli_send(fd, "POST /echo HTTP/1.1\r\nTransfer-Encoding: chunked\r\n"
+    cli_send(fd, "POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
                  "Content-Type: application/json\r\n\r\n4\r\n{\"a\"\r\n3\r\n:1}\r\n0\r\n\r\n");
     cli_read_until(fd, buf, sizeof buf, "body=", 2000, &eof);
     cli_read_until(fd, buf + strlen(buf), sizeof buf - strlen(buf), "}", 500, &eof);
@@ -329,14 +379,17 @@ TEST(http_expect_100_continue)
     fixture *fx = fx_start(2000, 2000);
     int fd = cli_connect(fx->port), eof;
     char buf[4096];
-    cli_send(fd, "POST /echo HTTP/1.1\r\nContent-Length: 2\r\nExpect: 100-continue\r\n\r\n");
+    cli_send(fd,
+             "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nExpect: 100-continue\r\n\r\n");
     cli_read_until(fd, buf, sizeof buf, "\r\n\r\n", 2000, &eof);
     ASSERT_STR_EQ(buf, "HTTP/1.1 100 Continue\r\n\r\n");
     cli_send(fd, "ok");
     cli_read_until(fd, buf, sizeof buf, "body=ok", 2000, &eof);
     ASSERT_CONTAINS(buf, "HTTP/1.1 200 OK");
     /* over the limit: 413 at once, no 100 */
-    cli_send(fd, "POST /echo HTTP/1.1\r\nContent-Length: 5000\r\nExpect: 100-continue\r\n\r\n");
+    cli_send(
+        fd,
+        "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\nExpect: 100-continue\r\n\r\n");
     cli_read_until(fd, buf, sizeof buf, "}}", 2000, &eof);
     ASSERT_CONTAINS(buf, "HTTP/1.1 413 Payload Too Large");
     ASSERT(strstr(buf, "100 Continue") == NULL);
@@ -349,7 +402,7 @@ TEST(http_body_too_large_413_and_close)
     fixture *fx = fx_start(2000, 2000);
     int fd = cli_connect(fx->port), eof;
     char buf[4096];
-    cli_send(fd, "POST /echo HTTP/1.1\r\nContent-Length: 1001\r\n\r\n");
+    cli_send(fd, "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1001\r\n\r\n");
     cli_read_until(fd, buf, sizeof buf, "NEVER", 2000, &eof);
     ASSERT_CONTAINS(buf, "HTTP/1.1 413 Payload Too Large\r\n");
     ASSERT_CONTAINS(buf, "Connection: close");
@@ -364,7 +417,7 @@ TEST(http_body_too_large_413_and_close)
     big[600] = '\0';
     char req[4096];
     snprintf(req, sizeof req,
-             "POST /echo HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+             "POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
              "258\r\n%s\r\n258\r\n%s\r\n0\r\n\r\n",
              big, big);
     cli_send(fd, req);
@@ -383,7 +436,7 @@ TEST(http_headers_too_large_431)
     char val[3000];
     memset(val, 'v', sizeof val - 1);
     val[sizeof val - 1] = '\0';
-    snprintf(req, sizeof req, "GET /hello HTTP/1.1\r\nX-Big: %s\r\n\r\n", val);
+    snprintf(req, sizeof req, "GET /hello HTTP/1.1\r\nHost: x\r\nX-Big: %s\r\n\r\n", val);
     cli_send(fd, req);
     cli_read_until(fd, buf, sizeof buf, "NEVER", 2000, &eof);
     ASSERT_CONTAINS(buf, "HTTP/1.1 431 Request Header Fields Too Large");
@@ -406,7 +459,7 @@ TEST(http_malformed_400_and_close)
     close(fd);
     /* the server still serves */
     fd = cli_connect(fx->port);
-    cli_send(fd, "GET /hello HTTP/1.1\r\n\r\n");
+    cli_send(fd, "GET /hello HTTP/1.1\r\nHost: x\r\n\r\n");
     cli_read_until(fd, buf, sizeof buf, "hi", 2000, &eof);
     ASSERT_CONTAINS(buf, "200 OK");
     close(fd);
@@ -434,7 +487,7 @@ TEST(http_idle_connection_closed)
     fixture *fx = fx_start(2000, 150);
     int fd = cli_connect(fx->port), eof;
     char buf[4096];
-    cli_send(fd, "GET /hello HTTP/1.1\r\n\r\n");
+    cli_send(fd, "GET /hello HTTP/1.1\r\nHost: x\r\n\r\n");
     cli_read_until(fd, buf, sizeof buf, "hi", 2000, &eof);
     ASSERT_CONTAINS(buf, "200 OK");
     cli_read_until(fd, buf, sizeof buf, "NEVER", 2000, &eof);
@@ -449,7 +502,7 @@ TEST(http_connection_close_honoured)
     fixture *fx = fx_start(2000, 2000);
     int fd = cli_connect(fx->port), eof;
     char buf[4096];
-    cli_send(fd, "GET /hello HTTP/1.1\r\nConnection: close\r\n\r\n");
+    cli_send(fd, "GET /hello HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
     cli_read_until(fd, buf, sizeof buf, "NEVER", 2000, &eof);
     ASSERT_CONTAINS(buf, "Connection: close\r\n");
     ASSERT_CONTAINS(buf, "\r\n\r\nhi");
@@ -470,7 +523,7 @@ TEST(http_sse_stream_chunks)
     fixture *fx = fx_start(2000, 2000);
     int fd = cli_connect(fx->port), eof;
     char buf[4096];
-    cli_send(fd, "GET /stream HTTP/1.1\r\n\r\n");
+    cli_send(fd, "GET /stream HTTP/1.1\r\nHost: x\r\n\r\n");
     cli_read_until(fd, buf, sizeof buf, "0\r\n\r\n", 3000, &eof);
     ASSERT_CONTAINS(buf, "Content-Type: text/event-stream; charset=utf-8\r\n");
     ASSERT_CONTAINS(buf, "Transfer-Encoding: chunked\r\n");
@@ -479,23 +532,194 @@ TEST(http_sse_stream_chunks)
     ASSERT_CONTAINS(buf, "e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n");
     ASSERT_EQ_INT(count(buf, "data: "), 4);
     /* keep-alive after a stream */
-    cli_send(fd, "GET /hello HTTP/1.1\r\n\r\n");
+    cli_send(fd, "GET /hello HTTP/1.1\r\nHost: x\r\n\r\n");
     cli_read_until(fd, buf, sizeof buf, "hi", 2000, &eof);
     ASSERT_CONTAINS(buf, "200 OK");
     close(fd);
     ASSERT(fx_stop(fx));
 }
 
+/* A connection reset while the handler works (a client that closed with unread bytes, or a
+ * proxy that gave up) aborts the exchange at once. */
 TEST(http_client_disconnect_aborts_exchange)
 {
     fixture *fx = fx_start(2000, 2000);
     int fd = cli_connect(fx->port);
-    cli_send(fd, "GET /hang HTTP/1.1\r\n\r\n");
+    cli_send(fd, "GET /hang HTTP/1.1\r\nHost: x\r\n\r\n");
     pd_sleep_ns(50 * PD_NS_PER_MS);
     ASSERT_EQ_INT(atomic_load(&fx->aborts), 0);
+    struct linger lg = {.l_onoff = 1, .l_linger = 0}; /* close() sends a reset */
+    setsockopt(fd, SOL_SOCKET, SO_LINGER, &lg, sizeof lg);
     close(fd);
     for (int i = 0; i < 200 && atomic_load(&fx->aborts) == 0; i++) pd_sleep_ns(5 * PD_NS_PER_MS);
     ASSERT_EQ_INT(atomic_load(&fx->aborts), 1);
+    ASSERT(fx_stop(fx));
+}
+
+/* A client that closes during a stream (EOF, then a reset for the next bytes) aborts the
+ * exchange at the first write that fails. */
+TEST(http_closed_client_aborts_stream)
+{
+    fixture *fx = fx_start(2000, 2000);
+    int fd = cli_connect(fx->port), eof;
+    char buf[4096];
+    cli_send(fd, "GET /ticks HTTP/1.1\r\nHost: x\r\n\r\n");
+    cli_read_until(fd, buf, sizeof buf, "data: ", 2000, &eof);
+    ASSERT_CONTAINS(buf, "200 OK");
+    int64_t t0 = pd_now_ns();
+    close(fd);
+    for (int i = 0; i < 200 && atomic_load(&fx->aborts) == 0; i++) pd_sleep_ns(5 * PD_NS_PER_MS);
+    ASSERT_EQ_INT(atomic_load(&fx->aborts), 1);
+    ASSERT((pd_now_ns() - t0) / PD_NS_PER_MS < 500); /* a few ticks, not the 3 s of the stream */
+    ASSERT(fx_stop(fx));
+}
+
+/* A client that shuts down its sending side after complete requests (RFC 9112 §9.6) gets its
+ * answers, then the connection closes; nothing is aborted. It used to get no response: EOF was
+ * taken for a client gone. */
+TEST(http_half_close_still_answered)
+{
+    fixture *fx = fx_start(2000, 2000);
+    int fd = cli_connect(fx->port), eof;
+    char buf[4096];
+    cli_send(fd, "GET /slow HTTP/1.1\r\nHost: x\r\n\r\n");
+    shutdown(fd, SHUT_WR);
+    cli_read_until(fd, buf, sizeof buf, "NEVER", 2000, &eof);
+    ASSERT_CONTAINS(buf, "HTTP/1.1 200 OK");
+    ASSERT_CONTAINS(buf, "\r\n\r\nslow");
+    ASSERT(eof);
+    close(fd);
+    /* pipelined, the first answered later than the second arrived */
+    fd = cli_connect(fx->port);
+    cli_send(fd, "GET /slow HTTP/1.1\r\nHost: x\r\n\r\nGET /hello HTTP/1.1\r\nHost: x\r\n\r\n");
+    shutdown(fd, SHUT_WR);
+    cli_read_until(fd, buf, sizeof buf, "NEVER", 2000, &eof);
+    ASSERT_EQ_INT(count(buf, "HTTP/1.1 200 OK"), 2);
+    ASSERT(strstr(buf, "slow") < strstr(buf, "\r\n\r\nhi"));
+    ASSERT(eof);
+    close(fd);
+    /* a partial request is never completed: closed without an answer */
+    fd = cli_connect(fx->port);
+    cli_send(fd, "GET /hello HTTP/1.1\r\nHost: x\r\n");
+    shutdown(fd, SHUT_WR);
+    cli_read_until(fd, buf, sizeof buf, "NEVER", 2000, &eof);
+    ASSERT_EQ_INT(strlen(buf), 0);
+    ASSERT(eof);
+    close(fd);
+    ASSERT_EQ_INT(atomic_load(&fx->aborts), 0);
+    ASSERT(fx_stop(fx));
+}
+
+/* The owner's headers hook answers before the body is read: a request it refuses never reaches
+ * the handler and none of its body is buffered (an unauthenticated client could otherwise make
+ * the server hold max_body_bytes per connection). With a body still to come, the answer closes
+ * the connection, after a lingering close: the client may send the rest and then reads EOF (not
+ * a reset). Without a body, the connection stays open. */
+TEST(http_headers_hook_refuses_before_the_body)
+{
+    fixture *fx = fx_start(2000, 2000);
+    int fd = cli_connect(fx->port), eof;
+    char buf[4096];
+    int64_t t0 = pd_now_ns();
+    cli_send(fd, "POST /secret HTTP/1.1\r\nHost: x\r\nContent-Length: 900\r\n\r\n0123456789");
+    cli_read_until(fd, buf, sizeof buf, "}}", 2000, &eof);
+    ASSERT((pd_now_ns() - t0) / PD_NS_PER_MS < 1000); /* at once, not at the body timeout */
+    ASSERT_CONTAINS(buf, "HTTP/1.1 401 Unauthorized\r\n");
+    ASSERT_CONTAINS(buf, "WWW-Authenticate: Bearer\r\n");
+    ASSERT_CONTAINS(buf, "Connection: close\r\n");
+    ASSERT_CONTAINS(buf, "\"type\":\"AuthenticationError\"");
+    ASSERT_EQ_INT(pd_http_server_body_bytes_in_flight(fx->srv), 0);
+    static char rest[890];
+    memset(rest, 'r', sizeof rest);
+    ASSERT_EQ_INT(write(fd, rest, sizeof rest), (int)sizeof rest);
+    struct pollfd pfd = {.fd = fd, .events = POLLIN};
+    ASSERT_EQ_INT(poll(&pfd, 1, 3000), 1);
+    ASSERT_EQ_INT(read(fd, buf, sizeof buf), 0); /* EOF, not ECONNRESET */
+    close(fd);
+    /* the key lets it through; a refusal without a body keeps the connection */
+    fd = cli_connect(fx->port);
+    cli_send(fd, "GET /secret HTTP/1.1\r\nHost: x\r\n\r\n");
+    cli_read_until(fd, buf, sizeof buf, "}}", 2000, &eof);
+    ASSERT_CONTAINS(buf, "HTTP/1.1 401 Unauthorized\r\n");
+    ASSERT(strstr(buf, "Connection: close") == NULL);
+    cli_send(fd, "POST /secret HTTP/1.1\r\nHost: x\r\nX-Key: k\r\nContent-Length: 2\r\n\r\nab");
+    cli_read_until(fd, buf, sizeof buf, "hi", 2000, &eof);
+    ASSERT_CONTAINS(buf, "HTTP/1.1 200 OK");
+    ASSERT(!eof);
+    close(fd);
+    ASSERT_EQ_INT(atomic_load(&fx->handled), 1);
+    ASSERT(fx_stop(fx));
+}
+
+/* Bodies announced by requests still arriving count against max_body_in_flight over all
+ * connections; a request that would pass it gets 503 with Retry-After at once (from its
+ * headers, or from the chunk size line), and bytes count no more once a request completes or
+ * its connection goes. */
+TEST(http_body_bytes_in_flight_bounded)
+{
+    fixture *fx = fx_start_bounded(2000, 2000, 2000);
+    int a = cli_connect(fx->port), b = cli_connect(fx->port), eof;
+    char buf[4096];
+    static const char held[] = "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\nab";
+    cli_send(a, held);
+    cli_send(b, held);
+    for (int i = 0; i < 200 && pd_http_server_body_bytes_in_flight(fx->srv) < 2000; i++)
+        pd_sleep_ns(5 * PD_NS_PER_MS);
+    ASSERT_EQ_INT(pd_http_server_body_bytes_in_flight(fx->srv), 2000);
+    int c = cli_connect(fx->port);
+    cli_send(c, "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\n");
+    cli_read_until(c, buf, sizeof buf, "}}", 2000, &eof);
+    ASSERT_CONTAINS(buf, "HTTP/1.1 503 Service Unavailable\r\n");
+    ASSERT_CONTAINS(buf, "Retry-After: 1\r\n");
+    ASSERT_CONTAINS(buf, "X-Refused: 503 /echo\r\n");
+    ASSERT_CONTAINS(buf, "\"message\":\"The server is at its limit of 2000 request body bytes "
+                         "in flight; retry later.\",\"type\":\"ServiceUnavailableError\"");
+    close(c);
+    /* a completes: its 1000 bytes are its request's now */
+    static char rest[998];
+    memset(rest, 'x', sizeof rest);
+    ASSERT_EQ_INT(write(a, rest, sizeof rest), (int)sizeof rest);
+    cli_read_until(a, buf, sizeof buf, "body=", 2000, &eof);
+    ASSERT_CONTAINS(buf, "len=1000");
+    ASSERT_EQ_INT(pd_http_server_body_bytes_in_flight(fx->srv), 1000);
+    /* a chunked body counts chunk by chunk: with 1500 held, a chunk of 500 fits, the next chunk's
+     * size line does not (its body, 501 bytes, is within max_body_bytes) */
+    int d = cli_connect(fx->port);
+    cli_send(d, "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 500\r\n\r\n");
+    cli_send(a, "POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n1f4\r\n");
+    for (int i = 0; i < 200 && pd_http_server_body_bytes_in_flight(fx->srv) < 2000; i++)
+        pd_sleep_ns(5 * PD_NS_PER_MS);
+    ASSERT_EQ_INT(pd_http_server_body_bytes_in_flight(fx->srv), 2000);
+    char chunk[600];
+    memset(chunk, 'y', 500);
+    memcpy(chunk + 500, "\r\n1\r\n", 5);
+    ASSERT_EQ_INT(write(a, chunk, 505), 505);
+    cli_read_until(a, buf, sizeof buf, "}}", 2000, &eof);
+    ASSERT_CONTAINS(buf, "HTTP/1.1 503 Service Unavailable\r\n");
+    close(a);
+    close(d);
+    close(b); /* b's body never came: its bytes go with its connection */
+    for (int i = 0; i < 200 && pd_http_server_body_bytes_in_flight(fx->srv) > 0; i++)
+        pd_sleep_ns(5 * PD_NS_PER_MS);
+    ASSERT_EQ_INT(pd_http_server_body_bytes_in_flight(fx->srv), 0);
+    ASSERT(fx_stop(fx));
+}
+
+/* A chunk size line that takes the body past max_body_bytes gets 413 at once, not 408 when the
+ * body timeout runs out (the chunk's bytes never come). */
+TEST(http_chunk_over_limit_413_at_once)
+{
+    fixture *fx = fx_start(2000, 2000);
+    int fd = cli_connect(fx->port), eof;
+    char buf[4096];
+    int64_t t0 = pd_now_ns();
+    cli_send(fd, "POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n7d0\r\n");
+    cli_read_until(fd, buf, sizeof buf, "}}", 3000, &eof);
+    ASSERT_CONTAINS(buf, "HTTP/1.1 413 Payload Too Large\r\n");
+    ASSERT_CONTAINS(buf, "X-Refused: 413 /echo\r\n");
+    ASSERT((pd_now_ns() - t0) / PD_NS_PER_MS < 1000);
+    close(fd);
+    ASSERT_EQ_INT(atomic_load(&fx->handled), 0);
     ASSERT(fx_stop(fx));
 }
 
@@ -503,7 +727,7 @@ TEST(http_backpressure_bounds_unsent_bytes)
 {
     fixture *fx = fx_start(2000, 2000);
     int fd = cli_connect_rcvbuf(fx->port, 16384), eof;
-    cli_send(fd, "GET /flood HTTP/1.1\r\n\r\n");
+    cli_send(fd, "GET /flood HTTP/1.1\r\nHost: x\r\n\r\n");
     pd_sleep_ns(200 * PD_NS_PER_MS); /* the client reads nothing: the server must hold back */
     ASSERT(atomic_load(&fx->max_pending) <= 64 * 1024);
     /* now read everything: 1024 chunks of 4096 bytes */
@@ -528,7 +752,7 @@ TEST(http_stop_with_open_connections)
 {
     fixture *fx = fx_start(2000, 2000);
     int a = cli_connect(fx->port), b = cli_connect(fx->port);
-    cli_send(b, "GET /hang HTTP/1.1\r\n\r\n");
+    cli_send(b, "GET /hang HTTP/1.1\r\nHost: x\r\n\r\n");
     pd_sleep_ns(50 * PD_NS_PER_MS);
     ASSERT(fx_stop(fx)); /* the hung exchange is aborted and ended; every handle closed */
     close(a);

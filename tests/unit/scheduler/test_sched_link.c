@@ -35,3 +35,20 @@ TEST(engine_and_apiserver_link_together)
     /* the system <sched.h>, not a header of the scheduler's directory */
     ASSERT_EQ_INT(sched_yield(), 0);
 }
+
+/* --max-body-bytes-in-flight: 4 x --max-request-body-bytes unless given, and never below
+ * --max-request-body-bytes (a body of the largest size could never be received). */
+TEST(apiserver_body_bytes_in_flight_bound)
+{
+    pd_apiserver_params ap = pd_apiserver_default_params();
+    ASSERT_EQ_INT(ap.max_body_bytes_in_flight, 0);
+    ASSERT(pd_apiserver_body_bytes_in_flight(&ap) == 4 * (size_t)ap.max_request_body_bytes);
+    ap.max_body_bytes_in_flight = 12345;
+    ASSERT(pd_apiserver_body_bytes_in_flight(&ap) == 12345);
+    ap.model = "unused";
+    ap.max_request_body_bytes = 12346;
+    pd_apiserver *as = NULL;
+    ASSERT_ERR(pd_apiserver_create(&ap, &as), PD_EINVAL,
+               "--max-body-bytes-in-flight 12345 is below --max-request-body-bytes 12346");
+    ASSERT(as == NULL);
+}

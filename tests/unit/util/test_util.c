@@ -135,6 +135,53 @@ TEST(log_env_level)
     pd_log_set_level(PD_LOG_INFO);
 }
 
+static int count_lines(const char *s, const char *needle)
+{
+    int n = 0;
+    for (const char *p = strstr(s, needle); p; p = strstr(p + 1, needle)) n++;
+    return n;
+}
+
+static void emit_limited(int times, const char *rid)
+{
+    for (int i = 0; i < times; i++)
+        PD_WARN_EVERY(200, rid, "Reserve refused: KV cache full (%d)", i); /* one site */
+}
+
+static void emit_flood(void)
+{
+    pd_log_set_level(PD_LOG_INFO);
+    pd_log_set_role("decode");
+    emit_limited(95, "req-a"); /* the first line, 94 counted */
+    pd_sleep_ns(250 * PD_NS_PER_MS);
+    emit_limited(1, "req-b");                 /* the window has passed: written, with the count */
+    emit_limited(3, "req-c");                 /* counted again */
+    PD_WARN_EVERY(200, NULL, "another site"); /* a site of its own */
+    pd_log_set_level(PD_LOG_ERROR);
+    emit_limited(10, "req-d"); /* below the level: neither written nor counted */
+    pd_log_set_level(PD_LOG_INFO);
+    pd_sleep_ns(250 * PD_NS_PER_MS);
+    emit_limited(1, "req-e");
+}
+
+/* A flood from one call site (the decode instance refusing Reserve 95 times a second while KV
+ * is full) becomes one line per window, and the next line says how many were left out. */
+TEST(log_rate_limited_site)
+{
+    char buf[8192];
+    log_capture(buf, sizeof buf, emit_flood);
+    ASSERT_EQ_INT(count_lines(buf, "\n"), 4);
+    ASSERT_EQ_INT(count_lines(buf, "Reserve refused"), 3);
+    ASSERT_CONTAINS(buf, "WARN  decode req-a Reserve refused: KV cache full (0)\n");
+    const char *b =
+        strstr(buf, "req-b Reserve refused: KV cache full (0) (repeated 94 times in the last ");
+    ASSERT_MSG(b, "%s", buf);
+    ASSERT_CONTAINS(b, " s)\n");
+    ASSERT_CONTAINS(buf, "WARN  decode - another site\n");
+    ASSERT_CONTAINS(buf, "req-e Reserve refused: KV cache full (0) (repeated 3 times in the last ");
+    ASSERT(strstr(buf, "req-c") == NULL && strstr(buf, "req-d") == NULL);
+}
+
 TEST(arena_alignment_and_growth)
 {
     pd_arena *a = pd_arena_create(64);
