@@ -108,6 +108,14 @@ static int f_int_array(const json_t *o, const char *key, pd_arena *a, int32_t **
 }
 
 static int bad(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+/* model is one of the --served-model-name values. */
+static bool served(const pd_api_limits *lim, const char *model)
+{
+    for (int i = 0; i < lim->n_served_names; i++)
+        if (strcmp(model, lim->served_names[i]) == 0) return true;
+    return false;
+}
 static int bad(const char *fmt, ...)
 {
     va_list ap;
@@ -787,6 +795,18 @@ int pd_api_parse(const pd_api_limits *lim, pd_api_kind kind, const char *body, s
         rc = parse_generate(lim, o, a, out);
         goto done;
     }
+    /* /tokenize: a completions body (vLLM's takes one prompt string) or a chat body */
+    bool tokenize = kind == PD_API_TOKENIZE;
+    if (tokenize) {
+        kind = json_object_get(o, "messages") ? PD_API_CHAT : PD_API_COMPLETIONS;
+        const json_t *prompt = json_object_get(o, "prompt");
+        if (kind == PD_API_COMPLETIONS && prompt && !json_is_string(prompt)) {
+            rc = type_err("prompt", "a string");
+            goto done;
+        }
+        if ((rc = f_bool(o, "return_token_strs", "return_token_strs", &out->token_strs)) < 0)
+            goto done;
+    }
     /* types of known fields */
     common_fields f;
     chat_fields c;
@@ -808,10 +828,7 @@ int pd_api_parse(const pd_api_limits *lim, pd_api_kind kind, const char *body, s
     if ((rc = read_common(o, kind, a, &f)) < 0) goto done;
     /* model */
     if (model && *model) {
-        bool found = false;
-        for (int i = 0; i < lim->n_served_names; i++)
-            found |= strcmp(model, lim->served_names[i]) == 0;
-        if (!found) {
+        if (!served(lim, model)) {
             *http_status = 404;
             rc = pd_error(PD_ENOTFOUND, "The model `%s` does not exist.", model);
             goto done;
@@ -835,8 +852,8 @@ int pd_api_parse(const pd_api_limits *lim, pd_api_kind kind, const char *body, s
         rc = parse_chat(lim, o, a, &f, &c, &messages, out);
     }
     if (rc < 0) goto done;
-    /* §8.5, then min_tokens */
-    for (size_t i = 0; i < out->n_prompts; i++)
+    /* §8.5, then min_tokens (a prompt to tokenize only is not held to the context) */
+    for (size_t i = 0; i < out->n_prompts && !tokenize; i++)
         if ((rc = check_context(lim, out, &out->prompts[i])) < 0) goto done;
     out->sp.max_tokens = -1; /* per prompt: pd_api_prompt.max_tokens */
     if (pd_log_get_level() <= PD_LOG_DEBUG) {
@@ -849,4 +866,39 @@ done:
     json_decref(messages);
     json_decref(o);
     return rc;
+}
+
+int pd_api_detokenize(const pd_api_limits *lim, const char *body, size_t len, pd_arena *a,
+                      const char **text, int *http_status)
+{
+    *http_status = 400;
+    *text = NULL;
+    json_error_t jerr;
+    json_t *o = json_loadb(body, len, JSON_DECODE_ANY, &jerr);
+    if (!o)
+        return bad("Invalid JSON in request body: %s (line %d, column %d)", jerr.text, jerr.line,
+                   jerr.column);
+    int rc = json_is_object(o) ? 0 : bad("Request body must be a JSON object.");
+    const char *model = NULL;
+    int32_t *ids = NULL, n = 0;
+    bool present = false;
+    if (rc == 0) rc = f_str(o, "model", &model);
+    if (rc >= 0) rc = f_int_array(o, "tokens", a, &ids, &n, &present);
+    if (rc >= 0 && !present) rc = bad("The field `tokens` is required.");
+    if (rc >= 0 && model && *model && !served(lim, model)) {
+        *http_status = 404;
+        rc = pd_error(PD_ENOTFOUND, "The model `%s` does not exist.", model);
+    }
+    for (int32_t i = 0; rc >= 0 && i < n; i++)
+        if (ids[i] < 0 || ids[i] >= lim->vocab)
+            rc = bad("Token id %lld is out of vocabulary", (long long)ids[i]);
+    char *t = NULL;
+    if (rc >= 0) rc = pd_tok_decode(lim->tok, ids, (size_t)n, false, &t, NULL);
+    if (rc >= 0) {
+        *text = pd_arena_strdup(a, t);
+        rc = *text ? PD_OK : pd_error(PD_ENOMEM, "out of memory");
+    }
+    free(t);
+    json_decref(o);
+    return rc < 0 ? rc : PD_OK;
 }

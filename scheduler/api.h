@@ -22,8 +22,15 @@
 #include "tokenizer/tokenizer.h"
 #include "util/arena.h"
 
-/* COMPLETIONS: /v1/completions; CHAT: /v1/chat/completions; GENERATE: legacy /generate (§14). */
-typedef enum { PD_API_COMPLETIONS = 0, PD_API_CHAT = 1, PD_API_GENERATE = 2 } pd_api_kind;
+/* COMPLETIONS: /v1/completions; CHAT: /v1/chat/completions; GENERATE: legacy /generate (§14);
+ * TOKENIZE: /tokenize (§15: a completions-style `prompt` or a chat-style `messages` body,
+ * parsed and tokenized as those are, with no sampling and no context check). */
+typedef enum {
+    PD_API_COMPLETIONS = 0,
+    PD_API_CHAT = 1,
+    PD_API_GENERATE = 2,
+    PD_API_TOKENIZE = 3
+} pd_api_kind;
 
 /* What the server knows that validation needs. Borrowed. */
 typedef struct {
@@ -64,6 +71,7 @@ typedef struct {
     int64_t truncate;   /* truncate_prompt_tokens, -1 when none */
     bool add_special_tokens;
     bool tokens_as_ids; /* return_tokens_as_token_ids: logprob tokens as "token_id:{id}" */
+    bool token_strs;    /* tokenize: return_token_strs */
     /* logprobs: sp.logprobs >= 0 when requested (completions `logprobs`, chat top_logprobs) */
     const char *role;      /* chat: the response role */
     const char *echo_text; /* chat echo: the last message's content, or NULL */
@@ -75,5 +83,10 @@ typedef struct {
  * negative status, the contract's message in pd_last_error() and *http_status (400 / 404). */
 int pd_api_parse(const pd_api_limits *lim, pd_api_kind kind, const char *body, size_t len,
                  pd_arena *a, pd_api_request *out, int *http_status);
+
+/* /detokenize (§15): {"model", "tokens": [ids]} -> *text (in the arena), as pd_api_parse
+ * reports failures. */
+int pd_api_detokenize(const pd_api_limits *lim, const char *body, size_t len, pd_arena *a,
+                      const char **text, int *http_status);
 
 #endif

@@ -198,7 +198,107 @@ static void handle_models(pd_apiserver *s, pd_http_exchange *ex)
     pd_sb_free(&b);
 }
 
-/* The routes (docs/api.md §1). */
+/* ---- /tokenize and /detokenize (§15) ------------------------------------------------------ */
+
+/* One request: parsed (and tokenized) on the threadpool, as a generation body is. */
+typedef struct {
+    uv_work_t work;
+    pd_http_exchange *ex; /* NULL once the client has gone */
+    bool detokenize;
+    char *body; /* a copy, in a */
+    size_t len;
+    pd_arena *a;
+    pd_api_limits lim;
+    pd_api_request req; /* tokenize */
+    const char *text;   /* detokenize */
+    int rc, http;
+    char err[512];
+} tok_job;
+
+static void tok_abort(void *arg)
+{
+    tok_job *j = arg;
+    pd_http_respond_error(j->ex, 500, "client disconnected", NULL);
+    j->ex = NULL;
+}
+
+static void tok_work(uv_work_t *w)
+{
+    tok_job *j = w->data;
+    j->rc = j->detokenize
+                ? pd_api_detokenize(&j->lim, j->body, j->len, j->a, &j->text, &j->http)
+                : pd_api_parse(&j->lim, PD_API_TOKENIZE, j->body, j->len, j->a, &j->req, &j->http);
+    if (j->rc < 0) snprintf(j->err, sizeof j->err, "%s", pd_last_error());
+}
+
+/* vLLM's answers: {"count", "max_model_len", "tokens", "token_strs"} and {"prompt"}. */
+static void tok_done(uv_work_t *w, int status)
+{
+    tok_job *j = w->data;
+    pd_sb b = {0};
+    if (!j->ex) {
+    } else if (status != 0) {
+        pd_http_respond_error(j->ex, 503, "The server is shutting down.", "Retry-After: 5\r\n");
+    } else if (j->rc < 0) {
+        pd_http_respond_error(j->ex, j->http, j->err, NULL);
+    } else if (j->detokenize) {
+        pd_sb_str(&b, "{\"prompt\":");
+        pd_sb_json_str(&b, j->text, strlen(j->text));
+        pd_sb_str(&b, "}");
+    } else {
+        const pd_api_prompt *p = &j->req.prompts[0];
+        pd_sb_printf(&b, "{\"count\":%zu,\"max_model_len\":%lld,\"tokens\":[", p->n_ids,
+                     (long long)j->lim.max_model_len);
+        for (size_t i = 0; i < p->n_ids; i++) pd_sb_printf(&b, "%s%d", i ? "," : "", p->ids[i]);
+        pd_sb_str(&b, "],\"token_strs\":");
+        if (!j->req.token_strs) pd_sb_str(&b, "null");
+        for (size_t i = 0; j->req.token_strs && i < p->n_ids; i++) {
+            const char *t = pd_tok_id_to_token(j->lim.tok, p->ids[i]);
+            pd_sb_str(&b, i ? "," : "[");
+            pd_sb_json_str(&b, t ? t : "", t ? strlen(t) : 0);
+        }
+        if (j->req.token_strs) pd_sb_str(&b, p->n_ids ? "]" : "[]");
+        pd_sb_str(&b, "}");
+    }
+    if (j->ex && status == 0 && j->rc >= 0) {
+        if (pd_sb_failed(&b))
+            pd_http_respond_error(j->ex, 500, "out of memory", NULL);
+        else
+            pd_http_respond(j->ex, 200, "application/json", b.p, b.len, NULL);
+    }
+    pd_sb_free(&b);
+    pd_arena_free(j->a);
+    free(j);
+}
+
+static void handle_tokenize(pd_apiserver *s, pd_http_exchange *ex, bool detokenize)
+{
+    if (!media_is_json(pd_http_header(ex, "Content-Type"))) {
+        pd_http_respond_error(ex, 400, "Unsupported Media Type: Only 'application/json' is allowed",
+                              NULL);
+        return;
+    }
+    size_t len = 0;
+    const char *body = pd_http_body(ex, &len);
+    tok_job *j = calloc(1, sizeof *j);
+    pd_arena *a = pd_arena_create(16384);
+    char *copy = a ? pd_arena_alloc(a, len + 1, 1) : NULL;
+    if (!j || !copy) {
+        free(j);
+        pd_arena_free(a);
+        pd_http_respond_error(ex, 500, "out of memory", NULL);
+        return;
+    }
+    memcpy(copy, body, len);
+    copy[len] = '\0';
+    *j = (tok_job){.ex = ex, .detokenize = detokenize, .body = copy, .len = len, .a = a,
+                   .lim = s->lim};
+    j->work.data = j;
+    pd_http_on_abort(ex, tok_abort, j);
+    uv_queue_work(&s->loop, &j->work, tok_work, tok_done);
+}
+
+/* The routes (docs/api.md §1); method: one, or two separated by ", " (the Allow header). */
 static const struct {
     const char *path, *method;
     int mode; /* 0 always, 1 openai, 2 legacy */
@@ -207,8 +307,23 @@ static const struct {
     {"/health", "GET", 0, false, false},        {"/metrics", "GET", 0, false, false},
     {"/version", "GET", 0, false, false},       {"/v1/models", "GET", 1, true, false},
     {"/v1/completions", "POST", 1, true, true}, {"/v1/chat/completions", "POST", 1, true, true},
-    {"/generate", "POST", 2, true, true},
+    {"/generate", "POST", 2, true, true},       {"/tokenize", "POST", 1, false, false},
+    {"/detokenize", "POST", 1, false, false},   {"/ping", "GET, POST", 0, false, false},
+    {"/v2/health/live", "GET", 0, false, false}, {"/v2/health/ready", "GET", 0, false, false},
 };
+
+/* method is one of route i's. */
+static bool route_method(size_t i, const char *method)
+{
+    const char *m = ROUTES[i].method;
+    size_t n = strlen(method);
+    for (;;) {
+        if (strncmp(m, method, n) == 0 && (m[n] == '\0' || m[n] == ',')) return true;
+        m = strchr(m, ',');
+        if (!m) return false;
+        m += 2;
+    }
+}
 
 /* The ROUTES index of path in this USE_OPENAI mode, or -1. */
 static int route_find(const pd_apiserver *s, const char *path)
@@ -235,7 +350,7 @@ static int gate(pd_apiserver *s, const pd_http_exchange *ex, const char **msg, c
     int hit = route_find(s, path);
     bool key = key_ok(s, pd_http_header(ex, "Authorization"));
     bool v1 = strncmp(path, "/v1/", 4) == 0;
-    if (!key && (v1 || (hit >= 0 && ROUTES[hit].auth && !strcmp(method, ROUTES[hit].method)))) {
+    if (!key && (v1 || (hit >= 0 && ROUTES[hit].auth && route_method((size_t)hit, method)))) {
         *msg = "Unauthorized";
         char id[33] = "";
         if (hit >= 0 && ROUTES[hit].generation) {
@@ -250,7 +365,7 @@ static int gate(pd_apiserver *s, const pd_http_exchange *ex, const char **msg, c
         *msg = "Not Found";
         return 404;
     }
-    if (strcmp(method, ROUTES[hit].method) != 0) {
+    if (!route_method((size_t)hit, method)) {
         *msg = "Method Not Allowed";
         snprintf(extra, cap, "Allow: %s\r\n", ROUTES[hit].method);
         return 405;
@@ -287,13 +402,15 @@ void srv_on_refused(void *ctx, const pd_http_exchange *ex, int status, const cha
 void srv_on_http(void *ctx, pd_http_exchange *ex)
 {
     pd_apiserver *s = ctx;
+    bool ready = !s->stopping && pd_reg_up_count(s->reg, RT_ROLE_PREFILL) > 0 &&
+                 pd_reg_up_count(s->reg, RT_ROLE_DECODE) > 0;
     switch (route_find(s, pd_http_path(ex))) {
-    case 0: {
-        bool ok = !s->stopping && pd_reg_up_count(s->reg, RT_ROLE_PREFILL) > 0 &&
-                  pd_reg_up_count(s->reg, RT_ROLE_DECODE) > 0;
-        pd_http_respond(ex, ok ? 200 : 503, NULL, "", 0, NULL);
+    case 0:  /* /health */
+    case 9:  /* /ping (SageMaker's) */
+    case 11: /* /v2/health/ready (KServe's) */
+        pd_http_respond(ex, ready ? 200 : 503, NULL, "", 0, NULL);
         return;
-    }
+    case 10: pd_http_respond(ex, 200, NULL, "", 0, NULL); return; /* live while it answers */
     case 1: srv_handle_metrics(s, ex); return;
     case 2: {
         const char *v = "{\"version\":\"" PD_VERSION "\"}";
@@ -304,6 +421,8 @@ void srv_on_http(void *ctx, pd_http_exchange *ex)
     case 4: handle_generation(s, ex, PD_API_COMPLETIONS); return;
     case 5: handle_generation(s, ex, PD_API_CHAT); return;
     case 6: handle_generation(s, ex, PD_API_GENERATE); return;
+    case 7: handle_tokenize(s, ex, false); return;
+    case 8: handle_tokenize(s, ex, true); return;
     default: pd_http_respond_error(ex, 404, "Not Found", NULL); return;
     }
 }

@@ -65,6 +65,92 @@ TEST(sched_404_405)
     resp_free(&r);
 }
 
+/* vLLM's /tokenize (a completions or a chat body) and /detokenize, and the probes /ping,
+ * /v2/health/live and /v2/health/ready. The ids /tokenize gives are the ones a completion
+ * counts as its prompt (usage), the chat form renders the template (more tokens than the bare
+ * text), and /detokenize gives the text back. */
+TEST(sched_tokenize_detokenize_probes)
+{
+    FIXTURE();
+    http_resp r;
+    const char *probes[][2] = {{"GET", "/ping"},
+                               {"POST", "/ping"},
+                               {"GET", "/v2/health/live"},
+                               {"GET", "/v2/health/ready"}};
+    for (size_t i = 0; i < 4; i++) {
+        ASSERT(http_do(g_port, probes[i][0], probes[i][1], NULL, i == 1 ? "" : NULL, &r) == 0);
+        ASSERT_MSG(r.status == 200, "%s %s: %d", probes[i][0], probes[i][1], r.status);
+        resp_free(&r);
+    }
+    ASSERT(http_do(g_port, "DELETE", "/ping", NULL, NULL, &r) == 0);
+    ASSERT_EQ_INT(r.status, 405);
+    char h[64];
+    ASSERT_STR_EQ(header(&r, "Allow", h, sizeof h), "GET, POST");
+    resp_free(&r);
+
+    ASSERT(http_do(g_port, "POST", "/tokenize", NULL,
+                   "{\"model\":\"tiny\",\"prompt\":\"Hello world\",\"return_token_strs\":true}",
+                   &r) == 0);
+    ASSERT_EQ_INT(r.status, 200);
+    json_t *o = json_loads(r.body, 0, NULL);
+    resp_free(&r);
+    ASSERT(o);
+    json_t *toks = json_object_get(o, "tokens");
+    size_t n = json_array_size(toks);
+    ASSERT(n > 0);
+    ASSERT_EQ_INT(json_integer_value(json_object_get(o, "count")), (int64_t)n);
+    ASSERT_EQ_INT(json_integer_value(json_object_get(o, "max_model_len")), 512);
+    ASSERT_EQ_INT(json_array_size(json_object_get(o, "token_strs")), n);
+    /* the same prompt as a completion: its usage counts those tokens */
+    ASSERT(http_do(g_port, "POST", "/v1/completions", NULL,
+                   "{\"prompt\":\"Hello world\",\"max_tokens\":1}", &r) == 0);
+    ASSERT_EQ_INT(r.status, 200);
+    char want[64];
+    snprintf(want, sizeof want, "\"prompt_tokens\":%zu", n);
+    ASSERT_CONTAINS(r.body, want);
+    resp_free(&r);
+    /* back to text */
+    char body[4096];
+    size_t o2 = (size_t)snprintf(body, sizeof body, "{\"model\":\"tiny\",\"tokens\":[");
+    for (size_t i = 0; i < n; i++)
+        o2 += (size_t)snprintf(body + o2, sizeof body - o2, "%s%lld", i ? "," : "",
+                               (long long)json_integer_value(json_array_get(toks, i)));
+    snprintf(body + o2, sizeof body - o2, "]}");
+    json_decref(o);
+    ASSERT(http_do(g_port, "POST", "/detokenize", NULL, body, &r) == 0);
+    ASSERT_EQ_INT(r.status, 200);
+    ASSERT_CONTAINS(r.body, "Hello world\"}");
+    resp_free(&r);
+    /* the chat form renders the template around the message */
+    ASSERT(http_do(g_port, "POST", "/tokenize", NULL,
+                   "{\"messages\":[{\"role\":\"user\",\"content\":\"Hello world\"}]}", &r) == 0);
+    ASSERT_EQ_INT(r.status, 200);
+    o = json_loads(r.body, 0, NULL);
+    ASSERT(o);
+    ASSERT_MSG(json_array_size(json_object_get(o, "tokens")) > n, "%s", r.body);
+    ASSERT(json_is_null(json_object_get(o, "token_strs")));
+    json_decref(o);
+    resp_free(&r);
+    /* refusals as the generation routes give them */
+    ASSERT(http_do(g_port, "POST", "/tokenize", NULL, "{\"model\":\"nope\",\"prompt\":\"x\"}",
+                   &r) == 0);
+    ASSERT_EQ_INT(r.status, 404);
+    ASSERT_CONTAINS(r.body, "The model `nope` does not exist.");
+    resp_free(&r);
+    ASSERT(http_do(g_port, "POST", "/detokenize", NULL, "{\"tokens\":[1,99999999]}", &r) == 0);
+    ASSERT_EQ_INT(r.status, 400);
+    ASSERT_CONTAINS(r.body, "Token id 99999999 is out of vocabulary");
+    resp_free(&r);
+    ASSERT(http_do(g_port, "POST", "/detokenize", NULL, "{\"model\":\"tiny\"}", &r) == 0);
+    ASSERT_EQ_INT(r.status, 400);
+    ASSERT_CONTAINS(r.body, "The field `tokens` is required.");
+    resp_free(&r);
+    ASSERT(http_do(g_port, "POST", "/tokenize", NULL, "{\"prompt\":[1,2]}", &r) == 0);
+    ASSERT_EQ_INT(r.status, 400);
+    ASSERT_CONTAINS(r.body, "The field `prompt` must be a string.");
+    resp_free(&r);
+}
+
 TEST(sched_api_key)
 {
     FIXTURE();
