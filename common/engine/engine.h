@@ -176,6 +176,17 @@ int pd_engine_step(pd_engine *e, bool *did_work);
 /* True while requests are waiting, running, or commands are pending (held ones excluded). */
 bool pd_engine_has_work(pd_engine *e);
 
+/* Warm-up (vLLM's dummy run, llama.cpp's warm-up decode): before the first request, runs a
+ * prefill of n_tokens dummy tokens (0: max(16, max_num_seqs), as vLLM's CPU model runner; at most
+ * max_num_batched_tokens, max_model_len - 1 and what the pool holds) and one decode step after it
+ * on every rank, so that what a process pays once (the first read of every weight and buffer by
+ * the threads that compute, on a GPU lazy module loading and the first launches) is paid here
+ * instead of by the first request. Writes the K/V of blocks 0, 1, ... of the pool, which are free
+ * and written again before anything reads them; leaves the scheduler, the pool's bookkeeping and
+ * the statistics as they were. *n_run (may be NULL) receives the prefill's length. Call after
+ * create, before pd_engine_start and before any request (PD_EBUSY otherwise). */
+int pd_engine_warmup(pd_engine *e, size_t n_tokens, size_t *n_run);
+
 /* Starts / stops the engine thread (stop waits for the current step). */
 int pd_engine_start(pd_engine *e);
 void pd_engine_stop(pd_engine *e);

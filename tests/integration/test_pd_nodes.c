@@ -616,3 +616,48 @@ TEST(pd_kv_transport_reported_on_cpu)
     }
     ASSERT_EQ_INT(cl_stop_all(&c), 0);
 }
+
+/* An instance warms up before it can be reached (the first request must not pay the first pass
+ * over the weights): the first Info it answers already reports its warm-up (a dummy prefill of
+ * max(16, max_num_seqs) tokens, so 64 here, and a decode step) and the engine's creation, its log
+ * says so at INFO before the serving line, and its Stats count no prompt token of it. */
+TEST(pd_node_warms_up_before_ready)
+{
+    const char *model = model_dir();
+    ASSERT(model);
+    cl_cluster c;
+    ASSERT_OK(cl_start(&c, model, "0", "1", NULL));
+    for (int k = 0; k < 2; k++) {
+        int st;
+        Pd__InfoRequest iq = PD__INFO_REQUEST__INIT;
+        Pd__InfoReply *info = (Pd__InfoReply *)cl_call(cl_node(&c, k), "/pd.PD/Info", &iq.base,
+                                                       &pd__info_reply__descriptor, 3000, &st);
+        ASSERT(info);
+        ASSERT_EQ_INT(info->warmup_tokens, 64);
+        ASSERT(info->warmup_seconds > 0 && info->load_seconds > 0);
+        pd__info_reply__free_unpacked(info, NULL);
+        Pd__StatsRequest sq = PD__STATS_REQUEST__INIT;
+        Pd__StatsReply *s = (Pd__StatsReply *)cl_call(cl_node(&c, k), "/pd.PD/Stats", &sq.base,
+                                                      &pd__stats_reply__descriptor, 3000, &st);
+        ASSERT(s);
+        ASSERT_EQ_INT(s->prompt_tokens, 0);
+        ASSERT_EQ_INT(s->generation_tokens, 0);
+        ASSERT_EQ_INT(s->kv_blocks_free, s->kv_blocks_total);
+        pd__stats_reply__free_unpacked(s, NULL);
+        FILE *f = fopen(c.procs[k].log, "r");
+        ASSERT(f);
+        char line[1024];
+        int warm = 0, serving = 0, n = 0;
+        while (fgets(line, sizeof line, f)) {
+            n++;
+            if (!warm && strstr(line, " INFO ") && strstr(line, "start-up: load ") &&
+                strstr(line, "warm-up ") && strstr(line, "(64-token prefill and a decode step)"))
+                warm = n;
+            if (!serving && strstr(line, "serving ")) serving = n;
+        }
+        fclose(f);
+        ASSERT_MSG(warm > 0 && serving > warm, "node %d: start-up line %d, serving line %d", k,
+                   warm, serving);
+    }
+    ASSERT_EQ_INT(cl_stop_all(&c), 0);
+}

@@ -1151,3 +1151,42 @@ TEST(engine_imports_filling_the_pool_recompute_and_match)
     pd_engine_free(D);
     pd_engine_free(P);
 }
+
+/* The warm-up (vLLM's dummy run) leaves nothing behind but the K/V it wrote into free blocks:
+ * no step, token or cached block in the statistics, every block free, and requests that then
+ * take those very blocks give the tokens a fresh engine gives. It runs max(16, max_num_seqs)
+ * tokens by default, within max_model_len - 1, and only before the first request. */
+TEST(engine_warmup_leaves_no_trace)
+{
+    ASSERT_OK(tiny());
+    enum { N = 8 };
+    static treq r[N];
+    static tout warm[MAX_REQ], cold[MAX_REQ];
+    memset(warm, 0, sizeof warm);
+    memset(cold, 0, sizeof cold);
+    for (int i = 0; i < N; i++) make_req(&r[i], i, pd_tok_vocab_size(g_tok));
+    pd_engine_params p = base_params();
+    pd_engine *e;
+    ASSERT_OK(pd_engine_create(&p, &e));
+    size_t n = 0;
+    ASSERT_OK(pd_engine_warmup(e, 0, &n));
+    ASSERT_EQ_INT(n, 64); /* max(16, max_num_seqs) */
+    pd_engine_stats st;
+    pd_engine_get_stats(e, &st);
+    ASSERT_EQ_INT(st.steps, 0);
+    ASSERT_EQ_INT(st.prompt_tokens, 0);
+    ASSERT_EQ_INT(st.generation_tokens, 0);
+    ASSERT_EQ_INT(st.kv_blocks_cached, 0);
+    ASSERT_EQ_INT(st.kv_blocks_free, st.kv_blocks_total);
+    ASSERT_OK(pd_engine_warmup(e, 100000, &n)); /* capped: max_model_len 256 - 1 */
+    ASSERT_EQ_INT(n, 255);
+    for (int i = 0; i < N; i++) { /* one at a time: each starts at block 0, which holds junk */
+        ASSERT_OK(add_req(e, &r[i], PD_PHASE_FULL));
+        if (i == 0) ASSERT_ERR(pd_engine_warmup(e, 0, NULL), PD_EBUSY, "before the first request");
+        ASSERT_OK(run_to_end(e, warm));
+    }
+    pd_engine_free(e);
+    ASSERT_OK(run_alone(&p, r, N, cold));
+    for (int i = 0; i < N; i++)
+        ASSERT_MSG(same_tokens(&warm[i], &cold[i], 1), "request %d differs after the warm-up", i);
+}
