@@ -1190,3 +1190,41 @@ TEST(engine_warmup_leaves_no_trace)
     for (int i = 0; i < N; i++)
         ASSERT_MSG(same_tokens(&warm[i], &cold[i], 1), "request %d differs after the warm-up", i);
 }
+
+/* The CPU KV pool's size (vLLM's rule): the budget per rank is kv_cache_bytes, else
+ * cpu_kvcache_space_gib (VLLM_CPU_KVCACHE_SPACE, 4 GiB by default), cut to what the workload
+ * can hold at once: max_num_seqs sequences of max_model_len tokens, or max_kv_tokens, but never
+ * below one sequence of max_model_len. */
+TEST(engine_cpu_kv_pool_sized_by_need)
+{
+    ASSERT_OK(tiny());
+    pd_engine_params p = base_params(); /* 64 sequences of 256 tokens: 16 blocks each */
+    p.num_kv_blocks = 0;
+    struct {
+        double gib;
+        size_t bytes, max_kv_tokens, blocks;
+    } cases[] = {
+        {0, 0, 0, 64 * 16}, /* 4 GiB hold far more than 64 x 256 tokens */
+        {PD_ENGINE_CPU_KVCACHE_SPACE_GIB, 0, 0, 64 * 16},
+        {1.0 / 1024, 0, 0, 32},     /* 1 MiB of 32 KiB blocks */
+        {0, 40 * 32768 + 5, 0, 40}, /* --kv-cache-bytes wins */
+        {1.0 / 1024, 40 * 32768, 0, 40},
+        {0, 0, 1000, 63}, /* the run's need: ceil(1000 / 16) blocks */
+        {0, 0, 100, 16},  /* but one max_model_len sequence at least */
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        p.cpu_kvcache_space_gib = cases[i].gib;
+        p.kv_cache_bytes = cases[i].bytes;
+        p.max_kv_tokens = cases[i].max_kv_tokens;
+        pd_engine *e;
+        ASSERT_OK(pd_engine_create(&p, &e));
+        pd_engine_stats st;
+        pd_engine_get_stats(e, &st);
+        ASSERT_MSG(st.kv_blocks_total == cases[i].blocks, "case %zu: %zu blocks, expected %zu", i,
+                   st.kv_blocks_total, cases[i].blocks);
+        pd_engine_free(e);
+    }
+    p.cpu_kvcache_space_gib = 2e6;
+    pd_engine *e;
+    ASSERT_ERR(pd_engine_create(&p, &e), PD_EINVAL, "cpu_kvcache_space_gib");
+}
