@@ -10,7 +10,8 @@
 #   - network: --net=host (the ranktables carry host addresses; NODE_PORTS are host ports).
 #   - mounts: the model directory read-only at the same path (the flag --model is passed through
 #     unchanged), the two ranktables read-only under /etc/pdserve/ranktable/.
-#   - env: GLOBAL_RANK_TABLE_FILE_PATH, RANK_TABLE_FILE_PATH (container paths), NODE_PORTS, USE_OPENAI.
+#   - env: GLOBAL_RANK_TABLE_FILE_PATH, RANK_TABLE_FILE_PATH (container paths), NODE_PORTS, USE_OPENAI,
+#     PD_LOG_LEVEL and VLLM_CPU_KVCACHE_SPACE when set.
 #
 #   deploy/run_instance.sh [options] [--] FLAGS...
 #     --global FILE       global ranktable (default $GLOBAL_RANK_TABLE_FILE_PATH)
@@ -154,6 +155,7 @@ cmd+=(-v "$(abs "$global"):$g_in:ro" -v "$(abs "$local"):$l_in:ro")
 cmd+=(-e "GLOBAL_RANK_TABLE_FILE_PATH=$g_in" -e "RANK_TABLE_FILE_PATH=$l_in"
       -e "NODE_PORTS=$node_ports" -e "USE_OPENAI=$use_openai")
 [ -n "${PD_LOG_LEVEL:-}" ] && cmd+=(-e "PD_LOG_LEVEL=$PD_LOG_LEVEL")
+[ -n "${VLLM_CPU_KVCACHE_SPACE:-}" ] && cmd+=(-e "VLLM_CPU_KVCACHE_SPACE=$VLLM_CPU_KVCACHE_SPACE")
 cmd+=("${docker_extra[@]}" "$image" "${pass[@]}")
 
 if [ "$dry" = 1 ]; then

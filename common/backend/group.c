@@ -248,11 +248,7 @@ int pd_backend_group_kv_blocks(pd_backend_group *g, const pd_kv_params *kp, size
     *n_blocks = 0;
     if (g->p.n_cuda_devices > 0 && g->p.kv_cache_bytes == 0)
         return pd_cuda_group_kv_blocks(g->b, g->n, kp, g->p.gpu_memory_utilization, n_blocks);
-    size_t budget = g->p.kv_cache_bytes;
-    if (budget == 0) {
-        PD_CHECK(pd_kv_default_cpu_bytes(g->p.kv_cache_fraction, &budget));
-        budget /= (size_t)g->n; /* the ranks share the host's memory */
-    }
+    size_t budget = g->p.kv_cache_bytes ? g->p.kv_cache_bytes : g->p.cpu_kv_bytes;
     *n_blocks = pd_kv_blocks_for_bytes(budget, pd_kv_block_bytes(kp));
     return PD_OK;
 }

@@ -40,8 +40,8 @@ typedef struct {
     size_t max_blocks;          /* block-table entries per step, all sequences */
     size_t max_allreduce_elems; /* the largest all-reduce, in activation elements */
     /* -- KV sizing on the host (CPU ranks, or a byte budget on GPUs) --------------------------- */
-    size_t kv_cache_bytes;    /* per rank; 0 = kv_cache_fraction of MemAvailable over the ranks */
-    double kv_cache_fraction; /* (0, 1] */
+    size_t kv_cache_bytes; /* per rank; 0 = cpu_kv_bytes on CPU ranks, the GPU's share on CUDA */
+    size_t cpu_kv_bytes;   /* CPU ranks: the default budget per rank (VLLM_CPU_KVCACHE_SPACE) */
 } pd_backend_group_params;
 
 /* PD_EINVAL naming the engine parameter (tensor_parallel_size, n_cuda_devices, ...) for a group
@@ -77,8 +77,7 @@ void pd_backend_group_step_end(pd_backend_group *g);
  * same block ids on every rank: on CUDA ranks without kv_cache_bytes, the smallest share of the
  * ranks' GPUs left by gpu_memory_utilization after the weights and buffers
  * (pd_backend_cuda_kv_blocks; call after the forward passes are created); otherwise
- * kv_cache_bytes, else kv_cache_fraction of the host's MemAvailable split between the ranks, over
- * the bytes of one block. */
+ * kv_cache_bytes, else cpu_kv_bytes (each rank), over the bytes of one block. */
 int pd_backend_group_kv_blocks(pd_backend_group *g, const pd_kv_params *kp, size_t *n_blocks);
 
 #endif

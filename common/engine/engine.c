@@ -36,7 +36,8 @@ pd_engine_params pd_engine_default_params(void)
         .cuda_weight_dtype = -1,
         .block_size = 16,
         .kv_cache_bytes = 0,
-        .kv_cache_fraction = 0.4,
+        .cpu_kvcache_space_gib = PD_ENGINE_CPU_KVCACHE_SPACE_GIB,
+        .max_kv_tokens = 0,
         .num_kv_blocks = 0,
         .enable_prefix_caching = true,
         .max_num_seqs = pd_sched_default_params().max_num_seqs, /* the batch scheduler's */
@@ -112,6 +113,9 @@ static int check_params(pd_engine *e)
                         "parallel size (%d).",
                         (long long)c->num_attention_heads, p->tp_size);
     if (p->block_size == 0) return pd_error(PD_EINVAL, "block_size must be at least 1");
+    if (p->cpu_kvcache_space_gib > 1048576.0)
+        return pd_error(PD_EINVAL, "cpu_kvcache_space_gib (%g) must be at most 1048576 (1 PiB)",
+                        p->cpu_kvcache_space_gib);
     int64_t len = (int64_t)p->max_model_len;
     PD_CHECK(pd_model_resolve_max_len(c, &len));
     p->max_model_len = (size_t)len;
@@ -138,8 +142,13 @@ static int create_kv(pd_engine *e)
     size_t n_blocks = p->num_kv_blocks;
     if (n_blocks == 0) {
         PD_CHECK(pd_backend_group_kv_blocks(e->group, &kp, &n_blocks));
-        /* more than every sequence at full length can never be used */
+        /* more than the workload can hold at once is never used: by default every sequence at
+           full length; at least one sequence of max_model_len, which the check below needs */
         size_t useful = p->max_num_seqs * e->max_blocks_per_seq;
+        if (p->max_kv_tokens > 0) {
+            useful = (p->max_kv_tokens + p->block_size - 1) / p->block_size;
+            if (useful < e->max_blocks_per_seq) useful = e->max_blocks_per_seq;
+        }
         if (n_blocks > useful) n_blocks = useful;
     }
     PD_CHECK(pd_kv_check_capacity(n_blocks, p->block_size, (int64_t)p->max_model_len));
@@ -159,6 +168,15 @@ static int create_kv(pd_engine *e)
             "maximum concurrency for %zu tokens per request: %.2fx",
             n_blocks, p->block_size, tokens, (double)(n_blocks * block_bytes) / (1024.0 * 1024.0),
             e->tp, p->max_model_len, (double)tokens / (double)p->max_model_len);
+    size_t avail;
+    if (p->n_cuda_devices == 0 && pd_kv_mem_available(&avail) == PD_OK &&
+        n_blocks * block_bytes * (size_t)e->tp > avail)
+        PD_WARN("-",
+                "KV cache: %.1f MiB on the host is more than its MemAvailable (%.1f MiB); its "
+                "pages are committed as they fill, so the host may run out of memory under load "
+                "(set --kv-cache-bytes or VLLM_CPU_KVCACHE_SPACE)",
+                (double)(n_blocks * block_bytes * (size_t)e->tp) / (1024.0 * 1024.0),
+                (double)avail / (1024.0 * 1024.0));
     PD_CHECK(pd_kvpool_create(n_blocks, p->block_size, &e->pool));
     if (p->enable_prefix_caching) PD_CHECK(pd_kvpool_enable_prefix_cache(e->pool));
     return PD_OK;

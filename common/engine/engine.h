@@ -51,8 +51,10 @@
 
 typedef struct pd_engine pd_engine;
 
-#define PD_ENGINE_MAX_REQUEST_ID   128 /* bytes of a request id, NUL excluded */
-#define PD_ENGINE_MAX_CUDA_DEVICES 16
+#define PD_ENGINE_MAX_REQUEST_ID 128 /* bytes of a request id, NUL excluded */
+/* vLLM's CPU KV budget per rank when VLLM_CPU_KVCACHE_SPACE is unset, in GiB */
+#define PD_ENGINE_CPU_KVCACHE_SPACE_GIB 4.0
+#define PD_ENGINE_MAX_CUDA_DEVICES      16
 
 typedef void (*pd_engine_wakeup_fn)(void *ctx);
 /* Observer of the raw logits row of a sequence before it is sampled (tests, debugging); called
@@ -81,10 +83,15 @@ typedef struct {
     int cuda_weight_dtype;         /* CUDA: -1 (default) the backend's choice (bf16 compute);
                                       PD_DTYPE_F32 the f32 precision mode (--dtype float32) */
     /* -- KV cache ------------------------------------------------------------------------- */
-    size_t block_size;          /* tokens per block (16) */
-    size_t kv_cache_bytes;      /* KV budget per rank in bytes; 0 = kv_cache_fraction of the
-                                   MemAvailable of /proc/meminfo */
-    double kv_cache_fraction;   /* (0.4) used when kv_cache_bytes is 0 */
+    size_t block_size;            /* tokens per block (16) */
+    size_t kv_cache_bytes;        /* KV budget per rank in bytes; 0 = on CPU ranks
+                                     cpu_kvcache_space_gib, on CUDA ranks gpu_memory_utilization */
+    double cpu_kvcache_space_gib; /* (4) CPU ranks: KV budget per rank in GiB when kv_cache_bytes
+                                     is 0 (vLLM's VLLM_CPU_KVCACHE_SPACE; <= 0: the default) */
+    size_t max_kv_tokens;         /* the most tokens the workload can hold in the pool at once; 0 =
+                                     max_num_seqs x max_model_len. A budget holding more is cut
+                                     to these tokens' blocks, never below one max_model_len
+                                     sequence (the run of pd-generate sets its own need) */
     size_t num_kv_blocks;       /* exact block count (overrides the byte budget; tests); 0 = off */
     bool enable_prefix_caching; /* (true) vLLM's automatic prefix caching: full blocks of
                                    computed K/V stay cached by content while free, and a new
@@ -176,6 +183,17 @@ int pd_engine_step(pd_engine *e, bool *did_work);
 
 /* True while requests are waiting, running, or commands are pending (held ones excluded). */
 bool pd_engine_has_work(pd_engine *e);
+
+/* Warm-up (vLLM's dummy run, llama.cpp's warm-up decode): before the first request, runs a
+ * prefill of n_tokens dummy tokens (0: max(16, max_num_seqs), as vLLM's CPU model runner; at most
+ * max_num_batched_tokens, max_model_len - 1 and what the pool holds) and one decode step after it
+ * on every rank, so that what a process pays once (the first read of every weight and buffer by
+ * the threads that compute, on a GPU lazy module loading and the first launches) is paid here
+ * instead of by the first request. Writes the K/V of blocks 0, 1, ... of the pool, which are free
+ * and written again before anything reads them; leaves the scheduler, the pool's bookkeeping and
+ * the statistics as they were. *n_run (may be NULL) receives the prefill's length. Call after
+ * create, before pd_engine_start and before any request (PD_EBUSY otherwise). */
+int pd_engine_warmup(pd_engine *e, size_t n_tokens, size_t *n_run);
 
 /* Starts / stops the engine thread (stop waits for the current step). */
 int pd_engine_start(pd_engine *e);

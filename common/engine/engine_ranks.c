@@ -116,7 +116,9 @@ pd_backend_group_params eng_group_params(const pd_engine *e)
         .max_blocks = p->max_num_seqs * e->max_blocks_per_seq,
         .max_allreduce_elems = p->max_num_batched_tokens * e->hidden,
         .kv_cache_bytes = p->kv_cache_bytes,
-        .kv_cache_fraction = p->kv_cache_fraction,
+        .cpu_kv_bytes = (size_t)((p->cpu_kvcache_space_gib > 0 ? p->cpu_kvcache_space_gib
+                                                               : PD_ENGINE_CPU_KVCACHE_SPACE_GIB) *
+                                 1073741824.0),
     };
 }
 

@@ -186,6 +186,56 @@ static int step_once(pd_engine *e, bool *did_work)
     return PD_OK;
 }
 
+/* ---- warm-up --------------------------------------------------------------------------------- */
+
+/* One dummy sequence of n_rows new tokens at positions [kv_len - n_rows, kv_len) in blocks 0, 1,
+ * ... through every rank's forward pass, its last row's logits wanted. */
+static int warmup_step(pd_engine *e, size_t n_rows, size_t kv_len)
+{
+    size_t bs = e->p.block_size, nb = (kv_len + bs - 1) / bs;
+    for (size_t i = 0; i < n_rows; i++) /* ids past the specials of small vocabularies */
+        e->st_tokens[i] = (int32_t)((kv_len - n_rows + i) * 7919 % e->vocab);
+    for (size_t b = 0; b < nb; b++) e->st_blocks[b] = (int32_t)b;
+    e->st_qindptr[0] = 0, e->st_qindptr[1] = (int32_t)n_rows;
+    e->st_kvlen[0] = (int32_t)kv_len;
+    e->st_bindptr[0] = 0, e->st_bindptr[1] = (int32_t)nb;
+    e->st_outrows[0] = (int32_t)(n_rows - 1);
+    e->step = (pd_step){.n_seqs = 1,
+                        .token_ids = e->st_tokens,
+                        .q_indptr = e->st_qindptr,
+                        .kv_len = e->st_kvlen,
+                        .block_indptr = e->st_bindptr,
+                        .block_ids = e->st_blocks,
+                        .n_out = 1,
+                        .out_rows = e->st_outrows};
+    return eng_ranks_run(e);
+}
+
+int pd_engine_warmup(pd_engine *e, size_t n_tokens, size_t *n_run)
+{
+    if (n_run) *n_run = 0;
+    pthread_mutex_lock(&e->mu);
+    bool busy = e->running || e->in_step || has_work_locked(e) || !pd_kvpool_all_free(e->pool) ||
+                e->n_held > 0;
+    if (!busy) e->in_step = true;
+    pthread_mutex_unlock(&e->mu);
+    if (busy) return pd_error(PD_EBUSY, "engine: warm-up only before the first request");
+    size_t n = n_tokens ? n_tokens : e->p.max_num_seqs > 16 ? e->p.max_num_seqs : 16;
+    size_t pool_tokens = pd_kvpool_num_blocks(e->pool) * e->p.block_size;
+    if (n > e->p.max_num_batched_tokens) n = e->p.max_num_batched_tokens;
+    if (n > e->p.max_model_len - 1) n = e->p.max_model_len - 1; /* room for the decode row */
+    if (n > pool_tokens - 1) n = pool_tokens - 1;
+    e->so.n_copies = 0; /* no copy-on-write orders in the rank jobs */
+    int rc = n > 0 ? warmup_step(e, n, n) : PD_OK;
+    if (rc == PD_OK && n > 0) rc = warmup_step(e, 1, n + 1);
+    pthread_mutex_lock(&e->mu);
+    e->in_step = false;
+    pthread_mutex_unlock(&e->mu);
+    if (rc < 0) return pd_error_prefix(rc, "engine warm-up");
+    if (n_run) *n_run = n;
+    return PD_OK;
+}
+
 /* ---- running ------------------------------------------------------------------------------- */
 
 int pd_engine_step(pd_engine *e, bool *did_work)

@@ -63,11 +63,9 @@ size_t pd_kv_block_bytes(const pd_kv_params *p)
            pd_dtype_size(p->dtype);
 }
 
-int pd_kv_default_cpu_bytes(double fraction, size_t *bytes)
+int pd_kv_mem_available(size_t *bytes)
 {
     const char *path = "/proc/meminfo";
-    if (!(fraction > 0.0 && fraction <= 1.0))
-        return pd_error(PD_EINVAL, "kv_cache_fraction must be in (0, 1], got %g", fraction);
     FILE *f = fopen(path, "r");
     if (!f) return pd_error(PD_EIO, "%s: %s", path, strerror(errno));
     char line[256];
@@ -78,7 +76,7 @@ int pd_kv_default_cpu_bytes(double fraction, size_t *bytes)
     }
     fclose(f);
     if (kib < 0) return pd_error(PD_EPARSE, "%s: no MemAvailable line", path);
-    *bytes = (size_t)((double)kib * 1024.0 * fraction);
+    *bytes = (size_t)kib * 1024;
     return PD_OK;
 }
 

@@ -50,9 +50,9 @@ typedef struct {
  * 2 * n_layers * block_size * n_kv_heads * head_dim * elem. p->n_blocks is ignored. */
 size_t pd_kv_block_bytes(const pd_kv_params *p);
 
-/* Default CPU KV budget: `fraction` (0, 1] of MemAvailable in /proc/meminfo, in bytes.
+/* MemAvailable of /proc/meminfo in bytes (to warn about a CPU budget the host cannot hold).
  * PD_EIO / PD_EPARSE naming /proc/meminfo when it cannot be read. */
-int pd_kv_default_cpu_bytes(double fraction, size_t *bytes);
+int pd_kv_mem_available(size_t *bytes);
 
 /* Number of blocks a budget of `bytes` holds (floor(bytes / block_bytes)). */
 size_t pd_kv_blocks_for_bytes(size_t bytes, size_t block_bytes);

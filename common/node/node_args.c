@@ -81,7 +81,8 @@ static const pd_flag_bind BINDS[] = {
     {.name = "--kv-cache-bytes",
      .type = PD_BIND_SIZE,
      .off = offsetof(pd_node_params, engine.kv_cache_bytes),
-     .dflt = "40% of free memory"},
+     .help = "KV budget per rank (CPU backend; on CUDA instead of --gpu-memory-utilization)",
+     .dflt = "VLLM_CPU_KVCACHE_SPACE"},
     B("--enable-prefix-caching", PD_BIND_BOOL, engine.enable_prefix_caching),
     {.name = "--seed",
      .type = PD_BIND_I64,
@@ -108,6 +109,7 @@ static const pd_flag_bind BINDS[] = {
     {.name = "--log-level", .type = PD_BIND_FUNC, .fn = apply_log_level, .dflt = "info"},
     B("GLOBAL_RANK_TABLE_FILE_PATH", PD_BIND_STR, global_ranktable),
     B("RANK_TABLE_FILE_PATH", PD_BIND_STR, local_ranktable),
+    B("VLLM_CPU_KVCACHE_SPACE", PD_BIND_F64, engine.cpu_kvcache_space_gib),
 };
 #undef B
 

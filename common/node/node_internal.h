@@ -126,7 +126,9 @@ struct pd_node {
     /* decode */
     pd_kv_tcp_receiver **rx;
     uint64_t epoch; /* random per process (Info, Stats): tells a restart on the same port */
-    relay *relays;  /* open Relay streams (under mu) */
+    double load_s, warmup_s; /* start-up (Info): engine creation, its warm-up */
+    size_t warmup_tokens;
+    relay *relays;                                     /* open Relay streams (under mu) */
     int64_t relay_batches, relay_events, relay_pauses; /* cumulative (under mu) */
     /* counters (under mu) */
     int64_t kv_bytes, leases;

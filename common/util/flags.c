@@ -125,6 +125,10 @@ static const flag_def TABLE[] = {
      .help = "1 (default): the OpenAI routes; 0: vLLM's legacy /generate"},
     {NULL, PD_FLAG_STRING, PD_ROLE_ALL, .env = "PD_LOG_LEVEL",
      .help = "log level when --log-level is not given (info)"},
+    {NULL, PD_FLAG_NUMBER, PD_ROLE_NODES, "GiB", 0, 1048576, .unit = "GiB",
+     .env = "VLLM_CPU_KVCACHE_SPACE",
+     .help = "CPU backend: KV budget per rank in GiB when --kv-cache-bytes is not given (vLLM's; "
+             "unset or 0: 4), cut to what max-num-seqs sequences of max-model-len tokens hold"},
     /* vLLM's, with no effect in pdserve: accepted so the guide's command lines run, logged */
     {"--swap-space", PD_FLAG_NUMBER, 0, "GiB", 0, I64_MAX, .unit = "GiB"},
     {"--disable-log-requests", PD_FLAG_SWITCH, .roles = 0},

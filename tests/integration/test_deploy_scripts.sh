@@ -66,6 +66,13 @@ for spec in prefill:45:8088 decode:67:8089 scheduler:host:9000; do
         --image pdserve:cuda --global "$G" --local "$rt/local_ranktable_10.0.0.5_$t.json" \
         "${flags[@]}" --port="$port" >"$work/$role.cmd2" 2>&1
 done
+# the CPU KV budget reaches the container when it is set (and only then)
+VLLM_CPU_KVCACHE_SPACE=2 ri --dry-run --image pdserve:cpu --global "$G" \
+    --local "$rt/local_ranktable_10.0.0.5_45.json" "${flags[@]}" --port=8088 >"$work/kvspace.cmd" 2>&1
+check "VLLM_CPU_KVCACHE_SPACE passed to the container when set" \
+    grep -q -- "-e VLLM_CPU_KVCACHE_SPACE=2" "$work/kvspace.cmd"
+check "VLLM_CPU_KVCACHE_SPACE not passed when unset" \
+    bash -c '! grep -q VLLM_CPU_KVCACHE_SPACE "$1"' _ "$work/prefill.cmd"
 check "python3 fallback gives the same docker commands" \
     cmp <(cat "$work"/{prefill,decode,scheduler}.cmd) <(cat "$work"/{prefill,decode,scheduler}.cmd2)
 

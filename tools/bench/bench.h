@@ -93,12 +93,13 @@ typedef struct {
 /* What happened to one request. Times are pd_now_ns() values. */
 typedef struct {
     bool ok;
-    bool aborted;    /* ok and closed by the client on purpose (pdb_shape.abort_after) */
-    bool streamed;   /* false: a non-streaming answer, which has no token times (n_tok == 0) */
-    char error[256]; /* first error, when !ok */
-    int64_t t_send;  /* before connect() */
-    int64_t t_end;   /* after the last byte ([DONE] or end of body) */
-    int64_t *tok_ns; /* (n_tok) arrival time of each token chunk */
+    bool aborted;     /* ok and closed by the client on purpose (pdb_shape.abort_after) */
+    bool streamed;    /* false: a non-streaming answer, which has no token times (n_tok == 0) */
+    char error[256];  /* first error, when !ok */
+    int64_t t_send;   /* before connect() */
+    int64_t t_end;    /* after the last byte ([DONE] or end of body) */
+    int64_t *tok_ns;  /* (n_tok) arrival time of each token chunk */
+    uint8_t *tok_fin; /* (n_tok) while streaming: 1 for a closing chunk (client.c) */
     size_t n_tok, cap_tok;
     size_t n_choices;      /* non-streaming answers: choices in the body */
     int64_t prompt_tokens; /* from usage; -1 when the endpoint reports none */
@@ -117,7 +118,9 @@ void pdb_result_free(pdb_result *r);
 /* Sends one request for p (streaming unless p->shape says otherwise) and reads the whole
  * answer into r. Never fails as a function: a transport, HTTP or in-band error is recorded as
  * r->ok = false with r->error. On the OpenAI endpoints the answer must hold exactly
- * n * output_len completion tokens (ignore_eos), and logprobs where they were asked for. */
+ * n * output_len completion tokens by its usage (ignore_eos), no more token chunks than that
+ * (fewer where the server sent several tokens in one chunk), and logprobs where they were asked
+ * for. */
 void pdb_request_run(const pdb_target *t, const pdb_prompt *p, uint64_t seed, pdb_result *r);
 
 /* Summary statistics over n values (copied and sorted internally; n may be 0 -> zeros).

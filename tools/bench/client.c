@@ -4,9 +4,17 @@
  * is fed to llhttp as it arrives; llhttp strips the chunked framing and hands body bytes to
  * on_body, which splits them into events (SSE "data:" payloads separated by a blank line, or
  * NDJSON lines for /generate). An event's timestamp is taken right after the recv() that
- * completed it, before parsing, so parsing cost never shifts the figures. A token event is
- * one with a non-empty "choices" array that is not the chat role chunk (the API sends exactly
- * one such chunk per generated token); the usage chunk gives the token counts. A request of a
+ * completed it, before parsing, so parsing cost never shifts the figures. The usage gives the
+ * token counts, as vLLM's benchmark client reads them; a token event is a chunk whose choice
+ * carries text (completions) or a non-role delta (chat). Servers differ in how they end a
+ * choice: vLLM and pdserve send one chunk per token, the last one with its finish_reason, and
+ * the usage in a chunk of its own; llama-server and OpenAI close a choice with one more chunk,
+ * a finish_reason and nothing else: in chat an empty delta, which is no token; with the usage
+ * in the same chunk (llama-server), which is no token either; otherwise an empty text or
+ * content, which pdserve and vLLM also send for a last token whose text is empty, so such a
+ * chunk counts as a token only when the usage needs it (when no other chunk accounts for that
+ * token). A server may send fewer chunks than tokens (llama-server holds back the bytes of an
+ * incomplete character and sends them with the next token), never more. A request of a
  * mixed workload (pdb_shape) picks its own endpoint, may ask for one JSON body instead of a
  * stream (kept whole and parsed at the end), and may close its connection after k token chunks
  * on purpose: that is how a client abort reaches the server.
@@ -84,7 +92,8 @@ int pdb_result_init(pdb_result *r, int64_t expect_tokens, bool record_events)
     r->output_tokens = -1;
     r->cap_tok = (size_t)(expect_tokens > 0 ? expect_tokens : 16) + 8;
     r->tok_ns = malloc(r->cap_tok * sizeof *r->tok_ns);
-    if (!r->tok_ns) return pd_error(PD_ENOMEM, "out of memory");
+    r->tok_fin = malloc(r->cap_tok * sizeof *r->tok_fin);
+    if (!r->tok_ns || !r->tok_fin) return pd_error(PD_ENOMEM, "out of memory");
     if (record_events) {
         r->cap_ev = r->cap_tok + 8;
         r->ev = malloc(r->cap_ev * sizeof *r->ev);
@@ -98,6 +107,7 @@ int pdb_result_init(pdb_result *r, int64_t expect_tokens, bool record_events)
 void pdb_result_free(pdb_result *r)
 {
     free(r->tok_ns);
+    free(r->tok_fin);
     free(r->ev);
     free(r->ev_text);
     memset(r, 0, sizeof *r);
@@ -165,14 +175,73 @@ static void record_event(reader *rd, const char *data, size_t len)
     r->n_ev++;
 }
 
-static void add_token(reader *rd)
+/* A token chunk's time; closing: a chunk that may carry no token (see the top). */
+static void add_token(reader *rd, bool closing)
 {
     pdb_result *r = rd->r;
-    if (grow((void **)&r->tok_ns, &r->cap_tok, r->n_tok + 1, sizeof *r->tok_ns) < 0) {
+    size_t cap = r->cap_tok;
+    if (grow((void **)&r->tok_ns, &cap, r->n_tok + 1, sizeof *r->tok_ns) < 0 ||
+        grow((void **)&r->tok_fin, &r->cap_tok, r->n_tok + 1, sizeof *r->tok_fin) < 0) {
         fail(rd, "%s", "out of memory");
         return;
     }
+    r->tok_fin[r->n_tok] = closing;
     r->tok_ns[r->n_tok++] = rd->now;
+}
+
+/* What a choice of a stream chunk carries. */
+typedef enum {
+    CHUNK_TOKEN,   /* a token (its text may be empty: held back, or a special token) */
+    CHUNK_ROLE,    /* chat: the role chunk that opens a choice */
+    CHUNK_CLOSING, /* a finish_reason with an empty text or content and no logprobs, which is a
+                      token's chunk on some servers and a closing one on others */
+    CHUNK_NONE,    /* a finish_reason with an empty delta, or with the usage and no text: no
+                      token */
+} chunk_kind;
+
+static bool is_empty_text(json_t *v)
+{
+    return !v || json_is_null(v) || (json_is_string(v) && json_string_length(v) == 0);
+}
+
+/* with_usage: the chunk also carries the usage (llama-server's closing chunk). */
+static chunk_kind classify(json_t *c, bool with_usage)
+{
+    json_t *delta = json_object_get(c, "delta"), *lp = json_object_get(c, "logprobs");
+    bool finish = json_is_string(json_object_get(c, "finish_reason"));
+    bool no_lp = !lp || json_is_null(lp);
+    if (delta) {
+        if (json_object_get(delta, "role")) return CHUNK_ROLE;
+        bool any = false;
+        const char *key;
+        json_t *v;
+        json_object_foreach(delta, key, v)
+        {
+            if (!is_empty_text(v)) return CHUNK_TOKEN; /* a non-role delta */
+            if (!json_is_null(v)) any = true;
+        }
+        if (!finish || !no_lp) return CHUNK_TOKEN;
+        return !any || with_usage ? CHUNK_NONE : CHUNK_CLOSING;
+    }
+    if (!is_empty_text(json_object_get(c, "text")) || !finish || !no_lp) return CHUNK_TOKEN;
+    return with_usage ? CHUNK_NONE : CHUNK_CLOSING;
+}
+
+/* Drops the times of the closing chunks that no token needs: the other chunks
+ * account for want tokens already. The ones kept are the earliest. */
+static void settle_closing_chunks(pdb_result *r, int64_t want)
+{
+    size_t n_fin = 0;
+    for (size_t k = 0; k < r->n_tok; k++) n_fin += r->tok_fin[k];
+    int64_t others = (int64_t)(r->n_tok - n_fin);
+    size_t keep = want > others ? (size_t)(want - others) : 0;
+    size_t o = 0;
+    for (size_t k = 0; k < r->n_tok; k++) {
+        if (r->tok_fin[k] && keep == 0) continue;
+        if (r->tok_fin[k]) keep--;
+        r->tok_ns[o++] = r->tok_ns[k];
+    }
+    r->n_tok = o;
 }
 
 /* Parses a payload that jansson refused because an object key holds "\u0000" (a token's text
@@ -216,10 +285,9 @@ static void on_sse_data(reader *rd, const char *data, size_t len)
     json_t *choices = json_object_get(ev, "choices");
     if (json_is_array(choices) && json_array_size(choices) > 0) {
         json_t *c = json_array_get(choices, 0);
-        json_t *delta = json_object_get(c, "delta");
-        bool role_chunk = delta && json_object_get(delta, "role");
-        if (!role_chunk) {
-            add_token(rd);
+        chunk_kind kind = classify(c, json_is_object(json_object_get(ev, "usage")));
+        if (kind == CHUNK_TOKEN || kind == CHUNK_CLOSING) add_token(rd, kind == CHUNK_CLOSING);
+        if (kind == CHUNK_TOKEN) {
             if (rd->logprobs > 0 && !json_is_object(json_object_get(c, "logprobs")))
                 fail(rd, "%s", "token chunk without the logprobs asked for");
             if (rd->abort_after > 0 && (int64_t)rd->r->n_tok >= rd->abort_after)
@@ -245,7 +313,7 @@ static void on_ndjson_line(reader *rd, const char *data, size_t len)
         return;
     }
     rd->gen_lines++;
-    add_token(rd);
+    add_token(rd, false);
 }
 
 /* Splits body bytes into events; rd->line holds the unfinished one. */
@@ -567,7 +635,8 @@ void pdb_request_run(const pdb_target *t, const pdb_prompt *p, uint64_t seed, pd
             fail(&rd, "%s", msg);
             goto out;
         }
-        if (rd.stream && (int64_t)r->n_tok != want) {
+        if (rd.stream) settle_closing_chunks(r, want);
+        if (rd.stream && (int64_t)r->n_tok > want) {
             snprintf(msg, sizeof msg, "%zu token chunks for %lld completion tokens", r->n_tok,
                      (long long)want);
             fail(&rd, "%s", msg);

@@ -2,7 +2,7 @@
  *
  *   pd-generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3 | --prompts-file F) [--chat]
  *               [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S]
- *               [--concurrency N] [--json] [--bench] [--cpu-threads N]
+ *               [--concurrency N] [--json] [--bench] [--cpu-threads N] [--kv-cache-bytes N]
  *               [--cuda-device N [--dtype auto|float32|bfloat16|float16]]
  *
  * Design: a thin driver over the engine (engine.h) — the same scheduler, sampler, detokenizer
@@ -11,6 +11,12 @@
  * (continuous batching, chunked prefill) and each prompt's events are collected until its final
  * one. --prompts-file: one prompt per line (empty lines skipped); comma-separated ids per line
  * when the file name ends in ".ids". Without --seed the seed is 0, so runs are reproducible.
+ *
+ * The KV pool holds what this run can use at once and no more (the engine's max_kv_tokens): the
+ * prompts that can be in flight together (--concurrency, and the engine's max_num_seqs), each
+ * with its prompt plus its largest output, in whole blocks, within the instances' default budget
+ * or --kv-cache-bytes. A pool sized for the instances' workload would make a one-prompt run wait
+ * for gigabytes it never touches.
  */
 #include <jansson.h>
 #include <stdbool.h>
@@ -40,10 +46,11 @@ typedef struct {
     double temperature, top_p;
     int64_t top_k, seed;
     int threads;
-    int cuda_device;      /* --cuda-device N: run on this GPU; -1 = the CPU backend */
-    int cuda_dtype;       /* --dtype on CUDA: -1 = bfloat16 (auto), or a pd_dtype */
-    int64_t concurrency;  /* requests in flight at once; 0 = all */
-    bool no_prefix_cache; /* --no-enable-prefix-caching */
+    int cuda_device;        /* --cuda-device N: run on this GPU; -1 = the CPU backend */
+    int cuda_dtype;         /* --dtype on CUDA: -1 = bfloat16 (auto), or a pd_dtype */
+    int64_t concurrency;    /* requests in flight at once; 0 = all */
+    bool no_prefix_cache;   /* --no-enable-prefix-caching */
+    int64_t kv_cache_bytes; /* --kv-cache-bytes: the pool's budget; 0 = the engine's default */
 } args_t;
 
 typedef struct {
@@ -61,13 +68,19 @@ typedef struct {
 
 static void usage(FILE *o)
 {
-    fprintf(o, "usage: pd-generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3 | "
-               "--prompts-file F) [--chat]\n"
-               "                   [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] "
-               "[--seed S]\n"
-               "                   [--concurrency N] [--json] [--bench] [--cpu-threads N]\n"
-               "                   [--[no-]enable-prefix-caching]\n"
-               "                   [--cuda-device N [--dtype auto|float32|bfloat16|float16]]\n");
+    fprintf(o,
+            "usage: pd-generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3 | "
+            "--prompts-file F) [--chat]\n"
+            "                   [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] "
+            "[--seed S]\n"
+            "                   [--concurrency N] [--json] [--bench] [--cpu-threads N]\n"
+            "                   [--[no-]enable-prefix-caching] [--kv-cache-bytes N]\n"
+            "                   [--cuda-device N [--dtype auto|float32|bfloat16|float16]]\n"
+            "  --kv-cache-bytes N  KV budget (bytes; default: %.0f GiB on the CPU, the GPU's\n"
+            "                      free share with --cuda-device); the pool never holds more\n"
+            "                      than the run needs: the prompts in flight at once, each\n"
+            "                      with its --max-tokens\n",
+            PD_ENGINE_CPU_KVCACHE_SPACE_GIB);
 }
 
 static int parse_args(int argc, char **argv, args_t *a)
@@ -135,6 +148,8 @@ static int parse_args(int argc, char **argv, args_t *a)
                         v);
             } else if (!strcmp(o, "--concurrency")) {
                 PD_CHECK(pd_arg_i64(o, v, 1, 1 << 20, &a->concurrency));
+            } else if (!strcmp(o, "--kv-cache-bytes")) {
+                PD_CHECK(pd_arg_i64(o, v, 1, (int64_t)1 << 50, &a->kv_cache_bytes));
             } else
                 return pd_error(PD_EINVAL, "unknown option %s", o);
         }
@@ -249,6 +264,31 @@ static int read_lines(const char *file, char ***lines, size_t *n)
     }
     *lines = a;
     *n = k;
+    return PD_OK;
+}
+
+static int cmp_size_desc(const void *a, const void *b)
+{
+    size_t x = *(const size_t *)a, y = *(const size_t *)b;
+    return x < y ? 1 : x > y ? -1 : 0;
+}
+
+/* KV tokens the run can hold at once (the engine's max_kv_tokens): the in_flight largest of the
+ * prompts' needs, each its prompt plus max_new tokens, at most max_len, in whole blocks. */
+static int run_kv_tokens(const seq_t *seqs, size_t n, size_t in_flight, int64_t max_new,
+                         size_t max_len, size_t block_size, size_t *out)
+{
+    size_t *need = malloc(n * sizeof *need);
+    if (!need) return pd_error(PD_ENOMEM, "out of memory");
+    for (size_t i = 0; i < n; i++) {
+        size_t t = seqs[i].n_ids + (size_t)max_new;
+        if (t > max_len) t = max_len;
+        need[i] = (t + block_size - 1) / block_size * block_size;
+    }
+    qsort(need, n, sizeof *need, cmp_size_desc);
+    *out = 0;
+    for (size_t i = 0; i < n && i < in_flight; i++) *out += need[i];
+    free(need);
     return PD_OK;
 }
 
@@ -373,6 +413,16 @@ int main(int argc, char **argv)
         return 2;
     }
     if (ep.max_num_seqs < n_seqs && a.concurrency == 0) ep.max_num_seqs = n_seqs;
+    ep.kv_cache_bytes = (size_t)a.kv_cache_bytes;
+    size_t ctx_len = (size_t)pd_model_max_len(cfg, NULL); /* the engine's max_model_len */
+    int64_t max_new = sp.max_tokens > 0                  ? sp.max_tokens
+                      : m->generation.has_max_new_tokens ? m->generation.max_new_tokens
+                                                         : (int64_t)ctx_len;
+    size_t at_once = a.concurrency > 0 ? (size_t)a.concurrency : n_seqs;
+    if (at_once > ep.max_num_seqs) at_once = ep.max_num_seqs; /* the engine runs no more */
+    PD_CHECK_GOTO(
+        run_kv_tokens(seqs, n_seqs, at_once, max_new, ctx_len, ep.block_size, &ep.max_kv_tokens),
+        rc, out);
     PD_CHECK_GOTO(pd_engine_create(&ep, &e), rc, out);
     size_t max_len = pd_engine_max_model_len(e);
     for (size_t i = 0; i < n_seqs; i++) {

@@ -1151,3 +1151,80 @@ TEST(engine_imports_filling_the_pool_recompute_and_match)
     pd_engine_free(D);
     pd_engine_free(P);
 }
+
+/* The warm-up (vLLM's dummy run) leaves nothing behind but the K/V it wrote into free blocks:
+ * no step, token or cached block in the statistics, every block free, and requests that then
+ * take those very blocks give the tokens a fresh engine gives. It runs max(16, max_num_seqs)
+ * tokens by default, within max_model_len - 1, and only before the first request. */
+TEST(engine_warmup_leaves_no_trace)
+{
+    ASSERT_OK(tiny());
+    enum { N = 8 };
+    static treq r[N];
+    static tout warm[MAX_REQ], cold[MAX_REQ];
+    memset(warm, 0, sizeof warm);
+    memset(cold, 0, sizeof cold);
+    for (int i = 0; i < N; i++) make_req(&r[i], i, pd_tok_vocab_size(g_tok));
+    pd_engine_params p = base_params();
+    pd_engine *e;
+    ASSERT_OK(pd_engine_create(&p, &e));
+    size_t n = 0;
+    ASSERT_OK(pd_engine_warmup(e, 0, &n));
+    ASSERT_EQ_INT(n, 64); /* max(16, max_num_seqs) */
+    pd_engine_stats st;
+    pd_engine_get_stats(e, &st);
+    ASSERT_EQ_INT(st.steps, 0);
+    ASSERT_EQ_INT(st.prompt_tokens, 0);
+    ASSERT_EQ_INT(st.generation_tokens, 0);
+    ASSERT_EQ_INT(st.kv_blocks_cached, 0);
+    ASSERT_EQ_INT(st.kv_blocks_free, st.kv_blocks_total);
+    ASSERT_OK(pd_engine_warmup(e, 100000, &n)); /* capped: max_model_len 256 - 1 */
+    ASSERT_EQ_INT(n, 255);
+    for (int i = 0; i < N; i++) { /* one at a time: each starts at block 0, which holds junk */
+        ASSERT_OK(add_req(e, &r[i], PD_PHASE_FULL));
+        if (i == 0) ASSERT_ERR(pd_engine_warmup(e, 0, NULL), PD_EBUSY, "before the first request");
+        ASSERT_OK(run_to_end(e, warm));
+    }
+    pd_engine_free(e);
+    ASSERT_OK(run_alone(&p, r, N, cold));
+    for (int i = 0; i < N; i++)
+        ASSERT_MSG(same_tokens(&warm[i], &cold[i], 1), "request %d differs after the warm-up", i);
+}
+
+/* The CPU KV pool's size (vLLM's rule): the budget per rank is kv_cache_bytes, else
+ * cpu_kvcache_space_gib (VLLM_CPU_KVCACHE_SPACE, 4 GiB by default), cut to what the workload
+ * can hold at once: max_num_seqs sequences of max_model_len tokens, or max_kv_tokens, but never
+ * below one sequence of max_model_len. */
+TEST(engine_cpu_kv_pool_sized_by_need)
+{
+    ASSERT_OK(tiny());
+    pd_engine_params p = base_params(); /* 64 sequences of 256 tokens: 16 blocks each */
+    p.num_kv_blocks = 0;
+    struct {
+        double gib;
+        size_t bytes, max_kv_tokens, blocks;
+    } cases[] = {
+        {0, 0, 0, 64 * 16}, /* 4 GiB hold far more than 64 x 256 tokens */
+        {PD_ENGINE_CPU_KVCACHE_SPACE_GIB, 0, 0, 64 * 16},
+        {1.0 / 1024, 0, 0, 32},     /* 1 MiB of 32 KiB blocks */
+        {0, 40 * 32768 + 5, 0, 40}, /* --kv-cache-bytes wins */
+        {1.0 / 1024, 40 * 32768, 0, 40},
+        {0, 0, 1000, 63}, /* the run's need: ceil(1000 / 16) blocks */
+        {0, 0, 100, 16},  /* but one max_model_len sequence at least */
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        p.cpu_kvcache_space_gib = cases[i].gib;
+        p.kv_cache_bytes = cases[i].bytes;
+        p.max_kv_tokens = cases[i].max_kv_tokens;
+        pd_engine *e;
+        ASSERT_OK(pd_engine_create(&p, &e));
+        pd_engine_stats st;
+        pd_engine_get_stats(e, &st);
+        ASSERT_MSG(st.kv_blocks_total == cases[i].blocks, "case %zu: %zu blocks, expected %zu", i,
+                   st.kv_blocks_total, cases[i].blocks);
+        pd_engine_free(e);
+    }
+    p.cpu_kvcache_space_gib = 2e6;
+    pd_engine *e;
+    ASSERT_ERR(pd_engine_create(&p, &e), PD_EINVAL, "cpu_kvcache_space_gib");
+}

@@ -27,9 +27,8 @@ TEST(kvpool_sizing_and_capacity_message)
                "can be stored in KV cache (128).");
     ASSERT_ERR(pd_kv_check_capacity(0, 16, 1), PD_EINVAL, "No available memory for the cache");
     size_t bytes = 0;
-    ASSERT_OK(pd_kv_default_cpu_bytes(0.25, &bytes));
+    ASSERT_OK(pd_kv_mem_available(&bytes));
     ASSERT(bytes > 0);
-    ASSERT_ERR(pd_kv_default_cpu_bytes(1.5, &bytes), PD_EINVAL, "kv_cache_fraction");
 }
 
 TEST(kvpool_alloc_grow_free)

@@ -11,6 +11,8 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include "engine/engine.h"
+#include "node/node.h"
 #include "util/arena.h"
 #include "util/clock.h"
 #include "util/flags.h"
@@ -569,4 +571,30 @@ TEST(idmap_put_get_del_iterate)
     ASSERT_EQ_INT(m.count, 25); /* the even ones */
     pd_idmap_free(&m);
     ASSERT_ERR(pd_idmap_init(&m, 0), PD_EINVAL, "0 buckets");
+}
+
+/* VLLM_CPU_KVCACHE_SPACE (issue 28 item 6, issue 29 item 9) reaches the instances' engine as
+ * its CPU KV budget in GiB (fractions allowed), next to --kv-cache-bytes; out of range or not a
+ * number is refused by name. */
+TEST(flags_cpu_kvcache_space_env)
+{
+    char *none[] = {"x", NULL};
+    pd_node_params p;
+    unsetenv("VLLM_CPU_KVCACHE_SPACE");
+    ASSERT_OK(pd_node_parse_args(1, none, RT_ROLE_DECODE, &p));
+    ASSERT(p.engine.cpu_kvcache_space_gib == PD_ENGINE_CPU_KVCACHE_SPACE_GIB);
+    ASSERT(p.engine.kv_cache_bytes == 0);
+    setenv("VLLM_CPU_KVCACHE_SPACE", "0.5", 1);
+    ASSERT_OK(pd_node_parse_args(1, none, RT_ROLE_PREFILL, &p));
+    ASSERT(p.engine.cpu_kvcache_space_gib == 0.5);
+    char *bytes[] = {"x", "--kv-cache-bytes", "1048576", NULL};
+    ASSERT_OK(pd_node_parse_args(3, bytes, RT_ROLE_DECODE, &p));
+    ASSERT(p.engine.cpu_kvcache_space_gib == 0.5 && p.engine.kv_cache_bytes == 1048576);
+    setenv("VLLM_CPU_KVCACHE_SPACE", "-1", 1);
+    ASSERT_ERR(pd_node_parse_args(1, none, RT_ROLE_DECODE, &p), PD_EINVAL,
+               "VLLM_CPU_KVCACHE_SPACE");
+    setenv("VLLM_CPU_KVCACHE_SPACE", "four", 1);
+    ASSERT_ERR(pd_node_parse_args(1, none, RT_ROLE_DECODE, &p), PD_EINVAL,
+               "VLLM_CPU_KVCACHE_SPACE");
+    unsetenv("VLLM_CPU_KVCACHE_SPACE");
 }
