@@ -37,6 +37,7 @@
 
 typedef struct {
     const char *model;
+    const char *tokenizer; /* --tokenizer DIR: tokenizer and chat template; NULL: model's */
     const char *prompt;
     const char *prompt_ids;
     const char *prompts_file;
@@ -74,6 +75,7 @@ static void usage(FILE *o)
             "                   [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] "
             "[--seed S]\n"
             "                   [--concurrency N] [--json] [--bench] [--cpu-threads N]\n"
+            "                   [--tokenizer DIR]\n"
             "                   [--[no-]enable-prefix-caching] [--kv-cache-bytes N]\n"
             "                   [--cuda-device N [--dtype auto|float32|bfloat16|float16]]\n"
             "  --kv-cache-bytes N  KV budget (bytes; default: %.0f GiB on the CPU, the GPU's\n"
@@ -109,6 +111,8 @@ static int parse_args(int argc, char **argv, args_t *a)
             int64_t iv;
             if (!strcmp(o, "--model"))
                 a->model = v;
+            else if (!strcmp(o, "--tokenizer"))
+                a->tokenizer = v;
             else if (!strcmp(o, "--prompt"))
                 a->prompt = v;
             else if (!strcmp(o, "--prompt-ids"))
@@ -338,15 +342,16 @@ int main(int argc, char **argv)
     size_t prompt_tokens = 0, gen_tokens = 0;
 
     PD_CHECK_GOTO(pd_model_load(a.model, &m), rc, out);
-    PD_CHECK_GOTO(pd_tok_load(a.model, &tok), rc, out);
+    const char *tok_dir = a.tokenizer ? a.tokenizer : a.model;
+    PD_CHECK_GOTO(pd_tok_load(tok_dir, &tok), rc, out);
     const pd_model_config *cfg = &m->config;
     int32_t vocab = (int32_t)cfg->vocab_size;
     if (a.chat) {
         char *src = NULL, *what = NULL;
-        PD_CHECK_GOTO(pd_chat_select(a.model, NULL, false, &src, &what), rc, out);
+        PD_CHECK_GOTO(pd_chat_select(tok_dir, NULL, false, &src, &what), rc, out);
         if (!src) {
             free(what);
-            rc = pd_error(PD_EINVAL, "%s: --chat: the model has no chat template", a.model);
+            rc = pd_error(PD_EINVAL, "%s: --chat: the model has no chat template", tok_dir);
             goto out;
         }
         rc = pd_chat_compile(src, what, &tpl);
