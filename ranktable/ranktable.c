@@ -660,8 +660,9 @@ static int load_file(const char *file, json_t **root)
             snprintf(near, sizeof near, "%s", e->d_name);
     closedir(d);
     if (!near[0]) return rc;
-    return pd_error(rc, "%s: No such file or directory; %s%s%s exists next to it (pd-ranktable "
-                        "writes local_ranktable_<ip>_<n>.json)",
+    return pd_error(rc,
+                    "%s: No such file or directory; %s%s%s exists next to it (pd-ranktable "
+                    "writes local_ranktable_<ip>_<n>.json)",
                     file, slash ? dir : "", slash ? "/" : "", near);
 }
 

@@ -23,7 +23,7 @@
 
 /* Every flag and environment value that shapes the scheduler (docs/api.md §17). */
 typedef struct {
-    const char *model; /* --model DIR (required) */
+    const char *model;     /* --model DIR (required) */
     const char *tokenizer; /* --tokenizer DIR: tokenizer and chat template; NULL: model's */
     const char
         *served_names[PD_APISERVER_MAX_NAMES]; /* --served-model-name N [N...]; default model */

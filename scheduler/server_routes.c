@@ -291,8 +291,8 @@ static void handle_tokenize(pd_apiserver *s, pd_http_exchange *ex, bool detokeni
     }
     memcpy(copy, body, len);
     copy[len] = '\0';
-    *j = (tok_job){.ex = ex, .detokenize = detokenize, .body = copy, .len = len, .a = a,
-                   .lim = s->lim};
+    *j = (tok_job){
+        .ex = ex, .detokenize = detokenize, .body = copy, .len = len, .a = a, .lim = s->lim};
     j->work.data = j;
     pd_http_on_abort(ex, tok_abort, j);
     uv_queue_work(&s->loop, &j->work, tok_work, tok_done);
@@ -304,11 +304,11 @@ static const struct {
     int mode; /* 0 always, 1 openai, 2 legacy */
     bool auth, generation;
 } ROUTES[] = {
-    {"/health", "GET", 0, false, false},        {"/metrics", "GET", 0, false, false},
-    {"/version", "GET", 0, false, false},       {"/v1/models", "GET", 1, true, false},
-    {"/v1/completions", "POST", 1, true, true}, {"/v1/chat/completions", "POST", 1, true, true},
-    {"/generate", "POST", 2, true, true},       {"/tokenize", "POST", 1, false, false},
-    {"/detokenize", "POST", 1, false, false},   {"/ping", "GET, POST", 0, false, false},
+    {"/health", "GET", 0, false, false},         {"/metrics", "GET", 0, false, false},
+    {"/version", "GET", 0, false, false},        {"/v1/models", "GET", 1, true, false},
+    {"/v1/completions", "POST", 1, true, true},  {"/v1/chat/completions", "POST", 1, true, true},
+    {"/generate", "POST", 2, true, true},        {"/tokenize", "POST", 1, false, false},
+    {"/detokenize", "POST", 1, false, false},    {"/ping", "GET, POST", 0, false, false},
     {"/v2/health/live", "GET", 0, false, false}, {"/v2/health/ready", "GET", 0, false, false},
 };
 

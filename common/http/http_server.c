@@ -1102,7 +1102,13 @@ static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf)
         /* the client will send nothing more; it may still read (a half-close, RFC 9112 §9.6),
          * and TCP cannot tell that from a close until a write fails: an exchange in flight goes
          * on (a failed write aborts it), what was received is answered, then the connection
-         * closes (conn_process). libuv has stopped reading. */
+         * closes (conn_process). libuv has stopped reading. Once a stream has started, EOF is a
+         * client that left (none half-closes in the middle of reading an answer): it is
+         * aborted at once, as a reset is. */
+        if (c->ex && c->ex->streaming) {
+            conn_close(c);
+            return;
+        }
         c->peer_eof = true;
         c->reading = false;
         conn_input_trim(c);

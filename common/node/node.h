@@ -41,8 +41,8 @@ typedef struct {
     const char *device;            /* --device cpu|cuda (cpu) */
     const char *dtype;             /* --dtype auto|float32|bfloat16|float16 (auto) */
     bool gpu_memory_utilization_set; /* given: the CPU backend logs that it has no effect */
-    int transfer_workers;          /* prefill: concurrent KV sends (4) */
-    unsigned ranktable_flags;      /* RT_ALLOW_SHARED_DEVICES for single-GPU setups */
+    int transfer_workers;            /* prefill: concurrent KV sends (4) */
+    unsigned ranktable_flags;        /* RT_ALLOW_SHARED_DEVICES for single-GPU setups */
     /* The engine's own (pd_engine_default_params): --model (model_dir), --tokenizer
      * (tokenizer_dir), --max-model-len,
      * --max-num-seqs, --max-num-batched-tokens, --block-size, --kv-cache-bytes,

@@ -654,8 +654,8 @@ TEST(faults_stuck_transfer_aborted)
         Pd__StatsReply *st = cl_stats(&g_c, P1);
         if (st)
             printf("    prefill 1: running %lld, waiting %lld, held %lld, finished %lld\n",
-                   (long long)st->num_running, (long long)st->num_waiting,
-                   (long long)st->num_held, (long long)st->requests_finished);
+                   (long long)st->num_running, (long long)st->num_waiting, (long long)st->num_held,
+                   (long long)st->requests_finished);
         if (st) pd__stats_reply__free_unpacked(st, NULL);
         for (int i = 0; i < N; i++)
             printf("    job %d: status %d after %.3f s\n", i, jobs[i].status, jobs[i].seconds);

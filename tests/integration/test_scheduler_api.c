@@ -132,23 +132,23 @@ TEST(sched_tokenize_detokenize_probes)
     json_decref(o);
     resp_free(&r);
     /* refusals as the generation routes give them */
-    ASSERT(http_do(g_port, "POST", "/tokenize", NULL, "{\"model\":\"nope\",\"prompt\":\"x\"}",
-                   &r) == 0);
-    ASSERT_EQ_INT(r.status, 404);
-    ASSERT_CONTAINS(r.body, "The model `nope` does not exist.");
-    resp_free(&r);
-    ASSERT(http_do(g_port, "POST", "/detokenize", NULL, "{\"tokens\":[1,99999999]}", &r) == 0);
-    ASSERT_EQ_INT(r.status, 400);
-    ASSERT_CONTAINS(r.body, "Token id 99999999 is out of vocabulary");
-    resp_free(&r);
-    ASSERT(http_do(g_port, "POST", "/detokenize", NULL, "{\"model\":\"tiny\"}", &r) == 0);
-    ASSERT_EQ_INT(r.status, 400);
-    ASSERT_CONTAINS(r.body, "The field `tokens` is required.");
-    resp_free(&r);
-    ASSERT(http_do(g_port, "POST", "/tokenize", NULL, "{\"prompt\":[1,2]}", &r) == 0);
-    ASSERT_EQ_INT(r.status, 400);
-    ASSERT_CONTAINS(r.body, "The field `prompt` must be a string.");
-    resp_free(&r);
+    static const struct {
+        const char *path, *body;
+        int status;
+        const char *message;
+    } refused[] = {
+        {"/tokenize", "{\"model\":\"nope\",\"prompt\":\"x\"}", 404,
+         "The model `nope` does not exist."},
+        {"/detokenize", "{\"tokens\":[1,99999999]}", 400, "Token id 99999999 is out of vocabulary"},
+        {"/detokenize", "{\"model\":\"tiny\"}", 400, "The field `tokens` is required."},
+        {"/tokenize", "{\"prompt\":[1,2]}", 400, "The field `prompt` must be a string."},
+    };
+    for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++) {
+        ASSERT(http_do(g_port, "POST", refused[i].path, NULL, refused[i].body, &r) == 0);
+        ASSERT_EQ_INT(r.status, refused[i].status);
+        ASSERT_CONTAINS(r.body, refused[i].message);
+        resp_free(&r);
+    }
 }
 
 TEST(sched_api_key)

@@ -373,7 +373,8 @@ static char *answer_text(int port, const char *path, const char *body)
     if (!o) printf("    %s: status %d: %s\n", path, r.status, r.body ? r.body : "");
     json_t *c = json_array_get(json_object_get(o, "choices"), 0);
     json_t *m = json_object_get(c, "message");
-    const char *t = json_string_value(m ? json_object_get(m, "content") : json_object_get(c, "text"));
+    const char *t =
+        json_string_value(m ? json_object_get(m, "content") : json_object_get(c, "text"));
     char *out = t ? strdup(t) : NULL;
     json_decref(o);
     resp_free(&r);
