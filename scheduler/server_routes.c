@@ -232,16 +232,10 @@ static void tok_work(uv_work_t *w)
 }
 
 /* vLLM's answers: {"count", "max_model_len", "tokens", "token_strs"} and {"prompt"}. */
-static void tok_done(uv_work_t *w, int status)
+static void tok_respond(tok_job *j)
 {
-    tok_job *j = w->data;
     pd_sb b = {0};
-    if (!j->ex) {
-    } else if (status != 0) {
-        pd_http_respond_error(j->ex, 503, "The server is shutting down.", "Retry-After: 5\r\n");
-    } else if (j->rc < 0) {
-        pd_http_respond_error(j->ex, j->http, j->err, NULL);
-    } else if (j->detokenize) {
+    if (j->detokenize) {
         pd_sb_str(&b, "{\"prompt\":");
         pd_sb_json_str(&b, j->text, strlen(j->text));
         pd_sb_str(&b, "}");
@@ -260,13 +254,24 @@ static void tok_done(uv_work_t *w, int status)
         if (j->req.token_strs) pd_sb_str(&b, p->n_ids ? "]" : "[]");
         pd_sb_str(&b, "}");
     }
-    if (j->ex && status == 0 && j->rc >= 0) {
-        if (pd_sb_failed(&b))
-            pd_http_respond_error(j->ex, 500, "out of memory", NULL);
-        else
-            pd_http_respond(j->ex, 200, "application/json", b.p, b.len, NULL);
-    }
+    if (pd_sb_failed(&b))
+        pd_http_respond_error(j->ex, 500, "out of memory", NULL);
+    else
+        pd_http_respond(j->ex, 200, "application/json", b.p, b.len, NULL);
     pd_sb_free(&b);
+}
+
+static void tok_done(uv_work_t *w, int status)
+{
+    tok_job *j = w->data;
+    if (j->ex) { /* else the client has gone */
+        if (status != 0)
+            pd_http_respond_error(j->ex, 503, "The server is shutting down.", "Retry-After: 5\r\n");
+        else if (j->rc < 0)
+            pd_http_respond_error(j->ex, j->http, j->err, NULL);
+        else
+            tok_respond(j);
+    }
     pd_arena_free(j->a);
     free(j);
 }
@@ -298,18 +303,39 @@ static void handle_tokenize(pd_apiserver *s, pd_http_exchange *ex, bool detokeni
     uv_queue_work(&s->loop, &j->work, tok_work, tok_done);
 }
 
+/* What a route answers with (srv_on_http). */
+typedef enum {
+    R_READY, /* /health and the probes that mean the same: 200 when it can serve, else 503 */
+    R_LIVE,  /* 200 while the process answers */
+    R_METRICS,
+    R_VERSION,
+    R_MODELS,
+    R_COMPLETIONS,
+    R_CHAT,
+    R_GENERATE,
+    R_TOKENIZE,
+    R_DETOKENIZE,
+} route_id;
+
 /* The routes (docs/api.md §1); method: one, or two separated by ", " (the Allow header). */
 static const struct {
     const char *path, *method;
     int mode; /* 0 always, 1 openai, 2 legacy */
     bool auth, generation;
+    route_id id;
 } ROUTES[] = {
-    {"/health", "GET", 0, false, false},         {"/metrics", "GET", 0, false, false},
-    {"/version", "GET", 0, false, false},        {"/v1/models", "GET", 1, true, false},
-    {"/v1/completions", "POST", 1, true, true},  {"/v1/chat/completions", "POST", 1, true, true},
-    {"/generate", "POST", 2, true, true},        {"/tokenize", "POST", 1, false, false},
-    {"/detokenize", "POST", 1, false, false},    {"/ping", "GET, POST", 0, false, false},
-    {"/v2/health/live", "GET", 0, false, false}, {"/v2/health/ready", "GET", 0, false, false},
+    {"/health", "GET", 0, false, false, R_READY},
+    {"/metrics", "GET", 0, false, false, R_METRICS},
+    {"/version", "GET", 0, false, false, R_VERSION},
+    {"/v1/models", "GET", 1, true, false, R_MODELS},
+    {"/v1/completions", "POST", 1, true, true, R_COMPLETIONS},
+    {"/v1/chat/completions", "POST", 1, true, true, R_CHAT},
+    {"/generate", "POST", 2, true, true, R_GENERATE},
+    {"/tokenize", "POST", 1, false, false, R_TOKENIZE},
+    {"/detokenize", "POST", 1, false, false, R_DETOKENIZE},
+    {"/ping", "GET, POST", 0, false, false, R_READY},      /* SageMaker's */
+    {"/v2/health/live", "GET", 0, false, false, R_LIVE},   /* KServe's */
+    {"/v2/health/ready", "GET", 0, false, false, R_READY}, /* KServe's */
 };
 
 /* method is one of route i's. */
@@ -402,27 +428,30 @@ void srv_on_refused(void *ctx, const pd_http_exchange *ex, int status, const cha
 void srv_on_http(void *ctx, pd_http_exchange *ex)
 {
     pd_apiserver *s = ctx;
-    bool ready = !s->stopping && pd_reg_up_count(s->reg, RT_ROLE_PREFILL) > 0 &&
-                 pd_reg_up_count(s->reg, RT_ROLE_DECODE) > 0;
-    switch (route_find(s, pd_http_path(ex))) {
-    case 0:  /* /health */
-    case 9:  /* /ping (SageMaker's) */
-    case 11: /* /v2/health/ready (KServe's) */
+    int hit = route_find(s, pd_http_path(ex));
+    if (hit < 0) { /* the gate let only routes through */
+        pd_http_respond_error(ex, 404, "Not Found", NULL);
+        return;
+    }
+    switch (ROUTES[hit].id) {
+    case R_READY: {
+        bool ready = !s->stopping && pd_reg_up_count(s->reg, RT_ROLE_PREFILL) > 0 &&
+                     pd_reg_up_count(s->reg, RT_ROLE_DECODE) > 0;
         pd_http_respond(ex, ready ? 200 : 503, NULL, "", 0, NULL);
         return;
-    case 10: pd_http_respond(ex, 200, NULL, "", 0, NULL); return; /* live while it answers */
-    case 1: srv_handle_metrics(s, ex); return;
-    case 2: {
+    }
+    case R_LIVE: pd_http_respond(ex, 200, NULL, "", 0, NULL); return;
+    case R_METRICS: srv_handle_metrics(s, ex); return;
+    case R_VERSION: {
         const char *v = "{\"version\":\"" PD_VERSION "\"}";
         pd_http_respond(ex, 200, "application/json", v, strlen(v), NULL);
         return;
     }
-    case 3: handle_models(s, ex); return;
-    case 4: handle_generation(s, ex, PD_API_COMPLETIONS); return;
-    case 5: handle_generation(s, ex, PD_API_CHAT); return;
-    case 6: handle_generation(s, ex, PD_API_GENERATE); return;
-    case 7: handle_tokenize(s, ex, false); return;
-    case 8: handle_tokenize(s, ex, true); return;
-    default: pd_http_respond_error(ex, 404, "Not Found", NULL); return;
+    case R_MODELS: handle_models(s, ex); return;
+    case R_COMPLETIONS: handle_generation(s, ex, PD_API_COMPLETIONS); return;
+    case R_CHAT: handle_generation(s, ex, PD_API_CHAT); return;
+    case R_GENERATE: handle_generation(s, ex, PD_API_GENERATE); return;
+    case R_TOKENIZE: handle_tokenize(s, ex, false); return;
+    case R_DETOKENIZE: handle_tokenize(s, ex, true); return;
     }
 }

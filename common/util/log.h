@@ -5,10 +5,11 @@
  * Level from --log-level or PD_LOG_LEVEL (debug, info, warn, error); default info.
  *
  * A call site that can fire many times a second (a refusal repeated while a condition lasts)
- * logs through PD_WARN_EVERY and its kin: the site's first line is written, the ones after it
- * within the window are only counted, and the site's next line written after the window ends
- * with "(repeated N times in the last T s)", N the lines left out since the site's last written
- * line, T the seconds since it. The count of the last window shows with the site's next line.
+ * logs through PD_WARN_EVERY (PD_LOG_EVERY for another level): the site's first line is written,
+ * the ones after it within the window are only counted, and the site's next line written after the
+ * window ends with "(repeated N times in the last T s)", N the lines left out since the site's last
+ * written line, T the seconds since it. The count of the last window shows with the site's next
+ * line.
  */
 #ifndef PD_UTIL_LOG_H
 #define PD_UTIL_LOG_H
@@ -56,8 +57,6 @@ void pd_log_limited(pd_log_limit *lim, pd_log_level level, const char *request_i
         static pd_log_limit pd_log_site_ = {.window_ms = (ms)};                                    \
         pd_log_limited(&pd_log_site_, level, rid, __VA_ARGS__);                                    \
     } while (0)
-#define PD_INFO_EVERY(ms, rid, ...)  PD_LOG_EVERY(PD_LOG_INFO, ms, rid, __VA_ARGS__)
-#define PD_WARN_EVERY(ms, rid, ...)  PD_LOG_EVERY(PD_LOG_WARN, ms, rid, __VA_ARGS__)
-#define PD_ERROR_EVERY(ms, rid, ...) PD_LOG_EVERY(PD_LOG_ERROR, ms, rid, __VA_ARGS__)
+#define PD_WARN_EVERY(ms, rid, ...) PD_LOG_EVERY(PD_LOG_WARN, ms, rid, __VA_ARGS__)
 
 #endif
