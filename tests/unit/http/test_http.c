@@ -651,6 +651,14 @@ TEST(http_headers_hook_refuses_before_the_body)
     ASSERT(fx_stop(fx));
 }
 
+/* The server's body bytes in flight once they are want, or after 1 s. */
+static size_t in_flight_becomes(fixture *fx, size_t want)
+{
+    for (int i = 0; i < 200 && pd_http_server_body_bytes_in_flight(fx->srv) != want; i++)
+        pd_sleep_ns(5 * PD_NS_PER_MS);
+    return pd_http_server_body_bytes_in_flight(fx->srv);
+}
+
 /* Bodies announced by requests still arriving count against max_body_in_flight over all
  * connections; a request that would pass it gets 503 with Retry-After at once (from its
  * headers, or from the chunk size line), and bytes count no more once a request completes or
@@ -663,9 +671,7 @@ TEST(http_body_bytes_in_flight_bounded)
     static const char held[] = "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\nab";
     cli_send(a, held);
     cli_send(b, held);
-    for (int i = 0; i < 200 && pd_http_server_body_bytes_in_flight(fx->srv) < 2000; i++)
-        pd_sleep_ns(5 * PD_NS_PER_MS);
-    ASSERT_EQ_INT(pd_http_server_body_bytes_in_flight(fx->srv), 2000);
+    ASSERT_EQ_INT(in_flight_becomes(fx, 2000), 2000);
     int c = cli_connect(fx->port);
     cli_send(c, "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\n");
     cli_read_until(c, buf, sizeof buf, "}}", 2000, &eof);
@@ -687,9 +693,7 @@ TEST(http_body_bytes_in_flight_bounded)
     int d = cli_connect(fx->port);
     cli_send(d, "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 500\r\n\r\n");
     cli_send(a, "POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n1f4\r\n");
-    for (int i = 0; i < 200 && pd_http_server_body_bytes_in_flight(fx->srv) < 2000; i++)
-        pd_sleep_ns(5 * PD_NS_PER_MS);
-    ASSERT_EQ_INT(pd_http_server_body_bytes_in_flight(fx->srv), 2000);
+    ASSERT_EQ_INT(in_flight_becomes(fx, 2000), 2000);
     char chunk[600];
     memset(chunk, 'y', 500);
     memcpy(chunk + 500, "\r\n1\r\n", 5);
@@ -699,9 +703,7 @@ TEST(http_body_bytes_in_flight_bounded)
     close(a);
     close(d);
     close(b); /* b's body never came: its bytes go with its connection */
-    for (int i = 0; i < 200 && pd_http_server_body_bytes_in_flight(fx->srv) > 0; i++)
-        pd_sleep_ns(5 * PD_NS_PER_MS);
-    ASSERT_EQ_INT(pd_http_server_body_bytes_in_flight(fx->srv), 0);
+    ASSERT_EQ_INT(in_flight_becomes(fx, 0), 0);
     ASSERT(fx_stop(fx));
 }
 
