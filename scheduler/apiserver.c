@@ -39,7 +39,7 @@ pd_apiserver_params pd_apiserver_default_params(void)
     p.use_openai = true;
     p.heartbeat_ms = 1000;
     p.rpc_timeout_ms = 5000;
-    p.prefill_timeout_ms = 60000;
+    p.prefill_timeout_s = 60;
     p.shutdown_timeout_s = 30;
     return p;
 }

@@ -55,7 +55,8 @@ typedef struct {
     const char *node_ports;      /* NODE_PORTS (required): one port per P then per D */
     int heartbeat_ms;   /* --heartbeat-ms: heartbeat period and deadline of each Stats call, 1000 */
     int rpc_timeout_ms; /* deadline of Info/Stats/Reserve/Abort: 5000 */
-    int prefill_timeout_ms; /* deadline of Prefill: 60000 (Decode and Relay streams have none) */
+    double prefill_timeout_s; /* deadline of Prefill and the TTL of its decode reservation: 60
+                                 (Decode and Relay streams have none) */
     /* --shutdown-timeout: after SIGTERM/SIGINT, how long in-flight requests may finish before
      * they end with 503 (seconds, fractions allowed); default 30 */
     double shutdown_timeout_s;

@@ -46,6 +46,7 @@ static const pd_flag_bind BINDS[] = {
      .off = offsetof(pd_apiserver_params, max_body_bytes_in_flight),
      .dflt = "4 x --max-request-body-bytes"},
     B("--queue-timeout", PD_BIND_F64, queue_timeout_s),
+    B("--prefill-timeout", PD_BIND_F64, prefill_timeout_s),
     B("--timeout-keep-alive", PD_BIND_F64, keep_alive_s),
     B("--header-timeout", PD_BIND_F64, header_timeout_s),
     B("--body-timeout", PD_BIND_F64, body_timeout_s),

@@ -21,6 +21,10 @@
  * scheduler sent it, direct-mapped (a newer key takes an older one's slot). */
 #define PFX_SLOTS      (1u << 15)
 #define PFX_MAX_BLOCKS 512 /* a prompt's first blocks that count */
+/* A prefill rate is read from at least RATE_MIN_NS of busy time; older time weighs half once
+ * the busy time passes RATE_WINDOW_NS. */
+#define RATE_MIN_NS    20000000ll
+#define RATE_WINDOW_NS 30000000000ll
 
 typedef struct {
     const rt_instance *inst; /* borrowed from the global table */
@@ -33,6 +37,10 @@ typedef struct {
     char reason[256];        /* why it is out (logged once per change) */
     int64_t load_tokens;     /* from Stats: queued (P) or running + reserved (D) */
     int64_t inflight_tokens; /* what this scheduler has in flight on it */
+    /* a prefill instance's measured rate (pd_reg_prefill_done): the tokens it finished over the
+       time it had work in flight, both halved as the time passes RATE_WINDOW_NS */
+    int64_t busy_ns, busy_mark_ns;
+    double done_tokens;
     int64_t kv_total, kv_free, preemptions;
     int64_t cache_queries, cache_hits; /* prefix cache, cumulative */
     int max_num_seqs;
@@ -542,8 +550,28 @@ static size_t block_keys(pd_reg *r, rt_role role, const int32_t *ids, size_t n_i
     return nb;
 }
 
-int pd_reg_pick_cached(pd_reg *r, rt_role role, const int32_t *ids, size_t n_ids, int64_t tokens,
-                       int exclude, int64_t *hit_tokens)
+/* Adds the time since the last change of nd's in-flight tokens to its busy time when it had
+ * any; call before each change (under r->mu). */
+static void busy_tick(reg_node *nd)
+{
+    int64_t now = pd_now_ns();
+    if (nd->inflight_tokens > 0) nd->busy_ns += now - nd->busy_mark_ns;
+    nd->busy_mark_ns = now;
+}
+
+/* Whether nd, picked for a prompt that brings it tokens of work, takes it now (room's rule,
+ * pd_reg_pick_room; under r->mu). */
+static bool has_room(const reg_node *nd, int64_t tokens, const pd_reg_room *room)
+{
+    int64_t backlog = nd->load_tokens + nd->inflight_tokens + tokens;
+    if (!room || backlog <= tokens) return true;
+    if (nd->busy_ns < RATE_MIN_NS || nd->done_tokens <= 0) return backlog <= room->unmeasured_max;
+    double rate = nd->done_tokens / ((double)nd->busy_ns / 1e9);
+    return (double)backlog / rate <= room->horizon_s;
+}
+
+static int pick(pd_reg *r, rt_role role, const int32_t *ids, size_t n_ids, int64_t tokens,
+                int exclude, const pd_reg_room *room, int64_t *hit_tokens)
 {
     uint64_t keys[PFX_MAX_BLOCKS];
     int first = r->first[role], n_role = r->count[role];
@@ -565,14 +593,31 @@ int pd_reg_pick_cached(pd_reg *r, rt_role role, const int32_t *ids, size_t n_ids
     int i = b->ops->select(b, r->cand, (size_t)n_role, r->tried);
     int best = i < 0 ? -1 : first + i;
     int64_t best_hit = i < 0 ? 0 : r->cand[i].cached;
+    if (best >= 0 && !has_room(&r->nodes[best], tokens - best_hit, room)) {
+        best = PD_REG_BUSY;
+        best_hit = 0;
+    }
     if (best >= 0) {
         reg_node *nd = &r->nodes[best];
+        busy_tick(nd);
         nd->inflight_tokens += tokens - best_hit;
         for (size_t k = 0; k < nb; k++) nd->pfx[keys[k] & (PFX_SLOTS - 1)] = keys[k];
     }
     pthread_mutex_unlock(&r->mu);
     if (hit_tokens) *hit_tokens = best_hit;
     return best;
+}
+
+int pd_reg_pick_cached(pd_reg *r, rt_role role, const int32_t *ids, size_t n_ids, int64_t tokens,
+                       int exclude, int64_t *hit_tokens)
+{
+    return pick(r, role, ids, n_ids, tokens, exclude, NULL, hit_tokens);
+}
+
+int pd_reg_pick_room(pd_reg *r, rt_role role, const int32_t *ids, size_t n_ids, int64_t tokens,
+                     const pd_reg_room *room, int64_t *hit_tokens)
+{
+    return pick(r, role, ids, n_ids, tokens, -1, room, hit_tokens);
 }
 
 void pd_reg_note_cached(pd_reg *r, int k, const int32_t *ids, size_t n_ids)
@@ -590,8 +635,23 @@ void pd_reg_release(pd_reg *r, int k, int64_t tokens)
 {
     if (k < 0 || k >= r->n) return;
     pthread_mutex_lock(&r->mu);
+    busy_tick(&r->nodes[k]);
     r->nodes[k].inflight_tokens -= tokens;
     if (r->nodes[k].inflight_tokens < 0) r->nodes[k].inflight_tokens = 0;
+    pthread_mutex_unlock(&r->mu);
+}
+
+void pd_reg_prefill_done(pd_reg *r, int k, int64_t tokens)
+{
+    if (k < 0 || k >= r->n) return;
+    pthread_mutex_lock(&r->mu);
+    reg_node *nd = &r->nodes[k];
+    busy_tick(nd);
+    nd->done_tokens += (double)tokens;
+    if (nd->busy_ns > RATE_WINDOW_NS) {
+        nd->busy_ns /= 2;
+        nd->done_tokens /= 2;
+    }
     pthread_mutex_unlock(&r->mu);
 }
 

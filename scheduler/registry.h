@@ -86,8 +86,23 @@ int pd_reg_pick(pd_reg *r, rt_role role, int64_t tokens, int exclude);
  * -1 when none is up. */
 int pd_reg_pick_cached(pd_reg *r, rt_role role, const int32_t *ids, size_t n_ids, int64_t tokens,
                        int exclude, int64_t *hit_tokens);
+/* How much work a pick may add to an instance (pd_reg_pick_room). */
+typedef struct {
+    double horizon_s;       /* what it finishes in horizon_s at its measured rate */
+    int64_t unmeasured_max; /* before it has a rate (pd_reg_prefill_done): tokens */
+} pd_reg_room;
+enum { PD_REG_BUSY = -2 };
+/* pd_reg_pick_cached (no exclusion) when the picked instance has room for the prompt: nothing
+ * else in flight there, or the work in flight, the prompt's included, within room's limits.
+ * PD_REG_BUSY, with nothing charged or recorded, when it has not. */
+int pd_reg_pick_room(pd_reg *r, rt_role role, const int32_t *ids, size_t n_ids, int64_t tokens,
+                     const pd_reg_room *room, int64_t *hit_tokens);
 /* Takes tokens back from instance k's in-flight count. */
 void pd_reg_release(pd_reg *r, int k, int64_t tokens);
+/* Prefill instance k finished a prompt of tokens (what pd_reg_pick_cached charged it; call
+ * before pd_reg_release gives them back): they count into its measured rate, the tokens it
+ * finishes a second of the time it has work in flight. */
+void pd_reg_prefill_done(pd_reg *r, int k, int64_t tokens);
 /* Records the full blocks of ids as held by instance k's prefix cache (as pd_reg_pick_cached
  * does for the prompt it picks k for): for a decode instance, a finished sequence's prompt and
  * the generated tokens it computed, which a later turn's prompt starts with. */

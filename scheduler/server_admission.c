@@ -1,11 +1,15 @@
-/* pd-scheduler: the admission queue (loop thread). A choice whose Reserve every decode instance
- * refused for lack of KV waits here, oldest first; a request that waited --queue-timeout gets
- * 503.
+/* pd-scheduler: the admission queue (loop thread). A choice waits here, oldest first, when
+ * every decode instance refused its KV reservation for lack of room, or when the prefill
+ * instances have more work in flight than they finish in PREFILL_HORIZON_S (srv_prefill_room);
+ * a request that waited --queue-timeout gets 503.
  *
  * Design: only the head is retried, one Reserve at a time, when a chain ends (its KV is freed)
  * and every ADMIT_RETRY_MS; while anything waits, new requests queue behind it (srv_dispatch).
- * So requests get KV in arrival order, and a full cluster sees one probe at a time, not one per
- * waiting request.
+ * So requests get KV and prefill time in arrival order, and a full cluster sees one probe at a
+ * time, not one per waiting request. A queued choice holds no prefill charge: the work a prefill
+ * instance has in flight is what it was given, so a backlog waits here (bounded by
+ * --queue-timeout, answered 503) rather than on the instance, where it would hold decode KV
+ * reservations and run into --prefill-timeout.
  */
 #include <stdio.h>
 
@@ -13,10 +17,35 @@
 #include "util/clock.h"
 
 enum { ADMIT_RETRY_MS = 10 };
+/* The most work a prefill instance is given ahead, in seconds of its measured rate (less when
+ * --prefill-timeout is short: half of it). */
+#define PREFILL_HORIZON_S 5.0
+
+/* Picks c's prefill instance when one has room for its prompt (pd_reg_pick_room): the most work
+ * in flight there, c's included, is what it finishes in PREFILL_HORIZON_S (or half of
+ * --prefill-timeout) at its measured rate, or, before it has one, a context's worth (L tokens).
+ * The instance, -1 when none is up, PD_REG_BUSY when none has room. */
+static int take_prefill(pd_apiserver *s, choice *c)
+{
+    const pd_api_prompt *pr = &c->r->req.prompts[c->prompt_idx];
+    pd_reg_room room = {.horizon_s = s->p.prefill_timeout_s / 2, .unmeasured_max = s->L};
+    if (room.horizon_s > PREFILL_HORIZON_S) room.horizon_s = PREFILL_HORIZON_S;
+    int64_t hit = 0;
+    int k = pd_reg_pick_room(s->reg, RT_ROLE_PREFILL, pr->ids, pr->n_ids, (int64_t)pr->n_ids, &room,
+                             &hit);
+    if (k < 0) return k;
+    pthread_mutex_lock(&c->r->mu);
+    c->p_node = k;
+    pthread_mutex_unlock(&c->r->mu);
+    c->p_tokens = (int64_t)pr->n_ids - hit;
+    return k;
+}
 
 static void admit_enqueue(pd_apiserver *s, choice *c, bool front)
 {
     sreq *r = c->r;
+    pd_reg_release(s->reg, c->p_node, c->p_tokens);
+    c->p_tokens = 0;
     c->in_queue = true;
     c->q_prev = front ? NULL : s->admit_tail;
     c->q_next = front ? s->admit_head : NULL;
@@ -86,13 +115,22 @@ void srv_admit_pump(pd_apiserver *s)
     if (s->admit_busy || !s->admit_head) return;
     choice *c = s->admit_head;
     sreq *r = c->r;
+    int p_node = take_prefill(s, c);
+    if (p_node == PD_REG_BUSY) return; /* the timer tries again */
     srv_admit_unlink(s, c);
+    if (p_node < 0) {
+        srv_chain_end(c);
+        srv_request_fail(r, 503, "No healthy prefill instance is available.");
+        return;
+    }
     int old = c->d_node;
     pd_reg_release(s->reg, old, c->d_tokens);
     c->d_node = srv_pick_for(s, c, RT_ROLE_DECODE, -1, &c->d_tokens);
     if (c->d_node < 0 ||
         (c->d_node != old &&
          pd_reg_decode_targets(s->reg, c->d_node, r->a, &c->targets, &c->n_targets) < 0)) {
+        pd_reg_release(s->reg, c->p_node, c->p_tokens);
+        c->p_tokens = 0;
         srv_chain_end(c);
         srv_request_fail(r, 503, "No healthy decode instance is available.");
         return;
@@ -119,5 +157,18 @@ void srv_admit_wait(pd_apiserver *s, choice *c, bool front)
     if (!s->admit_timer_on) {
         s->admit_timer_on = true;
         uv_timer_start(&s->admit_timer, on_admit_timer, ADMIT_RETRY_MS, ADMIT_RETRY_MS);
+    }
+}
+
+void srv_admit_or_reserve(pd_apiserver *s, choice *c)
+{
+    int k = s->admit_head || s->admit_busy ? PD_REG_BUSY : take_prefill(s, c);
+    if (k >= 0) {
+        srv_send_reserve(c);
+    } else if (k == PD_REG_BUSY) {
+        srv_admit_wait(s, c, false);
+    } else {
+        srv_chain_end(c);
+        srv_request_fail(c->r, 503, "No healthy prefill instance is available.");
     }
 }

@@ -190,7 +190,7 @@ static void start_prefill(choice *c)
     q.decode_block_ids = c->block_ids;
     q.n_decode_block_ids = c->n_block_ids;
     q.decode_cached_tokens = c->decode_cached;
-    q.lease_ms = s->p.prefill_timeout_ms;
+    q.lease_ms = srv_prefill_timeout_ms(s);
     size_t len = 0;
     uint8_t *buf = chain_pack(c, PH_PREFILL, &q.base, &len);
     if (!buf) return;
@@ -198,7 +198,7 @@ static void start_prefill(choice *c)
     int pk = c->p_node;
     pthread_mutex_unlock(&r->mu);
     uint64_t id = 0;
-    pd_reg_unary(s->reg, pk, "/pd.PD/Prefill", buf, len, s->p.prefill_timeout_ms, on_prefill_done,
+    pd_reg_unary(s->reg, pk, "/pd.PD/Prefill", buf, len, srv_prefill_timeout_ms(s), on_prefill_done,
                  c, &id);
     free(buf);
     chain_started(c, PH_PREFILL, id);
@@ -231,7 +231,9 @@ static void on_prefill_done(void *arg, int st, const char *details, const uint8_
     int pk = c->p_node;
     bool aborted = r->aborted;
     pthread_mutex_unlock(&r->mu);
+    if (st == PD_RPC_OK) pd_reg_prefill_done(s->reg, pk, c->p_tokens);
     pd_reg_release(s->reg, pk, c->p_tokens);
+    c->p_tokens = 0; /* given back: the loop gives back only what a chain still holds */
     if (aborted) {
         /* srv_abort_chains passes a chain that ended by then: the reservation on D is ours to free
          */
@@ -248,16 +250,8 @@ static void on_prefill_done(void *arg, int st, const char *details, const uint8_
            the routing set meanwhile (instance_lost cancelled the call): nothing has reached the
            client, so the prompt goes to another decode instance, prefilled again */
         srv_send_abort(s, pk, c->sub_id);
-        int64_t charged = 0;
-        int next = srv_pick_for(s, c, RT_ROLE_PREFILL, -1, &charged);
-        if (next >= 0) {
-            c->p_tokens = charged;
-            pthread_mutex_lock(&r->mu);
-            c->p_node = next;
-            pthread_mutex_unlock(&r->mu);
-            retry_decode(c, "Prefill", details, false);
-            return;
-        }
+        retry_decode(c, "Prefill", details, false); /* the queue picks both instances again */
+        return;
     }
     if (!m || !m->first) {
         /* nothing has reached the client: try another prefill instance */
@@ -278,8 +272,9 @@ static void on_prefill_done(void *arg, int st, const char *details, const uint8_
             start_prefill(c);
             return;
         }
-        chain_fail(c, 500, "Prefill failed: %s: %s", pd_rpc_status_name(st),
-                   details && *details ? details : "no reply");
+        /* out of time: the prefill instances are busy (or stuck), not the request wrong */
+        chain_fail(c, st == PD_RPC_DEADLINE_EXCEEDED ? 503 : 500, "Prefill failed: %s: %s",
+                   pd_rpc_status_name(st), details && *details ? details : "no reply");
         return;
     }
     pthread_mutex_lock(&r->mu);
@@ -396,7 +391,7 @@ void srv_send_reserve(choice *c)
     Pd__ReserveRequest q = PD__RESERVE_REQUEST__INIT;
     q.request_id = c->sub_id;
     q.num_prompt_tokens = (int64_t)pr->n_ids;
-    q.ttl_ms = s->p.prefill_timeout_ms;
+    q.ttl_ms = srv_prefill_timeout_ms(s);
     q.prompt_ids = pr->ids; /* the decode instance's prefix cache may hold its first blocks */
     q.n_prompt_ids = pr->n_ids;
     char relay_id[48];

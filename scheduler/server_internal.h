@@ -82,7 +82,7 @@ typedef struct choice {
     Pd__SamplingParams sampling; /* arrays in the request arena */
     /* chain state: rpc thread (and the loop under r->mu for cancellation) */
     int p_node;       /* under r->mu */
-    int64_t p_tokens; /* charged to p_node (srv_pick_for) */
+    int64_t p_tokens; /* charged to p_node (srv_pick_for), 0 once given back */
     int attempts;
     uint64_t call_id[3]; /* per phase, under r->mu */
     bool in_phase[3];
@@ -272,6 +272,11 @@ void srv_noop_done(void *arg, int st, const char *d, const uint8_t *resp, size_t
 void srv_send_abort(pd_apiserver *s, int k, const char *sub_id);
 /* Asks c's decode instance to reserve the prompt's KV (the first step of the chain). */
 void srv_send_reserve(choice *c);
+/* --prefill-timeout in milliseconds: the Prefill call's deadline and the reservation's TTL. */
+static inline int srv_prefill_timeout_ms(const pd_apiserver *s)
+{
+    return (int)(s->p.prefill_timeout_s * 1000 + 0.5);
+}
 
 /* ---- server_relay.c (rpc thread, flow control from the loop) --------------------------------- */
 
@@ -317,8 +322,13 @@ void srv_sreq_free(sreq *r);
 
 /* ---- server_admission.c (loop thread) -------------------------------------------------------- */
 
-/* Puts c in the admission queue (at the front when it was the head being retried). */
+/* Puts c in the admission queue (at the front when it was the head being retried); it gives
+ * back its prefill charge meanwhile (the pump picks again). */
 void srv_admit_wait(pd_apiserver *s, choice *c, bool front);
+/* Picks c's prefill instance and sends its Reserve now; or queues c behind the choices already
+ * waiting, or when no prefill instance has room for its prompt (server_admission.c); or, none
+ * being up, fails the request with 503. */
+void srv_admit_or_reserve(pd_apiserver *s, choice *c);
 void srv_admit_unlink(pd_apiserver *s, choice *c);
 /* Retries the head of the admission queue. */
 void srv_admit_pump(pd_apiserver *s);

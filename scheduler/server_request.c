@@ -254,8 +254,9 @@ static void request_complete(sreq *r)
     flush_out(r);
 }
 
-/* Picks c's decode and prefill instances and the decode targets: NULL, or why it could not (what
- * was picked is given back). */
+/* Picks c's decode instance and its targets, and checks that a prefill instance is up (the
+ * prefill instance is picked when c's Reserve goes out, srv_admit_or_reserve): NULL, or why it
+ * could not (what was picked is given back). */
 static const char *pick_instances(pd_apiserver *s, choice *c)
 {
     sreq *r = c->r;
@@ -266,8 +267,7 @@ static const char *pick_instances(pd_apiserver *s, choice *c)
         c->d_node = -1;
         return "No healthy decode instance is available.";
     }
-    c->p_node = srv_pick_for(s, c, RT_ROLE_PREFILL, -1, &c->p_tokens);
-    if (c->p_node >= 0) return NULL;
+    if (pd_reg_up_count(s->reg, RT_ROLE_PREFILL) > 0) return NULL; /* picked at its Reserve */
     pd_reg_release(s->reg, c->d_node, c->d_tokens);
     c->d_node = -1;
     return "No healthy prefill instance is available.";
@@ -287,10 +287,7 @@ static void start_followers(pd_apiserver *s, sreq *r, const choice *l)
             srv_request_fail(r, 503, why); /* ends the other followers too */
             return;
         }
-        if (s->admit_head || s->admit_busy)
-            srv_admit_wait(s, c, false);
-        else
-            srv_send_reserve(c);
+        srv_admit_or_reserve(s, c);
     }
 }
 
@@ -444,6 +441,8 @@ static void process(sreq *r)
             s->admit_kick = true; /* KV was freed (or never taken): the head may fit now */
             c->chain_running = false;
             pd_reg_release(s->reg, c->d_node, c->d_tokens);
+            pd_reg_release(s->reg, c->p_node, c->p_tokens); /* its prefill never ran */
+            c->p_tokens = 0;
             if (!r->done && err_http) {
                 srv_request_fail(r, err_http, err);
             } else if (!r->done && !c->finished) {
@@ -670,16 +669,12 @@ void srv_dispatch(sreq *r)
     }
     r->running = true;
     s->n_running++;
-    /* requests already waiting for KV capacity go first */
-    bool queue = s->admit_head || s->admit_busy;
+    /* requests already waiting for KV or prefill room go first */
     for (int i = 0; i < r->n_choices; i++) {
         choice *c = &r->choices[i];
         c->chain_running = true;
         r->refs++;
-        if (c->deferred) continue;
-        if (queue)
-            srv_admit_wait(s, c, false);
-        else
-            srv_send_reserve(c);
+        if (!c->deferred) srv_admit_or_reserve(s, c);
+        if (r->done) break; /* no prefill instance was up after all */
     }
 }

@@ -89,6 +89,10 @@ static const flag_def TABLE[] = {
              "would pass it gets 503 with Retry-After: 1 (at least --max-request-body-bytes)"},
     {"--queue-timeout", PD_FLAG_NUMBER, PD_ROLE_SCHEDULER, "S", 0, 1e6, .lo_open = true,
      .unit = "seconds", .help = "longest wait for decode KV capacity, then 503"},
+    {"--prefill-timeout", PD_FLAG_NUMBER, PD_ROLE_SCHEDULER, "S", 0, 1e6, .lo_open = true,
+     .unit = "seconds",
+     .help = "deadline of one prefill (a prefill instance's queue included) and the life of its "
+             "decode KV reservation"},
     {"--timeout-keep-alive", PD_FLAG_NUMBER, PD_ROLE_SCHEDULER, "S", 0, 1e6, .lo_open = true,
      .unit = "seconds", .help = "close an idle keep-alive connection"},
     {"--header-timeout", PD_FLAG_NUMBER, PD_ROLE_SCHEDULER, "S", 0, 1e6, .lo_open = true,

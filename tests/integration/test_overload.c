@@ -704,6 +704,65 @@ TEST(clients_stream_drop_churn)
     churn(100, 25);
 }
 
+/* ---- issue 29 item 3: a prefill backlog alone ------------------------------------------------ */
+
+/* A second scheduler on the same cluster with a short --prefill-timeout: a burst of long prompts
+ * is more prefill work than the instance finishes within it. The backlog waits in the admission
+ * queue (the prefill instance gets what it finishes within its horizon), so every request
+ * completes; none gets 500 (before: DEADLINE_EXCEEDED for those at the back of the queue). */
+TEST(overload_prefill_backlog)
+{
+    FIXTURE();
+    enum { N = 24, PROMPT = 1000 };
+    cl_proc sp;
+    int port = 0;
+    char *args[] = {"--prefill-timeout", "0.3", "--queue-timeout", "120", NULL};
+    ASSERT_MSG(cl_sched_start(&g_c, &sp, "sched_backlog", args, &port) == 0, "%s", pd_last_error());
+    static char body[PROMPT * 5 + 64];
+    cl_conn cs[N];
+    int opened = 0, ok = 0, s500 = 0, other = 0;
+    for (; opened < N; opened++) {
+        size_t len = (size_t)snprintf(body, sizeof body, "{\"prompt\":[");
+        for (int t = 0; t < PROMPT; t++) /* distinct prompts: no prefix cache hit */
+            len += (size_t)snprintf(body + len, sizeof body - len, "%s%d", t ? "," : "",
+                                    3 + (opened * 131 + t * 7) % 200);
+        snprintf(body + len, sizeof body - len, "],\"max_tokens\":2,\"ignore_eos\":true}");
+        if (cl_conn_open(&cs[opened], port, "POST", "/v1/completions", NULL, body, false) < 0)
+            break;
+    }
+    int64_t t0 = pd_now_ns();
+    bool done = opened == N && cl_conn_wait_all(cs, (size_t)opened, CL_MS(120000));
+    double last = 0;
+    for (int i = 0; i < opened; i++) {
+        if (cs[i].status == 200)
+            ok++;
+        else if (cs[i].status == 500)
+            s500++;
+        else
+            other++;
+        if (cs[i].status != 200) {
+            char *b = cl_conn_body(&cs[i]);
+            printf("    request %d: %d %s\n", i, cs[i].status, b ? b : "");
+            free(b);
+        }
+        if (cs[i].t_done_ns && secs(t0, cs[i].t_done_ns) > last) last = secs(t0, cs[i].t_done_ns);
+    }
+    printf("    %d prompts of %d tokens at once, --prefill-timeout 0.3: %d x 200, %d x 500, %d "
+           "other; the last answered after %.2f s\n",
+           opened, PROMPT, ok, s500, other, last);
+    close_all(cs, opened);
+    int st = cl_stop(&sp, 10000);
+    if (st != 0 || ok != N) cl_dump_log(&sp, 20);
+    ASSERT_EQ_INT(opened, N);
+    ASSERT(done);
+    ASSERT_EQ_INT(s500, 0);
+    ASSERT_EQ_INT(ok, N);
+    /* the test means something only if the burst took longer than one deadline */
+    ASSERT_MSG(last > 0.6, "the burst took %.2f s: not a backlog", last);
+    ASSERT_EQ_INT(st, 0);
+    ASSERT(decode_idle(5000));
+}
+
 TEST(zz_shutdown)
 {
     if (!g_ready) SKIP("no cluster");
