@@ -409,14 +409,19 @@ static int check_unsupported(const json_t *o, const common_fields *f)
     return 0;
 }
 
+/* §8.5's 400 for a prompt of P >= L tokens (at least P: its tokenization stopped there). */
+static int too_long(int64_t L, int64_t P, bool at_least)
+{
+    return bad("This model's maximum context length is %lld tokens. However, your request has "
+               "%s%lld input tokens. Please reduce the length of the input messages.",
+               (long long)L, at_least ? "at least " : "", (long long)P);
+}
+
 /* §8.5 and the min_tokens rule for one prompt; sets its effective max_tokens. */
 static int check_context(const pd_api_limits *lim, const pd_api_request *r, pd_api_prompt *p)
 {
     int64_t L = lim->max_model_len, P = (int64_t)p->n_ids, M = r->max_tokens;
-    if (P >= L)
-        return bad("This model's maximum context length is %lld tokens. However, your request has "
-                   "%lld input tokens. Please reduce the length of the input messages.",
-                   (long long)L, (long long)P);
+    if (P >= L) return too_long(L, P, false);
     if (M >= 0 && P + M > L)
         return bad("'max_tokens' or 'max_completion_tokens' is too large: %lld. This model's "
                    "maximum context length is %lld tokens and your request has %lld input tokens "
@@ -433,17 +438,24 @@ static int check_context(const pd_api_limits *lim, const pd_api_request *r, pd_a
     return 0;
 }
 
-/* Tokenizes text into p (with truncation). */
+/* Tokenizes text into p (with truncation). Without truncation (and but for /tokenize, which
+ * counts every token), tokenization stops once the prompt cannot fit the context (a huge prompt
+ * costs what L tokens do): 400 "at least N". */
 static int tokenize(const pd_api_limits *lim, const pd_api_request *r, const char *text, size_t len,
                     pd_arena *a, pd_api_prompt *p)
 {
     int32_t *ids = NULL;
     size_t n = 0;
-    int rc = pd_tok_encode(lim->tok, text, len, r->add_special_tokens, &ids, &n);
+    bool more = false;
+    int rc = r->truncate > 0 || r->kind == PD_API_TOKENIZE || lim->max_model_len <= 0
+                 ? pd_tok_encode(lim->tok, text, len, r->add_special_tokens, &ids, &n)
+                 : pd_tok_encode_max(lim->tok, text, len, r->add_special_tokens,
+                                     (size_t)lim->max_model_len - 1, &ids, &n, &more);
     if (rc < 0) {
         free(ids);
         return bad("Tokenization failed: %s", pd_last_error());
     }
+    if (more) return too_long(lim->max_model_len, (int64_t)n, true);
     size_t skip = r->truncate > 0 && (size_t)r->truncate < n ? n - (size_t)r->truncate : 0;
     p->n_ids = n - skip;
     p->ids = pd_arena_calloc(a, p->n_ids ? p->n_ids : 1, sizeof *p->ids);

@@ -164,6 +164,7 @@ int pd_apiserver_create(const pd_apiserver_params *p, pd_apiserver **out)
         close(fd);
     }
     uv_loop_init(&s->loop);
+    s->loop.data = s; /* for the threadpool's callbacks (srv_parse_submit) */
     s->async.data = s;
     uv_async_init(&s->loop, &s->async, srv_on_async);
     s->admit_timer.data = s;

@@ -1,5 +1,6 @@
 /* pd-scheduler: the api-server executable. Argument parsing and wiring only; the logic is in
  * the pdsched library (apiserver.h). */
+#include <malloc.h>
 #include <stdio.h>
 
 #include "apiserver.h"
@@ -10,6 +11,10 @@
 int main(int argc, char **argv)
 {
     pd_log_init("scheduler");
+    /* Blocks of 1 MiB or more (request bodies, their parsed strings, rendered prompts) come from
+     * mmap and go back to the system when freed; glibc's default threshold rises with the
+     * largest block freed (to 32 MiB), after which such blocks stay in the heap. */
+    mallopt(M_MMAP_THRESHOLD, 1 << 20);
     pd_flags_early_log_level(argc, argv);
     pd_apiserver_params p = pd_apiserver_default_params();
     bool help = false;

@@ -67,6 +67,16 @@ typedef struct {
 
 typedef struct sreq sreq;
 
+/* A request body parsed on the libuv threadpool (srv_parse_submit); work first, so the pointer
+ * libuv passes back is the job's. */
+typedef struct srv_parse_job {
+    uv_work_t work; /* work.data: the caller's */
+    size_t bytes;   /* the body's size, counted in pd_apiserver.parse_bytes until done */
+    uv_work_cb fn;
+    uv_after_work_cb done;
+    struct srv_parse_job *next; /* in the large-body queue */
+} srv_parse_job;
+
 enum { PH_RESERVE = 0, PH_PREFILL = 1, PH_DECODE = 2 };
 
 typedef struct choice {
@@ -166,10 +176,11 @@ struct sreq {
     pd_sb ev;     /* scratch for one event */
     bool drain_registered;
     /* parsing on the libuv threadpool (tokenization and templates never block the loop) */
-    uv_work_t work;
+    srv_parse_job work;
     pd_api_kind kind;
     pd_api_limits lim; /* a copy for the worker */
-    char *body;        /* (body_len,) copy of the request body, in the arena */
+    char *body;        /* (body_len,) the request body, taken from the exchange; malloc'd, freed
+                          once parsed */
     size_t body_len;
     int parse_rc, parse_http;
     char parse_err[1024];
@@ -229,6 +240,11 @@ struct pd_apiserver {
     bool admit_kick; /* capacity may have been freed: retry the head after this round */
     uv_timer_t admit_timer;
     bool admit_timer_on;
+    /* request bodies being parsed (srv_parse_submit): their bytes, and the large ones waiting for
+     * the one large-body worker */
+    size_t parse_bytes;
+    bool big_running;
+    srv_parse_job *big_head, *big_tail;
     int64_t n_waiting, n_running;
     uint64_t rng;
     /* metrics */
@@ -319,6 +335,15 @@ void srv_end_exchange_ref(sreq *r);
 void srv_sreq_unref(sreq *r);
 /* Frees r and its arena (the one place; srv_sreq_unref calls it at zero references). */
 void srv_sreq_free(sreq *r);
+
+/* ---- server_routes.c (loop thread) ----------------------------------------------------------- */
+
+/* Runs fn on the threadpool, then done on the loop, for a request body of bytes: counted in
+ * s->parse_bytes meanwhile; a body of SRV_BIG_BODY bytes or more waits for the one large body
+ * being parsed, so large bodies never take the threads that small requests need. */
+void srv_parse_submit(pd_apiserver *s, srv_parse_job *j, size_t bytes, uv_work_cb fn,
+                      uv_after_work_cb done);
+#define SRV_BIG_BODY ((size_t)1 << 20)
 
 /* ---- server_admission.c (loop thread) -------------------------------------------------------- */
 

@@ -7,6 +7,7 @@
  * after them. A generation request's body is copied and parsed (chat template, tokenization) on
  * the libuv threadpool, touching only its own request, so a long prompt never blocks the loop.
  */
+#include <malloc.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -58,6 +59,53 @@ static bool key_ok(const pd_apiserver *s, const char *auth)
 static void parse_work(uv_work_t *w);
 static void parse_done(uv_work_t *w, int status);
 
+/* ---- parsing request bodies (the threadpool) --------------------------------------------------
+ */
+
+static void parse_job_done(uv_work_t *w, int status);
+
+static void parse_job_start(pd_apiserver *s, srv_parse_job *j)
+{
+    if (j->bytes >= SRV_BIG_BODY) s->big_running = true;
+    uv_queue_work(&s->loop, &j->work, j->fn, parse_job_done);
+}
+
+static void parse_job_done(uv_work_t *w, int status)
+{
+    srv_parse_job *j = (srv_parse_job *)w;
+    pd_apiserver *s = w->loop->data;
+    s->parse_bytes -= j->bytes;
+    if (j->bytes >= SRV_BIG_BODY) {
+        s->big_running = false;
+        malloc_trim(0); /* a large body's parse leaves free pages in the workers' arenas */
+        srv_parse_job *next = s->big_head;
+        if (next) {
+            s->big_head = next->next;
+            if (!s->big_head) s->big_tail = NULL;
+            parse_job_start(s, next);
+        }
+    }
+    j->done(w, status);
+}
+
+void srv_parse_submit(pd_apiserver *s, srv_parse_job *j, size_t bytes, uv_work_cb fn,
+                      uv_after_work_cb done)
+{
+    j->bytes = bytes;
+    j->fn = fn;
+    j->done = done;
+    j->next = NULL;
+    s->parse_bytes += bytes;
+    if (bytes < SRV_BIG_BODY || !s->big_running) {
+        parse_job_start(s, j);
+    } else if (s->big_tail) {
+        s->big_tail->next = j;
+        s->big_tail = j;
+    } else {
+        s->big_head = s->big_tail = j;
+    }
+}
+
 static void handle_generation(pd_apiserver *s, pd_http_exchange *ex, pd_api_kind kind)
 {
     sreq *r = calloc(1, sizeof *r);
@@ -89,22 +137,13 @@ static void handle_generation(pd_apiserver *s, pd_http_exchange *ex, pd_api_kind
         srv_reject(r, 400, "Unsupported Media Type: Only 'application/json' is allowed", NULL);
         return;
     }
-    size_t len = 0;
-    const char *body = pd_http_body(ex, &len);
     r->kind = kind;
     r->lim = s->lim;
     r->lim.max_n = pd_reg_max_num_seqs(s->reg); /* n <= the smallest decode --max-num-seqs */
-    r->body = pd_arena_alloc(r->a, len + 1, 1);
-    if (!r->body) {
-        srv_reject(r, 500, "out of memory", NULL);
-        return;
-    }
-    memcpy(r->body, body, len);
-    r->body[len] = '\0';
-    r->body_len = len;
-    r->work.data = r;
+    r->body = pd_http_body_take(ex, &r->body_len);
+    r->work.work.data = r;
     r->refs++; /* the worker's */
-    uv_queue_work(&s->loop, &r->work, parse_work, parse_done);
+    srv_parse_submit(s, &r->work, r->body_len, parse_work, parse_done);
 }
 
 /* Threadpool: parse, render, tokenize. Touches only r->lim, r->body, r->a and r->req. */
@@ -112,9 +151,11 @@ static void parse_work(uv_work_t *w)
 {
     sreq *r = w->data;
     r->parse_http = 400;
-    r->parse_rc =
-        pd_api_parse(&r->lim, r->kind, r->body, r->body_len, r->a, &r->req, &r->parse_http);
+    r->parse_rc = pd_api_parse(&r->lim, r->kind, r->body ? r->body : "", r->body_len, r->a, &r->req,
+                               &r->parse_http);
     if (r->parse_rc < 0) snprintf(r->parse_err, sizeof r->parse_err, "%s", pd_last_error());
+    free(r->body); /* what the request keeps of it is in r->a */
+    r->body = NULL;
 }
 
 /* Loop: the parse result; admission, then srv_dispatch. */
@@ -202,10 +243,10 @@ static void handle_models(pd_apiserver *s, pd_http_exchange *ex)
 
 /* One request: parsed (and tokenized) on the threadpool, as a generation body is. */
 typedef struct {
-    uv_work_t work;
+    srv_parse_job work;
     pd_http_exchange *ex; /* NULL once the client has gone */
     bool detokenize;
-    char *body; /* a copy, in a */
+    char *body; /* taken from the exchange (malloc'd; NULL when empty), freed once parsed */
     size_t len;
     pd_arena *a;
     pd_api_limits lim;
@@ -225,10 +266,13 @@ static void tok_abort(void *arg)
 static void tok_work(uv_work_t *w)
 {
     tok_job *j = w->data;
+    const char *body = j->body ? j->body : "";
     j->rc = j->detokenize
-                ? pd_api_detokenize(&j->lim, j->body, j->len, j->a, &j->text, &j->http)
-                : pd_api_parse(&j->lim, PD_API_TOKENIZE, j->body, j->len, j->a, &j->req, &j->http);
+                ? pd_api_detokenize(&j->lim, body, j->len, j->a, &j->text, &j->http)
+                : pd_api_parse(&j->lim, PD_API_TOKENIZE, body, j->len, j->a, &j->req, &j->http);
     if (j->rc < 0) snprintf(j->err, sizeof j->err, "%s", pd_last_error());
+    free(j->body);
+    j->body = NULL;
 }
 
 /* vLLM's answers: {"count", "max_model_len", "tokens", "token_strs"} and {"prompt"}. */
@@ -283,24 +327,19 @@ static void handle_tokenize(pd_apiserver *s, pd_http_exchange *ex, bool detokeni
                               NULL);
         return;
     }
-    size_t len = 0;
-    const char *body = pd_http_body(ex, &len);
     tok_job *j = calloc(1, sizeof *j);
     pd_arena *a = pd_arena_create(16384);
-    char *copy = a ? pd_arena_alloc(a, len + 1, 1) : NULL;
-    if (!j || !copy) {
+    if (!j || !a) {
         free(j);
         pd_arena_free(a);
         pd_http_respond_error(ex, 500, "out of memory", NULL);
         return;
     }
-    memcpy(copy, body, len);
-    copy[len] = '\0';
-    *j = (tok_job){
-        .ex = ex, .detokenize = detokenize, .body = copy, .len = len, .a = a, .lim = s->lim};
-    j->work.data = j;
+    *j = (tok_job){.ex = ex, .detokenize = detokenize, .a = a, .lim = s->lim};
+    j->body = pd_http_body_take(ex, &j->len);
+    j->work.work.data = j;
     pd_http_on_abort(ex, tok_abort, j);
-    uv_queue_work(&s->loop, &j->work, tok_work, tok_done);
+    srv_parse_submit(s, &j->work, j->len, tok_work, tok_done);
 }
 
 /* What a route answers with (srv_on_http). */
@@ -363,21 +402,23 @@ static int route_find(const pd_apiserver *s, const char *path)
     return -1;
 }
 
-/* The first steps of §2, from the request line and headers: with an API key, any path under
- * /v1/ needs it first (401; as vLLM's middleware does, so that a client without the key learns
- * nothing of which /v1/ routes exist); then route and method (404/405); then the key of the
- * other protected routes (401). Returns 0 when they pass, else the status, with its message and
- * header lines in extra (cap bytes); a 401 to a generation route carries an X-Request-Id of its
- * own, as every answer to one does (§1), and is logged under it. */
-static int gate(pd_apiserver *s, const pd_http_exchange *ex, const char **msg, char *extra,
-                size_t cap)
+/* The HTTP layer's headers hook, the first steps of §2 from the request line and headers: with an
+ * API key, any path under /v1/ needs it first (401; as vLLM's middleware does, so that a client
+ * without the key learns nothing of which /v1/ routes exist); then route and method (404/405); then
+ * the key of the other protected routes (401), and a large body past --max-body-bytes-in-flight
+ * (503). Returns 0 when they pass, else the status, with its message (msg_cap bytes) and header
+ * lines in extra (cap bytes); a 401 to a generation route carries an X-Request-Id of its own, as
+ * every answer to one does (§1), and is logged under it. */
+int srv_on_headers(void *ctx, const pd_http_exchange *ex, char *msg, size_t msg_cap, char *extra,
+                   size_t cap)
 {
+    pd_apiserver *s = ctx;
     const char *path = pd_http_path(ex), *method = pd_http_method(ex);
     int hit = route_find(s, path);
     bool key = key_ok(s, pd_http_header(ex, "Authorization"));
     bool v1 = strncmp(path, "/v1/", 4) == 0;
     if (!key && (v1 || (hit >= 0 && ROUTES[hit].auth && route_method((size_t)hit, method)))) {
-        *msg = "Unauthorized";
+        snprintf(msg, msg_cap, "Unauthorized");
         char id[33] = "";
         if (hit >= 0 && ROUTES[hit].generation) {
             hex32(s, id);
@@ -388,27 +429,33 @@ static int gate(pd_apiserver *s, const pd_http_exchange *ex, const char **msg, c
         return 401;
     }
     if (hit < 0) {
-        *msg = "Not Found";
+        snprintf(msg, msg_cap, "Not Found");
         return 404;
     }
     if (!route_method((size_t)hit, method)) {
-        *msg = "Method Not Allowed";
+        snprintf(msg, msg_cap, "Method Not Allowed");
         snprintf(extra, cap, "Allow: %s\r\n", ROUTES[hit].method);
         return 405;
+    }
+    /* A large body counts against --max-body-bytes-in-flight until it is parsed, not only while
+     * it arrives (the HTTP layer's count): so bodies waiting for the large-body worker are
+     * bounded as well. Small ones pass: they never wait behind large ones. */
+    const char *cl = pd_http_header(ex, "Content-Length");
+    unsigned long long n = cl ? strtoull(cl, NULL, 10) : 0;
+    size_t limit = pd_apiserver_body_bytes_in_flight(&s->p),
+           held = s->parse_bytes + pd_http_server_body_bytes_in_flight(s->http);
+    if (n >= SRV_BIG_BODY && (held >= limit || n > limit - held)) {
+        snprintf(msg, msg_cap,
+                 "The server is at its limit of %zu request body bytes in flight; retry later.",
+                 limit);
+        snprintf(extra, cap, "Retry-After: 1\r\n");
+        srv_on_refused(s, ex, 503, msg, extra, cap); /* as the HTTP layer's own 503 */
+        return 503;
     }
     return 0;
 }
 
 /* The HTTP layer's headers hook: §2 steps 2-3 before the body is read. */
-int srv_on_headers(void *ctx, const pd_http_exchange *ex, char *message, size_t msg_cap,
-                   char *extra, size_t extra_cap)
-{
-    const char *msg = "";
-    int status = gate(ctx, ex, &msg, extra, extra_cap);
-    snprintf(message, msg_cap, "%s", msg);
-    return status;
-}
-
 /* The HTTP layer's own 413 (body over --max-request-body-bytes) or 503
  * (--max-body-bytes-in-flight) to a request that passed the gate: on a generation route it
  * carries an X-Request-Id and is logged under it (§1). */

@@ -1210,6 +1210,16 @@ const char *pd_http_body(const pd_http_exchange *ex, size_t *len)
     if (len) *len = ex->body_len;
     return ex->body;
 }
+char *pd_http_body_take(pd_http_exchange *ex, size_t *len)
+{
+    char *b = ex->body_buf;
+    *len = b ? ex->body_len : 0;
+    ex->body_buf = NULL;
+    ex->body = "";
+    ex->body_len = 0;
+    return b;
+}
+
 pd_arena *pd_http_arena(pd_http_exchange *ex)
 {
     return ex->arena;

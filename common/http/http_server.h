@@ -108,6 +108,9 @@ const char *pd_http_query(const pd_http_exchange *ex);  /* after '?', or "" */
 const char *pd_http_header(const pd_http_exchange *ex, const char *name);
 /* Body bytes (NUL-terminated for convenience; len excludes the NUL). */
 const char *pd_http_body(const pd_http_exchange *ex, size_t *len);
+/* Takes the body out of the exchange (which is left with an empty one): malloc'd and
+ * NUL-terminated, *len bytes, the caller's to free; NULL when the body is empty. */
+char *pd_http_body_take(pd_http_exchange *ex, size_t *len);
 /* Request-scoped arena, freed when the exchange ends. */
 pd_arena *pd_http_arena(pd_http_exchange *ex);
 /* Opaque slot for the handler's per-request state. */

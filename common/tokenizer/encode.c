@@ -645,3 +645,40 @@ out:
     *n_ids = c.n;
     return 0;
 }
+
+/* Where a prefix of about w bytes of s (n bytes) ends: after an ASCII space or newline within
+ * the last 256 bytes before w when there is one, else at the start of a UTF-8 character. */
+static size_t prefix_cut(const uint8_t *s, size_t n, size_t w)
+{
+    if (w >= n) return n;
+    for (size_t i = w; i > 0 && i + 256 > w; i--)
+        if (s[i - 1] == ' ' || s[i - 1] == '\n') return i;
+    while (w > 0 && (s[w] & 0xC0) == 0x80) w--;
+    return w;
+}
+
+int pd_tok_encode_max(const pd_tok *t, const char *text, size_t len, bool add_special_tokens,
+                      size_t max_ids, int32_t **ids, size_t *n_ids, bool *more)
+{
+    /* A cut changes the tokens of the word it falls in and of its neighbours at most: the
+     * prefix's count less ENCODE_CUT_SLACK is a lower bound of the whole text's. */
+    enum { ENCODE_CUT_SLACK = 16 };
+    *more = false;
+    size_t w = 8 * (max_ids + ENCODE_CUT_SLACK) + 4096;
+    for (;;) {
+        size_t cut = prefix_cut((const uint8_t *)text, len, w);
+        PD_CHECK(pd_tok_encode(t, text, cut, add_special_tokens, ids, n_ids));
+        if (cut == len) return 0;
+        size_t suffix = add_special_tokens ? (size_t)t->n_post_suf : 0;
+        if (*n_ids > max_ids + ENCODE_CUT_SLACK + suffix) {
+            *n_ids -= ENCODE_CUT_SLACK + suffix;
+            free(*ids);
+            *ids = NULL;
+            *more = true;
+            return 0;
+        }
+        free(*ids);
+        *ids = NULL;
+        w = w > SIZE_MAX / 4 ? SIZE_MAX : 4 * w;
+    }
+}

@@ -54,6 +54,13 @@ void pd_tok_free(pd_tok *t);
  * non-NULL even when *n_ids is 0). Thread-safe. */
 int pd_tok_encode(const pd_tok *t, const char *text, size_t len, bool add_special_tokens,
                   int32_t **ids, size_t *n_ids);
+/* pd_tok_encode that stops early on a text of more than max_ids tokens, so a huge text costs
+ * about what max_ids tokens do: it encodes growing prefixes of the text (cut after a space or
+ * newline where there is one), each 4 times the last, starting at about 8 bytes a token.
+ * *more false: *ids / *n_ids are the whole text's, as pd_tok_encode gives them. *more true: the
+ * text has more than max_ids tokens, at least *n_ids (> max_ids), and *ids is NULL. */
+int pd_tok_encode_max(const pd_tok *t, const char *text, size_t len, bool add_special_tokens,
+                      size_t max_ids, int32_t **ids, size_t *n_ids, bool *more);
 
 /* Decodes ids to UTF-8 text exactly as Hugging Face's tokenizer.decode(ids,
  * skip_special_tokens) does (decoder pipeline, U+FFFD for invalid bytes).

@@ -1034,17 +1034,25 @@ double cl_time_scale(void)
     return f > 1.0 ? f : 1.0;
 }
 
-long cl_rss_kb(pid_t pid)
+long cl_status_kb(pid_t pid, const char *field)
 {
     char path[64], line[256];
     snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
     FILE *f = fopen(path, "r");
     if (!f) return -1;
     long kb = -1;
+    size_t n = strlen(field);
     while (fgets(line, sizeof line, f))
-        if (sscanf(line, "VmRSS: %ld kB", &kb) == 1) break;
+        if (strncmp(line, field, n) == 0 && line[n] == ':' &&
+            sscanf(line + n + 1, " %ld kB", &kb) == 1)
+            break;
     fclose(f);
     return kb;
+}
+
+long cl_rss_kb(pid_t pid)
+{
+    return cl_status_kb(pid, "VmRSS");
 }
 
 int cl_fd_count(pid_t pid)

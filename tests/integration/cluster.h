@@ -193,6 +193,8 @@ int cl_sse_events(char *body, char **ev, int cap);
 
 /* Resident set size of pid in KiB (VmRSS), or -1. */
 long cl_rss_kb(pid_t pid);
+/* A field of /proc/<pid>/status in KiB ("VmHWM", "VmRSS"), -1 when not read. */
+long cl_status_kb(pid_t pid, const char *field);
 /* Open file descriptors of pid (entries of /proc/<pid>/fd), or -1. */
 int cl_fd_count(pid_t pid);
 

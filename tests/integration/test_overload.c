@@ -710,23 +710,37 @@ TEST(clients_stream_drop_churn)
  * is more prefill work than the instance finishes within it. The backlog waits in the admission
  * queue (the prefill instance gets what it finishes within its horizon), so every request
  * completes; none gets 500 (before: DEADLINE_EXCEEDED for those at the back of the queue). */
+/* A completion body whose prompt is n token ids, distinct for each k (no prefix cache hit). */
+static void backlog_body(char *buf, size_t cap, int k, int n)
+{
+    size_t len = (size_t)snprintf(buf, cap, "{\"prompt\":[");
+    for (int t = 0; t < n; t++)
+        len += (size_t)snprintf(buf + len, cap - len, "%s%d", t ? "," : "",
+                                3 + (k * 131 + t * 7) % 200);
+    snprintf(buf + len, cap - len, "],\"max_tokens\":2,\"ignore_eos\":true}");
+}
+
 TEST(overload_prefill_backlog)
 {
     FIXTURE();
     enum { N = 24, PROMPT = 1000 };
+    static char body[PROMPT * 5 + 64];
+    /* the deadline: 3 times what one such request takes alone here (at least 0.3 s), so that
+       one prefill always fits it, and the burst (24 of them) does not */
+    backlog_body(body, sizeof body, N, PROMPT);
+    int64_t t1 = pd_now_ns();
+    ASSERT_EQ_INT(cl_http(g_port, "POST", "/v1/completions", body, 60000, NULL, NULL), 200);
+    double one = secs(t1, pd_now_ns()), deadline = 3 * one < 0.3 ? 0.3 : 3 * one;
+    char dl[32];
+    snprintf(dl, sizeof dl, "%.3f", deadline);
     cl_proc sp;
     int port = 0;
-    char *args[] = {"--prefill-timeout", "0.3", "--queue-timeout", "120", NULL};
+    char *args[] = {"--prefill-timeout", dl, "--queue-timeout", "120", NULL};
     ASSERT_MSG(cl_sched_start(&g_c, &sp, "sched_backlog", args, &port) == 0, "%s", pd_last_error());
-    static char body[PROMPT * 5 + 64];
     cl_conn cs[N];
     int opened = 0, ok = 0, s500 = 0, other = 0;
     for (; opened < N; opened++) {
-        size_t len = (size_t)snprintf(body, sizeof body, "{\"prompt\":[");
-        for (int t = 0; t < PROMPT; t++) /* distinct prompts: no prefix cache hit */
-            len += (size_t)snprintf(body + len, sizeof body - len, "%s%d", t ? "," : "",
-                                    3 + (opened * 131 + t * 7) % 200);
-        snprintf(body + len, sizeof body - len, "],\"max_tokens\":2,\"ignore_eos\":true}");
+        backlog_body(body, sizeof body, opened, PROMPT);
         if (cl_conn_open(&cs[opened], port, "POST", "/v1/completions", NULL, body, false) < 0)
             break;
     }
@@ -747,9 +761,9 @@ TEST(overload_prefill_backlog)
         }
         if (cs[i].t_done_ns && secs(t0, cs[i].t_done_ns) > last) last = secs(t0, cs[i].t_done_ns);
     }
-    printf("    %d prompts of %d tokens at once, --prefill-timeout 0.3: %d x 200, %d x 500, %d "
-           "other; the last answered after %.2f s\n",
-           opened, PROMPT, ok, s500, other, last);
+    printf("    one prompt of %d tokens alone: %.3f s; %d at once, --prefill-timeout %s: %d x 200, "
+           "%d x 500, %d other; the last answered after %.2f s\n",
+           PROMPT, one, opened, dl, ok, s500, other, last);
     close_all(cs, opened);
     int st = cl_stop(&sp, 10000);
     if (st != 0 || ok != N) cl_dump_log(&sp, 20);
@@ -758,9 +772,88 @@ TEST(overload_prefill_backlog)
     ASSERT_EQ_INT(s500, 0);
     ASSERT_EQ_INT(ok, N);
     /* the test means something only if the burst took longer than one deadline */
-    ASSERT_MSG(last > 0.6, "the burst took %.2f s: not a backlog", last);
+    ASSERT_MSG(last > 2 * deadline, "the burst took %.2f s: not a backlog", last);
     ASSERT_EQ_INT(st, 0);
     ASSERT(decode_idle(5000));
+}
+
+/* ---- issue 29 item 4: huge prompts ----------------------------------------------------------- */
+
+/* 24 chat requests of 15.7 MB of prompt text sent at once to a fresh scheduler with default
+ * flags, and a small chat request sent behind them: tokenization stops once a prompt cannot fit,
+ * so the big ones get 400 (or 503 for the bytes in flight) quickly; the small one does not wait
+ * behind them; the scheduler's peak stays under 300 MB and it gives the memory back after. */
+TEST(overload_huge_prompts)
+{
+    FIXTURE();
+    enum { N = 24, TEXT = 15700000 };
+    cl_proc sp;
+    int port = 0;
+    ASSERT_MSG(cl_sched_start(&g_c, &sp, "sched_huge", NULL, &port) == 0, "%s", pd_last_error());
+    long rss0 = cl_rss_kb(sp.pid);
+    static const char head[] = "{\"messages\":[{\"role\":\"user\",\"content\":\"";
+    static const char tail[] = "\"}],\"max_tokens\":4}";
+    static const char words[] = "All work and no play makes Jack a dull boy. ";
+    char *body = malloc(sizeof head + TEXT + sizeof tail);
+    ASSERT(body != NULL);
+    size_t len = sizeof head - 1;
+    memcpy(body, head, len);
+    for (size_t k = 0; k < TEXT; k++) body[len + k] = words[k % (sizeof words - 1)];
+    len += TEXT;
+    memcpy(body + len, tail, sizeof tail); /* with its NUL */
+    cl_conn cs[N + 1];
+    int opened = 0;
+    for (; opened < N; opened++)
+        if (cl_conn_open(&cs[opened], port, "POST", "/v1/chat/completions", NULL, body, false) < 0)
+            break;
+    free(body);
+    bool small_ok =
+        opened == N && cl_conn_open(&cs[N], port, "POST", "/v1/chat/completions", NULL,
+                                    "{\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"}],"
+                                    "\"max_tokens\":4}",
+                                    false) == 0;
+    int n = small_ok ? N + 1 : opened;
+    bool done = cl_conn_wait_all(cs, (size_t)n, CL_MS(120000));
+    int s400 = 0, s503 = 0, other = 0;
+    double last = 0;
+    for (int i = 0; i < opened; i++) {
+        s400 += cs[i].status == 400;
+        s503 += cs[i].status == 503;
+        if (cs[i].status != 400 && cs[i].status != 503) {
+            other++;
+            printf("    big request %d: status %d\n", i, cs[i].status);
+        }
+        if (cs[i].t_done_ns && secs(cs[i].t_open_ns, cs[i].t_done_ns) > last)
+            last = secs(cs[i].t_open_ns, cs[i].t_done_ns);
+    }
+    char *b400 = NULL;
+    for (int i = 0; i < opened && !b400; i++)
+        if (cs[i].status == 400) b400 = cl_conn_body(&cs[i]);
+    double small_s = small_ok && cs[N].t_done_ns ? secs(cs[N].t_open_ns, cs[N].t_done_ns) : -1;
+    int small_status = small_ok ? cs[N].status : 0;
+    close_all(cs, n);
+    usleep(300 * 1000);
+    long hwm = cl_status_kb(sp.pid, "VmHWM"), rss1 = cl_rss_kb(sp.pid);
+    printf("    %d chat bodies of %d bytes of text at once: %d x 400, %d x 503, %d other, the "
+           "slowest answered %.2f s after it was sent; the small request: %d after %.3f s\n",
+           opened, TEXT, s400, s503, other, last, small_status, small_s);
+    printf("    400: %s\n", b400 ? b400 : "(none)");
+    printf("    scheduler VmRSS %ld KiB before, peak (VmHWM) %ld KiB, %ld KiB after\n", rss0, hwm,
+           rss1);
+    int st = cl_stop(&sp, 10000);
+    if (st != 0) cl_dump_log(&sp, 20);
+    ASSERT_EQ_INT(opened, N);
+    ASSERT(done);
+    ASSERT_EQ_INT(other, 0);
+    ASSERT_MSG(b400 && strstr(b400, "maximum context length is 1024 tokens"), "400: %s",
+               b400 ? b400 : "(none)");
+    free(b400);
+    ASSERT_EQ_INT(small_status, 200);
+    ASSERT_MSG(small_s < 1.0 * cl_time_scale(), "the small request took %.3f s", small_s);
+    ASSERT_MSG(!RSS_CHECKS || hwm < 300 * 1024, "peak VmHWM %ld KiB", hwm);
+    ASSERT_MSG(!RSS_CHECKS || rss1 - rss0 < 16 * 1024, "VmRSS %ld KiB after, %ld before", rss1,
+               rss0);
+    ASSERT_EQ_INT(st, 0);
 }
 
 TEST(zz_shutdown)

@@ -701,6 +701,70 @@ static void *encode_thread(void *p)
     return NULL;
 }
 
+/* pd_tok_encode_max against the whole text's encoding: a text that fits gives the same ids; one
+ * that does not gives more = true and a count between max_ids and the true count (the api-server
+ * stops tokenizing huge prompts with it, issue 29 item 4). Texts of words, CJK, emoji, newlines
+ * and long runs without a space, 1 KB to 400 KB. */
+TEST(encode_max_matches_whole)
+{
+    static const char *const pieces[] = {"hello ",
+                                         "world. ",
+                                         "\n",
+                                         "日本語の文章",
+                                         "😀🚀",
+                                         "  ",
+                                         "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+                                         "1234567890",
+                                         "<|begin_of_text|>",
+                                         "é ",
+                                         "\t"};
+    uint64_t st = 7;
+    size_t cap = 400 * 1024 + 64;
+    char *text = malloc(cap);
+    ASSERT(text);
+    for (size_t m = 0; m < 3; m++) {
+        bool skip;
+        pd_tok *t = load_real(MODELS[m], &skip);
+        if (skip) {
+            free(text);
+            SKIP("npm cache missing (tests/npm_cache.sh)");
+        }
+        ASSERT(t);
+        for (int it = 0; it < 12; it++) {
+            size_t want = (size_t)1024 << (it % 9), len = 0;
+            if (want > cap - 64) want = cap - 64;
+            while (len < want) {
+                const char *p = pieces[prng(&st) % (sizeof pieces / sizeof *pieces)];
+                size_t pl = strlen(p);
+                memcpy(text + len, p, pl);
+                len += pl;
+            }
+            int32_t *all = NULL, *ids = NULL;
+            size_t n_all = 0, n = 0;
+            ASSERT_OK(pd_tok_encode(t, text, len, true, &all, &n_all));
+            static const size_t maxes[] = {1, 100, 1000, 5000};
+            for (size_t k = 0; k < sizeof maxes / sizeof *maxes; k++) {
+                bool more = true;
+                ASSERT_OK(pd_tok_encode_max(t, text, len, true, maxes[k], &ids, &n, &more));
+                if (n_all <= maxes[k]) ASSERT(!more);
+                if (more) {
+                    ASSERT(ids == NULL);
+                    ASSERT_MSG(n > maxes[k] && n <= n_all,
+                               "%s: %zu bytes, max %zu: at least %zu of %zu", MODELS[m], len,
+                               maxes[k], n, n_all);
+                } else {
+                    ASSERT_EQ_INT((long long)n, (long long)n_all);
+                    ASSERT(memcmp(ids, all, n * sizeof *ids) == 0);
+                }
+                free(ids);
+                ids = NULL;
+            }
+            free(all);
+        }
+    }
+    free(text);
+}
+
 TEST(shared_between_threads)
 {
     bool skip;
