@@ -55,6 +55,7 @@ typedef struct {
     const char *node_ports;      /* NODE_PORTS (required): one port per P then per D */
     int heartbeat_ms;   /* --heartbeat-ms: heartbeat period and deadline of each Stats call, 1000 */
     int rpc_timeout_ms; /* deadline of Info/Stats/Reserve/Abort: 5000 */
+    int64_t max_local_prefill_length; /* --max-local-prefill-length, 0 = never */
     double prefill_timeout_s; /* deadline of Prefill and the TTL of its decode reservation: 60
                                  (Decode and Relay streams have none) */
     /* --shutdown-timeout: after SIGTERM/SIGINT, how long in-flight requests may finish before

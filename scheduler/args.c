@@ -47,6 +47,7 @@ static const pd_flag_bind BINDS[] = {
      .dflt = "4 x --max-request-body-bytes"},
     B("--queue-timeout", PD_BIND_F64, queue_timeout_s),
     B("--prefill-timeout", PD_BIND_F64, prefill_timeout_s),
+    B("--max-local-prefill-length", PD_BIND_I64, max_local_prefill_length),
     B("--timeout-keep-alive", PD_BIND_F64, keep_alive_s),
     B("--header-timeout", PD_BIND_F64, header_timeout_s),
     B("--body-timeout", PD_BIND_F64, body_timeout_s),

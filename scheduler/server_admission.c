@@ -25,6 +25,16 @@ enum { ADMIT_RETRY_MS = 10 };
  * in flight there, c's included, is what it finishes in PREFILL_HORIZON_S (or half of
  * --prefill-timeout) at its measured rate, or, before it has one, a context's worth (L tokens).
  * The instance, -1 when none is up, PD_REG_BUSY when none has room. */
+/* Conditional disaggregation: whether c's decode instance prefills its prompt itself, the
+ * tokens it likely lacks in its prefix cache being at most --max-local-prefill-length (what the
+ * pick of the decode instance charged it, less max_tokens). */
+static bool prefill_locally(const pd_apiserver *s, const choice *c)
+{
+    const pd_api_prompt *pr = &c->r->req.prompts[c->prompt_idx];
+    return s->p.max_local_prefill_length > 0 &&
+           c->d_tokens - pr->max_tokens <= s->p.max_local_prefill_length;
+}
+
 static int take_prefill(pd_apiserver *s, choice *c)
 {
     const pd_api_prompt *pr = &c->r->req.prompts[c->prompt_idx];
@@ -115,7 +125,8 @@ void srv_admit_pump(pd_apiserver *s)
     if (s->admit_busy || !s->admit_head) return;
     choice *c = s->admit_head;
     sreq *r = c->r;
-    int p_node = take_prefill(s, c);
+    c->local = prefill_locally(s, c);
+    int p_node = c->local ? 0 : take_prefill(s, c);
     if (p_node == PD_REG_BUSY) return; /* the timer tries again */
     srv_admit_unlink(s, c);
     if (p_node < 0) {
@@ -162,7 +173,8 @@ void srv_admit_wait(pd_apiserver *s, choice *c, bool front)
 
 void srv_admit_or_reserve(pd_apiserver *s, choice *c)
 {
-    int k = s->admit_head || s->admit_busy ? PD_REG_BUSY : take_prefill(s, c);
+    c->local = prefill_locally(s, c);
+    int k = s->admit_head || s->admit_busy ? PD_REG_BUSY : c->local ? 0 : take_prefill(s, c);
     if (k >= 0) {
         srv_send_reserve(c);
     } else if (k == PD_REG_BUSY) {

@@ -149,6 +149,7 @@ enum { DECODE_RETRIES = 3 };
 
 static void on_prefill_done(void *arg, int st, const char *details, const uint8_t *resp,
                             size_t len);
+static void start_decode(choice *c, Pd__SamplingParams *sp, int32_t first, bool local);
 
 /* c's decode instance failed it before anything reached the client (its Reserve found it gone,
  * or it did not take the prompt's KV): the reservation is given up and the loop picks another
@@ -301,16 +302,26 @@ static void on_prefill_done(void *arg, int st, const char *details, const uint8_
     }
     srv_post_ready(r);
     /* Decode on D with the seed in use */
-    const pd_api_prompt *pr = &r->req.prompts[c->prompt_idx];
     Pd__SamplingParams ds = c->sampling;
     ds.has_seed = true;
     ds.seed = (int64_t)seed;
+    start_decode(c, &ds, first, false);
+}
+
+/* The Decode stream of c on its decode instance: after its Prefill (first: the token P sampled,
+ * sp with the seed P used), or for the whole request (local: D prefills the prompt itself). */
+static void start_decode(choice *c, Pd__SamplingParams *sp, int32_t first, bool local)
+{
+    sreq *r = c->r;
+    pd_apiserver *s = r->s;
+    const pd_api_prompt *pr = &r->req.prompts[c->prompt_idx];
     Pd__DecodeRequest q = PD__DECODE_REQUEST__INIT;
     q.request_id = c->sub_id;
     q.prompt_ids = pr->ids;
     q.n_prompt_ids = pr->n_ids;
-    q.sampling = &ds;
+    q.sampling = sp;
     q.first_token = first;
+    q.local_prefill = local;
     char relay_id[48];
     srv_relay_for(s, c->d_node, relay_id);
     q.relay_id = relay_id;
@@ -380,7 +391,10 @@ static void on_reserve_done(void *arg, int st, const char *details, const uint8_
     c->admitted = true; /* after a retry from the queue, the next queued choice may go */
     srv_post_ready(r);
     pthread_mutex_unlock(&r->mu);
-    start_prefill(c);
+    if (c->local)
+        start_decode(c, &c->sampling, -1, true);
+    else
+        start_prefill(c);
 }
 
 void srv_send_reserve(choice *c)
@@ -397,6 +411,7 @@ void srv_send_reserve(choice *c)
     char relay_id[48];
     srv_relay_for(s, c->d_node, relay_id); /* should this scheduler die, the reservation goes too */
     q.relay_id = relay_id;
+    q.local_prefill = c->local;
     size_t len = 0;
     uint8_t *buf = pd_msg_pack(&q.base, &len);
     if (!buf) {

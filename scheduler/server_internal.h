@@ -121,6 +121,8 @@ typedef struct choice {
     pd_idmap_link map_link; /* in the rpc thread's request-id map (cmap), keyed by sub_id */
     bool mapped;
     int reserve_tries; /* decode instances tried after the first (rpc thread) */
+    bool local;        /* its decode instance prefills it (--max-local-prefill-length); set by
+                          the loop before its Reserve */
     bool admitted;     /* a retried Reserve succeeded */
     /* admission queue (loop thread) */
     bool in_queue, retrying;

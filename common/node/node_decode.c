@@ -85,7 +85,12 @@ static void h_reserve(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len
     pthread_mutex_lock(&n->mu);
     req *r = node_req_add(n, q->request_id);
     int rc = r ? PD_OK : PD_EEXIST;
-    if (r) {
+    if (r && q->local_prefill) {
+        /* prefilled here (Decode with local_prefill): nothing to reserve, no KV to expect; the
+           engine queues the sequence until it has the blocks, as pd-generate's does */
+        r->local = true;
+        r->n_blocks = 0;
+    } else if (r) {
         r->blocks = pd_arena_alloc(r->arena, cap * sizeof(int32_t), 0);
         rc = r->blocks ? pd_engine_reserve(n->e, r->id, (size_t)q->num_prompt_tokens,
                                            q->n_prompt_ids ? q->prompt_ids : NULL, r->blocks, cap,
@@ -103,11 +108,12 @@ static void h_reserve(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len
             pd_engine_abort(n->e, r->id);
             node_req_remove(n, r);
             pd_error(rc, "%s", keep);
-        } else {
-            int ttl = q->ttl_ms > 0 ? q->ttl_ms : DEFAULT_RESERVE_TTL_MS;
-            r->deadline_ns = pd_now_ns() + (int64_t)ttl * PD_NS_PER_MS;
-            snprintf(r->reserved_by, sizeof r->reserved_by, "%s", q->relay_id ? q->relay_id : "");
         }
+    }
+    if (rc == PD_OK) {
+        int ttl = q->ttl_ms > 0 ? q->ttl_ms : DEFAULT_RESERVE_TTL_MS;
+        r->deadline_ns = pd_now_ns() + (int64_t)ttl * PD_NS_PER_MS;
+        snprintf(r->reserved_by, sizeof r->reserved_by, "%s", q->relay_id ? q->relay_id : "");
     }
     char msg[512];
     snprintf(msg, sizeof msg, "%s", pd_last_error());
@@ -145,14 +151,16 @@ static void h_decode(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len)
     int st = PD_RPC_OK;
     char msg[512] = "";
     pthread_mutex_lock(&n->mu);
+    bool local = q->local_prefill;
     req *r = node_req_find(n, q->request_id);
     if (!r) {
         st = PD_RPC_NOT_FOUND;
         snprintf(msg, sizeof msg, "Decode %s: no reservation (expired or aborted)", q->request_id);
-    } else if (r->decoding) {
+    } else if (r->decoding || r->local != local) {
         st = PD_RPC_ALREADY_EXISTS;
-        snprintf(msg, sizeof msg, "Decode %s: already decoding", q->request_id);
-    } else if (r->kv_ranks_done < n->tp) {
+        snprintf(msg, sizeof msg, "Decode %s: %s", q->request_id,
+                 r->decoding ? "already decoding" : "local_prefill differs from its Reserve's");
+    } else if (!local && r->kv_ranks_done < n->tp) {
         st = PD_RPC_FAILED_PRECONDITION;
         snprintf(msg, sizeof msg, "Decode %s: KV not received yet (%d of %d ranks)", q->request_id,
                  r->kv_ranks_done, n->tp);
@@ -165,7 +173,8 @@ static void h_decode(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len)
                                     .n_prompt = q->n_prompt_ids,
                                     .sampling = &sp,
                                     .phase = PD_PHASE_FULL};
-            rc = pd_engine_add_imported(n->e, &er, q->first_token);
+            rc = local ? pd_engine_add(n->e, &er) /* prefilled here, as pd-generate does */
+                       : pd_engine_add_imported(n->e, &er, q->first_token);
         }
         if (rc < 0) {
             st = node_rpc_status(rc);
@@ -246,8 +255,9 @@ void node_decode_event(pd_node *n, req *r, const pd_engine_event *ev)
     }
     bool first = !r->first_seen;
     r->first_seen = true;
-    /* the first token came to the scheduler from the prefill side already */
-    if (first && !ev->final && ev->n_tokens) return;
+    /* the first token came to the scheduler from the prefill side already (not when it was
+       prefilled here) */
+    if (first && !r->local && !ev->final && ev->n_tokens) return;
     if (r->caller_gone) {
         /* cancelled: nobody reads its events, and its final one (the abort's, or the end of a
            generation the abort came too late for) ends the call now (relayed: not after the

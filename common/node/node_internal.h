@@ -66,7 +66,8 @@ typedef struct req {
     size_t n_blocks;
     int kv_ranks_done;
     bool decoding, first_seen;
-    relay *rl; /* decode: its events go to this Relay stream (NULL: to its own call) */
+    bool local; /* decode: reserved for a Decode with local_prefill (no blocks, no KV) */
+    relay *rl;  /* decode: its events go to this Relay stream (NULL: to its own call) */
     char reserved_by[RELAY_ID_MAX]; /* decode: the Reserve's relay_id ("" none): a reservation
                                        no Decode has taken goes when that relay closes */
     ev_list held;       /* relayed: events waiting (paused or out of credit), in order */

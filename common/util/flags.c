@@ -89,6 +89,9 @@ static const flag_def TABLE[] = {
              "would pass it gets 503 with Retry-After: 1 (at least --max-request-body-bytes)"},
     {"--queue-timeout", PD_FLAG_NUMBER, PD_ROLE_SCHEDULER, "S", 0, 1e6, .lo_open = true,
      .unit = "seconds", .help = "longest wait for decode KV capacity, then 503"},
+    {"--max-local-prefill-length", PD_FLAG_INT, PD_ROLE_SCHEDULER, "N", 0, I64_MAX,
+     .help = "conditional disaggregation: a prompt whose tokens not in the decode instance's "
+             "prefix cache are at most N is prefilled there, not moved; 0 = never"},
     {"--prefill-timeout", PD_FLAG_NUMBER, PD_ROLE_SCHEDULER, "S", 0, 1e6, .lo_open = true,
      .unit = "seconds",
      .help = "deadline of one prefill (a prefill instance's queue included) and the life of its "

@@ -443,6 +443,79 @@ TEST(sched_tokenizer_from_another_directory)
     ASSERT_MSG(system(cmd) == 0, "the start-up error does not name tokenizer.json");
 }
 
+/* The choices and usage of a 200 answer to body on port (a JSON object "{choices, usage}"),
+ * NULL with the reason printed otherwise. */
+static json_t *answer_choices(int port, const char *body)
+{
+    http_resp r;
+    if (http_do(port, "POST", "/v1/completions", NULL, body, &r) != 0) return NULL;
+    json_t *o = r.status == 200 ? json_loads(r.body, 0, NULL) : NULL;
+    if (!o) printf("    status %d: %s\n", r.status, r.body ? r.body : "");
+    resp_free(&r);
+    json_t *out = o ? json_pack("{sOsO}", "choices", json_object_get(o, "choices"), "usage",
+                                json_object_get(o, "usage"))
+                    : NULL;
+    json_decref(o);
+    return out;
+}
+
+/* Conditional disaggregation (issue 28 item 3): a scheduler with --max-local-prefill-length 8 on
+ * the fixture's cluster has the decode instance prefill prompts of up to 8 tokens itself (the
+ * prefill instance's Stats do not move) and sends longer ones through the prefill instance; every
+ * answer, greedy and seeded, n = 2 included, equals the fixture scheduler's (always split) to the
+ * last logprob. */
+TEST(sched_local_prefill_equals_split)
+{
+    FIXTURE();
+    char *args[] = {"--max-local-prefill-length", "8", NULL};
+    cl_proc sp;
+    int port = 0;
+    ASSERT_OK(start_scheduler(&sp, &port, "scheduler_local", args, "1"));
+    static const char *const bodies[] = {
+        "{\"prompt\":[5,6,7],\"max_tokens\":12,\"temperature\":0,\"ignore_eos\":true,"
+        "\"logprobs\":2}",
+        "{\"prompt\":[9,8,7,6,5],\"max_tokens\":12,\"temperature\":0.9,\"seed\":123,"
+        "\"ignore_eos\":true,\"logprobs\":2}",
+        "{\"prompt\":[11,12],\"max_tokens\":8,\"temperature\":1,\"seed\":7,\"n\":2,"
+        "\"ignore_eos\":true,\"logprobs\":1}",
+        "{\"prompt\":[3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21,22],\"max_tokens\":12,"
+        "\"temperature\":0.7,\"seed\":5,\"ignore_eos\":true,\"logprobs\":2}",
+    };
+    enum { NB = sizeof bodies / sizeof *bodies };
+    int64_t local_tokens[NB] = {3, 5, 2 * 2, 0}; /* prompt tokens prefilled on decode */
+    int bad = 0;
+    for (int i = 0; i < NB; i++) {
+        Pd__StatsReply *p0 = cl_stats(&g_c, 0), *d0 = cl_stats(&g_c, 1);
+        json_t *got = answer_choices(port, bodies[i]);
+        Pd__StatsReply *p1 = cl_stats(&g_c, 0), *d1 = cl_stats(&g_c, 1);
+        json_t *want = answer_choices(g_port, bodies[i]);
+        bool same = got && want && json_equal(got, want);
+        int64_t on_p = p0 && p1 ? p1->prompt_tokens - p0->prompt_tokens : -1,
+                on_d = d0 && d1 ? d1->prompt_tokens - d0->prompt_tokens : -1;
+        printf("    request %d: %s the split answer; prompt tokens on the prefill instance %lld, "
+               "on the decode instance %lld\n",
+               i, same ? "equals" : "DIFFERS FROM", (long long)on_p, (long long)on_d);
+        if (!same) {
+            char *a = got ? json_dumps(got, JSON_COMPACT) : NULL,
+                 *b = want ? json_dumps(want, JSON_COMPACT) : NULL;
+            printf("    local: %.600s\n    split: %.600s\n", a ? a : "-", b ? b : "-");
+            free(a);
+            free(b);
+        }
+        bad += !same;
+        /* local: nothing on P; split: the prompt on P */
+        if (local_tokens[i] ? on_p != 0 : on_p <= 0) bad++;
+        if (local_tokens[i] && on_d < local_tokens[i]) bad++;
+        json_decref(got);
+        json_decref(want);
+        Pd__StatsReply *all[] = {p0, p1, d0, d1};
+        for (int k = 0; k < 4; k++)
+            if (all[k]) pd__stats_reply__free_unpacked(all[k], NULL);
+    }
+    ASSERT_EQ_INT(cl_stop(&sp, 10000), 0);
+    ASSERT_EQ_INT(bad, 0);
+}
+
 /* --max-model-len past the model's positions is refused by pd-scheduler with the message the
  * instances give, instead of being accepted there and refused only by them. */
 TEST(sched_max_model_len_checked_as_on_instances)
