@@ -23,7 +23,7 @@ static void follow_counter(pd_metric *m, const char *const *labels, int64_t now,
     *seen = now;
 }
 
-static const double ITER_BUCKETS[] = {1,   8,    16,   32,   64,   128, 256,
+static const double ITER_BUCKETS[] = {1,   8,    16,   32,   64,   128,  256,
                                       512, 1024, 2048, 4096, 8192, 16384};
 #define NB(a) (sizeof(a) / sizeof *(a))
 
@@ -212,13 +212,11 @@ int srv_metrics_init(pd_apiserver *s)
         "Bytes of streamed responses held for clients that read slowly (relay and HTTP layer).",
         "model_name", NULL, 0);
 #undef ADD
-    pd_metric *zero[] = {s->m_running,   s->m_waiting,   s->m_kv,        s->m_gpu_kv,
-                         s->m_preempt,   s->m_prompt,    s->m_gen,       s->m_h_prompt,
-                         s->m_h_gen,     s->m_h_n,       s->m_h_max,     s->m_ttft,
-                         s->m_tpot,      s->m_e2e,       s->m_queue,     s->m_prefill,
-                         s->m_decode,    s->m_infer,     s->m_cache_q,   s->m_cache_h,
-                         s->m_iter,      s->m_h_max_gen, s->m_h_best_of, s->m_itl,
-                         s->m_req_tpot};
+    pd_metric *zero[] = {s->m_running, s->m_waiting,   s->m_kv,        s->m_gpu_kv,  s->m_preempt,
+                         s->m_prompt,  s->m_gen,       s->m_h_prompt,  s->m_h_gen,   s->m_h_n,
+                         s->m_h_max,   s->m_ttft,      s->m_tpot,      s->m_e2e,     s->m_queue,
+                         s->m_prefill, s->m_decode,    s->m_infer,     s->m_cache_q, s->m_cache_h,
+                         s->m_iter,    s->m_h_max_gen, s->m_h_best_of, s->m_itl,     s->m_req_tpot};
     for (size_t i = 0; i < NB(zero); i++) pd_metric_touch(zero[i], s->labels);
     pd_metric_touch(s->m_unsent, s->labels);
     static const char *const reasons[] = {"stop", "length", "abort"};

@@ -91,7 +91,8 @@ static void request_close(sreq *r, const char *reason)
         int64_t gen = 0, longest = 0;
         for (int i = 0; i < r->n_choices; i++) {
             gen += r->choices[i].completion_tokens;
-            if (r->choices[i].completion_tokens > longest) longest = r->choices[i].completion_tokens;
+            if (r->choices[i].completion_tokens > longest)
+                longest = r->choices[i].completion_tokens;
         }
         pd_metric_observe(s->m_h_gen, s->labels, (double)gen);
         pd_metric_observe(s->m_h_max_gen, s->labels, (double)longest);

@@ -227,8 +227,8 @@ static const char *const TPOT_LE[] = {"0.01", "0.025", "0.05", "0.075", "0.1",  
 static const char *const N_LE[] = {"1.0", "2.0", "5.0", "10.0", "20.0", NULL};
 /* 1-2-5 up to L = 64 */
 static const char *const TOK_LE[] = {"1.0", "2.0", "5.0", "10.0", "20.0", "50.0", NULL};
-static const char *const ITER_LE[] = {"1.0",   "8.0",    "16.0",   "32.0",   "64.0",
-                                      "128.0", "256.0",  "512.0",  "1024.0", "2048.0",
+static const char *const ITER_LE[] = {"1.0",    "8.0",    "16.0",    "32.0",   "64.0",
+                                      "128.0",  "256.0",  "512.0",   "1024.0", "2048.0",
                                       "4096.0", "8192.0", "16384.0", NULL};
 
 #define STD_LABELS "model_name=\"tiny\",engine=\"0\""
@@ -318,7 +318,8 @@ static bool check_cache_info(expo *e, char *why, size_t wn)
                  STD_LABELS ",role=\"%s\",instance=\"127.0.0.1:%d\",block_size=\"16\","
                             "cache_dtype=\"float32\",enable_prefix_caching=\"True\","
                             "num_gpu_blocks=\"%lld\"",
-                 k ? "decode" : "prefill", g_c.ports[k], st ? (long long)st->kv_blocks_total : -1LL);
+                 k ? "decode" : "prefill", g_c.ports[k],
+                 st ? (long long)st->kv_blocks_total : -1LL);
         if (st) pd__stats_reply__free_unpacked(st, NULL);
         if (strcmp(f->s[k].labels, want) != 0 || strcmp(f->s[k].value, "1.0") != 0) {
             snprintf(why, wn, "vllm:cache_config_info: {%.180s} %s, want {%.180s} 1.0",
@@ -376,14 +377,14 @@ static bool read_snapshot(snapshot *s, char *why, size_t wn)
          check_hist(&e, "vllm:request_params_n", N_LE, &s->n_count, &s->n_sum, s->n_b, why, wn) &&
          check_hist(&e, "vllm:request_params_max_tokens", TOK_LE, &s->mt_count, &s->mt_sum, s->mt_b,
                     why, wn) &&
-         check_hist(&e, "vllm:request_params_best_of", N_LE, &s->bo_count, &s->bo_sum, s->bo_b,
-                    why, wn) &&
+         check_hist(&e, "vllm:request_params_best_of", N_LE, &s->bo_count, &s->bo_sum, s->bo_b, why,
+                    wn) &&
          check_hist(&e, "vllm:request_max_num_generation_tokens", TOK_LE, &s->mg_count, &s->mg_sum,
                     s->mg_b, why, wn) &&
          check_hist(&e, "vllm:iteration_tokens_total", ITER_LE, &s->iter_count, &s->iter_sum,
                     s->iter_b, why, wn) &&
-         check_hist(&e, "vllm:inter_token_latency_seconds", TPOT_LE, &s->itl_count, &sum, NULL,
-                    why, wn) &&
+         check_hist(&e, "vllm:inter_token_latency_seconds", TPOT_LE, &s->itl_count, &sum, NULL, why,
+                    wn) &&
          check_hist(&e, "vllm:request_time_per_output_token_seconds", TPOT_LE, &s->rtpot_count,
                     &sum, NULL, why, wn) &&
          check_cache_info(&e, why, wn) &&
@@ -528,10 +529,9 @@ TEST(golden_40_metrics_after_traffic)
     ASSERT_NEAR(s.n_sum, 5, 1e-9);
     ASSERT_NEAR(s.bo_sum, 5, 1e-9);
     ASSERT_NEAR(s.mg_sum, 9, 1e-9);
-    double counts[] = {s.pt_count,    s.gt_count,      s.n_count,      s.ttft_count,
-                       s.e2e_count,   s.queue_count,   s.prefill_count, s.decode_count,
-                       s.infer_count, s.kv_count,      s.bo_count,      s.mg_count,
-                       s.rtpot_count};
+    double counts[] = {s.pt_count,    s.gt_count,      s.n_count,      s.ttft_count,  s.e2e_count,
+                       s.queue_count, s.prefill_count, s.decode_count, s.infer_count, s.kv_count,
+                       s.bo_count,    s.mg_count,      s.rtpot_count};
     for (size_t i = 0; i < sizeof counts / sizeof *counts; i++)
         ASSERT_MSG(counts[i] == 4, "request-level histogram %zu counted %g, want 4", i, counts[i]);
     /* one per token after each choice's first: 2 + 2 + 1 + 1 + 0 */
@@ -721,8 +721,8 @@ TEST(golden_40_metrics_iteration_tokens)
               s.iter_sum - s0.iter_sum >= 7;
         if (!got) pd_sleep_ns(100 * PD_NS_PER_MS);
     }
-    ASSERT_MSG(got, "steps %g -> %g, tokens %g -> %g: %s", s0.iter_count, s.iter_count,
-               s0.iter_sum, s.iter_sum, why);
+    ASSERT_MSG(got, "steps %g -> %g, tokens %g -> %g: %s", s0.iter_count, s.iter_count, s0.iter_sum,
+               s.iter_sum, why);
     ASSERT_NEAR(s.iter_count - s0.iter_count, 3, 1e-9);
     ASSERT_NEAR(s.iter_sum - s0.iter_sum, 7, 1e-9);
     ASSERT_NEAR(s.iter_b[0] - s0.iter_b[0], 2, 1e-9); /* le 1: the decode steps */
