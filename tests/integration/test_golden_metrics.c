@@ -730,24 +730,31 @@ TEST(golden_40_metrics_iteration_tokens)
 }
 
 /* vllm:num_requests_running / _waiting are the engines' queues, as vLLM reports them: with
- * --max-num-seqs 1 on both instances, four concurrent long requests prefill one at a time and
- * decode one at a time; the rest wait in the engines' queues (or, when the decode instance's KV
- * is full, in the scheduler's admission queue), and /metrics shows them waiting, with at most one
- * running per instance. (It used to count the scheduler's dispatched requests: 4 running, 0
- * waiting.) Once they are done, both gauges go back to 0. */
+ * --max-num-seqs 1 on both instances, eight concurrent requests of 100 tokens (their KV fits the
+ * decode pool's 64 blocks together) prefill one at a time and decode one at a time; the rest wait
+ * in the engines' queues, and /metrics shows them waiting, with at most one running per instance.
+ * (The gauges used to count the scheduler's dispatched requests: 8 running, 0 waiting.) Once
+ * they are done, both gauges go back to 0. */
 TEST(golden_40_metrics_waiting_on_decode)
 {
     FIXTURE();
     cl_cluster c;
     memset(&c, 0, sizeof c);
     char *node_args[] = {"--max-num-seqs", "1", NULL};
-    ASSERT_MSG(cl_start(&c, g_model, "0", "1", node_args) == 0, "cl_start: %s", pd_last_error());
+    if (cl_start(&c, g_model, "0", "1", node_args) < 0) {
+        char why[512];
+        snprintf(why, sizeof why, "%s", pd_last_error());
+        cl_stop_all(&c);
+        ASSERT_MSG(false, "cl_start: %s", why);
+    }
     cl_proc sp;
     int port = 0;
     char *sched_args[] = {"--heartbeat-ms", "100", NULL};
     if (cl_sched_start(&c, &sp, "sched_queues", sched_args, &port) < 0) {
+        char why[512];
+        snprintf(why, sizeof why, "%s", pd_last_error());
         cl_stop_all(&c);
-        ASSERT_MSG(false, "pd-scheduler: %s", pd_last_error());
+        ASSERT_MSG(false, "pd-scheduler: %s", why);
     }
     enum { N = 8 };
     cl_conn conns[N];
