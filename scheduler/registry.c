@@ -43,10 +43,14 @@ typedef struct {
     double done_tokens;
     int64_t kv_total, kv_free, preemptions;
     int64_t cache_queries, cache_hits; /* prefix cache, cumulative */
+    int64_t running, waiting, held;    /* from Stats: the engine's queues */
+    int64_t stats_ns;                  /* when the last Stats answered (pd_now_ns), 0 = never */
+    int64_t steps[PD_ENGINE_STEP_BINS], steps_sum; /* from Stats: cumulative, this process's */
     int max_num_seqs;
     char transport[16]; /* from Info */
     uint64_t epoch;     /* from Info: Stats with another one means the process restarted */
     int block_size;     /* from Info */
+    char kv_dtype[16];  /* from Info */
     bool caches;        /* from Info: it runs with prefix caching */
     uint64_t *pfx;      /* (PFX_SLOTS) block keys sent to it, 0 = empty */
     size_t n_ranks;
@@ -73,6 +77,9 @@ struct pd_reg {
     pthread_t thread;
     int period_ms, timeout_ms;
     int64_t max_model_len; /* the scheduler's L; 0 = not checked (set before the heartbeat) */
+    /* engine steps over every instance, cumulative across their restarts (each Stats adds what
+       its process counted since the previous one) */
+    int64_t steps[PD_ENGINE_STEP_BINS], steps_sum;
     pd_reg_change_fn on_change;
     void *on_change_arg;
 };
@@ -290,8 +297,13 @@ static void heartbeat_node(pd_reg *r, int k, bool again)
         }
         pthread_mutex_lock(&r->mu);
         nd->verified = true;
+        if (m->instance_epoch != nd->epoch) { /* a new process counts its steps from 0 */
+            memset(nd->steps, 0, sizeof nd->steps);
+            nd->steps_sum = 0;
+        }
         nd->epoch = m->instance_epoch;
         nd->block_size = m->block_size;
+        pd_str_copy(nd->kv_dtype, sizeof nd->kv_dtype, m->kv_dtype);
         nd->caches = m->prefix_caching;
         if (nd->pfx) memset(nd->pfx, 0, PFX_SLOTS * sizeof *nd->pfx); /* a new process */
         nd->max_num_seqs = m->max_num_seqs;
@@ -348,6 +360,16 @@ static void heartbeat_node(pd_reg *r, int k, bool again)
     nd->preemptions = st->num_preemptions;
     nd->cache_queries = st->prefix_cache_queries;
     nd->cache_hits = st->prefix_cache_hits;
+    nd->running = st->num_running;
+    nd->waiting = st->num_waiting;
+    nd->held = st->num_held;
+    nd->stats_ns = pd_now_ns();
+    for (size_t i = 0; i < st->n_step_tokens && i < PD_ENGINE_STEP_BINS; i++) {
+        if (st->step_tokens[i] > nd->steps[i]) r->steps[i] += st->step_tokens[i] - nd->steps[i];
+        nd->steps[i] = st->step_tokens[i];
+    }
+    if (st->step_tokens_sum > nd->steps_sum) r->steps_sum += st->step_tokens_sum - nd->steps_sum;
+    nd->steps_sum = st->step_tokens_sum;
     pthread_mutex_unlock(&r->mu);
     pd__stats_reply__free_unpacked(st, NULL);
     if (draining)
@@ -743,4 +765,42 @@ void pd_reg_prefix_cache(pd_reg *r, int64_t *queries, int64_t *hits)
         *hits += r->nodes[k].cache_hits;
     }
     pthread_mutex_unlock(&r->mu);
+}
+
+void pd_reg_queues(pd_reg *r, int64_t *running, int64_t *waiting)
+{
+    *running = *waiting = 0;
+    pthread_mutex_lock(&r->mu);
+    int64_t fresh = pd_now_ns() - 3 * (int64_t)r->period_ms * PD_NS_PER_MS;
+    for (int k = 0; k < r->n; k++) {
+        const reg_node *nd = &r->nodes[k];
+        if (nd->stats_ns == 0 || nd->stats_ns < fresh) continue;
+        *running += nd->running;
+        /* a prefill instance's held sequences: computed KV on its way to the decode side */
+        *waiting += nd->waiting + (nd->inst->role == RT_ROLE_PREFILL ? nd->held : 0);
+    }
+    pthread_mutex_unlock(&r->mu);
+}
+
+void pd_reg_step_tokens(pd_reg *r, int64_t bins[PD_ENGINE_STEP_BINS], int64_t *sum)
+{
+    pthread_mutex_lock(&r->mu);
+    memcpy(bins, r->steps, sizeof r->steps);
+    *sum = r->steps_sum;
+    pthread_mutex_unlock(&r->mu);
+}
+
+bool pd_reg_cache_config(pd_reg *r, int k, pd_reg_cache_info *out)
+{
+    pthread_mutex_lock(&r->mu);
+    const reg_node *nd = &r->nodes[k];
+    bool known = nd->epoch != 0; /* its Info was read */
+    if (known) {
+        out->block_size = nd->block_size;
+        pd_str_copy(out->kv_dtype, sizeof out->kv_dtype, nd->kv_dtype);
+        out->prefix_caching = nd->caches;
+        out->num_blocks = nd->kv_total;
+    }
+    pthread_mutex_unlock(&r->mu);
+    return known;
 }

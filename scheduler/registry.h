@@ -20,6 +20,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "engine/engine.h"
 #include "ranktable/ranktable.h"
 #include "rpc/pd.pb-c.h"
 #include "rpc/rpc.h"
@@ -127,5 +128,23 @@ int64_t pd_reg_preemptions(pd_reg *r);
 int pd_reg_cache_block(pd_reg *r, rt_role role);
 /* Prefix cache tokens queried and hit, summed over every instance (from the last Stats). */
 void pd_reg_prefix_cache(pd_reg *r, int64_t *queries, int64_t *hits);
+/* The engines' queues from the instances' last Stats (those that answered within three
+ * heartbeat periods): *running, sequences in their running batches; *waiting, sequences in
+ * their waiting queues plus those a prefill instance holds computed until the decode side has
+ * their KV (vLLM's decode side counts a request whose KV is on its way as waiting). */
+void pd_reg_queues(pd_reg *r, int64_t *running, int64_t *waiting);
+/* Engine steps over every instance by the tokens they ran (StatsReply.step_tokens' bins), and
+ * their tokens: cumulative, and monotone across an instance's restart. */
+void pd_reg_step_tokens(pd_reg *r, int64_t bins[PD_ENGINE_STEP_BINS], int64_t *sum);
+
+/* Instance k's KV cache configuration: its Info's, and its pool's block count from Stats. */
+typedef struct {
+    int block_size;
+    char kv_dtype[16]; /* "float32", "bfloat16", "float16" */
+    bool prefix_caching;
+    int64_t num_blocks; /* 0 before its first Stats */
+} pd_reg_cache_info;
+/* false before instance k's Info was first read. */
+bool pd_reg_cache_config(pd_reg *r, int k, pd_reg_cache_info *out);
 
 #endif

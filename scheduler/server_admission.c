@@ -69,9 +69,7 @@ static void admit_enqueue(pd_apiserver *s, choice *c, bool front)
         s->admit_tail = c;
     if (r->n_queued++ == 0 && r->running) {
         r->running = false;
-        s->n_running--;
         r->waiting = true;
-        s->n_waiting++;
     }
 }
 
@@ -91,9 +89,7 @@ void srv_admit_unlink(pd_apiserver *s, choice *c)
     c->q_prev = c->q_next = NULL;
     if (--r->n_queued == 0 && r->waiting) {
         r->waiting = false;
-        s->n_waiting--;
         r->running = true;
-        s->n_running++;
         r->t_prefill = pd_now_ns(); /* admitted: the queue time ends here */
     }
 }

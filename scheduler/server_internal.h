@@ -247,7 +247,6 @@ struct pd_apiserver {
     size_t parse_bytes;
     bool big_running;
     srv_parse_job *big_head, *big_tail;
-    int64_t n_waiting, n_running;
     uint64_t rng;
     /* metrics */
     pd_metrics *m;
@@ -255,8 +254,10 @@ struct pd_apiserver {
     int64_t cache_q_seen, cache_h_seen;
     pd_metric *m_running, *m_waiting, *m_kv, *m_gpu_kv, *m_preempt, *m_prompt, *m_gen, *m_success,
         *m_h_prompt, *m_h_gen, *m_h_n, *m_h_max, *m_ttft, *m_tpot, *m_e2e, *m_queue, *m_prefill,
-        *m_decode, *m_infer, *m_kv_bytes, *m_kv_secs, *m_up, *m_unsent;
+        *m_decode, *m_infer, *m_kv_bytes, *m_kv_secs, *m_up, *m_unsent, *m_iter, *m_h_best_of,
+        *m_h_max_gen, *m_itl, *m_req_tpot, *m_cache_info;
     int64_t preempt_seen;
+    int64_t steps_seen[PD_ENGINE_STEP_BINS], steps_sum_seen; /* what m_iter holds */
     pd_sb tokbuf, lpbuf[4]; /* loop-thread scratch for logprob token texts and fragments */
     const char *labels[2];  /* model_name, engine */
 };

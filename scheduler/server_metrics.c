@@ -1,10 +1,12 @@
 /* pd-scheduler: /metrics in Prometheus text: vLLM's series (so existing dashboards work) and
  * pd:* series for KV transfer and instance health.
  *
- * Design: counters and histograms are updated where their events happen (server_request.c);
- * the gauges, and the counters that follow the instances' cumulative Stats, are computed when
- * /metrics is read, so no timer runs for them.
+ * Design: counters and histograms of requests are updated where their events happen
+ * (server_request.c); the gauges, the info gauge, and the series that follow the instances'
+ * cumulative Stats (the engines' queues, steps, preemptions, prefix cache) are computed when
+ * /metrics is read, so no timer runs for them. The engine-side figures are a heartbeat old.
  */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -21,10 +23,76 @@ static void follow_counter(pd_metric *m, const char *const *labels, int64_t now,
     *seen = now;
 }
 
+static const double ITER_BUCKETS[] = {1,   8,    16,   32,   64,   128,  256,
+                                      512, 1024, 2048, 4096, 8192, 16384};
+#define NB(a) (sizeof(a) / sizeof *(a))
+
+/* vllm:iteration_tokens_total grows by the engine steps the instances ran since the last read:
+ * each power-of-two bin of StatsReply.step_tokens goes to the first bucket at or above its
+ * upper end (exact, the buckets being powers of two), the last bin to +Inf. */
+static void follow_steps(pd_apiserver *s)
+{
+    int64_t bins[PD_ENGINE_STEP_BINS], sum;
+    pd_reg_step_tokens(s->reg, bins, &sum);
+    double counts[NB(ITER_BUCKETS) + 1] = {0};
+    bool grew = false;
+    for (size_t i = 0; i < PD_ENGINE_STEP_BINS; i++) {
+        if (bins[i] <= s->steps_seen[i]) continue;
+        size_t j = 0; /* bin i holds 2^(i-1) < t <= 2^i */
+        while (j < NB(ITER_BUCKETS) && ITER_BUCKETS[j] < (double)((int64_t)1 << i)) j++;
+        if (i + 1 == PD_ENGINE_STEP_BINS) j = NB(ITER_BUCKETS); /* every larger t */
+        counts[j] += (double)(bins[i] - s->steps_seen[i]);
+        s->steps_seen[i] = bins[i];
+        grew = true;
+    }
+    if (!grew) return;
+    pd_metric_merge(s->m_iter, s->labels, counts, NB(counts), (double)(sum - s->steps_sum_seen));
+    s->steps_sum_seen = sum;
+}
+
+/* vllm:cache_config_info: 1 per instance whose Info was read, its KV cache configuration in the
+ * labels (vLLM's names and value spellings). Rebuilt on each read: a restarted instance may
+ * bring another. */
+static void cache_config(pd_apiserver *s)
+{
+    pd_metric_clear(s->m_cache_info);
+    for (int k = 0; k < pd_reg_count(s->reg); k++) {
+        pd_reg_cache_info ci;
+        if (!pd_reg_cache_config(s->reg, k, &ci)) continue;
+        char bs[16], nb[24];
+        snprintf(bs, sizeof bs, "%d", ci.block_size);
+        snprintf(nb, sizeof nb, "%lld", (long long)ci.num_blocks);
+        const char *lv[8] = {s->labels[0],
+                             s->labels[1],
+                             rt_role_name(pd_reg_role(s->reg, k)),
+                             pd_reg_name(s->reg, k),
+                             bs,
+                             ci.kv_dtype,
+                             ci.prefix_caching ? "True" : "False",
+                             nb};
+        pd_metric_set(s->m_cache_info, lv, 1);
+    }
+}
+
+/* Sequences not handed to an instance yet: choices in the admission queue (waiting for decode KV
+ * room) and the choices of n > 1 deferred until their leader's prompt is cached. */
+static int64_t waiting_here(const pd_apiserver *s)
+{
+    int64_t n = 0;
+    for (const sreq *r = s->live; r; r = r->next)
+        for (int i = 0; !r->done && i < r->n_choices; i++)
+            n += r->choices[i].in_queue || r->choices[i].deferred;
+    return n;
+}
+
 void srv_handle_metrics(pd_apiserver *s, pd_http_exchange *ex)
 {
-    pd_metric_set(s->m_running, s->labels, (double)s->n_running);
-    pd_metric_set(s->m_waiting, s->labels, (double)s->n_waiting);
+    int64_t running, waiting;
+    pd_reg_queues(s->reg, &running, &waiting);
+    pd_metric_set(s->m_running, s->labels, (double)running);
+    pd_metric_set(s->m_waiting, s->labels, (double)(waiting + waiting_here(s)));
+    follow_steps(s);
+    cache_config(s);
     double unsent = 0;
     for (const sreq *r = s->live; r; r = r->next)
         unsent += (double)r->out.len + (r->ex ? (double)pd_http_stream_pending(r->ex) : 0.0);
@@ -59,8 +127,6 @@ static const double TPOT_BUCKETS[] = {0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 
 static const double N_BUCKETS[] = {1, 2, 5, 10, 20};
 static const double KV_BUCKETS[] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                                     0.25,  0.5,    1.0,   2.5,  5.0,   10.0, 30.0};
-
-#define NB(a) (sizeof(a) / sizeof *(a))
 
 int srv_metrics_init(pd_apiserver *s)
 {
@@ -100,14 +166,25 @@ int srv_metrics_init(pd_apiserver *s)
         "Number of prefill tokens processed.", ml, b125, n125);
     ADD(s->m_h_gen, PD_METRIC_HISTOGRAM, "vllm:request_generation_tokens",
         "Number of generation tokens processed.", ml, b125, n125);
+    ADD(s->m_iter, PD_METRIC_HISTOGRAM, "vllm:iteration_tokens_total",
+        "Histogram of number of tokens per engine_step.", ml, ITER_BUCKETS, NB(ITER_BUCKETS));
+    ADD(s->m_h_max_gen, PD_METRIC_HISTOGRAM, "vllm:request_max_num_generation_tokens",
+        "Histogram of maximum number of requested generation tokens.", ml, b125, n125);
     ADD(s->m_h_n, PD_METRIC_HISTOGRAM, "vllm:request_params_n",
         "Histogram of the n request parameter.", ml, N_BUCKETS, NB(N_BUCKETS));
+    ADD(s->m_h_best_of, PD_METRIC_HISTOGRAM, "vllm:request_params_best_of",
+        "Histogram of the best_of request parameter.", ml, N_BUCKETS, NB(N_BUCKETS));
     ADD(s->m_h_max, PD_METRIC_HISTOGRAM, "vllm:request_params_max_tokens",
         "Histogram of the max_tokens request parameter.", ml, b125, n125);
     ADD(s->m_ttft, PD_METRIC_HISTOGRAM, "vllm:time_to_first_token_seconds",
         "Histogram of time to first token in seconds.", ml, TTFT_BUCKETS, NB(TTFT_BUCKETS));
     ADD(s->m_tpot, PD_METRIC_HISTOGRAM, "vllm:time_per_output_token_seconds",
         "Histogram of time per output token in seconds.", ml, TPOT_BUCKETS, NB(TPOT_BUCKETS));
+    ADD(s->m_itl, PD_METRIC_HISTOGRAM, "vllm:inter_token_latency_seconds",
+        "Histogram of inter-token latency in seconds.", ml, TPOT_BUCKETS, NB(TPOT_BUCKETS));
+    ADD(s->m_req_tpot, PD_METRIC_HISTOGRAM, "vllm:request_time_per_output_token_seconds",
+        "Histogram of time_per_output_token_seconds per request.", ml, TPOT_BUCKETS,
+        NB(TPOT_BUCKETS));
     ADD(s->m_e2e, PD_METRIC_HISTOGRAM, "vllm:e2e_request_latency_seconds",
         "Histogram of e2e request latency in seconds.", ml, LAT_BUCKETS, NB(LAT_BUCKETS));
     ADD(s->m_queue, PD_METRIC_HISTOGRAM, "vllm:request_queue_time_seconds",
@@ -118,6 +195,11 @@ int srv_metrics_init(pd_apiserver *s)
         "Histogram of time spent in DECODE phase for request.", ml, LAT_BUCKETS, NB(LAT_BUCKETS));
     ADD(s->m_infer, PD_METRIC_HISTOGRAM, "vllm:request_inference_time_seconds",
         "Histogram of time spent in RUNNING phase for request.", ml, LAT_BUCKETS, NB(LAT_BUCKETS));
+    ADD(s->m_cache_info, PD_METRIC_GAUGE, "vllm:cache_config_info",
+        "Information of the LLMEngine CacheConfig",
+        "model_name,engine,role,instance,block_size,cache_dtype,enable_prefix_caching,"
+        "num_gpu_blocks",
+        NULL, 0);
     ADD(s->m_kv_bytes, PD_METRIC_COUNTER, "pd:kv_transfer_bytes_total",
         "KV payload bytes moved from prefill to decode.",
         "model_name,transport,prefill_instance,decode_instance", NULL, 0);
@@ -130,10 +212,11 @@ int srv_metrics_init(pd_apiserver *s)
         "Bytes of streamed responses held for clients that read slowly (relay and HTTP layer).",
         "model_name", NULL, 0);
 #undef ADD
-    pd_metric *zero[] = {s->m_running, s->m_waiting, s->m_kv,       s->m_gpu_kv,  s->m_preempt,
-                         s->m_prompt,  s->m_gen,     s->m_h_prompt, s->m_h_gen,   s->m_h_n,
-                         s->m_h_max,   s->m_ttft,    s->m_tpot,     s->m_e2e,     s->m_queue,
-                         s->m_prefill, s->m_decode,  s->m_infer,    s->m_cache_q, s->m_cache_h};
+    pd_metric *zero[] = {s->m_running, s->m_waiting,   s->m_kv,        s->m_gpu_kv,  s->m_preempt,
+                         s->m_prompt,  s->m_gen,       s->m_h_prompt,  s->m_h_gen,   s->m_h_n,
+                         s->m_h_max,   s->m_ttft,      s->m_tpot,      s->m_e2e,     s->m_queue,
+                         s->m_prefill, s->m_decode,    s->m_infer,     s->m_cache_q, s->m_cache_h,
+                         s->m_iter,    s->m_h_max_gen, s->m_h_best_of, s->m_itl,     s->m_req_tpot};
     for (size_t i = 0; i < NB(zero); i++) pd_metric_touch(zero[i], s->labels);
     pd_metric_touch(s->m_unsent, s->labels);
     static const char *const reasons[] = {"stop", "length", "abort"};

@@ -83,19 +83,26 @@ static void request_close(sreq *r, const char *reason)
     if (r->done) return;
     r->done = true;
     if (r->counted) s->inflight--;
-    if (r->waiting) s->n_waiting--;
-    if (r->running) s->n_running--;
     r->counted = r->waiting = r->running = false;
     if (reason) {
         const char *lv[3] = {s->labels[0], s->labels[1], reason};
         pd_metric_inc(s->m_success, lv, 1);
         int64_t now = pd_now_ns();
-        int64_t gen = 0;
-        for (int i = 0; i < r->n_choices; i++) gen += r->choices[i].completion_tokens;
+        int64_t gen = 0, longest = 0;
+        for (int i = 0; i < r->n_choices; i++) {
+            gen += r->choices[i].completion_tokens;
+            if (r->choices[i].completion_tokens > longest)
+                longest = r->choices[i].completion_tokens;
+        }
         pd_metric_observe(s->m_h_gen, s->labels, (double)gen);
+        pd_metric_observe(s->m_h_max_gen, s->labels, (double)longest);
         pd_metric_observe(s->m_e2e, s->labels, since(r->t_accept, now));
         if (r->t_prefill) pd_metric_observe(s->m_infer, s->labels, since(r->t_prefill, now));
         if (r->t_first) pd_metric_observe(s->m_decode, s->labels, since(r->t_first, now));
+        /* vLLM's mean time per output token: the decode time over the tokens after the first
+           (of the longest choice, whose last token ends the decode time); 0 for one token */
+        pd_metric_observe(s->m_req_tpot, s->labels,
+                          longest > 1 ? since(r->t_first, now) / (double)(longest - 1) : 0.0);
     }
 }
 
@@ -375,8 +382,11 @@ static void process(sreq *r)
                     if (r->t_prefill)
                         pd_metric_observe(s->m_prefill, s->labels, since(r->t_prefill, now));
                 }
-                if (c->last_tok_ns)
-                    pd_metric_observe(s->m_tpot, s->labels, since(c->last_tok_ns, now));
+                if (c->last_tok_ns) {
+                    double gap = since(c->last_tok_ns, now);
+                    pd_metric_observe(s->m_tpot, s->labels, gap);
+                    pd_metric_observe(s->m_itl, s->labels, gap);
+                }
                 c->last_tok_ns = now;
                 c->completion_tokens += t->n_tokens;
                 gen_push(c, t->token);
@@ -596,6 +606,8 @@ void srv_dispatch(sreq *r)
     for (size_t i = 0; i < r->req.n_prompts; i++)
         r->prompt_tokens += (int64_t)r->req.prompts[i].n_ids;
     pd_metric_observe(s->m_h_n, s->labels, n);
+    /* best_of: the request's, which the API takes only equal to n (sampler.h), n by default */
+    pd_metric_observe(s->m_h_best_of, s->labels, n);
     /* once per request (n choices are one request): the first prompt's max_tokens (prompts
      * differ only with max_tokens:null, which leaves each prompt the rest of the context) */
     pd_metric_observe(s->m_h_max, s->labels, (double)r->req.prompts[0].max_tokens);
@@ -663,12 +675,8 @@ void srv_dispatch(sreq *r)
         }
     }
     r->t_prefill = pd_now_ns();
-    if (r->waiting) {
-        r->waiting = false;
-        s->n_waiting--;
-    }
+    r->waiting = false;
     r->running = true;
-    s->n_running++;
     /* requests already waiting for KV or prefill room go first */
     for (int i = 0; i < r->n_choices; i++) {
         choice *c = &r->choices[i];

@@ -203,7 +203,6 @@ static void parse_done(uv_work_t *w, int status)
     r->counted = true;
     s->inflight++;
     r->waiting = true;
-    s->n_waiting++;
     srv_dispatch(r);
 }
 

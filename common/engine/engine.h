@@ -238,6 +238,8 @@ void pd_engine_event_done(pd_engine *e);
 
 /* ---- queries ------------------------------------------------------------------------------ */
 
+#define PD_ENGINE_STEP_BINS 16 /* pd_engine_stats.step_tokens: up to 2^14 tokens, then above */
+
 typedef struct {
     size_t num_running; /* sequences */
     size_t num_waiting;
@@ -256,6 +258,11 @@ typedef struct {
     uint64_t requests_finished; /* incl. aborted */
     uint64_t step_ns;           /* wall time inside steps (scheduling, forward, sampling) */
     uint64_t forward_ns;        /* of which the forward pass on all ranks (CoW copies incl.) */
+    /* steps by the tokens t they ran (prompt rows plus decode rows): bin 0 t = 1, bin i
+     * 2^(i-1) < t <= 2^i, the last bin every larger t; powers of two so a reader can fold them
+     * into any power-of-two buckets (vLLM's vllm:iteration_tokens_total) */
+    uint64_t step_tokens[PD_ENGINE_STEP_BINS];
+    uint64_t step_tokens_sum; /* tokens over all steps */
 } pd_engine_stats;
 
 /* A consistent snapshot (any thread). */

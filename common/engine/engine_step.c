@@ -120,6 +120,14 @@ static void free_ended_requests(pd_engine *e)
     }
 }
 
+/* The pd_engine_stats.step_tokens bin of a step of n_tokens tokens (>= 1). */
+static size_t step_bin(size_t n_tokens)
+{
+    size_t bin = 0;
+    while (bin + 1 < PD_ENGINE_STEP_BINS && ((size_t)1 << bin) < n_tokens) bin++;
+    return bin;
+}
+
 /* One step; *did_work false when nothing was scheduled. */
 static int step_once(pd_engine *e, bool *did_work)
 {
@@ -150,6 +158,8 @@ static int step_once(pd_engine *e, bool *did_work)
     e->stats.forward_ns += (uint64_t)(t2 - t1);
     *did_work = true;
     e->stats.steps++;
+    e->stats.step_tokens[step_bin(e->so.n_tokens)]++;
+    e->stats.step_tokens_sum += e->so.n_tokens;
     pd_sched_commit(e->sched);
     char msg[512];
     if (frc < 0) {

@@ -46,19 +46,26 @@ pd_metrics *pd_metrics_create(void)
     return r;
 }
 
+/* Frees every series of m; called with the registry lock held (or at teardown). */
+static void free_series(pd_metric *m)
+{
+    for (series *s = m->head, *sn; s; s = sn) {
+        sn = s->next;
+        for (size_t i = 0; i < m->n_labels; i++) free(s->values[i]);
+        free(s->values);
+        free(s->bucket);
+        free(s->key);
+        free(s);
+    }
+    m->head = m->tail = NULL;
+}
+
 void pd_metrics_free(pd_metrics *r)
 {
     if (!r) return;
     for (pd_metric *m = r->head, *mn; m; m = mn) {
         mn = m->next;
-        for (series *s = m->head, *sn; s; s = sn) {
-            sn = s->next;
-            for (size_t i = 0; i < m->n_labels; i++) free(s->values[i]);
-            free(s->values);
-            free(s->bucket);
-            free(s->key);
-            free(s);
-        }
+        free_series(m);
         for (size_t i = 0; i < m->n_labels; i++) free(m->labels[i]);
         free(m->buckets);
         free(m->name);
@@ -184,6 +191,30 @@ void pd_metric_observe(pd_metric *m, const char *const *lv, double v)
 void pd_metric_touch(pd_metric *m, const char *const *lv)
 {
     update(m, lv, 0, 3);
+}
+
+void pd_metric_merge(pd_metric *m, const char *const *lv, const double *counts, size_t n,
+                     double sum)
+{
+    if (!m || m->type != PD_METRIC_HISTOGRAM || n != m->n_buckets + 1) return;
+    pthread_mutex_lock(&m->reg->mu);
+    series *s = get_series(m, lv);
+    if (s) {
+        for (size_t i = 0; i < n; i++) {
+            if (i < m->n_buckets) s->bucket[i] += counts[i];
+            s->count += counts[i];
+        }
+        s->value += sum;
+    }
+    pthread_mutex_unlock(&m->reg->mu);
+}
+
+void pd_metric_clear(pd_metric *m)
+{
+    if (!m) return;
+    pthread_mutex_lock(&m->reg->mu);
+    free_series(m);
+    pthread_mutex_unlock(&m->reg->mu);
 }
 
 double pd_metric_value(pd_metric *m, const char *const *lv)

@@ -28,6 +28,14 @@ pd_metric *pd_metrics_add(pd_metrics *r, pd_metric_type type, const char *name, 
 void pd_metric_inc(pd_metric *m, const char *const *label_values, double v);     /* counter/gauge */
 void pd_metric_set(pd_metric *m, const char *const *label_values, double v);     /* gauge */
 void pd_metric_observe(pd_metric *m, const char *const *label_values, double v); /* histogram */
+/* Adds to a histogram series observations already sorted into its buckets: counts[i]
+ * observations fell in bucket i (not cumulative; counts[n_buckets] is +Inf's), of total sum.
+ * n must be the family's bucket count + 1 (else nothing changes). For figures a process
+ * gathered itself (an instance's per-step histogram). */
+void pd_metric_merge(pd_metric *m, const char *const *label_values, const double *counts, size_t n,
+                     double sum);
+/* Drops every series of the family (an info gauge whose label values changed). */
+void pd_metric_clear(pd_metric *m);
 /* Creates the series with value 0 (so it exists from start-up). */
 void pd_metric_touch(pd_metric *m, const char *const *label_values);
 /* Current value of a counter/gauge series, or a histogram's count (0 when absent). */

@@ -311,6 +311,11 @@ static void h_stats(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len)
     m.prompt_tokens = (int64_t)st.prompt_tokens;
     m.generation_tokens = (int64_t)st.generation_tokens;
     m.requests_finished = (int64_t)st.requests_finished;
+    int64_t bins[PD_ENGINE_STEP_BINS];
+    for (size_t i = 0; i < PD_ENGINE_STEP_BINS; i++) bins[i] = (int64_t)st.step_tokens[i];
+    m.n_step_tokens = PD_ENGINE_STEP_BINS;
+    m.step_tokens = bins;
+    m.step_tokens_sum = (int64_t)st.step_tokens_sum;
     pthread_mutex_lock(&n->mu);
     m.leases_held = n->leases;
     m.kv_transfer_bytes = n->kv_bytes;

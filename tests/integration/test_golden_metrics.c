@@ -227,6 +227,9 @@ static const char *const TPOT_LE[] = {"0.01", "0.025", "0.05", "0.075", "0.1",  
 static const char *const N_LE[] = {"1.0", "2.0", "5.0", "10.0", "20.0", NULL};
 /* 1-2-5 up to L = 64 */
 static const char *const TOK_LE[] = {"1.0", "2.0", "5.0", "10.0", "20.0", "50.0", NULL};
+static const char *const ITER_LE[] = {"1.0",    "8.0",    "16.0",    "32.0",   "64.0",
+                                      "128.0",  "256.0",  "512.0",   "1024.0", "2048.0",
+                                      "4096.0", "8192.0", "16384.0", NULL};
 
 #define STD_LABELS "model_name=\"tiny\",engine=\"0\""
 
@@ -295,7 +298,37 @@ typedef struct {
     double ttft_count, tpot_count, e2e_count, queue_count, prefill_count, decode_count, infer_count;
     double kv_bytes, kv_count;
     double cache_queries, cache_hits;
+    double iter_count, iter_sum, iter_b[16], mg_count, mg_sum, mg_b[8], bo_count, bo_sum, bo_b[8];
+    double itl_count, rtpot_count;
 } snapshot;
+
+/* vllm:cache_config_info: one series per instance, its KV cache configuration in the labels
+ * (the block count as the instance's own Stats give it), value 1. */
+static bool check_cache_info(expo *e, char *why, size_t wn)
+{
+    family *f = expo_family(e, "vllm:cache_config_info");
+    if (!f || strcmp(f->type, "gauge") != 0 || f->ns != 2) {
+        snprintf(why, wn, "vllm:cache_config_info: missing, not a gauge, or not 2 series");
+        return false;
+    }
+    for (int k = 0; k < 2; k++) {
+        Pd__StatsReply *st = cl_stats(&g_c, k);
+        char want[400];
+        snprintf(want, sizeof want,
+                 STD_LABELS ",role=\"%s\",instance=\"127.0.0.1:%d\",block_size=\"16\","
+                            "cache_dtype=\"float32\",enable_prefix_caching=\"True\","
+                            "num_gpu_blocks=\"%lld\"",
+                 k ? "decode" : "prefill", g_c.ports[k],
+                 st ? (long long)st->kv_blocks_total : -1LL);
+        if (st) pd__stats_reply__free_unpacked(st, NULL);
+        if (strcmp(f->s[k].labels, want) != 0 || strcmp(f->s[k].value, "1.0") != 0) {
+            snprintf(why, wn, "vllm:cache_config_info: {%.180s} %s, want {%.180s} 1.0",
+                     f->s[k].labels, f->s[k].value, want);
+            return false;
+        }
+    }
+    return true;
+}
 
 /* Every §16 series of the metrics scheduler, with exact names, types, labels and buckets. */
 static bool read_snapshot(snapshot *s, char *why, size_t wn)
@@ -344,6 +377,17 @@ static bool read_snapshot(snapshot *s, char *why, size_t wn)
          check_hist(&e, "vllm:request_params_n", N_LE, &s->n_count, &s->n_sum, s->n_b, why, wn) &&
          check_hist(&e, "vllm:request_params_max_tokens", TOK_LE, &s->mt_count, &s->mt_sum, s->mt_b,
                     why, wn) &&
+         check_hist(&e, "vllm:request_params_best_of", N_LE, &s->bo_count, &s->bo_sum, s->bo_b, why,
+                    wn) &&
+         check_hist(&e, "vllm:request_max_num_generation_tokens", TOK_LE, &s->mg_count, &s->mg_sum,
+                    s->mg_b, why, wn) &&
+         check_hist(&e, "vllm:iteration_tokens_total", ITER_LE, &s->iter_count, &s->iter_sum,
+                    s->iter_b, why, wn) &&
+         check_hist(&e, "vllm:inter_token_latency_seconds", TPOT_LE, &s->itl_count, &sum, NULL, why,
+                    wn) &&
+         check_hist(&e, "vllm:request_time_per_output_token_seconds", TPOT_LE, &s->rtpot_count,
+                    &sum, NULL, why, wn) &&
+         check_cache_info(&e, why, wn) &&
          check_hist(&e, "vllm:time_to_first_token_seconds", TTFT_LE, &s->ttft_count, &sum, NULL,
                     why, wn) &&
          check_hist(&e, "vllm:time_per_output_token_seconds", TPOT_LE, &s->tpot_count, &sum, NULL,
@@ -417,7 +461,8 @@ TEST(golden_40_metrics_startup)
                       &s.ok_abort,     &s.running,     &s.waiting,     &s.pt_count,
                       &s.gt_count,     &s.n_count,     &s.mt_count,    &s.ttft_count,
                       &s.tpot_count,   &s.e2e_count,   &s.queue_count, &s.prefill_count,
-                      &s.decode_count, &s.infer_count, &s.kv_bytes};
+                      &s.decode_count, &s.infer_count, &s.kv_bytes,    &s.bo_count,
+                      &s.mg_count,     &s.itl_count,   &s.rtpot_count};
     for (size_t i = 0; i < sizeof zero / sizeof *zero; i++)
         ASSERT_MSG(*zero[i] == 0.0, "series %zu is %g at start-up", i, *zero[i]);
 }
@@ -450,7 +495,9 @@ TEST(golden_40_metrics_after_traffic)
     int64_t deadline = pd_now_ns() + 10 * PD_NS_PER_S;
     bool got = false;
     while (pd_now_ns() < deadline && !got) {
-        got = read_snapshot(&s, why, sizeof why) && s.e2e_count >= 4 && s.kv_count >= 4;
+        /* the engines' queues come with the instances' next Stats (a heartbeat) */
+        got = read_snapshot(&s, why, sizeof why) && s.e2e_count >= 4 && s.kv_count >= 4 &&
+              s.running == 0 && s.waiting == 0;
         if (!got) pd_sleep_ns(100 * PD_NS_PER_MS);
     }
     ASSERT_MSG(got, "after traffic: %s", why);
@@ -466,21 +513,30 @@ TEST(golden_40_metrics_after_traffic)
     /* buckets le 1,2,5,10,20,50,+Inf */
     static const double pt_b[] = {0, 0, 4, 4, 4, 4, 4}; /* prompt tokens 5,5,3,4 */
     static const double gt_b[] = {1, 1, 4, 4, 4, 4, 4}; /* generated 3,3,4,1 */
-    static const double n_b[] = {3, 4, 4, 4, 4, 4};     /* n 1,1,2,1 */
+    static const double n_b[] = {3, 4, 4, 4, 4, 4};     /* n 1,1,2,1 (best_of: the same) */
+    static const double mg_b[] = {1, 2, 4, 4, 4, 4, 4}; /* longest choice 3,3,2,1 */
     for (int i = 0; i < 7; i++) {
         ASSERT_MSG(s.pt_b[i] == pt_b[i], "request_prompt_tokens bucket %d: %g", i, s.pt_b[i]);
         ASSERT_MSG(s.gt_b[i] == gt_b[i], "request_generation_tokens bucket %d: %g", i, s.gt_b[i]);
+        ASSERT_MSG(s.mg_b[i] == mg_b[i], "request_max_num_generation_tokens bucket %d: %g", i,
+                   s.mg_b[i]);
         if (i < 6) ASSERT_MSG(s.n_b[i] == n_b[i], "request_params_n bucket %d: %g", i, s.n_b[i]);
+        if (i < 6)
+            ASSERT_MSG(s.bo_b[i] == n_b[i], "request_params_best_of bucket %d: %g", i, s.bo_b[i]);
     }
     ASSERT_NEAR(s.pt_sum, 17, 1e-9);
     ASSERT_NEAR(s.gt_sum, 11, 1e-9);
     ASSERT_NEAR(s.n_sum, 5, 1e-9);
+    ASSERT_NEAR(s.bo_sum, 5, 1e-9);
+    ASSERT_NEAR(s.mg_sum, 9, 1e-9);
     double counts[] = {s.pt_count,    s.gt_count,      s.n_count,      s.ttft_count,  s.e2e_count,
-                       s.queue_count, s.prefill_count, s.decode_count, s.infer_count, s.kv_count};
+                       s.queue_count, s.prefill_count, s.decode_count, s.infer_count, s.kv_count,
+                       s.bo_count,    s.mg_count,      s.rtpot_count};
     for (size_t i = 0; i < sizeof counts / sizeof *counts; i++)
         ASSERT_MSG(counts[i] == 4, "request-level histogram %zu counted %g, want 4", i, counts[i]);
     /* one per token after each choice's first: 2 + 2 + 1 + 1 + 0 */
     ASSERT_NEAR(s.tpot_count, 6, 1e-9);
+    ASSERT_NEAR(s.itl_count, 6, 1e-9);
 }
 
 /* §18.40 / §16: request_params_max_tokens is observed once per request (n choices make one
@@ -528,8 +584,9 @@ TEST(golden_40_metrics_kv_bytes)
                g_after.kv_bytes, (long long)(16 * per_tok), (long long)per_tok);
 }
 
-/* A snapshot once the prefix cache counters stay put over more than a heartbeat period: the
- * instances served earlier tests (and other schedulers), whose last Stats must be in. */
+/* A snapshot once the prefix cache counters and the engine steps stay put over more than a
+ * heartbeat period: the instances served earlier tests (and other schedulers), whose last Stats
+ * must be in. */
 static bool steady_snapshot(snapshot *s0, char *why, size_t wn)
 {
     for (int i = 0; i < 8; i++) {
@@ -537,9 +594,11 @@ static bool steady_snapshot(snapshot *s0, char *why, size_t wn)
         if (!read_snapshot(s0, why, wn)) return false;
         pd_sleep_ns((int64_t)CL_MS(1200) * PD_NS_PER_MS); /* a heartbeat and then some */
         if (!read_snapshot(&s, why, wn)) return false;
-        if (s.cache_queries == s0->cache_queries && s.cache_hits == s0->cache_hits) return true;
+        if (s.cache_queries == s0->cache_queries && s.cache_hits == s0->cache_hits &&
+            s.iter_count == s0->iter_count && s.iter_sum == s0->iter_sum)
+            return true;
     }
-    snprintf(why, wn, "the prefix cache counters kept moving without traffic");
+    snprintf(why, wn, "the prefix cache counters or engine steps kept moving without traffic");
     return false;
 }
 
@@ -636,4 +695,120 @@ TEST(golden_40_metrics_n_shares_prompt)
         ASSERT_MSG(same, "%s", msg);
     }
     json_decref(o);
+}
+
+/* vllm:iteration_tokens_total: the engines' steps by the tokens they ran, summed over the
+ * instances (from their Stats, a heartbeat later). A 5-token prompt with 3 tokens generated: the
+ * prefill instance runs one step of 5 tokens (le 8) and samples the first token; the decode
+ * instance two steps of 1 token (the first token's row, then the second's; the third token ends
+ * the request without a row of its own). */
+TEST(golden_40_metrics_iteration_tokens)
+{
+    FIXTURE();
+    snapshot s0, s;
+    char why[512] = "";
+    ASSERT_MSG(steady_snapshot(&s0, why, sizeof why), "before: %s", why);
+    resp r;
+    ASSERT(post(g_port_metrics, "/v1/completions",
+                "{\"prompt\":[40,41,42,43,44],\"max_tokens\":3,\"ignore_eos\":true}", &r) == 0);
+    int st = r.status;
+    resp_free(&r);
+    ASSERT_EQ_INT(st, 200);
+    int64_t deadline = pd_now_ns() + (int64_t)(CL_SEC(10) * PD_NS_PER_S);
+    bool got = false;
+    while (!got && pd_now_ns() < deadline) {
+        got = read_snapshot(&s, why, sizeof why) && s.iter_count - s0.iter_count >= 3 &&
+              s.iter_sum - s0.iter_sum >= 7;
+        if (!got) pd_sleep_ns(100 * PD_NS_PER_MS);
+    }
+    ASSERT_MSG(got, "steps %g -> %g, tokens %g -> %g: %s", s0.iter_count, s.iter_count, s0.iter_sum,
+               s.iter_sum, why);
+    ASSERT_NEAR(s.iter_count - s0.iter_count, 3, 1e-9);
+    ASSERT_NEAR(s.iter_sum - s0.iter_sum, 7, 1e-9);
+    ASSERT_NEAR(s.iter_b[0] - s0.iter_b[0], 2, 1e-9); /* le 1: the decode steps */
+    ASSERT_NEAR(s.iter_b[1] - s0.iter_b[1], 3, 1e-9); /* le 8 (cumulative): and the prefill */
+}
+
+/* vllm:num_requests_running / _waiting are the engines' queues, as vLLM reports them: with
+ * --max-num-seqs 1 on both instances, eight concurrent requests of 100 tokens (their KV fits the
+ * decode pool's 64 blocks together) prefill one at a time and decode one at a time; the rest wait
+ * in the engines' queues, and /metrics shows them waiting, with at most one running per instance.
+ * (The gauges used to count the scheduler's dispatched requests: 8 running, 0 waiting.) Once
+ * they are done, both gauges go back to 0. */
+TEST(golden_40_metrics_waiting_on_decode)
+{
+    FIXTURE();
+    cl_cluster c;
+    memset(&c, 0, sizeof c);
+    char *node_args[] = {"--max-num-seqs", "1", NULL};
+    if (cl_start(&c, g_model, "0", "1", node_args) < 0) {
+        char why[512];
+        snprintf(why, sizeof why, "%s", pd_last_error());
+        cl_stop_all(&c);
+        ASSERT_MSG(false, "cl_start: %s", why);
+    }
+    cl_proc sp;
+    int port = 0;
+    char *sched_args[] = {"--heartbeat-ms", "100", NULL};
+    if (cl_sched_start(&c, &sp, "sched_queues", sched_args, &port) < 0) {
+        char why[512];
+        snprintf(why, sizeof why, "%s", pd_last_error());
+        cl_stop_all(&c);
+        ASSERT_MSG(false, "pd-scheduler: %s", why);
+    }
+    enum { N = 8 };
+    cl_conn conns[N];
+    bool opened = true;
+    for (int i = 0; i < N; i++) {
+        char body[160];
+        snprintf(body, sizeof body,
+                 "{\"prompt\":[%d,2,3,4],\"max_tokens\":100,\"ignore_eos\":true}", 10 + i);
+        opened &= cl_conn_open(&conns[i], port, "POST", "/v1/completions", NULL, body, false) == 0;
+    }
+    const char *run_p = "vllm:num_requests_running{model_name=\"tiny\",engine=\"0\"} ";
+    const char *wait_p = "vllm:num_requests_waiting{model_name=\"tiny\",engine=\"0\"} ";
+    double max_running = 0, max_waiting = 0, running = -1, waiting = -1;
+    int64_t deadline = pd_now_ns() + (int64_t)(CL_SEC(30) * PD_NS_PER_S);
+    int n_open = opened ? N : 0;
+    while (n_open > 0 && pd_now_ns() < deadline) {
+        n_open = cl_conn_poll(conns, N, 20, 0);
+        char *m = get_metrics(port);
+        running = m ? cl_metric(m, run_p, -1) : -1;
+        waiting = m ? cl_metric(m, wait_p, -1) : -1;
+        free(m);
+        if (running > max_running) max_running = running;
+        if (waiting > max_waiting) max_waiting = waiting;
+    }
+    int ok = 0;
+    for (int i = 0; i < N; i++) {
+        ok += opened && conns[i].status == 200;
+        cl_conn_close(&conns[i]);
+    }
+    /* idle: both gauges at 0 with the instances' next Stats */
+    deadline = pd_now_ns() + (int64_t)(CL_SEC(5) * PD_NS_PER_S);
+    do {
+        char *m = get_metrics(port);
+        running = m ? cl_metric(m, run_p, -1) : -1;
+        waiting = m ? cl_metric(m, wait_p, -1) : -1;
+        free(m);
+        if (running == 0 && waiting == 0) break;
+        pd_sleep_ns(50 * PD_NS_PER_MS);
+    } while (pd_now_ns() < deadline);
+    if (n_open || ok != N) {
+        cl_dump_log(&sp, 20);
+        for (int k = 0; k < 2; k++) cl_dump_log(&c.procs[k], 20);
+    }
+    int st = cl_stop(&sp, 10000);
+    int bad = cl_stop_all(&c);
+    printf("    at most %g running, %g waiting\n", max_running, max_waiting);
+    ASSERT(opened);
+    ASSERT_EQ_INT(n_open, 0);
+    ASSERT_EQ_INT(ok, N);
+    ASSERT_MSG(max_waiting >= 2, "num_requests_waiting never above %g", max_waiting);
+    ASSERT_MSG(max_running >= 1 && max_running <= 2,
+               "num_requests_running up to %g with one sequence per instance", max_running);
+    ASSERT_NEAR(running, 0, 1e-9);
+    ASSERT_NEAR(waiting, 0, 1e-9);
+    ASSERT_EQ_INT(st, 0);
+    ASSERT_EQ_INT(bad, 0);
 }

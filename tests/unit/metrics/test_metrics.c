@@ -170,3 +170,44 @@ TEST(metrics_125_buckets)
     ASSERT_EQ_INT(pd_metrics_125_buckets(0.5, b, 64), 0);
     ASSERT_EQ_INT(pd_metrics_125_buckets(5, b, 64), 3);
 }
+
+/* A histogram gathered elsewhere (an instance's steps) merges bucket by bucket: counts land in
+ * their buckets, +Inf's only in the count, the sum as given; a count array of the wrong length
+ * changes nothing. */
+TEST(metrics_merge_bucket_counts)
+{
+    pd_metrics *r = pd_metrics_create();
+    double b[] = {1, 8, 16};
+    pd_metric *h = pd_metrics_add(r, PD_METRIC_HISTOGRAM, "h", "x", "engine", b, 3);
+    ASSERT(h);
+    const char *lv[] = {"0"};
+    pd_metric_observe(h, lv, 4);
+    const double counts[] = {2, 0, 1, 3}; /* two 1-token steps, one of 9..16, three above 16 */
+    pd_metric_merge(h, lv, counts, 4, 2 + 12 + 3 * 100);
+    pd_metric_merge(h, lv, counts, 3, 1000); /* wrong length: ignored */
+    char *text = pd_metrics_render(r);
+    ASSERT_CONTAINS(text, "h_bucket{engine=\"0\",le=\"1.0\"} 2.0\n"
+                          "h_bucket{engine=\"0\",le=\"8.0\"} 3.0\n"
+                          "h_bucket{engine=\"0\",le=\"16.0\"} 4.0\n"
+                          "h_bucket{engine=\"0\",le=\"+Inf\"} 7.0\n"
+                          "h_count{engine=\"0\"} 7.0\n"
+                          "h_sum{engine=\"0\"} 318.0\n");
+    free(text);
+    pd_metrics_free(r);
+}
+
+/* An info gauge's label values change: clear drops the old series, the family stays. */
+TEST(metrics_clear_family)
+{
+    pd_metrics *r = pd_metrics_create();
+    pd_metric *g = pd_metrics_add(r, PD_METRIC_GAUGE, "i", "x", "block_size", NULL, 0);
+    ASSERT(g);
+    const char *a[] = {"16"}, *b[] = {"32"};
+    pd_metric_set(g, a, 1);
+    pd_metric_clear(g);
+    pd_metric_set(g, b, 1);
+    char *text = pd_metrics_render(r);
+    ASSERT_STR_EQ(text, "# HELP i x\n# TYPE i gauge\ni{block_size=\"32\"} 1.0\n");
+    free(text);
+    pd_metrics_free(r);
+}
