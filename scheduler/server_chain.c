@@ -383,7 +383,7 @@ static void on_reserve_done(void *arg, int st, const char *details, const uint8_
         chain_fail(c, 500, "out of memory");
         return;
     }
-    memcpy(c->block_ids, m->block_ids, m->n_block_ids * sizeof *c->block_ids);
+    if (m->n_block_ids) memcpy(c->block_ids, m->block_ids, m->n_block_ids * sizeof *c->block_ids);
     c->n_block_ids = m->n_block_ids;
     c->decode_cached = m->cached_tokens;
     pd__reserve_reply__free_unpacked(m, NULL);

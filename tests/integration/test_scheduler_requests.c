@@ -512,7 +512,9 @@ TEST(sched_local_prefill_equals_split)
         for (int k = 0; k < 4; k++)
             if (all[k]) pd__stats_reply__free_unpacked(all[k], NULL);
     }
-    ASSERT_EQ_INT(cl_stop(&sp, 10000), 0);
+    int st = cl_stop(&sp, 10000);
+    if (st != 0 || bad) cl_dump_log(&sp, 30);
+    ASSERT_EQ_INT(st, 0);
     ASSERT_EQ_INT(bad, 0);
 }
 
