@@ -22,8 +22,12 @@ typedef struct {
 
 static gx *rx_fail(rx *r, size_t pos, const char *what)
 {
-    gb_fail(r->b, PD_EUNSUPPORTED, "pattern", r->path, (long)pos,
-            "regex: %s at position %zu", what, pos);
+    if (*r->path)
+        gb_fail(r->b, PD_EUNSUPPORTED, "pattern", r->path, (long)pos,
+                "json schema: pattern at %s: regex: %s at position %zu", r->path, what, pos);
+    else
+        gb_fail(r->b, PD_EUNSUPPORTED, "pattern", r->path, (long)pos, "regex: %s at position %zu",
+                what, pos);
     return gx_none(r->b);
 }
 

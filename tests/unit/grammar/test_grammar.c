@@ -22,14 +22,23 @@ static int32_t g_small_eos;
 static pd_gvocab *small_vocab(void)
 {
     if (g_small) return g_small;
-    int n = 0;
-    while (SMALL[n]) n++;
+    /* the list above, then every printable ASCII byte (so no walk is stuck for want of a
+     * token), then EOS and a special token */
+    static char ascii[95][2];
+    int n0 = 0;
+    while (SMALL[n0]) n0++;
+    int n = n0 + 95;
     const uint8_t **b = calloc((size_t)n + 2, sizeof *b);
     uint32_t *l = calloc((size_t)n + 2, sizeof *l);
     bool *sp = calloc((size_t)n + 2, sizeof *sp);
-    for (int i = 0; i < n; i++) {
+    for (int i = 0; i < n0; i++) {
         b[i] = (const uint8_t *)SMALL[i];
         l[i] = (uint32_t)strlen(SMALL[i]);
+    }
+    for (int i = 0; i < 95; i++) {
+        ascii[i][0] = (char)(0x20 + i);
+        b[n0 + i] = (const uint8_t *)ascii[i];
+        l[n0 + i] = 1;
     }
     b[n] = (const uint8_t *)"<eos>";
     l[n] = 5;
@@ -363,6 +372,12 @@ static int check_walk(pd_grammar *g, pd_gvocab *v, int steps, const char **why)
             break;
         }
         int32_t pick = allowed[rnd() % (uint32_t)na];
+        if (getenv("PD_GRAMMAR_TEST_TRACE")) {
+            uint32_t len;
+            const uint8_t *b = pd_gvocab_token(v, pick, &len);
+            printf("%.*s", (int)len, b ? (const char *)b : "<eos>");
+            fflush(stdout);
+        }
         if (pd_gmatcher_accept_token(m, pick) < 0) {
             *why = "accept of an allowed token failed";
             rc = -3;
@@ -415,7 +430,7 @@ TEST(matcher_eos_rollback_clone)
     ASSERT(g);
     pd_gmatcher *m;
     ASSERT_OK(pd_gmatcher_create(g, &m));
-    int32_t a = 10, b = 11, c = 12;
+    int32_t a = 10, b = 11, c = 12; /* "a" "b" "c" */
     ASSERT(!pd_gmatcher_allows(m, g_small_eos));
     ASSERT(pd_gmatcher_accept_token(m, g_small_eos) < 0);
     ASSERT_OK(pd_gmatcher_accept_token(m, a));
