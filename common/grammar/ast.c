@@ -284,7 +284,7 @@ void gb_init(gb *b, pd_gerr *err)
     memset(b, 0, sizeof *b);
     b->a = pd_arena_create(1 << 16);
     b->err = err;
-    b->budget = 2000000;
+    b->budget = 1000000;
     if (err) {
         err->keyword[0] = err->path[0] = err->msg[0] = 0;
         err->pos = -1;

@@ -9,7 +9,7 @@
 #include "util/hash.h"
 #include "util/status.h"
 
-#define MAX_STATES 400000
+#define MAX_STATES 150000
 
 /* ---- NFA ------------------------------------------------------------------------------ */
 enum { NE_EPS, NE_BYTES, NE_CALL };
@@ -33,6 +33,8 @@ typedef struct {
     int32_t n_work;
     int depth;
     long states_left;
+    int32_t *nrefs;   /* call sites per builder rule */
+    int force_inline; /* inside an intersection/complement: every non-recursive rule inlines */
 } cc;
 
 static int32_t nnode(cc *c, nfa *n)
@@ -40,7 +42,7 @@ static int32_t nnode(cc *c, nfa *n)
     if (c->b->status < 0) return -1;
     if (--c->b->budget < 0) {
         gb_fail(c->b, PD_EUNSUPPORTED, "", "", -1,
-                "grammar too large: over 2,000,000 automaton nodes (large repetition bounds "
+                "grammar too large: over 1,000,000 automaton nodes (large repetition bounds "
                 "such as maxLength/maxItems multiply the size)");
         return -1;
     }
@@ -466,7 +468,9 @@ static int sub_dfa(cc *c, gx *x, dfa *d)
 {
     nfa m = {0};
     int32_t s = nnode(c, &m);
+    c->force_inline++;
     int32_t e = s >= 0 ? frag(c, &m, x, s) : -1;
+    c->force_inline--;
     if (e < 0) {
         nfa_free(&m);
         return c->b->status < 0 ? c->b->status : -1;
@@ -594,7 +598,9 @@ static int32_t frag(cc *c, nfa *n, gx *x, int32_t s)
             gb_fail(c->b, PD_EINVAL, "", "", -1, "rule '%s' is used but not defined", r->name);
             return -1;
         }
-        if (!r->keep && !c->recursive[x->rule] && c->depth < 200) {
+        bool inl = !c->recursive[x->rule] &&
+                   (c->force_inline || (!r->keep && c->nrefs[x->rule] <= 1));
+        if (inl && c->depth < 200) {
             c->depth++;
             int32_t e = frag(c, n, r->body, s);
             c->depth--;
@@ -661,6 +667,21 @@ static void refs(gx *x, uint32_t mark, uint8_t *out)
     if (x->kind == X_GRAPH)
         for (int32_t i = 0; i < x->n; i++)
             if (x->g_edges[i].x) refs(x->g_edges[i].x, mark, out);
+}
+
+static void count_refs(gx *x, uint32_t mark, int32_t *out)
+{
+    if (x->mark == mark) return;
+    x->mark = mark;
+    if (x->kind == X_CALL) out[x->rule]++;
+    if (x->kind == X_REP && x->max != 1 && x->n && x->kids[0]->kind == X_CALL)
+        out[x->kids[0]->rule]++; /* copied: more than one site */
+    if (x->kind == X_GRAPH) {
+        for (int32_t i = 0; i < x->n; i++)
+            if (x->g_edges[i].x) count_refs(x->g_edges[i].x, mark, out);
+        return;
+    }
+    for (int32_t i = 0; i < x->n; i++) count_refs(x->kids[i], mark, out);
 }
 
 static void find_recursive(gb *b, bool *rec)
@@ -870,6 +891,16 @@ int gram_build(gb *b, int32_t root, pd_grammar *g)
     }
     for (int32_t i = 0; i < nr; i++) c.gid[i] = -1;
     find_recursive(b, c.recursive);
+    c.nrefs = calloc((size_t)nr, sizeof(int32_t));
+    if (!c.nrefs) {
+        rc = gb_fail(b, PD_ENOMEM, "", "", -1, "out of memory");
+        goto done;
+    }
+    {
+        uint32_t mark = __atomic_add_fetch(&g_mark_gen, 1, __ATOMIC_RELAXED);
+        for (int32_t r = 0; r < nr; r++)
+            if (b->rules[r].body) count_refs(b->rules[r].body, mark, c.nrefs);
+    }
     rule_gid(&c, root);
     for (int32_t w = 0; w < c.n_work; w++) {
         int32_t r = c.work[w];
@@ -953,6 +984,7 @@ done:
         for (int32_t w = 0; w < nr; w++) dfa_free(&ds[w]);
     free(ds);
     free(c.recursive);
+    free(c.nrefs);
     free(c.gid);
     free(c.work);
     return rc;

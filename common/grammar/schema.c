@@ -623,6 +623,10 @@ static const char *format_regex(const char *f)
         return "((25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\\.){3}(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])";
     if (strcmp(f, "email") == 0)
         return "[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+(\\.[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+)*@([A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?\\.)+[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?";
+    /* approximations of the RFC grammars (docs/structured_output.md) */
+    if (strcmp(f, "uri") == 0) return "[A-Za-z][A-Za-z0-9+.-]*:[^ \\t\\n\\r\"<>\\\\^`{|}]*";
+    if (strcmp(f, "hostname") == 0)
+        return "[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*";
     return NULL;
 }
 
@@ -759,7 +763,10 @@ static gx *key_except(sc *c, json_t *props)
     json_object_foreach(props, key, v) k[m++] = json_string_lit(c, key, strlen(key));
     gx *names = gx_alt(b, k, m);
     free(k);
-    return gx_and(b, any, gx_not(b, names));
+    int32_t r = gb_rule_new(b, "key");
+    b->rules[r].keep = true;
+    gb_rule_set(b, r, gx_and(b, any, gx_not(b, names)));
+    return gx_call(b, r);
 }
 
 static gx *object_expr(sc *c, json_t *s, const char *path)
@@ -1145,16 +1152,12 @@ static gx *sch(sc *c, json_t *s, const char *path)
             out = fail(c, "enum", path, "%s", "must be an array");
             goto done;
         }
-        if (has_constraints(s, ek, "type")) {
-            const char *kk;
-            json_t *vv;
-            json_object_foreach(s, kk, vv) {
-                if (in_list(kk, ANNOTATIONS) || !strcmp(kk, ek) || !strcmp(kk, "type")) continue;
-                /* keywords for other types than the values' do not matter */
-                break;
-            }
-            out = fail(c, ek, path, "%s combined with other validation keywords is not supported", ek);
-            goto done;
+        json_t *rest = NULL;
+        if (has_constraints(s, ek, cst && en ? "enum" : NULL)) { /* values must also match the rest */
+            rest = json_deep_copy(s);
+            keep(c, rest);
+            json_object_del(rest, "enum");
+            json_object_del(rest, "const");
         }
         size_t n = cst ? 1 : json_array_size(en);
         gx **alts = malloc(sizeof(gx *) * (n ? n : 1));
@@ -1165,6 +1168,7 @@ static gx *sch(sc *c, json_t *s, const char *path)
         }
         out = alts ? gx_alt(b, alts, m) : gx_none(b);
         free(alts);
+        if (rest && m > 0) out = gx_and(b, out, sch(c, rest, path));
         goto done;
     }
     gx *alts[7];

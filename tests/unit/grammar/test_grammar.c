@@ -258,7 +258,7 @@ TEST(schema_refusals_name_keyword_and_path)
     } cases[] = {
         {"{\"properties\":{\"a\":{\"not\":{\"type\":\"string\"}}}}", "not", "/properties/a/not"},
         {"{\"type\":\"array\",\"uniqueItems\":true}", "uniqueItems", "/uniqueItems"},
-        {"{\"items\":{\"type\":\"string\",\"format\":\"uri\"}}", "format", "/items/format"},
+        {"{\"items\":{\"type\":\"string\",\"format\":\"ipv6\"}}", "format", "/items/format"},
         {"{\"$ref\":\"http://x/y.json\"}", "$ref", "/$ref"},
         {"{\"anyOf\":[{\"if\":{}}]}", "if", "/anyOf/0/if"},
         {"{\"properties\":{\"a/b\":{\"type\":\"number\",\"multipleOf\":3}}}", "multipleOf", "/properties/a~1b/multipleOf"},
