@@ -1209,7 +1209,7 @@ static void sc_free(sc *c)
 int schema_compile(gb *b, const char *text, size_t len, const char *ws_pattern, int32_t *root)
 {
     json_error_t je;
-    json_t *j = json_loadb(text, len, 0, &je);
+    json_t *j = json_loadb(text, len, JSON_ALLOW_NUL, &je);
     if (!j)
         return gb_fail(b, PD_EPARSE, "", "", je.position, "json schema: not valid JSON: %s at %d",
                        je.text, je.position);
