@@ -348,7 +348,7 @@ static int determinize(cc *c, const nfa *n, int32_t start, int32_t final, dfa *d
                 }
             }
         }
-        qsort(pairs, np, sizeof(kv), cmp_kv);
+        if (np) qsort(pairs, np, sizeof(kv), cmp_kv);
         for (size_t i = 0; i < np;) {
             size_t j = i;
             int32_t ns = 0;
@@ -414,6 +414,7 @@ static bool dfa_prune(dfa *d)
             int32_t *t = &d->trans[(size_t)s * (size_t)d->ncls + (size_t)k];
             if (*t >= 0 && !live[*t]) *t = -1;
         }
+        if (!d->calls) continue;
         gcall *cs = d->calls + d->call_off[s];
         int32_t m = 0;
         for (int32_t i = 0; i < d->call_n[s]; i++)

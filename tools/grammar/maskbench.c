@@ -326,7 +326,7 @@ int main(int argc, char **argv)
     int32_t nv = pd_gvocab_size(v);
     uint32_t *bits = malloc(pd_gmask_words(nv) * 4);
     dvec masks = {0}, compiles = {0};
-    kwcount kws[128];
+    kwcount kws[128] = {{{0}, 0}};
     int nkw = 0;
     long schemas = 0, compiled = 0, valid = 0, valid_ok = 0, invalid = 0, invalid_ok = 0, bad = 0;
     long n_inconsistent = 0;
@@ -380,7 +380,10 @@ int main(int argc, char **argv)
                 const char *kw = err.keyword[0] ? err.keyword : "(other)";
                 int k = 0;
                 while (k < nkw && strcmp(kws[k].kw, kw) != 0) k++;
-                if (k == nkw && nkw < 128) snprintf(kws[nkw++].kw, sizeof kws[0].kw, "%s", kw);
+                if (k == nkw && nkw < 128) {
+                    snprintf(kws[nkw].kw, sizeof kws[0].kw, "%s", kw);
+                    kws[nkw++].n = 0;
+                }
                 if (k < 128) kws[k].n++;
                 if (!quiet) printf("REFUSED %s: %s\n", desc ? desc : "?", err.msg);
                 json_decref(doc);
