@@ -1,0 +1,300 @@
+/* Grammar expressions: constructors, UTF-8 code point ranges, the builder and its errors. */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "grammar/gram_internal.h"
+#include "util/status.h"
+
+static gx *mk(gb *b, int kind)
+{
+    gx *x = pd_arena_calloc(b->a, 1, sizeof *x);
+    if (!x) {
+        gb_fail(b, PD_ENOMEM, "", "", -1, "out of memory");
+        static gx none;
+        none.kind = X_NONE;
+        return &none;
+    }
+    x->kind = (uint8_t)kind;
+    x->rule = -1;
+    return x;
+}
+
+gx *gx_none(gb *b) { return mk(b, X_NONE); }
+gx *gx_empty(gb *b) { return mk(b, X_EMPTY); }
+
+gx *gx_byte(gb *b, uint8_t lo, uint8_t hi)
+{
+    if (lo > hi) return gx_none(b);
+    gx *x = mk(b, X_BYTES);
+    x->lo = lo;
+    x->hi = hi;
+    return x;
+}
+
+static gx *mk_list(gb *b, int kind, gx **kids, int n)
+{
+    gx *x = mk(b, kind);
+    if (x->kind != kind) return x;
+    x->kids = pd_arena_alloc(b->a, sizeof(gx *) * (size_t)(n ? n : 1), sizeof(void *));
+    if (!x->kids) {
+        gb_fail(b, PD_ENOMEM, "", "", -1, "out of memory");
+        return x;
+    }
+    memcpy(x->kids, kids, sizeof(gx *) * (size_t)n);
+    x->n = n;
+    return x;
+}
+
+gx *gx_lit(gb *b, const char *s, size_t n)
+{
+    if (n == 0) return gx_empty(b);
+    if (n == 1) return gx_byte(b, (uint8_t)s[0], (uint8_t)s[0]);
+    gx **k = malloc(sizeof(gx *) * n);
+    if (!k) return gx_none(b);
+    for (size_t i = 0; i < n; i++) k[i] = gx_byte(b, (uint8_t)s[i], (uint8_t)s[i]);
+    gx *x = mk_list(b, X_SEQ, k, (int)n);
+    free(k);
+    return x;
+}
+
+gx *gx_str(gb *b, const char *s) { return gx_lit(b, s, strlen(s)); }
+
+gx *gx_seq(gb *b, gx **kids, int n)
+{
+    int m = 0;
+    for (int i = 0; i < n; i++) {
+        if (kids[i]->kind == X_NONE) return gx_none(b);
+        if (kids[i]->kind != X_EMPTY) m++;
+    }
+    if (m == 0) return gx_empty(b);
+    gx *tmp[64];
+    gx **k = m <= 64 ? tmp : malloc(sizeof(gx *) * (size_t)m);
+    if (!k) return gx_none(b);
+    m = 0;
+    for (int i = 0; i < n; i++)
+        if (kids[i]->kind != X_EMPTY) k[m++] = kids[i];
+    gx *x = m == 1 ? k[0] : mk_list(b, X_SEQ, k, m);
+    if (k != tmp) free(k);
+    return x;
+}
+
+gx *gx_seq2(gb *b, gx *x, gx *y)
+{
+    gx *k[2] = {x, y};
+    return gx_seq(b, k, 2);
+}
+
+gx *gx_seq3(gb *b, gx *x, gx *y, gx *z)
+{
+    gx *k[3] = {x, y, z};
+    return gx_seq(b, k, 3);
+}
+
+gx *gx_alt(gb *b, gx **kids, int n)
+{
+    int m = 0;
+    for (int i = 0; i < n; i++)
+        if (kids[i]->kind != X_NONE) m++;
+    if (m == 0) return gx_none(b);
+    gx *tmp[64];
+    gx **k = m <= 64 ? tmp : malloc(sizeof(gx *) * (size_t)m);
+    if (!k) return gx_none(b);
+    m = 0;
+    for (int i = 0; i < n; i++)
+        if (kids[i]->kind != X_NONE) k[m++] = kids[i];
+    gx *x = m == 1 ? k[0] : mk_list(b, X_ALT, k, m);
+    if (k != tmp) free(k);
+    return x;
+}
+
+gx *gx_alt2(gb *b, gx *x, gx *y)
+{
+    gx *k[2] = {x, y};
+    return gx_alt(b, k, 2);
+}
+
+gx *gx_rep(gb *b, gx *x, int32_t min, int32_t max)
+{
+    if (max >= 0 && max < min) return gx_none(b);
+    if (max == 0) return gx_empty(b);
+    if (min == 1 && max == 1) return x;
+    if (x->kind == X_EMPTY) return x;
+    if (x->kind == X_NONE) return min == 0 ? gx_empty(b) : x;
+    gx *r = mk_list(b, X_REP, &x, 1);
+    r->min = min;
+    r->max = max;
+    return r;
+}
+
+gx *gx_opt(gb *b, gx *x) { return gx_rep(b, x, 0, 1); }
+gx *gx_star(gb *b, gx *x) { return gx_rep(b, x, 0, -1); }
+gx *gx_plus(gb *b, gx *x) { return gx_rep(b, x, 1, -1); }
+
+gx *gx_call(gb *b, int32_t rule)
+{
+    gx *x = mk(b, X_CALL);
+    x->rule = rule;
+    return x;
+}
+
+gx *gx_and(gb *b, gx *x, gx *y)
+{
+    gx *k[2] = {x, y};
+    return mk_list(b, X_AND, k, 2);
+}
+
+gx *gx_not(gb *b, gx *x) { return mk_list(b, X_NOT, &x, 1); }
+
+static void utf8_enc(uint32_t c, int len, uint8_t *o)
+{
+    static const uint8_t lead[5] = {0, 0x00, 0xC0, 0xE0, 0xF0};
+    for (int i = len - 1; i > 0; i--) {
+        o[i] = (uint8_t)(0x80 | (c & 0x3F));
+        c >>= 6;
+    }
+    o[0] = (uint8_t)(lead[len] | c);
+}
+
+/* UTF-8 of [lo, hi], both of encoded length len: split until each byte position is a range
+ * (as Rust regex-syntax's Utf8Sequences does). */
+static gx *utf8_same_len(gb *b, uint32_t lo, uint32_t hi, int len)
+{
+    for (int i = 1; i < len; i++) {
+        uint32_t m = (1u << (6 * i)) - 1;
+        if ((lo & ~m) != (hi & ~m)) {
+            if ((lo & m) != 0)
+                return gx_alt2(b, utf8_same_len(b, lo, lo | m, len),
+                               utf8_same_len(b, (lo | m) + 1, hi, len));
+            if ((hi & m) != m)
+                return gx_alt2(b, utf8_same_len(b, lo, (hi & ~m) - 1, len),
+                               utf8_same_len(b, hi & ~m, hi, len));
+        }
+    }
+    uint8_t L[4], H[4];
+    utf8_enc(lo, len, L);
+    utf8_enc(hi, len, H);
+    gx *k[4];
+    for (int i = 0; i < len; i++) k[i] = gx_byte(b, L[i], H[i]);
+    return gx_seq(b, k, len);
+}
+
+gx *gx_cp_range(gb *b, uint32_t lo, uint32_t hi)
+{
+    if (hi > 0x10FFFF) hi = 0x10FFFF;
+    if (lo > hi) return gx_none(b);
+    /* surrogates are not characters */
+    if (lo <= 0xDFFF && hi >= 0xD800) {
+        gx *k[2];
+        int n = 0;
+        if (lo < 0xD800) k[n++] = gx_cp_range(b, lo, 0xD7FF);
+        if (hi > 0xDFFF) k[n++] = gx_cp_range(b, 0xE000, hi);
+        return gx_alt(b, k, n);
+    }
+    static const uint32_t lim[4] = {0x7F, 0x7FF, 0xFFFF, 0x10FFFF};
+    gx *k[4];
+    int n = 0;
+    uint32_t start = 0;
+    for (int len = 1; len <= 4; len++) {
+        uint32_t a = lo > start ? lo : start, z = hi < lim[len - 1] ? hi : lim[len - 1];
+        if (a <= z) k[n++] = len == 1 ? gx_byte(b, (uint8_t)a, (uint8_t)z) : utf8_same_len(b, a, z, len);
+        start = lim[len - 1] + 1;
+    }
+    return gx_alt(b, k, n);
+}
+
+static int cmp_u32pair(const void *x, const void *y)
+{
+    const uint32_t *a = x, *c = y;
+    return a[0] < c[0] ? -1 : a[0] > c[0];
+}
+
+gx *gx_cp_set(gb *b, const uint32_t *ranges, int n)
+{
+    if (n <= 0) return gx_none(b);
+    uint32_t *r = malloc(sizeof(uint32_t) * 2 * (size_t)n);
+    if (!r) return gx_none(b);
+    memcpy(r, ranges, sizeof(uint32_t) * 2 * (size_t)n);
+    qsort(r, (size_t)n, 2 * sizeof(uint32_t), cmp_u32pair);
+    int m = 0;
+    for (int i = 0; i < n; i++) {
+        if (m > 0 && r[2 * i] <= r[2 * (m - 1) + 1] + 1) {
+            if (r[2 * i + 1] > r[2 * (m - 1) + 1]) r[2 * (m - 1) + 1] = r[2 * i + 1];
+        } else {
+            r[2 * m] = r[2 * i];
+            r[2 * m + 1] = r[2 * i + 1];
+            m++;
+        }
+    }
+    gx **k = malloc(sizeof(gx *) * (size_t)m);
+    if (!k) {
+        free(r);
+        return gx_none(b);
+    }
+    for (int i = 0; i < m; i++) k[i] = gx_cp_range(b, r[2 * i], r[2 * i + 1]);
+    gx *x = gx_alt(b, k, m);
+    free(k);
+    free(r);
+    return x;
+}
+
+int32_t gb_rule_new(gb *b, const char *name)
+{
+    if (b->n_rules == b->cap_rules) {
+        int32_t cap = b->cap_rules ? 2 * b->cap_rules : 16;
+        gb_rule *r = realloc(b->rules, sizeof *r * (size_t)cap);
+        if (!r) return gb_fail(b, PD_ENOMEM, "", "", -1, "out of memory");
+        b->rules = r;
+        b->cap_rules = cap;
+    }
+    gb_rule *r = &b->rules[b->n_rules];
+    memset(r, 0, sizeof *r);
+    r->name = pd_arena_strdup(b->a, name ? name : "");
+    r->body = NULL;
+    return b->n_rules++;
+}
+
+void gb_rule_set(gb *b, int32_t r, gx *body)
+{
+    if (r >= 0 && r < b->n_rules) b->rules[r].body = body;
+}
+
+int gb_fail(gb *b, int status, const char *keyword, const char *path, long pos, const char *fmt,
+            ...)
+{
+    if (b->status < 0) return b->status;
+    b->status = status;
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    if (b->err) {
+        snprintf(b->err->keyword, sizeof b->err->keyword, "%s", keyword ? keyword : "");
+        snprintf(b->err->path, sizeof b->err->path, "%s", path ? path : "");
+        b->err->pos = pos;
+        snprintf(b->err->msg, sizeof b->err->msg, "%s", msg);
+    }
+    return pd_error(status, "%s", msg);
+}
+
+void gb_init(gb *b, pd_gerr *err)
+{
+    memset(b, 0, sizeof *b);
+    b->a = pd_arena_create(1 << 16);
+    b->err = err;
+    b->budget = 1000000;
+    if (err) {
+        err->keyword[0] = err->path[0] = err->msg[0] = 0;
+        err->pos = -1;
+    }
+    if (!b->a) b->status = pd_error(PD_ENOMEM, "grammar: out of memory");
+}
+
+void gb_free(gb *b)
+{
+    pd_arena_free(b->a);
+    free(b->rules);
+    memset(b, 0, sizeof *b);
+}

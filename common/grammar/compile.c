@@ -1,0 +1,992 @@
+/* Expressions -> one byte-level DFA per rule (Thompson NFA, subset construction over byte
+ * classes and call labels), with non-recursive rules inlined, dead ends pruned, left
+ * recursion refused, and states of call-free rules grouped by their behaviour up to the
+ * longest token (those share a mask-cache entry). */
+#include <stdlib.h>
+#include <string.h>
+
+#include "grammar/gram_internal.h"
+#include "util/hash.h"
+#include "util/status.h"
+
+#define MAX_STATES 150000
+
+/* ---- NFA ------------------------------------------------------------------------------ */
+enum { NE_EPS, NE_BYTES, NE_CALL };
+typedef struct {
+    int32_t to, next, rule;
+    uint8_t kind, lo, hi;
+} nedge;
+
+typedef struct {
+    nedge *e;
+    int32_t ne, cape;
+    int32_t *head;
+    int32_t nn, capn;
+} nfa;
+
+typedef struct {
+    gb *b;
+    bool *recursive;
+    int32_t *gid; /* builder rule -> grammar rule, -1 */
+    int32_t *work;
+    int32_t n_work;
+    int depth;
+    long states_left;
+    int32_t *nrefs;   /* call sites per builder rule */
+    int force_inline; /* inside an intersection/complement: every non-recursive rule inlines */
+} cc;
+
+static int32_t nnode(cc *c, nfa *n)
+{
+    if (c->b->status < 0) return -1;
+    if (--c->b->budget < 0) {
+        gb_fail(c->b, PD_EUNSUPPORTED, "", "", -1,
+                "grammar too large: over 1,000,000 automaton nodes (large repetition bounds "
+                "such as maxLength/maxItems multiply the size)");
+        return -1;
+    }
+    if (n->nn == n->capn) {
+        int32_t cap = n->capn ? 2 * n->capn : 64;
+        int32_t *h = realloc(n->head, sizeof(int32_t) * (size_t)cap);
+        if (!h) {
+            gb_fail(c->b, PD_ENOMEM, "", "", -1, "out of memory");
+            return -1;
+        }
+        n->head = h;
+        n->capn = cap;
+    }
+    n->head[n->nn] = -1;
+    return n->nn++;
+}
+
+static void nadd(cc *c, nfa *n, int32_t from, int kind, uint8_t lo, uint8_t hi, int32_t rule,
+                 int32_t to)
+{
+    if (from < 0 || to < 0 || c->b->status < 0) return;
+    if (n->ne == n->cape) {
+        int32_t cap = n->cape ? 2 * n->cape : 64;
+        nedge *e = realloc(n->e, sizeof(nedge) * (size_t)cap);
+        if (!e) {
+            gb_fail(c->b, PD_ENOMEM, "", "", -1, "out of memory");
+            return;
+        }
+        n->e = e;
+        n->cape = cap;
+    }
+    nedge *e = &n->e[n->ne];
+    e->to = to;
+    e->kind = (uint8_t)kind;
+    e->lo = lo;
+    e->hi = hi;
+    e->rule = rule;
+    e->next = n->head[from];
+    n->head[from] = n->ne++;
+}
+
+static void nfa_free(nfa *n)
+{
+    free(n->e);
+    free(n->head);
+    memset(n, 0, sizeof *n);
+}
+
+/* ---- DFA ------------------------------------------------------------------------------ */
+typedef struct {
+    int32_t n, cap;
+    int32_t ncls;
+    uint8_t cls[256];
+    int32_t *trans;
+    uint8_t *final;
+    int32_t *call_off, *call_n;
+    gcall *calls; /* callee is a grammar rule id, ret a local state */
+    int32_t ncalls, capcalls;
+} dfa;
+
+static void dfa_free(dfa *d)
+{
+    free(d->trans);
+    free(d->final);
+    free(d->call_off);
+    free(d->call_n);
+    free(d->calls);
+    memset(d, 0, sizeof *d);
+}
+
+static int dfa_add_state(cc *c, dfa *d)
+{
+    if (--c->states_left < 0) {
+        gb_fail(c->b, PD_EUNSUPPORTED, "", "", -1,
+                "grammar too large: over %d automaton states (large repetition bounds such "
+                "as maxLength/maxItems multiply the size)",
+                MAX_STATES);
+        return -1;
+    }
+    if (d->n == d->cap) {
+        int32_t cap = d->cap ? 2 * d->cap : 16;
+        int32_t *t = realloc(d->trans, sizeof(int32_t) * (size_t)cap * (size_t)d->ncls);
+        uint8_t *f = realloc(d->final, (size_t)cap);
+        int32_t *co = realloc(d->call_off, sizeof(int32_t) * (size_t)cap);
+        int32_t *cn = realloc(d->call_n, sizeof(int32_t) * (size_t)cap);
+        if (t) d->trans = t;
+        if (f) d->final = f;
+        if (co) d->call_off = co;
+        if (cn) d->call_n = cn;
+        if (!t || !f || !co || !cn) {
+            gb_fail(c->b, PD_ENOMEM, "", "", -1, "out of memory");
+            return -1;
+        }
+        d->cap = cap;
+    }
+    int32_t s = d->n++;
+    for (int32_t k = 0; k < d->ncls; k++) d->trans[(size_t)s * (size_t)d->ncls + (size_t)k] = -1;
+    d->final[s] = 0;
+    d->call_off[s] = d->ncalls;
+    d->call_n[s] = 0;
+    return s;
+}
+
+static int dfa_add_call(cc *c, dfa *d, int32_t s, int32_t callee, int32_t ret)
+{
+    if (d->ncalls == d->capcalls) {
+        int32_t cap = d->capcalls ? 2 * d->capcalls : 16;
+        gcall *x = realloc(d->calls, sizeof(gcall) * (size_t)cap);
+        if (!x) return gb_fail(c->b, PD_ENOMEM, "", "", -1, "out of memory");
+        d->calls = x;
+        d->capcalls = cap;
+    }
+    d->calls[d->ncalls].callee = callee;
+    d->calls[d->ncalls].ret = ret;
+    d->ncalls++;
+    d->call_n[s]++;
+    return 0;
+}
+
+/* hash set of state sets */
+typedef struct {
+    int32_t *pool;
+    size_t npool, cappool;
+    int32_t *off, *len;
+    int32_t *slots;
+    uint32_t mask;
+    int32_t n;
+} setmap;
+
+static uint64_t set_hash(const int32_t *s, int32_t n)
+{
+    uint64_t h = 0x12345 + (uint64_t)n;
+    for (int32_t i = 0; i < n; i++) h = pd_mix64(h ^ (uint64_t)(uint32_t)s[i]);
+    return h;
+}
+
+/* returns the id of set s (inserting it as id == map->n when new: *fresh = true) */
+static int32_t setmap_get(setmap *m, const int32_t *s, int32_t n, bool *fresh)
+{
+    *fresh = false;
+    if ((uint32_t)(m->n + 1) * 2 > m->mask + 1) {
+        uint32_t cap = (m->mask + 1) * 2;
+        if (cap < 64) cap = 64;
+        int32_t *sl = malloc(sizeof(int32_t) * cap);
+        if (!sl) return -2;
+        for (uint32_t i = 0; i < cap; i++) sl[i] = -1;
+        for (int32_t i = 0; i < m->n; i++) {
+            uint32_t h = (uint32_t)set_hash(m->pool + m->off[i], m->len[i]) & (cap - 1);
+            while (sl[h] >= 0) h = (h + 1) & (cap - 1);
+            sl[h] = i;
+        }
+        free(m->slots);
+        m->slots = sl;
+        m->mask = cap - 1;
+        int32_t *o = realloc(m->off, sizeof(int32_t) * cap);
+        int32_t *l = realloc(m->len, sizeof(int32_t) * cap);
+        if (o) m->off = o;
+        if (l) m->len = l;
+        if (!o || !l) return -2;
+    }
+    uint32_t h = (uint32_t)set_hash(s, n) & m->mask;
+    while (m->slots[h] >= 0) {
+        int32_t id = m->slots[h];
+        if (m->len[id] == n && memcmp(m->pool + m->off[id], s, sizeof(int32_t) * (size_t)n) == 0)
+            return id;
+        h = (h + 1) & m->mask;
+    }
+    if (m->npool + (size_t)n > m->cappool) {
+        size_t cap = m->cappool ? m->cappool * 2 : 1024;
+        while (cap < m->npool + (size_t)n) cap *= 2;
+        int32_t *p = realloc(m->pool, sizeof(int32_t) * cap);
+        if (!p) return -2;
+        m->pool = p;
+        m->cappool = cap;
+    }
+    memcpy(m->pool + m->npool, s, sizeof(int32_t) * (size_t)n);
+    m->off[m->n] = (int32_t)m->npool;
+    m->len[m->n] = n;
+    m->npool += (size_t)n;
+    m->slots[h] = m->n;
+    *fresh = true;
+    return m->n++;
+}
+
+static void setmap_free(setmap *m)
+{
+    free(m->pool);
+    free(m->off);
+    free(m->len);
+    free(m->slots);
+}
+
+typedef struct {
+    int32_t key, to;
+} kv;
+
+static int cmp_kv(const void *x, const void *y)
+{
+    const kv *a = x, *b = y;
+    if (a->key != b->key) return a->key < b->key ? -1 : 1;
+    return (a->to > b->to) - (a->to < b->to);
+}
+
+static int cmp_i32(const void *x, const void *y)
+{
+    int32_t a = *(const int32_t *)x, b = *(const int32_t *)y;
+    return (a > b) - (a < b);
+}
+
+typedef struct {
+    const nfa *n;
+    uint32_t *stamp;
+    uint32_t gen;
+    int32_t *stack, *out;
+} closer;
+
+/* epsilon closure of seeds (modifies nothing else); result sorted in c->out, returns count */
+static int32_t closure(closer *c, const int32_t *seeds, int32_t ns)
+{
+    c->gen++;
+    int32_t sp = 0, no = 0;
+    for (int32_t i = 0; i < ns; i++)
+        if (c->stamp[seeds[i]] != c->gen) {
+            c->stamp[seeds[i]] = c->gen;
+            c->stack[sp++] = seeds[i];
+        }
+    while (sp > 0) {
+        int32_t u = c->stack[--sp];
+        c->out[no++] = u;
+        for (int32_t e = c->n->head[u]; e >= 0; e = c->n->e[e].next)
+            if (c->n->e[e].kind == NE_EPS && c->stamp[c->n->e[e].to] != c->gen) {
+                c->stamp[c->n->e[e].to] = c->gen;
+                c->stack[sp++] = c->n->e[e].to;
+            }
+    }
+    qsort(c->out, (size_t)no, sizeof(int32_t), cmp_i32);
+    return no;
+}
+
+static void byte_classes(const nfa *n, uint8_t *cls, int32_t *ncls)
+{
+    uint8_t cut[257] = {0};
+    for (int32_t i = 0; i < n->ne; i++)
+        if (n->e[i].kind == NE_BYTES) {
+            cut[n->e[i].lo] = 1;
+            cut[n->e[i].hi + 1] = 1;
+        }
+    int32_t k = 0;
+    for (int b = 0; b < 256; b++) {
+        if (b > 0 && cut[b]) k++;
+        cls[b] = (uint8_t)k;
+    }
+    *ncls = k + 1;
+}
+
+static int determinize(cc *c, const nfa *n, int32_t start, int32_t final, dfa *d)
+{
+    memset(d, 0, sizeof *d);
+    byte_classes(n, d->cls, &d->ncls);
+    closer cl = {n, calloc((size_t)n->nn, sizeof(uint32_t)), 0,
+                 malloc(sizeof(int32_t) * (size_t)n->nn), malloc(sizeof(int32_t) * (size_t)n->nn)};
+    setmap m = {0};
+    kv *pairs = NULL;
+    size_t cappairs = 0;
+    int32_t *seeds = malloc(sizeof(int32_t) * (size_t)n->nn);
+    int rc = 0;
+    if (!cl.stamp || !cl.stack || !cl.out || !seeds) {
+        rc = gb_fail(c->b, PD_ENOMEM, "", "", -1, "out of memory");
+        goto done;
+    }
+    int32_t k = closure(&cl, &start, 1);
+    bool fresh;
+    if (setmap_get(&m, cl.out, k, &fresh) < 0 || dfa_add_state(c, d) < 0) {
+        rc = c->b->status < 0 ? c->b->status : gb_fail(c->b, PD_ENOMEM, "", "", -1, "out of memory");
+        goto done;
+    }
+    for (int32_t s = 0; s < d->n; s++) {
+        size_t np = 0;
+        const int32_t *set = m.pool + m.off[s];
+        int32_t len = m.len[s];
+        d->call_off[s] = d->ncalls;
+        for (int32_t i = 0; i < len; i++) {
+            int32_t u = set[i];
+            if (u == final) d->final[s] = 1;
+            for (int32_t e = n->head[u]; e >= 0; e = n->e[e].next) {
+                const nedge *E = &n->e[e];
+                if (E->kind == NE_EPS) continue;
+                int32_t lo = E->kind == NE_BYTES ? d->cls[E->lo] : 1000 + E->rule;
+                int32_t hi = E->kind == NE_BYTES ? d->cls[E->hi] : 1000 + E->rule;
+                for (int32_t k2 = lo; k2 <= hi; k2++) {
+                    if (np == cappairs) {
+                        cappairs = cappairs ? cappairs * 2 : 256;
+                        kv *p = realloc(pairs, sizeof(kv) * cappairs);
+                        if (!p) {
+                            rc = gb_fail(c->b, PD_ENOMEM, "", "", -1, "out of memory");
+                            goto done;
+                        }
+                        pairs = p;
+                    }
+                    pairs[np].key = k2;
+                    pairs[np].to = E->to;
+                    np++;
+                }
+            }
+        }
+        if (np) qsort(pairs, np, sizeof(kv), cmp_kv);
+        for (size_t i = 0; i < np;) {
+            size_t j = i;
+            int32_t ns = 0;
+            while (j < np && pairs[j].key == pairs[i].key) {
+                if (ns == 0 || seeds[ns - 1] != pairs[j].to) seeds[ns++] = pairs[j].to;
+                j++;
+            }
+            int32_t kk = closure(&cl, seeds, ns);
+            int32_t id = setmap_get(&m, cl.out, kk, &fresh);
+            if (id < 0) {
+                rc = gb_fail(c->b, PD_ENOMEM, "", "", -1, "out of memory");
+                goto done;
+            }
+            if (fresh && dfa_add_state(c, d) < 0) {
+                rc = c->b->status;
+                goto done;
+            }
+            if (pairs[i].key < 1000)
+                d->trans[(size_t)s * (size_t)d->ncls + (size_t)pairs[i].key] = id;
+            else if ((rc = dfa_add_call(c, d, s, pairs[i].key - 1000, id)) < 0)
+                goto done;
+            i = j;
+        }
+    }
+done:
+    free(cl.stamp);
+    free(cl.stack);
+    free(cl.out);
+    free(seeds);
+    free(pairs);
+    setmap_free(&m);
+    if (rc < 0) dfa_free(d);
+    return rc;
+}
+
+/* Marks states that can reach a final state (callees assumed non-empty); cuts the rest. Returns
+ * whether the start state survives. */
+static bool dfa_prune(dfa *d)
+{
+    uint8_t *live = calloc((size_t)d->n, 1);
+    if (!live) return true;
+    for (int32_t s = 0; s < d->n; s++) live[s] = d->final[s];
+    bool changed = true;
+    while (changed) { /* small automata: a fixpoint is fine */
+        changed = false;
+        for (int32_t s = d->n - 1; s >= 0; s--) {
+            if (live[s]) continue;
+            bool l = false;
+            for (int32_t k = 0; k < d->ncls && !l; k++) {
+                int32_t t = d->trans[(size_t)s * (size_t)d->ncls + (size_t)k];
+                if (t >= 0 && live[t]) l = true;
+            }
+            for (int32_t i = 0; i < d->call_n[s] && !l; i++)
+                if (live[d->calls[d->call_off[s] + i].ret]) l = true;
+            if (l) {
+                live[s] = 1;
+                changed = true;
+            }
+        }
+    }
+    for (int32_t s = 0; s < d->n; s++) {
+        for (int32_t k = 0; k < d->ncls; k++) {
+            int32_t *t = &d->trans[(size_t)s * (size_t)d->ncls + (size_t)k];
+            if (*t >= 0 && !live[*t]) *t = -1;
+        }
+        if (!d->calls) continue;
+        gcall *cs = d->calls + d->call_off[s];
+        int32_t m = 0;
+        for (int32_t i = 0; i < d->call_n[s]; i++)
+            if (live[cs[i].ret]) cs[m++] = cs[i];
+        d->call_n[s] = m;
+    }
+    bool ok = d->n > 0 && live[0];
+    free(live);
+    return ok;
+}
+
+/* ---- Thompson construction ----------------------------------------------------------------- */
+static int32_t frag(cc *c, nfa *n, gx *x, int32_t s);
+
+static int32_t rule_gid(cc *c, int32_t r)
+{
+    if (c->gid[r] < 0) {
+        c->gid[r] = c->n_work;
+        c->work[c->n_work++] = r;
+    }
+    return c->gid[r];
+}
+
+/* Emits DFA d into n from s; returns the end node. */
+static int32_t emit_dfa(cc *c, nfa *n, const dfa *d, int32_t s)
+{
+    int32_t e = nnode(c, n);
+    int32_t *map = malloc(sizeof(int32_t) * (size_t)(d->n ? d->n : 1));
+    if (!map || e < 0) {
+        free(map);
+        return -1;
+    }
+    for (int32_t i = 0; i < d->n; i++) map[i] = nnode(c, n);
+    nadd(c, n, s, NE_EPS, 0, 0, -1, map[0]);
+    for (int32_t i = 0; i < d->n; i++) {
+        if (d->final[i]) nadd(c, n, map[i], NE_EPS, 0, 0, -1, e);
+        int b = 0;
+        while (b < 256) {
+            int32_t t = d->trans[(size_t)i * (size_t)d->ncls + d->cls[b]];
+            int b2 = b;
+            while (b2 + 1 < 256 && d->trans[(size_t)i * (size_t)d->ncls + d->cls[b2 + 1]] == t) b2++;
+            if (t >= 0) nadd(c, n, map[i], NE_BYTES, (uint8_t)b, (uint8_t)b2, -1, map[t]);
+            b = b2 + 1;
+        }
+    }
+    free(map);
+    return c->b->status < 0 ? -1 : e;
+}
+
+/* A call-free expression as a standalone DFA. */
+static int sub_dfa(cc *c, gx *x, dfa *d)
+{
+    nfa m = {0};
+    int32_t s = nnode(c, &m);
+    c->force_inline++;
+    int32_t e = s >= 0 ? frag(c, &m, x, s) : -1;
+    c->force_inline--;
+    if (e < 0) {
+        nfa_free(&m);
+        return c->b->status < 0 ? c->b->status : -1;
+    }
+    for (int32_t i = 0; i < m.ne; i++)
+        if (m.e[i].kind == NE_CALL) {
+            nfa_free(&m);
+            return gb_fail(c->b, PD_EUNSUPPORTED, "", "", -1,
+                           "a recursive rule inside an intersection or complement");
+        }
+    int rc = determinize(c, &m, s, e, d);
+    nfa_free(&m);
+    return rc;
+}
+
+static int dfa_product(cc *c, const dfa *a, const dfa *b2, bool complement_b, dfa *out)
+{
+    /* complement_b: b2 completed with a sink and its finals flipped */
+    memset(out, 0, sizeof *out);
+    int32_t pairmap[256][2];
+    int32_t k = 0;
+    uint8_t seen[256][256];
+    memset(seen, 0, sizeof seen);
+    int32_t id_of[256][256];
+    for (int bb = 0; bb < 256; bb++) {
+        int x = a->cls[bb], y = b2->cls[bb];
+        if (!seen[x][y]) {
+            seen[x][y] = 1;
+            id_of[x][y] = k;
+            pairmap[k][0] = x;
+            pairmap[k][1] = y;
+            k++;
+        }
+        out->cls[bb] = (uint8_t)id_of[x][y];
+    }
+    out->ncls = k;
+    int32_t sink = b2->n; /* b2 state index of the sink (complement only) */
+    int32_t nb = b2->n + 1;
+    /* pair (i, j) -> state; sparse via a hash of i*nb+j */
+    setmap m = {0};
+    int32_t p0[2] = {0, 0};
+    bool fresh;
+    if (setmap_get(&m, p0, 2, &fresh) < 0 || dfa_add_state(c, out) < 0) {
+        setmap_free(&m);
+        return c->b->status < 0 ? c->b->status : gb_fail(c->b, PD_ENOMEM, "", "", -1, "out of memory");
+    }
+    for (int32_t s = 0; s < out->n; s++) {
+        int32_t i = m.pool[m.off[s]], j = m.pool[m.off[s] + 1];
+        bool fb = j == sink ? true : (b2->final[j] != 0);
+        if (complement_b) fb = j == sink ? true : !b2->final[j];
+        out->final[s] = a->final[i] && fb;
+        out->call_off[s] = 0;
+        for (int32_t q = 0; q < k; q++) {
+            int32_t ti = a->trans[(size_t)i * (size_t)a->ncls + (size_t)pairmap[q][0]];
+            int32_t tj = j == sink ? sink : b2->trans[(size_t)j * (size_t)b2->ncls + (size_t)pairmap[q][1]];
+            if (ti < 0) continue;
+            if (tj < 0) {
+                if (!complement_b) continue;
+                tj = sink;
+            }
+            int32_t p[2] = {ti, tj};
+            int32_t id = setmap_get(&m, p, 2, &fresh);
+            if (id < 0 || (fresh && dfa_add_state(c, out) < 0)) {
+                setmap_free(&m);
+                return c->b->status < 0 ? c->b->status : gb_fail(c->b, PD_ENOMEM, "", "", -1, "out of memory");
+            }
+            out->trans[(size_t)s * (size_t)k + (size_t)q] = id;
+        }
+    }
+    (void)nb;
+    setmap_free(&m);
+    return 0;
+}
+
+static int32_t frag(cc *c, nfa *n, gx *x, int32_t s)
+{
+    if (s < 0 || c->b->status < 0) return -1;
+    switch (x->kind) {
+    case X_NONE: return nnode(c, n);
+    case X_EMPTY: return s;
+    case X_BYTES: {
+        int32_t e = nnode(c, n);
+        nadd(c, n, s, NE_BYTES, x->lo, x->hi, -1, e);
+        return e;
+    }
+    case X_SEQ: {
+        int32_t cur = s;
+        for (int32_t i = 0; i < x->n && cur >= 0; i++) cur = frag(c, n, x->kids[i], cur);
+        return cur;
+    }
+    case X_ALT: {
+        int32_t e = nnode(c, n);
+        for (int32_t i = 0; i < x->n; i++) {
+            int32_t k = nnode(c, n);
+            nadd(c, n, s, NE_EPS, 0, 0, -1, k);
+            int32_t ke = frag(c, n, x->kids[i], k);
+            if (ke < 0) return -1;
+            nadd(c, n, ke, NE_EPS, 0, 0, -1, e);
+        }
+        return e;
+    }
+    case X_REP: {
+        int32_t cur = s;
+        for (int32_t i = 0; i < x->min && cur >= 0; i++) cur = frag(c, n, x->kids[0], cur);
+        if (cur < 0) return -1;
+        if (x->max < 0) {
+            int32_t l = nnode(c, n);
+            nadd(c, n, cur, NE_EPS, 0, 0, -1, l);
+            int32_t ke = frag(c, n, x->kids[0], l);
+            if (ke < 0) return -1;
+            nadd(c, n, ke, NE_EPS, 0, 0, -1, l);
+            return l;
+        }
+        int32_t e = nnode(c, n);
+        nadd(c, n, cur, NE_EPS, 0, 0, -1, e);
+        for (int32_t i = x->min; i < x->max && cur >= 0; i++) {
+            cur = frag(c, n, x->kids[0], cur);
+            nadd(c, n, cur, NE_EPS, 0, 0, -1, e);
+        }
+        return cur < 0 ? -1 : e;
+    }
+    case X_CALL: {
+        gb_rule *r = &c->b->rules[x->rule];
+        if (!r->body) {
+            gb_fail(c->b, PD_EINVAL, "", "", -1, "rule '%s' is used but not defined", r->name);
+            return -1;
+        }
+        bool inl = !c->recursive[x->rule] &&
+                   (c->force_inline || (!r->keep && c->nrefs[x->rule] <= 1));
+        if (inl && c->depth < 200) {
+            c->depth++;
+            int32_t e = frag(c, n, r->body, s);
+            c->depth--;
+            return e;
+        }
+        int32_t e = nnode(c, n);
+        nadd(c, n, s, NE_CALL, 0, 0, rule_gid(c, x->rule), e);
+        return e;
+    }
+    case X_AND:
+    case X_NOT: {
+        dfa a = {0}, bb = {0}, p = {0};
+        int32_t e = -1;
+        if (x->kind == X_AND) {
+            if (sub_dfa(c, x->kids[0], &a) < 0 || sub_dfa(c, x->kids[1], &bb) < 0) goto out;
+            if (dfa_product(c, &a, &bb, false, &p) < 0) goto out;
+        } else {
+            /* any bytes, minus kids[0] */
+            gb *b = c->b;
+            gx *any = gx_star(b, gx_byte(b, 0, 255));
+            if (sub_dfa(c, any, &a) < 0 || sub_dfa(c, x->kids[0], &bb) < 0) goto out;
+            if (dfa_product(c, &a, &bb, true, &p) < 0) goto out;
+        }
+        if (!dfa_prune(&p)) {
+            e = nnode(c, n); /* empty language: an unreachable end */
+            goto out;
+        }
+        e = emit_dfa(c, n, &p, s);
+    out:
+        dfa_free(&a);
+        dfa_free(&bb);
+        dfa_free(&p);
+        return e;
+    }
+    case X_GRAPH: {
+        int32_t *gn = malloc(sizeof(int32_t) * (size_t)x->g_nodes);
+        if (!gn) return -1;
+        for (int32_t i = 0; i < x->g_nodes; i++) gn[i] = nnode(c, n);
+        int32_t e = nnode(c, n);
+        nadd(c, n, s, NE_EPS, 0, 0, -1, gn[x->g_start]);
+        for (int32_t i = 0; i < x->n && c->b->status >= 0; i++) {
+            gx_edge *E = &x->g_edges[i];
+            int32_t fe = E->x ? frag(c, n, E->x, gn[E->from]) : gn[E->from];
+            nadd(c, n, fe, NE_EPS, 0, 0, -1, gn[E->to]);
+        }
+        for (int32_t i = 0; i < x->g_nodes; i++)
+            if (x->g_final[i]) nadd(c, n, gn[i], NE_EPS, 0, 0, -1, e);
+        free(gn);
+        return c->b->status < 0 ? -1 : e;
+    }
+    }
+    return -1;
+}
+
+/* ---- rule graph ------------------------------------------------------------------------ */
+static uint32_t g_mark_gen = 1;
+
+static void refs(gx *x, uint32_t mark, uint8_t *out)
+{
+    if (x->mark == mark) return;
+    x->mark = mark;
+    if (x->kind == X_CALL) out[x->rule] = 1;
+    for (int32_t i = 0; i < x->n && x->kind != X_GRAPH; i++) refs(x->kids[i], mark, out);
+    if (x->kind == X_GRAPH)
+        for (int32_t i = 0; i < x->n; i++)
+            if (x->g_edges[i].x) refs(x->g_edges[i].x, mark, out);
+}
+
+static void count_refs(gx *x, uint32_t mark, int32_t *out)
+{
+    if (x->mark == mark) return;
+    x->mark = mark;
+    if (x->kind == X_CALL) out[x->rule]++;
+    if (x->kind == X_REP && x->max != 1 && x->n && x->kids[0]->kind == X_CALL)
+        out[x->kids[0]->rule]++; /* copied: more than one site */
+    if (x->kind == X_GRAPH) {
+        for (int32_t i = 0; i < x->n; i++)
+            if (x->g_edges[i].x) count_refs(x->g_edges[i].x, mark, out);
+        return;
+    }
+    for (int32_t i = 0; i < x->n; i++) count_refs(x->kids[i], mark, out);
+}
+
+static void find_recursive(gb *b, bool *rec)
+{
+    int32_t n = b->n_rules;
+    uint8_t *adj = calloc((size_t)n * (size_t)n, 1);
+    uint8_t *seen = calloc((size_t)n, 1);
+    int32_t *stack = malloc(sizeof(int32_t) * (size_t)(n + 1));
+    if (!adj || !seen || !stack) {
+        for (int32_t i = 0; i < n; i++) rec[i] = true;
+        goto done;
+    }
+    for (int32_t r = 0; r < n; r++)
+        if (b->rules[r].body) refs(b->rules[r].body, __atomic_add_fetch(&g_mark_gen, 1, __ATOMIC_RELAXED),
+                 adj + (size_t)r * (size_t)n);
+    for (int32_t r = 0; r < n; r++) {
+        memset(seen, 0, (size_t)n);
+        int32_t sp = 0;
+        for (int32_t t = 0; t < n; t++)
+            if (adj[(size_t)r * (size_t)n + (size_t)t] && !seen[t]) {
+                seen[t] = 1;
+                stack[sp++] = t;
+            }
+        while (sp > 0 && !seen[r]) {
+            int32_t u = stack[--sp];
+            for (int32_t t = 0; t < n; t++)
+                if (adj[(size_t)u * (size_t)n + (size_t)t] && !seen[t]) {
+                    seen[t] = 1;
+                    stack[sp++] = t;
+                }
+        }
+        rec[r] = seen[r];
+    }
+done:
+    free(adj);
+    free(seen);
+    free(stack);
+}
+
+/* ---- left recursion ------------------------------------------------------------------------ */
+static int check_left_recursion(gb *b, pd_grammar *g)
+{
+    int32_t n = g->n_rules;
+    bool *nullable = calloc((size_t)n, 1);
+    uint8_t *adj = calloc((size_t)n * (size_t)n, 1);
+    uint8_t *seen = malloc((size_t)g->n_states);
+    int32_t *stack = malloc(sizeof(int32_t) * (size_t)(g->n_states + n + 1));
+    int rc = 0;
+    if (!nullable || !adj || !seen || !stack) {
+        rc = gb_fail(b, PD_ENOMEM, "", "", -1, "out of memory");
+        goto done;
+    }
+    /* states reachable from a rule's start without bytes (through nullable callees) */
+    for (bool changed = true; changed;) {
+        changed = false;
+        for (int32_t r = 0; r < n; r++) {
+            memset(seen, 0, (size_t)g->n_states);
+            int32_t sp = 0;
+            stack[sp++] = g->rules[r].start;
+            seen[g->rules[r].start] = 1;
+            bool nul = false;
+            while (sp > 0) {
+                int32_t s = stack[--sp];
+                if (g->states[s].flags & GS_FINAL) nul = true;
+                const gstate *st = &g->states[s];
+                for (int32_t i = 0; i < st->n_calls; i++) {
+                    const gcall *cl = &g->calls[st->calls_off + i];
+                    if (!adj[(size_t)r * (size_t)n + (size_t)cl->callee]) {
+                        adj[(size_t)r * (size_t)n + (size_t)cl->callee] = 1;
+                        changed = true;
+                    }
+                    if (nullable[cl->callee] && !seen[cl->ret]) {
+                        seen[cl->ret] = 1;
+                        stack[sp++] = cl->ret;
+                    }
+                }
+            }
+            if (nul && !nullable[r]) {
+                nullable[r] = true;
+                changed = true;
+            }
+        }
+    }
+    for (int32_t r = 0; r < n; r++) {
+        uint8_t *vis = seen;
+        memset(vis, 0, (size_t)n < (size_t)g->n_states ? (size_t)n : (size_t)g->n_states);
+        if ((size_t)n > (size_t)g->n_states) break;
+        int32_t sp = 0;
+        for (int32_t t = 0; t < n; t++)
+            if (adj[(size_t)r * (size_t)n + (size_t)t] && !vis[t]) {
+                vis[t] = 1;
+                stack[sp++] = t;
+            }
+        while (sp > 0 && !vis[r]) {
+            int32_t u = stack[--sp];
+            for (int32_t t = 0; t < n; t++)
+                if (adj[(size_t)u * (size_t)n + (size_t)t] && !vis[t]) {
+                    vis[t] = 1;
+                    stack[sp++] = t;
+                }
+        }
+        if (vis[r]) {
+            rc = gb_fail(b, PD_EUNSUPPORTED, "", "", -1,
+                         "rule '%s' is left-recursive (it can reach itself without reading a "
+                         "byte); rewrite it with repetition",
+                         g->rules[r].name);
+            goto done;
+        }
+    }
+done:
+    free(nullable);
+    free(adj);
+    free(seen);
+    free(stack);
+    return rc;
+}
+
+static int cmpu(const void *x, const void *y)
+{
+    uint64_t a = *(const uint64_t *)x, b = *(const uint64_t *)y;
+    return (a > b) - (a < b);
+}
+
+/* ---- cache keys ---------------------------------------------------------------------------- */
+static void cache_keys(pd_grammar *g)
+{
+    uint32_t D = g->v ? g->v->max_len : 16;
+    int32_t nk = 0;
+    /* key map: hash -> key */
+    uint32_t cap = 64;
+    while (cap < (uint32_t)g->n_states * 2) cap *= 2;
+    uint64_t *hk = malloc(sizeof(uint64_t) * cap);
+    int32_t *hv = malloc(sizeof(int32_t) * cap);
+    for (uint32_t i = 0; hv && i < cap; i++) hv[i] = -1;
+    for (int32_t r = 0; r < g->n_rules; r++) {
+        grule *R = &g->rules[r];
+        if (!R->leaf || !hk || !hv) {
+            for (int32_t s = R->first; s < R->first + R->n_states; s++) g->states[s].cache_key = nk++;
+            continue;
+        }
+        int32_t n = R->n_states;
+        uint64_t *h = malloc(sizeof(uint64_t) * (size_t)n), *h2 = malloc(sizeof(uint64_t) * (size_t)n);
+        uint64_t *srt = malloc(sizeof(uint64_t) * (size_t)n);
+        if (!h || !h2 || !srt) {
+            free(h);
+            free(h2);
+            free(srt);
+            for (int32_t s = R->first; s < R->first + R->n_states; s++) g->states[s].cache_key = nk++;
+            continue;
+        }
+        uint64_t ch = 0x51ed;
+        for (int b = 0; b < 256; b++) ch = pd_mix64(ch ^ R->cls[b]);
+        for (int32_t i = 0; i < n; i++) h[i] = pd_mix64(ch ^ (g->states[R->first + i].flags & GS_FINAL));
+        int32_t prev = -1;
+        for (uint32_t it = 0; it < D + 1; it++) {
+            for (int32_t i = 0; i < n; i++) {
+                uint64_t x = pd_mix64(h[i] + 0x9e37);
+                const int32_t *t = &g->trans[g->states[R->first + i].trans_off];
+                for (int32_t k = 0; k < R->ncls; k++)
+                    x = pd_mix64(x ^ (t[k] < 0 ? 0xdeadull : h[t[k] - R->first]) ^ ((uint64_t)k << 56));
+                h2[i] = x;
+            }
+            memcpy(h, h2, sizeof(uint64_t) * (size_t)n);
+            memcpy(srt, h, sizeof(uint64_t) * (size_t)n);
+            /* distinct count: stop when stable */
+            qsort(srt, (size_t)n, sizeof(uint64_t), cmpu);
+            int32_t d = n ? 1 : 0;
+            for (int32_t i = 1; i < n; i++) d += srt[i] != srt[i - 1];
+            if (d == prev) break;
+            prev = d;
+        }
+        for (int32_t i = 0; i < n; i++) {
+            uint32_t slot = (uint32_t)h[i] & (cap - 1);
+            while (hv[slot] >= 0 && hk[slot] != h[i]) slot = (slot + 1) & (cap - 1);
+            if (hv[slot] < 0) {
+                hk[slot] = h[i];
+                hv[slot] = nk++;
+            }
+            g->states[R->first + i].cache_key = hv[slot];
+        }
+        free(h);
+        free(h2);
+        free(srt);
+    }
+    free(hk);
+    free(hv);
+    g->n_keys = nk;
+}
+
+
+/* ---- build ------------------------------------------------------------------------------------ */
+int gram_build(gb *b, int32_t root, pd_grammar *g)
+{
+    if (b->status < 0) return b->status;
+    cc c = {0};
+    c.b = b;
+    c.states_left = MAX_STATES;
+    int32_t nr = b->n_rules;
+    c.recursive = calloc((size_t)nr, sizeof(bool));
+    c.gid = malloc(sizeof(int32_t) * (size_t)nr);
+    c.work = malloc(sizeof(int32_t) * (size_t)nr);
+    dfa *ds = calloc((size_t)nr, sizeof(dfa));
+    int rc = 0;
+    if (!c.recursive || !c.gid || !c.work || !ds) {
+        rc = gb_fail(b, PD_ENOMEM, "", "", -1, "out of memory");
+        goto done;
+    }
+    for (int32_t i = 0; i < nr; i++) c.gid[i] = -1;
+    find_recursive(b, c.recursive);
+    c.nrefs = calloc((size_t)nr, sizeof(int32_t));
+    if (!c.nrefs) {
+        rc = gb_fail(b, PD_ENOMEM, "", "", -1, "out of memory");
+        goto done;
+    }
+    {
+        uint32_t mark = __atomic_add_fetch(&g_mark_gen, 1, __ATOMIC_RELAXED);
+        for (int32_t r = 0; r < nr; r++)
+            if (b->rules[r].body) count_refs(b->rules[r].body, mark, c.nrefs);
+    }
+    rule_gid(&c, root);
+    for (int32_t w = 0; w < c.n_work; w++) {
+        int32_t r = c.work[w];
+        if (!b->rules[r].body) {
+            rc = gb_fail(b, PD_EINVAL, "", "", -1, "rule '%s' is used but not defined",
+                         b->rules[r].name);
+            goto done;
+        }
+        nfa n = {0};
+        int32_t s = nnode(&c, &n);
+        int32_t e = frag(&c, &n, b->rules[r].body, s);
+        if (e < 0 || b->status < 0) {
+            nfa_free(&n);
+            rc = b->status < 0 ? b->status : gb_fail(b, PD_EINTERNAL, "", "", -1, "grammar build failed");
+            goto done;
+        }
+        rc = determinize(&c, &n, s, e, &ds[w]);
+        nfa_free(&n);
+        if (rc < 0) goto done;
+        if (!dfa_prune(&ds[w])) {
+            rc = gb_fail(b, PD_EUNSUPPORTED, "", "", -1,
+                         w == 0 ? "the grammar matches nothing" : "rule '%s' matches nothing",
+                         b->rules[r].name);
+            goto done;
+        }
+    }
+    /* assemble */
+    size_t nst = 0, ntr = 0, ncl = 0;
+    for (int32_t w = 0; w < c.n_work; w++) {
+        nst += (size_t)ds[w].n;
+        ntr += (size_t)ds[w].n * (size_t)ds[w].ncls;
+        ncl += (size_t)ds[w].ncalls;
+    }
+    g->rules = calloc(c.n_work > 0 ? (size_t)c.n_work : 1, sizeof(grule));
+    g->states = calloc(nst ? nst : 1, sizeof(gstate));
+    g->trans = malloc(sizeof(int32_t) * (ntr ? ntr : 1));
+    g->calls = malloc(sizeof(gcall) * (ncl ? ncl : 1));
+    if (!g->rules || !g->states || !g->trans || !g->calls) {
+        rc = gb_fail(b, PD_ENOMEM, "", "", -1, "out of memory");
+        goto done;
+    }
+    g->n_rules = c.n_work;
+    g->root = 0;
+    size_t so = 0, to = 0, co = 0;
+    for (int32_t w = 0; w < c.n_work; w++) {
+        dfa *d = &ds[w];
+        grule *R = &g->rules[w];
+        R->first = (int32_t)so;
+        R->n_states = d->n;
+        R->start = (int32_t)so;
+        R->ncls = d->ncls;
+        memcpy(R->cls, d->cls, 256);
+        R->leaf = d->ncalls == 0;
+        R->name = b->rules[c.work[w]].name;
+        for (int32_t i = 0; i < d->n; i++) {
+            gstate *st = &g->states[so + (size_t)i];
+            st->rule = w;
+            st->flags = d->final[i] ? GS_FINAL : 0;
+            st->trans_off = (int32_t)to;
+            for (int32_t k = 0; k < d->ncls; k++) {
+                int32_t t = d->trans[(size_t)i * (size_t)d->ncls + (size_t)k];
+                g->trans[to++] = t < 0 ? -1 : t + (int32_t)so;
+                if (t >= 0) st->flags |= GS_BYTES;
+            }
+            st->calls_off = (int32_t)co;
+            st->n_calls = d->call_n[i];
+            for (int32_t k = 0; k < d->call_n[i]; k++) {
+                gcall cl = d->calls[d->call_off[i] + k];
+                cl.ret += (int32_t)so;
+                g->calls[co++] = cl;
+            }
+        }
+        so += (size_t)d->n;
+    }
+    g->n_states = (int32_t)so;
+    rc = check_left_recursion(b, g);
+    if (rc < 0) goto done;
+    cache_keys(g);
+done:
+    if (ds)
+        for (int32_t w = 0; w < nr; w++) dfa_free(&ds[w]);
+    free(ds);
+    free(c.recursive);
+    free(c.nrefs);
+    free(c.gid);
+    free(c.work);
+    return rc;
+}

