@@ -78,7 +78,8 @@ int pd_grammar_compile(const pd_gvocab *v, const pd_gspec *spec, pd_grammar **ou
     rc = gram_build(&b, root, g);
     if (rc == 0) {
         /* rule names point into the builder's arena: copy them */
-        for (int32_t i = 0; i < g->n_rules; i++) g->rules[i].name = strdup(g->rules[i].name ? g->rules[i].name : "");
+        for (int32_t i = 0; i < g->n_rules; i++)
+            g->rules[i].name = strdup(g->rules[i].name ? g->rules[i].name : "");
         g->cache = calloc((size_t)(g->n_keys ? g->n_keys : 1), sizeof(*g->cache));
         if (!g->cache) rc = pd_error(PD_ENOMEM, "grammar: out of memory");
     } else {
@@ -149,8 +150,14 @@ pd_gcache *pd_gcache_create(const pd_gvocab *v, size_t max_entries)
 
 static void unlink_e(pd_gcache *c, centry *e)
 {
-    if (e->prev) e->prev->next = e->next; else c->head = e->next;
-    if (e->next) e->next->prev = e->prev; else c->tail = e->prev;
+    if (e->prev)
+        e->prev->next = e->next;
+    else
+        c->head = e->next;
+    if (e->next)
+        e->next->prev = e->prev;
+    else
+        c->tail = e->prev;
     e->prev = e->next = NULL;
 }
 

@@ -21,8 +21,14 @@ static gx *mk(gb *b, int kind)
     return x;
 }
 
-gx *gx_none(gb *b) { return mk(b, X_NONE); }
-gx *gx_empty(gb *b) { return mk(b, X_EMPTY); }
+gx *gx_none(gb *b)
+{
+    return mk(b, X_NONE);
+}
+gx *gx_empty(gb *b)
+{
+    return mk(b, X_EMPTY);
+}
 
 gx *gx_byte(gb *b, uint8_t lo, uint8_t hi)
 {
@@ -59,7 +65,10 @@ gx *gx_lit(gb *b, const char *s, size_t n)
     return x;
 }
 
-gx *gx_str(gb *b, const char *s) { return gx_lit(b, s, strlen(s)); }
+gx *gx_str(gb *b, const char *s)
+{
+    return gx_lit(b, s, strlen(s));
+}
 
 gx *gx_seq(gb *b, gx **kids, int n)
 {
@@ -128,9 +137,18 @@ gx *gx_rep(gb *b, gx *x, int32_t min, int32_t max)
     return r;
 }
 
-gx *gx_opt(gb *b, gx *x) { return gx_rep(b, x, 0, 1); }
-gx *gx_star(gb *b, gx *x) { return gx_rep(b, x, 0, -1); }
-gx *gx_plus(gb *b, gx *x) { return gx_rep(b, x, 1, -1); }
+gx *gx_opt(gb *b, gx *x)
+{
+    return gx_rep(b, x, 0, 1);
+}
+gx *gx_star(gb *b, gx *x)
+{
+    return gx_rep(b, x, 0, -1);
+}
+gx *gx_plus(gb *b, gx *x)
+{
+    return gx_rep(b, x, 1, -1);
+}
 
 gx *gx_call(gb *b, int32_t rule)
 {
@@ -145,7 +163,10 @@ gx *gx_and(gb *b, gx *x, gx *y)
     return mk_list(b, X_AND, k, 2);
 }
 
-gx *gx_not(gb *b, gx *x) { return mk_list(b, X_NOT, &x, 1); }
+gx *gx_not(gb *b, gx *x)
+{
+    return mk_list(b, X_NOT, &x, 1);
+}
 
 static void utf8_enc(uint32_t c, int len, uint8_t *o)
 {
@@ -198,7 +219,8 @@ gx *gx_cp_range(gb *b, uint32_t lo, uint32_t hi)
     uint32_t start = 0;
     for (int len = 1; len <= 4; len++) {
         uint32_t a = lo > start ? lo : start, z = hi < lim[len - 1] ? hi : lim[len - 1];
-        if (a <= z) k[n++] = len == 1 ? gx_byte(b, (uint8_t)a, (uint8_t)z) : utf8_same_len(b, a, z, len);
+        if (a <= z)
+            k[n++] = len == 1 ? gx_byte(b, (uint8_t)a, (uint8_t)z) : utf8_same_len(b, a, z, len);
         start = lim[len - 1] + 1;
     }
     return gx_alt(b, k, n);

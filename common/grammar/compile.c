@@ -316,7 +316,8 @@ static int determinize(cc *c, const nfa *n, int32_t start, int32_t final, dfa *d
     int32_t k = closure(&cl, &start, 1);
     bool fresh;
     if (setmap_get(&m, cl.out, k, &fresh) < 0 || dfa_add_state(c, d) < 0) {
-        rc = c->b->status < 0 ? c->b->status : gb_fail(c->b, PD_ENOMEM, "", "", -1, "out of memory");
+        rc =
+            c->b->status < 0 ? c->b->status : gb_fail(c->b, PD_ENOMEM, "", "", -1, "out of memory");
         goto done;
     }
     for (int32_t s = 0; s < d->n; s++) {
@@ -455,7 +456,8 @@ static int32_t emit_dfa(cc *c, nfa *n, const dfa *d, int32_t s)
         while (b < 256) {
             int32_t t = d->trans[(size_t)i * (size_t)d->ncls + d->cls[b]];
             int b2 = b;
-            while (b2 + 1 < 256 && d->trans[(size_t)i * (size_t)d->ncls + d->cls[b2 + 1]] == t) b2++;
+            while (b2 + 1 < 256 && d->trans[(size_t)i * (size_t)d->ncls + d->cls[b2 + 1]] == t)
+                b2++;
             if (t >= 0) nadd(c, n, map[i], NE_BYTES, (uint8_t)b, (uint8_t)b2, -1, map[t]);
             b = b2 + 1;
         }
@@ -516,7 +518,8 @@ static int dfa_product(cc *c, const dfa *a, const dfa *b2, bool complement_b, df
     bool fresh;
     if (setmap_get(&m, p0, 2, &fresh) < 0 || dfa_add_state(c, out) < 0) {
         setmap_free(&m);
-        return c->b->status < 0 ? c->b->status : gb_fail(c->b, PD_ENOMEM, "", "", -1, "out of memory");
+        return c->b->status < 0 ? c->b->status
+                                : gb_fail(c->b, PD_ENOMEM, "", "", -1, "out of memory");
     }
     for (int32_t s = 0; s < out->n; s++) {
         int32_t i = m.pool[m.off[s]], j = m.pool[m.off[s] + 1];
@@ -526,7 +529,8 @@ static int dfa_product(cc *c, const dfa *a, const dfa *b2, bool complement_b, df
         out->call_off[s] = 0;
         for (int32_t q = 0; q < k; q++) {
             int32_t ti = a->trans[(size_t)i * (size_t)a->ncls + (size_t)pairmap[q][0]];
-            int32_t tj = j == sink ? sink : b2->trans[(size_t)j * (size_t)b2->ncls + (size_t)pairmap[q][1]];
+            int32_t tj =
+                j == sink ? sink : b2->trans[(size_t)j * (size_t)b2->ncls + (size_t)pairmap[q][1]];
             if (ti < 0) continue;
             if (tj < 0) {
                 if (!complement_b) continue;
@@ -536,7 +540,8 @@ static int dfa_product(cc *c, const dfa *a, const dfa *b2, bool complement_b, df
             int32_t id = setmap_get(&m, p, 2, &fresh);
             if (id < 0 || (fresh && dfa_add_state(c, out) < 0)) {
                 setmap_free(&m);
-                return c->b->status < 0 ? c->b->status : gb_fail(c->b, PD_ENOMEM, "", "", -1, "out of memory");
+                return c->b->status < 0 ? c->b->status
+                                        : gb_fail(c->b, PD_ENOMEM, "", "", -1, "out of memory");
             }
             out->trans[(size_t)s * (size_t)k + (size_t)q] = id;
         }
@@ -599,8 +604,8 @@ static int32_t frag(cc *c, nfa *n, gx *x, int32_t s)
             gb_fail(c->b, PD_EINVAL, "", "", -1, "rule '%s' is used but not defined", r->name);
             return -1;
         }
-        bool inl = !c->recursive[x->rule] &&
-                   (c->force_inline || (!r->keep && c->nrefs[x->rule] <= 1));
+        bool inl =
+            !c->recursive[x->rule] && (c->force_inline || (!r->keep && c->nrefs[x->rule] <= 1));
         if (inl && c->depth < 200) {
             c->depth++;
             int32_t e = frag(c, n, r->body, s);
@@ -696,7 +701,8 @@ static void find_recursive(gb *b, bool *rec)
         goto done;
     }
     for (int32_t r = 0; r < n; r++)
-        if (b->rules[r].body) refs(b->rules[r].body, __atomic_add_fetch(&g_mark_gen, 1, __ATOMIC_RELAXED),
+        if (b->rules[r].body)
+            refs(b->rules[r].body, __atomic_add_fetch(&g_mark_gen, 1, __ATOMIC_RELAXED),
                  adj + (size_t)r * (size_t)n);
     for (int32_t r = 0; r < n; r++) {
         memset(seen, 0, (size_t)n);
@@ -820,29 +826,34 @@ static void cache_keys(pd_grammar *g)
     for (int32_t r = 0; r < g->n_rules; r++) {
         grule *R = &g->rules[r];
         if (!R->leaf || !hk || !hv) {
-            for (int32_t s = R->first; s < R->first + R->n_states; s++) g->states[s].cache_key = nk++;
+            for (int32_t s = R->first; s < R->first + R->n_states; s++)
+                g->states[s].cache_key = nk++;
             continue;
         }
         int32_t n = R->n_states;
-        uint64_t *h = malloc(sizeof(uint64_t) * (size_t)n), *h2 = malloc(sizeof(uint64_t) * (size_t)n);
+        uint64_t *h = malloc(sizeof(uint64_t) * (size_t)n),
+                 *h2 = malloc(sizeof(uint64_t) * (size_t)n);
         uint64_t *srt = malloc(sizeof(uint64_t) * (size_t)n);
         if (!h || !h2 || !srt) {
             free(h);
             free(h2);
             free(srt);
-            for (int32_t s = R->first; s < R->first + R->n_states; s++) g->states[s].cache_key = nk++;
+            for (int32_t s = R->first; s < R->first + R->n_states; s++)
+                g->states[s].cache_key = nk++;
             continue;
         }
         uint64_t ch = 0x51ed;
         for (int b = 0; b < 256; b++) ch = pd_mix64(ch ^ R->cls[b]);
-        for (int32_t i = 0; i < n; i++) h[i] = pd_mix64(ch ^ (g->states[R->first + i].flags & GS_FINAL));
+        for (int32_t i = 0; i < n; i++)
+            h[i] = pd_mix64(ch ^ (g->states[R->first + i].flags & GS_FINAL));
         int32_t prev = -1;
         for (uint32_t it = 0; it < D + 1; it++) {
             for (int32_t i = 0; i < n; i++) {
                 uint64_t x = pd_mix64(h[i] + 0x9e37);
                 const int32_t *t = &g->trans[g->states[R->first + i].trans_off];
                 for (int32_t k = 0; k < R->ncls; k++)
-                    x = pd_mix64(x ^ (t[k] < 0 ? 0xdeadull : h[t[k] - R->first]) ^ ((uint64_t)k << 56));
+                    x = pd_mix64(x ^ (t[k] < 0 ? 0xdeadull : h[t[k] - R->first]) ^
+                                 ((uint64_t)k << 56));
                 h2[i] = x;
             }
             memcpy(h, h2, sizeof(uint64_t) * (size_t)n);
@@ -872,8 +883,8 @@ static void cache_keys(pd_grammar *g)
     g->n_keys = nk;
 }
 
-
-/* ---- build ------------------------------------------------------------------------------------ */
+/* ---- build ------------------------------------------------------------------------------------
+ */
 int gram_build(gb *b, int32_t root, pd_grammar *g)
 {
     if (b->status < 0) return b->status;
@@ -915,7 +926,8 @@ int gram_build(gb *b, int32_t root, pd_grammar *g)
         int32_t e = frag(&c, &n, b->rules[r].body, s);
         if (e < 0 || b->status < 0) {
             nfa_free(&n);
-            rc = b->status < 0 ? b->status : gb_fail(b, PD_EINTERNAL, "", "", -1, "grammar build failed");
+            rc = b->status < 0 ? b->status
+                               : gb_fail(b, PD_EINTERNAL, "", "", -1, "grammar build failed");
             goto done;
         }
         rc = determinize(&c, &n, s, e, &ds[w]);

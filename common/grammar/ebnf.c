@@ -19,7 +19,7 @@ typedef struct {
         char *name;
         int32_t rule;
         bool defined;
-    } *names;
+    } * names;
     int nn, cap;
 } ep;
 
@@ -28,8 +28,10 @@ static int efail(ep *p, size_t pos, const char *what)
     /* line:col for the message */
     int line = 1, col = 1;
     for (size_t k = 0; k < pos && k < p->n; k++) {
-        if (p->s[k] == '\n') line++, col = 1;
-        else col++;
+        if (p->s[k] == '\n')
+            line++, col = 1;
+        else
+            col++;
     }
     return gb_fail(p->b, PD_EPARSE, "", "", (long)pos, "grammar: %s at line %d column %d", what,
                    line, col);
@@ -39,7 +41,8 @@ static void skip_ws(ep *p)
 {
     while (p->i < p->n) {
         char c = p->s[p->i];
-        if (c == ' ' || c == '\t' || c == '\r' || c == '\n') p->i++;
+        if (c == ' ' || c == '\t' || c == '\r' || c == '\n')
+            p->i++;
         else if (c == '#' || (c == '/' && p->i + 1 < p->n && p->s[p->i + 1] == '/')) {
             while (p->i < p->n && p->s[p->i] != '\n') p->i++;
         } else
@@ -49,7 +52,8 @@ static void skip_ws(ep *p)
 
 static bool is_id(char c)
 {
-    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' || c == '-';
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' ||
+           c == '-';
 }
 
 static size_t id_len(ep *p, size_t at)
@@ -99,9 +103,12 @@ static bool at_definition(ep *p, size_t *name_at, size_t *name_n, size_t *body_a
         while (k < p->n && p->s[k] >= '0' && p->s[k] <= '9') k++;
     }
     while (k < p->n && (p->s[k] == ' ' || p->s[k] == '\t')) k++;
-    if (k + 2 < p->n + 0 && strncmp(p->s + k, "::=", 3) == 0) k += 3;
-    else if (k < p->n && p->s[k] == ':' && !(k + 1 < p->n && p->s[k + 1] == ':')) k += 1;
-    else return false;
+    if (k + 2 < p->n + 0 && strncmp(p->s + k, "::=", 3) == 0)
+        k += 3;
+    else if (k < p->n && p->s[k] == ':' && !(k + 1 < p->n && p->s[k + 1] == ':'))
+        k += 1;
+    else
+        return false;
     *name_at = at;
     *name_n = l;
     *body_at = k;
@@ -118,8 +125,10 @@ static int hexv(char c)
 
 static void put_utf8(char *o, size_t *k, uint32_t c)
 {
-    if (c < 0x80) o[(*k)++] = (char)c;
-    else if (c < 0x800) o[(*k)++] = (char)(0xC0 | (c >> 6)), o[(*k)++] = (char)(0x80 | (c & 0x3F));
+    if (c < 0x80)
+        o[(*k)++] = (char)c;
+    else if (c < 0x800)
+        o[(*k)++] = (char)(0xC0 | (c >> 6)), o[(*k)++] = (char)(0x80 | (c & 0x3F));
     else if (c < 0x10000)
         o[(*k)++] = (char)(0xE0 | (c >> 12)), o[(*k)++] = (char)(0x80 | ((c >> 6) & 0x3F)),
         o[(*k)++] = (char)(0x80 | (c & 0x3F));
@@ -163,8 +172,10 @@ static int read_string(ep *p, char **out, size_t *olen)
                 v = v * 16 + (uint32_t)hexv(p->s[p->i++]);
             }
             if (v > 0x10FFFF) return efail(p, p->i, "a bad escape");
-            if (e == 'x') o[k++] = (char)v;
-            else put_utf8(o, &k, v);
+            if (e == 'x')
+                o[k++] = (char)v;
+            else
+                put_utf8(o, &k, v);
         }
     }
     if (p->i >= p->n) return efail(p, start, "an unterminated string");
@@ -179,16 +190,27 @@ static gx *e_alt(ep *p);
 static const struct {
     const char *name, *re;
 } COMMON[] = {
-    {"DIGIT", "[0-9]"}, {"HEXDIGIT", "[0-9a-fA-F]"}, {"INT", "[0-9]+"},
-    {"SIGNED_INT", "[+-]?[0-9]+"}, {"DECIMAL", "[0-9]+\\.[0-9]*|\\.[0-9]+"},
+    {"DIGIT", "[0-9]"},
+    {"HEXDIGIT", "[0-9a-fA-F]"},
+    {"INT", "[0-9]+"},
+    {"SIGNED_INT", "[+-]?[0-9]+"},
+    {"DECIMAL", "[0-9]+\\.[0-9]*|\\.[0-9]+"},
     {"NUMBER", "[0-9]+(\\.[0-9]*)?([eE][+-]?[0-9]+)?|\\.[0-9]+([eE][+-]?[0-9]+)?"},
     {"SIGNED_NUMBER", "[+-]?([0-9]+(\\.[0-9]*)?([eE][+-]?[0-9]+)?|\\.[0-9]+([eE][+-]?[0-9]+)?)"},
-    {"FLOAT", "[0-9]+\\.[0-9]*([eE][+-]?[0-9]+)?|\\.[0-9]+([eE][+-]?[0-9]+)?|[0-9]+[eE][+-]?[0-9]+"},
-    {"LCASE_LETTER", "[a-z]"}, {"UCASE_LETTER", "[A-Z]"}, {"LETTER", "[A-Za-z]"},
-    {"WORD", "[A-Za-z]+"}, {"CNAME", "[A-Za-z_][A-Za-z0-9_]*"},
+    {"FLOAT",
+     "[0-9]+\\.[0-9]*([eE][+-]?[0-9]+)?|\\.[0-9]+([eE][+-]?[0-9]+)?|[0-9]+[eE][+-]?[0-9]+"},
+    {"LCASE_LETTER", "[a-z]"},
+    {"UCASE_LETTER", "[A-Z]"},
+    {"LETTER", "[A-Za-z]"},
+    {"WORD", "[A-Za-z]+"},
+    {"CNAME", "[A-Za-z_][A-Za-z0-9_]*"},
     {"ESCAPED_STRING", "\"([^\"\\\\\\n]|\\\\.)*\""},
-    {"WS_INLINE", "[ \\t]+"}, {"WS", "[ \\t\\f\\r\\n]+"}, {"CR", "\\r"}, {"LF", "\\n"},
-    {"NEWLINE", "(\\r?\\n)+"}, {NULL, NULL}};
+    {"WS_INLINE", "[ \\t]+"},
+    {"WS", "[ \\t\\f\\r\\n]+"},
+    {"CR", "\\r"},
+    {"LF", "\\n"},
+    {"NEWLINE", "(\\r?\\n)+"},
+    {NULL, NULL}};
 
 static gx *e_atom(ep *p)
 {
@@ -200,7 +222,7 @@ static gx *e_atom(ep *p)
     }
     size_t pos = p->i;
     char c = p->s[p->i];
-    if (c == '(' || c == '[' ) {
+    if (c == '(' || c == '[') {
         if (c == '[' && p->i + 1 < p->n) {
             /* GBNF class: reuse the regex class parser on "[...]" */
             size_t k = p->i + 1;
@@ -262,7 +284,7 @@ static gx *e_atom(ep *p)
         p->i = save;
         return gx_lit(b, s, n);
     }
-    if (c == '/' ) {
+    if (c == '/') {
         size_t k = p->i + 1;
         while (k < p->n && p->s[k] != '/' && p->s[k] != '\n') k += p->s[k] == '\\' ? 2 : 1;
         if (k >= p->n || p->s[k] != '/') {
@@ -313,9 +335,12 @@ static gx *e_postfix(ep *p)
         while (k < p->n && (p->s[k] == ' ' || p->s[k] == '\t')) k++;
         if (k >= p->n) break;
         char c = p->s[k];
-        if (c == '*') p->i = k + 1, x = gx_star(p->b, x);
-        else if (c == '+') p->i = k + 1, x = gx_plus(p->b, x);
-        else if (c == '?') p->i = k + 1, x = gx_opt(p->b, x);
+        if (c == '*')
+            p->i = k + 1, x = gx_star(p->b, x);
+        else if (c == '+')
+            p->i = k + 1, x = gx_plus(p->b, x);
+        else if (c == '?')
+            p->i = k + 1, x = gx_opt(p->b, x);
         else if (c == '{') {
             p->i = k + 1;
             long mn, mx;
@@ -442,7 +467,9 @@ int ebnf_compile(gb *b, const char *text, size_t len, int32_t *root)
                 p.i += 7;
                 size_t l = id_len(&p, p.i);
                 int k = 0;
-                while (COMMON[k].name && !(strlen(COMMON[k].name) == l && memcmp(COMMON[k].name, p.s + p.i, l) == 0)) k++;
+                while (COMMON[k].name &&
+                       !(strlen(COMMON[k].name) == l && memcmp(COMMON[k].name, p.s + p.i, l) == 0))
+                    k++;
                 if (!COMMON[k].name) {
                     efail(&p, p.i, "an unknown common terminal");
                     break;

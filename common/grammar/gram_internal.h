@@ -86,8 +86,8 @@ gx *gx_cp_set(gb *b, const uint32_t *ranges, int n_ranges);
 int32_t gb_rule_new(gb *b, const char *name);
 void gb_rule_set(gb *b, int32_t r, gx *body);
 /* Records a refusal (first one wins); returns status. */
-int gb_fail(gb *b, int status, const char *keyword, const char *path, long pos,
-            const char *fmt, ...) __attribute__((format(printf, 6, 7)));
+int gb_fail(gb *b, int status, const char *keyword, const char *path, long pos, const char *fmt,
+            ...) __attribute__((format(printf, 6, 7)));
 void gb_init(gb *b, pd_gerr *err);
 void gb_free(gb *b);
 
@@ -107,29 +107,29 @@ typedef struct {
 
 typedef struct {
     int32_t rule;
-    uint32_t flags;      /* GS_* */
-    int32_t trans_off;   /* into g->trans; ncls entries */
+    uint32_t flags;    /* GS_* */
+    int32_t trans_off; /* into g->trans; ncls entries */
     int32_t calls_off, n_calls;
-    int32_t cache_key;   /* states with the same key share a mask-cache entry (leaf rules) */
+    int32_t cache_key; /* states with the same key share a mask-cache entry (leaf rules) */
 } gstate;
 
 enum { GS_FINAL = 1, GS_BYTES = 2 };
 
 typedef struct {
-    int32_t start;         /* state */
+    int32_t start; /* state */
     int32_t first, n_states;
-    uint8_t cls[256];      /* byte -> class */
+    uint8_t cls[256]; /* byte -> class */
     int32_t ncls;
-    bool leaf;             /* no calls anywhere in the rule */
+    bool leaf; /* no calls anywhere in the rule */
     const char *name;
 } grule;
 
 /* What a trie walk from one state finds without the stack below it. */
 typedef struct gentry {
-    uint32_t n_acc;    /* tokens accepted inside the frame */
-    bool bits;         /* acc is a bitset of the vocabulary, else a list of ids */
+    uint32_t n_acc; /* tokens accepted inside the frame */
+    bool bits;      /* acc is a bitset of the vocabulary, else a list of ids */
     uint32_t *acc;
-    uint32_t n_pop;    /* trie nodes after which the frame may end with bytes left */
+    uint32_t n_pop; /* trie nodes after which the frame may end with bytes left */
     uint32_t *pops;
 } gentry;
 
@@ -154,7 +154,7 @@ void gentry_free(gentry *e);
 /* ---- vocabulary ---------------------------------------------------------------------- */
 struct pd_gvocab {
     int32_t n;
-    uint8_t **tok;    /* bytes, NULL for excluded */
+    uint8_t **tok; /* bytes, NULL for excluded */
     uint32_t *len;
     bool *eos;
     int32_t *eos_ids;

@@ -81,8 +81,7 @@ typedef struct {
 /* Compiles spec for vocabulary v (which must outlive the grammar). *out holds one
  * reference. Refusals are PD_EUNSUPPORTED (a keyword or construct that cannot be enforced)
  * or PD_EPARSE/PD_EINVAL (malformed input), with the message also in err when non-NULL. */
-int pd_grammar_compile(const pd_gvocab *v, const pd_gspec *spec, pd_grammar **out,
-                       pd_gerr *err);
+int pd_grammar_compile(const pd_gvocab *v, const pd_gspec *spec, pd_grammar **out, pd_gerr *err);
 pd_grammar *pd_grammar_ref(pd_grammar *g);
 void pd_grammar_unref(pd_grammar *g);
 /* Sizes for logs and tests: rules and DFA states. */

@@ -9,8 +9,8 @@
 #include "grammar/gram_internal.h"
 #include "util/status.h"
 
-#define NOPARENT (-1)
-#define BOTTOM (-2)
+#define NOPARENT  (-1)
+#define BOTTOM    (-2)
 #define MAX_DEPTH 2000
 
 typedef struct {
@@ -208,8 +208,8 @@ static void step(ctx *c, const int32_t *in, int32_t n, uint8_t b)
 
 /* ---- trie walks --------------------------------------------------------------------------- */
 typedef struct {
-    ivec acc;  /* cache mode: accepted tokens */
-    ivec pops; /* cache mode: pop nodes */
+    ivec acc;       /* cache mode: accepted tokens */
+    ivec pops;      /* cache mode: pop nodes */
     uint32_t *bits; /* runtime mode */
 } sink;
 
@@ -340,7 +340,8 @@ static gentry *compute_entry(const pd_grammar *g, int32_t st)
         e->bits = true;
         e->acc = calloc(pd_gmask_words(nv), sizeof(uint32_t));
         if (e->acc)
-            for (int32_t i = 0; i < k.acc.n; i++) e->acc[k.acc.v[i] >> 5] |= 1u << (k.acc.v[i] & 31);
+            for (int32_t i = 0; i < k.acc.n; i++)
+                e->acc[k.acc.v[i] >> 5] |= 1u << (k.acc.v[i] & 31);
         free(k.acc.v);
     } else {
         e->acc = (uint32_t *)k.acc.v;
@@ -425,7 +426,7 @@ static int ivec_copy(ivec *d, const ivec *s)
 {
     memset(d, 0, sizeof *d);
     if (ivec_reserve(d, s->n ? s->n : 1) < 0) return -1;
-    memcpy(d->v, s->v, sizeof(int32_t) * (size_t)s->n);
+    if (s->n) memcpy(d->v, s->v, sizeof(int32_t) * (size_t)s->n);
     d->n = s->n;
     return 0;
 }
@@ -561,7 +562,8 @@ int pd_gmatcher_fill_mask(pd_gmatcher *m, uint32_t *bits)
             if (e->bits) {
                 for (size_t w = 0; w < words; w++) bits[w] |= e->acc[w];
             } else {
-                for (uint32_t j = 0; j < e->n_acc; j++) bits[e->acc[j] >> 5] |= 1u << (e->acc[j] & 31);
+                for (uint32_t j = 0; j < e->n_acc; j++)
+                    bits[e->acc[j] >> 5] |= 1u << (e->acc[j] & 31);
             }
             if (e->n_pop == 0 || fr.parent < 0) continue;
             /* the stacks after this frame ends */
@@ -582,17 +584,28 @@ int pd_gmatcher_fill_mask(pd_gmatcher *m, uint32_t *bits)
         }
     }
     if (m->accept)
-        for (size_t i = 0; i < v->n_eos; i++) bits[v->eos_ids[i] >> 5] |= 1u << (v->eos_ids[i] & 31);
+        for (size_t i = 0; i < v->n_eos; i++)
+            bits[v->eos_ids[i] >> 5] |= 1u << (v->eos_ids[i] & 31);
     return 0;
 }
 
-bool pd_gmatcher_is_accepting(const pd_gmatcher *m) { return m->accept; }
-bool pd_gmatcher_is_terminated(const pd_gmatcher *m) { return m->term; }
-size_t pd_gmatcher_history(const pd_gmatcher *m) { return m->nrec; }
+bool pd_gmatcher_is_accepting(const pd_gmatcher *m)
+{
+    return m->accept;
+}
+bool pd_gmatcher_is_terminated(const pd_gmatcher *m)
+{
+    return m->term;
+}
+size_t pd_gmatcher_history(const pd_gmatcher *m)
+{
+    return m->nrec;
+}
 
 int pd_gmatcher_rollback(pd_gmatcher *m, size_t k)
 {
-    if (k > m->nrec) return pd_error(PD_EINVAL, "grammar: rollback of %zu past %zu tokens", k, m->nrec);
+    if (k > m->nrec)
+        return pd_error(PD_EINVAL, "grammar: rollback of %zu past %zu tokens", k, m->nrec);
     if (k == 0) return 0;
     hrec r = m->rec[m->nrec - k];
     m->nrec -= k;

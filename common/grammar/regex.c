@@ -54,8 +54,8 @@ static uint32_t rx_cp(rx *r)
 
 static const uint32_t R_DIGIT[] = {'0', '9'};
 static const uint32_t R_WORD[] = {'0', '9', 'A', 'Z', '_', '_', 'a', 'z'};
-static const uint32_t R_SPACE[] = {'\t', '\r', ' ', ' ', 0xA0, 0xA0, 0x1680, 0x1680,
-                                   0x2000, 0x200A, 0x2028, 0x2029, 0x202F, 0x202F,
+static const uint32_t R_SPACE[] = {'\t',   '\r',   ' ',    ' ',    0xA0,   0xA0,   0x1680,
+                                   0x1680, 0x2000, 0x200A, 0x2028, 0x2029, 0x202F, 0x202F,
                                    0x205F, 0x205F, 0x3000, 0x3000, 0xFEFF, 0xFEFF};
 
 /* complement of sorted merged ranges over [0, 0x10FFFF] */
@@ -163,8 +163,15 @@ static int rx_escape(rx *r, uint32_t *cp, rset *set)
     }
     char c = r->s[r->i++];
     switch (c) {
-    case 'd': case 'D': case 'w': case 'W': case 's': case 'S': {
-        const uint32_t *t = c == 'd' || c == 'D' ? R_DIGIT : c == 'w' || c == 'W' ? R_WORD : R_SPACE;
+    case 'd':
+    case 'D':
+    case 'w':
+    case 'W':
+    case 's':
+    case 'S': {
+        const uint32_t *t = c == 'd' || c == 'D'   ? R_DIGIT
+                            : c == 'w' || c == 'W' ? R_WORD
+                                                   : R_SPACE;
         int n = c == 'd' || c == 'D' ? 1 : c == 'w' || c == 'W' ? 4 : 10;
         rs_add_set(set, t, n, c == 'D' || c == 'W' || c == 'S');
         return 2;
@@ -186,7 +193,8 @@ static int rx_escape(rx *r, uint32_t *cp, rset *set)
             r->i++;
             uint32_t v = 0;
             int k = 0;
-            while (r->i < r->n && hexval(r->s[r->i]) >= 0 && k < 8) v = v * 16 + (uint32_t)hexval(r->s[r->i++]), k++;
+            while (r->i < r->n && hexval(r->s[r->i]) >= 0 && k < 8)
+                v = v * 16 + (uint32_t)hexval(r->s[r->i++]), k++;
             if (k == 0 || r->i >= r->n || r->s[r->i] != '}' || v > 0x10FFFF) {
                 rx_fail(r, pos, "a bad \\u{...} escape");
                 return 0;
@@ -216,11 +224,14 @@ static int rx_escape(rx *r, uint32_t *cp, rset *set)
             return 0;
         }
         return 1;
-    case 'b': case 'B': rx_fail(r, pos, "a word boundary (\\b, \\B) is not supported"); return 0;
-    case 'A': case 'Z': case 'z': case 'G':
-        rx_fail(r, pos, "the anchor escapes \\A \\Z \\z \\G are not supported");
-        return 0;
-    case 'p': case 'P': rx_fail(r, pos, "Unicode property classes (\\p, \\P) are not supported"); return 0;
+    case 'b':
+    case 'B': rx_fail(r, pos, "a word boundary (\\b, \\B) is not supported"); return 0;
+    case 'A':
+    case 'Z':
+    case 'z':
+    case 'G': rx_fail(r, pos, "the anchor escapes \\A \\Z \\z \\G are not supported"); return 0;
+    case 'p':
+    case 'P': rx_fail(r, pos, "Unicode property classes (\\p, \\P) are not supported"); return 0;
     case 'c': rx_fail(r, pos, "control escapes (\\c) are not supported"); return 0;
     case 'k': rx_fail(r, pos, "backreferences are not supported"); return 0;
     default:
@@ -260,7 +271,8 @@ static gx *rx_class(rx *r)
         }
         first = false;
         uint32_t lo;
-        if (c == '[' && r->i + 1 < r->n && (r->s[r->i + 1] == ':' || r->s[r->i + 1] == '=' || r->s[r->i + 1] == '.')) {
+        if (c == '[' && r->i + 1 < r->n &&
+            (r->s[r->i + 1] == ':' || r->s[r->i + 1] == '=' || r->s[r->i + 1] == '.')) {
             free(s.r);
             return rx_fail(r, r->i, "POSIX classes ([:alpha:]) are not supported");
         }
@@ -288,7 +300,8 @@ static gx *rx_class(rx *r)
                 free(dummy.r);
                 if (k != 1) {
                     free(s.r);
-                    return k == 0 ? gx_none(r->b) : rx_fail(r, r->i, "a class escape as a range end");
+                    return k == 0 ? gx_none(r->b)
+                                  : rx_fail(r, r->i, "a class escape as a range end");
                 }
             } else {
                 hi = rx_cp(r);
@@ -331,13 +344,16 @@ static gx *rx_atom(rx *r)
             if (r->i < r->n && r->s[r->i] == ':') {
                 r->i++;
             } else if (r->i < r->n && (r->s[r->i] == '<' || r->s[r->i] == 'P') &&
-                       !(r->s[r->i] == '<' && r->i + 1 < r->n && (r->s[r->i + 1] == '=' || r->s[r->i + 1] == '!'))) {
+                       !(r->s[r->i] == '<' && r->i + 1 < r->n &&
+                         (r->s[r->i + 1] == '=' || r->s[r->i + 1] == '!'))) {
                 if (r->s[r->i] == 'P') r->i++;
-                if (r->i >= r->n || r->s[r->i] != '<') return rx_fail(r, pos, "an unsupported group");
+                if (r->i >= r->n || r->s[r->i] != '<')
+                    return rx_fail(r, pos, "an unsupported group");
                 while (r->i < r->n && r->s[r->i] != '>') r->i++;
                 if (r->i >= r->n) return rx_fail(r, pos, "an unterminated group name");
                 r->i++;
-            } else if (r->i < r->n && (r->s[r->i] == '=' || r->s[r->i] == '!' || r->s[r->i] == '<')) {
+            } else if (r->i < r->n &&
+                       (r->s[r->i] == '=' || r->s[r->i] == '!' || r->s[r->i] == '<')) {
                 return rx_fail(r, pos, "lookaround is not supported");
             } else {
                 return rx_fail(r, pos, "inline flags and other (?...) groups are not supported");
@@ -377,7 +393,8 @@ static gx *rx_atom(rx *r)
         }
         return gx_cp_range(r->b, cp, cp);
     }
-    if (c == '*' || c == '+' || c == '?') return rx_fail(r, pos, "a quantifier with nothing to repeat");
+    if (c == '*' || c == '+' || c == '?')
+        return rx_fail(r, pos, "a quantifier with nothing to repeat");
     if (c == '{') {
         /* a literal '{' unless it starts a valid quantifier (then nothing to repeat) */
         r->i++;
@@ -452,9 +469,12 @@ static gx *rx_seq(rx *r, bool top, bool *anc_start, bool *anc_end)
             char q = r->s[r->i];
             int32_t mn, mx;
             size_t qpos = r->i;
-            if (q == '*') mn = 0, mx = -1, r->i++;
-            else if (q == '+') mn = 1, mx = -1, r->i++;
-            else if (q == '?') mn = 0, mx = 1, r->i++;
+            if (q == '*')
+                mn = 0, mx = -1, r->i++;
+            else if (q == '+')
+                mn = 1, mx = -1, r->i++;
+            else if (q == '?')
+                mn = 0, mx = 1, r->i++;
             else if (q == '{' && rx_braces(r, &mn, &mx)) {
                 if (mn > MAX_REPEAT || mx > MAX_REPEAT) {
                     free(k);
@@ -466,7 +486,8 @@ static gx *rx_seq(rx *r, bool top, bool *anc_start, bool *anc_end)
                 }
             } else
                 break;
-            if (r->i < r->n && r->s[r->i] == '?') r->i++; /* lazy: same language */
+            if (r->i < r->n && r->s[r->i] == '?')
+                r->i++; /* lazy: same language */
             else if (r->i < r->n && r->s[r->i] == '+') {
                 free(k);
                 return rx_fail(r, r->i, "possessive quantifiers are not supported");

@@ -35,16 +35,33 @@ typedef struct {
 static gx *sch(sc *c, json_t *s, const char *path);
 
 static const char *const ANNOTATIONS[] = {
-    "title", "description", "examples", "example", "default", "$schema", "$id", "id",
-    "$comment", "deprecated", "readOnly", "writeOnly", "definitions", "$defs",
-    "contentMediaType", "contentEncoding", "contentSchema", "$anchor", "$vocabulary", NULL};
+    "title",           "description",   "examples",    "example",     "default",
+    "$schema",         "$id",           "id",          "$comment",    "deprecated",
+    "readOnly",        "writeOnly",     "definitions", "$defs",       "contentMediaType",
+    "contentEncoding", "contentSchema", "$anchor",     "$vocabulary", NULL};
 
 /* Validation keywords of JSON Schema that this compiler does not enforce. */
-static const char *const REFUSED[] = {
-    "not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies",
-    "propertyNames", "minProperties", "maxProperties", "uniqueItems", "contains", "minContains",
-    "maxContains", "unevaluatedProperties", "unevaluatedItems", "$dynamicRef", "$recursiveRef",
-    "patternProperties", "multipleOf", NULL};
+static const char *const REFUSED[] = {"not",
+                                      "if",
+                                      "then",
+                                      "else",
+                                      "dependentRequired",
+                                      "dependentSchemas",
+                                      "dependencies",
+                                      "propertyNames",
+                                      "minProperties",
+                                      "maxProperties",
+                                      "uniqueItems",
+                                      "contains",
+                                      "minContains",
+                                      "maxContains",
+                                      "unevaluatedProperties",
+                                      "unevaluatedItems",
+                                      "$dynamicRef",
+                                      "$recursiveRef",
+                                      "patternProperties",
+                                      "multipleOf",
+                                      NULL};
 
 static bool in_list(const char *k, const char *const *l)
 {
@@ -75,9 +92,12 @@ static const char *sub(sc *c, const char *path, const char *tok)
     size_t k = n;
     o[k++] = '/';
     for (size_t i = 0; i < t; i++) {
-        if (tok[i] == '~') o[k++] = '~', o[k++] = '0';
-        else if (tok[i] == '/') o[k++] = '~', o[k++] = '1';
-        else o[k++] = tok[i];
+        if (tok[i] == '~')
+            o[k++] = '~', o[k++] = '0';
+        else if (tok[i] == '/')
+            o[k++] = '~', o[k++] = '1';
+        else
+            o[k++] = tok[i];
     }
     o[k] = 0;
     return o;
@@ -99,21 +119,30 @@ static gx *fail(sc *c, const char *kw, const char *path, const char *fmt, const 
     return gx_none(c->b);
 }
 
-/* ---- JSON text pieces -------------------------------------------------------------------------- */
-static gx *lit(sc *c, const char *s) { return gx_str(c->b, s); }
+/* ---- JSON text pieces --------------------------------------------------------------------------
+ */
+static gx *lit(sc *c, const char *s)
+{
+    return gx_str(c->b, s);
+}
 
 /* one character of a JSON string as written: raw UTF-8 (no '"', '\\', controls) or an escape */
 static gx *jchar(sc *c)
 {
     gb *b = c->b;
     uint32_t raw[] = {0x20, 0x21, 0x23, 0x5B, 0x5D, 0x10FFFF};
-    gx *hex = gx_alt(b, (gx *[]){gx_byte(b, '0', '9'), gx_byte(b, 'a', 'f'), gx_byte(b, 'A', 'F')}, 3);
+    gx *hex =
+        gx_alt(b, (gx *[]){gx_byte(b, '0', '9'), gx_byte(b, 'a', 'f'), gx_byte(b, 'A', 'F')}, 3);
     gx *esc = gx_seq2(b, gx_byte(b, '\\', '\\'),
-                      gx_alt(b, (gx *[]){gx_alt(b, (gx *[]){gx_byte(b, '"', '"'), gx_byte(b, '\\', '\\'),
-                                                            gx_byte(b, '/', '/'), gx_byte(b, 'b', 'b'),
-                                                            gx_byte(b, 'f', 'f'), gx_byte(b, 'n', 'n'),
-                                                            gx_byte(b, 'r', 'r'), gx_byte(b, 't', 't')}, 8),
-                                         gx_seq2(b, gx_byte(b, 'u', 'u'), gx_rep(b, hex, 4, 4))}, 2));
+                      gx_alt(b,
+                             (gx *[]){gx_alt(b,
+                                             (gx *[]){gx_byte(b, '"', '"'), gx_byte(b, '\\', '\\'),
+                                                      gx_byte(b, '/', '/'), gx_byte(b, 'b', 'b'),
+                                                      gx_byte(b, 'f', 'f'), gx_byte(b, 'n', 'n'),
+                                                      gx_byte(b, 'r', 'r'), gx_byte(b, 't', 't')},
+                                             8),
+                                      gx_seq2(b, gx_byte(b, 'u', 'u'), gx_rep(b, hex, 4, 4))},
+                             2));
     return gx_alt2(b, gx_cp_set(b, raw, 3), esc);
 }
 
@@ -143,7 +172,8 @@ static gx *json_esc(sc *c, gx *x)
                 static const char hx[] = "0123456789abcdef";
                 gx *d1 = gx_byte(b, (uint8_t)('0' + (v >> 4)), (uint8_t)('0' + (v >> 4)));
                 char lc = hx[v & 15], uc = (char)(lc >= 'a' ? lc - 32 : lc);
-                gx *d2 = gx_alt2(b, gx_byte(b, (uint8_t)lc, (uint8_t)lc), gx_byte(b, (uint8_t)uc, (uint8_t)uc));
+                gx *d2 = gx_alt2(b, gx_byte(b, (uint8_t)lc, (uint8_t)lc),
+                                 gx_byte(b, (uint8_t)uc, (uint8_t)uc));
                 parts[n++] = gx_seq3(b, gx_str(b, "\\u00"), d1, d2);
             }
         }
@@ -169,10 +199,14 @@ static gx *json_esc(sc *c, gx *x)
         if (!k) return gx_none(b);
         for (int32_t i = 0; i < x->n; i++) k[i] = json_esc(c, x->kids[i]);
         gx *r;
-        if (x->kind == X_SEQ) r = gx_seq(b, k, x->n);
-        else if (x->kind == X_ALT) r = gx_alt(b, k, x->n);
-        else if (x->kind == X_AND) r = gx_and(b, k[0], k[1]);
-        else r = gx_rep(b, k[0], x->min, x->max);
+        if (x->kind == X_SEQ)
+            r = gx_seq(b, k, x->n);
+        else if (x->kind == X_ALT)
+            r = gx_alt(b, k, x->n);
+        else if (x->kind == X_AND)
+            r = gx_and(b, k[0], k[1]);
+        else
+            r = gx_rep(b, k[0], x->min, x->max);
         free(k);
         return r;
     }
@@ -205,7 +239,8 @@ static gx *value_lit(sc *c, json_t *v)
         k[m++] = lit(c, "{");
         const char *key;
         json_t *val;
-        json_object_foreach(v, key, val) {
+        json_object_foreach(v, key, val)
+        {
             k[m++] = gx_seq3(b, c->ws, i ? gx_seq2(b, lit(c, ","), c->ws) : gx_empty(b),
                              json_string_lit(c, key, strlen(key)));
             k[m++] = gx_seq3(b, c->ws, lit(c, ":"), c->ws);
@@ -251,15 +286,22 @@ static gx *value_lit(sc *c, json_t *v)
 }
 
 /* ---- generic rules --------------------------------------------------------------------------- */
-static gx *digits(gb *b) { return gx_byte(b, '0', '9'); }
+static gx *digits(gb *b)
+{
+    return gx_byte(b, '0', '9');
+}
 
 static gx *int_expr(gb *b)
 {
-    return gx_seq2(b, gx_opt(b, gx_str(b, "-")),
-                   gx_alt2(b, gx_str(b, "0"), gx_seq2(b, gx_byte(b, '1', '9'), gx_star(b, digits(b)))));
+    return gx_seq2(
+        b, gx_opt(b, gx_str(b, "-")),
+        gx_alt2(b, gx_str(b, "0"), gx_seq2(b, gx_byte(b, '1', '9'), gx_star(b, digits(b)))));
 }
 
-static gx *frac_expr(gb *b) { return gx_seq2(b, gx_str(b, "."), gx_plus(b, digits(b))); }
+static gx *frac_expr(gb *b)
+{
+    return gx_seq2(b, gx_str(b, "."), gx_plus(b, digits(b)));
+}
 
 static gx *exp_expr(gb *b)
 {
@@ -272,7 +314,8 @@ static int32_t r_string(sc *c)
     if (c->r_string < 0) {
         c->r_string = gb_rule_new(c->b, "string");
         c->b->rules[c->r_string].keep = true;
-        gb_rule_set(c->b, c->r_string, gx_seq3(c->b, lit(c, "\""), gx_star(c->b, jchar(c)), lit(c, "\"")));
+        gb_rule_set(c->b, c->r_string,
+                    gx_seq3(c->b, lit(c, "\""), gx_star(c->b, jchar(c)), lit(c, "\"")));
     }
     return c->r_string;
 }
@@ -283,7 +326,8 @@ static int32_t r_number(sc *c)
         gb *b = c->b;
         c->r_number = gb_rule_new(b, "number");
         b->rules[c->r_number].keep = true;
-        gb_rule_set(b, c->r_number, gx_seq3(b, int_expr(b), gx_opt(b, frac_expr(b)), gx_opt(b, exp_expr(b))));
+        gb_rule_set(b, c->r_number,
+                    gx_seq3(b, int_expr(b), gx_opt(b, frac_expr(b)), gx_opt(b, exp_expr(b))));
     }
     return c->r_number;
 }
@@ -306,8 +350,9 @@ static int32_t r_value(sc *c)
     if (c->r_value < 0) {
         gb *b = c->b;
         c->r_value = gb_rule_new(b, "value");
-        gx *k[7] = {object_any(c), array_any(c), gx_call(b, r_string(c)), gx_call(b, r_number(c)),
-                    lit(c, "true"), lit(c, "false"), lit(c, "null")};
+        gx *k[7] = {object_any(c),           array_any(c),   gx_call(b, r_string(c)),
+                    gx_call(b, r_number(c)), lit(c, "true"), lit(c, "false"),
+                    lit(c, "null")};
         gb_rule_set(b, c->r_value, gx_alt(b, k, 7));
     }
     return c->r_value;
@@ -316,20 +361,23 @@ static int32_t r_value(sc *c)
 static gx *list_of(sc *c, gx *item)
 {
     gb *b = c->b;
-    return gx_opt(b, gx_seq2(b, item, gx_star(b, gx_seq3(b, c->ws, lit(c, ","), gx_seq2(b, c->ws, item)))));
+    return gx_opt(
+        b, gx_seq2(b, item, gx_star(b, gx_seq3(b, c->ws, lit(c, ","), gx_seq2(b, c->ws, item)))));
 }
 
 static gx *object_any(sc *c)
 {
     gb *b = c->b;
-    gx *pair = gx_seq3(b, gx_call(b, r_string(c)), gx_seq3(b, c->ws, lit(c, ":"), c->ws), gx_call(b, r_value(c)));
+    gx *pair = gx_seq3(b, gx_call(b, r_string(c)), gx_seq3(b, c->ws, lit(c, ":"), c->ws),
+                       gx_call(b, r_value(c)));
     return gx_seq(b, (gx *[]){lit(c, "{"), c->ws, list_of(c, pair), c->ws, lit(c, "}")}, 5);
 }
 
 static gx *array_any(sc *c)
 {
     gb *b = c->b;
-    return gx_seq(b, (gx *[]){lit(c, "["), c->ws, list_of(c, gx_call(b, r_value(c))), c->ws, lit(c, "]")}, 5);
+    return gx_seq(
+        b, (gx *[]){lit(c, "["), c->ws, list_of(c, gx_call(b, r_value(c))), c->ws, lit(c, "]")}, 5);
 }
 
 /* ---- $ref ----------------------------------------------------------------------------------- */
@@ -343,7 +391,8 @@ static json_t *resolve(sc *c, const char *ref, const char *path)
     const char *p = ref + 1;
     if (*p == 0) return cur;
     if (*p != '/') {
-        fail(c, "$ref", path, "'%s' is not a JSON pointer ($anchor references are not supported)", ref);
+        fail(c, "$ref", path, "'%s' is not a JSON pointer ($anchor references are not supported)",
+             ref);
         return NULL;
     }
     while (*p == '/') {
@@ -351,8 +400,10 @@ static json_t *resolve(sc *c, const char *ref, const char *path)
         char tok[512];
         size_t k = 0;
         while (*p && *p != '/' && k + 1 < sizeof tok) {
-            if (p[0] == '~' && p[1] == '0') tok[k++] = '~', p += 2;
-            else if (p[0] == '~' && p[1] == '1') tok[k++] = '/', p += 2;
+            if (p[0] == '~' && p[1] == '0')
+                tok[k++] = '~', p += 2;
+            else if (p[0] == '~' && p[1] == '1')
+                tok[k++] = '/', p += 2;
             else if (p[0] == '%' && p[1] && p[2]) {
                 char h[3] = {p[1], p[2], 0};
                 tok[k++] = (char)strtol(h, NULL, 16);
@@ -361,9 +412,12 @@ static json_t *resolve(sc *c, const char *ref, const char *path)
                 tok[k++] = *p++;
         }
         tok[k] = 0;
-        if (json_is_object(cur)) cur = json_object_get(cur, tok);
-        else if (json_is_array(cur)) cur = json_array_get(cur, (size_t)strtoul(tok, NULL, 10));
-        else cur = NULL;
+        if (json_is_object(cur))
+            cur = json_object_get(cur, tok);
+        else if (json_is_array(cur))
+            cur = json_array_get(cur, (size_t)strtoul(tok, NULL, 10));
+        else
+            cur = NULL;
         if (!cur) {
             fail(c, "$ref", path, "'%s' does not resolve in this document", ref);
             return NULL;
@@ -490,14 +544,17 @@ static gx *int_lt(gb *b, const char *I)
 /* digit strings D' (possibly empty) with 0.(P D') >= / > 0.(P F) given equal prefix P */
 static gx *fge(gb *b, const char *F, bool inc)
 {
-    if (!*F) return inc ? gx_star(b, digits(b)) : gx_seq3(b, gx_star(b, digits(b)), gx_byte(b, '1', '9'), gx_star(b, digits(b)));
+    if (!*F)
+        return inc ? gx_star(b, digits(b))
+                   : gx_seq3(b, gx_star(b, digits(b)), gx_byte(b, '1', '9'), gx_star(b, digits(b)));
     return gx_alt2(b, gx_seq2(b, drange(b, (char)(F[0] + 1), '9'), gx_star(b, digits(b))),
                    gx_seq2(b, gx_lit(b, F, 1), fge(b, F + 1, inc)));
 }
 
 static gx *fle(gb *b, const char *F, bool inc, bool top)
 {
-    if (!*F) return inc ? (top ? gx_plus(b, gx_str(b, "0")) : gx_star(b, gx_str(b, "0"))) : gx_none(b);
+    if (!*F)
+        return inc ? (top ? gx_plus(b, gx_str(b, "0")) : gx_star(b, gx_str(b, "0"))) : gx_none(b);
     gx *k[3] = {top ? gx_none(b) : gx_empty(b),
                 gx_seq2(b, drange(b, '0', (char)(F[0] - 1)), gx_star(b, digits(b))),
                 gx_seq2(b, gx_lit(b, F, 1), fle(b, F + 1, inc, false))};
@@ -509,9 +566,12 @@ static gx *mag_ge(gb *b, const dec *L, bool inc, bool frac)
 {
     gx *anyfrac = frac ? gx_opt(b, frac_expr(b)) : gx_empty(b);
     gx *eqpart;
-    if (!frac) eqpart = (!*L->f && inc) ? gx_empty(b) : gx_none(b);
-    else if (!*L->f) eqpart = inc ? anyfrac : gx_seq2(b, gx_str(b, "."), fge(b, "", false));
-    else eqpart = gx_seq2(b, gx_str(b, "."), fge(b, L->f, inc));
+    if (!frac)
+        eqpart = (!*L->f && inc) ? gx_empty(b) : gx_none(b);
+    else if (!*L->f)
+        eqpart = inc ? anyfrac : gx_seq2(b, gx_str(b, "."), fge(b, "", false));
+    else
+        eqpart = gx_seq2(b, gx_str(b, "."), fge(b, L->f, inc));
     return gx_alt2(b, gx_seq2(b, int_gt(b, L->i), anyfrac), gx_seq2(b, gx_str(b, L->i), eqpart));
 }
 
@@ -532,9 +592,12 @@ static gx *mag_range(gb *b, const dec *L, bool linc, const dec *H, bool hinc, bo
 
 static bool num_of(json_t *j, double *v)
 {
-    if (json_is_integer(j)) *v = (double)json_integer_value(j);
-    else if (json_is_real(j)) *v = json_real_value(j);
-    else return false;
+    if (json_is_integer(j))
+        *v = (double)json_integer_value(j);
+    else if (json_is_real(j))
+        *v = json_real_value(j);
+    else
+        return false;
     return true;
 }
 
@@ -547,15 +610,20 @@ static gx *number_expr(sc *c, json_t *s, const char *path, bool integer)
     if ((j = json_object_get(s, "minimum")) && num_of(j, &v)) lo = v;
     if ((j = json_object_get(s, "maximum")) && num_of(j, &v)) hi = v;
     j = json_object_get(s, "exclusiveMinimum");
-    if (json_is_true(j)) linc = false;
-    else if (j && num_of(j, &v) && (v >= lo)) lo = v, linc = false;
+    if (json_is_true(j))
+        linc = false;
+    else if (j && num_of(j, &v) && (v >= lo))
+        lo = v, linc = false;
     j = json_object_get(s, "exclusiveMaximum");
-    if (json_is_true(j)) hinc = false;
-    else if (j && num_of(j, &v) && (v <= hi)) hi = v, hinc = false;
+    if (json_is_true(j))
+        hinc = false;
+    else if (j && num_of(j, &v) && (v <= hi))
+        hi = v, hinc = false;
     if ((j = json_object_get(s, "multipleOf"))) {
         double m;
         if (!(num_of(j, &m) && integer && m == 1.0))
-            return fail(c, "multipleOf", path, "%s", "multipleOf is not supported (except 1 on integers)");
+            return fail(c, "multipleOf", path, "%s",
+                        "multipleOf is not supported (except 1 on integers)");
     }
     if ((j = json_object_get(s, "format")) && json_is_string(j)) {
         const char *f = json_string_value(j);
@@ -570,7 +638,8 @@ static gx *number_expr(sc *c, json_t *s, const char *path, bool integer)
         }
     }
     if (isinf(lo) && isinf(hi)) return gx_call(b, integer ? r_integer(c) : r_number(c));
-    if (lo > hi || (lo == hi && !(linc && hinc))) return fail(c, "minimum", path, "%s", "the bounds exclude every number");
+    if (lo > hi || (lo == hi && !(linc && hinc)))
+        return fail(c, "minimum", path, "%s", "the bounds exclude every number");
     dec L, H;
     gx *pos = gx_none(b), *neg = gx_none(b);
     if (hi >= 0) { /* non-negative part [max(lo,0), hi] */
@@ -578,13 +647,15 @@ static gx *number_expr(sc *c, json_t *s, const char *path, bool integer)
         bool zinc = true;
         const dec *Lp = &Z;
         if (lo > 0 || (lo == 0 && !linc)) {
-            if (!to_dec(lo, &L)) return fail(c, "minimum", path, "%s", "a bound too large or too small");
+            if (!to_dec(lo, &L))
+                return fail(c, "minimum", path, "%s", "a bound too large or too small");
             Lp = &L;
             zinc = linc;
         }
         const dec *Hp = NULL;
         if (!isinf(hi)) {
-            if (!to_dec(hi, &H)) return fail(c, "maximum", path, "%s", "a bound too large or too small");
+            if (!to_dec(hi, &H))
+                return fail(c, "maximum", path, "%s", "a bound too large or too small");
             Hp = &H;
         }
         if (!(Hp && lo == 0 && hi == 0 && !hinc)) pos = mag_range(b, Lp, zinc, Hp, hinc, !integer);
@@ -593,12 +664,14 @@ static gx *number_expr(sc *c, json_t *s, const char *path, bool integer)
         dec Lm = {"0", "", false}, Hm;
         bool lminc = true;
         if (hi < 0) {
-            if (!to_dec(-hi, &Lm)) return fail(c, "maximum", path, "%s", "a bound too large or too small");
+            if (!to_dec(-hi, &Lm))
+                return fail(c, "maximum", path, "%s", "a bound too large or too small");
             lminc = hinc;
         }
         const dec *Hp = NULL;
         if (!isinf(lo)) {
-            if (!to_dec(-lo, &Hm)) return fail(c, "minimum", path, "%s", "a bound too large or too small");
+            if (!to_dec(-lo, &Hm))
+                return fail(c, "minimum", path, "%s", "a bound too large or too small");
             Hp = &Hm;
         }
         neg = gx_seq2(b, gx_str(b, "-"), mag_range(b, &Lm, lminc, Hp, linc, !integer));
@@ -612,22 +685,27 @@ static gx *number_expr(sc *c, json_t *s, const char *path, bool integer)
 /* ---- strings -------------------------------------------------------------------------------- */
 static const char *format_regex(const char *f)
 {
-    if (strcmp(f, "date") == 0)
-        return "[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])";
+    if (strcmp(f, "date") == 0) return "[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])";
     if (strcmp(f, "time") == 0)
-        return "([01][0-9]|2[0-3]):[0-5][0-9]:([0-5][0-9]|60)(\\.[0-9]+)?([Zz]|[+-]([01][0-9]|2[0-3]):[0-5][0-9])";
+        return "([01][0-9]|2[0-3]):[0-5][0-9]:([0-5][0-9]|60)(\\.[0-9]+)?([Zz]|[+-]([01][0-9]|2[0-"
+               "3]):[0-5][0-9])";
     if (strcmp(f, "date-time") == 0)
-        return "[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])[Tt]([01][0-9]|2[0-3]):[0-5][0-9]:([0-5][0-9]|60)(\\.[0-9]+)?([Zz]|[+-]([01][0-9]|2[0-3]):[0-5][0-9])";
+        return "[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])[Tt]([01][0-9]|2[0-3]):[0-5][0-9]:"
+               "([0-5][0-9]|60)(\\.[0-9]+)?([Zz]|[+-]([01][0-9]|2[0-3]):[0-5][0-9])";
     if (strcmp(f, "uuid") == 0)
         return "[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}";
     if (strcmp(f, "ipv4") == 0)
-        return "((25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\\.){3}(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])";
+        return "((25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\\.){3}(25[0-5]|2[0-4][0-9]|1[0-9][0-"
+               "9]|[1-9]?[0-9])";
     if (strcmp(f, "email") == 0)
-        return "[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+(\\.[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+)*@([A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?\\.)+[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?";
+        return "[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+(\\.[A-Za-z0-9!#$%&'*+/"
+               "=?^_`{|}~-]+)*@([A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?\\.)+[A-Za-z0-9]([A-Za-z0-9-]"
+               "*[A-Za-z0-9])?";
     /* approximations of the RFC grammars (docs/structured_output.md) */
     if (strcmp(f, "uri") == 0) return "[A-Za-z][A-Za-z0-9+.-]*:[^ \\t\\n\\r\"<>\\\\^`{|}]*";
     if (strcmp(f, "hostname") == 0)
-        return "[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*";
+        return "[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-"
+               "z0-9])?)*";
     return NULL;
 }
 
@@ -639,13 +717,17 @@ static gx *string_expr(sc *c, json_t *s, const char *path)
     long lmin = json_is_integer(mn) ? (long)json_integer_value(mn) : 0;
     long lmax = json_is_integer(mx) ? (long)json_integer_value(mx) : -1;
     if (lmin < 0) lmin = 0;
-    if (lmax > 100000) return fail(c, "maxLength", path, "%s", "maxLength over 100000 is not supported");
-    if (lmin > 100000) return fail(c, "minLength", path, "%s", "minLength over 100000 is not supported");
-    if (lmax >= 0 && lmax < lmin) return fail(c, "maxLength", path, "%s", "maxLength < minLength: no string matches");
+    if (lmax > 100000)
+        return fail(c, "maxLength", path, "%s", "maxLength over 100000 is not supported");
+    if (lmin > 100000)
+        return fail(c, "minLength", path, "%s", "minLength over 100000 is not supported");
+    if (lmax >= 0 && lmax < lmin)
+        return fail(c, "maxLength", path, "%s", "maxLength < minLength: no string matches");
     gx *body = NULL;
     if (fmt && json_is_string(fmt)) {
         const char *re = format_regex(json_string_value(fmt));
-        if (!re) return fail(c, "format", path, "format '%s' is not supported", json_string_value(fmt));
+        if (!re)
+            return fail(c, "format", path, "format '%s' is not supported", json_string_value(fmt));
         body = json_esc(c, rx_parse(b, re, strlen(re), RX_FULL, sub(c, path, "format")));
     }
     if (pat && json_is_string(pat)) {
@@ -664,7 +746,8 @@ static gx *string_expr(sc *c, json_t *s, const char *path)
     return gx_call(b, r);
 }
 
-/* ---- arrays ------------------------------------------------------------------------------------ */
+/* ---- arrays ------------------------------------------------------------------------------------
+ */
 static gx *elem_call(sc *c, json_t *s, const char *path)
 {
     gx *x = sch(c, s, path);
@@ -688,7 +771,8 @@ static gx *array_expr(sc *c, json_t *s, const char *path)
         items = addl;
         ipath = sub(c, path, "additionalItems");
     }
-    if (prefix && !json_is_array(prefix)) return fail(c, "prefixItems", path, "%s", "must be an array");
+    if (prefix && !json_is_array(prefix))
+        return fail(c, "prefixItems", path, "%s", "must be an array");
     json_t *mn = json_object_get(s, "minItems"), *mx = json_object_get(s, "maxItems");
     long nmin = json_is_integer(mn) ? (long)json_integer_value(mn) : 0;
     long nmax = json_is_integer(mx) ? (long)json_integer_value(mx) : -1;
@@ -697,8 +781,11 @@ static gx *array_expr(sc *c, json_t *s, const char *path)
     bool more = !json_is_false(items);
     if (!more && nmax < 0) nmax = (long)np;
     if (!more && nmax > (long)np) nmax = (long)np;
-    if (nmax >= 0 && nmax < nmin) return fail(c, "maxItems", path, "%s", "no array length satisfies minItems/maxItems");
-    if (nmax > 10000 || nmin > 10000) return fail(c, nmax > 10000 ? "maxItems" : "minItems", path, "%s", "bounds over 10000 are not supported");
+    if (nmax >= 0 && nmax < nmin)
+        return fail(c, "maxItems", path, "%s", "no array length satisfies minItems/maxItems");
+    if (nmax > 10000 || nmin > 10000)
+        return fail(c, nmax > 10000 ? "maxItems" : "minItems", path, "%s",
+                    "bounds over 10000 are not supported");
     /* nodes 0..K: count of elements so far; K loops when unbounded */
     long K = (long)np > nmin ? (long)np : nmin;
     if (nmax >= 0) K = nmax;
@@ -718,7 +805,9 @@ static gx *array_expr(sc *c, json_t *s, const char *path)
     gx *sep = gx_seq3(b, c->ws, lit(c, ","), c->ws);
     for (long k = 0; k <= K; k++) x->g_final[k] = k >= nmin;
     for (long k = 0; k < K; k++) {
-        gx *e = (size_t)k < np ? sch(c, json_array_get(prefix, (size_t)k), subi(c, ppath, (size_t)k)) : item;
+        gx *e = (size_t)k < np
+                    ? sch(c, json_array_get(prefix, (size_t)k), subi(c, ppath, (size_t)k))
+                    : item;
         if (!e) break;
         x->g_edges[x->n].from = (int32_t)k;
         x->g_edges[x->n].to = (int32_t)k + 1;
@@ -729,7 +818,8 @@ static gx *array_expr(sc *c, json_t *s, const char *path)
         x->g_edges[x->n].from = (int32_t)K;
         x->g_edges[x->n].to = (int32_t)K;
         x->g_edges[x->n].x = K ? gx_seq2(b, sep, item) : item;
-        if (!K) { /* first element from 0 then loop at a new node: use K=0 -> 0 with sep needs a first-flag */
+        if (!K) { /* first element from 0 then loop at a new node: use K=0 -> 0 with sep needs a
+                     first-flag */
             x->g_edges[x->n].x = item;
         }
         x->n++;
@@ -749,7 +839,8 @@ static gx *array_expr(sc *c, json_t *s, const char *path)
     return gx_seq(b, (gx *[]){lit(c, "["), c->ws, x, c->ws, lit(c, "]")}, 5);
 }
 
-/* ---- objects ------------------------------------------------------------------------------------ */
+/* ---- objects ------------------------------------------------------------------------------------
+ */
 static gx *key_except(sc *c, json_t *props)
 {
     gb *b = c->b;
@@ -779,10 +870,12 @@ static gx *object_expr(sc *c, json_t *s, const char *path)
     json_t *pp = json_object_get(s, "patternProperties");
     if (pp && json_object_size(pp) > 0)
         return fail(c, "patternProperties", path, "%s", "patternProperties is not supported");
-    if (props && !json_is_object(props)) return fail(c, "properties", path, "%s", "must be an object");
+    if (props && !json_is_object(props))
+        return fail(c, "properties", path, "%s", "must be an object");
     const char *ppath = sub(c, path, "properties");
     /* the ordered property list: properties, then required names not listed */
-    size_t np = props ? json_object_size(props) : 0, nr = json_is_array(req) ? json_array_size(req) : 0;
+    size_t np = props ? json_object_size(props) : 0,
+           nr = json_is_array(req) ? json_array_size(req) : 0;
     json_t *all = json_object();
     keep(c, all);
     const char *key;
@@ -797,7 +890,10 @@ static gx *object_expr(sc *c, json_t *s, const char *path)
     (void)np;
     size_t n = json_object_size(all);
     bool addl_ok = !json_is_false(addl);
-    gx *addl_val = addl_ok ? ((addl && !json_is_true(addl)) ? sch(c, addl, sub(c, path, "additionalProperties")) : gx_call(b, r_value(c))) : NULL;
+    gx *addl_val = addl_ok ? ((addl && !json_is_true(addl))
+                                  ? sch(c, addl, sub(c, path, "additionalProperties"))
+                                  : gx_call(b, r_value(c)))
+                           : NULL;
     gx *x = pd_arena_calloc(b->a, 1, sizeof *x);
     if (!x) return gx_none(b);
     /* node (i, first) = 2*i + first, i in [0, n] */
@@ -810,7 +906,8 @@ static gx *object_expr(sc *c, json_t *s, const char *path)
     gx *sep = gx_seq3(b, c->ws, lit(c, ","), c->ws);
     gx *colon = gx_seq3(b, c->ws, lit(c, ":"), c->ws);
     size_t i = 0;
-    json_object_foreach(all, key, v) {
+    json_object_foreach(all, key, v)
+    {
         bool required = false;
         for (size_t k = 0; k < nr; k++)
             if (strcmp(json_string_value(json_array_get(req, k)), key) == 0) required = true;
@@ -846,7 +943,8 @@ static gx *object_expr(sc *c, json_t *s, const char *path)
     return gx_seq(b, (gx *[]){lit(c, "{"), c->ws, x, c->ws, lit(c, "}")}, 5);
 }
 
-/* ---- allOf merging ---------------------------------------------------------------------------- */
+/* ---- allOf merging ----------------------------------------------------------------------------
+ */
 static json_t *deref(sc *c, json_t *s, const char *path)
 {
     for (int k = 0; k < 32 && json_is_object(s); k++) {
@@ -868,19 +966,23 @@ static json_t *deref(sc *c, json_t *s, const char *path)
     return s;
 }
 
-static const char *const TYPES[] = {"null", "boolean", "object", "array", "string", "number", "integer", NULL};
+static const char *const TYPES[] = {"null",   "boolean", "object",  "array",
+                                    "string", "number",  "integer", NULL};
 
 static unsigned type_mask(json_t *t)
 {
     if (!t) return 0x7f;
     unsigned m = 0;
-    if (json_is_string(t)) t = json_pack("[O]", t);
-    else json_incref(t);
+    if (json_is_string(t))
+        t = json_pack("[O]", t);
+    else
+        json_incref(t);
     size_t i;
     json_t *v;
-    json_array_foreach(t, i, v)
-        for (int k = 0; TYPES[k]; k++)
-            if (json_is_string(v) && strcmp(json_string_value(v), TYPES[k]) == 0) m |= 1u << k;
+    json_array_foreach(t, i, v) for (int k = 0; TYPES[k];
+                                     k++) if (json_is_string(v) &&
+                                              strcmp(json_string_value(v), TYPES[k]) == 0) m |=
+        1u << k;
     json_decref(t);
     if (m & (1u << 5)) m |= 1u << 6; /* number includes integer */
     return m;
@@ -905,8 +1007,10 @@ static json_t *flatten_allof(sc *c, json_t *s, const char *path, int depth)
     }
     s = deref(c, s, path);
     if (!s) return NULL;
-    if (json_is_true(s)) s = json_object();
-    else json_incref(s);
+    if (json_is_true(s))
+        s = json_object();
+    else
+        json_incref(s);
     keep(c, s);
     if (!json_is_object(s)) {
         fail(c, "allOf", path, "%s", "an allOf entry is not an object");
@@ -920,7 +1024,8 @@ static json_t *flatten_allof(sc *c, json_t *s, const char *path, int depth)
     json_t *acc = rest;
     size_t i;
     json_t *v;
-    json_array_foreach(all, i, v) {
+    json_array_foreach(all, i, v)
+    {
         json_t *f = flatten_allof(c, v, subi(c, sub(c, path, "allOf"), i), depth + 1);
         if (!f) return NULL;
         acc = merge2(c, acc, f, path);
@@ -935,7 +1040,8 @@ static json_t *merge2(sc *c, json_t *a, json_t *b2, const char *path)
     keep(c, m);
     const char *k;
     json_t *v;
-    json_object_foreach(b2, k, v) {
+    json_object_foreach(b2, k, v)
+    {
         json_t *o = json_object_get(m, k);
         if (!o || in_list(k, ANNOTATIONS)) {
             if (!o) json_object_set(m, k, v);
@@ -950,25 +1056,30 @@ static json_t *merge2(sc *c, json_t *a, json_t *b2, const char *path)
             keep(c, np);
             const char *pk;
             json_t *pv;
-            json_object_foreach(v, pk, pv) {
+            json_object_foreach(v, pk, pv)
+            {
                 json_t *q = json_object_get(np, pk);
-                if (q) json_object_set_new(np, pk, json_pack("{s:[OO]}", "allOf", q, pv));
-                else json_object_set(np, pk, pv);
+                if (q)
+                    json_object_set_new(np, pk, json_pack("{s:[OO]}", "allOf", q, pv));
+                else
+                    json_object_set(np, pk, pv);
             }
             json_object_set(m, k, np);
         } else if (strcmp(k, "required") == 0 && json_is_array(o) && json_is_array(v)) {
             json_t *u = json_deep_copy(o);
             size_t i;
             json_t *x;
-            json_array_foreach(v, i, x) {
+            json_array_foreach(v, i, x)
+            {
                 bool have = false;
                 for (size_t j = 0; j < json_array_size(u); j++)
                     if (json_equal(json_array_get(u, j), x)) have = true;
                 if (!have) json_array_append(u, x);
             }
             json_object_set_new(m, k, u);
-        } else if (strcmp(k, "minimum") == 0 || strcmp(k, "minLength") == 0 || strcmp(k, "minItems") == 0 ||
-                   strcmp(k, "maximum") == 0 || strcmp(k, "maxLength") == 0 || strcmp(k, "maxItems") == 0) {
+        } else if (strcmp(k, "minimum") == 0 || strcmp(k, "minLength") == 0 ||
+                   strcmp(k, "minItems") == 0 || strcmp(k, "maximum") == 0 ||
+                   strcmp(k, "maxLength") == 0 || strcmp(k, "maxItems") == 0) {
             double x, y;
             if (!num_of(o, &x) || !num_of(v, &y)) {
                 fail(c, "allOf", path, "cannot merge '%s'", k);
@@ -980,12 +1091,12 @@ static json_t *merge2(sc *c, json_t *a, json_t *b2, const char *path)
             json_t *u = json_array();
             size_t i;
             json_t *x;
-            json_array_foreach(o, i, x)
-                for (size_t j = 0; j < json_array_size(v); j++)
-                    if (json_equal(json_array_get(v, j), x)) {
-                        json_array_append(u, x);
-                        break;
-                    }
+            json_array_foreach(o, i, x) for (size_t j = 0; j < json_array_size(v);
+                                             j++) if (json_equal(json_array_get(v, j), x))
+            {
+                json_array_append(u, x);
+                break;
+            }
             json_object_set_new(m, k, u);
         } else if (strcmp(k, "items") == 0 || strcmp(k, "additionalProperties") == 0) {
             if (strcmp(k, "additionalProperties") == 0 && (json_is_false(o) || json_is_false(v))) {
@@ -1021,8 +1132,10 @@ static bool has_constraints(json_t *s, const char *skip1, const char *skip2)
 {
     const char *k;
     json_t *v;
-    json_object_foreach(s, k, v) {
-        if (in_list(k, ANNOTATIONS) || strcmp(k, skip1) == 0 || (skip2 && strcmp(k, skip2) == 0)) continue;
+    json_object_foreach(s, k, v)
+    {
+        if (in_list(k, ANNOTATIONS) || strcmp(k, skip1) == 0 || (skip2 && strcmp(k, skip2) == 0))
+            continue;
         return true;
     }
     return false;
@@ -1039,7 +1152,8 @@ static bool value_has_type(json_t *v, unsigned m)
     case JSON_ARRAY: return m & 8;
     case JSON_STRING: return m & 16;
     case JSON_INTEGER: return m & 96;
-    case JSON_REAL: return (m & 32) || ((m & 64) && floor(json_real_value(v)) == json_real_value(v));
+    case JSON_REAL:
+        return (m & 32) || ((m & 64) && floor(json_real_value(v)) == json_real_value(v));
     }
     return false;
 }
@@ -1051,8 +1165,8 @@ static gx *sch(sc *c, json_t *s, const char *path)
     if (json_is_true(s)) return gx_call(b, r_value(c));
     if (json_is_false(s)) return gx_none(b);
     if (!json_is_object(s)) {
-        gb_fail(b, PD_EINVAL, "", path, -1, "json schema: %s: a schema must be an object or a boolean",
-                *path ? path : "/");
+        gb_fail(b, PD_EINVAL, "", path, -1,
+                "json schema: %s: a schema must be an object or a boolean", *path ? path : "/");
         return gx_none(b);
     }
     if (++c->depth > MAX_DEPTH) {
@@ -1062,12 +1176,16 @@ static gx *sch(sc *c, json_t *s, const char *path)
     gx *out = NULL;
     const char *k;
     json_t *v;
-    json_object_foreach(s, k, v) {
+    json_object_foreach(s, k, v)
+    {
         if (in_list(k, REFUSED)) {
             /* a few harmless values */
             if (strcmp(k, "uniqueItems") == 0 && json_is_false(v)) continue;
-            if (strcmp(k, "minProperties") == 0 && json_is_integer(v) && json_integer_value(v) == 0) continue;
-            if (strcmp(k, "patternProperties") == 0 && json_is_object(v) && json_object_size(v) == 0) continue;
+            if (strcmp(k, "minProperties") == 0 && json_is_integer(v) && json_integer_value(v) == 0)
+                continue;
+            if (strcmp(k, "patternProperties") == 0 && json_is_object(v) &&
+                json_object_size(v) == 0)
+                continue;
             if (strcmp(k, "multipleOf") == 0) continue; /* checked with the number */
             out = fail(c, k, path, "%s", "this keyword is not supported");
             goto done;
@@ -1154,7 +1272,8 @@ static gx *sch(sc *c, json_t *s, const char *path)
             goto done;
         }
         json_t *rest = NULL;
-        if (has_constraints(s, ek, cst && en ? "enum" : NULL)) { /* values must also match the rest */
+        if (has_constraints(s, ek,
+                            cst && en ? "enum" : NULL)) { /* values must also match the rest */
             rest = json_deep_copy(s);
             keep(c, rest);
             json_object_del(rest, "enum");
@@ -1179,8 +1298,10 @@ static gx *sch(sc *c, json_t *s, const char *path)
     if (tm & 4) alts[m++] = object_expr(c, s, path);
     if (tm & 8) alts[m++] = array_expr(c, s, path);
     if (tm & 16) alts[m++] = string_expr(c, s, path);
-    if (tm & 32) alts[m++] = number_expr(c, s, path, false);
-    else if (tm & 64) alts[m++] = number_expr(c, s, path, true);
+    if (tm & 32)
+        alts[m++] = number_expr(c, s, path, false);
+    else if (tm & 64)
+        alts[m++] = number_expr(c, s, path, true);
     out = gx_alt(b, alts, m);
 done:
     c->depth--;
@@ -1194,8 +1315,10 @@ static int ws_init(sc *c, const char *ws_pattern)
         c->ws = rx_parse(b, ws_pattern, strlen(ws_pattern), RX_FULL, "guided_whitespace_pattern");
         return b->status;
     }
-    gx *one = gx_alt(b, (gx *[]){gx_byte(b, ' ', ' '), gx_byte(b, '\t', '\t'), gx_byte(b, '\n', '\n'),
-                                  gx_byte(b, '\r', '\r')}, 4);
+    gx *one = gx_alt(b,
+                     (gx *[]){gx_byte(b, ' ', ' '), gx_byte(b, '\t', '\t'), gx_byte(b, '\n', '\n'),
+                              gx_byte(b, '\r', '\r')},
+                     4);
     c->ws = gx_rep(b, one, 0, PD_GRAMMAR_WS_MAX);
     return b->status;
 }

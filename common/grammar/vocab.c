@@ -195,7 +195,10 @@ void pd_gvocab_free(pd_gvocab *v)
     free(v);
 }
 
-int32_t pd_gvocab_size(const pd_gvocab *v) { return v->n; }
+int32_t pd_gvocab_size(const pd_gvocab *v)
+{
+    return v->n;
+}
 
 const uint8_t *pd_gvocab_token(const pd_gvocab *v, int32_t id, uint32_t *len)
 {

@@ -17,8 +17,9 @@ static int32_t g_n;
 
 static void init(void)
 {
-    static const char *multi[] = {"{\"", "\":", "\",", "\"}", "true", "null", "12", "ab", "\\u", "  ",
-                                  ", \"", "[\"", "\xc3\xa9", "-1", "0.", "e+", "\"a", "::=", "\n", "::"};
+    static const char *multi[] = {"{\"", "\":", "\",", "\"}",  "true", "null",     "12",
+                                  "ab",  "\\u", "  ",  ", \"", "[\"",  "\xc3\xa9", "-1",
+                                  "0.",  "e+",  "\"a", "::=",  "\n",   "::"};
     int nm = (int)(sizeof multi / sizeof *multi);
     g_n = 256 + nm + 1;
     const uint8_t **b = calloc((size_t)g_n, sizeof *b);
@@ -83,7 +84,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             bool bit = bits[t >> 5] >> (t & 31) & 1;
             if (bit != pd_gmatcher_allows(m, t)) abort();
         }
-        if ((bool)(bits[(g_n - 1) >> 5] >> ((g_n - 1) & 31) & 1) != pd_gmatcher_is_accepting(m)) abort();
+        if ((bool)(bits[(g_n - 1) >> 5] >> ((g_n - 1) & 31) & 1) != pd_gmatcher_is_accepting(m))
+            abort();
         /* follow the input when allowed, else the first allowed token */
         int32_t t = data[i];
         if (!(bits[t >> 5] >> (t & 31) & 1)) {

