@@ -226,29 +226,13 @@ gx *gx_cp_range(gb *b, uint32_t lo, uint32_t hi)
     return gx_alt(b, k, n);
 }
 
-static int cmp_u32pair(const void *x, const void *y)
-{
-    const uint32_t *a = x, *c = y;
-    return a[0] < c[0] ? -1 : a[0] > c[0];
-}
-
 gx *gx_cp_set(gb *b, const uint32_t *ranges, int n)
 {
     if (n <= 0) return gx_none(b);
     uint32_t *r = malloc(sizeof(uint32_t) * 2 * (size_t)n);
     if (!r) return gx_none(b);
     memcpy(r, ranges, sizeof(uint32_t) * 2 * (size_t)n);
-    qsort(r, (size_t)n, 2 * sizeof(uint32_t), cmp_u32pair);
-    int m = 0;
-    for (int i = 0; i < n; i++) {
-        if (m > 0 && r[2 * i] <= r[2 * (m - 1) + 1] + 1) {
-            if (r[2 * i + 1] > r[2 * (m - 1) + 1]) r[2 * (m - 1) + 1] = r[2 * i + 1];
-        } else {
-            r[2 * m] = r[2 * i];
-            r[2 * m + 1] = r[2 * i + 1];
-            m++;
-        }
-    }
+    int m = gram_ranges_merge(r, n);
     gx **k = malloc(sizeof(gx *) * (size_t)m);
     if (!k) {
         free(r);

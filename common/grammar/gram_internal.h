@@ -61,6 +61,9 @@ typedef struct {
     long budget; /* NFA nodes left */
 } gb;
 
+/* Sorts n code point ranges r (pairs lo, hi) and merges those that overlap or touch, in place;
+ * the number left. */
+int gram_ranges_merge(uint32_t *r, int n);
 gx *gx_none(gb *b);
 gx *gx_empty(gb *b);
 gx *gx_byte(gb *b, uint8_t lo, uint8_t hi);

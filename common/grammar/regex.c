@@ -85,7 +85,7 @@ static int cmp_pair(const void *x, const void *y)
     return a[0] < b[0] ? -1 : a[0] > b[0];
 }
 
-static int merge(uint32_t *r, int n)
+int gram_ranges_merge(uint32_t *r, int n)
 {
     qsort(r, (size_t)n, 2 * sizeof(uint32_t), cmp_pair);
     int m = 0;
@@ -128,7 +128,7 @@ static void rs_add_set(rset *s, const uint32_t *r, int n, bool neg)
     }
     uint32_t tmp[64], out[70];
     memcpy(tmp, r, sizeof(uint32_t) * 2 * (size_t)n);
-    int m = merge(tmp, n);
+    int m = gram_ranges_merge(tmp, n);
     int k = complement(tmp, m, out);
     for (int i = 0; i < k; i++) rs_add(s, out[2 * i], out[2 * i + 1]);
 }
@@ -313,7 +313,7 @@ static gx *rx_class(rx *r)
         }
         rs_add(&s, lo, hi);
     }
-    int n = s.n ? merge(s.r, s.n) : 0;
+    int n = s.n ? gram_ranges_merge(s.r, s.n) : 0;
     gx *x;
     if (neg) {
         uint32_t *out = malloc(sizeof(uint32_t) * 2 * (size_t)(n + 1));
@@ -386,7 +386,7 @@ static gx *rx_atom(rx *r)
             return gx_none(r->b);
         }
         if (k == 2) {
-            int n = merge(s.r, s.n);
+            int n = gram_ranges_merge(s.r, s.n);
             gx *x = gx_cp_set(r->b, s.r, n);
             free(s.r);
             return x;
