@@ -1,6 +1,6 @@
 /* pd-scheduler: the admission queue (loop thread). A choice waits here, oldest first, when
  * every decode instance refused its KV reservation for lack of room, or when the prefill
- * instances have more work in flight than they finish in PREFILL_HORIZON_S (srv_prefill_room);
+ * instances have more work in flight than they finish in PREFILL_HORIZON_S (take_prefill);
  * a request that waited --queue-timeout gets 503.
  *
  * Design: only the head is retried, one Reserve at a time, when a chain ends (its KV is freed)
@@ -21,10 +21,6 @@ enum { ADMIT_RETRY_MS = 10 };
  * --prefill-timeout is short: half of it). */
 #define PREFILL_HORIZON_S 5.0
 
-/* Picks c's prefill instance when one has room for its prompt (pd_reg_pick_room): the most work
- * in flight there, c's included, is what it finishes in PREFILL_HORIZON_S (or half of
- * --prefill-timeout) at its measured rate, or, before it has one, a context's worth (L tokens).
- * The instance, -1 when none is up, PD_REG_BUSY when none has room. */
 /* Conditional disaggregation: whether c's decode instance prefills its prompt itself, the
  * tokens it likely lacks in its prefix cache being at most --max-local-prefill-length (what the
  * pick of the decode instance charged it, less max_tokens). */
@@ -35,6 +31,10 @@ static bool prefill_locally(const pd_apiserver *s, const choice *c)
            c->d_tokens - pr->max_tokens <= s->p.max_local_prefill_length;
 }
 
+/* Picks c's prefill instance when one has room for its prompt (pd_reg_pick_room): the most work
+ * in flight there, c's included, is what it finishes in PREFILL_HORIZON_S (or half of
+ * --prefill-timeout) at its measured rate, or, before it has one, a context's worth (L tokens).
+ * The instance, -1 when none is up, PD_REG_BUSY when none has room. */
 static int take_prefill(pd_apiserver *s, choice *c)
 {
     const pd_api_prompt *pr = &c->r->req.prompts[c->prompt_idx];
