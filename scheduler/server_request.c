@@ -61,6 +61,7 @@ void srv_sreq_free(sreq *r)
     }
     pd_sb_free(&r->out);
     pd_sb_free(&r->ev);
+    free(r->body); /* NULL once parsed */
     pthread_mutex_destroy(&r->mu);
     pd_arena_free(r->a);
     free(r);
