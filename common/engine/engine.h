@@ -146,7 +146,8 @@ typedef struct {
 
 /* Validates and queues a request (everything copied). Errors (nothing queued): PD_EINVAL with
  * the contract's message (empty prompt, prompt too long for max_model_len, n > max_num_seqs,
- * logprobs > max_logprobs, sampling ranges, stop strings without a tokenizer), PD_EEXIST for a
+ * logprobs or prompt_logprobs > max_logprobs, sampling ranges, stop strings without a
+ * tokenizer), PD_EEXIST for a
  * live request id, PD_EUNSUPPORTED for n > 1 with PREFILL_ONLY, PD_ECLOSED after pd_engine_free
  * started. */
 int pd_engine_add(pd_engine *e, const pd_engine_request *r);
