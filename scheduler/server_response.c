@@ -179,6 +179,15 @@ void srv_lp_items(sreq *r, choice *c, const rec_buf *w, const tok_rec *t, pd_sb 
     pd_sb_str(&out[3], "}");
 }
 
+/* True when the Prefill reply's prompt logprobs p hold prompt position i (>= 1): a well-formed
+ * reply holds every one. */
+static bool plp_has(const Pd__PromptLogprobs *p, size_t i)
+{
+    size_t nt = p && p->n_top > 0 ? (size_t)p->n_top : 0;
+    return p && i >= 1 && i - 1 < p->n_logprob && i - 1 < p->n_rank && i * nt <= p->n_top_ids &&
+           i * nt <= p->n_top_logprobs;
+}
+
 void srv_lp_prompt_items(sreq *r, choice *c, pd_sb out[4])
 {
     if (r->req.kind != PD_API_COMPLETIONS || !r->req.echo || c->echo_lp_done) return;
@@ -188,7 +197,7 @@ void srv_lp_prompt_items(sreq *r, choice *c, pd_sb out[4])
     size_t nt = p && p->n_top > 0 ? (size_t)p->n_top : 0;
     rec_buf w = {.top_ids = p ? p->top_ids : NULL, .top_lps = p ? p->top_logprobs : NULL};
     for (size_t i = 0; i < pr->n_ids; i++) {
-        if (i == 0 || !p || i - 1 >= p->n_logprob || (i - 1) * nt + nt > p->n_top_ids) {
+        if (!plp_has(p, i)) {
             /* the first token has no logits before it: null, as vLLM */
             for (int k = 0; k < 4; k++) sep(&out[k]);
             token_text(r->s, r->req.tokens_as_ids, pr->ids[i]);
@@ -222,8 +231,7 @@ static void prompt_logprobs_json(sreq *r, pd_sb *b, const choice *c)
     size_t nt = p && p->n_top > 0 ? (size_t)p->n_top : 0;
     pd_sb_str(b, "[null");
     for (size_t i = 1; i < pr->n_ids; i++) {
-        if (!p || i - 1 >= p->n_logprob || i - 1 >= p->n_rank || (i - 1) * nt + nt > p->n_top_ids ||
-            (i - 1) * nt + nt > p->n_top_logprobs) {
+        if (!plp_has(p, i)) {
             pd_sb_str(b, ",null"); /* not computed (cannot happen with a well-formed reply) */
             continue;
         }
