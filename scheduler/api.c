@@ -128,9 +128,10 @@ static int bad(const char *fmt, ...)
 /* ---- parsed fields shared by both endpoints ------------------------------------------------- */
 
 typedef struct {
-    int64_t n, best_of, top_k, max_tokens, min_tokens, truncate, priority, seed, logprobs;
+    int64_t n, best_of, top_k, max_tokens, min_tokens, truncate, priority, seed, logprobs,
+        prompt_logprobs;
     bool has_n, has_best_of, has_top_k, has_max_tokens, max_tokens_null, has_min_tokens,
-        has_truncate, has_priority, has_seed, has_logprobs;
+        has_truncate, has_priority, has_seed, has_logprobs, has_prompt_logprobs;
     double temperature, top_p, min_p, presence, frequency, repetition;
     bool has_temperature, has_top_p, has_min_p, has_presence, has_frequency, has_repetition;
     const json_t *logit_bias, *stream_options, *stop_ids_json;
@@ -238,6 +239,7 @@ static int read_common(const json_t *o, pd_api_kind kind, pd_arena *a, common_fi
     double lp;
     if ((rc = f_num(o, "length_penalty", &lp)) < 0) return rc;
     if (kind == PD_API_COMPLETIONS) RD(f_int(o, "logprobs", &f->logprobs), f->has_logprobs);
+    RD(f_int(o, "prompt_logprobs", &f->prompt_logprobs), f->has_prompt_logprobs);
     const json_t *rf;
     if ((rc = f_obj(o, "response_format", &rf)) < 0) return rc;
 #undef RD
@@ -381,13 +383,27 @@ static int check_shared(const pd_api_limits *lim, pd_api_kind kind, const common
     return 0;
 }
 
+/* prompt_logprobs (both endpoints; vLLM's checks and words): computed on the prefill instance,
+ * returned in the response body only. */
+static int check_prompt_logprobs(const pd_api_limits *lim, const common_fields *f,
+                                 pd_api_request *r)
+{
+    if (!f->has_prompt_logprobs) return 0;
+    if (f->stream && f->prompt_logprobs > 0)
+        return bad("`prompt_logprobs` are not available when `stream=True`.");
+    if (f->prompt_logprobs < 0) return bad("`prompt_logprobs` must be a positive value.");
+    if (f->prompt_logprobs > lim->max_logprobs)
+        return bad("Requested prompt logprobs of %lld, which is greater than max allowed: %d",
+                   (long long)f->prompt_logprobs, lim->max_logprobs);
+    r->sp.prompt_logprobs = (int32_t)f->prompt_logprobs;
+    return 0;
+}
+
 /* §8.4 in table order. */
 static int check_unsupported(const json_t *o, const common_fields *f)
 {
     if (f->use_beam_search) return bad("`use_beam_search` is not supported.");
-    const json_t *v = json_object_get(o, "prompt_logprobs");
-    if (v && !json_is_null(v)) return bad("`prompt_logprobs` is not supported.");
-    v = json_object_get(o, "prompt_embeds");
+    const json_t *v = json_object_get(o, "prompt_embeds");
     if (v && !json_is_null(v)) return bad("`prompt_embeds` is not supported.");
     static const char *const guided[] = {"guided_json", "guided_regex", "guided_choice",
                                          "guided_grammar", "structural_tag"};
@@ -507,9 +523,16 @@ static int parse_completions(const pd_api_limits *lim, const json_t *o, pd_arena
     }
     const json_t *suffix = json_object_get(o, "suffix");
     if (suffix && !json_is_null(suffix)) return bad("suffix is not currently supported");
-    if (f->echo && f->has_logprobs) return bad("`echo` together with `logprobs` is not supported.");
     if ((rc = check_unsupported(o, f)) < 0) return rc;
+    if ((rc = check_prompt_logprobs(lim, f, r)) < 0) return rc;
     if (f->has_logprobs) r->sp.logprobs = (int32_t)f->logprobs;
+    /* echo with logprobs: the prompt's tokens lead choice.logprobs (vLLM asks for prompt
+     * logprobs of the same k unless prompt_logprobs says otherwise) */
+    if (f->echo && f->has_logprobs && r->sp.prompt_logprobs < 0)
+        r->sp.prompt_logprobs = (int32_t)f->logprobs;
+    if (r->sp.prompt_logprobs >= 0 && f->has_max_tokens && f->max_tokens == 0)
+        return bad("`max_tokens` 0 (the prompt only) is not supported together with prompt "
+                   "logprobs (`prompt_logprobs`, or `echo` with `logprobs`).");
     if (!prompt || json_is_null(prompt)) return bad("`prompt_embeds` is not supported.");
     /* prompts */
     size_t np = json_is_string(prompt) ? 1 : json_array_size(prompt);
@@ -666,6 +689,7 @@ static int parse_chat(const pd_api_limits *lim, const json_t *o, pd_arena *a,
         return bad("This model has no chat template; start the server with --chat-template, or "
                    "use /v1/completions.");
     if ((rc = check_unsupported(o, f)) < 0) return rc;
+    if ((rc = check_prompt_logprobs(lim, f, r)) < 0) return rc;
     if (c->logprobs) r->sp.logprobs = c->has_top_logprobs ? (int32_t)c->top_logprobs : 0;
     /* the request's own template (trusted), compiled for this request only */
     pd_chat_template *own = NULL;

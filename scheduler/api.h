@@ -72,7 +72,9 @@ typedef struct {
     bool add_special_tokens;
     bool tokens_as_ids; /* return_tokens_as_token_ids: logprob tokens as "token_id:{id}" */
     bool token_strs;    /* tokenize: return_token_strs */
-    /* logprobs: sp.logprobs >= 0 when requested (completions `logprobs`, chat top_logprobs) */
+    /* logprobs: sp.logprobs >= 0 when requested (completions `logprobs`, chat top_logprobs);
+     * sp.prompt_logprobs >= 0 when the prefill computes prompt logprobs (prompt_logprobs, or
+     * completions echo with logprobs, as vLLM): the body's "prompt_logprobs" are not null */
     const char *role;      /* chat: the response role */
     const char *echo_text; /* chat echo: the last message's content, or NULL */
     size_t n_prompts;

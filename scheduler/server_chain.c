@@ -288,6 +288,11 @@ static void on_prefill_done(void *arg, int st, const char *details, const uint8_
         c->err_http = 500;
         snprintf(c->err, sizeof c->err, "Generation failed: %s", m->first->error);
     } else {
+        if (m->first->prompt_logprobs) { /* kept for the response; the loop reads them */
+            if (c->plp) pd__prompt_logprobs__free_unpacked(c->plp, NULL);
+            c->plp = m->first->prompt_logprobs;
+            m->first->prompt_logprobs = NULL;
+        }
         srv_rec_push(&c->pending, m->first);
     }
     bool final = m->first->final || m->first->status != 0;
@@ -305,6 +310,7 @@ static void on_prefill_done(void *arg, int st, const char *details, const uint8_
     Pd__SamplingParams ds = c->sampling;
     ds.has_seed = true;
     ds.seed = (int64_t)seed;
+    ds.has_prompt_logprobs = false; /* the prefill computed them */
     start_decode(c, &ds, first, false);
 }
 

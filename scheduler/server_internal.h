@@ -107,7 +107,10 @@ typedef struct choice {
     int64_t kv_bytes;
     char kv_transport[16]; /* what carried them (the Prefill reply's), "" when not said */
     double kv_seconds, prefill_seconds;
-    int64_t cached_tokens; /* of its prompt, found in the prefill instance's prefix cache */
+    int64_t cached_tokens;   /* of its prompt, found in the prefill instance's prefix cache */
+    Pd__PromptLogprobs *plp; /* its prompt's logprobs from the Prefill reply (sampling
+                                prompt_logprobs >= 0), unpacked; read by the loop once the first
+                                record is taken; freed with the request */
     bool kv_reported;
     bool admit_wait;    /* Reserve was refused for lack of KV: the loop queues the choice */
     bool reserve_retry; /* Reserve found its decode instance gone: the loop picks another */
@@ -137,13 +140,14 @@ typedef struct choice {
     int32_t stop_token;
     char *stop_string; /* malloc'd */
     int64_t completion_tokens;
-    pd_sb text;       /* non-streaming: the whole text */
-    int64_t text_cps; /* code points of the token strings listed so far: a completions
-                         logprob's text_offset (the previous one + its token's length, as
-                         vLLM counts; a byte token held back still counts its "\ufffd") */
-    pd_sb lp[4];      /* non-streaming logprobs: completions text_offset, token_logprobs,
-                       * tokens, top_logprobs items; chat: lp[0] holds the content items */
-    bool first_sent;  /* streaming: this choice's first chunk went out */
+    pd_sb text;        /* non-streaming: the whole text */
+    int64_t text_cps;  /* code points of the token strings listed so far: a completions
+                          logprob's text_offset (the previous one + its token's length, as
+                          vLLM counts; a byte token held back still counts its "\ufffd") */
+    pd_sb lp[4];       /* non-streaming logprobs: completions text_offset, token_logprobs,
+                        * tokens, top_logprobs items; chat: lp[0] holds the content items */
+    bool first_sent;   /* streaming: this choice's first chunk went out */
+    bool echo_lp_done; /* completions echo + logprobs: the prompt's items were listed */
     int64_t last_tok_ns;
     int32_t *gen; /* the generated ids (malloc'd; NULL after a failed growth), for note_decode */
     size_t n_gen, cap_gen;
@@ -380,6 +384,9 @@ void srv_respond_full(sreq *r);
 /* Appends token t's logprob items to out[0..3]; srv_lp_object wraps them. */
 void srv_lp_items(sreq *r, choice *c, const rec_buf *w, const tok_rec *t, pd_sb out[4]);
 void srv_lp_object(pd_sb *b, bool chat, pd_sb items[4]);
+/* Completions echo + logprobs: appends the items of c's prompt tokens to out[0..3] (the first
+ * token's logprob and top entries null), once, before its first generated token's. */
+void srv_lp_prompt_items(sreq *r, choice *c, pd_sb out[4]);
 
 /* ---- server_routes.c, server_metrics.c (loop thread) ----------------------------------------- */
 

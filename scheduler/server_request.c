@@ -58,6 +58,7 @@ void srv_sreq_free(sreq *r)
         free(c->stop_string);
         free(c->block_ids);
         free(c->gen);
+        if (c->plp) pd__prompt_logprobs__free_unpacked(c->plp, NULL);
     }
     pd_sb_free(&r->out);
     pd_sb_free(&r->ev);
@@ -414,6 +415,7 @@ static void process(sreq *r)
                 pd_sb *lp = NULL;
                 if (want_lp) {
                     for (int q = 0; q < 4; q++) pd_sb_reset(&s->lpbuf[q]);
+                    srv_lp_prompt_items(r, c, s->lpbuf);
                     srv_lp_items(r, c, &c->work, t, s->lpbuf);
                     pd_sb_reset(&s->tokbuf);
                     srv_lp_object(&s->tokbuf, r->req.kind == PD_API_CHAT, s->lpbuf);
@@ -422,6 +424,7 @@ static void process(sreq *r)
                 srv_stream_start(r);
                 srv_token_chunk(r, c, text, t->text_len, t->final, lp);
             } else {
+                if (want_lp) srv_lp_prompt_items(r, c, c->lp);
                 if (want_lp) srv_lp_items(r, c, &c->work, t, c->lp);
                 pd_sb_add(&c->text, text, t->text_len);
             }

@@ -179,6 +179,79 @@ void srv_lp_items(sreq *r, choice *c, const rec_buf *w, const tok_rec *t, pd_sb 
     pd_sb_str(&out[3], "}");
 }
 
+/* True when the Prefill reply's prompt logprobs p hold prompt position i (>= 1): a well-formed
+ * reply holds every one. */
+static bool plp_has(const Pd__PromptLogprobs *p, size_t i)
+{
+    size_t nt = p && p->n_top > 0 ? (size_t)p->n_top : 0;
+    return p && i >= 1 && i - 1 < p->n_logprob && i - 1 < p->n_rank && i * nt <= p->n_top_ids &&
+           i * nt <= p->n_top_logprobs;
+}
+
+void srv_lp_prompt_items(sreq *r, choice *c, pd_sb out[4])
+{
+    if (r->req.kind != PD_API_COMPLETIONS || !r->req.echo || c->echo_lp_done) return;
+    c->echo_lp_done = true;
+    const pd_api_prompt *pr = &r->req.prompts[c->prompt_idx];
+    const Pd__PromptLogprobs *p = c->plp;
+    size_t nt = p && p->n_top > 0 ? (size_t)p->n_top : 0;
+    rec_buf w = {.top_ids = p ? p->top_ids : NULL, .top_lps = p ? p->top_logprobs : NULL};
+    for (size_t i = 0; i < pr->n_ids; i++) {
+        if (!plp_has(p, i)) {
+            /* the first token has no logits before it: null, as vLLM */
+            for (int k = 0; k < 4; k++) sep(&out[k]);
+            token_text(r->s, r->req.tokens_as_ids, pr->ids[i]);
+            pd_sb_printf(&out[0], "%lld", (long long)c->text_cps);
+            pd_sb_str(&out[1], "null");
+            c->text_cps += (int64_t)code_points(r->s->tokbuf.p, r->s->tokbuf.len);
+            pd_sb_json_str(&out[2], r->s->tokbuf.p, r->s->tokbuf.len);
+            pd_sb_str(&out[3], "null");
+            continue;
+        }
+        tok_rec t = {.n_tokens = 1,
+                     .token = pr->ids[i],
+                     .has_logprob = true,
+                     .logprob = p->logprob[i - 1],
+                     .top_off = (i - 1) * nt,
+                     .n_top = nt};
+        srv_lp_items(r, c, &w, &t, out);
+    }
+}
+
+/* The "prompt_logprobs" value of a body: null, or [null, {"<id>": {"logprob", "rank",
+ * "decoded_token"}, ...}, ...] with the prompt token first, then the top ones (vLLM's dict). */
+static void prompt_logprobs_json(sreq *r, pd_sb *b, const choice *c)
+{
+    const Pd__PromptLogprobs *p = c ? c->plp : NULL;
+    if (r->req.sp.prompt_logprobs < 0 || !c) {
+        pd_sb_str(b, "null");
+        return;
+    }
+    const pd_api_prompt *pr = &r->req.prompts[c->prompt_idx];
+    size_t nt = p && p->n_top > 0 ? (size_t)p->n_top : 0;
+    pd_sb_str(b, "[null");
+    for (size_t i = 1; i < pr->n_ids; i++) {
+        if (!plp_has(p, i)) {
+            pd_sb_str(b, ",null"); /* not computed (cannot happen with a well-formed reply) */
+            continue;
+        }
+        for (size_t j = 0; j <= nt; j++) {
+            int32_t id = j == 0 ? pr->ids[i] : p->top_ids[(i - 1) * nt + j - 1];
+            if (j > 0 && id == pr->ids[i]) continue; /* listed first already */
+            float lp = j == 0 ? p->logprob[i - 1] : p->top_logprobs[(i - 1) * nt + j - 1];
+            int32_t rank = j == 0 ? p->rank[i - 1] : (int32_t)j;
+            pd_sb_printf(b, "%s\"%d\":{\"logprob\":", j ? "," : ",{", id);
+            lp_value(b, lp);
+            pd_sb_printf(b, ",\"rank\":%d,\"decoded_token\":", rank);
+            token_text(r->s, false, id);
+            pd_sb_json_str(b, r->s->tokbuf.p, r->s->tokbuf.len);
+            pd_sb_str(b, "}");
+        }
+        pd_sb_str(b, "}");
+    }
+    pd_sb_str(b, "]");
+}
+
 /* The logprobs object from items (see srv_lp_items). */
 void srv_lp_object(pd_sb *b, bool chat, pd_sb items[4])
 {
@@ -379,13 +452,18 @@ void srv_respond_full(sreq *r)
                 pd_sb_str(b, "null");
             pd_sb_printf(b, ",\"finish_reason\":\"%s\",\"stop_reason\":", c->finish);
             stop_reason_json(b, c);
-            pd_sb_str(b, ",\"prompt_logprobs\":null}");
+            pd_sb_str(b, ",\"prompt_logprobs\":");
+            prompt_logprobs_json(r, b, c);
+            pd_sb_str(b, "}");
         }
     }
     pd_sb_str(b, "],\"service_tier\":null,\"system_fingerprint\":null,\"usage\":");
     usage_obj(b, r->prompt_tokens, comp, true, cached_tokens(r));
-    pd_sb_str(b, chat ? ",\"prompt_logprobs\":null,\"kv_transfer_params\":null}"
-                      : ",\"kv_transfer_params\":null}");
+    if (chat) { /* one prompt: its first choice's */
+        pd_sb_str(b, ",\"prompt_logprobs\":");
+        prompt_logprobs_json(r, b, r->n_choices ? &r->choices[0] : NULL);
+    }
+    pd_sb_str(b, ",\"kv_transfer_params\":null}");
     if (pd_sb_failed(b)) {
         srv_respond_error(r, 500, "out of memory building the response", NULL);
         return;

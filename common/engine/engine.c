@@ -46,6 +46,7 @@ pd_engine_params pd_engine_default_params(void)
         .max_prefill_chunk = 0,
         .seed = -1,
         .max_logprobs = 20,
+        .prompt_logprob_rows = 128,
         .event_capacity = 0,
         .on_event = NULL,
         .on_event_ctx = NULL,
@@ -159,7 +160,7 @@ static int create_kv(pd_engine *e)
         PD_CHECK(pd_backend_get_ops(rk->b)->kv_create(rk->b, &kr, &rk->kv));
         rk->bounce_bytes = pd_kv_block_bytes(&kr) / (size_t)kr.n_layers;
         rk->bounce = malloc(rk->bounce_bytes);
-        rk->logits = malloc(p->max_num_seqs * e->vocab * sizeof(float));
+        rk->logits = malloc((p->max_num_seqs + p->prompt_logprob_rows) * e->vocab * sizeof(float));
         if (!rk->bounce || !rk->logits) return pd_error(PD_ENOMEM, "engine: out of memory");
     }
     size_t tokens = n_blocks * p->block_size;
@@ -191,12 +192,13 @@ static int create_buffers(pd_engine *e)
     e->st_kvlen = malloc(S * sizeof(int32_t));
     e->st_bindptr = malloc((S + 1) * sizeof(int32_t));
     e->st_blocks = malloc(S * e->max_blocks_per_seq * sizeof(int32_t));
-    e->st_outrows = malloc(S * sizeof(int32_t));
+    e->st_outrows = malloc((S + p->prompt_logprob_rows) * sizeof(int32_t));
     e->item_out = malloc(S * sizeof(int32_t));
+    e->item_lp_out = malloc(S * sizeof(int32_t));
     e->cap = p->event_capacity;
     e->slots = calloc(e->cap, sizeof *e->slots);
     if (!e->st_tokens || !e->st_qindptr || !e->st_kvlen || !e->st_bindptr || !e->st_blocks ||
-        !e->st_outrows || !e->item_out || !e->slots)
+        !e->st_outrows || !e->item_out || !e->item_lp_out || !e->slots)
         return pd_error(PD_ENOMEM, "engine: out of memory for step buffers");
     size_t k = p->max_logprobs > 0 ? (size_t)p->max_logprobs : 1;
     for (size_t i = 0; i < e->cap; i++) {
@@ -255,7 +257,8 @@ int pd_engine_create(const pd_engine_params *params, pd_engine **out)
                           .max_num_batched_tokens = e->p.max_num_batched_tokens,
                           .max_model_len = e->p.max_model_len,
                           .max_prefill_chunk = e->p.max_prefill_chunk,
-                          .prefix_caching = e->p.enable_prefix_caching};
+                          .prefix_caching = e->p.enable_prefix_caching,
+                          .max_prompt_logit_rows = e->p.prompt_logprob_rows};
     PD_CHECK_GOTO(pd_sched_create(&sp, e->pool, &e->sched), rc, fail);
     PD_CHECK_GOTO(create_buffers(e), rc, fail);
     PD_CHECK_GOTO(eng_ranks_start(e), rc, fail);
@@ -296,6 +299,7 @@ void pd_engine_free(pd_engine *e)
             free(e->slots[i].top_ids);
             free(e->slots[i].top_lp);
             free(e->slots[i].blocks);
+            free(e->slots[i].plp);
         }
         free(e->slots);
     }
@@ -306,6 +310,7 @@ void pd_engine_free(pd_engine *e)
     free(e->st_blocks);
     free(e->st_outrows);
     free(e->item_out);
+    free(e->item_lp_out);
     pd_sampler_ws_free(e->ws);
     pthread_mutex_destroy(&e->mu);
     pthread_cond_destroy(&e->work_cv);

@@ -104,7 +104,12 @@ typedef struct {
     /* -- sampling and output --------------------------------------------------------------- */
     int64_t seed;                 /* -1 (default): a request without a seed gets a random one;
                                      else seed of a seedless request = mix(seed, request counter) */
-    int32_t max_logprobs;         /* largest logprobs a request may ask for (20) */
+    int32_t max_logprobs;         /* largest logprobs (and prompt_logprobs) a request may ask
+                                     for (20) */
+    size_t prompt_logprob_rows;   /* logits rows per step for prompt logprobs, above one row per
+                                     sequence (128): a request with prompt_logprobs prefills at
+                                     most this many rows per step; 0 = prompt_logprobs refused.
+                                     Costs (max_num_seqs + this) x vocab f32 of logits per rank */
     size_t event_capacity;        /* output queue slots; 0 = 4 * max_num_seqs + 64 */
     pd_engine_wakeup_fn on_event; /* called (engine thread) after a step pushed events */
     void *on_event_ctx;
@@ -141,7 +146,8 @@ typedef struct {
 
 /* Validates and queues a request (everything copied). Errors (nothing queued): PD_EINVAL with
  * the contract's message (empty prompt, prompt too long for max_model_len, n > max_num_seqs,
- * logprobs > max_logprobs, sampling ranges, stop strings without a tokenizer), PD_EEXIST for a
+ * logprobs or prompt_logprobs > max_logprobs, sampling ranges, stop strings without a
+ * tokenizer), PD_EEXIST for a
  * live request id, PD_EUNSUPPORTED for n > 1 with PREFILL_ONLY, PD_ECLOSED after pd_engine_free
  * started. */
 int pd_engine_add(pd_engine *e, const pd_engine_request *r);
@@ -201,6 +207,21 @@ void pd_engine_stop(pd_engine *e);
 
 /* ---- output events (one consumer thread) -------------------------------------------------- */
 
+/* A request's prompt logprobs (sampling prompt_logprobs = k >= 0), vLLM's: for every prompt
+ * position i in [1, n_prompt), the log_softmax of the RAW logits of position i - 1 (as for
+ * generated tokens: floored at PD_LOGPROB_FLOOR) at the prompt token i, its rank (the number of
+ * tokens whose logit is >= its own, so 1 for the largest, as vLLM v1 counts) and the n_top most
+ * likely tokens (ranks 1..n_top). Entry 0 of each array is unused: the first prompt token has no
+ * logits before it. One allocation; its owner frees it with free(). */
+typedef struct {
+    size_t n_prompt;
+    int32_t n_top;       /* min(k, vocab) */
+    float *logprob;      /* (n_prompt) */
+    int32_t *rank;       /* (n_prompt) */
+    int32_t *top_ids;    /* (n_prompt, n_top) by logit desc (ties: lower id) */
+    float *top_logprobs; /* (n_prompt, n_top) */
+} pd_prompt_logprobs;
+
 typedef struct {
     const char *request_id;
     uint32_t seq_index;       /* choice index 0 .. n-1 */
@@ -222,6 +243,9 @@ typedef struct {
     int32_t n_top;
     const int32_t *top_ids;    /* (n_top) */
     const float *top_logprobs; /* (n_top) */
+    /* the request's prompt logprobs: on the first event of choice 0 when it asked for them
+     * (a PREFILL_ONLY request's hand-over event carries them; an imported one never has them) */
+    const pd_prompt_logprobs *prompt_logprobs;
     /* PREFILL_ONLY hand-over (final event of such a request): */
     bool held;                /* blocks kept until pd_engine_release */
     const int32_t *block_ids; /* (n_blocks) holding the prompt's K/V */

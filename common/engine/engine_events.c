@@ -43,6 +43,8 @@ static ev_slot *slot_begin(pd_engine *e, const eng_seq *s)
     ev_slot *sl = e->qcount < e->cap ? &e->slots[(e->qhead + e->qcount) % e->cap] : NULL;
     pthread_mutex_unlock(&e->qmu);
     if (!sl) return NULL;
+    free(sl->plp); /* its consumer is done with the event that carried them */
+    sl->plp = NULL;
     memset(&sl->ev, 0, sizeof sl->ev);
     memcpy(sl->id, s->req->id, sizeof sl->id);
     sl->err[0] = '\0';
@@ -164,6 +166,11 @@ int eng_seq_emit_token(pd_engine *e, eng_seq *s, int32_t token, const pd_sample_
         memcpy(sl->top_ids, res->top_ids, (size_t)k * sizeof *sl->top_ids);
         memcpy(sl->top_lp, res->top_logprobs, (size_t)k * sizeof *sl->top_lp);
         sl->ev.n_top = k;
+    }
+    if (r->plp && s->index == 0) { /* the slot owns them from here */
+        sl->plp = r->plp;
+        r->plp = NULL;
+        sl->ev.prompt_logprobs = sl->plp;
     }
     bool finished = sr.finish != PD_FINISH_NONE;
     if (r->phase == PD_PHASE_PREFILL_ONLY) {

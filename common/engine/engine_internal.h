@@ -73,10 +73,12 @@ struct eng_req {
     pd_arena *arena;       /* owns sp's arrays and strings */
     pd_sampling_params sp; /* has_seed always true (the engine draws a seed when absent) */
     size_t n_prompt;
-    int32_t first_token; /* imported requests */
-    uint32_t n;          /* choices */
-    uint32_t n_live;     /* sequences without a final event */
-    eng_seq seqs[];      /* (n) */
+    int32_t first_token;     /* imported requests */
+    uint32_t n;              /* choices */
+    uint32_t n_live;         /* sequences without a final event */
+    pd_prompt_logprobs *plp; /* prompt logprobs being filled (malloc'd), NULL when not asked or
+                                once the first event of choice 0 took them */
+    eng_seq seqs[];          /* (n) */
 };
 
 /* ---- output queue ---------------------------------------------------------------------------- */
@@ -90,9 +92,11 @@ typedef struct {
     char *stop_str; /* grows geometrically */
     size_t stop_cap;
     char err[256];
-    int32_t *top_ids; /* (max_logprobs) */
-    float *top_lp;    /* (max_logprobs) */
-    int32_t *blocks;  /* (max_blocks_per_seq) */
+    int32_t *top_ids;        /* (max_logprobs) */
+    float *top_lp;           /* (max_logprobs) */
+    int32_t *blocks;         /* (max_blocks_per_seq) */
+    pd_prompt_logprobs *plp; /* owned: the event's prompt logprobs, freed when the slot is
+                                taken again */
 } ev_slot;
 
 /* ---- tensor-parallel ranks ------------------------------------------------------------------- */
@@ -105,7 +109,7 @@ struct pd_engine_rank {
     pd_backend *b; /* the backend group's */
     pd_forward *f;
     pd_kv *kv;
-    float *logits;   /* (max_num_seqs, vocab) f32, host */
+    float *logits;   /* (max_num_seqs + prompt_logprob_rows, vocab) f32, host */
     uint8_t *bounce; /* (2 * block_size * n_kv_heads * head_dim * elem): one block of one
                         layer, K then V, for copy-on-write */
     size_t bounce_bytes;
@@ -150,13 +154,14 @@ struct pd_engine {
     pd_engine_stats stats;
     /* one step (engine thread) */
     size_t max_blocks_per_seq;
-    int32_t *st_tokens;  /* (max_num_batched_tokens) */
-    int32_t *st_qindptr; /* (max_num_seqs + 1) */
-    int32_t *st_kvlen;   /* (max_num_seqs) */
-    int32_t *st_bindptr; /* (max_num_seqs + 1) */
-    int32_t *st_blocks;  /* (max_num_seqs * max_blocks_per_seq) */
-    int32_t *st_outrows; /* (max_num_seqs) */
-    int32_t *item_out;   /* (max_num_seqs) logits row of each item, -1 when none */
+    int32_t *st_tokens;   /* (max_num_batched_tokens) */
+    int32_t *st_qindptr;  /* (max_num_seqs + 1) */
+    int32_t *st_kvlen;    /* (max_num_seqs) */
+    int32_t *st_bindptr;  /* (max_num_seqs + 1) */
+    int32_t *st_blocks;   /* (max_num_seqs * max_blocks_per_seq) */
+    int32_t *st_outrows;  /* (max_num_seqs + prompt_logprob_rows) */
+    int32_t *item_out;    /* (max_num_seqs) logits row of each item, -1 when none */
+    int32_t *item_lp_out; /* (max_num_seqs) first logits row of an item's prompt-logprob rows */
     pd_step step;
     pd_sched_out so;
     pd_sampler_ws *ws;

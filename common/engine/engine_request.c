@@ -34,6 +34,7 @@ void eng_req_free(pd_engine *e, eng_req *r)
         pd_detok_free(s->detok);
     }
     pd_arena_free(r->arena);
+    free(r->plp);
     free(r);
 }
 
@@ -133,6 +134,14 @@ static int req_build(pd_engine *e, const pd_engine_request *rq, eng_req **out)
         return pd_error(PD_EINVAL,
                         "Requested sample logprobs of %d, which is greater than max allowed: %d",
                         sp.logprobs, e->p.max_logprobs);
+    if (sp.prompt_logprobs < -1)
+        return pd_error(PD_EINVAL, "`prompt_logprobs` must be a positive value.");
+    if (sp.prompt_logprobs > e->p.max_logprobs)
+        return pd_error(PD_EINVAL,
+                        "Requested prompt logprobs of %d, which is greater than max allowed: %d",
+                        sp.prompt_logprobs, e->p.max_logprobs);
+    if (sp.prompt_logprobs >= 0 && e->p.prompt_logprob_rows == 0)
+        return pd_error(PD_EINVAL, "prompt_logprobs: this engine has prompt_logprob_rows 0");
     if (sp.n_stop > 0 && !e->tok)
         return pd_error(PD_EINVAL, "stop strings need a tokenizer; this engine has none");
     if (rq->phase == PD_PHASE_PREFILL_ONLY && sp.n != 1)
@@ -179,6 +188,23 @@ fail:
     return rc;
 }
 
+/* The prompt logprobs buffer of a request that asked for them (k = prompt_logprobs >= 0). */
+static pd_prompt_logprobs *plp_alloc(size_t n_prompt, int32_t k, size_t vocab)
+{
+    size_t nt = (size_t)k < vocab ? (size_t)k : vocab;
+    size_t bytes = sizeof(pd_prompt_logprobs) + n_prompt * (sizeof(float) + sizeof(int32_t)) +
+                   n_prompt * nt * (sizeof(int32_t) + sizeof(float));
+    pd_prompt_logprobs *p = calloc(1, bytes);
+    if (!p) return NULL;
+    p->n_prompt = n_prompt;
+    p->n_top = (int32_t)nt;
+    p->logprob = (float *)(p + 1);
+    p->rank = (int32_t *)(p->logprob + n_prompt);
+    p->top_ids = p->rank + n_prompt;
+    p->top_logprobs = (float *)(p->top_ids + n_prompt * nt);
+    return p;
+}
+
 /* The seed of a request that gave none (under mu). */
 static int64_t draw_seed(pd_engine *e)
 {
@@ -208,8 +234,13 @@ int pd_engine_add(pd_engine *e, const pd_engine_request *rq)
     rq2.sampling = &sp;
     eng_req *r;
     PD_CHECK(req_build(e, &rq2, &r));
-    pthread_mutex_lock(&e->mu);
     int rc = PD_OK;
+    if (r->sp.prompt_logprobs >= 0 &&
+        !(r->plp = plp_alloc(rq->n_prompt, r->sp.prompt_logprobs, e->vocab))) {
+        eng_req_free(e, r);
+        return pd_error(PD_ENOMEM, "engine: out of memory for prompt logprobs");
+    }
+    pthread_mutex_lock(&e->mu);
     if (e->closing)
         rc = pd_error(PD_ECLOSED, "engine is shutting down");
     else if (req_find(e, r->id))
@@ -217,6 +248,7 @@ int pd_engine_add(pd_engine *e, const pd_engine_request *rq)
     if (rc >= 0)
         rc = pd_sched_seq_create(e->sched, rq->prompt_ids, rq->n_prompt, &r->seqs[0],
                                  &r->seqs[0].sq);
+    if (rc >= 0 && r->plp) rc = pd_sched_seq_want_prompt_logits(e->sched, r->seqs[0].sq);
     if (rc >= 0) rc = pd_sched_add(e->sched, r->seqs[0].sq, r->n - 1);
     if (rc >= 0) {
         r->state = REQ_ACTIVE;

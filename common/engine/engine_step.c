@@ -42,6 +42,10 @@ static int build_step(pd_engine *e)
         size_t n_tok;
         const int32_t *tok = pd_seq_tokens(it->seq, &n_tok);
         memcpy(e->st_tokens + row, tok + it->start, it->n_new * sizeof *tok);
+        /* prompt logprobs: these rows' logits too, before the sampled row (they precede it) */
+        e->item_lp_out[i] = (int32_t)n_out;
+        for (size_t p = it->lp_start; p < it->lp_start + it->lp_n; p++)
+            e->st_outrows[n_out++] = (int32_t)(row + p - it->start);
         row += it->n_new;
         e->st_qindptr[i + 1] = (int32_t)row;
         e->st_kvlen[i] = (int32_t)(it->start + it->n_new);
@@ -67,6 +71,29 @@ static int build_step(pd_engine *e)
         .n_out = n_out,
         .out_rows = e->st_outrows,
     };
+    return PD_OK;
+}
+
+/* Fills the prompt logprobs of item i's prompt-logprob rows: row p's logits give those of
+ * prompt token p + 1 (under mu). */
+static int prompt_logprobs(pd_engine *e, size_t i)
+{
+    const pd_sched_item *it = &e->so.items[i];
+    eng_req *r = ((eng_seq *)pd_seq_user(it->seq))->req;
+    pd_prompt_logprobs *plp = r->plp;
+    if (!plp || r->abort_requested) return PD_OK;
+    size_t n_tok;
+    const int32_t *tok = pd_seq_tokens(it->seq, &n_tok);
+    for (size_t k = 0; k < it->lp_n; k++) {
+        size_t pos = it->lp_start + k + 1, nt = (size_t)plp->n_top;
+        const float *row = e->ranks[0].logits + (size_t)(e->item_lp_out[i] + (int32_t)k) * e->vocab;
+        pd_sample_result res;
+        PD_CHECK(pd_sampler_logprobs(row, (int32_t)e->vocab, plp->n_top, tok[pos], e->ws, &res,
+                                     &plp->rank[pos]));
+        plp->logprob[pos] = res.logprob;
+        memcpy(plp->top_ids + pos * nt, res.top_ids, nt * sizeof *res.top_ids);
+        memcpy(plp->top_logprobs + pos * nt, res.top_logprobs, nt * sizeof *res.top_logprobs);
+    }
     return PD_OK;
 }
 
@@ -178,9 +205,10 @@ static int step_once(pd_engine *e, bool *did_work)
             if (it->start < np)
                 e->stats.prompt_tokens +=
                     (it->start + it->n_new < np ? it->start + it->n_new : np) - it->start;
-            if (e->item_out[i] < 0) continue;
-            const float *row = e->ranks[0].logits + (size_t)e->item_out[i] * e->vocab;
-            int prc = process_item(e, i, row);
+            int prc = it->lp_n ? prompt_logprobs(e, i) : PD_OK;
+            if (prc == PD_OK && e->item_out[i] < 0) continue;
+            if (prc == PD_OK)
+                prc = process_item(e, i, e->ranks[0].logits + (size_t)e->item_out[i] * e->vocab);
             if (prc < 0) {
                 snprintf(msg, sizeof msg, "%s", pd_last_error());
                 PD_WARN(s->req->id, "sequence %u failed: %s", s->index, msg);

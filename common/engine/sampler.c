@@ -1106,6 +1106,26 @@ static void raw_logprobs(const float *raw, int32_t vocab, int32_t n_top, int32_t
     out->top_logprobs = ws->top_lp;
 }
 
+int pd_sampler_logprobs(const float *logits, int32_t vocab, int32_t n_top, int32_t token,
+                        pd_sampler_ws *ws, pd_sample_result *out, int32_t *rank)
+{
+    if (ws->vocab < vocab || n_top > ws->max_logprobs || token < 0 || token >= vocab)
+        return pd_error(PD_EINVAL,
+                        "sampler: logprobs of token %" PRId32 " with top %" PRId32 " over %" PRId32
+                        " tokens (workspace: %" PRId32 " tokens, %" PRId32 " logprobs)",
+                        token, n_top, vocab, ws->vocab, ws->max_logprobs);
+    out->token = token;
+    raw_logprobs(logits, vocab, n_top < vocab ? n_top : vocab, token, ws, out);
+    if (rank) {
+        float t = logits[token] == logits[token] ? logits[token] : -INFINITY;
+        int32_t n = 0;
+        for (int32_t i = 0; i < vocab; i++)
+            n += (logits[i] == logits[i] ? logits[i] : -INFINITY) >= t;
+        *rank = n;
+    }
+    return PD_OK;
+}
+
 /* ---- pd_sample ----------------------------------------------------------------------------- */
 
 int pd_sample(pd_sampler_seq *s, const float *logits, pd_sampler_ws *ws, pd_sample_result *out)

@@ -68,7 +68,8 @@ typedef struct {
     const int32_t *stop_token_ids; /* (n_stop_token_ids,) client stop ids */
     int32_t n_stop_token_ids;
     int32_t logprobs;        /* -1: none; N >= 0: chosen token's logprob + top-N */
-    int32_t prompt_logprobs; /* -1: none (the API rejects anything else for now) */
+    int32_t prompt_logprobs; /* -1: none; k >= 0: each prompt token's logprob and rank + top-k
+                                (engine.h's pd_prompt_logprobs) */
     /* stop conditions (used by stop.h) */
     const char *const *stop; /* (n_stop,) NUL-terminated UTF-8 stop strings */
     int32_t n_stop;
@@ -174,6 +175,13 @@ typedef struct {
     const float *top_logprobs; /* (n_top,) their logprobs; both arrays live in the ws and
                                 * stay valid until the next pd_sample with that ws */
 } pd_sample_result;
+
+/* The logprob of token under the raw logits ((vocab,) f32) and the n_top most likely tokens
+ * (out->token = token; arrays in ws as pd_sample's), as pd_sample reports them for a sampled
+ * token; *rank (may be NULL) receives the number of tokens whose logit is >= token's (NaN
+ * logits count as -inf). For prompt logprobs. PD_EINVAL when ws is too small. */
+int pd_sampler_logprobs(const float *logits, int32_t vocab, int32_t n_top, int32_t token,
+                        pd_sampler_ws *ws, pd_sample_result *out, int32_t *rank);
 
 /* The exponential the sampler uses for weights: exp(x) within 3e-7 relative for x in
  * [-87, 0], 0 below -87, exp(0) = 1 exactly, x clamped to 88 above. Exposed so that a

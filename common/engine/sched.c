@@ -43,6 +43,8 @@ struct pd_sched_seq {
     size_t n_chain;        /* ... and the blocks [0, n_chain) registered or taken from it */
     size_t n_cached;       /* tokens taken from the prefix cache at the first admission */
     bool admitted;         /* admitted once (n_cached is set) */
+    size_t lp_next;        /* prompt logits wanted for positions [lp_next, n_prompt - 1);
+                              SIZE_MAX: none */
     list_node q;           /* link in waiting or running */
     list_node all;         /* link in the list of every sequence */
 };
@@ -176,6 +178,7 @@ static int seq_alloc(pd_sched *s, void *user, pd_sched_seq **out)
     seq->s = s;
     seq->user = user;
     seq->state = PD_SEQ_NEW;
+    seq->lp_next = SIZE_MAX;
     seq->all.next = s->all_head;
     if (s->all_head) s->all_head->all.prev = seq;
     s->all_head = seq;
@@ -200,6 +203,27 @@ int pd_sched_seq_create(pd_sched *s, const int32_t *prompt, size_t n_prompt, voi
     seq->arrival = s->next_arrival++;
     *out = seq;
     return PD_OK;
+}
+
+int pd_sched_seq_want_prompt_logits(pd_sched *s, pd_sched_seq *seq)
+{
+    if (s->p.max_prompt_logit_rows == 0)
+        return pd_error(PD_EINVAL, "scheduler: prompt logprobs need max_prompt_logit_rows > 0");
+    if (seq->state != PD_SEQ_NEW)
+        return pd_error(PD_EINVAL, "scheduler: prompt logits of a queued sequence");
+    seq->lp_next = 0;
+    return PD_OK;
+}
+
+/* The first position from start on whose prompt logits seq still wants. */
+static size_t lp_from(const pd_sched_seq *seq, size_t start)
+{
+    return seq->lp_next > start ? seq->lp_next : start;
+}
+
+static bool wants_lp(const pd_sched_seq *seq)
+{
+    return seq->lp_next != SIZE_MAX && seq->lp_next + 1 < seq->n_prompt;
 }
 
 int pd_sched_add(pd_sched *s, pd_sched_seq *seq, size_t n_children)
@@ -400,7 +424,9 @@ static pd_kv_block_key next_key(const pd_sched *s, const pd_sched_seq *seq)
  * next token). */
 static void take_cached(pd_sched *s, pd_sched_seq *seq)
 {
-    if (!s->p.prefix_caching || seq->n_computed || pd_kvtable_num_blocks(seq->table)) return;
+    if (!s->p.prefix_caching || seq->n_computed || pd_kvtable_num_blocks(seq->table) ||
+        wants_lp(seq))
+        return;
     size_t bs = pd_kvpool_block_size(s->pool), full = (seq->n_tokens - 1) / bs;
     for (seq->n_chain = 0; seq->n_chain < full; seq->n_chain++) {
         pd_kv_block_key k = next_key(s, seq);
@@ -422,12 +448,16 @@ static void cache_computed(pd_sched *s, pd_sched_seq *seq)
     }
 }
 
-/* Rows seq may take now: its uncomputed tokens, capped by the budget and, while prefilling, by
- * max_prefill_chunk. */
-static size_t rows_for(const pd_sched *s, const pd_sched_seq *seq, size_t budget)
+/* Rows seq may take now: its uncomputed tokens, capped by the budget, while prefilling by
+ * max_prefill_chunk, and when it wants prompt logits by the lp_budget rows left for them. */
+static size_t rows_for(const pd_sched *s, const pd_sched_seq *seq, size_t budget, size_t lp_budget)
 {
     size_t n = seq->n_tokens - seq->n_computed;
     if (n > 1 && s->p.max_prefill_chunk && n > s->p.max_prefill_chunk) n = s->p.max_prefill_chunk;
+    if (wants_lp(seq) && seq->n_computed + 1 < seq->n_prompt) {
+        size_t free_rows = lp_from(seq, seq->n_computed) - seq->n_computed;
+        if (n > free_rows + lp_budget) n = free_rows + lp_budget;
+    }
     return n < budget ? n : budget;
 }
 
@@ -436,12 +466,18 @@ static int add_item(pd_sched *s, pd_sched_seq *seq, size_t n_new)
     size_t n_cow = 0;
     PD_CHECK(pd_kvtable_grow(seq->table, seq->n_computed + n_new, &s->copies[s->n_copies], &n_cow));
     s->n_copies += n_cow;
-    s->items[s->n_items++] = (pd_sched_item){
+    pd_sched_item *it = &s->items[s->n_items++];
+    *it = (pd_sched_item){
         .seq = seq,
         .start = seq->n_computed,
         .n_new = n_new,
         .sample = seq->n_computed + n_new == seq->n_tokens,
     };
+    if (wants_lp(seq)) {
+        size_t a = lp_from(seq, it->start), b = it->start + n_new;
+        if (b > seq->n_prompt - 1) b = seq->n_prompt - 1;
+        if (a < b) it->lp_start = a, it->lp_n = b - a;
+    }
     return PD_OK;
 }
 
@@ -450,11 +486,12 @@ int pd_sched_schedule(pd_sched *s, pd_sched_out *out)
     s->n_items = 0;
     s->n_copies = 0;
     size_t budget = s->p.max_num_batched_tokens;
+    size_t lp_budget = s->p.max_prompt_logit_rows;
     size_t n_preempted = 0;
 
     /* 1. Running sequences, oldest first; make room by preempting the youngest. */
     for (pd_sched_seq *seq = s->running.head; seq && budget > 0;) {
-        size_t n_new = rows_for(s, seq, budget);
+        size_t n_new = rows_for(s, seq, budget, lp_budget);
         if (n_new == 0) { /* nothing uncomputed (cannot happen between engine steps) */
             seq = seq->q.next;
             continue;
@@ -473,6 +510,7 @@ int pd_sched_schedule(pd_sched *s, pd_sched_out *out)
         if (self_preempted) break; /* it was the tail: nothing after it is running */
         PD_CHECK(add_item(s, seq, n_new));
         budget -= n_new;
+        lp_budget -= s->items[s->n_items - 1].lp_n;
         seq = seq->q.next; /* read after preempting: victims left from the tail */
     }
 
@@ -482,7 +520,7 @@ int pd_sched_schedule(pd_sched *s, pd_sched_out *out)
         if (s->running_slots + 1 + seq->pending_children > s->p.max_num_seqs) break;
         bool fresh = seq->n_computed == 0 && pd_kvtable_num_blocks(seq->table) == 0;
         if (fresh) take_cached(s, seq);
-        size_t n_new = rows_for(s, seq, budget);
+        size_t n_new = rows_for(s, seq, budget, lp_budget);
         size_t need = pd_kvtable_blocks_needed(seq->table, seq->n_computed + n_new);
         if (n_new > 0 && need > pd_kvpool_num_free(s->pool) && !s->running.head)
             n_preempted += evict_waiting(s, seq, need);
@@ -505,6 +543,7 @@ int pd_sched_schedule(pd_sched *s, pd_sched_out *out)
         list_insert_sorted(&s->running, seq);
         PD_CHECK(add_item(s, seq, n_new));
         budget -= n_new;
+        lp_budget -= s->items[s->n_items - 1].lp_n;
     }
 
     out->n_items = s->n_items;
@@ -519,8 +558,10 @@ int pd_sched_schedule(pd_sched *s, pd_sched_out *out)
 void pd_sched_commit(pd_sched *s)
 {
     for (size_t i = 0; i < s->n_items; i++) {
-        s->items[i].seq->n_computed += s->items[i].n_new;
-        cache_computed(s, s->items[i].seq);
+        pd_sched_item *it = &s->items[i];
+        it->seq->n_computed += it->n_new;
+        if (it->lp_n) it->seq->lp_next = it->lp_start + it->lp_n;
+        cache_computed(s, it->seq);
     }
     s->n_items = 0;
     s->n_copies = 0;

@@ -40,6 +40,10 @@ typedef struct {
                                       its longest cached prefix of full blocks (at least its last
                                       token is computed), and computed full blocks are cached
                                       (the pool's prefix cache must be on): false */
+    size_t max_prompt_logit_rows;  /* logits rows a step may ask for prompt logprobs (above one
+                                      row per sequence for sampling): a sequence that wants them
+                                      prefills at most this many such rows per step; 0 = none
+                                      (pd_sched_seq_want_prompt_logits is refused) */
 } pd_sched_params;
 
 /* Defaults as documented on each field. */
@@ -64,10 +68,12 @@ typedef enum {
  * sequence, at those positions; the step writes their K/V into the slots of its block table. */
 typedef struct {
     pd_sched_seq *seq;
-    size_t start; /* num_computed before the step = position of the first row */
-    size_t n_new; /* rows this step (>= 1) */
-    bool sample;  /* start + n_new == number of tokens: the last row's logits give the next
-                     token */
+    size_t start;          /* num_computed before the step = position of the first row */
+    size_t n_new;          /* rows this step (>= 1) */
+    bool sample;           /* start + n_new == number of tokens: the last row's logits give the next
+                              token */
+    size_t lp_start, lp_n; /* rows at positions [lp_start, lp_start + lp_n) want their logits for
+                              the prompt logprobs of the tokens after them (lp_n 0: none) */
 } pd_sched_item;
 
 typedef struct {
@@ -91,6 +97,13 @@ void pd_sched_free(pd_sched *s);
  * n_prompt is 0 or >= max_model_len (vLLM's "This model's maximum context length is ..."). */
 int pd_sched_seq_create(pd_sched *s, const int32_t *prompt, size_t n_prompt, void *user,
                         pd_sched_seq **out);
+
+/* Asks for the logits of every prompt position but the last (prompt logprobs) of a NEW
+ * sequence: its items name those rows (lp_start, lp_n) once each, even when a preemption makes
+ * it compute them again, at most max_prompt_logit_rows of them per step; it takes nothing from
+ * the prefix cache until they are computed (cached K/V would skip their rows). PD_EINVAL when
+ * max_prompt_logit_rows is 0 or the sequence is queued. */
+int pd_sched_seq_want_prompt_logits(pd_sched *s, pd_sched_seq *seq);
 
 /* Queues a NEW sequence at the tail of the waiting queue. n_children: sequences that
  * pd_sched_fork will add after its prefill (n - 1 for a request of n choices); they are counted

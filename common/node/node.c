@@ -192,6 +192,27 @@ Pd__TokenEvent *node_event_to_proto(const pd_engine_event *ev, pd_arena *a)
         m->top_logprobs = pp;
         m->n_top_logprobs = (size_t)ev->n_top;
     }
+    const pd_prompt_logprobs *plp = ev->prompt_logprobs;
+    if (plp && plp->n_prompt > 1) {
+        size_t n = plp->n_prompt - 1, nt = (size_t)plp->n_top;
+        Pd__PromptLogprobs *pl = pd_arena_calloc(a, 1, sizeof *pl);
+        if (!pl) return NULL;
+        pd__prompt_logprobs__init(pl);
+        pl->n_top = plp->n_top;
+        /* copied: the prefill reply is packed after the event's slot was given back */
+        pl->logprob = pd_arena_alloc(a, n * sizeof(float), 0);
+        pl->rank = pd_arena_alloc(a, n * sizeof(int32_t), 0);
+        pl->top_ids = pd_arena_alloc(a, n * nt * sizeof(int32_t) + 1, 0);
+        pl->top_logprobs = pd_arena_alloc(a, n * nt * sizeof(float) + 1, 0);
+        if (!pl->logprob || !pl->rank || !pl->top_ids || !pl->top_logprobs) return NULL;
+        memcpy(pl->logprob, plp->logprob + 1, n * sizeof(float));
+        memcpy(pl->rank, plp->rank + 1, n * sizeof(int32_t));
+        memcpy(pl->top_ids, plp->top_ids + nt, n * nt * sizeof(int32_t));
+        memcpy(pl->top_logprobs, plp->top_logprobs + nt, n * nt * sizeof(float));
+        pl->n_logprob = pl->n_rank = n;
+        pl->n_top_ids = pl->n_top_logprobs = n * nt;
+        m->prompt_logprobs = pl;
+    }
     if (!m->error || !m->finish_reason || !m->stop_string) return NULL;
     return m;
 }

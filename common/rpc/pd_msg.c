@@ -50,6 +50,7 @@ int pd_msg_sampling_from_proto(const Pd__SamplingParams *m, pd_arena *a, pd_samp
     p.stop_token_ids = m->stop_token_ids;
     p.n_stop_token_ids = (int32_t)m->n_stop_token_ids;
     p.logprobs = m->logprobs;
+    p.prompt_logprobs = m->has_prompt_logprobs ? m->prompt_logprobs : -1;
     p.stop = (const char *const *)m->stop;
     p.n_stop = (int32_t)m->n_stop;
     p.include_stop_str_in_output = m->include_stop_str_in_output;
@@ -93,6 +94,8 @@ int pd_msg_sampling_to_proto(const pd_sampling_params *p, pd_arena *a, Pd__Sampl
     m->stop_token_ids = (int32_t *)p->stop_token_ids;
     m->n_stop_token_ids = (size_t)(p->n_stop_token_ids > 0 ? p->n_stop_token_ids : 0);
     m->logprobs = p->logprobs;
+    m->has_prompt_logprobs = p->prompt_logprobs >= 0;
+    m->prompt_logprobs = m->has_prompt_logprobs ? p->prompt_logprobs : 0;
     m->stop = (char **)p->stop;
     m->n_stop = (size_t)(p->n_stop > 0 ? p->n_stop : 0);
     m->include_stop_str_in_output = p->include_stop_str_in_output;

@@ -724,7 +724,7 @@ int cl_reference_ex(const char *model, const int32_t *const *prompts, const size
     int st = cl_run(argv, json, 300);
     if (st != 0) return pd_error(PD_EINTERNAL, "pd-generate exited with %d (see %s)", st, json);
     f = fopen(json, "r");
-    char line[65536];
+    static char line[1 << 20]; /* prompt logprobs make long lines */
     size_t k = 0;
     while (f && k < n && fgets(line, sizeof line, f)) {
         if (line[0] != '{') continue; /* log lines */
@@ -742,6 +742,8 @@ int cl_reference_ex(const char *model, const int32_t *const *prompts, const size
         const char *txt = json_string_value(json_object_get(o, "text"));
         snprintf(out[k].finish, sizeof out[k].finish, "%s", fin ? fin : "");
         snprintf(out[k].text, sizeof out[k].text, "%s", txt ? txt : "");
+        json_t *plp = json_object_get(o, "prompt_logprobs");
+        if (plp) out[k].prompt_logprobs = json_dumps(plp, JSON_COMPACT);
         json_decref(o);
         k++;
     }

@@ -95,6 +95,9 @@ typedef struct {
     int64_t decode_cached; /* the Reserve reply's cached_tokens (the prompt ids go in Reserve,
                               as pd-scheduler sends them) */
     char error[512];
+    char *prompt_logprobs; /* cl_reference_ex with --prompt-logprobs K in extra: pd-generate's
+                              "prompt_logprobs" as compact JSON (malloc'd: the caller frees
+                              it), else NULL */
 } cl_result;
 
 /* Sampling for cl_generate: n 1, the given temperature and seed, top_p 1, no penalties, no

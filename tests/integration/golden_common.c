@@ -296,7 +296,7 @@ json_t *post_ok(int port, const char *path, const char *body)
         resp_free(&r);
         return NULL;
     }
-    json_t *o = json_loads(r.body, 0, NULL);
+    json_t *o = json_loads(r.body, JSON_ALLOW_NUL, NULL); /* a token's text may be U+0000 */
     resp_free(&r);
     return o;
 }
@@ -318,7 +318,7 @@ int stream_events(int port, const char *path, const char *body, json_t **ev, int
     *done_last = n > 0 && strcmp(raw[n - 1], "[DONE]") == 0;
     for (int i = 0; i < n && k < cap; i++) {
         if (strcmp(raw[i], "[DONE]") == 0) continue;
-        ev[k] = json_loads(raw[i], 0, NULL);
+        ev[k] = json_loads(raw[i], JSON_ALLOW_NUL, NULL);
         if (!ev[k]) break;
         k++;
     }

@@ -146,7 +146,7 @@ static bool offsets_case(const char *prompt, bool *fffd, char *why, size_t wn)
 
 /* §18.29 (text_offset): outputs that are plain text (ASCII and a 2-byte "é" prompt; no token is
  * a partial UTF-8 sequence), non-streaming and streaming; n=2 choices each count from their own
- * start; echo, which would put the prompt first, is refused together with logprobs (§8.2). */
+ * start (echo with logprobs, which puts the prompt first: golden_29_prompt_logprobs). */
 TEST(golden_29_text_offset)
 {
     FIXTURE();
@@ -159,18 +159,7 @@ TEST(golden_29_text_offset)
         ASSERT_MSG(!fffd, "prompt \"%s\": a token is U+FFFD; this case wants plain text",
                    prompts[p]);
     }
-    resp r;
-    ASSERT_EQ_INT(post(g_port, "/v1/completions",
-                       "{\"prompt\":\"x\",\"max_tokens\":4,\"logprobs\":1,\"echo\":true}", &r),
-                  0);
-    int st = r.status;
-    json_t *o = json_loads(r.body, 0, NULL);
-    resp_free(&r);
-    const char *msg = json_string_value(json_object_get(json_object_get(o, "error"), "message"));
-    bool refused =
-        st == 400 && msg && strcmp(msg, "`echo` together with `logprobs` is not supported.") == 0;
-    json_decref(o);
-    ASSERT_MSG(refused, "echo with logprobs: %d", st);
+    json_t *o;
     /* n=2 sampled: each choice's offsets start at 0 and follow its own tokens */
     o = post_ok(g_port, "/v1/completions",
                 "{\"prompt\":\"Once upon\",\"max_tokens\":8,\"ignore_eos\":true,"
@@ -309,4 +298,206 @@ TEST(golden_29_neginf_written_as_floor)
     ASSERT_EQ_INT((long long)n_steps, 2);
     ASSERT_MSG(!why[0], "%s", why);
     ASSERT_MSG(spelled, "the body does not write -inf as -9999.0: %s", head);
+}
+
+/* ---- prompt logprobs: computed on the prefill instance, equal to the in-process engine's ---- */
+
+/* Checks a body's "prompt_logprobs" (pl) against pd-generate's for the same prompt ids (ref,
+ * the same shape without decoded_token): one entry per prompt token, null first; each lists the
+ * prompt token first, then the top ones (at most k + 1 entries), with the engine's logprob and
+ * rank; decoded_token a string. false with the reason in why. */
+static bool plp_equal(json_t *pl, json_t *ref, const int32_t *ids, size_t n, int k, char *why,
+                      size_t wn)
+{
+    if (!json_is_array(pl) || json_array_size(pl) != n || json_array_size(ref) != n ||
+        !json_is_null(json_array_get(pl, 0))) {
+        snprintf(why, wn, "%zu entries (reference %zu, prompt %zu), the first not null",
+                 json_array_size(pl), json_array_size(ref), n);
+        return false;
+    }
+    for (size_t i = 1; i < n; i++) {
+        json_t *e = json_array_get(pl, i), *r = json_array_get(ref, i);
+        char first[16];
+        snprintf(first, sizeof first, "%d", ids[i]);
+        void *it = json_object_iter(e);
+        if (!it || strcmp(json_object_iter_key(it), first) != 0 ||
+            json_object_size(e) != json_object_size(r) || json_object_size(e) > (size_t)k + 1) {
+            snprintf(why, wn, "position %zu: %zu entries (reference %zu), first key %s, want %s", i,
+                     json_object_size(e), json_object_size(r), it ? json_object_iter_key(it) : "-",
+                     first);
+            return false;
+        }
+        const char *key;
+        json_t *v;
+        json_object_foreach(e, key, v)
+        {
+            json_t *rv = json_object_get(r, key);
+            double lp = json_number_value(json_object_get(v, "logprob"));
+            double rl = json_number_value(json_object_get(rv, "logprob"));
+            if (!rv || fabs(lp - rl) > 1e-6 ||
+                json_integer_value(json_object_get(v, "rank")) !=
+                    json_integer_value(json_object_get(rv, "rank")) ||
+                !json_is_string(json_object_get(v, "decoded_token"))) {
+                snprintf(why, wn, "position %zu token %s: logprob %.9g rank %lld, engine %.9g %lld",
+                         i, key, lp, (long long)json_integer_value(json_object_get(v, "rank")), rl,
+                         (long long)json_integer_value(json_object_get(rv, "rank")));
+                return false;
+            }
+        }
+    }
+    return true;
+}
+
+/* pd-generate (the colocated engine) for one prompt with --prompt-logprobs k: its
+ * prompt_logprobs (json_decref it), or NULL. */
+static json_t *engine_plp(const int32_t *ids, size_t n, int k)
+{
+    char dir[600], kk[16];
+    snprintf(dir, sizeof dir, "%s", pdt_tmp_dir());
+    snprintf(kk, sizeof kk, "%d", k);
+    char *extra[] = {"--prompt-logprobs", kk, NULL};
+    cl_result res;
+    memset(&res, 0, sizeof res);
+    const int32_t *prompts[1] = {ids};
+    if (cl_reference_ex(g_model, prompts, &n, 1, 2, 0.0, 0, dir, extra, &res) < 0) {
+        printf("    pd-generate: %s\n", pd_last_error());
+        return NULL;
+    }
+    json_t *o = res.prompt_logprobs ? json_loads(res.prompt_logprobs, 0, NULL) : NULL;
+    free(res.prompt_logprobs);
+    return o;
+}
+
+/* vLLM's prompt_logprobs through the 1P1D cluster: completions (n = 2: each choice has them) and
+ * echo with logprobs (the prompt's tokens lead choice.logprobs, the first one null, text_offset
+ * running on into the generated ones; streamed, the first chunk carries them), and chat (at
+ * the top of the body); every value equals the colocated engine's (pd-generate). */
+TEST(golden_29_prompt_logprobs)
+{
+    FIXTURE();
+    int32_t ids[12];
+    char list[256] = "";
+    for (size_t i = 0; i < 12; i++) {
+        ids[i] = (int32_t)(300 + 37 * i);
+        snprintf(list + strlen(list), sizeof list - strlen(list), "%s%d", i ? "," : "", ids[i]);
+    }
+    json_t *ref = engine_plp(ids, 12, 3);
+    ASSERT_MSG(ref, "pd-generate gave no prompt_logprobs");
+    char body[768], why[512] = "";
+    snprintf(body, sizeof body,
+             "{\"prompt\":[%s],\"max_tokens\":3,\"temperature\":0,\"ignore_eos\":true,"
+             "\"prompt_logprobs\":3,\"n\":2}",
+             list);
+    json_t *o = post_ok(g_port, "/v1/completions", body);
+    bool ok = o != NULL;
+    for (size_t c = 0; ok && c < 2; c++) {
+        json_t *ch = json_array_get(json_object_get(o, "choices"), c);
+        ok = plp_equal(json_object_get(ch, "prompt_logprobs"), ref, ids, 12, 3, why, sizeof why) &&
+             json_is_null(json_object_get(ch, "logprobs"));
+        if (!ok) snprintf(why + strlen(why), sizeof why - strlen(why), " (choice %zu)", c);
+    }
+    json_decref(o);
+    ASSERT_MSG(ok, "completions prompt_logprobs: %s", why);
+
+    /* echo + logprobs 2: 12 prompt items, then 3 generated ones */
+    snprintf(body, sizeof body,
+             "{\"prompt\":[%s],\"max_tokens\":3,\"temperature\":0,\"ignore_eos\":true,"
+             "\"echo\":true,\"logprobs\":2,\"return_tokens_as_token_ids\":true}",
+             list);
+    o = post_ok(g_port, "/v1/completions", body);
+    ASSERT(o);
+    json_t *ch = json_array_get(json_object_get(o, "choices"), 0);
+    json_t *lp = json_object_get(ch, "logprobs"), *toks = json_object_get(lp, "tokens"),
+           *tl = json_object_get(lp, "token_logprobs"), *top = json_object_get(lp, "top_logprobs"),
+           *off = json_object_get(lp, "text_offset");
+    ok = json_array_size(toks) == 15 && json_array_size(tl) == 15 && json_array_size(top) == 15 &&
+         json_array_size(off) == 15 && json_is_null(json_array_get(tl, 0)) &&
+         json_is_null(json_array_get(top, 0)) &&
+         json_array_size(json_object_get(ch, "prompt_logprobs")) == 12;
+    if (!ok) snprintf(why, sizeof why, "echo: %zu tokens, first not null", json_array_size(toks));
+    int64_t at = 0;
+    for (size_t i = 0; ok && i < 15; i++) {
+        const char *t = json_string_value(json_array_get(toks, i));
+        char want[32];
+        snprintf(want, sizeof want, "token_id:%d", i < 12 ? ids[i] : 0);
+        if (!t || json_integer_value(json_array_get(off, i)) != at || (i < 12 && strcmp(t, want)))
+            snprintf(why, sizeof why, "echo token %zu: %s at %lld, want %s at %lld", i, t ? t : "?",
+                     (long long)json_integer_value(json_array_get(off, i)), i < 12 ? want : "-",
+                     (long long)at),
+                ok = false;
+        at += t ? code_points(t) : 0;
+        if (!ok || i == 0 || i >= 12) continue;
+        char key[16];
+        snprintf(key, sizeof key, "%d", ids[i]);
+        double e = json_number_value(
+            json_object_get(json_object_get(json_array_get(ref, i), key), "logprob"));
+        double g = json_number_value(json_array_get(tl, i));
+        json_t *own = json_object_get(json_array_get(top, i), t);
+        if (fabs(g - e) > 1e-6 || !own || json_number_value(own) != g ||
+            json_object_size(json_array_get(top, i)) > 3)
+            snprintf(why, sizeof why, "echo token %zu: logprob %.9g, engine %.9g", i, g, e),
+                ok = false;
+    }
+    json_decref(o);
+    ASSERT_MSG(ok, "%s", why);
+    /* streamed: the first chunk holds the prompt's 12 items and the first token's (ids as
+     * texts: a top token of this prompt is U+0000, which jansson refuses as an object key) */
+    snprintf(body, sizeof body,
+             "{\"prompt\":[%s],\"max_tokens\":3,\"temperature\":0,\"ignore_eos\":true,"
+             "\"echo\":true,\"logprobs\":2,\"stream\":true,\"return_tokens_as_token_ids\":true}",
+             list);
+    json_t *ev[16];
+    bool done = false;
+    int nev = stream_events(g_port, "/v1/completions", body, ev, 16, &done);
+    size_t first =
+        nev > 0
+            ? json_array_size(json_object_get(
+                  json_object_get(json_array_get(json_object_get(ev[0], "choices"), 0), "logprobs"),
+                  "tokens"))
+            : 0;
+    free_events(ev, nev);
+    ASSERT_MSG(done && first == 13, "echo stream: %d events, first chunk %zu tokens", nev, first);
+
+    /* chat: prompt_logprobs at the top of the body, equal to pd-generate --chat's */
+    char gen_out[600];
+    snprintf(gen_out, sizeof gen_out, "%s/chat_plp.jsonl", pdt_tmp_dir());
+    char *argv[] = {(char *)cl_bin("tools/generate/pd-generate"),
+                    "--model",
+                    g_model,
+                    "--chat",
+                    "--prompt",
+                    "Hello there",
+                    "--json",
+                    "--max-tokens",
+                    "2",
+                    "--temperature",
+                    "0",
+                    "--cpu-threads",
+                    "1",
+                    "--prompt-logprobs",
+                    "2",
+                    NULL};
+    ASSERT_EQ_INT(cl_run(argv, gen_out, 120), 0);
+    json_t *g = NULL;
+    FILE *f = fopen(gen_out, "r");
+    static char line[1 << 16];
+    while (f && !g && fgets(line, sizeof line, f))
+        if (line[0] == '{') g = json_loads(line, 0, NULL);
+    if (f) fclose(f);
+    ASSERT_MSG(g, "pd-generate --chat printed no result");
+    json_t *pids = json_object_get(g, "prompt_token_ids");
+    size_t np = json_array_size(pids);
+    int32_t cids[256];
+    for (size_t i = 0; i < np && i < 256; i++)
+        cids[i] = (int32_t)json_integer_value(json_array_get(pids, i));
+    o = post_ok(g_port, "/v1/chat/completions",
+                "{\"messages\":[{\"role\":\"user\",\"content\":\"Hello there\"}],\"max_tokens\":2,"
+                "\"temperature\":0,\"prompt_logprobs\":2}");
+    ok = o && np <= 256 && usage_of(o, "prompt_tokens") == (int64_t)np &&
+         plp_equal(json_object_get(o, "prompt_logprobs"), json_object_get(g, "prompt_logprobs"),
+                   cids, np, 2, why, sizeof why);
+    json_decref(o);
+    json_decref(g);
+    json_decref(ref);
+    ASSERT_MSG(ok, "chat prompt_logprobs (%zu prompt tokens): %s", np, why);
 }

@@ -462,8 +462,8 @@ static json_t *answer_choices(int port, const char *body)
 /* Conditional disaggregation (issue 28 item 3): a scheduler with --max-local-prefill-length 8 on
  * the fixture's cluster has the decode instance prefill prompts of up to 8 tokens itself (the
  * prefill instance's Stats do not move) and sends longer ones through the prefill instance; every
- * answer, greedy and seeded, n = 2 included, equals the fixture scheduler's (always split) to the
- * last logprob. */
+ * answer, greedy and seeded, n = 2 and prompt logprobs included, equals the fixture scheduler's
+ * (always split) to the last logprob. */
 TEST(sched_local_prefill_equals_split)
 {
     FIXTURE();
@@ -480,9 +480,12 @@ TEST(sched_local_prefill_equals_split)
         "\"ignore_eos\":true,\"logprobs\":1}",
         "{\"prompt\":[3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21,22],\"max_tokens\":12,"
         "\"temperature\":0.7,\"seed\":5,\"ignore_eos\":true,\"logprobs\":2}",
+        "{\"prompt\":[5,6,7,8],\"max_tokens\":4,\"temperature\":0,\"ignore_eos\":true,"
+        "\"prompt_logprobs\":2,\"echo\":true,\"logprobs\":1}",
     };
     enum { NB = sizeof bodies / sizeof *bodies };
-    int64_t local_tokens[NB] = {3, 5, 2 * 2, 0}; /* prompt tokens prefilled on decode */
+    /* prompt tokens prefilled on decode (prompt logprobs come from the prefill instance) */
+    int64_t local_tokens[NB] = {3, 5, 2 * 2, 0, 0};
     int bad = 0;
     for (int i = 0; i < NB; i++) {
         Pd__StatsReply *p0 = cl_stats(&g_c, 0), *d0 = cl_stats(&g_c, 1);

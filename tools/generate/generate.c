@@ -3,14 +3,17 @@
  *   pd-generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3 | --prompts-file F) [--chat]
  *               [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S]
  *               [--concurrency N] [--json] [--bench] [--cpu-threads N] [--kv-cache-bytes N]
+ *               [--prompt-logprobs K]
  *               [--cuda-device N [--dtype auto|float32|bfloat16|float16]]
  *
  * Design: a thin driver over the engine (engine.h) — the same scheduler, sampler, detokenizer
  * and stop checker that pd-decode runs, so split and colocated serving agree token for token.
  * Prompts are queued --concurrency at a time (default: all), the engine batches them
  * (continuous batching, chunked prefill) and each prompt's events are collected until its final
- * one. --prompts-file: one prompt per line (empty lines skipped); comma-separated ids per line
- * when the file name ends in ".ids". Without --seed the seed is 0, so runs are reproducible.
+ * one. --prompt-logprobs K (with --json): each prompt's "prompt_logprobs" as the api-server's
+ * body has them, keyed by token id ({"logprob", "rank"}; no decoded_token). --prompts-file: one
+ * prompt per line (empty lines skipped); comma-separated ids per line when the file name ends in
+ * ".ids". Without --seed the seed is 0, so runs are reproducible.
  *
  * The KV pool holds what this run can use at once and no more (the engine's max_kv_tokens): the
  * prompts that can be in flight together (--concurrency, and the engine's max_num_seqs), each
@@ -47,11 +50,12 @@ typedef struct {
     double temperature, top_p;
     int64_t top_k, seed;
     int threads;
-    int cuda_device;        /* --cuda-device N: run on this GPU; -1 = the CPU backend */
-    int cuda_dtype;         /* --dtype on CUDA: -1 = bfloat16 (auto), or a pd_dtype */
-    int64_t concurrency;    /* requests in flight at once; 0 = all */
-    bool no_prefix_cache;   /* --no-enable-prefix-caching */
-    int64_t kv_cache_bytes; /* --kv-cache-bytes: the pool's budget; 0 = the engine's default */
+    int cuda_device;         /* --cuda-device N: run on this GPU; -1 = the CPU backend */
+    int cuda_dtype;          /* --dtype on CUDA: -1 = bfloat16 (auto), or a pd_dtype */
+    int64_t concurrency;     /* requests in flight at once; 0 = all */
+    bool no_prefix_cache;    /* --no-enable-prefix-caching */
+    int64_t kv_cache_bytes;  /* --kv-cache-bytes: the pool's budget; 0 = the engine's default */
+    int64_t prompt_logprobs; /* --prompt-logprobs K: -1 = none */
 } args_t;
 
 typedef struct {
@@ -65,6 +69,7 @@ typedef struct {
     const char *finish; /* "stop" | "length" */
     bool added, done;
     double t_first; /* when its first token came (pd_now_s) */
+    json_t *plp;    /* --prompt-logprobs: [null, {"<id>": {"logprob", "rank"}, ...}, ...] */
 } seq_t;
 
 static void usage(FILE *o)
@@ -75,7 +80,7 @@ static void usage(FILE *o)
             "                   [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] "
             "[--seed S]\n"
             "                   [--concurrency N] [--json] [--bench] [--cpu-threads N]\n"
-            "                   [--tokenizer DIR]\n"
+            "                   [--tokenizer DIR] [--prompt-logprobs K]\n"
             "                   [--[no-]enable-prefix-caching] [--kv-cache-bytes N]\n"
             "                   [--cuda-device N [--dtype auto|float32|bfloat16|float16]]\n"
             "  --kv-cache-bytes N  KV budget (bytes; default: %.0f GiB on the CPU, the GPU's\n"
@@ -89,6 +94,7 @@ static int parse_args(int argc, char **argv, args_t *a)
 {
     memset(a, 0, sizeof *a);
     a->max_tokens = -1;
+    a->prompt_logprobs = -1;
     a->cuda_device = -1;
     a->cuda_dtype = -1;
     for (int i = 1; i < argc; i++) {
@@ -121,6 +127,8 @@ static int parse_args(int argc, char **argv, args_t *a)
                 a->prompts_file = v;
             else if (!strcmp(o, "--max-tokens"))
                 PD_CHECK(pd_arg_i64(o, v, 1, 1 << 24, &a->max_tokens));
+            else if (!strcmp(o, "--prompt-logprobs"))
+                PD_CHECK(pd_arg_i64(o, v, 0, 1 << 20, &a->prompt_logprobs));
             else if (!strcmp(o, "--temperature")) {
                 PD_CHECK(pd_arg_f64(o, v, &a->temperature));
                 a->has_temperature = true;
@@ -297,8 +305,35 @@ static int run_kv_tokens(const seq_t *seqs, size_t n, size_t in_flight, int64_t 
 }
 
 /* Appends an event's new token and text to its sequence. */
+/* The prompt logprobs as the api-server's body lists them: the prompt token first, then the
+ * top ones not already listed. */
+static json_t *plp_json(const int32_t *ids, const pd_prompt_logprobs *p)
+{
+    json_t *arr = json_array();
+    json_array_append_new(arr, json_null());
+    size_t nt = (size_t)p->n_top;
+    for (size_t i = 1; i < p->n_prompt; i++) {
+        json_t *d = json_object();
+        for (size_t j = 0; j <= nt; j++) {
+            int32_t id = j == 0 ? ids[i] : p->top_ids[i * nt + j - 1];
+            if (j > 0 && id == ids[i]) continue;
+            char key[16];
+            snprintf(key, sizeof key, "%d", id);
+            json_object_set_new(
+                d, key,
+                json_pack("{s:f,s:i}", "logprob",
+                          (double)(j == 0 ? p->logprob[i] : p->top_logprobs[i * nt + j - 1]),
+                          "rank", j == 0 ? p->rank[i] : (int)j));
+        }
+        json_array_append_new(arr, d);
+    }
+    return arr;
+}
+
 static int collect(seq_t *s, const pd_engine_event *ev)
 {
+    if (ev->prompt_logprobs && !(s->plp = plp_json(s->ids, ev->prompt_logprobs)))
+        return pd_error(PD_ENOMEM, "out of memory");
     for (size_t k = 0; k < ev->n_tokens && s->n_out < s->max_out; k++)
         s->out[s->n_out++] = ev->token_ids[k];
     if (s->gen_len + ev->text_len + 1 > s->gen_cap) {
@@ -400,6 +435,7 @@ int main(int argc, char **argv)
     if (a.has_top_k) sp.top_k = (int32_t)a.top_k;
     if (a.has_seed) sp.has_seed = true, sp.seed = a.seed;
     if (!sp.has_seed) sp.has_seed = true, sp.seed = 0; /* offline runs are reproducible */
+    sp.prompt_logprobs = (int32_t)a.prompt_logprobs;
     sp.max_tokens = a.max_tokens > 0 ? a.max_tokens : m->generation.has_max_new_tokens ? -1 : 16;
     PD_CHECK_GOTO(pd_sampling_params_validate(&sp, vocab), rc, out);
 
@@ -497,6 +533,7 @@ int main(int argc, char **argv)
             json_object_set_new(o, "token_ids", oi);
             json_object_set_new(o, "text", json_stringn(s->gen ? s->gen : "", s->gen_len));
             json_object_set_new(o, "finish_reason", json_string(s->finish));
+            if (s->plp) json_object_set(o, "prompt_logprobs", s->plp);
             char *js = json_dumps(o, JSON_COMPACT | JSON_ENSURE_ASCII);
             json_decref(o);
             if (!js) {
@@ -531,6 +568,7 @@ out:
         free(seqs[i].ids);
         free(seqs[i].out);
         free(seqs[i].gen);
+        json_decref(seqs[i].plp);
     }
     free(seqs);
     for (size_t i = 0; i < n_lines; i++) free(lines[i]);

@@ -4,10 +4,12 @@
  * strings, the engine thread, and parameter errors with vLLM's wording. */
 #include "harness.h"
 
+#include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <unistd.h>
 
+#include "backend/forward.h"
 #include "engine/engine.h"
 #include "engine/kvpool.h"
 #include "model/model.h"
@@ -911,6 +913,183 @@ TEST(engine_stop_string_stop_id_length_logprobs_and_seedless)
     ASSERT_OK(run_alone(&p, &r, 1, a));
     ASSERT_OK(run_alone(&p, &r, 1, b));
     ASSERT(same_tokens(&a[2], &b[2], 1));
+}
+
+/* ---- prompt logprobs ------------------------------------------------------------------------ */
+
+/* The reference: the prompt's logits row by row from a forward pass of its own (one chunk,
+ * every row out) on a CPU backend, and their log_softmax in double. */
+static int ref_prompt_logits(const int32_t *ids, size_t n, float **logits, size_t *vocab)
+{
+    pd_backend_params bp = pd_backend_default_params();
+    bp.n_threads = 2;
+    pd_backend *b = NULL;
+    pd_forward *f = NULL;
+    pd_kv *kv = NULL;
+    PD_CHECK(pd_backend_cpu_create(&bp, &b));
+    pd_forward_params fp = pd_forward_default_params();
+    fp.max_tokens = n;
+    fp.max_out = n;
+    int rc = pd_forward_create(b, g_model, &fp, &f);
+    size_t nb = (n + 15) / 16;
+    pd_kv_params kp = rc < 0 ? (pd_kv_params){0} : pd_forward_kv_params(f, nb, 16);
+    if (rc >= 0) rc = pd_backend_get_ops(b)->kv_create(b, &kp, &kv);
+    int32_t q[2] = {0, (int32_t)n}, kvlen = (int32_t)n, bi[2] = {0, (int32_t)nb}, blocks[64],
+            rows[256];
+    for (size_t i = 0; i < nb; i++) blocks[i] = (int32_t)i;
+    for (size_t i = 0; i < n; i++) rows[i] = (int32_t)i;
+    pd_step st = {.n_seqs = 1,
+                  .token_ids = ids,
+                  .q_indptr = q,
+                  .kv_len = &kvlen,
+                  .block_indptr = bi,
+                  .block_ids = blocks,
+                  .n_out = n,
+                  .out_rows = rows};
+    if (rc >= 0) *vocab = pd_forward_vocab(f);
+    if (rc >= 0 && !(*logits = malloc(n * *vocab * sizeof(float)))) rc = PD_ENOMEM;
+    if (rc >= 0) rc = pd_forward_run(f, kv, &st, *logits);
+    if (kv) pd_backend_get_ops(b)->kv_free(b, kv);
+    pd_forward_free(f);
+    pd_backend_free(b);
+    return rc;
+}
+
+/* Checks plp (k top entries) against log_softmax of the reference rows: position i's values
+ * come from row i - 1. */
+static int check_prompt_logprobs(const pd_prompt_logprobs *plp, const int32_t *ids, size_t n,
+                                 const float *ref, size_t V, int32_t k)
+{
+    if (!plp || plp->n_prompt != n || plp->n_top != k)
+        return pd_error(PD_EINTERNAL, "prompt logprobs missing or of the wrong size");
+    for (size_t i = 1; i < n; i++) {
+        const float *row = ref + (i - 1) * V;
+        double mx = row[0], sum = 0.0;
+        for (size_t v = 1; v < V; v++) mx = row[v] > mx ? row[v] : mx;
+        for (size_t v = 0; v < V; v++) sum += exp((double)row[v] - mx);
+        double lse = mx + log(sum);
+        int32_t rank = 0;
+        for (size_t v = 0; v < V; v++) rank += row[v] >= row[ids[i]];
+        if (fabs(plp->logprob[i] - ((double)row[ids[i]] - lse)) > 1e-4 || plp->rank[i] != rank)
+            return pd_error(PD_EINTERNAL, "position %zu: logprob %g rank %d, reference %g rank %d",
+                            i, plp->logprob[i], plp->rank[i], (double)row[ids[i]] - lse, rank);
+        bool used[4096] = {false};
+        for (int32_t j = 0; j < k; j++) { /* the j-th largest logit, lower id on ties */
+            size_t best = V;
+            for (size_t v = 0; v < V; v++)
+                if (!used[v] && (best == V || row[v] > row[best])) best = v;
+            used[best] = true;
+            int32_t id = plp->top_ids[i * (size_t)k + (size_t)j];
+            double lp = plp->top_logprobs[i * (size_t)k + (size_t)j];
+            if (id != (int32_t)best || fabs(lp - ((double)row[best] - lse)) > 1e-4)
+                return pd_error(PD_EINTERNAL, "position %zu top %d: id %d (%g), reference %zu (%g)",
+                                i, j, id, lp, best, (double)row[best] - lse);
+        }
+    }
+    return PD_OK;
+}
+
+/* Runs r on e to the end; *plp receives a copy of the prompt logprobs its events carried (NULL
+ * when none), *n_plp how many events carried them, *cached the first event's cached tokens. */
+static int run_plp(pd_engine *e, const treq *r, pd_engine_phase phase, pd_prompt_logprobs **plp,
+                   int *n_plp, size_t *cached)
+{
+    *plp = NULL;
+    *n_plp = 0;
+    PD_CHECK(add_req(e, r, phase));
+    for (int it = 0; it < 10000 && pd_engine_has_work(e); it++) {
+        bool did;
+        PD_CHECK(pd_engine_step(e, &did));
+        const pd_engine_event *ev;
+        while (pd_engine_next_event(e, &ev)) {
+            if (ev->status < 0) return pd_error(ev->status, "%s", ev->error);
+            if (ev->n_tokens && ev->completion_tokens == 1 && ev->seq_index == 0)
+                *cached = ev->cached_tokens;
+            const pd_prompt_logprobs *p = ev->prompt_logprobs;
+            if (p && ++*n_plp == 1) {
+                size_t nt = (size_t)p->n_top, bytes = p->n_prompt * (1 + nt) * 8;
+                pd_prompt_logprobs *c = malloc(sizeof *c + bytes);
+                *c = *p;
+                c->logprob = (float *)(c + 1);
+                c->rank = (int32_t *)(c->logprob + p->n_prompt);
+                c->top_ids = c->rank + p->n_prompt;
+                c->top_logprobs = (float *)(c->top_ids + p->n_prompt * nt);
+                memcpy(c->logprob, p->logprob, p->n_prompt * sizeof(float));
+                memcpy(c->rank, p->rank, p->n_prompt * sizeof(int32_t));
+                memcpy(c->top_ids, p->top_ids, p->n_prompt * nt * sizeof(int32_t));
+                memcpy(c->top_logprobs, p->top_logprobs, p->n_prompt * nt * sizeof(float));
+                *plp = c;
+            }
+            pd_engine_event_done(e);
+        }
+    }
+    if (phase == PD_PHASE_PREFILL_ONLY) PD_CHECK(pd_engine_release(e, r->id));
+    return PD_OK;
+}
+
+/* prompt_logprobs equal log_softmax of the model's logits for every prompt row, with chunked
+ * prefill and a small per-step row budget, without the prefix cache (its cached blocks would have
+ * no logits), for n = 2 (choice 0's first event carries them) and on the prefill-only path
+ * (the same bits as the colocated run). */
+TEST(engine_prompt_logprobs_equal_reference)
+{
+    ASSERT_OK(tiny());
+    static treq r;
+    make_req(&r, 0, pd_tok_vocab_size(g_tok));
+    r.n_prompt = 70; /* 4 full blocks + 6: the first run caches them */
+    for (size_t i = 0; i < r.n_prompt; i++) r.prompt[i] = (int32_t)(3 + (i * 37) % 200);
+    r.sp.max_tokens = 3;
+    float *ref = NULL;
+    size_t V = 0;
+    ASSERT_OK(ref_prompt_logits(r.prompt, r.n_prompt, &ref, &V));
+    ASSERT(V <= 4096);
+    pd_engine_params p = base_params();
+    p.enable_prefix_caching = true;
+    p.max_prefill_chunk = 9;
+    p.prompt_logprob_rows = 4; /* 70 rows take many steps */
+    pd_engine *e;
+    ASSERT_OK(pd_engine_create(&p, &e));
+    pd_prompt_logprobs *plp = NULL, *held = NULL;
+    int n_plp = 0;
+    size_t cached = 99;
+    pd_engine_stats st;
+    ASSERT_OK(run_plp(e, &r, PD_PHASE_FULL, &plp, &n_plp, &cached)); /* caches the prompt */
+    ASSERT(plp == NULL && n_plp == 0);
+    snprintf(r.id, sizeof r.id, "req-1");
+    r.sp.prompt_logprobs = 5;
+    r.sp.n = 2;
+    ASSERT_OK(run_plp(e, &r, PD_PHASE_FULL, &plp, &n_plp, &cached));
+    ASSERT_EQ_INT(n_plp, 1);
+    pd_engine_get_stats(e, &st);
+    ASSERT_EQ_INT(st.prefix_cache_hits, 0); /* the cached prefix was not taken */
+    ASSERT_OK(check_prompt_logprobs(plp, r.prompt, r.n_prompt, ref, V, 5));
+    /* without prompt logprobs the same prompt takes the cache */
+    snprintf(r.id, sizeof r.id, "req-2");
+    r.sp.prompt_logprobs = -1;
+    r.sp.n = 1;
+    pd_prompt_logprobs *none = NULL;
+    ASSERT_OK(run_plp(e, &r, PD_PHASE_FULL, &none, &n_plp, &cached));
+    pd_engine_get_stats(e, &st);
+    ASSERT_EQ_INT(st.prefix_cache_hits, 64);
+    ASSERT(none == NULL);
+    /* prefill-only (the split path): the hand-over event carries the same values */
+    snprintf(r.id, sizeof r.id, "req-3");
+    r.sp.prompt_logprobs = 5;
+    ASSERT_OK(run_plp(e, &r, PD_PHASE_PREFILL_ONLY, &held, &n_plp, &cached));
+    ASSERT_EQ_INT(n_plp, 1);
+    ASSERT_EQ_INT(cached, 0);
+    ASSERT(held != NULL);
+    ASSERT(memcmp(held->logprob + 1, plp->logprob + 1, (r.n_prompt - 1) * sizeof(float)) == 0);
+    ASSERT(memcmp(held->top_ids, plp->top_ids, r.n_prompt * 5 * sizeof(int32_t)) == 0);
+    /* above --max-logprobs: vLLM's words */
+    r.sp.prompt_logprobs = 21;
+    snprintf(r.id, sizeof r.id, "req-4");
+    ASSERT_ERR(add_req(e, &r, PD_PHASE_FULL), PD_EINVAL,
+               "Requested prompt logprobs of 21, which is greater than max allowed: 20");
+    pd_engine_free(e);
+    free(plp);
+    free(held);
+    free(ref);
 }
 
 /* ---- the engine thread -------------------------------------------------------------------- */

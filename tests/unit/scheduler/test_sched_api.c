@@ -118,10 +118,21 @@ TEST(api_bad_requests_exact_messages)
          "`logprobs` must be a positive value."},
         {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"logprobs\":21}", 400,
          "Requested sample logprobs of 21, which is greater than max allowed: 20"},
-        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"logprobs\":1,\"echo\":true}", 400,
-         "`echo` together with `logprobs` is not supported."},
-        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"prompt_logprobs\":1}", 400,
-         "`prompt_logprobs` is not supported."},
+        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"prompt_logprobs\":-1}", 400,
+         "`prompt_logprobs` must be a positive value."},
+        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"prompt_logprobs\":21}", 400,
+         "Requested prompt logprobs of 21, which is greater than max allowed: 20"},
+        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"prompt_logprobs\":1,\"stream\":true}", 400,
+         "`prompt_logprobs` are not available when `stream=True`."},
+        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"prompt_logprobs\":\"1\"}", 400,
+         "The field `prompt_logprobs` must be an integer."},
+        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"logprobs\":1,\"echo\":true,\"max_tokens\":0}",
+         400,
+         "`max_tokens` 0 (the prompt only) is not supported together with prompt logprobs "
+         "(`prompt_logprobs`, or `echo` with `logprobs`)."},
+        {PD_API_CHAT,
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"prompt_logprobs\":30}", 400,
+         "Requested prompt logprobs of 30, which is greater than max allowed: 20"},
         {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"guided_json\":{},\"guided_regex\":\"x\"}", 400,
          "`guided_json` is not supported."},
         {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"response_format\":{\"type\":\"json_object\"}}",
@@ -255,6 +266,31 @@ TEST(api_completions_tokenization_and_limits)
     size_t n_sp = 0, n_plain = 0;
     ASSERT_OK(pd_tok_encode(g_tok, "Hello <|eot_id|>", 16, true, &ids_sp, &n_sp));
     ASSERT_OK(pd_tok_encode(g_tok, "Hello <|eot_id|>", 16, false, &ids_plain, &n_plain));
+    /* prompt logprobs: asked of the prefill as given; echo with logprobs asks for the same k
+     * (vLLM), an explicit prompt_logprobs wins; none by default */
+    ASSERT_OK(
+        parse(&l, PD_API_COMPLETIONS, "{\"prompt\":\"a b\",\"prompt_logprobs\":3}", a, &r, &http));
+    ASSERT_EQ_INT(r.sp.prompt_logprobs, 3);
+    ASSERT_EQ_INT(r.sp.logprobs, -1);
+    ASSERT_OK(parse(&l, PD_API_COMPLETIONS, "{\"prompt\":\"a b\",\"echo\":true,\"logprobs\":2}", a,
+                    &r, &http));
+    ASSERT_EQ_INT(r.sp.prompt_logprobs, 2);
+    ASSERT_EQ_INT(r.sp.logprobs, 2);
+    ASSERT_OK(parse(&l, PD_API_COMPLETIONS,
+                    "{\"prompt\":\"a b\",\"echo\":true,\"logprobs\":2,\"prompt_logprobs\":0}", a,
+                    &r, &http));
+    ASSERT_EQ_INT(r.sp.prompt_logprobs, 0);
+    ASSERT_OK(parse(&l, PD_API_COMPLETIONS,
+                    "{\"prompt\":\"a b\",\"stream\":true,"
+                    "\"prompt_logprobs\":0}",
+                    a, &r, &http));
+    ASSERT_EQ_INT(r.sp.prompt_logprobs, 0);
+    ASSERT_OK(parse(&l, PD_API_CHAT,
+                    "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"prompt_logprobs\":4}",
+                    a, &r, &http));
+    ASSERT_EQ_INT(r.sp.prompt_logprobs, 4);
+    ASSERT_OK(parse(&l, PD_API_COMPLETIONS, "{\"prompt\":\"a b\"}", a, &r, &http));
+    ASSERT_EQ_INT(r.sp.prompt_logprobs, -1);
     int rc = parse(&l, PD_API_COMPLETIONS, "{\"prompt\":\"Hello <|eot_id|>\",\"model\":\"alias\"}",
                    a, &r, &http);
     bool same = rc == 0 && r.prompts[0].n_ids == n_sp &&
