@@ -677,11 +677,16 @@ static int parse_chat(const pd_api_limits *lim, const json_t *o, pd_arena *a,
             choice = "named";
         }
     }
-    if (strcmp(choice, "auto") == 0)
+    if (strcmp(choice, "auto") == 0 && !lim->auto_tools)
         return bad("\"auto\" tool choice requires --enable-auto-tool-choice and --tool-call-parser "
                    "to be set");
-    if (named || strcmp(choice, "required") == 0)
-        return bad("`tool_choice` \"required\" and named tool choices are not supported.");
+    if (named || strcmp(choice, "required") == 0) /* vLLM constrains these with a JSON schema */
+        return bad("`tool_choice` %s needs structured output, which pdserve does not have yet; "
+                   "use `tool_choice` \"auto\" (with --enable-auto-tool-choice) or \"none\".",
+                   named ? "with a named function" : "\"required\"");
+    r->parse_tools = strcmp(choice, "auto") == 0;
+    /* mistral's [TOOL_CALLS] is a special token: vLLM's adjust_request keeps it in the text */
+    if (r->parse_tools && lim->tool_parser == PD_TOOL_MISTRAL) r->sp.skip_special_tokens = false;
     if (c->chat_template && !lim->trust_request_template)
         return bad("Chat template is passed with request, but --trust-request-chat-template is not "
                    "set. Refused request with untrusted chat template.");

@@ -20,6 +20,7 @@
 #include "engine/sampler.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
+#include "tokenizer/tool_parser.h"
 #include "util/arena.h"
 
 /* COMPLETIONS: /v1/completions; CHAT: /v1/chat/completions; GENERATE: legacy /generate (§14);
@@ -50,6 +51,8 @@ typedef struct {
     const json_t *chat_config_vars; /* pd_chat_config_vars of tokenizer_config.json, or NULL */
     bool trust_request_template;    /* --trust-request-chat-template */
     const json_t *default_kwargs;   /* --default-chat-template-kwargs object, or NULL */
+    bool auto_tools;                /* --enable-auto-tool-choice (with a parser) */
+    pd_tool_kind tool_parser;       /* --tool-call-parser, when auto_tools */
 } pd_api_limits;
 
 /* One prompt after tokenization. */
@@ -77,6 +80,8 @@ typedef struct {
      * completions echo with logprobs, as vLLM): the body's "prompt_logprobs" are not null */
     const char *role;      /* chat: the response role */
     const char *echo_text; /* chat echo: the last message's content, or NULL */
+    bool parse_tools;      /* chat: tool_choice auto with --enable-auto-tool-choice: the
+                              generated text goes through the tool parser */
     size_t n_prompts;
     pd_api_prompt *prompts; /* (n_prompts,) */
 } pd_api_request;

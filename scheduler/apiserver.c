@@ -117,6 +117,20 @@ static int load_model(pd_apiserver *s)
     l->chat_config_vars = s->chat_vars;
     l->trust_request_template = p->trust_request_chat_template;
     l->default_kwargs = s->default_kwargs;
+    /* vLLM's start-up checks of auto tool choice */
+    if (p->enable_auto_tool_choice && !p->tool_call_parser)
+        return pd_error(PD_EINVAL, "--enable-auto-tool-choice requires --tool-call-parser "
+                                   "(hermes, llama3_json or mistral)");
+    if (p->tool_call_parser) {
+        PD_CHECK(pd_tool_kind_from_name(p->tool_call_parser, &l->tool_parser));
+        const char *need = pd_tool_required_token(l->tool_parser);
+        if (need && pd_tok_token_to_id(s->tok, need, strlen(need)) < 0)
+            return pd_error(PD_EINVAL,
+                            "--tool-call-parser %s: the tokenizer of %s has no %s token, which "
+                            "this parser looks for",
+                            p->tool_call_parser, tok_dir, need);
+        l->auto_tools = p->enable_auto_tool_choice;
+    }
     if (!p->generation_config_vllm)
         PD_INFO(NULL,
                 "generation config defaults: temperature %g top_p %g top_k %d min_p %g "

@@ -48,6 +48,8 @@ typedef struct {
     bool generation_config_vllm;              /* --generation-config vllm (default auto) */
     const char *response_role;                /* --response-role, default "assistant" */
     int max_logprobs;                         /* --max-logprobs, default 20 */
+    bool enable_auto_tool_choice;             /* --enable-auto-tool-choice */
+    const char *tool_call_parser;             /* --tool-call-parser NAME, or NULL */
     const char *log_level;                    /* --log-level (else PD_LOG_LEVEL), or NULL */
     bool use_openai;                          /* USE_OPENAI, default true */
     const char *global_ranktable;             /* GLOBAL_RANK_TABLE_FILE_PATH (required) */

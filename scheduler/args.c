@@ -9,6 +9,16 @@
 #include "util/flags.h"
 #include "util/status.h"
 
+/* --tool-parser-plugin loads Python code into vLLM's server: there is none to load here. */
+static int refuse_plugin(void *params, const char *flag, const char *value)
+{
+    (void)params;
+    return pd_error(PD_EINVAL,
+                    "%s %s: pdserve cannot load vLLM's Python tool parser plugins; its parsers "
+                    "are built in (--tool-call-parser hermes, llama3_json or mistral)",
+                    flag, value);
+}
+
 #define B(flag, type, field) PD_BIND(pd_apiserver_params, flag, type, field)
 static const pd_flag_bind BINDS[] = {
     {.name = "--model",
@@ -61,6 +71,12 @@ static const pd_flag_bind BINDS[] = {
     B("--generation-config", PD_BIND_BOOL, generation_config_vllm),
     B("--response-role", PD_BIND_STR, response_role),
     B("--max-logprobs", PD_BIND_INT, max_logprobs),
+    B("--enable-auto-tool-choice", PD_BIND_BOOL, enable_auto_tool_choice),
+    {.name = "--tool-call-parser",
+     .type = PD_BIND_STR,
+     .off = offsetof(pd_apiserver_params, tool_call_parser),
+     .dflt = "none"},
+    {.name = "--tool-parser-plugin", .type = PD_BIND_FUNC, .fn = refuse_plugin},
     B("--log-level", PD_BIND_STR, log_level),
     B("--heartbeat-ms", PD_BIND_INT, heartbeat_ms),
     B("--shutdown-timeout", PD_BIND_F64, shutdown_timeout_s),

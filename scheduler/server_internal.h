@@ -148,6 +148,8 @@ typedef struct choice {
                         * tokens, top_logprobs items; chat: lp[0] holds the content items */
     bool first_sent;   /* streaming: this choice's first chunk went out */
     bool echo_lp_done; /* completions echo + logprobs: the prompt's items were listed */
+    /* streaming with tool parsing (pd_api_request.parse_tools): its parser, or NULL */
+    pd_tool_stream *tools;
     int64_t last_tok_ns;
     int32_t *gen; /* the generated ids (malloc'd; NULL after a failed growth), for note_decode */
     size_t n_gen, cap_gen;

@@ -59,6 +59,7 @@ void srv_sreq_free(sreq *r)
         free(c->block_ids);
         free(c->gen);
         if (c->plp) pd__prompt_logprobs__free_unpacked(c->plp, NULL);
+        pd_tool_stream_free(c->tools);
     }
     pd_sb_free(&r->out);
     pd_sb_free(&r->ev);
@@ -631,6 +632,12 @@ void srv_dispatch(sreq *r)
             snprintf(c->sub_id, sizeof c->sub_id, "%s", r->id);
         else
             snprintf(c->sub_id, sizeof c->sub_id, "%s-%d", r->id, i);
+        /* each choice's text goes through its own tool parser (a non-streamed one at the end) */
+        if (r->req.stream && r->req.parse_tools &&
+            !(c->tools = pd_tool_stream_create(r->lim.tool_parser, srv_next_rand(s)))) {
+            srv_reject(r, 500, "out of memory", NULL);
+            return;
+        }
     }
     /* completions max_tokens 0 with echo: the prompt only, nothing generated */
     if (r->req.max_tokens == 0) {

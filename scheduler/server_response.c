@@ -270,6 +270,40 @@ void srv_lp_object(pd_sb *b, bool chat, pd_sb items[4])
     pd_sb_str(b, "}");
 }
 
+/* The finish reason of a finished choice: "tool_calls" once its tool parser streamed a call
+ * (vLLM's, whatever stopped the generation). */
+static const char *finish_reason(const choice *c)
+{
+    return c->tools && pd_tool_stream_called(c->tools) ? "tool_calls" : c->finish;
+}
+
+/* A delta's "tool_calls" array, in the key order of vLLM's DeltaToolCall (id, type, index,
+ * function {name, arguments}; what a delta does not set left out). */
+static void tool_deltas(pd_sb *b, const pd_tool_delta *d)
+{
+    pd_sb_str(b, "\"tool_calls\":[");
+    for (size_t i = 0; i < d->n_calls; i++) {
+        const pd_tool_delta_call *t = &d->calls[i];
+        pd_sb_str(b, i ? ",{" : "{");
+        if (t->first) {
+            pd_sb_str(b, "\"id\":");
+            pd_sb_json_str(b, t->id, strlen(t->id));
+            pd_sb_str(b, ",\"type\":\"function\",");
+        }
+        pd_sb_printf(b, "\"index\":%d,\"function\":{", t->index);
+        if (t->first) {
+            pd_sb_str(b, "\"name\":");
+            pd_sb_json_str(b, t->name, strlen(t->name));
+        }
+        if (t->args_len) {
+            pd_sb_str(b, t->first ? ",\"arguments\":" : "\"arguments\":");
+            pd_sb_json_str(b, t->args, t->args_len);
+        }
+        pd_sb_str(b, "}}");
+    }
+    pd_sb_str(b, "]");
+}
+
 /* ,"logprobs":...,"finish_reason":... of a chunk's choice. A non-final chat chunk has no
  * stop_reason key; a non-final completions chunk has "stop_reason":null (§11.2, §11.3). */
 static void choice_tail(pd_sb *sb, const choice *c, const pd_sb *lp, bool final,
@@ -282,7 +316,7 @@ static void choice_tail(pd_sb *sb, const choice *c, const pd_sb *lp, bool final,
         pd_sb_str(sb, "null");
     pd_sb_str(sb, ",\"finish_reason\":");
     if (final) {
-        pd_sb_printf(sb, "\"%s\",\"stop_reason\":", c->finish);
+        pd_sb_printf(sb, "\"%s\",\"stop_reason\":", finish_reason(c));
         stop_reason_json(sb, c);
     } else {
         pd_sb_str(sb, null_stop_reason ? "null,\"stop_reason\":null" : "null");
@@ -292,12 +326,33 @@ static void choice_tail(pd_sb *sb, const choice *c, const pd_sb *lp, bool final,
 void srv_token_chunk(sreq *r, choice *c, const char *text, size_t len, bool final, const pd_sb *lp)
 {
     bool chat = r->req.kind == PD_API_CHAT;
+    pd_tool_delta td = {0};
+    if (c->tools) {
+        if (pd_tool_stream_feed(c->tools, text, len, final, &td) < 0) {
+            srv_request_fail(r, 500, "out of memory parsing tool calls");
+            return;
+        }
+        if (!final && !td.content && !td.n_calls) return; /* vLLM sends no chunk for it */
+    }
     chunk_head(r);
     pd_sb_printf(&r->ev, "{\"index\":%d,", c->index);
-    if (chat) {
+    if (chat && c->tools) {
+        pd_sb_str(&r->ev, "\"delta\":{");
+        if (td.content) {
+            pd_sb_str(&r->ev, "\"content\":");
+            pd_sb_json_str(&r->ev, td.content, td.content_len);
+        }
+        if (td.n_calls) {
+            if (td.content) pd_sb_str(&r->ev, ",");
+            tool_deltas(&r->ev, &td);
+        }
+        pd_sb_str(&r->ev, "}");
+    } else if (chat) {
         pd_sb_str(&r->ev, "\"delta\":{\"content\":");
         pd_sb_json_str(&r->ev, text, len);
         pd_sb_str(&r->ev, "}");
+    }
+    if (chat) {
         choice_tail(&r->ev, c, lp, final, false);
         pd_sb_str(&r->ev, "}]");
         if (r->req.continuous_usage) {
@@ -419,23 +474,46 @@ void srv_respond_full(sreq *r)
         comp += c->completion_tokens;
         pd_sb_printf(b, "%s{\"index\":%d,", i ? "," : "", c->index);
         if (chat) {
+            pd_tool_calls tc = {0};
+            if (r->req.parse_tools &&
+                pd_tool_extract(r->lim.tool_parser, c->text.p ? c->text.p : "", c->text.len,
+                                srv_next_rand(s), &tc) < 0) {
+                srv_respond_error(r, 500, "out of memory parsing tool calls", NULL);
+                return;
+            }
+            const char *text = r->req.parse_tools ? tc.content : c->text.p ? c->text.p : "";
+            size_t text_len = r->req.parse_tools ? tc.content_len : c->text.len;
             pd_sb_str(b, "\"message\":{\"role\":");
             pd_sb_json_str(b, r->req.role, strlen(r->req.role));
             pd_sb_str(b, ",\"content\":");
             pd_sb tmp = {0};
             if (r->req.echo_text) pd_sb_str(&tmp, r->req.echo_text);
-            pd_sb_add(&tmp, c->text.p ? c->text.p : "", c->text.len);
-            pd_sb_json_str(b, tmp.p ? tmp.p : "", tmp.len);
+            if (text) pd_sb_add(&tmp, text, text_len);
+            if (text || r->req.echo_text)
+                pd_sb_json_str(b, tmp.p ? tmp.p : "", tmp.len);
+            else
+                pd_sb_str(b, "null"); /* all of it was tool calls */
             pd_sb_free(&tmp);
             pd_sb_str(b, ",\"refusal\":null,\"annotations\":null,\"audio\":null,"
-                         "\"function_call\":null,\"tool_calls\":[],\"reasoning_content\":null},"
-                         "\"logprobs\":");
+                         "\"function_call\":null,\"tool_calls\":[");
+            for (size_t k = 0; k < tc.n; k++) {
+                pd_sb_str(b, k ? ",{\"id\":" : "{\"id\":");
+                pd_sb_json_str(b, tc.calls[k].id, strlen(tc.calls[k].id));
+                pd_sb_str(b, ",\"type\":\"function\",\"function\":{\"name\":");
+                pd_sb_json_str(b, tc.calls[k].name, strlen(tc.calls[k].name));
+                pd_sb_str(b, ",\"arguments\":");
+                pd_sb_json_str(b, tc.calls[k].arguments, strlen(tc.calls[k].arguments));
+                pd_sb_str(b, "}}");
+            }
+            const char *finish = tc.n ? "tool_calls" : c->finish;
+            pd_tool_calls_free(&tc);
+            pd_sb_str(b, "],\"reasoning_content\":null},\"logprobs\":");
             if (r->req.sp.logprobs >= 0)
                 srv_lp_object(b, true, c->lp);
             else
                 pd_sb_str(b, "null");
             pd_sb_str(b, ",");
-            pd_sb_printf(b, "\"finish_reason\":\"%s\",\"stop_reason\":", c->finish);
+            pd_sb_printf(b, "\"finish_reason\":\"%s\",\"stop_reason\":", finish);
             stop_reason_json(b, c);
             pd_sb_str(b, "}");
         } else {

@@ -121,6 +121,17 @@ static const flag_def TABLE[] = {
      .help = "largest logprobs / top_logprobs a request may ask for"},
     {"--heartbeat-ms", PD_FLAG_INT, PD_ROLE_SCHEDULER, "N", 10, 3600000,
      .help = "instance heartbeat period and deadline"},
+    {"--enable-auto-tool-choice", PD_FLAG_SWITCH, PD_ROLE_SCHEDULER,
+     .help = "chat requests with tools and tool_choice auto: tool calls parsed out of the "
+             "generated text into tool_calls (needs --tool-call-parser)"},
+    {"--tool-call-parser", PD_FLAG_CHOICE, PD_ROLE_SCHEDULER, NULL,
+     .choices = CHOICES("hermes", "llama3_json", "mistral"),
+     .why = "the vLLM tool parsers pdserve implements",
+     .help = "how tool calls are written in the generated text: hermes (<tool_call> tags: "
+             "Qwen2.5, Hermes), llama3_json (JSON objects: Llama 3.x), mistral ([TOOL_CALLS]: "
+             "Mistral v0.3)"},
+    {"--tool-parser-plugin", PD_FLAG_STRING, PD_ROLE_SCHEDULER, "FILE",
+     .help = "vLLM's Python parser plugins: refused, pdserve's parsers are built in"},
     /* environment only */
     {NULL, PD_FLAG_STRING, PD_ROLE_ALL, .env = "GLOBAL_RANK_TABLE_FILE_PATH",
      .help = "the global ranktable (required)"},

@@ -333,11 +333,10 @@ TEST(sched_legacy_generate)
     resp_free(&r);
 }
 
-/* The official OpenAI Node SDK against pd-scheduler (skipped when the SDK is not cached:
- * tests/npm_cache.sh openai@4). */
-TEST(sched_openai_node_sdk)
+/* The npm cache directory holding the OpenAI SDK (abs: PATH_MAX bytes), or NULL when it is not
+ * cached (tests/npm_cache.sh openai@4). */
+static const char *sdk_cache(char *abs)
 {
-    FIXTURE();
     const char *cache = getenv("PD_NPM_CACHE");
     const char *root = getenv("PD_SOURCE_ROOT");
     char cdir[700], pkg[800];
@@ -346,21 +345,95 @@ TEST(sched_openai_node_sdk)
     else
         snprintf(cdir, sizeof cdir, "%s/.cache/npm", root ? root : ".");
     snprintf(pkg, sizeof pkg, "%s/node_modules/openai/package.json", cdir);
-    if (access(pkg, R_OK) != 0)
-        SKIP("openai SDK not in the npm cache (tests/npm_cache.sh openai@4)");
-    char script[800], url[64], out[800], cenv[PATH_MAX + 32];
-    snprintf(script, sizeof script, "%s/scheduler/openai_sdk.mjs", pdt_data_dir());
-    snprintf(url, sizeof url, "http://127.0.0.1:%d/v1", g_port);
-    snprintf(out, sizeof out, "%s/openai_sdk.out", g_c.dir);
-    char abs[PATH_MAX];
-    snprintf(cenv, sizeof cenv, "PD_NPM_CACHE=%s", realpath(cdir, abs) ? abs : cdir);
-    char *argv[] = {"/usr/bin/node", script, url, "tiny", NULL};
+    if (access(pkg, R_OK) != 0) return NULL;
+    if (!realpath(cdir, abs)) snprintf(abs, PATH_MAX, "%s", cdir);
+    return abs;
+}
+
+/* Runs tests/data/scheduler/<script> with node and args; its exit status (0: all it checks held;
+ * its output in <cluster dir>/<script>.out, the tail printed when it failed). */
+static int run_sdk_script(const char *cache, const char *script, char *const args[])
+{
+    char path[800], out[800], cenv[PATH_MAX + 32];
+    snprintf(path, sizeof path, "%s/scheduler/%s", pdt_data_dir(), script);
+    snprintf(out, sizeof out, "%s/%s.out", g_c.dir, script);
+    snprintf(cenv, sizeof cenv, "PD_NPM_CACHE=%s", cache);
+    char *argv[8] = {"/usr/bin/node", path};
+    for (int i = 0; args[i] && i < 5; i++) argv[2 + i] = args[i];
     char *env[] = {cenv, NULL};
     cl_proc p;
-    ASSERT(cl_spawn(&p, "node", argv, env, out) == 0);
+    if (cl_spawn(&p, "node", argv, env, out) != 0) return -1;
     int st = cl_wait(&p, 60000);
     if (st != 0) cl_dump_log(&p, 20);
+    return st;
+}
+
+/* The official OpenAI Node SDK against pd-scheduler (skipped when the SDK is not cached). */
+TEST(sched_openai_node_sdk)
+{
+    FIXTURE();
+    char abs[PATH_MAX], url[64];
+    const char *cache = sdk_cache(abs);
+    if (!cache) SKIP("openai SDK not in the npm cache (tests/npm_cache.sh openai@4)");
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/v1", g_port);
+    char *args[] = {url, "tiny", NULL};
+    ASSERT_EQ_INT(run_sdk_script(cache, "openai_sdk.mjs", args), 0);
+}
+
+/* The SDK's tools flow (openai_sdk_tools.mjs says what it checks) on a scheduler started with
+ * --enable-auto-tool-choice --tool-call-parser hermes next to the fixture's, which has neither
+ * and refuses tool_choice auto with vLLM's message. */
+TEST(sched_openai_node_sdk_tools)
+{
+    FIXTURE();
+    char abs[PATH_MAX], with[64], without[64];
+    const char *cache = sdk_cache(abs);
+    if (!cache) SKIP("openai SDK not in the npm cache (tests/npm_cache.sh openai@4)");
+    char *flags[] = {"--enable-auto-tool-choice", "--tool-call-parser", "hermes", NULL};
+    cl_proc sp;
+    int port = 0;
+    ASSERT_OK(start_scheduler(&sp, &port, "scheduler_tools", flags, "1"));
+    snprintf(with, sizeof with, "http://127.0.0.1:%d/v1", port);
+    snprintf(without, sizeof without, "http://127.0.0.1:%d/v1", g_port);
+    char *args[] = {with, without, "tiny", NULL};
+    int st = run_sdk_script(cache, "openai_sdk_tools.mjs", args);
+    int stopped = cl_stop(&sp, 10000);
     ASSERT_EQ_INT(st, 0);
+    ASSERT_EQ_INT(stopped, 0);
+}
+
+/* vLLM's start-up checks of the tool flags: each bad command line stops pd-scheduler with a
+ * message naming the flag (and, for a parser, the ones there are). */
+TEST(sched_tool_flags_checked_at_start)
+{
+    FIXTURE();
+    static const struct {
+        const char *flags[4];
+        const char *message;
+    } cases[] = {
+        {{"--enable-auto-tool-choice"},
+         "--enable-auto-tool-choice requires --tool-call-parser (hermes, llama3_json or mistral)"},
+        {{"--enable-auto-tool-choice", "--tool-call-parser", "pythonic"},
+         "--tool-call-parser: expected hermes, llama3_json or mistral, got 'pythonic'"},
+        {{"--tool-parser-plugin", "my_parser.py"},
+         "--tool-parser-plugin my_parser.py: pdserve cannot load vLLM's Python tool parser "
+         "plugins"},
+        {{"--enable-auto-tool-choice", "--tool-call-parser", "mistral"},
+         "--tool-call-parser mistral: the tokenizer of"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        cl_proc sp;
+        int port = 0;
+        char name[32], cmd[1200];
+        snprintf(name, sizeof name, "scheduler_tool_flags_%zu", i);
+        ASSERT_MSG(start_scheduler(&sp, &port, name, (char *const *)cases[i].flags, "1") != 0,
+                   "pd-scheduler started with %s", cases[i].flags[0]);
+        cl_stop(&sp, 10000);
+        snprintf(cmd, sizeof cmd, "grep -qF -- \"%s\" '%s/%s.log'", cases[i].message, g_c.dir,
+                 name);
+        ASSERT_MSG(system(cmd) == 0, "case %zu: the start-up error is not \"%s\"", i,
+                   cases[i].message);
+    }
 }
 
 /* The greedy answer's text from the scheduler on port (malloc'd), or NULL: body to path, the

@@ -190,7 +190,16 @@ TEST(api_bad_requests_exact_messages)
         {PD_API_CHAT,
          "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{\"type\":\"function\","
          "\"function\":{\"name\":\"f\"}}],\"tool_choice\":\"required\"}",
-         400, "`tool_choice` \"required\" and named tool choices are not supported."},
+         400,
+         "`tool_choice` \"required\" needs structured output, which pdserve does not have yet; "
+         "use `tool_choice` \"auto\" (with --enable-auto-tool-choice) or \"none\"."},
+        {PD_API_CHAT,
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{\"type\":\"function\","
+         "\"function\":{\"name\":\"f\"}}],\"tool_choice\":{\"type\":\"function\",\"function\":{"
+         "\"name\":\"f\"}}}",
+         400,
+         "`tool_choice` with a named function needs structured output, which pdserve does not "
+         "have yet; use `tool_choice` \"auto\" (with --enable-auto-tool-choice) or \"none\"."},
         {PD_API_CHAT,
          "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"bad_words\":[\"a\"]}", 400,
          "`bad_words` is not supported."},
@@ -251,6 +260,37 @@ TEST(api_bad_requests_exact_messages)
         ASSERT_MSG(strcmp(pd_last_error(), cases[i].message) == 0, "case %zu (%s): \"%s\"", i,
                    cases[i].body, pd_last_error());
     }
+}
+
+/* --enable-auto-tool-choice: tool_choice auto (given or implied by tools) sends the text
+ * through the parser, "none" does not; mistral keeps its special [TOOL_CALLS] in the text (vLLM's
+ * adjust_request); "required" is still refused. */
+TEST(api_auto_tool_choice)
+{
+    SETUP();
+    pd_api_limits l = limits();
+    l.auto_tools = true;
+    l.tool_parser = PD_TOOL_HERMES;
+    pd_arena *a = pd_arena_create(0);
+    pd_api_request r;
+    int http;
+    const char *tools = "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{"
+                        "\"type\":\"function\",\"function\":{\"name\":\"f\"}}]";
+    char body[512];
+    snprintf(body, sizeof body, "%s}", tools);
+    ASSERT_OK(parse(&l, PD_API_CHAT, body, a, &r, &http));
+    ASSERT(r.parse_tools && r.sp.skip_special_tokens);
+    snprintf(body, sizeof body, "%s,\"tool_choice\":\"none\"}", tools);
+    ASSERT_OK(parse(&l, PD_API_CHAT, body, a, &r, &http));
+    ASSERT(!r.parse_tools);
+    l.tool_parser = PD_TOOL_MISTRAL;
+    snprintf(body, sizeof body, "%s,\"tool_choice\":\"auto\"}", tools);
+    ASSERT_OK(parse(&l, PD_API_CHAT, body, a, &r, &http));
+    ASSERT(r.parse_tools && !r.sp.skip_special_tokens);
+    snprintf(body, sizeof body, "%s,\"tool_choice\":\"required\"}", tools);
+    ASSERT(parse(&l, PD_API_CHAT, body, a, &r, &http) == PD_EINVAL);
+    ASSERT(strstr(pd_last_error(), "`tool_choice` \"required\" needs structured output"));
+    pd_arena_free(a);
 }
 
 TEST(api_completions_tokenization_and_limits)
