@@ -404,19 +404,27 @@ static bool seq_end(ep *p)
     return at_definition(p, &a, &n, &bd);
 }
 
+/* Appends x to the growing array *k (*n of *cap); -1 when out of memory. */
+static int push_gx(gx ***k, int *n, int *cap, gx *x)
+{
+    if (*n == *cap) {
+        int c = *cap ? 2 * *cap : 8;
+        gx **q = realloc(*k, sizeof(gx *) * (size_t)c);
+        if (!q) return -1;
+        *k = q;
+        *cap = c;
+    }
+    (*k)[(*n)++] = x;
+    return 0;
+}
+
 static gx *e_seq(ep *p)
 {
     gx **k = NULL;
     int n = 0, cap = 0;
     while (p->b->status >= 0 && !seq_end(p)) {
         gx *x = e_postfix(p);
-        if (n == cap) {
-            cap = cap ? 2 * cap : 8;
-            gx **q = realloc(k, sizeof(gx *) * (size_t)cap);
-            if (!q) break;
-            k = q;
-        }
-        k[n++] = x;
+        if (push_gx(&k, &n, &cap, x) < 0) break;
     }
     gx *x = gx_seq(p->b, k, n);
     free(k);
@@ -429,13 +437,7 @@ static gx *e_alt(ep *p)
     int n = 0, cap = 0;
     while (p->b->status >= 0) {
         gx *x = e_seq(p);
-        if (n == cap) {
-            cap = cap ? 2 * cap : 8;
-            gx **q = realloc(k, sizeof(gx *) * (size_t)cap);
-            if (!q) break;
-            k = q;
-        }
-        k[n++] = x;
+        if (push_gx(&k, &n, &cap, x) < 0) break;
         skip_ws(p);
         if (p->i < p->n && p->s[p->i] == '|') {
             p->i++;
