@@ -405,24 +405,142 @@ static int check_unsupported(const json_t *o, const common_fields *f)
     if (f->use_beam_search) return bad("`use_beam_search` is not supported.");
     const json_t *v = json_object_get(o, "prompt_embeds");
     if (v && !json_is_null(v)) return bad("`prompt_embeds` is not supported.");
-    static const char *const guided[] = {"guided_json", "guided_regex", "guided_choice",
-                                         "guided_grammar", "structural_tag"};
-    for (size_t i = 0; i < sizeof guided / sizeof *guided; i++) {
-        v = json_object_get(o, guided[i]);
-        if (v && !json_is_null(v)) return bad("`%s` is not supported.", guided[i]);
-    }
-    const json_t *rf = json_object_get(o, "response_format");
-    if (rf && !json_is_null(rf)) {
-        const char *t = json_string_value(json_object_get(rf, "type"));
-        if (!t || strcmp(t, "text") != 0)
-            return bad("`response_format` type '%s' is not supported.", t ? t : "");
-    }
+    v = json_object_get(o, "structural_tag");
+    if (v && !json_is_null(v)) return bad("`structural_tag` is not supported.");
     v = json_object_get(o, "logits_processors");
     if (v && !json_is_null(v)) return bad("`logits_processors` is not supported.");
     v = json_object_get(o, "bad_words");
     if (v && !json_is_null(v) && !(json_is_array(v) && json_array_size(v) == 0))
         return bad("`bad_words` is not supported.");
     return 0;
+}
+
+/* ---- structured output ---------------------------------------------------------------------- */
+
+/* JSON text of v in the arena (compact, key order kept). */
+static int dump_json(const json_t *v, pd_arena *a, const char **text, size_t *len)
+{
+    char *d = json_dumps(v, JSON_COMPACT | JSON_ENCODE_ANY);
+    if (!d) return pd_error(PD_ENOMEM, "out of memory");
+    *len = strlen(d);
+    *text = pd_arena_strndup(a, d, *len);
+    free(d);
+    return *text ? 0 : pd_error(PD_ENOMEM, "out of memory");
+}
+
+/* Sets sp's guided spec to (kind, the text of v) and compiles it once through the api-server's
+ * cache, so that a schema, regex or grammar that cannot be enforced is a 400 naming the keyword
+ * and its place (field: the request field it came from). The instances compile the same text. */
+static int set_guided(const pd_api_limits *lim, const char *field, pd_gspec_kind kind,
+                      const char *text, size_t len, pd_sampling_params *sp)
+{
+    sp->guided_kind = (int32_t)kind;
+    sp->guided = text;
+    sp->guided_len = len;
+    if (!lim->grammars)
+        return bad("`%s`: structured output needs the model's tokenizer, which this server has "
+                   "not loaded.",
+                   field);
+    pd_gspec spec = {.kind = kind, .text = text, .len = len, .ws_pattern = sp->guided_ws};
+    pd_grammar *g;
+    pd_gerr ge;
+    int rc = pd_gcache_get(lim->grammars, &spec, &g, &ge);
+    if (rc == PD_ENOMEM) return rc;
+    if (rc < 0) return bad("`%s`: %s", field, ge.msg[0] ? ge.msg : pd_last_error());
+    pd_grammar_unref(g);
+    return 0;
+}
+
+/* The structured-output fields (vLLM's guided_json / guided_regex / guided_choice /
+ * guided_grammar, guided_whitespace_pattern, guided_decoding_backend, and response_format
+ * json_object / json_schema): at most one kind, into sp. */
+static int read_guided(const pd_api_limits *lim, const json_t *o, pd_arena *a,
+                       pd_sampling_params *sp)
+{
+    static const char *const fields[] = {"guided_json", "guided_regex", "guided_choice",
+                                         "guided_grammar"};
+    static const pd_gspec_kind kinds[] = {PD_GSPEC_JSON_SCHEMA, PD_GSPEC_REGEX, PD_GSPEC_CHOICE,
+                                          PD_GSPEC_GRAMMAR};
+    const char *field = NULL, *text = NULL;
+    size_t len = 0;
+    pd_gspec_kind kind = 0;
+    int rc;
+    for (size_t i = 0; i < sizeof fields / sizeof *fields; i++) {
+        const json_t *v = json_object_get(o, fields[i]);
+        if (!v || json_is_null(v)) continue;
+        if (field)
+            return bad("You can only use one kind of guided decoding but multiple are specified: "
+                       "`%s` and `%s`.",
+                       field, fields[i]);
+        field = fields[i];
+        kind = kinds[i];
+        if (kind == PD_GSPEC_JSON_SCHEMA && (json_is_object(v) || json_is_boolean(v))) {
+            if ((rc = dump_json(v, a, &text, &len)) < 0) return rc;
+        } else if (kind == PD_GSPEC_CHOICE) {
+            if (!json_is_array(v)) return type_err(field, "an array of strings");
+            for (size_t k = 0; k < json_array_size(v); k++)
+                if (!json_is_string(json_array_get(v, k)))
+                    return type_err(field, "an array of strings");
+            if (json_array_size(v) == 0) return bad("`guided_choice` must not be empty.");
+            if ((rc = dump_json(v, a, &text, &len)) < 0) return rc;
+        } else if (json_is_string(v)) { /* the body is freed before the request ends */
+            len = json_string_length(v);
+            if (!(text = pd_arena_strndup(a, json_string_value(v), len)))
+                return pd_error(PD_ENOMEM, "out of memory");
+        } else {
+            return type_err(field,
+                            kind == PD_GSPEC_JSON_SCHEMA ? "an object or a string" : "a string");
+        }
+    }
+    const json_t *rf = json_object_get(o, "response_format");
+    if (rf && !json_is_null(rf)) {
+        const char *t = json_string_value(json_object_get(rf, "type"));
+        if (!t) return type_err("response_format.type", "a string");
+        if (strcmp(t, "text") == 0) {
+            rf = NULL;
+        } else if (strcmp(t, "json_object") != 0 && strcmp(t, "json_schema") != 0) {
+            return bad("`response_format` type '%s' is not supported; use 'text', 'json_object' "
+                       "or 'json_schema'.",
+                       t);
+        } else if (field) {
+            return bad("You can only use one kind of guided decoding but multiple are specified: "
+                       "`%s` and `response_format`.",
+                       field);
+        } else if (strcmp(t, "json_object") == 0) {
+            field = "response_format";
+            kind = PD_GSPEC_JSON_OBJECT;
+            text = "";
+        } else {
+            const json_t *js = json_object_get(rf, "json_schema");
+            if (!json_is_object(js))
+                return type_err("response_format.json_schema", "an object (with `name` and "
+                                                               "`schema`)");
+            const json_t *name = json_object_get(js, "name");
+            if (!json_is_string(name))
+                return type_err("response_format.json_schema.name", "a string");
+            const json_t *sch = json_object_get(js, "schema");
+            field = "response_format.json_schema.schema";
+            if (!sch || json_is_null(sch)) { /* no schema: any JSON object */
+                kind = PD_GSPEC_JSON_OBJECT;
+                text = "";
+            } else if (json_is_object(sch) || json_is_boolean(sch)) {
+                kind = PD_GSPEC_JSON_SCHEMA;
+                if ((rc = dump_json(sch, a, &text, &len)) < 0) return rc;
+            } else {
+                return type_err(field, "an object");
+            }
+        }
+    }
+    const char *backend = NULL;
+    if ((rc = f_str(o, "guided_decoding_backend", &backend)) < 0) return rc; /* ours, whatever */
+    const char *ws = NULL;
+    if ((rc = f_str(o, "guided_whitespace_pattern", &ws)) < 0) return rc;
+    sp->guided_ws = NULL;
+    if (!field) return 0;
+    if (ws && (kind == PD_GSPEC_JSON_SCHEMA || kind == PD_GSPEC_JSON_OBJECT) &&
+        !(sp->guided_ws = pd_arena_strdup(a, ws)))
+        return pd_error(PD_ENOMEM, "out of memory");
+    return set_guided(lim, field, kind, text, len, sp);
 }
 
 /* §8.5's 400 for a prompt of P >= L tokens (at least P: its tokenization stopped there). */
@@ -524,6 +642,7 @@ static int parse_completions(const pd_api_limits *lim, const json_t *o, pd_arena
     const json_t *suffix = json_object_get(o, "suffix");
     if (suffix && !json_is_null(suffix)) return bad("suffix is not currently supported");
     if ((rc = check_unsupported(o, f)) < 0) return rc;
+    if ((rc = read_guided(lim, o, a, &r->sp)) < 0) return rc;
     if ((rc = check_prompt_logprobs(lim, f, r)) < 0) return rc;
     if (f->has_logprobs) r->sp.logprobs = (int32_t)f->logprobs;
     /* echo with logprobs: the prompt's tokens lead choice.logprobs (vLLM asks for prompt
@@ -631,6 +750,72 @@ static int read_chat(const json_t *o, chat_fields *c)
     return 0;
 }
 
+/* tool_choice "required" or a named function (vLLM's _get_guided_json_from_tool): the answer is
+ * constrained by a JSON schema made of the tools' parameters. Named: the function's parameters
+ * (its arguments are the whole answer). Required: a non-empty array of {"name", "parameters"}
+ * objects, one schema per tool, their "$defs" gathered at the top. */
+static int guide_tools(const pd_api_limits *lim, const json_t *tools, pd_api_request *r,
+                       pd_arena *a)
+{
+    if (r->sp.guided_kind)
+        return bad("You can only either use guided decoding or tools, not both: `tool_choice` %s "
+                   "constrains the answer itself.",
+                   r->tool_named ? "with a named function" : "\"required\"");
+    json_t *schema = NULL, *any = json_array(), *defs = json_object();
+    int rc = 0;
+    if (!any || !defs) rc = pd_error(PD_ENOMEM, "out of memory");
+    for (size_t i = 0; rc == 0 && i < json_array_size(tools); i++) {
+        const json_t *fn = json_object_get(json_array_get(tools, i), "function");
+        const char *name = json_string_value(json_object_get(fn, "name"));
+        const json_t *params = json_object_get(fn, "parameters");
+        bool empty = !json_is_object(params) || json_object_size(params) == 0;
+        if (r->tool_named) {
+            if (!name || strcmp(name, r->tool_named) != 0) continue;
+            schema = empty ? json_pack("{s:s,s:{}}", "type", "object", "properties")
+                           : json_deep_copy(params);
+            break;
+        }
+        json_t *p = empty ? json_pack("{s:s,s:{}}", "type", "object", "properties")
+                          : json_deep_copy(params);
+        const json_t *d = p ? json_object_get(p, "$defs") : NULL;
+        const char *k;
+        json_t *v;
+        json_object_foreach((json_t *)d, k, v)
+        {
+            const json_t *old = json_object_get(defs, k);
+            if (old && !json_equal(old, v)) {
+                rc = bad("Tool definition '%s' has multiple schemas, which is not supported.", k);
+                break;
+            }
+            json_object_set(defs, k, v);
+        }
+        if (p) json_object_del(p, "$defs");
+        json_t *one = p ? json_pack("{s:{s:{s:s,s:[s]},s:o},s:[s,s]}", "properties", "name", "type",
+                                    "string", "enum", name ? name : "", "parameters", p, "required",
+                                    "name", "parameters")
+                        : NULL;
+        if (rc == 0 && (!one || json_array_append_new(any, one) < 0))
+            rc = pd_error(PD_ENOMEM, "out of memory");
+    }
+    if (rc == 0 && r->tool_named && !schema)
+        rc = bad("Tool '%s' has not been passed in `tools`.", r->tool_named);
+    if (rc == 0 && !r->tool_named) {
+        schema = json_pack("{s:s,s:i,s:{s:s,s:O}}", "type", "array", "minItems", 1, "items", "type",
+                           "object", "anyOf", any);
+        if (schema && json_object_size(defs) > 0) json_object_set(schema, "$defs", defs);
+        if (!schema) rc = pd_error(PD_ENOMEM, "out of memory");
+    }
+    const char *text = NULL;
+    size_t len = 0;
+    if (rc == 0) rc = dump_json(schema, a, &text, &len);
+    json_decref(schema);
+    json_decref(any);
+    json_decref(defs);
+    if (rc < 0) return rc;
+    r->sp.guided_ws = NULL;
+    return set_guided(lim, "tools", PD_GSPEC_JSON_SCHEMA, text, len, &r->sp);
+}
+
 static int parse_chat(const pd_api_limits *lim, const json_t *o, pd_arena *a,
                       const common_fields *f, const chat_fields *c, json_t **msgs,
                       pd_api_request *r)
@@ -680,11 +865,12 @@ static int parse_chat(const pd_api_limits *lim, const json_t *o, pd_arena *a,
     if (strcmp(choice, "auto") == 0 && !lim->auto_tools)
         return bad("\"auto\" tool choice requires --enable-auto-tool-choice and --tool-call-parser "
                    "to be set");
-    if (named || strcmp(choice, "required") == 0) /* vLLM constrains these with a JSON schema */
-        return bad("`tool_choice` %s needs structured output, which pdserve does not have yet; "
-                   "use `tool_choice` \"auto\" (with --enable-auto-tool-choice) or \"none\".",
-                   named ? "with a named function" : "\"required\"");
     r->parse_tools = strcmp(choice, "auto") == 0;
+    r->tools_required = strcmp(choice, "required") == 0;
+    if (named)
+        r->tool_named =
+            pd_arena_strdup(a, json_string_value(json_object_get(
+                                   json_object_get(c->tool_choice, "function"), "name")));
     /* mistral's [TOOL_CALLS] is a special token: vLLM's adjust_request keeps it in the text */
     if (r->parse_tools && lim->tool_parser == PD_TOOL_MISTRAL) r->sp.skip_special_tokens = false;
     if (c->chat_template && !lim->trust_request_template)
@@ -694,6 +880,9 @@ static int parse_chat(const pd_api_limits *lim, const json_t *o, pd_arena *a,
         return bad("This model has no chat template; start the server with --chat-template, or "
                    "use /v1/completions.");
     if ((rc = check_unsupported(o, f)) < 0) return rc;
+    if ((rc = read_guided(lim, o, a, &r->sp)) < 0) return rc;
+    if ((r->tool_named || r->tools_required) && (rc = guide_tools(lim, c->tools, r, a)) < 0)
+        return rc;
     if ((rc = check_prompt_logprobs(lim, f, r)) < 0) return rc;
     if (c->logprobs) r->sp.logprobs = c->has_top_logprobs ? (int32_t)c->top_logprobs : 0;
     /* the request's own template (trusted), compiled for this request only */
@@ -772,7 +961,13 @@ static int parse_generate(const pd_api_limits *lim, const json_t *o, pd_arena *a
                                           "include_stop_str_in_output",
                                           "logit_bias",
                                           "allowed_token_ids",
-                                          "truncate_prompt_tokens"};
+                                          "truncate_prompt_tokens",
+                                          "guided_json",
+                                          "guided_regex",
+                                          "guided_choice",
+                                          "guided_grammar",
+                                          "guided_whitespace_pattern",
+                                          "guided_decoding_backend"};
     const char *k;
     json_t *v;
     json_object_foreach((json_t *)o, k, v)
@@ -795,6 +990,7 @@ static int parse_generate(const pd_api_limits *lim, const json_t *o, pd_arena *a
     fixed.defaults = pd_sampling_default_params();
     fixed.max_new_tokens = -1;
     if ((rc = check_shared(&fixed, PD_API_GENERATE, &f, a, &r->sp)) < 0) return rc;
+    if ((rc = read_guided(lim, o, a, &r->sp)) < 0) return rc;
     r->stream = f.stream;
     r->truncate = f.has_truncate ? f.truncate : -1;
     r->add_special_tokens = true;

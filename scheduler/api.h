@@ -18,10 +18,13 @@
 #include <stdint.h>
 
 #include "engine/sampler.h"
+#include "grammar/grammar.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
 #include "tokenizer/tool_parser.h"
 #include "util/arena.h"
+
+#define PD_API_GRAMMAR_CACHE 64 /* structured-output specs the api-server keeps compiled */
 
 /* COMPLETIONS: /v1/completions; CHAT: /v1/chat/completions; GENERATE: legacy /generate (§14);
  * TOKENIZE: /tokenize (§15: a completions-style `prompt` or a chat-style `messages` body,
@@ -53,6 +56,8 @@ typedef struct {
     const json_t *default_kwargs;   /* --default-chat-template-kwargs object, or NULL */
     bool auto_tools;                /* --enable-auto-tool-choice (with a parser) */
     pd_tool_kind tool_parser;       /* --tool-call-parser, when auto_tools */
+    pd_gcache *grammars;            /* structured output: compiled specs (validation); NULL
+                                       without a tokenizer */
 } pd_api_limits;
 
 /* One prompt after tokenization. */
@@ -78,10 +83,14 @@ typedef struct {
     /* logprobs: sp.logprobs >= 0 when requested (completions `logprobs`, chat top_logprobs);
      * sp.prompt_logprobs >= 0 when the prefill computes prompt logprobs (prompt_logprobs, or
      * completions echo with logprobs, as vLLM): the body's "prompt_logprobs" are not null */
-    const char *role;      /* chat: the response role */
-    const char *echo_text; /* chat echo: the last message's content, or NULL */
-    bool parse_tools;      /* chat: tool_choice auto with --enable-auto-tool-choice: the
-                              generated text goes through the tool parser */
+    const char *role;       /* chat: the response role */
+    const char *echo_text;  /* chat echo: the last message's content, or NULL */
+    bool parse_tools;       /* chat: tool_choice auto with --enable-auto-tool-choice: the
+                               generated text goes through the tool parser */
+    bool tools_required;    /* chat: tool_choice "required": the answer is a JSON array of
+                               {"name", "parameters"} (sp guided by the tools' schema) */
+    const char *tool_named; /* chat: tool_choice names this function: the answer is its
+                               arguments (sp guided by its parameters), or NULL */
     size_t n_prompts;
     pd_api_prompt *prompts; /* (n_prompts,) */
 } pd_api_request;

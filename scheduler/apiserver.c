@@ -117,6 +117,10 @@ static int load_model(pd_apiserver *s)
     l->chat_config_vars = s->chat_vars;
     l->trust_request_template = p->trust_request_chat_template;
     l->default_kwargs = s->default_kwargs;
+    /* structured output: specs are compiled here once to refuse what cannot be enforced */
+    PD_CHECK(pd_gvocab_from_tok(s->tok, NULL, 0, &s->gvocab));
+    if (!(l->grammars = pd_gcache_create(s->gvocab, PD_API_GRAMMAR_CACHE)))
+        return pd_error(PD_ENOMEM, "out of memory");
     /* vLLM's start-up checks of auto tool choice */
     if (p->enable_auto_tool_choice && !p->tool_call_parser)
         return pd_error(PD_EINVAL, "--enable-auto-tool-choice requires --tool-call-parser "
@@ -363,6 +367,8 @@ void pd_apiserver_free(pd_apiserver *s)
     pd_chat_free(s->tmpl_tools);
     json_decref(s->chat_vars);
     json_decref(s->default_kwargs);
+    pd_gcache_free(s->lim.grammars);
+    pd_gvocab_free(s->gvocab);
     pd_tok_free(s->tok);
     pthread_mutex_destroy(&s->qmu);
     free(s->went_down);

@@ -215,6 +215,7 @@ struct pd_apiserver {
     pd_rpc_client *rpc;
     pd_reg *reg;
     pd_tok *tok;
+    pd_gvocab *gvocab; /* the tokenizer's bytes, for lim.grammars */
     pd_chat_template *tmpl;
     pd_chat_template *tmpl_tools; /* the model's 'tool_use' template, or NULL (§13.1) */
     json_t *chat_vars;

@@ -52,6 +52,7 @@
 typedef struct pd_engine pd_engine;
 
 #define PD_ENGINE_MAX_REQUEST_ID 128 /* bytes of a request id, NUL excluded */
+#define PD_ENGINE_GRAMMAR_CACHE  64  /* compiled structured-output grammars kept (LRU) */
 /* vLLM's CPU KV budget per rank when VLLM_CPU_KVCACHE_SPACE is unset, in GiB */
 #define PD_ENGINE_CPU_KVCACHE_SPACE_GIB 4.0
 #define PD_ENGINE_MAX_CUDA_DEVICES      16

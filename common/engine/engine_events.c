@@ -129,6 +129,9 @@ int eng_seq_emit_token(pd_engine *e, eng_seq *s, int32_t token, const pd_sample_
     size_t dlen = 0;
     if (s->detok) PD_CHECK(pd_detok_push(s->detok, token, &delta, &dlen));
     pd_stop_result sr;
+    /* a grammar complete with nothing to follow (or past an EOS that ignore_eos kept) ends
+     * the answer here, as an EOS would */
+    if (s->gm && pd_gmatcher_is_terminated(s->gm)) pd_stop_complete(s->stop);
     PD_CHECK(pd_stop_push(s->stop, token, delta, dlen, &sr));
     size_t tlen = 0;
     PD_CHECK(grow_buf(&sl->text, &sl->text_cap, sr.text_len + 1));

@@ -13,6 +13,8 @@
  *     step boundary, so a sequence is never freed while a step in flight refers to it; adds and
  *     reservations only append to the waiting queue or take free blocks, which a step in flight
  *     never looks at, so they apply at once.
+ *   - gmu guards the creation of the structured-output vocabulary and grammar cache (the cache
+ *     has its own lock); grammars compile on the callers' threads, never the engine's.
  *   - The output queue has its own mutex (qmu): one producer (the engine thread), one consumer.
  *   - Tensor-parallel ranks 1..t-1 run on their own threads, started per step through a
  *     generation counter (rmu/rcv) and joined the same way. Their all-reduce and what happens
@@ -33,6 +35,7 @@
 #include "engine/engine.h"
 #include "engine/kvpool.h"
 #include "engine/sched.h"
+#include "grammar/grammar.h"
 #include "util/idmap.h"
 #include "util/arena.h"
 
@@ -49,6 +52,7 @@ typedef struct {
     pd_sampler_seq *smp;
     pd_stop *stop;
     pd_detok *detok; /* NULL without a tokenizer */
+    pd_gmatcher *gm; /* structured output: the grammar's state; NULL when unguided */
     bool ended;      /* its final event was pushed */
 } eng_seq;
 
@@ -165,6 +169,12 @@ struct pd_engine {
     pd_step step;
     pd_sched_out so;
     pd_sampler_ws *ws;
+    /* structured output: the vocabulary's bytes and the compiled grammars, made at the first
+     * guided request (under gmu, on the caller's thread); gmask is the engine thread's */
+    pthread_mutex_t gmu;
+    pd_gvocab *gvocab;
+    pd_gcache *gcache;
+    uint32_t *gmask; /* (max(vocab, gvocab size) + 31) / 32 words */
     /* output queue */
     pthread_mutex_t qmu;
     pthread_cond_t qcv; /* signalled when the consumer frees a slot */

@@ -32,6 +32,7 @@ void eng_req_free(pd_engine *e, eng_req *r)
         pd_sampler_seq_free(s->smp);
         pd_stop_free(s->stop);
         pd_detok_free(s->detok);
+        pd_gmatcher_free(s->gm);
     }
     pd_arena_free(r->arena);
     free(r->plp);
@@ -96,6 +97,7 @@ int eng_apply_inbox(pd_engine *e)
             eng_seq *s = &r->seqs[0];
             r->state = REQ_ACTIVE;
             int rc = pd_sampler_seq_append(s->smp, r->first_token);
+            if (rc >= 0 && s->gm) rc = pd_gmatcher_accept_token(s->gm, r->first_token);
             if (rc >= 0) rc = eng_seq_emit_token(e, s, r->first_token, NULL);
             if (rc >= 0 && !s->ended) rc = pd_sched_admit_computed(e->sched, s->sq, r->n_prompt);
             if (rc < 0) eng_seq_end_status(e, s, rc, pd_last_error());
@@ -106,6 +108,40 @@ int eng_apply_inbox(pd_engine *e)
 }
 
 /* ---- adding requests ------------------------------------------------------------------------ */
+
+/* The grammar of a guided request (sp->guided_kind set), compiled through the engine's cache
+ * on the caller's thread; the vocabulary and cache are made at the first. */
+static int req_grammar(pd_engine *e, const pd_sampling_params *sp, pd_grammar **out)
+{
+    *out = NULL;
+    if (!e->tok)
+        return pd_error(PD_EINVAL, "structured output needs a tokenizer; this engine has none");
+    int rc = PD_OK;
+    pthread_mutex_lock(&e->gmu);
+    if (!e->gcache) {
+        rc = pd_gvocab_from_tok(e->tok, e->eos_ids, e->n_eos, &e->gvocab);
+        if (rc >= 0) {
+            size_t n = (size_t)pd_gvocab_size(e->gvocab);
+            e->gmask =
+                calloc(pd_gmask_words((int32_t)(n > e->vocab ? n : e->vocab)), sizeof *e->gmask);
+            e->gcache = pd_gcache_create(e->gvocab, PD_ENGINE_GRAMMAR_CACHE);
+            if (!e->gmask || !e->gcache) {
+                pd_gcache_free(e->gcache);
+                free(e->gmask);
+                pd_gvocab_free(e->gvocab);
+                e->gcache = NULL, e->gmask = NULL, e->gvocab = NULL;
+                rc = pd_error(PD_ENOMEM, "engine: out of memory for structured output");
+            }
+        }
+    }
+    pthread_mutex_unlock(&e->gmu);
+    if (rc < 0) return rc;
+    pd_gspec spec = {.kind = (pd_gspec_kind)sp->guided_kind,
+                     .text = sp->guided,
+                     .len = sp->guided_len,
+                     .ws_pattern = sp->guided_ws};
+    return pd_gcache_get(e->gcache, &spec, out, NULL);
+}
 
 /* Builds a request object: copies and validates the parameters (rq->sampling not NULL) and
  * creates the per-sequence sampler, stop checker and detokenizer (no engine state touched). */
@@ -155,12 +191,14 @@ static int req_build(pd_engine *e, const pd_engine_request *rq, eng_req **out)
     r->n_live = r->n;
     r->n_prompt = rq->n_prompt;
     int rc = PD_OK;
+    pd_grammar *g = NULL;
     r->arena = pd_arena_create(0);
     if (!r->arena) {
         rc = pd_error(PD_ENOMEM, "engine: out of memory for a request");
         goto fail;
     }
     PD_CHECK_GOTO(pd_sampling_params_clone(&sp, r->arena, &r->sp), rc, fail);
+    if (sp.guided_kind) PD_CHECK_GOTO(req_grammar(e, &sp, &g), rc, fail);
     for (uint32_t i = 0; i < r->n; i++) {
         eng_seq *s = &r->seqs[i];
         s->req = r;
@@ -174,14 +212,18 @@ static int req_build(pd_engine *e, const pd_engine_request *rq, eng_req **out)
             PD_CHECK_GOTO(pd_detok_create(e->tok, r->sp.skip_special_tokens, rq->prompt_ids,
                                           rq->n_prompt, &s->detok),
                           rc, fail);
+        if (g) PD_CHECK_GOTO(pd_gmatcher_create(g, &s->gm), rc, fail);
     }
+    pd_grammar_unref(g);
     *out = r;
     return PD_OK;
 fail:
+    pd_grammar_unref(g);
     for (uint32_t i = 0; i < r->n; i++) {
         pd_sampler_seq_free(r->seqs[i].smp);
         pd_stop_free(r->seqs[i].stop);
         pd_detok_free(r->seqs[i].detok);
+        pd_gmatcher_free(r->seqs[i].gm);
     }
     pd_arena_free(r->arena);
     free(r);

@@ -119,7 +119,13 @@ static int process_item(pd_engine *e, size_t i, const float *logits)
             e->p.on_logits(e->p.on_logits_ctx, r->id, c, pd_sampler_seq_num_output(cs->smp), logits,
                            e->vocab);
         pd_sample_result res;
-        PD_CHECK(pd_sample(cs->smp, logits, e->ws, &res));
+        const uint32_t *mask = NULL;
+        if (cs->gm) { /* structured output: only what the grammar allows next */
+            PD_CHECK(pd_gmatcher_fill_mask(cs->gm, e->gmask));
+            mask = e->gmask;
+        }
+        PD_CHECK(pd_sample(cs->smp, logits, mask, e->ws, &res));
+        if (cs->gm) PD_CHECK(pd_gmatcher_accept_token(cs->gm, res.token));
         PD_CHECK(pd_sched_append(e->sched, cs->sq, res.token));
         e->stats.generation_tokens++;
         PD_CHECK(eng_seq_emit_token(e, cs, res.token, &res));

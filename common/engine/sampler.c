@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "engine/rng.h"
+#include "grammar/grammar.h"
 #include "util/fmt.h"
 #include "util/status.h"
 
@@ -207,6 +208,10 @@ int pd_sampling_params_validate(const pd_sampling_params *p, int32_t vocab)
                         p->n_stop_token_ids);
     if (p->n_logit_bias < 0 || (p->n_logit_bias > 0 && !p->logit_bias))
         return pd_error(PD_EINVAL, "logit_bias: %" PRId32 " entries but no array", p->n_logit_bias);
+    if (p->guided_kind < 0 || p->guided_kind > PD_GSPEC_GRAMMAR ||
+        (p->guided_len > 0 && !p->guided))
+        return pd_error(PD_EINVAL, "guided: kind %" PRId32 " with %zu bytes of text",
+                        p->guided_kind, p->guided_len);
     pd_sampling_fields f = {.has_n = true,
                             .has_presence_penalty = true,
                             .has_frequency_penalty = true,
@@ -278,6 +283,19 @@ int pd_sampling_params_clone(const pd_sampling_params *src, pd_arena *a, pd_samp
         p.stop = v;
     } else {
         p.stop = NULL;
+    }
+    if (src->guided_kind) {
+        char *g = pd_arena_alloc(a, src->guided_len + 1, 1);
+        if (!g) return pd_error(PD_ENOMEM, "sampling params: out of memory (guided)");
+        if (src->guided_len) memcpy(g, src->guided, src->guided_len);
+        g[src->guided_len] = '\0';
+        p.guided = g;
+        p.guided_ws = src->guided_ws ? pd_arena_strdup(a, src->guided_ws) : NULL;
+        if (src->guided_ws && !p.guided_ws)
+            return pd_error(PD_ENOMEM, "sampling params: out of memory (guided)");
+    } else {
+        p.guided = p.guided_ws = NULL;
+        p.guided_len = 0;
     }
     *out = p;
     return PD_OK;
@@ -1128,7 +1146,8 @@ int pd_sampler_logprobs(const float *logits, int32_t vocab, int32_t n_top, int32
 
 /* ---- pd_sample ----------------------------------------------------------------------------- */
 
-int pd_sample(pd_sampler_seq *s, const float *logits, pd_sampler_ws *ws, pd_sample_result *out)
+int pd_sample(pd_sampler_seq *s, const float *logits, const uint32_t *mask, pd_sampler_ws *ws,
+              pd_sample_result *out)
 {
     const int32_t V = s->vocab;
     if (ws->vocab < V)
@@ -1148,6 +1167,14 @@ int pd_sample(pd_sampler_seq *s, const float *logits, pd_sampler_ws *ws, pd_samp
         for (int32_t i = 0; i < V; i++) l[i] = -INFINITY;
         for (int32_t j = 0; j < s->n_allowed; j++) l[s->allowed[j]] = ws->scratch[j];
     }
+    if (mask) /* the grammar's: whole words of allowed ids are skipped */
+        for (int32_t w = 0; w < (V + 31) / 32; w++) {
+            uint32_t m = mask[w];
+            if (m == UINT32_MAX) continue;
+            int32_t end = w * 32 + 32 < V ? w * 32 + 32 : V;
+            for (int32_t i = w * 32; i < end; i++)
+                if (!(m >> (i & 31) & 1u)) l[i] = -INFINITY;
+        }
     /* 2. min_tokens: EOS and stop ids impossible until min_tokens tokens exist. */
     if (s->n_output < s->min_tokens)
         for (int32_t j = 0; j < s->n_stop_ids; j++) l[s->stop_ids[j]] = -INFINITY;

@@ -76,6 +76,13 @@ typedef struct {
     bool include_stop_str_in_output;
     int64_t max_tokens;       /* -1: no request cap (the context length still caps) */
     bool skip_special_tokens; /* for the detokenizer; default true */
+    /* structured output (docs/structured_output.md): guided_kind 0 = none, else a
+     * grammar/grammar.h pd_gspec_kind; guided (guided_len bytes) is its text, guided_ws the
+     * guided_whitespace_pattern or NULL. The engine compiles it and masks every draw. */
+    int32_t guided_kind;
+    const char *guided;
+    size_t guided_len;
+    const char *guided_ws;
 } pd_sampling_params;
 
 /* Built-in defaults (§7.1): n 1, temperature 1, top_p 1, top_k 0, min_p 0, penalties off,
@@ -198,11 +205,14 @@ int pd_sampler_weights(const float *l, float *w, int32_t n, float mx, float cut,
                        int isa);
 
 /* Samples the next token of s from logits ((vocab,) f32, raw model output, not modified)
- * at step pd_sampler_seq_num_output(s), then appends it to s. The draw uses
+ * at step pd_sampler_seq_num_output(s), then appends it to s. mask (may be NULL): a bitmask
+ * of the ids that may be drawn (bit id % 32 of word id / 32, (vocab + 31) / 32 words; a
+ * structured-output grammar's), applied with allowed_token_ids in step 1. The draw uses
  * pd_rng_uniform(seed, seq_index, step, PD_RNG_STREAM_SAMPLE). Fails with PD_EINVAL when no
  * token has non-zero probability (everything masked or NaN), when a logit is +inf outside
  * greedy, or when ws is smaller than the vocabulary or than the requested logprobs.
  * Allocates nothing. */
-int pd_sample(pd_sampler_seq *s, const float *logits, pd_sampler_ws *ws, pd_sample_result *out);
+int pd_sample(pd_sampler_seq *s, const float *logits, const uint32_t *mask, pd_sampler_ws *ws,
+              pd_sample_result *out);
 
 #endif

@@ -38,6 +38,7 @@ struct pd_stop {
     size_t released; /* bytes of buf already emitted */
     int64_t n_output;
     bool finished, flushed;
+    bool complete;        /* pd_stop_complete: the next push finishes with "stop" */
     pd_stop_result final; /* the finishing result, repeated by pd_stop_flush */
 };
 
@@ -244,6 +245,7 @@ int pd_stop_push(pd_stop *s, int32_t token, const char *delta, size_t delta_len,
             drop_text = !s->include_stop;
         }
     }
+    if (r->finish == PD_FINISH_NONE && s->complete) r->finish = PD_FINISH_STOP;
 
     size_t new_start = s->len;
     if (!drop_text && delta_len > 0) {
@@ -284,6 +286,11 @@ int pd_stop_push(pd_stop *s, int32_t token, const char *delta, size_t delta_len,
         s->final.text_len = 0;
     }
     return PD_OK;
+}
+
+void pd_stop_complete(pd_stop *s)
+{
+    s->complete = true;
 }
 
 int pd_stop_flush(pd_stop *s, const char *tail, size_t tail_len, pd_stop_result *r)

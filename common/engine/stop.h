@@ -86,6 +86,11 @@ void pd_stop_free(pd_stop *s);
  * buffer (geometric growth). */
 int pd_stop_push(pd_stop *s, int32_t token, const char *delta, size_t delta_len, pd_stop_result *r);
 
+/* The answer is complete after the next token (a structured-output grammar that allows
+ * nothing more): that push finishes with "stop" and a null stop_reason, as an EOS would, unless
+ * a length limit or a stop id or string decides first. */
+void pd_stop_complete(pd_stop *s);
+
 /* After a push that finished the sequence: the detokenizer's final flush (pd_detok_flush:
  * an incomplete UTF-8 tail written as U+FFFD; may be empty). r->text is what to add to the
  * final chunk: the tail, or nothing when a stop string ended the sequence. PD_EINVAL when

@@ -56,6 +56,10 @@ int pd_msg_sampling_from_proto(const Pd__SamplingParams *m, pd_arena *a, pd_samp
     p.include_stop_str_in_output = m->include_stop_str_in_output;
     p.max_tokens = m->max_tokens;
     p.skip_special_tokens = m->skip_special_tokens;
+    p.guided_kind = m->guided_kind;
+    p.guided = (const char *)m->guided.data;
+    p.guided_len = m->guided.len;
+    p.guided_ws = m->guided_ws && m->guided_ws[0] ? m->guided_ws : NULL;
     /* the message is freed before the request ends: own every array */
     return pd_sampling_params_clone(&p, a, out);
 }
@@ -101,5 +105,9 @@ int pd_msg_sampling_to_proto(const pd_sampling_params *p, pd_arena *a, Pd__Sampl
     m->include_stop_str_in_output = p->include_stop_str_in_output;
     m->max_tokens = p->max_tokens;
     m->skip_special_tokens = p->skip_special_tokens;
+    m->guided_kind = p->guided_kind;
+    m->guided.data = (uint8_t *)p->guided;
+    m->guided.len = p->guided ? p->guided_len : 0;
+    if (p->guided_ws) m->guided_ws = (char *)p->guided_ws;
     return PD_OK;
 }

@@ -229,23 +229,23 @@ TEST(golden_33_template_errors)
     ASSERT_EQ_INT(r.status, 400);
     ASSERT_CONTAINS(r.body, "\"type\":\"BadRequestError\"");
     resp_free(&r);
-    /* §8.4: the first unsupported structured-output field present, in the contract's order */
+    /* structured output: one kind of guided decoding at a time, named in the request's order */
     static const struct {
-        const char *fields, *field;
+        const char *fields, *want;
     } order[] = {
-        {"\"structural_tag\":\"t\",\"guided_grammar\":\"g\",\"guided_choice\":[\"a\"]",
-         "guided_choice"},
-        {"\"structural_tag\":\"t\",\"guided_grammar\":\"g\"", "guided_grammar"},
-        {"\"structural_tag\":\"t\"", "structural_tag"},
-        {"\"guided_regex\":\"r\",\"guided_json\":{}", "guided_json"},
+        {"\"guided_grammar\":\"root ::= \\\"a\\\"\",\"guided_choice\":[\"a\"]",
+         "You can only use one kind of guided decoding but multiple are specified: `guided_choice` "
+         "and `guided_grammar`."},
+        {"\"structural_tag\":\"t\",\"guided_grammar\":\"g\"", "`structural_tag` is not supported."},
+        {"\"guided_regex\":\"r\",\"guided_json\":{}",
+         "You can only use one kind of guided decoding but multiple are specified: `guided_json` "
+         "and `guided_regex`."},
     };
     for (size_t i = 0; i < sizeof order / sizeof *order; i++) {
-        char want[128];
-        snprintf(want, sizeof want, "`%s` is not supported.", order[i].field);
         snprintf(body, sizeof body, "{%s,%s}", msgs, order[i].fields);
-        ASSERT_MSG(
-            expect_400(g_port, "/v1/chat/completions", strdup(body), want, false, why, sizeof why),
-            "%s", why);
+        ASSERT_MSG(expect_400(g_port, "/v1/chat/completions", strdup(body), order[i].want, false,
+                              why, sizeof why),
+                   "%s", why);
     }
 }
 

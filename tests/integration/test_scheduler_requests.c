@@ -82,8 +82,8 @@ TEST(sched_bad_inputs)
          "suffix is not currently supported", NULL},
         {"/v1/completions", "{\"prompt\":\"a\",\"use_beam_search\":true}", 400,
          "`use_beam_search` is not supported.", NULL},
-        {"/v1/completions", "{\"prompt\":\"a\",\"guided_regex\":\"x+\"}", 400,
-         "`guided_regex` is not supported.", NULL},
+        {"/v1/completions", "{\"prompt\":\"a\",\"guided_regex\":\"(x+\"}", 400, NULL,
+         "`guided_regex`: "},
         {"/v1/completions", "{\"prompt\":\"a\",\"max_tokens\":600}", 400, NULL,
          "'max_tokens' or 'max_completion_tokens' is too large: 600. This model's maximum "
          "context length is 512 tokens and your request has "},

@@ -48,9 +48,9 @@ static int run(int32_t V, float sigma, const char *name, pd_sampling_params p, i
     if (rc == 0) rc = pd_sampler_seq_create(&p, V, NULL, 0, 0, NULL, 0, &s);
     pd_sample_result r;
     for (int i = 0; rc == 0 && i < iters / 10; i++) /* warm-up */
-        rc = pd_sample(s, l, ws, &r);
+        rc = pd_sample(s, l, NULL, ws, &r);
     double t0 = pd_now_s(), c0 = cpu_s();
-    for (int i = 0; rc == 0 && i < iters; i++) rc = pd_sample(s, l, ws, &r);
+    for (int i = 0; rc == 0 && i < iters; i++) rc = pd_sample(s, l, NULL, ws, &r);
     double dt = pd_now_s() - t0, dc = cpu_s() - c0;
     if (rc == 0)
         printf("vocab %6d  sigma %.0f  %-36s %8.1f us/token cpu  (%8.1f wall)\n", V, (double)sigma,

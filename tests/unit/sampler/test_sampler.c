@@ -24,7 +24,7 @@ static int draw_once(const pd_sampling_params *p, int32_t V, const int32_t *eos,
     if (rc == 0) rc = pd_sampler_ws_create(V, 20, &ws);
     for (size_t i = 0; rc == 0 && i < n_outs; i++) rc = pd_sampler_seq_append(s, outs[i]);
     pd_sample_result r;
-    if (rc == 0) rc = pd_sample(s, logits, ws, &r);
+    if (rc == 0) rc = pd_sample(s, logits, NULL, ws, &r);
     if (rc == 0) *token = r.token;
     pd_sampler_seq_free(s);
     pd_sampler_ws_free(ws);
@@ -41,7 +41,7 @@ static int draw_many(const pd_sampling_params *p, int32_t V, const float *logits
     if (rc == 0) rc = pd_sampler_ws_create(V, 0, &ws);
     for (int i = 0; rc == 0 && i < n; i++) {
         pd_sample_result r;
-        rc = pd_sample(s, logits, ws, &r);
+        rc = pd_sample(s, logits, NULL, ws, &r);
         if (rc == 0) counts[r.token]++;
     }
     pd_sampler_seq_free(s);
@@ -422,12 +422,12 @@ TEST(min_tokens_masks_eos_and_stop_ids)
     ASSERT_OK(pd_sampler_seq_create(&p, 6, eos, 2, 0, NULL, 0, &s));
     ASSERT_OK(pd_sampler_ws_create(6, 0, &ws));
     pd_sample_result r;
-    ASSERT_OK(pd_sample(s, l, ws, &r));
+    ASSERT_OK(pd_sample(s, l, NULL, ws, &r));
     ASSERT_EQ_INT(r.token, 5); /* 1, 3, 4 masked at step 0 */
-    ASSERT_OK(pd_sample(s, l, ws, &r));
+    ASSERT_OK(pd_sample(s, l, NULL, ws, &r));
     ASSERT_EQ_INT(r.token, 5); /* and at step 1 */
     ASSERT_EQ_INT(pd_sampler_seq_num_output(s), 2);
-    ASSERT_OK(pd_sample(s, l, ws, &r));
+    ASSERT_OK(pd_sample(s, l, NULL, ws, &r));
     ASSERT_EQ_INT(r.token, 1); /* 2 tokens exist: EOS allowed again */
     pd_sampler_seq_free(s);
     /* min_tokens with everything else masked: a clear error, not a crash */
@@ -436,7 +436,7 @@ TEST(min_tokens_masks_eos_and_stop_ids)
     p.allowed_token_ids = only;
     p.n_allowed_token_ids = 1;
     ASSERT_OK(pd_sampler_seq_create(&p, 6, eos, 2, 0, NULL, 0, &s));
-    ASSERT_ERR(pd_sample(s, l, ws, &r), PD_EINVAL, "every logit is masked");
+    ASSERT_ERR(pd_sample(s, l, NULL, ws, &r), PD_EINVAL, "every logit is masked");
     pd_sampler_seq_free(s);
     pd_sampler_ws_free(ws);
 }
@@ -724,7 +724,7 @@ TEST(selection_matches_bruteforce_reference)
                     int32_t want = ref_sample(l, V, (float)p.temperature, p.top_k > 0 ? p.top_k : 0,
                                               (float)p.top_p, (float)p.min_p, u, &n_kept);
                     pd_sample_result r;
-                    ASSERT_OK(pd_sample(s, l, ws, &r));
+                    ASSERT_OK(pd_sample(s, l, NULL, ws, &r));
                     ASSERT_MSG(r.token == want,
                                "V=%d cfg %zu rep %d step %d: token %d, reference %d (kept %d)", V,
                                ci, rep, step, r.token, want, n_kept);
@@ -760,12 +760,12 @@ TEST(determinism_independent_of_call_order_and_process)
     pd_sample_result r;
     ASSERT_OK(pd_sampler_seq_create(&p, V, NULL, 0, 0, NULL, 0, &s0));
     for (int i = 0; i < 40; i++) {
-        ASSERT_OK(pd_sample(s0, l, ws, &r));
+        ASSERT_OK(pd_sample(s0, l, NULL, ws, &r));
         a0[i] = r.token;
     }
     ASSERT_OK(pd_sampler_seq_create(&p, V, NULL, 0, 1, NULL, 0, &s1));
     for (int i = 0; i < 40; i++) {
-        ASSERT_OK(pd_sample(s1, l, ws, &r));
+        ASSERT_OK(pd_sample(s1, l, NULL, ws, &r));
         a1[i] = r.token;
     }
     pd_sampler_seq_free(s0);
@@ -778,10 +778,10 @@ TEST(determinism_independent_of_call_order_and_process)
     ASSERT_OK(pd_sampler_seq_create(&p, V, NULL, 0, 0, NULL, 0, &s0));
     ASSERT_OK(pd_sampler_seq_create(&q, V, NULL, 0, 0, NULL, 0, &o));
     for (int i = 0; i < 40; i++) {
-        ASSERT_OK(pd_sample(s1, l, ws, &r));
+        ASSERT_OK(pd_sample(s1, l, NULL, ws, &r));
         b1[i] = r.token;
-        ASSERT_OK(pd_sample(o, l, ws, &r));
-        ASSERT_OK(pd_sample(s0, l, ws, &r));
+        ASSERT_OK(pd_sample(o, l, NULL, ws, &r));
+        ASSERT_OK(pd_sample(s0, l, NULL, ws, &r));
         b0[i] = r.token;
     }
     ASSERT(memcmp(a0, b0, sizeof a0) == 0);
@@ -794,7 +794,7 @@ TEST(determinism_independent_of_call_order_and_process)
     ASSERT_OK(pd_sampler_seq_create(&p, V, NULL, 0, 0, NULL, 0, &s0));
     ASSERT_OK(pd_sampler_seq_append(s0, a0[0]));
     for (int i = 1; i < 40; i++) {
-        ASSERT_OK(pd_sample(s0, l, ws, &r));
+        ASSERT_OK(pd_sample(s0, l, NULL, ws, &r));
         ASSERT_EQ_INT(r.token, a0[i]);
     }
     ASSERT_EQ_INT(pd_sampler_seq_seed(s0), (uint64_t)(int64_t)-17);
@@ -829,7 +829,7 @@ TEST(logprobs_are_raw_log_softmax)
     double lse = mx + log(sum);
     for (int step = 0; step < 10; step++) {
         pd_sample_result r;
-        ASSERT_OK(pd_sample(s, l, ws, &r));
+        ASSERT_OK(pd_sample(s, l, NULL, ws, &r));
         ASSERT(r.token != 299);
         ASSERT_NEAR(r.logprob, (double)l[r.token] - lse, 1e-5);
         ASSERT_EQ_INT(r.n_top, 5);
@@ -865,13 +865,13 @@ TEST(logprobs_are_raw_log_softmax)
     ASSERT_OK(pd_sampler_seq_create(&p, 3, NULL, 0, 0, NULL, 0, &s));
     pd_sample_result r;
     /* token 1 is the only allowed one but -inf: nothing can be sampled */
-    ASSERT_ERR(pd_sample(s, l2, ws, &r), PD_EINVAL, "every logit is masked");
+    ASSERT_ERR(pd_sample(s, l2, NULL, ws, &r), PD_EINVAL, "every logit is masked");
     pd_sampler_seq_free(s);
     p.has_allowed_token_ids = false;
     p.n_logit_bias = 0;
     p.logprobs = 3;
     ASSERT_OK(pd_sampler_seq_create(&p, 3, NULL, 0, 0, NULL, 0, &s));
-    ASSERT_OK(pd_sample(s, l2, ws, &r));
+    ASSERT_OK(pd_sample(s, l2, NULL, ws, &r));
     ASSERT_EQ_INT(r.token, 2);
     ASSERT_EQ_INT(r.n_top, 3);
     ASSERT_EQ_INT(r.top_ids[2], 1);
@@ -880,14 +880,14 @@ TEST(logprobs_are_raw_log_softmax)
     /* more logprobs than the workspace holds */
     p.logprobs = 21;
     ASSERT_OK(pd_sampler_seq_create(&p, 3, NULL, 0, 0, NULL, 0, &s));
-    ASSERT_ERR(pd_sample(s, l2, ws, &r), PD_EINVAL, "logprobs requested");
+    ASSERT_ERR(pd_sample(s, l2, NULL, ws, &r), PD_EINVAL, "logprobs requested");
     pd_sampler_seq_free(s);
     pd_sampler_ws_free(ws);
     /* workspace smaller than the vocabulary */
     ASSERT_OK(pd_sampler_ws_create(2, 0, &ws));
     p.logprobs = -1;
     ASSERT_OK(pd_sampler_seq_create(&p, 3, NULL, 0, 0, NULL, 0, &s));
-    ASSERT_ERR(pd_sample(s, l2, ws, &r), PD_EINVAL, "workspace holds 2");
+    ASSERT_ERR(pd_sample(s, l2, NULL, ws, &r), PD_EINVAL, "workspace holds 2");
     pd_sampler_seq_free(s);
     pd_sampler_ws_free(ws);
     free(l);

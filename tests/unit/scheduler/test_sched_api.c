@@ -12,6 +12,8 @@
 static pd_tok *g_tok;
 static pd_chat_template *g_tmpl;
 static json_t *g_vars;
+static pd_gvocab *g_vocab;
+static pd_gcache *g_grammars;
 static bool g_tried;
 
 /* The Llama-3 tokenizer directory of the npm cache, or NULL. */
@@ -44,6 +46,11 @@ static bool setup(void)
     }
     free(src);
     free(what);
+    if (pd_gvocab_from_tok(g_tok, NULL, 0, &g_vocab) < 0 ||
+        !(g_grammars = pd_gcache_create(g_vocab, 16))) {
+        printf("    grammar vocabulary: %s\n", pd_last_error());
+        return false;
+    }
     return true;
 }
 
@@ -65,6 +72,7 @@ static pd_api_limits limits(void)
     l.tok = g_tok;
     l.chat_template = g_tmpl;
     l.chat_config_vars = g_vars;
+    l.grammars = g_grammars;
     return l;
 }
 
@@ -133,10 +141,29 @@ TEST(api_bad_requests_exact_messages)
         {PD_API_CHAT,
          "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"prompt_logprobs\":30}", 400,
          "Requested prompt logprobs of 30, which is greater than max allowed: 20"},
+        /* structured output: one kind, and what cannot be enforced named */
         {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"guided_json\":{},\"guided_regex\":\"x\"}", 400,
-         "`guided_json` is not supported."},
-        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"response_format\":{\"type\":\"json_object\"}}",
-         400, "`response_format` type 'json_object' is not supported."},
+         "You can only use one kind of guided decoding but multiple are specified: `guided_json` "
+         "and `guided_regex`."},
+        {PD_API_COMPLETIONS,
+         "{\"prompt\":\"a\",\"guided_regex\":\"x\",\"response_format\":{\"type\":\"json_object\"}}",
+         400,
+         "You can only use one kind of guided decoding but multiple are specified: "
+         "`guided_regex` and `response_format`."},
+        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"response_format\":{\"type\":\"xml\"}}", 400,
+         "`response_format` type 'xml' is not supported; use 'text', 'json_object' or "
+         "'json_schema'."},
+        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"response_format\":{\"type\":\"json_schema\"}}",
+         400,
+         "The field `response_format.json_schema` must be an object (with `name` and `schema`)."},
+        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"guided_choice\":[]}", 400,
+         "`guided_choice` must not be empty."},
+        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"guided_choice\":[\"a\",1]}", 400,
+         "The field `guided_choice` must be an array of strings."},
+        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"guided_json\":3}", 400,
+         "The field `guided_json` must be an object or a string."},
+        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"structural_tag\":\"t\"}", 400,
+         "`structural_tag` is not supported."},
         {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"logits_processors\":[]}", 400,
          "`logits_processors` is not supported."},
         {PD_API_COMPLETIONS, "{\"prompt_embeds\":\"x\"}", 400, "`prompt_embeds` is not supported."},
@@ -189,17 +216,15 @@ TEST(api_bad_requests_exact_messages)
          "be set"},
         {PD_API_CHAT,
          "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{\"type\":\"function\","
-         "\"function\":{\"name\":\"f\"}}],\"tool_choice\":\"required\"}",
+         "\"function\":{\"name\":\"f\"}}],\"tool_choice\":\"required\",\"guided_regex\":\"a\"}",
          400,
-         "`tool_choice` \"required\" needs structured output, which pdserve does not have yet; "
-         "use `tool_choice` \"auto\" (with --enable-auto-tool-choice) or \"none\"."},
+         "You can only either use guided decoding or tools, not both: `tool_choice` \"required\" "
+         "constrains the answer itself."},
         {PD_API_CHAT,
          "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{\"type\":\"function\","
          "\"function\":{\"name\":\"f\"}}],\"tool_choice\":{\"type\":\"function\",\"function\":{"
-         "\"name\":\"f\"}}}",
-         400,
-         "`tool_choice` with a named function needs structured output, which pdserve does not "
-         "have yet; use `tool_choice` \"auto\" (with --enable-auto-tool-choice) or \"none\"."},
+         "\"name\":\"g\"}}}",
+         400, "Tool 'g' has not been passed in `tools`."},
         {PD_API_CHAT,
          "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"bad_words\":[\"a\"]}", 400,
          "`bad_words` is not supported."},
@@ -288,8 +313,109 @@ TEST(api_auto_tool_choice)
     ASSERT_OK(parse(&l, PD_API_CHAT, body, a, &r, &http));
     ASSERT(r.parse_tools && !r.sp.skip_special_tokens);
     snprintf(body, sizeof body, "%s,\"tool_choice\":\"required\"}", tools);
-    ASSERT(parse(&l, PD_API_CHAT, body, a, &r, &http) == PD_EINVAL);
-    ASSERT(strstr(pd_last_error(), "`tool_choice` \"required\" needs structured output"));
+    ASSERT_OK(parse(&l, PD_API_CHAT, body, a, &r, &http));
+    ASSERT(r.tools_required && !r.parse_tools && r.sp.guided_kind == PD_GSPEC_JSON_SCHEMA);
+    ASSERT_CONTAINS(r.sp.guided, "\"minItems\":1");
+    pd_arena_free(a);
+}
+
+/* Structured output: each field becomes the engine's guided spec (objects as compact JSON text),
+ * and what the grammar compiler refuses is a 400 naming the field and the keyword's place. */
+TEST(api_structured_output_fields)
+{
+    SETUP();
+    pd_api_limits l = limits();
+    pd_arena *a = pd_arena_create(0);
+    pd_api_request r;
+    int http;
+    static const struct {
+        pd_api_kind kind;
+        const char *body;
+        int guided_kind;
+        const char *text, *ws;
+    } ok[] = {
+        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"guided_json\":{\"type\": \"integer\"}}",
+         PD_GSPEC_JSON_SCHEMA, "{\"type\":\"integer\"}", NULL},
+        {PD_API_COMPLETIONS,
+         "{\"prompt\":\"a\",\"guided_json\":\"{\\\"type\\\":\\\"string\\\"}\","
+         "\"guided_whitespace_pattern\":\" ?\",\"guided_decoding_backend\":\"xgrammar\"}",
+         PD_GSPEC_JSON_SCHEMA, "{\"type\":\"string\"}", " ?"},
+        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"guided_regex\":\"[0-9]+\"}", PD_GSPEC_REGEX,
+         "[0-9]+", NULL},
+        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"guided_choice\":[\"yes\",\"no\"]}",
+         PD_GSPEC_CHOICE, "[\"yes\",\"no\"]", NULL},
+        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"guided_grammar\":\"root ::= \\\"x\\\"\"}",
+         PD_GSPEC_GRAMMAR, "root ::= \"x\"", NULL},
+        {PD_API_CHAT,
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"response_format\":{\"type\":"
+         "\"json_object\"}}",
+         PD_GSPEC_JSON_OBJECT, "", NULL},
+        {PD_API_CHAT,
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"response_format\":{\"type\":"
+         "\"json_schema\",\"json_schema\":{\"name\":\"n\",\"strict\":true,\"schema\":{\"type\":"
+         "\"boolean\"}}}}",
+         PD_GSPEC_JSON_SCHEMA, "{\"type\":\"boolean\"}", NULL},
+        {PD_API_CHAT,
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"response_format\":{\"type\":"
+         "\"text\"}}",
+         0, NULL, NULL},
+        {PD_API_GENERATE, "{\"prompt\":\"a\",\"guided_json\":{\"enum\":[1,2]}}",
+         PD_GSPEC_JSON_SCHEMA, "{\"enum\":[1,2]}", NULL},
+    };
+    for (size_t i = 0; i < sizeof ok / sizeof *ok; i++) {
+        ASSERT_MSG(parse(&l, ok[i].kind, ok[i].body, a, &r, &http) == 0, "%s: %s", ok[i].body,
+                   pd_last_error());
+        ASSERT_EQ_INT(r.sp.guided_kind, ok[i].guided_kind);
+        if (ok[i].text) {
+            ASSERT_EQ_INT((long long)r.sp.guided_len, (long long)strlen(ok[i].text));
+            ASSERT_STR_EQ(r.sp.guided, ok[i].text);
+        }
+        if (ok[i].ws)
+            ASSERT_STR_EQ(r.sp.guided_ws, ok[i].ws);
+        else
+            ASSERT(r.sp.guided_ws == NULL);
+    }
+    static const struct {
+        const char *body, *want;
+    } refused[] = {
+        {"{\"prompt\":\"a\",\"guided_json\":{\"properties\":{\"a\":{\"if\":{}}}}}",
+         "`guided_json`: json schema: if at /properties/a/if"},
+        {"{\"prompt\":\"a\",\"guided_json\":\"{not json\"}", "`guided_json`: "},
+        {"{\"prompt\":\"a\",\"guided_regex\":\"(ab\"}", "`guided_regex`: "},
+        {"{\"prompt\":\"a\",\"guided_grammar\":\"root ::= missing\"}", "`guided_grammar`: "},
+    };
+    for (size_t i = 0; i < sizeof refused / sizeof *refused; i++) {
+        ASSERT_MSG(parse(&l, PD_API_COMPLETIONS, refused[i].body, a, &r, &http) == PD_EINVAL,
+                   "%s accepted", refused[i].body);
+        ASSERT_EQ_INT(http, 400);
+        ASSERT_MSG(strstr(pd_last_error(), refused[i].want), "%s: %s", refused[i].body,
+                   pd_last_error());
+    }
+    /* tool_choice named: the function's parameters; required: an array of calls */
+    const char *tools = "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":["
+                        "{\"type\":\"function\",\"function\":{\"name\":\"f\",\"parameters\":"
+                        "{\"type\":\"object\",\"properties\":{\"x\":{\"$ref\":\"#/$defs/X\"}},"
+                        "\"$defs\":{\"X\":{\"type\":\"integer\"}}}}},{\"type\":\"function\","
+                        "\"function\":{\"name\":\"g\"}}]";
+    char body[1024];
+    snprintf(body, sizeof body,
+             "%s,\"tool_choice\":{\"type\":\"function\",\"function\":{"
+             "\"name\":\"g\"}}}",
+             tools);
+    ASSERT_OK(parse(&l, PD_API_CHAT, body, a, &r, &http));
+    ASSERT_STR_EQ(r.tool_named, "g");
+    ASSERT_STR_EQ(r.sp.guided, "{\"type\":\"object\",\"properties\":{}}");
+    snprintf(body, sizeof body, "%s,\"tool_choice\":\"required\"}", tools);
+    ASSERT_OK(parse(&l, PD_API_CHAT, body, a, &r, &http));
+    ASSERT(r.tools_required);
+    ASSERT_STR_EQ(
+        r.sp.guided,
+        "{\"type\":\"array\",\"minItems\":1,\"items\":{\"type\":\"object\",\"anyOf\":[{"
+        "\"properties\":{\"name\":{\"type\":\"string\",\"enum\":[\"f\"]},\"parameters\":{"
+        "\"type\":\"object\",\"properties\":{\"x\":{\"$ref\":\"#/$defs/X\"}}}},\"required\":["
+        "\"name\",\"parameters\"]},{\"properties\":{\"name\":{\"type\":\"string\",\"enum\":["
+        "\"g\"]},\"parameters\":{\"type\":\"object\",\"properties\":{}}},\"required\":["
+        "\"name\",\"parameters\"]}]},\"$defs\":{\"X\":{\"type\":\"integer\"}}}");
     pd_arena_free(a);
 }
 
