@@ -12,7 +12,7 @@ PKGS=(
   libuv1-dev libjansson-dev node-llhttp
   libgrpc-dev protobuf-c-compiler libprotobuf-c-dev libssl-dev zlib1g-dev
   libopenblas-dev
-  python3 python3-numpy python3-jinja2 python3-yaml
+  python3 python3-numpy python3-jinja2 python3-yaml python3-jsonschema
   curl wrk valgrind clang libclang-rt-14-dev shellcheck
   nodejs npm
 )

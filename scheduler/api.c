@@ -441,7 +441,8 @@ static int set_guided(const pd_api_limits *lim, const char *field, pd_gspec_kind
         return bad("`%s`: structured output needs the model's tokenizer, which this server has "
                    "not loaded.",
                    field);
-    pd_gspec spec = {.kind = kind, .text = text, .len = len, .ws_pattern = sp->guided_ws};
+    pd_gspec spec = {
+        .kind = kind, .text = text, .len = len, .ws_pattern = sp->guided_ws, .strict = true};
     pd_grammar *g;
     pd_gerr ge;
     int rc = pd_gcache_get(lim->grammars, &spec, &g, &ge);

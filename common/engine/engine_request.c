@@ -139,7 +139,8 @@ static int req_grammar(pd_engine *e, const pd_sampling_params *sp, pd_grammar **
     pd_gspec spec = {.kind = (pd_gspec_kind)sp->guided_kind,
                      .text = sp->guided,
                      .len = sp->guided_len,
-                     .ws_pattern = sp->guided_ws};
+                     .ws_pattern = sp->guided_ws,
+                     .strict = true};
     return pd_gcache_get(e->gcache, &spec, out, NULL);
 }
 
@@ -420,9 +421,11 @@ int pd_engine_add_imported(pd_engine *e, const pd_engine_request *rq, int32_t fi
         r->seqs[0].smp = built->seqs[0].smp;
         r->seqs[0].stop = built->seqs[0].stop;
         r->seqs[0].detok = built->seqs[0].detok;
+        r->seqs[0].gm = built->seqs[0].gm;
         built->seqs[0].smp = NULL;
         built->seqs[0].stop = NULL;
         built->seqs[0].detok = NULL;
+        built->seqs[0].gm = NULL;
         r->first_token = first_token;
         r->state = REQ_IMPORTING;
         e->n_held--;

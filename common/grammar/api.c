@@ -46,6 +46,7 @@ int pd_grammar_compile(const pd_gvocab *v, const pd_gspec *spec, pd_grammar **ou
     if (b.status < 0) return b.status;
     int32_t root = -1;
     int rc = 0;
+    b.strict = spec->strict;
     const char *text = spec->text ? spec->text : "";
     size_t len = spec->text ? spec->len : 0;
     switch (spec->kind) {
@@ -183,7 +184,7 @@ void pd_gcache_free(pd_gcache *c)
     free(c);
 }
 
-/* canonical key: kind, NUL, ws pattern, NUL, text */
+/* canonical key: kind, strict, ws pattern, NUL, text */
 static char *make_key(const pd_gspec *s, size_t *klen)
 {
     const char *ws = s->ws_pattern ? s->ws_pattern : "";
@@ -192,7 +193,7 @@ static char *make_key(const pd_gspec *s, size_t *klen)
     char *k = malloc(*klen);
     if (!k) return NULL;
     k[0] = (char)('0' + (int)s->kind);
-    k[1] = 0;
+    k[1] = s->strict ? 's' : 'l';
     memcpy(k + 2, ws, wl);
     k[2 + wl] = 0;
     if (tl) memcpy(k + 3 + wl, s->text, tl);

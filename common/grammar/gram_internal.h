@@ -59,6 +59,7 @@ typedef struct {
     pd_gerr *err;
     int status;
     long budget; /* NFA nodes left */
+    bool strict; /* pd_gspec.strict: unlisted properties and items refused */
 } gb;
 
 /* Sorts n code point ranges r (pairs lo, hi) and merges those that overlap or touch, in place;

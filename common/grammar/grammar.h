@@ -65,6 +65,11 @@ typedef struct {
     /* guided_whitespace_pattern: a regex for the whitespace allowed between JSON tokens
      * (NULL: the default, [ \t\n\r]{0,PD_GRAMMAR_WS_MAX}). JSON kinds only. */
     const char *ws_pattern;
+    /* JSON Schema: what the schema leaves unspecified is not generated, as vLLM's default
+     * backend (XGrammar's strict mode) does: an object with `properties` and no
+     * `additionalProperties` takes no other keys, an array with `prefixItems` and no `items`
+     * no further items. false: the JSON Schema meaning (both allowed; MaskBench's). */
+    bool strict;
 } pd_gspec;
 
 #define PD_GRAMMAR_WS_MAX 20

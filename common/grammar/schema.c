@@ -778,7 +778,7 @@ static gx *array_expr(sc *c, json_t *s, const char *path)
     long nmax = json_is_integer(mx) ? (long)json_integer_value(mx) : -1;
     if (nmin < 0) nmin = 0;
     size_t np = prefix ? json_array_size(prefix) : 0;
-    bool more = !json_is_false(items);
+    bool more = !json_is_false(items) && !(c->b->strict && prefix && !items);
     if (!more && nmax < 0) nmax = (long)np;
     if (!more && nmax > (long)np) nmax = (long)np;
     if (nmax >= 0 && nmax < nmin)
@@ -889,7 +889,7 @@ static gx *object_expr(sc *c, json_t *s, const char *path)
     }
     (void)np;
     size_t n = json_object_size(all);
-    bool addl_ok = !json_is_false(addl);
+    bool addl_ok = !json_is_false(addl) && !(c->b->strict && !addl && props);
     gx *addl_val = addl_ok ? ((addl && !json_is_true(addl))
                                   ? sch(c, addl, sub(c, path, "additionalProperties"))
                                   : gx_call(b, r_value(c)))

@@ -67,7 +67,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             len = (size_t)(nl - text);
         }
     }
-    pd_gspec spec = {kind, text, len, ws};
+    pd_gspec spec = {kind, text, len, ws, false};
     pd_grammar *g = NULL;
     pd_gerr err;
     if (pd_grammar_compile(g_v, &spec, &g, &err) < 0) {

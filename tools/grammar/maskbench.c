@@ -406,7 +406,7 @@ int main(int argc, char **argv)
             schemas++;
             g_root = schema;
             char *stext = json_dumps(schema, JSON_COMPACT);
-            pd_gspec spec = {PD_GSPEC_JSON_SCHEMA, stext, strlen(stext), NULL};
+            pd_gspec spec = {PD_GSPEC_JSON_SCHEMA, stext, strlen(stext), NULL, false};
             pd_grammar *g;
             pd_gerr err;
             double t0 = now_us();

@@ -76,7 +76,7 @@ static pd_gvocab *small_vocab(void)
 
 static pd_grammar *compile(pd_gvocab *v, pd_gspec_kind kind, const char *text, pd_gerr *err)
 {
-    pd_gspec s = {kind, text, text ? strlen(text) : 0, NULL};
+    pd_gspec s = {kind, text, text ? strlen(text) : 0, NULL, false};
     pd_grammar *g = NULL;
     pd_gerr e;
     if (pd_grammar_compile(v, &s, &g, err ? err : &e) < 0) return NULL;
@@ -512,8 +512,8 @@ TEST(compile_cache_lru)
     pd_gvocab *v = small_vocab();
     pd_gcache *c = pd_gcache_create(v, 2);
     ASSERT(c);
-    pd_gspec s1 = {PD_GSPEC_REGEX, "a+", 2, NULL}, s2 = {PD_GSPEC_REGEX, "b+", 2, NULL},
-             s3 = {PD_GSPEC_CHOICE, "[\"a\"]", 5, NULL}, bad = {PD_GSPEC_REGEX, "(", 1, NULL};
+    pd_gspec s1 = {PD_GSPEC_REGEX, "a+", 2, NULL, false}, s2 = {PD_GSPEC_REGEX, "b+", 2, NULL, false},
+             s3 = {PD_GSPEC_CHOICE, "[\"a\"]", 5, NULL, false}, bad = {PD_GSPEC_REGEX, "(", 1, NULL, false};
     pd_grammar *g1, *g1b, *g;
     ASSERT_OK(pd_gcache_get(c, &s1, &g1, NULL));
     ASSERT_OK(pd_gcache_get(c, &s1, &g1b, NULL));
