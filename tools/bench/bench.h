@@ -12,6 +12,7 @@
 #ifndef PD_TOOLS_BENCH_H
 #define PD_TOOLS_BENCH_H
 
+#include <jansson.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -32,6 +33,7 @@ typedef struct {
     const char *model;   /* --model NAME, sent as "model" (NULL: omitted) */
     const char *api_key; /* sent as "Authorization: Bearer KEY" (NULL: none) */
     int timeout_s;       /* per-request socket inactivity limit */
+    json_t *extra_body;  /* --extra-body: members added to every request body (NULL: none) */
 } pdb_target;
 
 /* Parses "http://host:port" (+ optional path prefix) and an endpoint path into t.

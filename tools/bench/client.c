@@ -485,6 +485,7 @@ static char *request_body(const pdb_target *t, pdb_endpoint ep, const pdb_prompt
             json_object_set_new(b, "logprobs", json_integer(sh->logprobs));
         }
     }
+    if (t->extra_body) json_object_update(b, t->extra_body); /* they win over the above */
     char *s = json_dumps(b, JSON_COMPACT);
     json_decref(b);
     return s;

@@ -8,6 +8,7 @@
  *            [--warmup N] [--seed 0] [--goodput ttft:MS,tpot:MS,e2el:MS] [--api-key KEY]
  *            [--result-file F.json] [--dump-timestamps F.jsonl] [--save-dataset F]
  *            [--timeout S] [--quiet] [--workload plain|mixed] [--abort-ratio R] [--duration S]
+ *            [--extra-body JSON]
  *   pd-bench --node-stats HOST:PORT     (one pd-prefill/pd-decode Stats reply as JSON, then exit)
  *
  * --workload mixed gives every request its own shape (pdb_dataset_mix: completions or chat,
@@ -17,6 +18,8 @@
  * --num-prompts prompts are then reused in turn. Non-streaming answers have no token times:
  * they count in E2EL and throughput, not in TTFT/TPOT/ITL. --summary-only leaves the
  * per-request arrays out of --result-file (long runs); "first_errors" (at most 20) stays.
+ * --extra-body '{"guided_json": {...}}' adds (or overrides) members of every request body, e.g.
+ * structured output or sampling fields.
  *
  * --save-dataset writes the prompts, one per line, in pd-generate's --prompts-file format
  * (comma-separated ids for id prompts: name the file *.ids), so the colocated baseline can
@@ -52,7 +55,7 @@
 
 typedef struct {
     const char *base_url, *endpoint, *model, *dataset, *dataset_path, *result_file, *dump_file,
-        *api_key, *goodput, *save_dataset, *node_stats;
+        *api_key, *goodput, *save_dataset, *node_stats, *extra_body;
     int64_t num_prompts, input_len, output_len, vocab, max_concurrency, warmup, seed, timeout_s;
     int64_t prefix_len; /* --random-prefix-len: tokens every random prompt starts with */
     int64_t n_prefixes; /* --random-num-prefixes: distinct such prefixes, in turn */
@@ -97,6 +100,7 @@ static void usage(FILE *o)
                "[--quiet]\n"
                "                [--workload plain|mixed] [--abort-ratio R] [--duration S] "
                "[--summary-only]\n"
+               "                [--extra-body JSON]\n"
                "       pd-bench --node-stats HOST:PORT\n");
 }
 
@@ -163,6 +167,8 @@ static int parse_args(int argc, char **argv, bench_args *a)
             a->api_key = v;
         else if (!strcmp(o, "--node-stats"))
             a->node_stats = v;
+        else if (!strcmp(o, "--extra-body"))
+            a->extra_body = v;
         else if (!strcmp(o, "--workload")) {
             if (strcmp(v, "plain") && strcmp(v, "mixed"))
                 return pd_error(PD_EINVAL, "--workload: expected plain or mixed, got \"%s\"", v);
@@ -641,7 +647,7 @@ static int node_stats(const char *target, int timeout_s)
 int main(int argc, char **argv)
 {
     bench_args a;
-    pdb_target t;
+    pdb_target t = {0};
     pdb_dataset d = {0};
     pdb_result *res = NULL, *wres = NULL;
     int64_t *arrive = NULL;
@@ -665,6 +671,15 @@ int main(int argc, char **argv)
     t.model = a.model;
     t.api_key = a.api_key;
     t.timeout_s = (int)a.timeout_s;
+    if (a.extra_body) {
+        json_error_t je;
+        t.extra_body = json_loads(a.extra_body, 0, &je);
+        if (!json_is_object(t.extra_body)) {
+            rc = pd_error(PD_EINVAL, "--extra-body: a JSON object is needed (%s)",
+                          t.extra_body ? "not an object" : je.text);
+            goto out;
+        }
+    }
     size_t n_prompts = (size_t)a.num_prompts;
     if (!strcmp(a.dataset, "random"))
         rc = pdb_dataset_random(&d, n_prompts, a.prefix_len, a.n_prefixes, a.input_len,
@@ -757,6 +772,7 @@ int main(int argc, char **argv)
              : PD_OK;
 out:
     if (rc < 0) fprintf(stderr, "pd-bench: %s\n", pd_last_error());
+    json_decref(t.extra_body);
     summary_free(&m);
     for (size_t i = 0; res && i < n; i++) pdb_result_free(&res[i]);
     for (size_t i = 0; wres && i < nw; i++) pdb_result_free(&wres[i]);
