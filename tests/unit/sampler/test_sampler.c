@@ -955,3 +955,51 @@ TEST(weight_pass_identical_on_every_instruction_set)
     free(w0);
     free(w1);
 }
+
+/* A structured-output mask (bit id % 32 of word id / 32) applies first: greedy takes the best
+ * allowed id, sampling draws only allowed ids, logit_bias cannot revive a masked id, logprobs
+ * stay those of the raw logits, and an all-zero mask is the "every logit is masked" error. */
+TEST(grammar_mask_applies_first)
+{
+    enum { V = 70 }; /* three words, the last one partial */
+    float l[V];
+    for (int i = 0; i < V; i++) l[i] = (float)i / 10.0f;
+    uint32_t mask[3] = {0};
+    const int32_t allowed[] = {3, 40, 65};
+    for (size_t k = 0; k < 3; k++) mask[allowed[k] / 32] |= 1u << (allowed[k] % 32);
+    pd_sampling_params p = pd_sampling_default_params();
+    p.temperature = 0.0;
+    p.logprobs = 1;
+    pd_logit_bias lb = {.id = 69, .bias = 100.0f};
+    p.logit_bias = &lb;
+    p.n_logit_bias = 1;
+    pd_sampler_seq *s = NULL;
+    pd_sampler_ws *ws = NULL;
+    ASSERT_OK(pd_sampler_ws_create(V, 4, &ws));
+    ASSERT_OK(pd_sampler_seq_create(&p, V, NULL, 0, 0, NULL, 0, &s));
+    pd_sample_result r;
+    ASSERT_OK(pd_sample(s, l, mask, ws, &r));
+    ASSERT_EQ_INT(r.token, 65);
+    ASSERT_EQ_INT(r.top_ids[0], 69); /* raw logits: the masked best id still leads */
+    ASSERT_OK(pd_sample(s, l, NULL, ws, &r));
+    ASSERT_EQ_INT(r.token, 69); /* without the mask the bias wins */
+    pd_sampler_seq_free(s);
+    p.temperature = 1.0;
+    p.n_logit_bias = 0;
+    p.logit_bias = NULL;
+    int seen[V] = {0};
+    for (int seed = 0; seed < 300; seed++) {
+        p.seed = seed;
+        ASSERT_OK(pd_sampler_seq_create(&p, V, NULL, 0, 0, NULL, 0, &s));
+        ASSERT_OK(pd_sample(s, l, mask, ws, &r));
+        seen[r.token]++;
+        pd_sampler_seq_free(s);
+    }
+    ASSERT_EQ_INT(seen[3] + seen[40] + seen[65], 300);
+    ASSERT(seen[3] > 0 && seen[40] > 0 && seen[65] > 0);
+    uint32_t none[3] = {0};
+    ASSERT_OK(pd_sampler_seq_create(&p, V, NULL, 0, 0, NULL, 0, &s));
+    ASSERT_ERR(pd_sample(s, l, none, ws, &r), PD_EINVAL, "every logit is masked");
+    pd_sampler_seq_free(s);
+    pd_sampler_ws_free(ws);
+}

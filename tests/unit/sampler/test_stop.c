@@ -388,3 +388,39 @@ TEST(stop_long_text_and_no_stop_strings)
     ASSERT_EQ_INT(r.text_len, 9 + 1);
     pd_stop_free(s);
 }
+
+/* pd_stop_complete (a structured-output grammar with nothing left to follow): the next push
+ * finishes with "stop" and a null stop_reason, its text and the held-back text released; a
+ * length limit reached by the same token still says "length". */
+TEST(stop_complete_ends_as_eos)
+{
+    pd_sampling_params p = pd_sampling_default_params();
+    const char *stops[] = {"}}"};
+    p.stop = stops;
+    p.n_stop = 1;
+    pd_stop_model m = model();
+    pd_stop *s = NULL;
+    ASSERT_OK(pd_stop_create(&p, &m, 4, &s));
+    pd_stop_result r;
+    ASSERT_OK(pd_stop_push(s, 10, "{\"a\":1", 6, &r));
+    ASSERT_EQ_INT(r.finish, PD_FINISH_NONE);
+    char all[64] = "";
+    strncat(all, r.text, r.text_len);
+    pd_stop_complete(s);
+    ASSERT_OK(pd_stop_push(s, 11, "}", 1, &r));
+    ASSERT_EQ_INT(r.finish, PD_FINISH_STOP);
+    ASSERT_EQ_INT(r.stop_kind, PD_STOP_REASON_NULL);
+    strncat(all, r.text, r.text_len);
+    ASSERT_STR_EQ(all, "{\"a\":1}"); /* the held-back "}" is released, not a stop match */
+    pd_stop_result f;
+    ASSERT_OK(pd_stop_flush(s, "", 0, &f));
+    ASSERT_EQ_INT(f.text_len, 0);
+    pd_stop_free(s);
+    p.n_stop = 0;
+    p.max_tokens = 1;
+    ASSERT_OK(pd_stop_create(&p, &m, 4, &s));
+    pd_stop_complete(s);
+    ASSERT_OK(pd_stop_push(s, 11, "1", 1, &r));
+    ASSERT_EQ_INT(r.finish, PD_FINISH_LENGTH);
+    pd_stop_free(s);
+}
