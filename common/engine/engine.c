@@ -226,6 +226,8 @@ int pd_engine_create(const pd_engine_params *params, pd_engine **out)
     pthread_mutex_init(&e->rmu, NULL);
     pthread_cond_init(&e->rcv, NULL);
     pthread_mutex_init(&e->gmu, NULL);
+    pthread_mutex_init(&e->mmu, NULL);
+    pthread_cond_init(&e->mcv, NULL);
     atomic_init(&e->stop_req, false);
     int rc = PD_OK;
     PD_CHECK_GOTO(pd_idmap_init(&e->reqs, REQ_BUCKETS), rc, fail);
@@ -313,10 +315,12 @@ void pd_engine_free(pd_engine *e)
     free(e->item_out);
     free(e->item_lp_out);
     pd_sampler_ws_free(e->ws);
+    eng_masks_stop(e);
     pd_gcache_free(e->gcache);
     pd_gvocab_free(e->gvocab);
-    free(e->gmask);
     pthread_mutex_destroy(&e->gmu);
+    pthread_mutex_destroy(&e->mmu);
+    pthread_cond_destroy(&e->mcv);
     pthread_mutex_destroy(&e->mu);
     pthread_cond_destroy(&e->work_cv);
     pthread_mutex_destroy(&e->qmu);

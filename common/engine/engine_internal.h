@@ -14,7 +14,9 @@
  *     reservations only append to the waiting queue or take free blocks, which a step in flight
  *     never looks at, so they apply at once.
  *   - gmu guards the creation of the structured-output vocabulary and grammar cache (the cache
- *     has its own lock); grammars compile on the callers' threads, never the engine's.
+ *     has its own lock); grammars compile on the callers' threads, never the engine's. The
+ *     mask thread (mmu/mcv, a generation counter) computes a step's token masks during its
+ *     forward pass; the engine thread touches no matcher until the job is done.
  *   - The output queue has its own mutex (qmu): one producer (the engine thread), one consumer.
  *   - Tensor-parallel ranks 1..t-1 run on their own threads, started per step through a
  *     generation counter (rmu/rcv) and joined the same way. Their all-reduce and what happens
@@ -53,6 +55,9 @@ typedef struct {
     pd_stop *stop;
     pd_detok *detok; /* NULL without a tokenizer */
     pd_gmatcher *gm; /* structured output: the grammar's state; NULL when unguided */
+    uint32_t *mask;  /* its allowed tokens for the next draw (with gm), made by the mask
+                        thread while the forward pass runs */
+    int mask_rc;     /* status of that computation */
     bool ended;      /* its final event was pushed */
 } eng_seq;
 
@@ -174,7 +179,14 @@ struct pd_engine {
     pthread_mutex_t gmu;
     pd_gvocab *gvocab;
     pd_gcache *gcache;
-    uint32_t *gmask; /* (max(vocab, gvocab size) + 31) / 32 words */
+    size_t gmask_words; /* (max(vocab, gvocab size) + 31) / 32: an eng_seq.mask */
+    /* the mask thread: started at the first step with a guided sequence; a job is the masks
+     * of one step's guided sequences, run while the engine thread runs the forward pass */
+    pthread_t mthread;
+    bool mthread_on, m_quit;
+    pthread_mutex_t mmu;
+    pthread_cond_t mcv;
+    uint64_t m_job, m_done;
     /* output queue */
     pthread_mutex_t qmu;
     pthread_cond_t qcv; /* signalled when the consumer frees a slot */
@@ -220,5 +232,7 @@ int eng_ranks_start(pd_engine *e);
 void eng_ranks_free(pd_engine *e);
 /* Runs the current step on every rank (rank 0 on the calling thread) and waits for all of them. */
 int eng_ranks_run(pd_engine *e);
+/* engine_step.c: stops the structured-output mask thread, if it runs (pd_engine_free). */
+void eng_masks_stop(pd_engine *e);
 
 #endif

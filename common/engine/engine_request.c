@@ -33,6 +33,7 @@ void eng_req_free(pd_engine *e, eng_req *r)
         pd_stop_free(s->stop);
         pd_detok_free(s->detok);
         pd_gmatcher_free(s->gm);
+        free(s->mask);
     }
     pd_arena_free(r->arena);
     free(r->plp);
@@ -122,14 +123,11 @@ static int req_grammar(pd_engine *e, const pd_sampling_params *sp, pd_grammar **
         rc = pd_gvocab_from_tok(e->tok, e->eos_ids, e->n_eos, &e->gvocab);
         if (rc >= 0) {
             size_t n = (size_t)pd_gvocab_size(e->gvocab);
-            e->gmask =
-                calloc(pd_gmask_words((int32_t)(n > e->vocab ? n : e->vocab)), sizeof *e->gmask);
+            e->gmask_words = pd_gmask_words((int32_t)(n > e->vocab ? n : e->vocab));
             e->gcache = pd_gcache_create(e->gvocab, PD_ENGINE_GRAMMAR_CACHE);
-            if (!e->gmask || !e->gcache) {
-                pd_gcache_free(e->gcache);
-                free(e->gmask);
+            if (!e->gcache) {
                 pd_gvocab_free(e->gvocab);
-                e->gcache = NULL, e->gmask = NULL, e->gvocab = NULL;
+                e->gvocab = NULL;
                 rc = pd_error(PD_ENOMEM, "engine: out of memory for structured output");
             }
         }
@@ -213,7 +211,14 @@ static int req_build(pd_engine *e, const pd_engine_request *rq, eng_req **out)
             PD_CHECK_GOTO(pd_detok_create(e->tok, r->sp.skip_special_tokens, rq->prompt_ids,
                                           rq->n_prompt, &s->detok),
                           rc, fail);
-        if (g) PD_CHECK_GOTO(pd_gmatcher_create(g, &s->gm), rc, fail);
+        if (g) {
+            PD_CHECK_GOTO(pd_gmatcher_create(g, &s->gm), rc, fail);
+            /* zeroed: ids past the tokenizer's (padding rows of lm_head) are never allowed */
+            if (!(s->mask = calloc(e->gmask_words, sizeof *s->mask))) {
+                rc = pd_error(PD_ENOMEM, "engine: out of memory for a token mask");
+                goto fail;
+            }
+        }
     }
     pd_grammar_unref(g);
     *out = r;
@@ -225,6 +230,7 @@ fail:
         pd_stop_free(r->seqs[i].stop);
         pd_detok_free(r->seqs[i].detok);
         pd_gmatcher_free(r->seqs[i].gm);
+        free(r->seqs[i].mask);
     }
     pd_arena_free(r->arena);
     free(r);
@@ -422,10 +428,12 @@ int pd_engine_add_imported(pd_engine *e, const pd_engine_request *rq, int32_t fi
         r->seqs[0].stop = built->seqs[0].stop;
         r->seqs[0].detok = built->seqs[0].detok;
         r->seqs[0].gm = built->seqs[0].gm;
+        r->seqs[0].mask = built->seqs[0].mask;
         built->seqs[0].smp = NULL;
         built->seqs[0].stop = NULL;
         built->seqs[0].detok = NULL;
         built->seqs[0].gm = NULL;
+        built->seqs[0].mask = NULL;
         r->first_token = first_token;
         r->state = REQ_IMPORTING;
         e->n_held--;

@@ -119,12 +119,11 @@ static int process_item(pd_engine *e, size_t i, const float *logits)
             e->p.on_logits(e->p.on_logits_ctx, r->id, c, pd_sampler_seq_num_output(cs->smp), logits,
                            e->vocab);
         pd_sample_result res;
-        const uint32_t *mask = NULL;
-        if (cs->gm) { /* structured output: only what the grammar allows next */
-            PD_CHECK(pd_gmatcher_fill_mask(cs->gm, e->gmask));
-            mask = e->gmask;
-        }
-        PD_CHECK(pd_sample(cs->smp, logits, mask, e->ws, &res));
+        if (cs->gm && cs->mask_rc < 0) /* the mask thread's (thread-local errors stay there) */
+            return pd_error(cs->mask_rc, "structured output: the token mask failed (%s)",
+                            pd_status_name(cs->mask_rc));
+        /* structured output: only what the grammar allows next (masks_job) */
+        PD_CHECK(pd_sample(cs->smp, logits, cs->gm ? cs->mask : NULL, e->ws, &res));
         if (cs->gm) PD_CHECK(pd_gmatcher_accept_token(cs->gm, res.token));
         PD_CHECK(pd_sched_append(e->sched, cs->sq, res.token));
         e->stats.generation_tokens++;
@@ -151,6 +150,89 @@ static void free_ended_requests(pd_engine *e)
         list = r->fnext;
         eng_req_maybe_free(e, r);
     }
+}
+
+/* ---- structured-output masks, made while the forward pass runs ------------------------------- */
+
+/* Calls f on every guided sequence that draws from this step's logits: each item with a logits
+ * row, and for a request whose prompt just finished, every choice (process_item's set). */
+static bool each_guided(pd_engine *e, void (*f)(eng_seq *))
+{
+    bool any = false;
+    for (size_t i = 0; i < e->so.n_items; i++) {
+        if (e->item_out[i] < 0) continue;
+        const pd_sched_item *it = &e->so.items[i];
+        eng_seq *s = pd_seq_user(it->seq);
+        eng_req *r = s->req;
+        uint32_t last = s->index;
+        if (s->index == 0 && pd_seq_num_output(it->seq) == 0 && r->n > 1) last = r->n - 1;
+        for (uint32_t c = s->index; c <= last; c++) {
+            eng_seq *cs = &r->seqs[c];
+            if (!cs->gm || cs->ended) continue;
+            any = true;
+            if (f) f(cs);
+        }
+    }
+    return any;
+}
+
+static void fill_one(eng_seq *s)
+{
+    s->mask_rc = pd_gmatcher_fill_mask(s->gm, s->mask);
+}
+
+static void *mask_main(void *arg)
+{
+    pd_engine *e = arg;
+    pthread_mutex_lock(&e->mmu);
+    for (;;) {
+        while (e->m_done == e->m_job && !e->m_quit) pthread_cond_wait(&e->mcv, &e->mmu);
+        if (e->m_quit) break;
+        pthread_mutex_unlock(&e->mmu);
+        each_guided(e, fill_one);
+        pthread_mutex_lock(&e->mmu);
+        e->m_done = e->m_job;
+        pthread_cond_broadcast(&e->mcv);
+    }
+    pthread_mutex_unlock(&e->mmu);
+    return NULL;
+}
+
+/* Starts the masks of this step's guided sequences on the mask thread (started at the first
+ * use); false when there are none, or when the thread cannot start (then they are made here,
+ * before the forward pass). */
+static bool masks_start(pd_engine *e)
+{
+    if (!each_guided(e, NULL)) return false;
+    if (!e->mthread_on && pthread_create(&e->mthread, NULL, mask_main, e) == 0)
+        e->mthread_on = true;
+    if (!e->mthread_on) {
+        each_guided(e, fill_one);
+        return false;
+    }
+    pthread_mutex_lock(&e->mmu);
+    e->m_job++;
+    pthread_cond_broadcast(&e->mcv);
+    pthread_mutex_unlock(&e->mmu);
+    return true;
+}
+
+static void masks_wait(pd_engine *e)
+{
+    pthread_mutex_lock(&e->mmu);
+    while (e->m_done != e->m_job) pthread_cond_wait(&e->mcv, &e->mmu);
+    pthread_mutex_unlock(&e->mmu);
+}
+
+void eng_masks_stop(pd_engine *e)
+{
+    if (!e->mthread_on) return;
+    pthread_mutex_lock(&e->mmu);
+    e->m_quit = true;
+    pthread_cond_broadcast(&e->mcv);
+    pthread_mutex_unlock(&e->mmu);
+    pthread_join(e->mthread, NULL);
+    e->mthread_on = false;
 }
 
 /* The pd_engine_stats.step_tokens bin of a step of n_tokens tokens (>= 1). */
@@ -181,11 +263,13 @@ static int step_once(pd_engine *e, bool *did_work)
         return rc;
     }
     e->stats.num_preemptions = pd_sched_num_preemptions(e->sched);
+    bool masking = masks_start(e); /* under mu: the step's items are fixed from here */
     pthread_mutex_unlock(&e->mu);
 
     int64_t t1 = pd_now_ns();
     int frc = eng_ranks_run(e); /* no lock: adds and reservations may proceed meanwhile */
     int64_t t2 = pd_now_ns();
+    if (masking) masks_wait(e);
 
     pthread_mutex_lock(&e->mu);
     e->stats.forward_ns += (uint64_t)(t2 - t1);
