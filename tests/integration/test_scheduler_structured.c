@@ -290,3 +290,70 @@ TEST(sched_structured_split_equals_colocated)
     free(sj);
     ASSERT_EQ_INT(cl_stop(&lp, 10000), 0);
 }
+
+/* Tool calling end to end with tool_choice "auto" (--tool-call-parser hermes): a grammar makes
+ * the random model write a hermes call, which the parser turns into `tool_calls`, streamed and
+ * not, with finish_reason "tool_calls". */
+TEST(sched_structured_forces_auto_tool_call)
+{
+    FIXTURE();
+    char *flags[] = {"--enable-auto-tool-choice", "--tool-call-parser", "hermes", NULL};
+    cl_proc sp;
+    int port = 0;
+    ASSERT_MSG(start_scheduler(&sp, &port, "scheduler_tool_grammar", flags, "1") == 0,
+               "pd-scheduler with --tool-call-parser hermes did not start");
+    static const char BODY[] =
+        "{\"messages\":[{\"role\":\"user\",\"content\":\"Weather in Paris?\"}],\"tools\":[{"
+        "\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"parameters\":{\"type\":"
+        "\"object\",\"properties\":{\"city\":{\"type\":\"string\"}},\"required\":[\"city\"]}}}],"
+        "\"max_tokens\":80,\"seed\":7%s,\"guided_regex\":\"<tool_call>\\\\n\\\\{\\\"name\\\": "
+        "\\\"get_weather\\\", \\\"arguments\\\": \\\\{\\\"city\\\": \\\"(Paris|Lima)\\\"\\\\}\\\\}"
+        "\\\\n</tool_call>\"}";
+    char body[2048];
+    snprintf(body, sizeof body, BODY, "");
+    int st;
+    json_t *o = post_json(port, "/v1/chat/completions", body, &st);
+    ASSERT_EQ_INT(st, 200);
+    const json_t *c = json_array_get(json_object_get(o, "choices"), 0);
+    ASSERT_STR_EQ(json_string_value(json_object_get(c, "finish_reason")), "tool_calls");
+    const json_t *msg = json_object_get(c, "message");
+    ASSERT(json_is_null(json_object_get(msg, "content")));
+    const json_t *call = json_array_get(json_object_get(msg, "tool_calls"), 0);
+    const json_t *fn = json_object_get(call, "function");
+    ASSERT_STR_EQ(json_string_value(json_object_get(fn, "name")), "get_weather");
+    const char *args = json_string_value(json_object_get(fn, "arguments"));
+    ASSERT_MSG(
+        args && (!strcmp(args, "{\"city\": \"Paris\"}") || !strcmp(args, "{\"city\": \"Lima\"}")),
+        "%s", args ? args : "(none)");
+    ASSERT(is_id(json_string_value(json_object_get(call, "id")), "chatcmpl-tool-"));
+    /* streamed: the same call in deltas, the arguments concatenating to the same string */
+    snprintf(body, sizeof body, BODY, ",\"stream\":true");
+    http_resp r;
+    ASSERT(http_do(port, "POST", "/v1/chat/completions", NULL, body, &r) == 0);
+    ASSERT_EQ_INT(r.status, 200);
+    char *ev[128];
+    int n = cl_sse_events(r.body, ev, 128);
+    char streamed[256] = "", name[64] = "", finish[32] = "";
+    for (int i = 0; i < n - 1; i++) {
+        json_t *k = json_loads(ev[i], 0, NULL);
+        ASSERT(k);
+        const json_t *ch = json_array_get(json_object_get(k, "choices"), 0);
+        const json_t *d = json_object_get(json_object_get(ch, "delta"), "tool_calls");
+        const json_t *f = json_object_get(json_array_get(d, 0), "function");
+        if (json_is_string(json_object_get(f, "name")))
+            snprintf(name, sizeof name, "%s", json_string_value(json_object_get(f, "name")));
+        if (json_is_string(json_object_get(f, "arguments")))
+            strncat(streamed, json_string_value(json_object_get(f, "arguments")),
+                    sizeof streamed - strlen(streamed) - 1);
+        if (json_is_string(json_object_get(ch, "finish_reason")))
+            snprintf(finish, sizeof finish, "%s",
+                     json_string_value(json_object_get(ch, "finish_reason")));
+        json_decref(k);
+    }
+    ASSERT_STR_EQ(name, "get_weather");
+    ASSERT_STR_EQ(streamed, args);
+    ASSERT_STR_EQ(finish, "tool_calls");
+    resp_free(&r);
+    json_decref(o);
+    ASSERT_EQ_INT(cl_stop(&sp, 10000), 0);
+}
