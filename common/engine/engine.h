@@ -301,6 +301,14 @@ int pd_engine_tp_size(const pd_engine *e);
 const char *pd_engine_allreduce_name(const pd_engine *e);
 /* The tokenizer in use (NULL when none). */
 const pd_tok *pd_engine_tokenizer(const pd_engine *e);
+
+/* Structured output: whether sp (guided_kind set) is ready to add without compiling (its
+ * grammar is in the engine's cache; also true for an unguided sp or an engine without a
+ * tokenizer, whose add reports the error). pd_engine_grammar_warm compiles it into the cache
+ * (a refusal is left for the add to report). The adds compile what is missing themselves; a
+ * caller that must not block (an RPC thread) warms first on a thread of its own. */
+bool pd_engine_grammar_ready(pd_engine *e, const pd_sampling_params *sp);
+void pd_engine_grammar_warm(pd_engine *e, const pd_sampling_params *sp);
 /* The model's config (loaded or borrowed). */
 const pd_model_config *pd_engine_model_config(const pd_engine *e);
 /* Rank r's backend and KV pool, for the KV transfer code (same block ids on every rank). */

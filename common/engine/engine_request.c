@@ -110,11 +110,10 @@ int eng_apply_inbox(pd_engine *e)
 
 /* ---- adding requests ------------------------------------------------------------------------ */
 
-/* The grammar of a guided request (sp->guided_kind set), compiled through the engine's cache
- * on the caller's thread; the vocabulary and cache are made at the first. */
-static int req_grammar(pd_engine *e, const pd_sampling_params *sp, pd_grammar **out)
+/* The engine's grammar cache, made with the vocabulary at the first guided request (under
+ * gmu). */
+static int grammar_cache(pd_engine *e, pd_gcache **out)
 {
-    *out = NULL;
     if (!e->tok)
         return pd_error(PD_EINVAL, "structured output needs a tokenizer; this engine has none");
     int rc = PD_OK;
@@ -132,14 +131,43 @@ static int req_grammar(pd_engine *e, const pd_sampling_params *sp, pd_grammar **
             }
         }
     }
+    *out = e->gcache;
     pthread_mutex_unlock(&e->gmu);
-    if (rc < 0) return rc;
-    pd_gspec spec = {.kind = (pd_gspec_kind)sp->guided_kind,
-                     .text = sp->guided,
-                     .len = sp->guided_len,
-                     .ws_pattern = sp->guided_ws,
-                     .strict = true};
-    return pd_gcache_get(e->gcache, &spec, out, NULL);
+    return rc;
+}
+
+static pd_gspec guided_spec(const pd_sampling_params *sp)
+{
+    return (pd_gspec){.kind = (pd_gspec_kind)sp->guided_kind,
+                      .text = sp->guided,
+                      .len = sp->guided_len,
+                      .ws_pattern = sp->guided_ws,
+                      .strict = true};
+}
+
+/* The grammar of a guided request (sp->guided_kind set), compiled through the engine's cache
+ * on the caller's thread, never the engine thread's. */
+static int req_grammar(pd_engine *e, const pd_sampling_params *sp, pd_grammar **out)
+{
+    *out = NULL;
+    pd_gcache *c;
+    PD_CHECK(grammar_cache(e, &c));
+    pd_gspec spec = guided_spec(sp);
+    return pd_gcache_get(c, &spec, out, NULL);
+}
+
+bool pd_engine_grammar_ready(pd_engine *e, const pd_sampling_params *sp)
+{
+    pd_gcache *c;
+    if (!sp->guided_kind || grammar_cache(e, &c) < 0) return true;
+    pd_gspec spec = guided_spec(sp);
+    return pd_gcache_has(c, &spec);
+}
+
+void pd_engine_grammar_warm(pd_engine *e, const pd_sampling_params *sp)
+{
+    pd_grammar *g = NULL;
+    if (sp->guided_kind && req_grammar(e, sp, &g) >= 0) pd_grammar_unref(g);
 }
 
 /* Builds a request object: copies and validates the parameters (rq->sampling not NULL) and

@@ -251,6 +251,20 @@ int pd_gcache_get(pd_gcache *c, const pd_gspec *spec, pd_grammar **out, pd_gerr 
     return 0;
 }
 
+bool pd_gcache_has(pd_gcache *c, const pd_gspec *spec)
+{
+    size_t klen;
+    char *key = make_key(spec, &klen);
+    if (!key) return false;
+    bool found = false;
+    pthread_mutex_lock(&c->lock);
+    for (centry *e = c->head; e && !found; e = e->next)
+        found = e->klen == klen && memcmp(e->key, key, klen) == 0;
+    pthread_mutex_unlock(&c->lock);
+    free(key);
+    return found;
+}
+
 void pd_gcache_stats(const pd_gcache *c, size_t *entries, uint64_t *hits, uint64_t *misses)
 {
     pd_gcache *m = (pd_gcache *)c;

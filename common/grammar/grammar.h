@@ -97,6 +97,8 @@ void pd_grammar_stats(const pd_grammar *g, size_t *rules, size_t *states);
 pd_gcache *pd_gcache_create(const pd_gvocab *v, size_t max_entries);
 void pd_gcache_free(pd_gcache *c);
 int pd_gcache_get(pd_gcache *c, const pd_gspec *spec, pd_grammar **out, pd_gerr *err);
+/* Whether spec is compiled in the cache (no compile, no LRU change). */
+bool pd_gcache_has(pd_gcache *c, const pd_gspec *spec);
 void pd_gcache_stats(const pd_gcache *c, size_t *entries, uint64_t *hits, uint64_t *misses);
 
 /* ---- matching (one per sequence) -------------------------------------------------------- */

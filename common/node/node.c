@@ -606,6 +606,79 @@ fail:;
     return pd_error(rc, "%s", msg);
 }
 
+/* ---- structured output: compiling off the RPC thread ---------------------------------------- */
+
+typedef struct {
+    pd_node *n;
+    pd_rpc_call *call;
+    void (*fn)(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len);
+    uint8_t *b; /* the request's bytes */
+    size_t len;
+    pd_sampling_params sp; /* its guided fields, into text / ws */
+    char *text, *ws;
+} defer_job;
+
+static _Thread_local bool t_deferred; /* this thread runs a deferred call: no second deferral */
+
+static void *defer_main(void *arg)
+{
+    defer_job *j = arg;
+    pd_node *n = j->n;
+    pd_engine_grammar_warm(n->e, &j->sp);
+    t_deferred = true;
+    j->fn(n, j->call, j->b, j->len);
+    free(j->b);
+    free(j->text);
+    free(j->ws);
+    free(j);
+    pthread_mutex_lock(&n->mu);
+    n->n_deferred--;
+    pthread_cond_broadcast(&n->cv);
+    pthread_mutex_unlock(&n->mu);
+    return NULL;
+}
+
+bool node_defer_guided(pd_node *n, pd_rpc_call *call, const Pd__SamplingParams *m,
+                       void (*fn)(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len),
+                       const uint8_t *b, size_t len)
+{
+    if (t_deferred || !m || !m->guided_kind) return false;
+    pd_sampling_params sp = pd_sampling_default_params();
+    sp.guided_kind = m->guided_kind;
+    sp.guided = (const char *)m->guided.data;
+    sp.guided_len = m->guided.len;
+    sp.guided_ws = m->guided_ws && m->guided_ws[0] ? m->guided_ws : NULL;
+    if (pd_engine_grammar_ready(n->e, &sp)) return false;
+    defer_job *j = calloc(1, sizeof *j);
+    if (!j) return false;
+    *j = (defer_job){.n = n, .call = call, .fn = fn, .len = len, .sp = sp};
+    j->b = malloc(len ? len : 1);
+    j->text = malloc(sp.guided_len + 1);
+    j->ws = sp.guided_ws ? strdup(sp.guided_ws) : NULL;
+    if (!j->b || !j->text || (sp.guided_ws && !j->ws)) goto inline_;
+    memcpy(j->b, b, len);
+    if (sp.guided_len) memcpy(j->text, sp.guided, sp.guided_len);
+    j->text[sp.guided_len] = '\0';
+    j->sp.guided = j->text;
+    j->sp.guided_ws = j->ws;
+    pthread_attr_t at;
+    pthread_t t;
+    pthread_attr_init(&at);
+    pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+    pthread_mutex_lock(&n->mu);
+    bool ok = !n->defer_closed && pthread_create(&t, &at, defer_main, j) == 0;
+    if (ok) n->n_deferred++;
+    pthread_mutex_unlock(&n->mu);
+    pthread_attr_destroy(&at);
+    if (ok) return true;
+inline_: /* no thread: compile here, as before */
+    free(j->b);
+    free(j->text);
+    free(j->ws);
+    free(j);
+    return false;
+}
+
 int pd_node_port(const pd_node *n)
 {
     return pd_rpc_server_port(n->srv);
@@ -655,6 +728,11 @@ int pd_node_run(pd_node *n)
 void pd_node_free(pd_node *n)
 {
     if (!n) return;
+    /* deferred calls (node_defer_guided) finish first: they use the server and the engine */
+    pthread_mutex_lock(&n->mu);
+    n->defer_closed = true;
+    while (n->n_deferred > 0) pthread_cond_wait(&n->cv, &n->mu);
+    pthread_mutex_unlock(&n->mu);
     if (n->srv) pd_rpc_server_stop(n->srv, 2000);
     if (n->e) pd_engine_stop(n->e);
     pthread_mutex_lock(&n->mu);

@@ -148,6 +148,10 @@ static void h_decode(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len)
                           "Decode: request_id and prompt_ids are required");
         return;
     }
+    if (node_defer_guided(n, call, q->sampling, h_decode, b, len)) {
+        pd__decode_request__free_unpacked(q, NULL);
+        return;
+    }
     int st = PD_RPC_OK;
     char msg[512] = "";
     pthread_mutex_lock(&n->mu);

@@ -131,6 +131,8 @@ struct pd_node {
     size_t warmup_tokens;
     relay *relays;                                     /* open Relay streams (under mu) */
     int64_t relay_batches, relay_events, relay_pauses; /* cumulative (under mu) */
+    int n_deferred;    /* calls handled on a thread of their own (node_defer_guided; under mu) */
+    bool defer_closed; /* pd_node_free began: no more deferrals (under mu) */
     /* counters (under mu) */
     int64_t kv_bytes, leases;
     double kv_seconds;
@@ -141,6 +143,15 @@ struct pd_node {
 /* The request table. Called with n->mu held. node_req_add: NULL with PD_EEXIST / PD_ENOMEM
  * set; node_req_remove unlinks and frees (and wakes a drain waiting on the table). */
 req *node_req_find(pd_node *n, const char *id);
+
+/* Structured output: an RPC handler must not block, and compiling a request's grammar may take
+ * long (seconds for some schemas). When m asks for a grammar the engine has not compiled yet,
+ * the call is taken off the RPC thread: a thread of its own compiles it, then runs fn(n, call,
+ * b, len) again (where it no longer defers). Returns true when it took the call (the caller
+ * returns at once and frees what it unpacked); false: handle it now. */
+bool node_defer_guided(pd_node *n, pd_rpc_call *call, const Pd__SamplingParams *m,
+                       void (*fn)(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len),
+                       const uint8_t *b, size_t len);
 req *node_req_add(pd_node *n, const char *id);
 void node_req_remove(pd_node *n, req *r);
 

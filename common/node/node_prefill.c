@@ -31,6 +31,10 @@ static void h_prefill(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len
                     "Prefill: request_id, prompt_ids and targets are required");
         return;
     }
+    if (node_defer_guided(n, call, q->sampling, h_prefill, b, len)) {
+        pd__prefill_request__free_unpacked(q, NULL);
+        return;
+    }
     size_t bs = pd_engine_block_size(n->e);
     size_t need = (q->n_prompt_ids + bs - 1) / bs;
     char bad[200] = "";
