@@ -633,8 +633,12 @@ void srv_dispatch(sreq *r)
         else
             snprintf(c->sub_id, sizeof c->sub_id, "%s-%d", r->id, i);
         /* each choice's text goes through its own tool parser (a non-streamed one at the end) */
-        if (r->req.stream && r->req.parse_tools &&
-            !(c->tools = pd_tool_stream_create(r->lim.tool_parser, srv_next_rand(s)))) {
+        if (r->req.stream && r->req.parse_tools)
+            c->tools = pd_tool_stream_create(r->lim.tool_parser, srv_next_rand(s));
+        else if (r->req.stream && (r->req.tools_required || r->req.tool_named))
+            c->tools = pd_tool_stream_create_forced(r->req.tool_named, srv_next_rand(s));
+        if (r->req.stream && (r->req.parse_tools || r->req.tools_required || r->req.tool_named) &&
+            !c->tools) {
             srv_reject(r, 500, "out of memory", NULL);
             return;
         }

@@ -271,7 +271,8 @@ void srv_lp_object(pd_sb *b, bool chat, pd_sb items[4])
 }
 
 /* The finish reason of a finished choice: "tool_calls" once its tool parser streamed a call
- * (vLLM's, whatever stopped the generation). */
+ * (vLLM's, whatever stopped the generation; tool_choice auto and "required", not a named
+ * function). */
 static const char *finish_reason(const choice *c)
 {
     return c->tools && pd_tool_stream_called(c->tools) ? "tool_calls" : c->finish;
@@ -295,7 +296,7 @@ static void tool_deltas(pd_sb *b, const pd_tool_delta *d)
             pd_sb_str(b, "\"name\":");
             pd_sb_json_str(b, t->name, strlen(t->name));
         }
-        if (t->args_len) {
+        if (t->args) {
             pd_sb_str(b, t->first ? ",\"arguments\":" : "\"arguments\":");
             pd_sb_json_str(b, t->args, t->args_len);
         }
@@ -475,14 +476,26 @@ void srv_respond_full(sreq *r)
         pd_sb_printf(b, "%s{\"index\":%d,", i ? "," : "", c->index);
         if (chat) {
             pd_tool_calls tc = {0};
-            if (r->req.parse_tools &&
-                pd_tool_extract(r->lim.tool_parser, c->text.p ? c->text.p : "", c->text.len,
-                                srv_next_rand(s), &tc) < 0) {
-                srv_respond_error(r, 500, "out of memory parsing tool calls", NULL);
+            bool forced = r->req.tools_required || r->req.tool_named;
+            const char *gen = c->text.p ? c->text.p : "";
+            int rc = r->req.parse_tools ? pd_tool_extract(r->lim.tool_parser, gen, c->text.len,
+                                                          srv_next_rand(s), &tc)
+                     : forced ? pd_tool_extract_forced(r->req.tool_named, gen, c->text.len,
+                                                       srv_next_rand(s), &tc)
+                              : PD_OK;
+            if (rc < 0) { /* vLLM: the answer fails validation as a list of calls: a 400 */
+                char msg[320];
+                snprintf(msg, sizeof msg, "tool_choice \"required\": %s (finish_reason \"%s\"%s)",
+                         pd_last_error(), c->finish,
+                         strcmp(c->finish, "length") == 0 ? ": max_tokens ended the answer first"
+                                                          : "");
+                srv_respond_error(r, rc == PD_ENOMEM ? 500 : 400,
+                                  rc == PD_ENOMEM ? "out of memory parsing tool calls" : msg, NULL);
                 return;
             }
-            const char *text = r->req.parse_tools ? tc.content : c->text.p ? c->text.p : "";
-            size_t text_len = r->req.parse_tools ? tc.content_len : c->text.len;
+            bool parsed = r->req.parse_tools || forced;
+            const char *text = parsed ? tc.content : gen;
+            size_t text_len = parsed ? tc.content_len : c->text.len;
             pd_sb_str(b, "\"message\":{\"role\":");
             pd_sb_json_str(b, r->req.role, strlen(r->req.role));
             pd_sb_str(b, ",\"content\":");
@@ -505,7 +518,12 @@ void srv_respond_full(sreq *r)
                 pd_sb_json_str(b, tc.calls[k].arguments, strlen(tc.calls[k].arguments));
                 pd_sb_str(b, "}}");
             }
-            const char *finish = tc.n ? "tool_calls" : c->finish;
+            /* vLLM (as OpenAI): "tool_calls" when auto found calls, or when "required" stopped
+             * after its calls; a named function keeps the generation's */
+            const char *finish = tc.n && (r->req.parse_tools ||
+                                          (r->req.tools_required && strcmp(c->finish, "stop") == 0))
+                                     ? "tool_calls"
+                                     : c->finish;
             pd_tool_calls_free(&tc);
             pd_sb_str(b, "],\"reasoning_content\":null},\"logprobs\":");
             if (r->req.sp.logprobs >= 0)

@@ -352,9 +352,10 @@ static void cs_free(call_scan *cs)
     tb_free(&cs->key);
 }
 
-/* Scans a call object at c->i; alt: another key that holds the arguments ("parameters" for
- * llama3_json), or NULL. A complete object needs a string name and the arguments. */
-static int scan_call(scan *c, call_scan *cs, const char *alt)
+/* Scans a call object at c->i; key: the key that holds the arguments ("arguments", or
+ * "parameters" for tool_choice "required"), alt: another one ("parameters" for llama3_json) or
+ * NULL. A complete object needs a string name and the arguments. */
+static int scan_call(scan *c, call_scan *cs, const char *key, const char *alt)
 {
     cs_reset(cs);
     skip_ws(c);
@@ -377,7 +378,7 @@ static int scan_call(scan *c, call_scan *cs, const char *alt)
         if (c->i >= c->n) return cs->rc = SC_MORE;
         if (c->s[c->i++] != ':') return cs->rc = SC_BAD;
         const char *k = cs->key.p ? cs->key.p : "";
-        bool is_args = strcmp(k, "arguments") == 0 || (alt && strcmp(k, alt) == 0);
+        bool is_args = strcmp(k, key) == 0 || (alt && strcmp(k, alt) == 0);
         if (strcmp(k, "name") == 0) {
             skip_ws(c);
             if (c->i >= c->n) return cs->rc = SC_MORE;
@@ -427,13 +428,22 @@ const char *pd_tool_required_token(pd_tool_kind k)
 static const char HERMES_OPEN[] = "<tool_call>", HERMES_CLOSE[] = "</tool_call>";
 static const char PY_TAG[] = "<|python_tag|>", MISTRAL_BOT[] = "[TOOL_CALLS]";
 
+/* tool_choice "required" and a named function: formats of the answers that structured output
+ * constrained (not --tool-call-parser choices; the kind of a stream or of array_calls). */
+enum { K_REQUIRED = 3, K_NAMED = 4 };
+
 /* The start marker after which a parser reads calls (llama3_json: none, see below). */
-static const char *marker(pd_tool_kind k)
+static const char *marker(int k)
 {
     return k == PD_TOOL_HERMES ? HERMES_OPEN : k == PD_TOOL_MISTRAL ? MISTRAL_BOT : NULL;
 }
 
-static const char *alt_key(pd_tool_kind k)
+static const char *args_key(int k)
+{
+    return k == K_REQUIRED ? "parameters" : "arguments";
+}
+
+static const char *alt_key(int k)
 {
     return k == PD_TOOL_LLAMA3_JSON ? "parameters" : NULL;
 }
@@ -455,7 +465,7 @@ static uint64_t next_rand(uint64_t *st)
 }
 
 /* A new call id (vLLM's make_tool_call_id, or MistralToolCall.generate_random_id). */
-static void make_id(pd_tool_kind k, uint64_t *rng, char id[48])
+static void make_id(int k, uint64_t *rng, char id[48])
 {
     if (k == PD_TOOL_MISTRAL) {
         static const char an[] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
@@ -469,7 +479,7 @@ static void make_id(pd_tool_kind k, uint64_t *rng, char id[48])
 
 /* ---- whole text ---- */
 
-static int add_call(pd_tool_kind k, uint64_t *rng, pd_tool_calls *out, call_scan *cs)
+static int add_call(int k, uint64_t *rng, pd_tool_calls *out, call_scan *cs)
 {
     pd_tool_call *calls = realloc(out->calls, (out->n + 1) * sizeof *calls);
     if (!calls) return PD_ENOMEM;
@@ -486,13 +496,21 @@ static int add_call(pd_tool_kind k, uint64_t *rng, pd_tool_calls *out, call_scan
 static bool whole_call(const char *s, size_t n, const char *alt, call_scan *cs)
 {
     scan c = {s, n, 0, true};
-    if (scan_call(&c, cs, alt) != SC_DONE) return false;
+    if (scan_call(&c, cs, "arguments", alt) != SC_DONE) return false;
     skip_ws(&c);
     return c.i == n;
 }
 
+/* "required": the parameters are an object or null (vLLM validates the answer as a list of
+ * FunctionDefinition, whose parameters are Optional[dict]). */
+static bool params_ok(const call_scan *cs)
+{
+    const char *a = cs->args.p ? cs->args.p : "";
+    return a[0] == '{' || strcmp(a, "null") == 0;
+}
+
 /* s[0..n) is a JSON array of call objects, whitespace around it allowed. */
-static int array_calls(pd_tool_kind k, uint64_t *rng, const char *s, size_t n, call_scan *cs,
+static int array_calls(int k, uint64_t *rng, const char *s, size_t n, call_scan *cs,
                        pd_tool_calls *out)
 {
     scan c = {s, n, 0, true};
@@ -503,7 +521,8 @@ static int array_calls(pd_tool_kind k, uint64_t *rng, const char *s, size_t n, c
         c.i++;
     } else {
         for (;;) {
-            if (scan_call(&c, cs, NULL) != SC_DONE) return SC_BAD;
+            if (scan_call(&c, cs, args_key(k), NULL) != SC_DONE) return SC_BAD;
+            if (k == K_REQUIRED && !params_ok(cs)) return SC_BAD;
             PD_CHECK(add_call(k, rng, out, cs));
             skip_ws(&c);
             if (c.i >= n) return SC_BAD;
@@ -673,6 +692,36 @@ int pd_tool_extract(pd_tool_kind k, const char *text, size_t len, uint64_t seed,
     return out->content ? PD_OK : pd_error(PD_ENOMEM, "out of memory");
 }
 
+int pd_tool_extract_forced(const char *named, const char *text, size_t len, uint64_t seed,
+                           pd_tool_calls *out)
+{
+    memset(out, 0, sizeof *out);
+    uint64_t rng = seed;
+    int rc = SC_DONE;
+    out->content = strdup(""); /* vLLM's content "" */
+    if (!out->content) {
+        rc = PD_ENOMEM;
+    } else if (named) { /* the whole text is the arguments, as generated */
+        out->calls = calloc(1, sizeof *out->calls);
+        if (out->calls) {
+            out->n = 1;
+            make_id(K_NAMED, &rng, out->calls[0].id);
+            out->calls[0].name = strdup(named);
+            out->calls[0].arguments = strndup(text, len);
+        }
+        if (!out->calls || !out->calls[0].name || !out->calls[0].arguments) rc = PD_ENOMEM;
+    } else {
+        call_scan cs = {0};
+        rc = array_calls(K_REQUIRED, &rng, text, len, &cs, out);
+        cs_free(&cs);
+    }
+    if (rc == SC_DONE) return PD_OK;
+    pd_tool_calls_free(out);
+    if (rc == PD_ENOMEM) return pd_error(PD_ENOMEM, "out of memory parsing tool calls");
+    return pd_error(PD_EINVAL, "the generated text is not a JSON array of {\"name\": string, "
+                               "\"parameters\": object} tool calls");
+}
+
 /* ---- streaming ---- */
 
 typedef struct {
@@ -685,7 +734,8 @@ typedef struct {
 enum { M_UNDECIDED, M_CONTENT, M_TOOLS, M_PLAIN };
 
 struct pd_tool_stream {
-    pd_tool_kind kind;
+    int kind;    /* pd_tool_kind, K_REQUIRED or K_NAMED */
+    char *named; /* K_NAMED: the function's name */
     uint64_t rng;
     tbuf text;           /* everything fed */
     int mode;            /* M_* */
@@ -710,9 +760,24 @@ pd_tool_stream *pd_tool_stream_create(pd_tool_kind k, uint64_t seed)
     return st;
 }
 
+pd_tool_stream *pd_tool_stream_create_forced(const char *named, uint64_t seed)
+{
+    pd_tool_stream *st = calloc(1, sizeof *st);
+    if (!st) return NULL;
+    st->kind = named ? K_NAMED : K_REQUIRED;
+    st->rng = seed;
+    st->mode = M_TOOLS; /* the answer is the calls from its first byte */
+    if (named && !(st->named = strdup(named))) {
+        free(st);
+        return NULL;
+    }
+    return st;
+}
+
 void pd_tool_stream_free(pd_tool_stream *st)
 {
     if (!st) return;
+    free(st->named);
     tb_free(&st->text);
     tb_free(&st->out_args);
     cs_free(&st->cs);
@@ -724,7 +789,7 @@ void pd_tool_stream_free(pd_tool_stream *st)
 
 bool pd_tool_stream_called(const pd_tool_stream *st)
 {
-    return st->n_calls > 0 && st->calls[0].header_sent;
+    return st->kind != K_NAMED && st->n_calls > 0 && st->calls[0].header_sent;
 }
 
 /* Call i's state, created on first sight. */
@@ -744,6 +809,20 @@ static call_state *call_at(pd_tool_stream *st, size_t i)
     return c;
 }
 
+/* Room for one more call in this delta. */
+static int grow_dcalls(pd_tool_stream *st, size_t n_out)
+{
+    if (n_out < st->cap_dcalls) return PD_OK;
+    size_t cap = st->cap_dcalls ? st->cap_dcalls * 2 : 4;
+    pd_tool_delta_call *p = realloc(st->dcalls, cap * sizeof *p);
+    if (p) st->dcalls = p;
+    size_t *q = p ? realloc(st->frag_off, cap * sizeof *q) : NULL;
+    if (!q) return PD_ENOMEM;
+    st->frag_off = q;
+    st->cap_dcalls = cap;
+    return PD_OK;
+}
+
 /* What call i (as scanned into st->cs) adds to this delta. */
 static int emit_call(pd_tool_stream *st, size_t i, size_t *n_out)
 {
@@ -754,15 +833,7 @@ static int emit_call(pd_tool_stream *st, size_t i, size_t *n_out)
     bool first = !c->header_sent;
     size_t frag = cs->args.len > c->args_sent ? cs->args.len - c->args_sent : 0;
     if (!first && !frag) return PD_OK;
-    if (*n_out >= st->cap_dcalls) {
-        size_t cap = st->cap_dcalls ? st->cap_dcalls * 2 : 4;
-        pd_tool_delta_call *p = realloc(st->dcalls, cap * sizeof *p);
-        if (p) st->dcalls = p;
-        size_t *q = p ? realloc(st->frag_off, cap * sizeof *q) : NULL;
-        if (!q) return PD_ENOMEM;
-        st->frag_off = q;
-        st->cap_dcalls = cap;
-    }
+    PD_CHECK(grow_dcalls(st, *n_out));
     pd_tool_delta_call *d = &st->dcalls[(*n_out)++];
     memset(d, 0, sizeof *d);
     d->index = (int)i;
@@ -802,11 +873,12 @@ static int scan_tools(pd_tool_stream *st, bool final, size_t *n_out)
             }
         }
         scan c = {t, body_end, p, closed};
-        int rc = scan_call(&c, &st->cs, alt);
+        int rc = scan_call(&c, &st->cs, args_key(st->kind), alt);
         if (rc == SC_DONE && closed && st->kind == PD_TOOL_HERMES) {
             skip_ws(&c);
             if (c.i != body_end) rc = SC_BAD; /* json.loads of the body fails */
         }
+        if (rc == SC_DONE && st->kind == K_REQUIRED && !params_ok(&st->cs)) rc = SC_BAD;
         if (rc == SC_BAD || (rc == SC_MORE && closed)) {
             call_state *cst = call_at(st, i);
             if (!cst) return PD_ENOMEM;
@@ -826,7 +898,7 @@ static int scan_tools(pd_tool_stream *st, bool final, size_t *n_out)
         }
         while (p < len && is_ws(t[p])) p++;
         char sep = st->kind == PD_TOOL_LLAMA3_JSON ? ';' : ',';
-        if (p >= len || t[p] != sep) return PD_OK; /* mistral's ']' or the end: no more calls */
+        if (p >= len || t[p] != sep) return PD_OK; /* an array's ']' or the end: no more calls */
         p++;
     }
 }
@@ -840,10 +912,36 @@ static size_t partial_marker(const char *s, size_t n, const char *m)
     return 0;
 }
 
+/* A named function: every text delta is the next arguments fragment of call 0, as generated
+ * (vLLM's serving_chat sends each one, empty ones too). */
+static int feed_named(pd_tool_stream *st, const char *text, size_t len, pd_tool_delta *out)
+{
+    call_state *c = call_at(st, 0);
+    if (!c || grow_dcalls(st, 0) < 0)
+        return pd_error(PD_ENOMEM, "out of memory parsing tool calls");
+    st->out_args.len = 0;
+    tb_add(&st->out_args, text, len);
+    if (st->out_args.oom) return pd_error(PD_ENOMEM, "out of memory parsing tool calls");
+    pd_tool_delta_call *d = &st->dcalls[0];
+    memset(d, 0, sizeof *d);
+    d->first = !c->header_sent;
+    if (d->first) {
+        d->id = c->id;
+        d->name = st->named;
+        c->header_sent = true;
+    }
+    d->args = st->out_args.p ? st->out_args.p : "";
+    d->args_len = len;
+    out->calls = st->dcalls;
+    out->n_calls = 1;
+    return PD_OK;
+}
+
 int pd_tool_stream_feed(pd_tool_stream *st, const char *text, size_t len, bool final,
                         pd_tool_delta *out)
 {
     memset(out, 0, sizeof *out);
+    if (st->kind == K_NAMED) return feed_named(st, text, len, out);
     tb_add(&st->text, text, len);
     st->out_args.len = 0;
     if (st->text.oom) return pd_error(PD_ENOMEM, "out of memory parsing tool calls");
@@ -881,7 +979,7 @@ int pd_tool_stream_feed(pd_tool_stream *st, const char *text, size_t len, bool f
     }
     size_t n_out = 0;
     if (st->mode == M_TOOLS) {
-        if (st->kind == PD_TOOL_MISTRAL) { /* [TOOL_CALLS] then '[' */
+        if (st->kind == PD_TOOL_MISTRAL || st->kind == K_REQUIRED) { /* ([TOOL_CALLS]) '[' */
             size_t p = st->region;
             while (p < n && is_ws(t[p])) p++;
             if (p < n && t[p] == '[') {
@@ -896,7 +994,9 @@ int pd_tool_stream_feed(pd_tool_stream *st, const char *text, size_t len, bool f
     if (st->out_args.oom) return pd_error(PD_ENOMEM, "out of memory parsing tool calls");
     for (size_t i = 0; i < n_out; i++) { /* offsets -> pointers, now that out_args is still */
         pd_tool_delta_call *d = &st->dcalls[i];
-        d->args = st->out_args.p ? st->out_args.p + (size_t)(uintptr_t)d->args : "";
+        d->args = !d->args_len     ? NULL /* no arguments key */
+                  : st->out_args.p ? st->out_args.p + (size_t)(uintptr_t)d->args
+                                   : "";
         if (d->first) d->name = st->out_args.p + st->frag_off[i];
     }
     out->calls = st->dcalls;

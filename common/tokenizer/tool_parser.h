@@ -20,8 +20,18 @@
  * follow its tokenizer and partial-JSON library, its concatenation is the same string.
  * Text after the first call is not content, in both modes (vLLM's non-streaming rule).
  *
- * Ids: hermes and llama3_json "chatcmpl-tool-" + 32 hex digits, mistral 9 letters or digits
- * (what mistral_common accepts), from a generator seeded by the caller.
+ * tool_choice "required" and a named function (pd_tool_extract_forced, pd_tool_stream_create_
+ * forced) read what structured output made the model write, as vLLM's serving_chat does:
+ *
+ *   required     [{"name": N, "parameters": A}, ...] (the whole text)
+ *   named        A (the whole text: the named function's arguments)
+ *
+ * Required goes through the same scanner as the parsers (the mistral array without its marker,
+ * the arguments under "parameters"), so its streamed fragments concatenate to its `arguments`
+ * too; named passes the text through untouched, streamed and not.
+ *
+ * Ids: hermes, llama3_json, required and named "chatcmpl-tool-" + 32 hex digits, mistral 9
+ * letters or digits (what mistral_common accepts), from a generator seeded by the caller.
  */
 #ifndef PD_TOKENIZER_TOOL_PARSER_H
 #define PD_TOKENIZER_TOOL_PARSER_H
@@ -58,13 +68,22 @@ int pd_tool_extract(pd_tool_kind k, const char *text, size_t len, uint64_t seed,
                     pd_tool_calls *out);
 void pd_tool_calls_free(pd_tool_calls *c);
 
+/* tool_choice forced: named (the function's name) != NULL: one call of it whose arguments are
+ * text as is; NULL ("required"): text must be a JSON array of {"name": string, "parameters":
+ * object or null} objects (whitespace around it allowed), one call each, arguments json.dumps
+ * of the parameters. content is "" (not null), as vLLM sets it. PD_EINVAL (with a message)
+ * when text is not such an array (e.g. max_tokens cut it), PD_ENOMEM. */
+int pd_tool_extract_forced(const char *named, const char *text, size_t len, uint64_t seed,
+                           pd_tool_calls *out);
+
 /* One tool call's part of a streamed delta. */
 typedef struct {
     int index;
     bool first;       /* its first delta: id, type and name are set */
     const char *id;   /* first only */
     const char *name; /* first only, NUL-terminated */
-    const char *args; /* (args_len,) the next arguments fragment; args_len 0: none */
+    const char *args; /* (args_len,) the next arguments fragment; NULL: no arguments key
+                         (a named function's deltas always have one, "" included) */
     size_t args_len;
 } pd_tool_delta_call;
 
@@ -79,6 +98,10 @@ typedef struct pd_tool_stream pd_tool_stream;
 
 /* NULL when out of memory. */
 pd_tool_stream *pd_tool_stream_create(pd_tool_kind k, uint64_t seed);
+/* The stream of a forced tool_choice: named != NULL (copied): every delta is a call-0 delta whose
+ * arguments are the text delta as is (a chunk per delta, as vLLM); NULL: "required", the calls
+ * of the array as the parsers stream theirs. NULL when out of memory. */
+pd_tool_stream *pd_tool_stream_create_forced(const char *named, uint64_t seed);
 void pd_tool_stream_free(pd_tool_stream *st);
 /* Feeds the next text delta (len bytes); final: the generation ended (held-back text is
  * flushed, a number at the end is complete). *out points into st until the next call; an empty
@@ -86,7 +109,8 @@ void pd_tool_stream_free(pd_tool_stream *st);
  * PD_ENOMEM only. */
 int pd_tool_stream_feed(pd_tool_stream *st, const char *text, size_t len, bool final,
                         pd_tool_delta *out);
-/* At least one call was streamed: the finish reason is "tool_calls". */
+/* The finish reason is "tool_calls": at least one call was streamed (never for a named
+ * function, whose finish reason stays the generation's, as vLLM and OpenAI). */
 bool pd_tool_stream_called(const pd_tool_stream *st);
 
 #endif

@@ -9,6 +9,7 @@
 #include <ctype.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -287,4 +288,50 @@ int open_long_stream(int port, const char *auth)
         return -1;
     }
     return fd;
+}
+
+/* POST body to path on port; the parsed response (200 asserted by the caller). */
+json_t *post_json(int port, const char *path, const char *body, int *status)
+{
+    http_resp r;
+    if (http_do(port, "POST", path, NULL, body, &r) != 0) return NULL;
+    *status = r.status;
+    json_t *o = json_loads(r.body, 0, NULL);
+    if (r.status != 200) printf("    %s -> %d: %.400s\n", path, r.status, r.body);
+    resp_free(&r);
+    return o;
+}
+
+/* 0 when instance (JSON text) is valid under schema (JSON text), by python3-jsonschema. */
+int validate(const char *schema, const char *instance, char *why, size_t n)
+{
+    char dir[] = "/tmp/pdso.XXXXXX", sp[64], ip[64], out[80];
+    if (!mkdtemp(dir)) return -1;
+    snprintf(sp, sizeof sp, "%s/s.json", dir);
+    snprintf(ip, sizeof ip, "%s/i.json", dir);
+    snprintf(out, sizeof out, "%s/out", dir);
+    FILE *f = fopen(sp, "w"), *g = fopen(ip, "w");
+    if (f) fputs(schema, f);
+    if (g) fputs(instance, g);
+    if (f) fclose(f);
+    if (g) fclose(g);
+    char *argv[] = {"/usr/bin/python3",
+                    "-c",
+                    "import json, sys, jsonschema\n"
+                    "s = json.load(open(sys.argv[1]))\n"
+                    "jsonschema.Draft7Validator.check_schema(s)\n"
+                    "jsonschema.Draft7Validator(s).validate(json.load(open(sys.argv[2])))",
+                    sp,
+                    ip,
+                    NULL};
+    int rc = cl_run(argv, out, 30);
+    why[0] = 0;
+    FILE *o = fopen(out, "r");
+    if (o) {
+        size_t k = fread(why, 1, n - 1, o);
+        why[k] = 0;
+        fclose(o);
+    }
+    unlink(sp), unlink(ip), unlink(out), rmdir(dir);
+    return rc;
 }

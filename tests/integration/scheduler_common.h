@@ -74,5 +74,11 @@ void keys_of(const json_t *o, char *buf, size_t n);
 bool is_id(const char *s, const char *prefix);
 /* Opens a long streaming completion on port and returns the socket once the first bytes came. */
 int open_long_stream(int port, const char *auth);
+/* POST body to path on port: the parsed response (NULL when none came or it is not JSON) and
+ * its status; a non-200 is printed. */
+json_t *post_json(int port, const char *path, const char *body, int *status);
+/* 0 when instance (JSON text) is valid under schema (JSON text, Draft 7), by the independent
+ * python3-jsonschema; else non-zero with its message in why. */
+int validate(const char *schema, const char *instance, char *why, size_t n);
 
 #endif

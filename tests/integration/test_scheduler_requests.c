@@ -380,9 +380,9 @@ TEST(sched_openai_node_sdk)
     ASSERT_EQ_INT(run_sdk_script(cache, "openai_sdk.mjs", args), 0);
 }
 
-/* The SDK's tools flow (openai_sdk_tools.mjs says what it checks) on a scheduler started with
- * --enable-auto-tool-choice --tool-call-parser hermes next to the fixture's, which has neither
- * and refuses tool_choice auto with vLLM's message. */
+/* The SDK's tools flow (openai_sdk_tools.mjs says what it checks: auto, "required", named) on a
+ * scheduler started with --enable-auto-tool-choice --tool-call-parser hermes next to the
+ * fixture's, which has neither and refuses tool_choice auto with vLLM's message. */
 TEST(sched_openai_node_sdk_tools)
 {
     FIXTURE();
@@ -395,7 +395,7 @@ TEST(sched_openai_node_sdk_tools)
     ASSERT_OK(start_scheduler(&sp, &port, "scheduler_tools", flags, "1"));
     snprintf(with, sizeof with, "http://127.0.0.1:%d/v1", port);
     snprintf(without, sizeof without, "http://127.0.0.1:%d/v1", g_port);
-    char *args[] = {with, without, "tiny", NULL};
+    char *args[] = {with, without, "tiny", g_model, NULL};
     int st = run_sdk_script(cache, "openai_sdk_tools.mjs", args);
     int stopped = cl_stop(&sp, 10000);
     ASSERT_EQ_INT(st, 0);

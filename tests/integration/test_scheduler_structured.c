@@ -3,7 +3,8 @@
  * guided_grammar, streaming, n = 3, the legacy /generate, and split serving equal to colocated
  * (a second api-server with --max-local-prefill-length, whose decode instance prefills itself).
  * The model has random weights: whatever an answer says, one that finishes with "stop" must be
- * valid, which an independent validator (Debian's python3-jsonschema) checks. */
+ * valid, which an independent validator (Debian's python3-jsonschema, scheduler_common.h's
+ * validate) checks. */
 #define _GNU_SOURCE
 #include "scheduler_common.h"
 
@@ -31,52 +32,6 @@ static const char KNIGHT_PROMPT[] =
     "and boasting a strength score of 90, this character stands as a formidable warrior on the "
     "field.Please provide details for this character, including their Name, Age, preferred "
     "Armor, Weapon, and Strength";
-
-/* POST body to path on port; the parsed response (200 asserted by the caller). */
-static json_t *post_json(int port, const char *path, const char *body, int *status)
-{
-    http_resp r;
-    if (http_do(port, "POST", path, NULL, body, &r) != 0) return NULL;
-    *status = r.status;
-    json_t *o = json_loads(r.body, 0, NULL);
-    if (r.status != 200) printf("    %s -> %d: %.400s\n", path, r.status, r.body);
-    resp_free(&r);
-    return o;
-}
-
-/* 0 when instance (JSON text) is valid under schema (JSON text), by python3-jsonschema. */
-static int validate(const char *schema, const char *instance, char *why, size_t n)
-{
-    char dir[] = "/tmp/pdso.XXXXXX", sp[64], ip[64], out[80];
-    if (!mkdtemp(dir)) return -1;
-    snprintf(sp, sizeof sp, "%s/s.json", dir);
-    snprintf(ip, sizeof ip, "%s/i.json", dir);
-    snprintf(out, sizeof out, "%s/out", dir);
-    FILE *f = fopen(sp, "w"), *g = fopen(ip, "w");
-    if (f) fputs(schema, f);
-    if (g) fputs(instance, g);
-    if (f) fclose(f);
-    if (g) fclose(g);
-    char *argv[] = {"/usr/bin/python3",
-                    "-c",
-                    "import json, sys, jsonschema\n"
-                    "s = json.load(open(sys.argv[1]))\n"
-                    "jsonschema.Draft7Validator.check_schema(s)\n"
-                    "jsonschema.Draft7Validator(s).validate(json.load(open(sys.argv[2])))",
-                    sp,
-                    ip,
-                    NULL};
-    int rc = cl_run(argv, out, 30);
-    why[0] = 0;
-    FILE *o = fopen(out, "r");
-    if (o) {
-        size_t k = fread(why, 1, n - 1, o);
-        why[k] = 0;
-        fclose(o);
-    }
-    unlink(sp), unlink(ip), unlink(out), rmdir(dir);
-    return rc;
-}
 
 /* The text of choice i of a completions (or chat) response, and its finish reason. */
 static const char *choice_text(const json_t *o, size_t i, const char **finish)

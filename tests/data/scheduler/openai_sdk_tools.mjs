@@ -1,18 +1,21 @@
 // The OpenAI Node SDK's `tools` flow against pd-scheduler (docs/api.md "Tool calling"). Usage:
 //   node openai_sdk_tools.mjs <base url with --enable-auto-tool-choice --tool-call-parser hermes>
-//                             <base url without them> <model>
+//                             <base url without them> <model> <model directory>
 // With the flags: tools with tool_choice auto (and unset) are accepted, the reply is a chat
 // completion whose message has content and a tool_calls list, and under greedy the streamed
 // deltas rebuild the non-streamed message (both went through the parser); a history with an
-// assistant's tool_calls and a tool result is accepted; "required" and a named function are
-// refused naming `tool_choice`. Without the flags: auto is refused with vLLM's message, "none"
-// is served. The SDK is loaded from $PD_NPM_CACHE/node_modules (tests/npm_cache.sh openai@4).
+// assistant's tool_calls and a tool result is accepted. tool_choice "required" (structured
+// output makes the answer a list of calls): finish_reason "tool_calls", content "", each call of
+// the tool with JSON-object arguments, the streamed calls equal to the non-streamed ones (same
+// seed); a named function: one call of it, finish_reason "stop". Without the flags: auto is
+// refused with vLLM's message, "none" is served. The SDK is loaded from $PD_NPM_CACHE/node_modules (tests/npm_cache.sh openai@4).
 // Prints one JSON line; exits 1 on any mismatch.
+import { readFileSync } from 'node:fs';
 import { createRequire } from 'node:module';
 
 const require = createRequire(`${process.env.PD_NPM_CACHE}/node_modules/`);
 const OpenAI = require('openai');
-const [withURL, withoutURL, model] = process.argv.slice(2);
+const [withURL, withoutURL, model, modelDir] = process.argv.slice(2);
 const opts = { apiKey: 'sk-none', maxRetries: 0, timeout: 60000 };
 const on = new OpenAI({ baseURL: withURL, ...opts });
 const off = new OpenAI({ baseURL: withoutURL, ...opts });
@@ -91,13 +94,46 @@ const refused = async (client, body, status, text) => {
   }
   fail(`${JSON.stringify(body.tool_choice)} accepted`);
 };
-const required = await refused(on, { ...greedy, tool_choice: 'required' }, 400, '`tool_choice`');
-await refused(on, { ...greedy, tool_choice: { type: 'function', function: { name: 'get_weather' } } },
-  400, '`tool_choice`');
+// tool_choice "required" and named: served, by the SDK's types (the random model is steered off
+// whitespace-only tokens, which JSON allows anywhere, so that it finishes within max_tokens)
+const tok = JSON.parse(readFileSync(`${modelDir}/tokenizer.json`, 'utf8'));
+const logit_bias = Object.fromEntries(Object.entries(tok.model.vocab)
+  .filter(([k]) => /^[\u0120\u010a\u0109\u010d]+$/.test(k)).map(([, id]) => [id, -100]));
+const forced = { model, messages, tools, temperature: 1, seed: 3, max_tokens: 200, logit_bias };
+const req = await on.chat.completions.create({ ...forced, tool_choice: 'required' });
+const rmsg = req.choices[0].message;
+if (req.choices[0].finish_reason !== 'tool_calls' || rmsg.content !== '' || !rmsg.tool_calls.length)
+  fail(`required: ${JSON.stringify(req.choices[0])}`);
+for (const c of rmsg.tool_calls) {
+  const a = JSON.parse(c.function.arguments);
+  if (c.function.name !== 'get_weather' || typeof a !== 'object' || typeof a.city !== 'string')
+    fail(`required call ${JSON.stringify(c)}`);
+}
+const rcalls = [];
+let rfinish = null;
+for await (const chunk of await on.chat.completions.create({ ...forced, tool_choice: 'required', stream: true })) {
+  for (const ch of chunk.choices) {
+    for (const t of ch.delta.tool_calls ?? []) {
+      if (t.id) rcalls[t.index] = { name: t.function.name, arguments: t.function.arguments ?? '' };
+      else rcalls[t.index].arguments += t.function.arguments ?? '';
+    }
+    if (ch.finish_reason) rfinish = ch.finish_reason;
+  }
+}
+if (rfinish !== 'tool_calls' || JSON.stringify(rcalls) !== JSON.stringify(rmsg.tool_calls.map((c) => c.function)))
+  fail(`streamed required ${rfinish} ${JSON.stringify(rcalls)}`);
+const named = await on.chat.completions.create({ ...forced,
+  tool_choice: { type: 'function', function: { name: 'get_weather' } } });
+const nmsg = named.choices[0].message;
+if (named.choices[0].finish_reason !== 'stop' || nmsg.content !== '' || nmsg.tool_calls.length !== 1 ||
+    nmsg.tool_calls[0].function.name !== 'get_weather' ||
+    typeof JSON.parse(nmsg.tool_calls[0].function.arguments).city !== 'string')
+  fail(`named: ${JSON.stringify(named.choices[0])}`);
 const vllm = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set';
 await refused(off, { ...greedy, tool_choice: 'auto' }, 400, vllm);
 await refused(off, greedy, 400, vllm);
 const none = await off.chat.completions.create({ ...greedy, tool_choice: 'none' });
 if (typeof none.choices[0].message.content !== 'string') fail('tool_choice none');
 
-console.log(JSON.stringify({ ok: true, content: msg.content, tool_calls: msg.tool_calls, required }));
+console.log(JSON.stringify({ ok: true, content: msg.content, tool_calls: msg.tool_calls,
+  required: rmsg.tool_calls }));

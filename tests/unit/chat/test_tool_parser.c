@@ -5,7 +5,9 @@
  * objects, so a deeper call is no call; mistral's fallback content is the text without
  * [TOOL_CALLS], stripped. Streaming is checked at every byte boundary (one split) and byte by
  * byte: the deltas must rebuild the same content and calls, each call's first delta carrying
- * its id, type and name once, and nothing may be taken back.
+ * its id, type and name once, and nothing may be taken back. tool_choice "required" (the
+ * array vLLM's serving_chat validates as FunctionDefinitions, arguments json.dumps of the
+ * parameters) and a named function (the text as is) go through the same checks.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -28,6 +30,7 @@ typedef struct {
     const char *streamed; /* what streams as content; NULL: not checked streamed (not JSON: what
                              was sent of a call stays sent) */
     bool stream_calls;    /* the streamed calls are `calls` (else none) */
+    bool required;        /* tool_choice "required" (kind unused) */
 } tool_case;
 
 static const tool_case CASES[] = {
@@ -39,7 +42,8 @@ static const tool_case CASES[] = {
      {{"get_weather", "{\"city\": \"Paris\", \"unit\": \"celsius\"}"}},
      1,
      "Let me check.",
-     true},
+     true,
+     false},
     {PD_TOOL_HERMES,
      "<tool_call>{\"name\":\"f\",\"arguments\":{\"a\":1,\"b\":[true,null,2.50,-0,1E2],"
      "\"c\":\"\\u00e9\\n\\ud83d\\ude00\",\"d\":\"\xc3\xa9/\\/\"}}</tool_call>",
@@ -49,7 +53,8 @@ static const tool_case CASES[] = {
        "\"d\": \"\xc3\xa9//\"}"}},
      1,
      "",
-     true},
+     true,
+     false},
     {PD_TOOL_HERMES,
      "<tool_call>{\"name\": \"a\", \"arguments\": {}}</tool_call>\n<tool_call>{\"arguments\": "
      "{\"x\": \"y\"}, \"name\": \"b\"}</tool_call>",
@@ -57,20 +62,23 @@ static const tool_case CASES[] = {
      {{"a", "{}"}, {"b", "{\"x\": \"y\"}"}},
      2,
      "",
-     true},
+     true,
+     false},
     {PD_TOOL_HERMES,
      "<tool_call>{\"name\": \"a\", \"arguments\": {\"x\": 12}}",
      NULL,
      {{"a", "{\"x\": 12}"}},
      1,
      "",
-     true},
+     true,
+     false},
     {PD_TOOL_HERMES,
      "Hi <tool_call>{\"name\": \"a\", \"arguments\": {\"x\": }}</tool_call>",
      "Hi <tool_call>{\"name\": \"a\", \"arguments\": {\"x\": }}</tool_call>",
      {{0}},
      0,
      NULL,
+     false,
      false},
     {PD_TOOL_HERMES,
      "<tool_call>{\"name\": \"a\"}</tool_call>",
@@ -78,6 +86,7 @@ static const tool_case CASES[] = {
      {{0}},
      0,
      NULL,
+     false,
      false},
     {PD_TOOL_HERMES,
      "<tool_call>{\"name\": 3, \"arguments\": {}}</tool_call>",
@@ -85,6 +94,7 @@ static const tool_case CASES[] = {
      {{0}},
      0,
      NULL,
+     false,
      false},
     {PD_TOOL_HERMES,
      "Hello, <tool world <tool_cal",
@@ -92,6 +102,7 @@ static const tool_case CASES[] = {
      {{0}},
      0,
      "Hello, <tool world <tool_cal",
+     false,
      false},
     /* llama3_json */
     {PD_TOOL_LLAMA3_JSON,
@@ -100,7 +111,8 @@ static const tool_case CASES[] = {
      {{"get_weather", "{\"city\": \"Paris\"}"}},
      1,
      "",
-     true},
+     true,
+     false},
     {PD_TOOL_LLAMA3_JSON,
      "<|python_tag|>{\"name\": \"a\", \"arguments\": {\"x\": 1}}; {\"name\": \"b\", "
      "\"parameters\": {\"y\": [2, \"z\"]}}",
@@ -108,7 +120,8 @@ static const tool_case CASES[] = {
      {{"a", "{\"x\": 1}"}, {"b", "{\"y\": [2, \"z\"]}"}},
      2,
      "",
-     true},
+     true,
+     false},
     /* found anywhere when whole, streamed only when the text starts with it (vLLM's both) */
     {PD_TOOL_LLAMA3_JSON,
      "Sure! {\"name\": \"a\", \"parameters\": {\"x\": 1}} done",
@@ -116,6 +129,7 @@ static const tool_case CASES[] = {
      {{"a", "{\"x\": 1}"}},
      1,
      "Sure! {\"name\": \"a\", \"parameters\": {\"x\": 1}} done",
+     false,
      false},
     {PD_TOOL_LLAMA3_JSON,
      "Plain text, no call.",
@@ -123,8 +137,9 @@ static const tool_case CASES[] = {
      {{0}},
      0,
      "Plain text, no call.",
+     false,
      false},
-    {PD_TOOL_LLAMA3_JSON, "<|pyth", "<|pyth", {{0}}, 0, "<|pyth", false},
+    {PD_TOOL_LLAMA3_JSON, "<|pyth", "<|pyth", {{0}}, 0, "<|pyth", false, false},
     /* the regex's nesting limit and its split at ';' */
     {PD_TOOL_LLAMA3_JSON,
      "{\"name\": \"a\", \"parameters\": {\"x\": {\"y\": {\"z\": 1}}}}",
@@ -132,6 +147,7 @@ static const tool_case CASES[] = {
      {{0}},
      0,
      NULL,
+     false,
      false},
     {PD_TOOL_LLAMA3_JSON,
      "{\"name\": \"a\", \"parameters\": {\"s\": \"x;y\"}}",
@@ -139,8 +155,9 @@ static const tool_case CASES[] = {
      {{0}},
      0,
      NULL,
+     false,
      false},
-    {PD_TOOL_LLAMA3_JSON, "{\"name\": \"a\"}", "{\"name\": \"a\"}", {{0}}, 0, NULL, false},
+    {PD_TOOL_LLAMA3_JSON, "{\"name\": \"a\"}", "{\"name\": \"a\"}", {{0}}, 0, NULL, false, false},
     /* mistral */
     {PD_TOOL_MISTRAL,
      "[TOOL_CALLS][{\"name\": \"add\", \"arguments\": {\"a\": 3.5, \"b\": 4}}]",
@@ -148,7 +165,8 @@ static const tool_case CASES[] = {
      {{"add", "{\"a\": 3.5, \"b\": 4}"}},
      1,
      "",
-     true},
+     true,
+     false},
     {PD_TOOL_MISTRAL,
      "Sure.[TOOL_CALLS] [{\"name\": \"a\", \"arguments\": {}}, {\"name\": \"b\", "
      "\"arguments\": {\"q\": \"x\"}}]",
@@ -156,9 +174,33 @@ static const tool_case CASES[] = {
      {{"a", "{}"}, {"b", "{\"q\": \"x\"}"}},
      2,
      "Sure.",
+     true,
+     false},
+    {PD_TOOL_MISTRAL, "[TOOL_CALLS] not json ", "not json", {{0}}, 0, "", false, false},
+    {PD_TOOL_MISTRAL, "hello [TOOL", "hello [TOOL", {{0}}, 0, "hello [TOOL", false, false},
+    /* tool_choice "required": content "", no text around the calls, "arguments" no alias */
+    {PD_TOOL_HERMES,
+     "[{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}]",
+     "",
+     {{"get_weather", "{\"city\": \"Paris\"}"}},
+     1,
+     "",
+     true,
      true},
-    {PD_TOOL_MISTRAL, "[TOOL_CALLS] not json ", "not json", {{0}}, 0, "", false},
-    {PD_TOOL_MISTRAL, "hello [TOOL", "hello [TOOL", {{0}}, 0, "hello [TOOL", false},
+    {PD_TOOL_HERMES,
+     "\n [ {\"parameters\":{\"steps\":[{\"n\":1,\"at\":{\"lat\":48.850,\"lon\":2E0}}],"
+     "\"note\":\"caf\\u00e9 \\\"x\\\"\",\"arguments\":null},\"name\":\"plan\"} ,{\"name\":\"a\","
+     "\"parameters\":{}},{\"name\":\"b\",\"parameters\":null}]\n",
+     "",
+     {{"plan", "{\"steps\": [{\"n\": 1, \"at\": {\"lat\": 48.85, \"lon\": 2.0}}], \"note\": "
+               "\"caf\xc3\xa9 \\\"x\\\"\", \"arguments\": null}"},
+      {"a", "{}"},
+      {"b", "null"}},
+     3,
+     "",
+     true,
+     true},
+    {PD_TOOL_HERMES, "[]", "", {{0}}, 0, "", false, true},
 };
 #define N_CASES (sizeof CASES / sizeof CASES[0])
 
@@ -183,7 +225,10 @@ TEST(tool_extract_as_vllm)
     for (size_t t = 0; t < N_CASES; t++) {
         const tool_case *e = &CASES[t];
         pd_tool_calls r;
-        ASSERT_OK(pd_tool_extract(e->kind, e->text, strlen(e->text), 42 + t, &r));
+        if (e->required)
+            ASSERT_OK(pd_tool_extract_forced(NULL, e->text, strlen(e->text), 42 + t, &r));
+        else
+            ASSERT_OK(pd_tool_extract(e->kind, e->text, strlen(e->text), 42 + t, &r));
         ASSERT_MSG((size_t)e->n == r.n, "case %zu: %zu calls, want %d", t, r.n, e->n);
         if (e->content) {
             ASSERT_MSG(r.content && r.content_len == strlen(e->content) &&
@@ -246,17 +291,23 @@ static bool take(streamed *s, const pd_tool_delta *d)
             snprintf(s->err, sizeof s->err, "an empty delta of call %d", c->index);
             return false;
         }
-        strncat(s->args[c->index], c->args, c->args_len);
+        if ((c->args != NULL) != (c->args_len > 0)) {
+            snprintf(s->err, sizeof s->err, "call %d: an arguments key without arguments",
+                     c->index);
+            return false;
+        }
+        if (c->args_len) strncat(s->args[c->index], c->args, c->args_len);
     }
     return true;
 }
 
 /* Streams text cut at the offsets cuts[0..n_cuts) (increasing). */
-static bool stream_text(pd_tool_kind k, const char *text, const size_t *cuts, size_t n_cuts,
+static bool stream_text(const tool_case *e, const char *text, const size_t *cuts, size_t n_cuts,
                         streamed *s)
 {
     memset(s, 0, sizeof *s);
-    pd_tool_stream *st = pd_tool_stream_create(k, 7);
+    pd_tool_stream *st =
+        e->required ? pd_tool_stream_create_forced(NULL, 7) : pd_tool_stream_create(e->kind, 7);
     if (!st) return false;
     size_t at = 0, len = strlen(text);
     bool ok = true;
@@ -302,15 +353,15 @@ TEST(tool_stream_every_split)
         char why[512];
         /* one delta; then two, cut at every byte */
         for (size_t cut = 0; cut <= len; cut++) {
-            ASSERT_MSG(stream_text(e->kind, e->text, &cut, cut < len ? 1 : 0, &s),
-                       "case %zu cut %zu: %s", t, cut, s.err);
+            ASSERT_MSG(stream_text(e, e->text, &cut, cut < len ? 1 : 0, &s), "case %zu cut %zu: %s",
+                       t, cut, s.err);
             ASSERT_MSG(same(e, &s, why, sizeof why), "case %zu cut %zu: %s", t, cut, why);
         }
         /* byte by byte */
         size_t *cuts = malloc(len * sizeof *cuts);
         ASSERT(cuts);
         for (size_t i = 0; i + 1 < len; i++) cuts[i] = i + 1;
-        bool ok = stream_text(e->kind, e->text, cuts, len ? len - 1 : 0, &s);
+        bool ok = stream_text(e, e->text, cuts, len ? len - 1 : 0, &s);
         free(cuts);
         ASSERT_MSG(ok, "case %zu bytewise: %s", t, s.err);
         ASSERT_MSG(same(e, &s, why, sizeof why), "case %zu bytewise: %s", t, why);
@@ -357,4 +408,76 @@ TEST(tool_kind_names)
     ASSERT(strstr(pd_last_error(), "hermes, llama3_json or mistral"));
     ASSERT(strcmp(pd_tool_required_token(PD_TOOL_MISTRAL), "[TOOL_CALLS]") == 0);
     ASSERT(!pd_tool_required_token(PD_TOOL_HERMES));
+}
+
+/* "required" text that is not an array of {name, parameters: object or null} is refused with a
+ * message (vLLM's validation error, a 400); what streamed of a cut call stays streamed. */
+TEST(tool_required_refused)
+{
+    static const char *const bad[] = {
+        "[{\"name\": \"a\", \"parameters\": {\"x\": 1", /* max_tokens cut it */
+        "",
+        "{\"name\": \"a\", \"parameters\": {}}",
+        "[{\"name\": \"a\", \"arguments\": {}}]",
+        "[{\"name\": \"a\"}]",
+        "[{\"name\": 1, \"parameters\": {}}]",
+        "[{\"name\": \"a\", \"parameters\": 3}]",
+        "[{\"name\": \"a\", \"parameters\": [1]}]",
+        "[{\"name\": \"a\", \"parameters\": {}}] x",
+        "[{\"name\": \"a\", \"parameters\": {}},]",
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        pd_tool_calls r;
+        ASSERT_MSG(pd_tool_extract_forced(NULL, bad[i], strlen(bad[i]), 1, &r) == PD_EINVAL,
+                   "case %zu accepted", i);
+        ASSERT(strstr(pd_last_error(), "not a JSON array"));
+        ASSERT(r.n == 0 && !r.calls && !r.content);
+    }
+    pd_tool_stream *st = pd_tool_stream_create_forced(NULL, 5);
+    ASSERT(st);
+    pd_tool_delta d;
+    ASSERT_OK(pd_tool_stream_feed(st, bad[0], strlen(bad[0]), false, &d));
+    ASSERT(!d.content && d.n_calls == 1 && d.calls[0].first);
+    ASSERT(strcmp(d.calls[0].name, "a") == 0 && id_ok(PD_TOOL_HERMES, d.calls[0].id));
+    ASSERT(d.calls[0].args_len == 6 && memcmp(d.calls[0].args, "{\"x\": ", 6) == 0);
+    ASSERT_OK(pd_tool_stream_feed(st, "", 0, true, &d)); /* the end: the call is not whole */
+    ASSERT(!d.content && d.n_calls == 0);
+    ASSERT(pd_tool_stream_called(st));
+    pd_tool_stream_free(st);
+}
+
+/* A named function: the text is the arguments as generated, content ""; streamed, every delta
+ * (an empty one too) is an arguments delta of call 0, the first with id and name, and the
+ * finish reason stays the generation's. */
+TEST(tool_named)
+{
+    const char *text = "{ \"city\" :\"Paris\"}";
+    pd_tool_calls r;
+    ASSERT_OK(pd_tool_extract_forced("get_weather", text, strlen(text), 9, &r));
+    ASSERT(r.n == 1 && r.content && r.content_len == 0 && r.content[0] == '\0');
+    ASSERT(strcmp(r.calls[0].name, "get_weather") == 0 && strcmp(r.calls[0].arguments, text) == 0);
+    ASSERT(id_ok(PD_TOOL_HERMES, r.calls[0].id));
+    pd_tool_calls_free(&r);
+
+    pd_tool_stream *st = pd_tool_stream_create_forced("get_weather", 9);
+    ASSERT(st);
+    const char *parts[] = {"{ \"ci", "", "ty\" :\"Paris\"}", ""};
+    char args[64] = "";
+    char id[48] = "";
+    for (int i = 0; i < 4; i++) {
+        pd_tool_delta d;
+        ASSERT_OK(pd_tool_stream_feed(st, parts[i], strlen(parts[i]), i == 3, &d));
+        ASSERT(!d.content && d.n_calls == 1 && d.calls[0].index == 0);
+        ASSERT(d.calls[0].first == (i == 0) && d.calls[0].args);
+        ASSERT(d.calls[0].args_len == strlen(parts[i]));
+        if (i == 0) {
+            ASSERT(strcmp(d.calls[0].name, "get_weather") == 0);
+            ASSERT(id_ok(PD_TOOL_HERMES, d.calls[0].id));
+            snprintf(id, sizeof id, "%s", d.calls[0].id);
+        }
+        strncat(args, d.calls[0].args, d.calls[0].args_len);
+    }
+    ASSERT(strcmp(args, text) == 0 && id[0]);
+    ASSERT(!pd_tool_stream_called(st));
+    pd_tool_stream_free(st);
 }
