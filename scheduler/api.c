@@ -537,10 +537,10 @@ static int read_guided(const pd_api_limits *lim, const json_t *o, pd_arena *a,
     const char *ws = NULL;
     if ((rc = f_str(o, "guided_whitespace_pattern", &ws)) < 0) return rc;
     sp->guided_ws = NULL;
-    if (!field) return 0;
-    if (ws && (kind == PD_GSPEC_JSON_SCHEMA || kind == PD_GSPEC_JSON_OBJECT) &&
-        !(sp->guided_ws = pd_arena_strdup(a, ws)))
+    if (ws && !(sp->guided_ws = pd_arena_strdup(a, ws)))
         return pd_error(PD_ENOMEM, "out of memory");
+    if (!field) return 0; /* the pattern stays for tool_choice's schema (guide_tools) */
+    if (kind != PD_GSPEC_JSON_SCHEMA && kind != PD_GSPEC_JSON_OBJECT) sp->guided_ws = NULL;
     return set_guided(lim, field, kind, text, len, sp);
 }
 
@@ -813,7 +813,6 @@ static int guide_tools(const pd_api_limits *lim, const json_t *tools, pd_api_req
     json_decref(any);
     json_decref(defs);
     if (rc < 0) return rc;
-    r->sp.guided_ws = NULL;
     return set_guided(lim, "tools", PD_GSPEC_JSON_SCHEMA, text, len, &r->sp);
 }
 
