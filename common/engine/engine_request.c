@@ -114,6 +114,7 @@ int eng_apply_inbox(pd_engine *e)
  * gmu). */
 static int grammar_cache(pd_engine *e, pd_gcache **out)
 {
+    *out = NULL;
     if (!e->tok)
         return pd_error(PD_EINVAL, "structured output needs a tokenizer; this engine has none");
     int rc = PD_OK;
@@ -150,7 +151,7 @@ static pd_gspec guided_spec(const pd_sampling_params *sp)
 static int req_grammar(pd_engine *e, const pd_sampling_params *sp, pd_grammar **out)
 {
     *out = NULL;
-    pd_gcache *c;
+    pd_gcache *c = NULL;
     PD_CHECK(grammar_cache(e, &c));
     pd_gspec spec = guided_spec(sp);
     return pd_gcache_get(c, &spec, out, NULL);
@@ -158,7 +159,7 @@ static int req_grammar(pd_engine *e, const pd_sampling_params *sp, pd_grammar **
 
 bool pd_engine_grammar_ready(pd_engine *e, const pd_sampling_params *sp)
 {
-    pd_gcache *c;
+    pd_gcache *c = NULL;
     if (!sp->guided_kind || grammar_cache(e, &c) < 0) return true;
     pd_gspec spec = guided_spec(sp);
     return pd_gcache_has(c, &spec);
