@@ -24,16 +24,9 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-work=$(mktemp -d "${TMPDIR:-/tmp}/pdlocal.XXXXXX")
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
-  sleep 2
-  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null; done
-  rm -rf "$work"
-}
-trap cleanup EXIT
-free_port() { /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+bench_name=local
+# shellcheck source=tools/bench/lib_bench.sh
+source "$root/tools/bench/lib_bench.sh"
 "$bin/tools/mkmodel/pd-mkmodel" --preset "$preset" --out "$work/m" >/dev/null || exit 1
 "$bin/ranktable/cli/pd-ranktable" --mode gen --prefill-server-list 0 --decode-server-list 1 \
   --api-server --server-ip 127.0.0.1 --save-dir "$work" >/dev/null || exit 1
