@@ -1,7 +1,7 @@
 /* pd-maskbench: the MaskBench-style checker and mask-time benchmark of common/grammar.
  *
  *   pd-maskbench --tokenizer MODEL_DIR [--limit N] [--max-fail N] [--shard I/N] [--slow-ms MS]
- *                [--allow-wrong N]
+ *                [--allow-wrong N] [--trace]
  *                [--quiet] INPUT...
  *
  * INPUT: a JSONSchemaBench maskbench tarball (.tar.xz, e.g. jsonschemabench-maskbench-dev),
@@ -12,7 +12,10 @@
  * token must be in the mask (and accept_token must agree with the mask bit); a valid instance
  * must end accepting (EOS in the mask), an invalid one must be stopped. Every mask is timed.
  * Exit 0 when at most --allow-wrong instances (default 0) misbehave and no mask bit disagrees
- * with accept_token, 1 otherwise; 77 when --tokenizer npm:llama3 is not in the npm cache. */
+ * with accept_token, 1 otherwise; 77 when --tokenizer npm:llama3 is not in the npm cache.
+ * --slow-ms MS names the schemas whose compile or slowest mask took over MS milliseconds.
+ * stdout is line-buffered so a crash shows how far a run got; --trace also names each schema
+ * (document number and description) on stderr before compiling it. */
 #define _GNU_SOURCE
 #include <jansson.h>
 #include <math.h>
@@ -252,6 +255,33 @@ static char *read_all(const char *path, size_t *len)
     return p;
 }
 
+/* The end (one past the closing brace) of the JSON document starting at text[off], found by
+ * brace depth outside strings so that a document jansson refuses can be skipped; 0 when the
+ * document does not end. */
+static size_t doc_end(const char *text, size_t len, size_t off)
+{
+    long depth = 0;
+    bool in_str = false;
+    for (size_t i = off; i < len; i++) {
+        char c = text[i];
+        if (in_str) {
+            if (c == '\\')
+                i++;
+            else if (c == '"')
+                in_str = false;
+        } else if (c == '"') {
+            in_str = true;
+        } else if (c == '{' || c == '[') {
+            depth++;
+        } else if (c == '}' || c == ']') {
+            if (--depth == 0) return i + 1;
+        } else if (depth == 0 && c != ' ' && c != '\n' && c != '\r' && c != '\t') {
+            return 0; /* a top-level scalar: not a document */
+        }
+    }
+    return 0;
+}
+
 /* ---- stats -------------------------------------------------------------------------------------
  */
 typedef struct {
@@ -300,7 +330,9 @@ int main(int argc, char **argv)
     long shard = 0, nshard = 1, docno = 0;
     double slow_ms = -1;
     long allow_wrong = 0;
+    bool trace = false;
     int first_input = argc;
+    setvbuf(stdout, NULL, _IOLBF, 0);
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--tokenizer") == 0 && i + 1 < argc)
             tokdir = argv[++i];
@@ -312,8 +344,14 @@ int main(int argc, char **argv)
             quiet = true;
         else if (strcmp(argv[i], "--allow-wrong") == 0 && i + 1 < argc)
             allow_wrong = atol(argv[++i]);
-        else if (strcmp(argv[i], "--shard") == 0 && i + 1 < argc)
-            sscanf(argv[++i], "%ld/%ld", &shard, &nshard);
+        else if (strcmp(argv[i], "--shard") == 0 && i + 1 < argc) {
+            if (sscanf(argv[++i], "%ld/%ld", &shard, &nshard) != 2 || nshard < 1 || shard < 0 ||
+                shard >= nshard) {
+                fprintf(stderr, "--shard %s: want I/N with 0 <= I < N\n", argv[i]);
+                return 2;
+            }
+        } else if (strcmp(argv[i], "--trace") == 0)
+            trace = true;
         else if (strcmp(argv[i], "--slow-ms") == 0 && i + 1 < argc)
             slow_ms = atof(argv[++i]);
         else {
@@ -376,27 +414,28 @@ int main(int argc, char **argv)
                                  text[off] == '\t'))
                 off++;
             if (off >= len) break;
+            size_t end = doc_end(text, len, off);
+            if (!end) {
+                fprintf(stderr, "%s: unterminated JSON document at byte %zu\n", argv[a], off);
+                return 2;
+            }
+            if (docno++ % nshard != shard) {
+                off = end;
+                continue;
+            }
             json_error_t je;
-            json_t *doc =
-                json_loadb(text + off, len - off, JSON_DISABLE_EOF_CHECK | JSON_ALLOW_NUL, &je);
-            if (!doc) { /* e.g. an integer beyond int64: skip the document, counted */
-                json_t *d2 = json_loadb(
-                    text + off, len - off,
-                    JSON_DISABLE_EOF_CHECK | JSON_DECODE_INT_AS_REAL | JSON_ALLOW_NUL, &je);
-                if (!d2) {
-                    fprintf(stderr, "%s: bad JSON at %zu: %s\n", argv[a], off, je.text);
-                    return 2;
-                }
-                json_decref(d2);
-                off += je.position;
+            json_t *doc = json_loadb(text + off, end - off, JSON_ALLOW_NUL, &je);
+            if (!doc) /* an integer beyond int64: read it as a double */
+                doc = json_loadb(text + off, end - off, JSON_DECODE_INT_AS_REAL | JSON_ALLOW_NUL,
+                                 &je);
+            if (!doc) { /* e.g. a NUL in an object key, which jansson cannot hold: counted */
+                if (!quiet)
+                    printf("SKIPPED document %ld at byte %zu: %s\n", docno - 1, off, je.text);
+                off = end;
                 skipped++;
                 continue;
             }
-            off += je.position;
-            if (docno++ % nshard != shard) {
-                json_decref(doc);
-                continue;
-            }
+            off = end;
             json_t *schema = json_object_get(doc, "schema");
             const char *desc = json_string_value(json_object_get(doc, "description"));
             if (!schema) {
@@ -404,6 +443,7 @@ int main(int argc, char **argv)
                 continue;
             }
             schemas++;
+            if (trace) fprintf(stderr, "schema %ld: %s\n", docno - 1, desc ? desc : "?");
             g_root = schema;
             char *stext = json_dumps(schema, JSON_COMPACT);
             pd_gspec spec = {PD_GSPEC_JSON_SCHEMA, stext, strlen(stext), NULL};
@@ -434,7 +474,7 @@ int main(int argc, char **argv)
                 printf("SLOW compile %.1f ms (%zu rules, %zu states): %s\n", (t1 - t0) / 1e3, nr,
                        ns, desc ? desc : "?");
             }
-            size_t ti;
+            size_t ti, mask0 = masks.n;
             json_t *test;
             json_array_foreach(json_object_get(doc, "tests"), ti, test)
             {
@@ -492,6 +532,16 @@ int main(int argc, char **argv)
                 free(ids);
                 free(b.p);
             }
+            if (slow_ms >= 0) {
+                double worst = 0, sum = 0;
+                for (size_t q = mask0; q < masks.n; q++) {
+                    sum += masks.v[q];
+                    if (masks.v[q] > worst) worst = masks.v[q];
+                }
+                if (worst / 1e3 > slow_ms)
+                    printf("SLOW masks: max %.2f ms, mean %.1f us over %zu: %s\n", worst / 1e3,
+                           sum / (double)(masks.n - mask0), masks.n - mask0, desc ? desc : "?");
+            }
             pd_grammar_unref(g);
             json_decref(doc);
             if (max_fail >= 0 && bad > max_fail) break;
@@ -499,7 +549,7 @@ int main(int argc, char **argv)
         free(text);
     }
     if (skipped)
-        printf("documents skipped (integers beyond 64 bits, which jansson cannot read): %ld\n",
+        printf("documents skipped (JSON that jansson cannot hold, e.g. a NUL in a key): %ld\n",
                skipped);
     printf("schemas %ld, compiled %ld (%.2f%%), refused %ld\n", schemas, compiled,
            schemas ? 100.0 * (double)compiled / (double)schemas : 0.0, schemas - compiled);
