@@ -86,6 +86,10 @@ gx *gx_cp_range(gb *b, uint32_t lo, uint32_t hi);
 /* A set of code point ranges (sorted or not, may overlap) as UTF-8. */
 gx *gx_cp_set(gb *b, const uint32_t *ranges, int n_ranges);
 
+/* Whether the call-free expression x matches all of s[0..len): 1 yes, 0 no, -1 when x has
+ * calls or graphs, or memory ran out. For checking short strings (property names). */
+int gx_match(const gx *x, const uint8_t *s, size_t len);
+
 int32_t gb_rule_new(gb *b, const char *name);
 void gb_rule_set(gb *b, int32_t r, gx *body);
 /* Records a refusal (first one wins); returns status. */

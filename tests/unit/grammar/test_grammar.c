@@ -204,6 +204,54 @@ TEST(schema_additional_properties_default_and_keys)
     pd_grammar_unref(g);
 }
 
+TEST(schema_pattern_properties_and_property_counts)
+{
+    pd_gvocab *v = small_vocab();
+    pd_grammar *g = compile(v, PD_GSPEC_JSON_SCHEMA,
+                            "{\"type\":\"object\",\"properties\":{\"x1\":{\"type\":\"string\"}},"
+                            "\"patternProperties\":{\"^x\":{\"type\":\"integer\"},"
+                            "\"1$\":{\"minimum\":0}},"
+                            "\"additionalProperties\":{\"type\":\"boolean\"}}",
+                            NULL);
+    ASSERT(g);
+    ACCEPT(g, "{}");
+    ACCEPT(g, "{\"xa\":-5,\"b\":true,\"b1\":3}");
+    ACCEPT(g, "{\"x2\":-5,\"x11\":4}");
+    REJECT(g, "{\"x11\":-4}");   /* both patterns: an integer >= 0 */
+    REJECT(g, "{\"xa\":true}");  /* ^x: integer */
+    REJECT(g, "{\"b\":1}");      /* neither: boolean */
+    REJECT(g, "{\"x1\":\"s\"}"); /* listed and matching both patterns: string and integer */
+    pd_grammar_unref(g);
+    /* additionalProperties false: only pattern keys */
+    g = compile(v, PD_GSPEC_JSON_SCHEMA,
+                "{\"type\":\"object\",\"patternProperties\":{\"^[a-z]+$\":{\"type\":\"null\"}},"
+                "\"additionalProperties\":false}",
+                NULL);
+    ASSERT(g);
+    ACCEPT(g, "{\"ab\":null,\"c\":null}");
+    REJECT(g, "{\"A\":null}");
+    REJECT(g, "{\"ab\":1}");
+    pd_grammar_unref(g);
+    g = compile(v, PD_GSPEC_JSON_SCHEMA,
+                "{\"type\":\"object\",\"properties\":{\"a\":{},\"b\":{}},\"required\":[\"a\"],"
+                "\"minProperties\":2,\"maxProperties\":3}",
+                NULL);
+    ASSERT(g);
+    REJECT(g, "{\"a\":1}");
+    ACCEPT(g, "{\"a\":1,\"b\":2}");
+    ACCEPT(g, "{\"a\":1,\"c\":2}");
+    ACCEPT(g, "{\"a\":1,\"b\":2,\"c\":3}");
+    REJECT(g, "{\"a\":1,\"b\":2,\"c\":3,\"d\":4}");
+    REJECT(g, "{\"b\":2,\"c\":3}");
+    pd_grammar_unref(g);
+    g = compile(v, PD_GSPEC_JSON_SCHEMA, "{\"type\":\"object\",\"minProperties\":1}", NULL);
+    ASSERT(g);
+    REJECT(g, "{}");
+    ACCEPT(g, "{\"q\":[]}");
+    ACCEPT(g, "{\"q\":[],\"r\":{},\"s\":1}");
+    pd_grammar_unref(g);
+}
+
 TEST(schema_numbers)
 {
     pd_gvocab *v = small_vocab();
@@ -300,7 +348,9 @@ TEST(schema_refusals_name_keyword_and_path)
         {"{\"anyOf\":[{\"if\":{}}]}", "if", "/anyOf/0/if"},
         {"{\"properties\":{\"a/b\":{\"type\":\"number\",\"multipleOf\":3}}}", "multipleOf",
          "/properties/a~1b/multipleOf"},
-        {"{\"patternProperties\":{\"^x\":{}}}", "patternProperties", "/patternProperties"},
+        {"{\"patternProperties\":{\"a\":{},\"b\":{},\"c\":{},\"d\":{}}}", "patternProperties",
+         "/patternProperties"},
+        {"{\"type\":\"object\",\"maxProperties\":1000}", "maxProperties", "/maxProperties"},
         {"{\"type\":\"string\",\"pattern\":\"(?=a)\"}", "pattern", "/pattern"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
