@@ -623,16 +623,25 @@ static gx *number_expr(sc *c, json_t *s, const char *path, bool integer)
                         "multipleOf is not supported (except 1 on integers)");
     }
     if ((j = json_object_get(s, "format")) && json_is_string(j)) {
+        /* OpenAPI's integer formats are bounds; float/double and string formats do not
+         * constrain a number (a format applies to its own type) */
+        static const struct {
+            const char *name;
+            double lo, hi;
+        } ifmt[] = {{"int8", -128.0, 127.0},
+                    {"uint8", 0.0, 255.0},
+                    {"int16", -32768.0, 32767.0},
+                    {"uint16", 0.0, 65535.0},
+                    {"int32", -2147483648.0, 2147483647.0},
+                    {"uint32", 0.0, 4294967295.0},
+                    {"int64", -9223372036854775808.0, 9223372036854775807.0},
+                    {"uint64", 0.0, 18446744073709551615.0}};
         const char *f = json_string_value(j);
-        if (strcmp(f, "int32") == 0 && integer) {
-            if (lo < -2147483648.0) lo = -2147483648.0, linc = true;
-            if (hi > 2147483647.0) hi = 2147483647.0, hinc = true;
-        } else if (strcmp(f, "int64") == 0 && integer) {
-            if (lo < -9223372036854775808.0) lo = -9223372036854775808.0, linc = true;
-            if (hi > 9223372036854775807.0) hi = 9223372036854775807.0, hinc = true;
-        } else if (!(strcmp(f, "float") == 0 || strcmp(f, "double") == 0) || integer) {
-            return fail(c, "format", path, "format '%s' is not supported for numbers", f);
-        }
+        for (size_t k = 0; k < sizeof ifmt / sizeof *ifmt; k++)
+            if (strcmp(f, ifmt[k].name) == 0) {
+                if (lo < ifmt[k].lo) lo = ifmt[k].lo, linc = true;
+                if (hi > ifmt[k].hi) hi = ifmt[k].hi, hinc = true;
+            }
     }
     if (isinf(lo) && isinf(hi)) return gx_call(b, integer ? r_integer(c) : r_number(c));
     if (lo > hi || (lo == hi && !(linc && hinc)))
@@ -680,29 +689,55 @@ static gx *number_expr(sc *c, json_t *s, const char *path, bool integer)
 }
 
 /* ---- strings -------------------------------------------------------------------------------- */
-static const char *format_regex(const char *f)
+/* The regex of a string format (NULL: none). JSON Schema's own formats are enforced or, where
+ * their grammar is not regular or not written here, refused (*refused); any other name is not
+ * a JSON Schema format and constrains nothing, as the specification says of unknown formats
+ * (docs/structured_output.md). */
+static const char *format_regex(const char *f, bool *refused)
 {
-    if (strcmp(f, "date") == 0) return "[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])";
-    if (strcmp(f, "time") == 0)
-        return "([01][0-9]|2[0-3]):[0-5][0-9]:([0-5][0-9]|60)(\\.[0-9]+)?([Zz]|[+-]([01][0-9]|2[0-"
-               "3]):[0-5][0-9])";
-    if (strcmp(f, "date-time") == 0)
-        return "[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])[Tt]([01][0-9]|2[0-3]):[0-5][0-9]:"
-               "([0-5][0-9]|60)(\\.[0-9]+)?([Zz]|[+-]([01][0-9]|2[0-3]):[0-5][0-9])";
-    if (strcmp(f, "uuid") == 0)
-        return "[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}";
-    if (strcmp(f, "ipv4") == 0)
-        return "((25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\\.){3}(25[0-5]|2[0-4][0-9]|1[0-9][0-"
-               "9]|[1-9]?[0-9])";
-    if (strcmp(f, "email") == 0)
-        return "[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+(\\.[A-Za-z0-9!#$%&'*+/"
-               "=?^_`{|}~-]+)*@([A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?\\.)+[A-Za-z0-9]([A-Za-z0-9-]"
-               "*[A-Za-z0-9])?";
-    /* approximations of the RFC grammars (docs/structured_output.md) */
-    if (strcmp(f, "uri") == 0) return "[A-Za-z][A-Za-z0-9+.-]*:[^ \\t\\n\\r\"<>\\\\^`{|}]*";
-    if (strcmp(f, "hostname") == 0)
-        return "[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-"
-               "z0-9])?)*";
+    static const struct {
+        const char *name, *re;
+    } fmts[] = {
+        {"date", "[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"},
+        {"time", "([01][0-9]|2[0-3]):[0-5][0-9]:([0-5][0-9]|60)(\\.[0-9]+)?([Zz]|[+-]([01][0-9]|2["
+                 "0-3]):[0-5][0-9])"},
+        {"date-time",
+         "[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])[Tt]([01][0-9]|2[0-3]):[0-5][0-9]:([0-"
+         "5][0-9]|60)(\\.[0-9]+)?([Zz]|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"},
+        /* RFC 3339 appendix A */
+        {"duration", "P(([0-9]+D|[0-9]+M([0-9]+D)?|[0-9]+Y([0-9]+M([0-9]+D)?)?)(T([0-9]+H([0-9]+"
+                     "M([0-9]+S)?)?|[0-9]+M([0-9]+S)?|[0-9]+S))?|T([0-9]+H([0-9]+M([0-9]+S)?)?|["
+                     "0-9]+M([0-9]+S)?|[0-9]+S)|[0-9]+W)"},
+        {"uuid", "[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"},
+        {"ipv4", "((25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\\.){3}(25[0-5]|2[0-4][0-9]|1[0-9]"
+                 "[0-9]|[1-9]?[0-9])"},
+        /* RFC 4291 section 2.2: eight groups, one :: for a run of zero groups, an IPv4 tail */
+        {"ipv6", "(([0-9a-fA-F]{1,4}:){7}[0-9a-fA-F]{1,4}|([0-9a-fA-F]{1,4}:){1,7}:|([0-9a-fA-F]{1,"
+                 "4}:){1,6}:[0-9a-fA-F]{1,4}|([0-9a-fA-F]{1,4}:){1,5}(:[0-9a-fA-F]{1,4}){1,2}|([0-"
+                 "9a-fA-F]{1,4}:){1,4}(:[0-9a-fA-F]{1,4}){1,3}|([0-9a-fA-F]{1,4}:){1,3}(:[0-9a-fA-"
+                 "F]{1,4}){1,4}|([0-9a-fA-F]{1,4}:){1,2}(:[0-9a-fA-F]{1,4}){1,5}|[0-9a-fA-F]{1,4}:"
+                 "(:[0-9a-fA-F]{1,4}){1,6}|:((:[0-9a-fA-F]{1,4}){1,7}|:)|([0-9a-fA-F]{1,4}:){6}((25"
+                 "[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\\.){3}(25[0-5]|2[0-4][0-9]|1[0-9][0-9]"
+                 "|[1-9]?[0-9])|(([0-9a-fA-F]{1,4}:){0,5}[0-9a-fA-F]{1,4})?::(([0-9a-fA-F]{1,4}:){"
+                 "0,4})((25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\\.){3}(25[0-5]|2[0-4][0-9]|1"
+                 "[0-9][0-9]|[1-9]?[0-9]))"},
+        {"email", "[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+(\\.[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+)*@([A-Za-z0-"
+                  "9]([A-Za-z0-9-]*[A-Za-z0-9])?\\.)+[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?"},
+        /* approximations of the RFC grammars (docs/structured_output.md) */
+        {"uri", "[A-Za-z][A-Za-z0-9+.-]*:[^ \\t\\n\\r\"<>\\\\^`{|}]*"},
+        {"uri-reference", "[^ \\t\\n\\r\"<>\\\\^`{|}]*"},
+        {"hostname", "[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\\.[A-Za-z0-9]([A-Za-z0-9-]{0,"
+                     "61}[A-Za-z0-9])?)*"},
+        /* RFC 6901 and draft-handrews-relative-json-pointer */
+        {"json-pointer", "(/([^~/]|~[01])*)*"},
+        {"relative-json-pointer", "(0|[1-9][0-9]*)(#|(/([^~/]|~[01])*)*)"},
+    };
+    static const char *const unsupported[] = {
+        "iri", "iri-reference", "idn-email", "idn-hostname", "uri-template", "regex", NULL};
+    *refused = false;
+    for (size_t k = 0; k < sizeof fmts / sizeof *fmts; k++)
+        if (strcmp(f, fmts[k].name) == 0) return fmts[k].re;
+    *refused = in_list(f, unsupported);
     return NULL;
 }
 
@@ -722,10 +757,11 @@ static gx *string_expr(sc *c, json_t *s, const char *path)
         return fail(c, "maxLength", path, "%s", "maxLength < minLength: no string matches");
     gx *body = NULL;
     if (fmt && json_is_string(fmt)) {
-        const char *re = format_regex(json_string_value(fmt));
-        if (!re)
+        bool refused;
+        const char *re = format_regex(json_string_value(fmt), &refused);
+        if (refused)
             return fail(c, "format", path, "format '%s' is not supported", json_string_value(fmt));
-        body = json_esc(c, rx_parse(b, re, strlen(re), RX_FULL, sub(c, path, "format")));
+        if (re) body = json_esc(c, rx_parse(b, re, strlen(re), RX_FULL, sub(c, path, "format")));
     }
     if (pat && json_is_string(pat)) {
         gx *p = json_esc(c, rx_parse(b, json_string_value(pat), json_string_length(pat), RX_SEARCH,
@@ -1297,6 +1333,27 @@ static bool value_has_type(json_t *v, unsigned m)
     return false;
 }
 
+/* `not` in the forms that reduce to other keywords: not false (no constraint), not true or
+ * not {} (no value), not {"type": ...} (those types removed). Returns the schema without
+ * `not`, NULL for no value (or a refusal already recorded), s itself to refuse as usual. */
+static json_t *not_rewrite(sc *c, json_t *s, json_t *nt)
+{
+    if (json_is_true(nt) || (json_is_object(nt) && !has_constraints(nt, "", NULL))) return NULL;
+    json_t *r = json_deep_copy(s);
+    keep(c, r);
+    json_object_del(r, "not");
+    if (json_is_false(nt)) return r;
+    if (!json_is_object(nt) || !json_object_get(nt, "type") || has_constraints(nt, "type", NULL))
+        return s;
+    unsigned neg = type_mask(json_object_get(nt, "type"));
+    unsigned have = type_mask(json_object_get(s, "type"));
+    if (neg == 0) return s;
+    /* "not integer" leaves the numbers with a fraction: not a type of its own */
+    if ((neg & (1u << 6)) && !(neg & (1u << 5)) && (have & (1u << 5))) return s;
+    json_object_set_new(r, "type", mask_types(have & ~neg));
+    return r;
+}
+
 static gx *sch(sc *c, json_t *s, const char *path)
 {
     gb *b = c->b;
@@ -1315,6 +1372,18 @@ static gx *sch(sc *c, json_t *s, const char *path)
     gx *out = NULL;
     const char *k;
     json_t *v;
+    json_t *nt = json_object_get(s, "not");
+    if (nt) {
+        json_t *r = not_rewrite(c, s, nt);
+        if (!r) {
+            out = gx_none(b);
+            goto done;
+        }
+        if (r != s) {
+            out = sch(c, r, path);
+            goto done;
+        }
+    }
     json_object_foreach(s, k, v)
     {
         if (in_list(k, REFUSED)) {

@@ -92,16 +92,32 @@ static json_t *deref(json_t *s)
 }
 
 /* property order and property schemas of s (with allOf/anyOf/oneOf branches, in order) */
-static void collect(json_t *s, json_t *order, int depth)
+/* how many keys of value v the (dereferenced) branch s lists in its properties */
+static size_t listed_keys(json_t *s, json_t *v)
+{
+    s = deref(s);
+    json_t *props = json_is_object(s) ? json_object_get(s, "properties") : NULL;
+    size_t n = 0;
+    const char *k;
+    json_t *x;
+    if (json_is_object(props) && json_is_object(v))
+        json_object_foreach(v, k, x) n += json_object_get(props, k) != NULL;
+    return n;
+}
+
+/* The property order of value v under schema s: its properties, then required names, then
+ * those of its allOf, anyOf and oneOf branches (the branches of anyOf/oneOf that list the
+ * most keys of v first, so that v is written in the order of the branch it matches). */
+static void collect(json_t *s, json_t *v, json_t *order, int depth)
 {
     s = deref(s);
     if (!json_is_object(s) || depth > 8) return;
     json_t *props = json_object_get(s, "properties");
     const char *k;
-    json_t *v;
+    json_t *pv;
     if (json_is_object(props))
-        json_object_foreach(props, k, v) if (!json_object_get(order, k))
-            json_object_set(order, k, v);
+        json_object_foreach(props, k, pv) if (!json_object_get(order, k))
+            json_object_set(order, k, pv);
     json_t *req = json_object_get(s, "required");
     size_t i;
     json_t *x;
@@ -112,7 +128,15 @@ static void collect(json_t *s, json_t *order, int depth)
     const char *comb[] = {"allOf", "anyOf", "oneOf"};
     for (int c = 0; c < 3; c++) {
         json_t *a = json_object_get(s, comb[c]);
-        if (json_is_array(a)) json_array_foreach(a, i, x) collect(x, order, depth + 1);
+        if (!json_is_array(a)) continue;
+        size_t na = json_array_size(a), best = 0;
+        for (size_t j = 0; c > 0 && j < na; j++) {
+            size_t m = listed_keys(json_array_get(a, j), v);
+            if (m > best) best = m;
+        }
+        for (size_t m = best + 1; m-- > 0;) /* branches listing m keys of v, m descending */
+            json_array_foreach(a, i, x) if (c == 0 || listed_keys(x, v) == m)
+                collect(x, v, order, depth + 1);
     }
 }
 
@@ -167,7 +191,7 @@ static void write_json(buf *b, json_t *v, json_t *schema)
     switch (json_typeof(v)) {
     case JSON_OBJECT: {
         json_t *order = json_object();
-        if (schema) collect(schema, order, 0);
+        if (schema) collect(schema, v, order, 0);
         json_t *addl =
             json_is_object(schema) ? json_object_get(schema, "additionalProperties") : NULL;
         puts_(b, "{");

@@ -252,6 +252,48 @@ TEST(schema_pattern_properties_and_property_counts)
     pd_grammar_unref(g);
 }
 
+TEST(schema_not_formats)
+{
+    pd_gvocab *v = small_vocab();
+    pd_grammar *g =
+        compile(v, PD_GSPEC_JSON_SCHEMA, "{\"not\":{\"type\":[\"string\",\"null\"]}}", NULL);
+    ASSERT(g);
+    ACCEPT(g, "1.5");
+    ACCEPT(g, "{}");
+    REJECT(g, "\"s\"");
+    REJECT(g, "null");
+    pd_grammar_unref(g);
+    g = compile(v, PD_GSPEC_JSON_SCHEMA,
+                "{\"type\":[\"integer\",\"string\"],\"not\":{\"type\":\"integer\"}}", NULL);
+    ASSERT(g);
+    ACCEPT(g, "\"s\"");
+    REJECT(g, "1");
+    pd_grammar_unref(g);
+    g = compile(v, PD_GSPEC_JSON_SCHEMA,
+                "{\"properties\":{\"a\":{\"not\":{}},\"b\":{\"not\":false}}}", NULL);
+    ASSERT(g);
+    ACCEPT(g, "{\"b\":1}");
+    REJECT(g, "{\"a\":1}");
+    pd_grammar_unref(g);
+    pd_gerr e;
+    ASSERT(!compile(v, PD_GSPEC_JSON_SCHEMA, "{\"not\":{\"type\":\"integer\"}}", &e));
+    ASSERT(strcmp(e.keyword, "not") == 0);
+    /* formats: JSON Schema's enforced, other names constrain nothing */
+    g = compile(v, PD_GSPEC_JSON_SCHEMA,
+                "{\"type\":\"array\",\"items\":[{\"format\":\"ipv6\",\"type\":\"string\"},"
+                "{\"format\":\"duration\",\"type\":\"string\"},"
+                "{\"format\":\"password\",\"type\":\"string\"},"
+                "{\"format\":\"uint8\",\"type\":\"integer\"}]}",
+                NULL);
+    ASSERT(g);
+    ACCEPT(g, "[\"fe80::1\",\"P1Y2M\",\"x\",255]");
+    ACCEPT(g, "[\"::ffff:1.2.3.4\",\"PT5S\",\"\",0]");
+    REJECT(g, "[\"1:::2\",\"P1Y2M\",\"x\",255]");
+    REJECT(g, "[\"::1\",\"P1H\",\"x\",255]");
+    REJECT(g, "[\"::1\",\"P1D\",\"x\",256]");
+    pd_grammar_unref(g);
+}
+
 TEST(schema_numbers)
 {
     pd_gvocab *v = small_vocab();
@@ -341,9 +383,9 @@ TEST(schema_refusals_name_keyword_and_path)
     struct {
         const char *schema, *kw, *path;
     } cases[] = {
-        {"{\"properties\":{\"a\":{\"not\":{\"type\":\"string\"}}}}", "not", "/properties/a/not"},
+        {"{\"properties\":{\"a\":{\"not\":{\"pattern\":\"x\"}}}}", "not", "/properties/a/not"},
         {"{\"type\":\"array\",\"uniqueItems\":true}", "uniqueItems", "/uniqueItems"},
-        {"{\"items\":{\"type\":\"string\",\"format\":\"ipv6\"}}", "format", "/items/format"},
+        {"{\"items\":{\"type\":\"string\",\"format\":\"iri\"}}", "format", "/items/format"},
         {"{\"$ref\":\"http://x/y.json\"}", "$ref", "/$ref"},
         {"{\"anyOf\":[{\"if\":{}}]}", "if", "/anyOf/0/if"},
         {"{\"properties\":{\"a/b\":{\"type\":\"number\",\"multipleOf\":3}}}", "multipleOf",
