@@ -689,6 +689,12 @@ static gx *number_expr(sc *c, json_t *s, const char *path, bool integer)
 }
 
 /* ---- strings -------------------------------------------------------------------------------- */
+#define DATE_RE                                                                                    \
+    "([0-9]{4}-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)|02-("  \
+    "0["                                                                                           \
+    "1-9]|1[0-9]|2[0-8]))|([0-9]{2}(0[48]|[2468][048]|[13579][26])|([02468][048]|[13579][26])00)-" \
+    "02-29)"
+
 /* The regex of a string format (NULL: none). JSON Schema's own formats are enforced or, where
  * their grammar is not regular or not written here, refused (*refused); any other name is not
  * a JSON Schema format and constrains nothing, as the specification says of unknown formats
@@ -698,12 +704,13 @@ static const char *format_regex(const char *f, bool *refused)
     static const struct {
         const char *name, *re;
     } fmts[] = {
-        {"date", "[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"},
+        /* RFC 3339 full-date, days per month exact, 02-29 in leap years only */
+        {"date", DATE_RE},
         {"time", "([01][0-9]|2[0-3]):[0-5][0-9]:([0-5][0-9]|60)(\\.[0-9]+)?([Zz]|[+-]([01][0-9]|2["
                  "0-3]):[0-5][0-9])"},
         {"date-time",
-         "[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])[Tt]([01][0-9]|2[0-3]):[0-5][0-9]:([0-"
-         "5][0-9]|60)(\\.[0-9]+)?([Zz]|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"},
+         DATE_RE "[Tt]([01][0-9]|2[0-3]):[0-5][0-9]:([0-5][0-9]|60)(\\.[0-9]+)?([Zz]|[+-"
+                 "]([01][0-9]|2[0-3]):[0-5][0-9])"},
         /* RFC 3339 appendix A */
         {"duration", "P(([0-9]+D|[0-9]+M([0-9]+D)?|[0-9]+Y([0-9]+M([0-9]+D)?)?)(T([0-9]+H([0-9]+"
                      "M([0-9]+S)?)?|[0-9]+M([0-9]+S)?|[0-9]+S))?|T([0-9]+H([0-9]+M([0-9]+S)?)?|["

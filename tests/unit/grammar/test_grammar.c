@@ -292,6 +292,16 @@ TEST(schema_not_formats)
     REJECT(g, "[\"::1\",\"P1H\",\"x\",255]");
     REJECT(g, "[\"::1\",\"P1D\",\"x\",256]");
     pd_grammar_unref(g);
+    g = compile(v, PD_GSPEC_JSON_SCHEMA, "{\"type\":\"string\",\"format\":\"date\"}", NULL);
+    ASSERT(g);
+    ACCEPT(g, "\"2024-02-29\"");
+    ACCEPT(g, "\"2000-02-29\"");
+    ACCEPT(g, "\"2023-12-31\"");
+    REJECT(g, "\"2023-02-29\"");
+    REJECT(g, "\"1900-02-29\"");
+    REJECT(g, "\"2022-02-30\"");
+    REJECT(g, "\"2022-04-31\"");
+    pd_grammar_unref(g);
 }
 
 TEST(schema_numbers)
