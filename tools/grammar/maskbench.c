@@ -105,10 +105,11 @@ static size_t listed_keys(json_t *s, json_t *v)
     return n;
 }
 
-/* The property order of value v under schema s: its properties, then required names, then
- * those of its allOf, anyOf and oneOf branches (the branches of anyOf/oneOf that list the
- * most keys of v first, so that v is written in the order of the branch it matches). */
-static void collect(json_t *s, json_t *v, json_t *order, int depth)
+static void collect(json_t *s, json_t *v, json_t *order, int depth);
+
+/* Pass 1 of collect: the properties and required names of s and of its allOf entries, in
+ * order (not their anyOf/oneOf branches). */
+static void collect_direct(json_t *s, json_t *order, int depth)
 {
     s = deref(s);
     if (!json_is_object(s) || depth > 8) return;
@@ -125,19 +126,41 @@ static void collect(json_t *s, json_t *v, json_t *order, int depth)
         json_array_foreach(req, i, x) if (json_is_string(x) &&
                                           !json_object_get(order, json_string_value(x)))
             json_object_set(order, json_string_value(x), json_true());
-    const char *comb[] = {"allOf", "anyOf", "oneOf"};
-    for (int c = 0; c < 3; c++) {
+    json_t *all = json_object_get(s, "allOf");
+    if (json_is_array(all)) json_array_foreach(all, i, x) collect_direct(x, order, depth + 1);
+}
+
+/* Pass 2: the anyOf/oneOf branches of s and of its allOf entries, the branches that list the
+ * most keys of v first (v is written in the order of the branch it matches). */
+static void collect_branches(json_t *s, json_t *v, json_t *order, int depth)
+{
+    s = deref(s);
+    if (!json_is_object(s) || depth > 8) return;
+    size_t i;
+    json_t *x;
+    const char *comb[] = {"anyOf", "oneOf"};
+    for (int c = 0; c < 2; c++) {
         json_t *a = json_object_get(s, comb[c]);
         if (!json_is_array(a)) continue;
         size_t na = json_array_size(a), best = 0;
-        for (size_t j = 0; c > 0 && j < na; j++) {
+        for (size_t j = 0; j < na; j++) {
             size_t m = listed_keys(json_array_get(a, j), v);
             if (m > best) best = m;
         }
         for (size_t m = best + 1; m-- > 0;) /* branches listing m keys of v, m descending */
-            json_array_foreach(a, i, x) if (c == 0 || listed_keys(x, v) == m)
-                collect(x, v, order, depth + 1);
+            json_array_foreach(a, i, x) if (listed_keys(x, v) == m) collect(x, v, order, depth + 1);
     }
+    json_t *all = json_object_get(s, "allOf");
+    if (json_is_array(all)) json_array_foreach(all, i, x) collect_branches(x, v, order, depth + 1);
+}
+
+/* The property order of value v under schema s, as the engine generates it
+ * (docs/structured_output.md): the properties of s and its allOf entries, then those of the
+ * anyOf/oneOf branches. */
+static void collect(json_t *s, json_t *v, json_t *order, int depth)
+{
+    collect_direct(s, order, depth);
+    collect_branches(s, v, order, depth);
 }
 
 /* a double as Python's repr writes it: shortest round-trip digits, fixed notation for
