@@ -30,6 +30,7 @@ typedef struct {
     json_t **keep; /* merged schemas, freed at the end */
     int nkeep, capkeep;
     int depth;
+    bool ref_alone; /* drafts 3-7: keywords beside $ref are ignored */
 } sc;
 
 static gx *sch(sc *c, json_t *s, const char *path);
@@ -1134,7 +1135,7 @@ static json_t *deref(sc *c, json_t *s, const char *path)
         if (!json_is_string(r)) return s;
         json_t *t = resolve(c, json_string_value(r), path);
         if (!t) return NULL;
-        if (json_object_size(s) == 1) {
+        if (json_object_size(s) == 1 || c->ref_alone) {
             s = t;
             continue;
         }
@@ -1407,7 +1408,7 @@ static gx *sch(sc *c, json_t *s, const char *path)
             out = fail(c, "$ref", path, "%s", "must be a string");
             goto done;
         }
-        if (!has_constraints(s, "$ref", NULL)) {
+        if (c->ref_alone || !has_constraints(s, "$ref", NULL)) {
             out = ref_call(c, json_string_value(r), path);
             goto done;
         }
@@ -1554,6 +1555,9 @@ int schema_compile(gb *b, const char *text, size_t len, const char *ws_pattern, 
     sc c = {0};
     c.b = b;
     c.root = j;
+    const char *draft = json_string_value(json_object_get(j, "$schema"));
+    c.ref_alone = draft && (strstr(draft, "draft-03") || strstr(draft, "draft-04") ||
+                            strstr(draft, "draft-06") || strstr(draft, "draft-07"));
     c.r_string = c.r_number = c.r_integer = c.r_value = -1;
     int rc = ws_init(&c, ws_pattern);
     if (rc == 0) {

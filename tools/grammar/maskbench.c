@@ -19,6 +19,8 @@
 #define _GNU_SOURCE
 #include <jansson.h>
 #include <math.h>
+#include <regex.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -208,6 +210,25 @@ static void write_num(buf *b, double d)
     puts_(b, o);
 }
 
+/* The schema of an unlisted key k: the first patternProperties entry whose pattern matches
+ * (POSIX extended syntax standing in for ECMA-262, close enough for ordering the keys of the
+ * value), else additionalProperties. */
+static json_t *unlisted_schema(json_t *schema, const char *k, json_t *addl)
+{
+    json_t *pp = json_is_object(schema) ? json_object_get(schema, "patternProperties") : NULL;
+    const char *pat;
+    json_t *ps;
+    if (json_is_object(pp)) json_object_foreach(pp, pat, ps)
+        {
+            regex_t re;
+            if (regcomp(&re, pat, REG_EXTENDED | REG_NOSUB) != 0) continue;
+            bool hit = regexec(&re, k, 0, NULL, 0) == 0;
+            regfree(&re);
+            if (hit) return ps;
+        }
+    return addl;
+}
+
 static void write_json(buf *b, json_t *v, json_t *schema)
 {
     schema = deref(schema);
@@ -236,7 +257,7 @@ static void write_json(buf *b, json_t *v, json_t *schema)
                 free(d);
                 json_decref(ks);
                 puts_(b, ": ");
-                write_json(b, x, pass ? addl : ps);
+                write_json(b, x, pass ? unlisted_schema(schema, k, addl) : ps);
             }
         }
         puts_(b, "}");

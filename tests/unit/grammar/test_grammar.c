@@ -275,6 +275,24 @@ TEST(schema_not_formats)
     ACCEPT(g, "{\"b\":1}");
     REJECT(g, "{\"a\":1}");
     pd_grammar_unref(g);
+    /* drafts 3-7: keywords beside $ref are ignored; later drafts: merged */
+    g = compile(v, PD_GSPEC_JSON_SCHEMA,
+                "{\"$schema\":\"http://json-schema.org/draft-07/schema#\",\"definitions\":{"
+                "\"o\":{\"type\":\"object\"}},\"properties\":{\"a\":{\"type\":\"string\","
+                "\"$ref\":\"#/definitions/o\"}}}",
+                NULL);
+    ASSERT(g);
+    ACCEPT(g, "{\"a\":{}}");
+    REJECT(g, "{\"a\":\"s\"}");
+    pd_grammar_unref(g);
+    g = compile(v, PD_GSPEC_JSON_SCHEMA,
+                "{\"definitions\":{\"o\":{\"type\":[\"object\",\"string\"]}},\"properties\":{"
+                "\"a\":{\"type\":\"string\",\"$ref\":\"#/definitions/o\"}}}",
+                NULL);
+    ASSERT(g);
+    ACCEPT(g, "{\"a\":\"s\"}");
+    REJECT(g, "{\"a\":{}}");
+    pd_grammar_unref(g);
     pd_gerr e;
     ASSERT(!compile(v, PD_GSPEC_JSON_SCHEMA, "{\"not\":{\"type\":\"integer\"}}", &e));
     ASSERT(strcmp(e.keyword, "not") == 0);
