@@ -82,7 +82,8 @@ int pd_grammar_compile(const pd_gvocab *v, const pd_gspec *spec, pd_grammar **ou
         for (int32_t i = 0; i < g->n_rules; i++)
             g->rules[i].name = strdup(g->rules[i].name ? g->rules[i].name : "");
         g->cache = calloc((size_t)(g->n_keys ? g->n_keys : 1), sizeof(*g->cache));
-        if (!g->cache) rc = pd_error(PD_ENOMEM, "grammar: out of memory");
+        if (!g->cache || gshare_attach(v->share, g) < 0)
+            rc = pd_error(PD_ENOMEM, "grammar: out of memory");
     } else {
         for (int32_t i = 0; g->rules && i < g->n_rules; i++) g->rules[i].name = NULL;
     }
@@ -107,6 +108,8 @@ void pd_grammar_unref(pd_grammar *g)
     if (g->cache)
         for (int32_t i = 0; i < g->n_keys; i++) gentry_free(atomic_load(&g->cache[i]));
     free(g->cache);
+    free(g->slot);
+    free(g->slot_shared);
     if (g->rules)
         for (int32_t i = 0; i < g->n_rules; i++) free((char *)g->rules[i].name);
     free(g->rules);

@@ -245,6 +245,105 @@ gx *gx_cp_set(gb *b, const uint32_t *ranges, int n)
     return x;
 }
 
+/* ---- matching a call-free expression against a short string ------------------------------ */
+/* out = the end positions reachable by matching x from any position set in in (len + 1
+ * entries each). A repetition stops at a fixpoint: a kid that can match the empty string
+ * only grows the set, one that cannot moves every position forward. */
+static int ends(const gx *x, const uint8_t *s, size_t len, const uint8_t *in, uint8_t *out)
+{
+    size_t n = len + 1;
+    memset(out, 0, n);
+    switch (x->kind) {
+    case X_NONE: return 0;
+    case X_EMPTY: memcpy(out, in, n); return 0;
+    case X_BYTES:
+        for (size_t p = 0; p < len; p++)
+            if (in[p] && s[p] >= x->lo && s[p] <= x->hi) out[p + 1] = 1;
+        return 0;
+    case X_SEQ:
+    case X_ALT:
+    case X_REP:
+    case X_AND:
+    case X_NOT: break;
+    default: return -1; /* calls and graphs: not a plain language over bytes */
+    }
+    uint8_t *a = malloc(n), *t = malloc(n);
+    int rc = 0;
+    if (!a || !t) {
+        rc = -1;
+        goto done;
+    }
+    if (x->kind == X_SEQ) {
+        memcpy(a, in, n);
+        for (int32_t i = 0; i < x->n && rc == 0; i++) {
+            rc = ends(x->kids[i], s, len, a, t);
+            memcpy(a, t, n);
+        }
+        memcpy(out, a, n);
+    } else if (x->kind == X_ALT) {
+        for (int32_t i = 0; i < x->n && rc == 0; i++) {
+            rc = ends(x->kids[i], s, len, in, t);
+            for (size_t p = 0; p < n; p++) out[p] |= t[p];
+        }
+    } else if (x->kind == X_AND) {
+        rc = ends(x->kids[0], s, len, in, a);
+        if (rc == 0) rc = ends(x->kids[1], s, len, in, t);
+        for (size_t p = 0; p < n; p++) out[p] = a[p] && t[p];
+    } else if (x->kind == X_NOT) { /* per start: every later end the kid does not reach */
+        uint8_t *one = calloc(n, 1);
+        if (!one) {
+            rc = -1;
+            goto done;
+        }
+        for (size_t p0 = 0; p0 < n && rc == 0; p0++) {
+            if (!in[p0]) continue;
+            one[p0] = 1;
+            rc = ends(x->kids[0], s, len, one, t);
+            one[p0] = 0;
+            for (size_t p = p0; p < n; p++)
+                if (!t[p]) out[p] = 1;
+        }
+        free(one);
+    } else { /* X_REP */
+        memcpy(a, in, n);
+        int64_t i = 0;
+        for (; i < x->min && rc == 0; i++) {
+            rc = ends(x->kids[0], s, len, a, t);
+            bool same = memcmp(a, t, n) == 0, empty = memchr(t, 1, n) == NULL;
+            memcpy(a, t, n);
+            if (same || empty) break;
+        }
+        memcpy(out, a, n);
+        for (; (x->max < 0 || i < x->max) && rc == 0; i++) {
+            rc = ends(x->kids[0], s, len, a, t);
+            bool grew = false;
+            for (size_t p = 0; p < n; p++)
+                if (t[p] && !out[p]) out[p] = 1, grew = true;
+            bool empty = memchr(t, 1, n) == NULL, same = memcmp(a, t, n) == 0;
+            memcpy(a, t, n);
+            if (empty || same || (!grew && i > (int64_t)len + 2)) break;
+        }
+    }
+done:
+    free(a);
+    free(t);
+    return rc;
+}
+
+int gx_match(const gx *x, const uint8_t *s, size_t len)
+{
+    uint8_t *in = calloc(len + 1, 1), *out = malloc(len + 1);
+    int rc = -1;
+    if (in && out) {
+        in[0] = 1;
+        rc = ends(x, s, len, in, out);
+        if (rc == 0) rc = out[len] ? 1 : 0;
+    }
+    free(in);
+    free(out);
+    return rc;
+}
+
 int32_t gb_rule_new(gb *b, const char *name)
 {
     if (b->n_rules == b->cap_rules) {

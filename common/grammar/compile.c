@@ -568,11 +568,16 @@ static int32_t frag(cc *c, nfa *n, gx *x, int32_t s)
         return cur;
     }
     case X_ALT: {
+        /* branches start at s itself (loops always go through fresh nodes, so no branch can
+         * re-enter another); a byte branch is one edge straight to the end */
         int32_t e = nnode(c, n);
         for (int32_t i = 0; i < x->n; i++) {
-            int32_t k = nnode(c, n);
-            nadd(c, n, s, NE_EPS, 0, 0, -1, k);
-            int32_t ke = frag(c, n, x->kids[i], k);
+            gx *k = x->kids[i];
+            if (k->kind == X_BYTES) {
+                nadd(c, n, s, NE_BYTES, k->lo, k->hi, -1, e);
+                continue;
+            }
+            int32_t ke = frag(c, n, k, s);
             if (ke < 0) return -1;
             nadd(c, n, ke, NE_EPS, 0, 0, -1, e);
         }

@@ -87,6 +87,10 @@ gx *gx_cp_range(gb *b, uint32_t lo, uint32_t hi);
 /* A set of code point ranges (sorted or not, may overlap) as UTF-8. */
 gx *gx_cp_set(gb *b, const uint32_t *ranges, int n_ranges);
 
+/* Whether the call-free expression x matches all of s[0..len): 1 yes, 0 no, -1 when x has
+ * calls or graphs, or memory ran out. For checking short strings (property names). */
+int gx_match(const gx *x, const uint8_t *s, size_t len);
+
 int32_t gb_rule_new(gb *b, const char *name);
 void gb_rule_set(gb *b, int32_t r, gx *body);
 /* Records a refusal (first one wins); returns status. */
@@ -147,9 +151,23 @@ struct pd_grammar {
     int32_t *trans; /* next state or -1 */
     gcall *calls;
     int32_t n_keys;
-    _Atomic(gentry *) *cache; /* by cache_key */
+    _Atomic(gentry *) *cache; /* by cache_key: this grammar's own entries */
+    _Atomic(gentry *) **slot; /* by cache_key: where its entry lives (cache or the share) */
+    uint8_t *slot_shared;     /* by cache_key: slot is in the vocabulary's share */
     pthread_mutex_t lock;
 };
+
+/* Entries of call-free rules shared across the grammars of one vocabulary (share.c). */
+typedef struct gshare gshare;
+gshare *gshare_create(void);
+void gshare_free(gshare *s);
+/* Points g->slot of every key at its grammar-local slot, or at the share's slot for states of
+ * call-free rules whose DFA is registered (identical tables); -1 out of memory. */
+int gshare_attach(gshare *s, pd_grammar *g);
+/* Publishes *e into a shared slot if the share has room: true when done (*e is then the slot's
+ * entry, another thread's if it won), false to keep it locally. */
+bool gshare_publish(gshare *s, _Atomic(gentry *) *slot, gentry **e, int32_t vocab_size);
+size_t gentry_bytes(const gentry *e, int32_t vocab_size);
 
 /* Builds the pushdown automaton of rules[root] (and every rule it reaches). */
 int gram_build(gb *b, int32_t root, pd_grammar *g);
@@ -171,6 +189,7 @@ struct pd_gvocab {
     int32_t *t_tok;   /* token ending here, -1 none */
     int32_t *dup;     /* more tokens with the same bytes: chain, -1 ends */
     uint32_t max_len;
+    gshare *share; /* mask-cache entries shared by this vocabulary's grammars (mutable) */
 };
 
 #endif

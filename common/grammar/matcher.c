@@ -358,10 +358,15 @@ static gentry *compute_entry(const pd_grammar *g, int32_t st)
 static gentry *cache_get(pd_grammar *g, int32_t st)
 {
     int32_t key = g->states[st].cache_key;
-    gentry *e = atomic_load_explicit(&g->cache[key], memory_order_acquire);
+    gentry *e = atomic_load_explicit(g->slot[key], memory_order_acquire);
     if (e) return e;
+    if (g->slot_shared[key]) { /* the share was full: maybe computed here before */
+        e = atomic_load_explicit(&g->cache[key], memory_order_acquire);
+        if (e) return e;
+    }
     e = compute_entry(g, st);
     if (!e) return NULL;
+    if (g->slot_shared[key] && gshare_publish(g->v->share, g->slot[key], &e, g->v->n)) return e;
     gentry *expected = NULL;
     if (!atomic_compare_exchange_strong(&g->cache[key], &expected, e)) {
         gentry_free(e);

@@ -30,6 +30,7 @@ typedef struct {
     json_t **keep; /* merged schemas, freed at the end */
     int nkeep, capkeep;
     int depth;
+    bool ref_alone; /* drafts 3-7: keywords beside $ref are ignored */
 } sc;
 
 static gx *sch(sc *c, json_t *s, const char *path);
@@ -49,8 +50,6 @@ static const char *const REFUSED[] = {"not",
                                       "dependentSchemas",
                                       "dependencies",
                                       "propertyNames",
-                                      "minProperties",
-                                      "maxProperties",
                                       "uniqueItems",
                                       "contains",
                                       "minContains",
@@ -59,7 +58,6 @@ static const char *const REFUSED[] = {"not",
                                       "unevaluatedItems",
                                       "$dynamicRef",
                                       "$recursiveRef",
-                                      "patternProperties",
                                       "multipleOf",
                                       NULL};
 
@@ -626,16 +624,25 @@ static gx *number_expr(sc *c, json_t *s, const char *path, bool integer)
                         "multipleOf is not supported (except 1 on integers)");
     }
     if ((j = json_object_get(s, "format")) && json_is_string(j)) {
+        /* OpenAPI's integer formats are bounds; float/double and string formats do not
+         * constrain a number (a format applies to its own type) */
+        static const struct {
+            const char *name;
+            double lo, hi;
+        } ifmt[] = {{"int8", -128.0, 127.0},
+                    {"uint8", 0.0, 255.0},
+                    {"int16", -32768.0, 32767.0},
+                    {"uint16", 0.0, 65535.0},
+                    {"int32", -2147483648.0, 2147483647.0},
+                    {"uint32", 0.0, 4294967295.0},
+                    {"int64", -9223372036854775808.0, 9223372036854775807.0},
+                    {"uint64", 0.0, 18446744073709551615.0}};
         const char *f = json_string_value(j);
-        if (strcmp(f, "int32") == 0 && integer) {
-            if (lo < -2147483648.0) lo = -2147483648.0, linc = true;
-            if (hi > 2147483647.0) hi = 2147483647.0, hinc = true;
-        } else if (strcmp(f, "int64") == 0 && integer) {
-            if (lo < -9223372036854775808.0) lo = -9223372036854775808.0, linc = true;
-            if (hi > 9223372036854775807.0) hi = 9223372036854775807.0, hinc = true;
-        } else if (!(strcmp(f, "float") == 0 || strcmp(f, "double") == 0) || integer) {
-            return fail(c, "format", path, "format '%s' is not supported for numbers", f);
-        }
+        for (size_t k = 0; k < sizeof ifmt / sizeof *ifmt; k++)
+            if (strcmp(f, ifmt[k].name) == 0) {
+                if (lo < ifmt[k].lo) lo = ifmt[k].lo, linc = true;
+                if (hi > ifmt[k].hi) hi = ifmt[k].hi, hinc = true;
+            }
     }
     if (isinf(lo) && isinf(hi)) return gx_call(b, integer ? r_integer(c) : r_number(c));
     if (lo > hi || (lo == hi && !(linc && hinc)))
@@ -683,29 +690,62 @@ static gx *number_expr(sc *c, json_t *s, const char *path, bool integer)
 }
 
 /* ---- strings -------------------------------------------------------------------------------- */
-static const char *format_regex(const char *f)
+#define DATE_RE                                                                                    \
+    "([0-9]{4}-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)|02-("  \
+    "0["                                                                                           \
+    "1-9]|1[0-9]|2[0-8]))|([0-9]{2}(0[48]|[2468][048]|[13579][26])|([02468][048]|[13579][26])00)-" \
+    "02-29)"
+
+/* The regex of a string format (NULL: none). JSON Schema's own formats are enforced or, where
+ * their grammar is not regular or not written here, refused (*refused); any other name is not
+ * a JSON Schema format and constrains nothing, as the specification says of unknown formats
+ * (docs/structured_output.md). */
+static const char *format_regex(const char *f, bool *refused)
 {
-    if (strcmp(f, "date") == 0) return "[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])";
-    if (strcmp(f, "time") == 0)
-        return "([01][0-9]|2[0-3]):[0-5][0-9]:([0-5][0-9]|60)(\\.[0-9]+)?([Zz]|[+-]([01][0-9]|2[0-"
-               "3]):[0-5][0-9])";
-    if (strcmp(f, "date-time") == 0)
-        return "[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])[Tt]([01][0-9]|2[0-3]):[0-5][0-9]:"
-               "([0-5][0-9]|60)(\\.[0-9]+)?([Zz]|[+-]([01][0-9]|2[0-3]):[0-5][0-9])";
-    if (strcmp(f, "uuid") == 0)
-        return "[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}";
-    if (strcmp(f, "ipv4") == 0)
-        return "((25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\\.){3}(25[0-5]|2[0-4][0-9]|1[0-9][0-"
-               "9]|[1-9]?[0-9])";
-    if (strcmp(f, "email") == 0)
-        return "[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+(\\.[A-Za-z0-9!#$%&'*+/"
-               "=?^_`{|}~-]+)*@([A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?\\.)+[A-Za-z0-9]([A-Za-z0-9-]"
-               "*[A-Za-z0-9])?";
-    /* approximations of the RFC grammars (docs/structured_output.md) */
-    if (strcmp(f, "uri") == 0) return "[A-Za-z][A-Za-z0-9+.-]*:[^ \\t\\n\\r\"<>\\\\^`{|}]*";
-    if (strcmp(f, "hostname") == 0)
-        return "[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-"
-               "z0-9])?)*";
+    static const struct {
+        const char *name, *re;
+    } fmts[] = {
+        /* RFC 3339 full-date, days per month exact, 02-29 in leap years only */
+        {"date", DATE_RE},
+        {"time", "([01][0-9]|2[0-3]):[0-5][0-9]:([0-5][0-9]|60)(\\.[0-9]+)?([Zz]|[+-]([01][0-9]|2["
+                 "0-3]):[0-5][0-9])"},
+        {"date-time",
+         DATE_RE "[Tt]([01][0-9]|2[0-3]):[0-5][0-9]:([0-5][0-9]|60)(\\.[0-9]+)?([Zz]|[+-"
+                 "]([01][0-9]|2[0-3]):[0-5][0-9])"},
+        /* RFC 3339 appendix A */
+        {"duration", "P(([0-9]+D|[0-9]+M([0-9]+D)?|[0-9]+Y([0-9]+M([0-9]+D)?)?)(T([0-9]+H([0-9]+"
+                     "M([0-9]+S)?)?|[0-9]+M([0-9]+S)?|[0-9]+S))?|T([0-9]+H([0-9]+M([0-9]+S)?)?|["
+                     "0-9]+M([0-9]+S)?|[0-9]+S)|[0-9]+W)"},
+        {"uuid", "[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"},
+        {"ipv4", "((25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\\.){3}(25[0-5]|2[0-4][0-9]|1[0-9]"
+                 "[0-9]|[1-9]?[0-9])"},
+        /* RFC 4291 section 2.2: eight groups, one :: for a run of zero groups, an IPv4 tail */
+        {"ipv6", "(([0-9a-fA-F]{1,4}:){7}[0-9a-fA-F]{1,4}|([0-9a-fA-F]{1,4}:){1,7}:|([0-9a-fA-F]{1,"
+                 "4}:){1,6}:[0-9a-fA-F]{1,4}|([0-9a-fA-F]{1,4}:){1,5}(:[0-9a-fA-F]{1,4}){1,2}|([0-"
+                 "9a-fA-F]{1,4}:){1,4}(:[0-9a-fA-F]{1,4}){1,3}|([0-9a-fA-F]{1,4}:){1,3}(:[0-9a-fA-"
+                 "F]{1,4}){1,4}|([0-9a-fA-F]{1,4}:){1,2}(:[0-9a-fA-F]{1,4}){1,5}|[0-9a-fA-F]{1,4}:"
+                 "(:[0-9a-fA-F]{1,4}){1,6}|:((:[0-9a-fA-F]{1,4}){1,7}|:)|([0-9a-fA-F]{1,4}:){6}((25"
+                 "[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\\.){3}(25[0-5]|2[0-4][0-9]|1[0-9][0-9]"
+                 "|[1-9]?[0-9])|(([0-9a-fA-F]{1,4}:){0,5}[0-9a-fA-F]{1,4})?::(([0-9a-fA-F]{1,4}:){"
+                 "0,4})((25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\\.){3}(25[0-5]|2[0-4][0-9]|1"
+                 "[0-9][0-9]|[1-9]?[0-9]))"},
+        {"email", "[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+(\\.[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+)*@([A-Za-z0-"
+                  "9]([A-Za-z0-9-]*[A-Za-z0-9])?\\.)+[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?"},
+        /* approximations of the RFC grammars (docs/structured_output.md) */
+        {"uri", "[A-Za-z][A-Za-z0-9+.-]*:[^ \\t\\n\\r\"<>\\\\^`{|}]*"},
+        {"uri-reference", "[^ \\t\\n\\r\"<>\\\\^`{|}]*"},
+        {"hostname", "[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\\.[A-Za-z0-9]([A-Za-z0-9-]{0,"
+                     "61}[A-Za-z0-9])?)*"},
+        /* RFC 6901 and draft-handrews-relative-json-pointer */
+        {"json-pointer", "(/([^~/]|~[01])*)*"},
+        {"relative-json-pointer", "(0|[1-9][0-9]*)(#|(/([^~/]|~[01])*)*)"},
+    };
+    static const char *const unsupported[] = {
+        "iri", "iri-reference", "idn-email", "idn-hostname", "uri-template", "regex", NULL};
+    *refused = false;
+    for (size_t k = 0; k < sizeof fmts / sizeof *fmts; k++)
+        if (strcmp(f, fmts[k].name) == 0) return fmts[k].re;
+    *refused = in_list(f, unsupported);
     return NULL;
 }
 
@@ -725,10 +765,11 @@ static gx *string_expr(sc *c, json_t *s, const char *path)
         return fail(c, "maxLength", path, "%s", "maxLength < minLength: no string matches");
     gx *body = NULL;
     if (fmt && json_is_string(fmt)) {
-        const char *re = format_regex(json_string_value(fmt));
-        if (!re)
+        bool refused;
+        const char *re = format_regex(json_string_value(fmt), &refused);
+        if (refused)
             return fail(c, "format", path, "format '%s' is not supported", json_string_value(fmt));
-        body = json_esc(c, rx_parse(b, re, strlen(re), RX_FULL, sub(c, path, "format")));
+        if (re) body = json_esc(c, rx_parse(b, re, strlen(re), RX_FULL, sub(c, path, "format")));
     }
     if (pat && json_is_string(pat)) {
         gx *p = json_esc(c, rx_parse(b, json_string_value(pat), json_string_length(pat), RX_SEARCH,
@@ -841,26 +882,66 @@ static gx *array_expr(sc *c, json_t *s, const char *path)
 
 /* ---- objects ------------------------------------------------------------------------------------
  */
-static gx *key_except(sc *c, json_t *props)
+/* The expression of a property value; a rule of its own when the object graph copies it
+ * (counted properties), so that its automaton is built once. */
+static gx *shared_value(sc *c, gx *x, bool copied)
 {
-    gb *b = c->b;
-    gx *any = gx_seq3(b, lit(c, "\""), gx_star(b, jchar(c)), lit(c, "\""));
-    size_t n = json_object_size(props);
-    if (n == 0) return gx_call(b, r_string(c));
-    gx **k = malloc(sizeof(gx *) * n);
-    if (!k) return gx_none(b);
-    int m = 0;
-    const char *key;
-    json_t *v;
-    json_object_foreach(props, key, v) k[m++] = json_string_lit(c, key, strlen(key));
-    gx *names = gx_alt(b, k, m);
-    free(k);
-    int32_t r = gb_rule_new(b, "key");
-    b->rules[r].keep = true;
-    gb_rule_set(b, r, gx_and(b, any, gx_not(b, names)));
-    return gx_call(b, r);
+    if (!copied || x->kind == X_CALL || x->kind == X_NONE) return x;
+    int32_t r = gb_rule_new(c->b, "value");
+    c->b->rules[r].keep = true;
+    gb_rule_set(c->b, r, x);
+    return gx_call(c->b, r);
 }
 
+#define MAX_PATTERN_PROPS 3
+#define MAX_PROP_COUNT    64
+
+/* Keys other than the listed ones (names) whose content matches exactly the patterns in set
+ * in (bit i: pats[i]) and none of the others, as a quoted JSON string (may match nothing).
+ * Keys are compared as written: an escape spelling a plain character is not recognised
+ * (docs). */
+static gx *key_class(sc *c, gx *names, gx **pats, int npat, unsigned in)
+{
+    gb *b = c->b;
+    gx *content = gx_star(b, jchar(c));
+    gx *others[MAX_PATTERN_PROPS];
+    int no = 0;
+    for (int i = 0; i < npat; i++) {
+        if (in >> i & 1)
+            content = gx_and(b, content, pats[i]);
+        else
+            others[no++] = pats[i];
+    }
+    if (no) content = gx_and(b, content, gx_not(b, gx_alt(b, others, no)));
+    if (npat == 0 && !names) return gx_call(b, r_string(c));
+    gx *key = gx_seq3(b, lit(c, "\""), content, lit(c, "\""));
+    if (names) key = gx_and(b, key, gx_not(b, names));
+    return key;
+}
+
+/* Edges of one (listed or additional) property in the object graph: from count node
+ * from + k, through middle node mid + k' - 1 (a comma unless k = 0), to count node to + k'
+ * by pair, k' = k + 1 saturating at K (or stopping there when bounded); optional adds the
+ * skip from + k -> to + k. */
+static void add_counted(gx *x, long from, long to, long mid, long K, bool bounded, gx *sep,
+                        gx *pair, bool optional)
+{
+    for (long k = 0; k <= K; k++) {
+        long k2 = k < K ? k + 1 : (bounded ? -1 : K);
+        if (k2 >= 0)
+            x->g_edges[x->n++] =
+                (gx_edge){(int32_t)(from + k), (int32_t)(mid + k2 - 1), k ? sep : NULL};
+        if (optional) x->g_edges[x->n++] = (gx_edge){(int32_t)(from + k), (int32_t)(to + k), NULL};
+    }
+    for (long k2 = 1; k2 <= K; k2++)
+        x->g_edges[x->n++] = (gx_edge){(int32_t)(mid + k2 - 1), (int32_t)(to + k2), pair};
+}
+
+/* An object as a graph: node (i, k) = after the first i listed properties with k properties
+ * written so far (k saturates at K = maxProperties, else minProperties, at least 1 so that
+ * the first property is told from the others, which need a comma). Additional properties
+ * (keys neither listed nor matched by patternProperties, and keys of each pattern class)
+ * loop at node (n, k). */
 static gx *object_expr(sc *c, json_t *s, const char *path)
 {
     gb *b = c->b;
@@ -868,78 +949,180 @@ static gx *object_expr(sc *c, json_t *s, const char *path)
     json_t *req = json_object_get(s, "required");
     json_t *addl = json_object_get(s, "additionalProperties");
     json_t *pp = json_object_get(s, "patternProperties");
-    if (pp && json_object_size(pp) > 0)
-        return fail(c, "patternProperties", path, "%s", "patternProperties is not supported");
+    json_t *jmin = json_object_get(s, "minProperties"), *jmax = json_object_get(s, "maxProperties");
     if (props && !json_is_object(props))
         return fail(c, "properties", path, "%s", "must be an object");
+    if (pp && !json_is_object(pp))
+        return fail(c, "patternProperties", path, "%s", "must be an object");
+    if ((jmin && !json_is_integer(jmin)) || (jmax && !json_is_integer(jmax)))
+        return fail(c, jmin && !json_is_integer(jmin) ? "minProperties" : "maxProperties", path,
+                    "%s", "must be an integer");
+    long pmin = jmin ? (long)json_integer_value(jmin) : 0;
+    long pmax = jmax ? (long)json_integer_value(jmax) : -1;
+    if (pmin < 0) pmin = 0;
+    if (pmin > MAX_PROP_COUNT || pmax > MAX_PROP_COUNT)
+        return fail(c, pmin > MAX_PROP_COUNT ? "minProperties" : "maxProperties", path, "%s",
+                    "property counts over 64 are not supported");
+    if (pmax >= 0 && pmax < pmin)
+        return fail(c, "maxProperties", path, "%s", "maxProperties < minProperties: no object");
+    size_t npat = pp ? json_object_size(pp) : 0;
+    if (npat > MAX_PATTERN_PROPS)
+        return fail(c, "patternProperties", path, "%s",
+                    "more than 3 patterns in one patternProperties are not supported");
     const char *ppath = sub(c, path, "properties");
-    /* the ordered property list: properties, then required names not listed */
-    size_t np = props ? json_object_size(props) : 0,
-           nr = json_is_array(req) ? json_array_size(req) : 0;
-    json_t *all = json_object();
-    keep(c, all);
+    const char *patpath = sub(c, path, "patternProperties");
+    /* patterns: over the raw key text (for listed names) and JSON-escaped (for keys) */
+    gx *praw[MAX_PATTERN_PROPS], *pesc[MAX_PATTERN_PROPS];
+    json_t *pschema[MAX_PATTERN_PROPS];
+    const char *pname[MAX_PATTERN_PROPS];
     const char *key;
     json_t *v;
+    int np_ = 0;
+    if (pp) json_object_foreach(pp, key, v)
+        {
+            praw[np_] = rx_parse(b, key, strlen(key), RX_SEARCH, sub(c, patpath, key));
+            pesc[np_] = json_esc(c, praw[np_]);
+            pschema[np_] = v;
+            pname[np_] = key;
+            np_++;
+        }
+    if (b->status < 0) return gx_none(b);
+    /* the ordered property list: properties, then required names not listed */
+    size_t nr = json_is_array(req) ? json_array_size(req) : 0;
+    json_t *all = json_object();
+    keep(c, all);
     if (props) json_object_foreach(props, key, v) json_object_set(all, key, v);
     for (size_t i = 0; i < nr; i++) {
         json_t *r = json_array_get(req, i);
         if (!json_is_string(r)) return fail(c, "required", path, "%s", "entries must be strings");
-        if (!json_object_get(all, json_string_value(r)))
-            json_object_set(all, json_string_value(r), addl ? addl : json_true());
+        if (!json_object_get(all, json_string_value(r))) {
+            /* an unlisted required key: its value is what a key of that name gets */
+            json_t *vs = NULL;
+            for (int p = 0; p < np_; p++) {
+                int mt =
+                    gx_match(praw[p], (const uint8_t *)json_string_value(r), json_string_length(r));
+                if (mt < 0) return fail(c, "patternProperties", patpath, "%s", "cannot match");
+                if (mt) {
+                    if (!vs) {
+                        vs = json_pack("{s:[]}", "allOf");
+                        keep(c, vs);
+                    }
+                    json_array_append(json_object_get(vs, "allOf"), pschema[p]);
+                }
+            }
+            json_object_set(all, json_string_value(r), vs ? vs : addl ? addl : json_true());
+        }
     }
-    (void)np;
     size_t n = json_object_size(all);
+    long K = pmax >= 0 ? pmax : pmin;
+    if (K < 1) K = 1;
+    bool copied = K > 1;
     bool addl_ok = !json_is_false(addl) && !(c->b->strict && !addl && props);
-    gx *addl_val = addl_ok ? ((addl && !json_is_true(addl))
-                                  ? sch(c, addl, sub(c, path, "additionalProperties"))
-                                  : gx_call(b, r_value(c)))
-                           : NULL;
+    /* additional key classes: each subset of the patterns, then keys matching none */
+    gx *names = NULL;
+    if (n) {
+        gx **k = malloc(sizeof(gx *) * n);
+        if (!k) return gx_none(b);
+        int m = 0;
+        json_object_foreach(all, key, v) k[m++] = json_string_lit(c, key, strlen(key));
+        names = gx_alt(b, k, m);
+        free(k);
+    }
+    gx *extra[1 << MAX_PATTERN_PROPS], *addl_val = NULL;
+    int nextra = 0;
+    gx *colon = gx_seq3(b, c->ws, lit(c, ":"), c->ws);
+    for (unsigned set = 0; set < (1u << np_); set++) {
+        gx *val;
+        if (set == 0) {
+            if (!addl_ok) continue;
+            val = (addl && !json_is_true(addl)) ? sch(c, addl, sub(c, path, "additionalProperties"))
+                                                : gx_call(b, r_value(c));
+        } else {
+            json_t *w = json_pack("{s:[]}", "allOf");
+            keep(c, w);
+            const char *vpath = patpath;
+            for (int p = 0; p < np_; p++)
+                if (set >> p & 1) {
+                    json_array_append(json_object_get(w, "allOf"), pschema[p]);
+                    vpath = sub(c, patpath, pname[p]);
+                }
+            val = sch(c,
+                      json_array_size(json_object_get(w, "allOf")) == 1
+                          ? json_array_get(json_object_get(w, "allOf"), 0)
+                          : w,
+                      vpath);
+        }
+        if (b->status < 0) return gx_none(b);
+        if (val->kind == X_NONE) continue;
+        if (np_ == 0) {
+            addl_val = val;
+            nextra = 1;
+            continue;
+        }
+        extra[nextra++] =
+            gx_seq3(b, key_class(c, names, pesc, np_, set), colon, shared_value(c, val, true));
+    }
+    /* one rule for all classes: a class may be empty (two disjoint patterns), the union not.
+     * Without patterns the key is a leaf rule of its own (its mask-cache entries are shared by
+     * bisimulation) and the value stays inline. */
+    gx *addl_pair = NULL;
+    if (nextra && np_ == 0) {
+        gx *kx = key_class(c, names, pesc, 0, 0);
+        if (kx->kind != X_CALL) {
+            int32_t r = gb_rule_new(b, "key");
+            b->rules[r].keep = true;
+            gb_rule_set(b, r, kx);
+            kx = gx_call(b, r);
+        }
+        addl_pair = gx_seq3(b, kx, colon, shared_value(c, addl_val, copied));
+    } else if (nextra) {
+        int32_t r = gb_rule_new(b, "additional-property");
+        b->rules[r].keep = true;
+        gb_rule_set(b, r, gx_alt(b, extra, nextra));
+        addl_pair = gx_call(b, r);
+    }
     gx *x = pd_arena_calloc(b->a, 1, sizeof *x);
     if (!x) return gx_none(b);
-    /* node (i, first) = 2*i + first, i in [0, n] */
+    long W = K + 1;                /* count nodes per i */
+    long mid0 = W * (long)(n + 1); /* middle node (i, k'), k' in [1, K]: before pair i */
     x->kind = X_GRAPH;
-    x->g_nodes = (int32_t)(2 * n + 2);
-    x->g_start = 1;
+    x->g_nodes = (int32_t)(mid0 + K * (long)(n + 1));
+    x->g_start = 0;
     x->g_final = pd_arena_calloc(b->a, (size_t)x->g_nodes, sizeof(bool));
-    x->g_edges = pd_arena_calloc(b->a, 4 * n + 4, sizeof(gx_edge));
+    x->g_edges = pd_arena_calloc(b->a, (size_t)((3 * K + 2) * (long)(n + 1)), sizeof(gx_edge));
     if (!x->g_final || !x->g_edges) return gx_none(b);
     gx *sep = gx_seq3(b, c->ws, lit(c, ","), c->ws);
-    gx *colon = gx_seq3(b, c->ws, lit(c, ":"), c->ws);
+    /* (i, k) -> middle (i, k + 1) through a comma unless first -> (i + 1, k + 1) through the
+     * pair, built once per count rather than once per (count, first) */
     size_t i = 0;
     json_object_foreach(all, key, v)
     {
         bool required = false;
         for (size_t k = 0; k < nr; k++)
             if (strcmp(json_string_value(json_array_get(req, k)), key) == 0) required = true;
-        gx *val = json_is_false(v) ? gx_none(b) : sch(c, v, sub(c, ppath, key));
-        if (b->status < 0) return gx_none(b);
-        gx *pair = gx_seq3(b, json_string_lit(c, key, strlen(key)), colon, val);
-        for (int first = 0; first <= 1; first++) {
-            gx_edge *e = &x->g_edges[x->n++];
-            e->from = (int32_t)(2 * i + (size_t)first);
-            e->to = (int32_t)(2 * (i + 1));
-            e->x = first ? pair : gx_seq2(b, sep, pair);
-            if (!required) {
-                e = &x->g_edges[x->n++];
-                e->from = (int32_t)(2 * i + (size_t)first);
-                e->to = (int32_t)(2 * (i + 1) + (size_t)first);
-                e->x = NULL;
+        /* a listed property also satisfies every pattern its name matches */
+        json_t *vs = v;
+        for (int p = 0; p < np_; p++) {
+            int mt = gx_match(praw[p], (const uint8_t *)key, strlen(key));
+            if (mt < 0) return fail(c, "patternProperties", patpath, "%s", "cannot match");
+            if (mt && props && json_object_get(props, key) == v) {
+                json_t *w = json_pack("{s:[OO]}", "allOf", vs, pschema[p]);
+                keep(c, w);
+                vs = w;
             }
         }
+        gx *val = json_is_false(vs) ? gx_none(b) : sch(c, vs, sub(c, ppath, key));
+        if (b->status < 0) return gx_none(b);
+        gx *pair =
+            gx_seq3(b, json_string_lit(c, key, strlen(key)), colon, shared_value(c, val, copied));
+        add_counted(x, (long)i * W, (long)(i + 1) * W, mid0 + (long)i * K, K, pmax >= 0, sep, pair,
+                    !required);
         i++;
     }
-    x->g_final[2 * n] = x->g_final[2 * n + 1] = true;
-    if (addl_ok) {
-        gx *pair = gx_seq3(b, key_except(c, all), colon, addl_val);
-        gx_edge *e = &x->g_edges[x->n++];
-        e->from = (int32_t)(2 * n + 1);
-        e->to = (int32_t)(2 * n);
-        e->x = pair;
-        e = &x->g_edges[x->n++];
-        e->from = (int32_t)(2 * n);
-        e->to = (int32_t)(2 * n);
-        e->x = gx_seq2(b, sep, pair);
-    }
+    for (long k = pmin; k <= K; k++) x->g_final[(long)n * W + k] = true;
+    if (addl_pair)
+        add_counted(x, (long)n * W, (long)n * W, mid0 + (long)n * K, K, pmax >= 0, sep, addl_pair,
+                    false);
     return gx_seq(b, (gx *[]){lit(c, "{"), c->ws, x, c->ws, lit(c, "}")}, 5);
 }
 
@@ -952,7 +1135,7 @@ static json_t *deref(sc *c, json_t *s, const char *path)
         if (!json_is_string(r)) return s;
         json_t *t = resolve(c, json_string_value(r), path);
         if (!t) return NULL;
-        if (json_object_size(s) == 1) {
+        if (json_object_size(s) == 1 || c->ref_alone) {
             s = t;
             continue;
         }
@@ -1158,6 +1341,27 @@ static bool value_has_type(json_t *v, unsigned m)
     return false;
 }
 
+/* `not` in the forms that reduce to other keywords: not false (no constraint), not true or
+ * not {} (no value), not {"type": ...} (those types removed). Returns the schema without
+ * `not`, NULL for no value (or a refusal already recorded), s itself to refuse as usual. */
+static json_t *not_rewrite(sc *c, json_t *s, json_t *nt)
+{
+    if (json_is_true(nt) || (json_is_object(nt) && !has_constraints(nt, "", NULL))) return NULL;
+    json_t *r = json_deep_copy(s);
+    keep(c, r);
+    json_object_del(r, "not");
+    if (json_is_false(nt)) return r;
+    if (!json_is_object(nt) || !json_object_get(nt, "type") || has_constraints(nt, "type", NULL))
+        return s;
+    unsigned neg = type_mask(json_object_get(nt, "type"));
+    unsigned have = type_mask(json_object_get(s, "type"));
+    if (neg == 0) return s;
+    /* "not integer" leaves the numbers with a fraction: not a type of its own */
+    if ((neg & (1u << 6)) && !(neg & (1u << 5)) && (have & (1u << 5))) return s;
+    json_object_set_new(r, "type", mask_types(have & ~neg));
+    return r;
+}
+
 static gx *sch(sc *c, json_t *s, const char *path)
 {
     gb *b = c->b;
@@ -1176,16 +1380,23 @@ static gx *sch(sc *c, json_t *s, const char *path)
     gx *out = NULL;
     const char *k;
     json_t *v;
+    json_t *nt = json_object_get(s, "not");
+    if (nt) {
+        json_t *r = not_rewrite(c, s, nt);
+        if (!r) {
+            out = gx_none(b);
+            goto done;
+        }
+        if (r != s) {
+            out = sch(c, r, path);
+            goto done;
+        }
+    }
     json_object_foreach(s, k, v)
     {
         if (in_list(k, REFUSED)) {
             /* a few harmless values */
             if (strcmp(k, "uniqueItems") == 0 && json_is_false(v)) continue;
-            if (strcmp(k, "minProperties") == 0 && json_is_integer(v) && json_integer_value(v) == 0)
-                continue;
-            if (strcmp(k, "patternProperties") == 0 && json_is_object(v) &&
-                json_object_size(v) == 0)
-                continue;
             if (strcmp(k, "multipleOf") == 0) continue; /* checked with the number */
             out = fail(c, k, path, "%s", "this keyword is not supported");
             goto done;
@@ -1197,7 +1408,7 @@ static gx *sch(sc *c, json_t *s, const char *path)
             out = fail(c, "$ref", path, "%s", "must be a string");
             goto done;
         }
-        if (!has_constraints(s, "$ref", NULL)) {
+        if (c->ref_alone || !has_constraints(s, "$ref", NULL)) {
             out = ref_call(c, json_string_value(r), path);
             goto done;
         }
@@ -1260,6 +1471,10 @@ static gx *sch(sc *c, json_t *s, const char *path)
     }
     json_t *type = json_object_get(s, "type");
     unsigned tm = type_mask(type);
+    if (json_is_array(type) && json_array_size(type) == 0) {
+        out = gx_none(b); /* allOf of disjoint types (merge2): no value */
+        goto done;
+    }
     if (type && tm == 0) {
         out = fail(c, "type", path, "%s", "unknown type name");
         goto done;
@@ -1340,6 +1555,9 @@ int schema_compile(gb *b, const char *text, size_t len, const char *ws_pattern, 
     sc c = {0};
     c.b = b;
     c.root = j;
+    const char *draft = json_string_value(json_object_get(j, "$schema"));
+    c.ref_alone = draft && (strstr(draft, "draft-03") || strstr(draft, "draft-04") ||
+                            strstr(draft, "draft-06") || strstr(draft, "draft-07"));
     c.r_string = c.r_number = c.r_integer = c.r_value = -1;
     int rc = ws_init(&c, ws_pattern);
     if (rc == 0) {

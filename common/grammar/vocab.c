@@ -130,6 +130,11 @@ int pd_gvocab_create(int32_t n, const uint8_t *const *bytes, const uint32_t *len
         pd_gvocab_free(v);
         return rc;
     }
+    v->share = gshare_create();
+    if (!v->share) {
+        pd_gvocab_free(v);
+        return pd_error(PD_ENOMEM, "grammar vocab: out of memory");
+    }
     *out = v;
     return 0;
 }
@@ -192,6 +197,7 @@ void pd_gvocab_free(pd_gvocab *v)
     free(v->t_next);
     free(v->t_tok);
     free(v->dup);
+    gshare_free(v->share);
     free(v);
 }
 

@@ -1,7 +1,7 @@
 /* pd-maskbench: the MaskBench-style checker and mask-time benchmark of common/grammar.
  *
  *   pd-maskbench --tokenizer MODEL_DIR [--limit N] [--max-fail N] [--shard I/N] [--slow-ms MS]
- *                [--allow-wrong N]
+ *                [--allow-wrong N] [--trace]
  *                [--quiet] INPUT...
  *
  * INPUT: a JSONSchemaBench maskbench tarball (.tar.xz, e.g. jsonschemabench-maskbench-dev),
@@ -12,10 +12,15 @@
  * token must be in the mask (and accept_token must agree with the mask bit); a valid instance
  * must end accepting (EOS in the mask), an invalid one must be stopped. Every mask is timed.
  * Exit 0 when at most --allow-wrong instances (default 0) misbehave and no mask bit disagrees
- * with accept_token, 1 otherwise; 77 when --tokenizer npm:llama3 is not in the npm cache. */
+ * with accept_token, 1 otherwise; 77 when --tokenizer npm:llama3 is not in the npm cache.
+ * --slow-ms MS names the schemas whose compile or slowest mask took over MS milliseconds.
+ * stdout is line-buffered so a crash shows how far a run got; --trace also names each schema
+ * (document number and description) on stderr before compiling it. */
 #define _GNU_SOURCE
 #include <jansson.h>
 #include <math.h>
+#include <regex.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -89,16 +94,33 @@ static json_t *deref(json_t *s)
 }
 
 /* property order and property schemas of s (with allOf/anyOf/oneOf branches, in order) */
-static void collect(json_t *s, json_t *order, int depth)
+/* how many keys of value v the (dereferenced) branch s lists in its properties */
+static size_t listed_keys(json_t *s, json_t *v)
+{
+    s = deref(s);
+    json_t *props = json_is_object(s) ? json_object_get(s, "properties") : NULL;
+    size_t n = 0;
+    const char *k;
+    json_t *x;
+    if (json_is_object(props) && json_is_object(v))
+        json_object_foreach(v, k, x) n += json_object_get(props, k) != NULL;
+    return n;
+}
+
+static void collect(json_t *s, json_t *v, json_t *order, int depth);
+
+/* Pass 1 of collect: the properties and required names of s and of its allOf entries, in
+ * order (not their anyOf/oneOf branches). */
+static void collect_direct(json_t *s, json_t *order, int depth)
 {
     s = deref(s);
     if (!json_is_object(s) || depth > 8) return;
     json_t *props = json_object_get(s, "properties");
     const char *k;
-    json_t *v;
+    json_t *pv;
     if (json_is_object(props))
-        json_object_foreach(props, k, v) if (!json_object_get(order, k))
-            json_object_set(order, k, v);
+        json_object_foreach(props, k, pv) if (!json_object_get(order, k))
+            json_object_set(order, k, pv);
     json_t *req = json_object_get(s, "required");
     size_t i;
     json_t *x;
@@ -106,11 +128,41 @@ static void collect(json_t *s, json_t *order, int depth)
         json_array_foreach(req, i, x) if (json_is_string(x) &&
                                           !json_object_get(order, json_string_value(x)))
             json_object_set(order, json_string_value(x), json_true());
-    const char *comb[] = {"allOf", "anyOf", "oneOf"};
-    for (int c = 0; c < 3; c++) {
+    json_t *all = json_object_get(s, "allOf");
+    if (json_is_array(all)) json_array_foreach(all, i, x) collect_direct(x, order, depth + 1);
+}
+
+/* Pass 2: the anyOf/oneOf branches of s and of its allOf entries, the branches that list the
+ * most keys of v first (v is written in the order of the branch it matches). */
+static void collect_branches(json_t *s, json_t *v, json_t *order, int depth)
+{
+    s = deref(s);
+    if (!json_is_object(s) || depth > 8) return;
+    size_t i;
+    json_t *x;
+    const char *comb[] = {"anyOf", "oneOf"};
+    for (int c = 0; c < 2; c++) {
         json_t *a = json_object_get(s, comb[c]);
-        if (json_is_array(a)) json_array_foreach(a, i, x) collect(x, order, depth + 1);
+        if (!json_is_array(a)) continue;
+        size_t na = json_array_size(a), best = 0;
+        for (size_t j = 0; j < na; j++) {
+            size_t m = listed_keys(json_array_get(a, j), v);
+            if (m > best) best = m;
+        }
+        for (size_t m = best + 1; m-- > 0;) /* branches listing m keys of v, m descending */
+            json_array_foreach(a, i, x) if (listed_keys(x, v) == m) collect(x, v, order, depth + 1);
     }
+    json_t *all = json_object_get(s, "allOf");
+    if (json_is_array(all)) json_array_foreach(all, i, x) collect_branches(x, v, order, depth + 1);
+}
+
+/* The property order of value v under schema s, as the engine generates it
+ * (docs/structured_output.md): the properties of s and its allOf entries, then those of the
+ * anyOf/oneOf branches. */
+static void collect(json_t *s, json_t *v, json_t *order, int depth)
+{
+    collect_direct(s, order, depth);
+    collect_branches(s, v, order, depth);
 }
 
 /* a double as Python's repr writes it: shortest round-trip digits, fixed notation for
@@ -158,13 +210,32 @@ static void write_num(buf *b, double d)
     puts_(b, o);
 }
 
+/* The schema of an unlisted key k: the first patternProperties entry whose pattern matches
+ * (POSIX extended syntax standing in for ECMA-262, close enough for ordering the keys of the
+ * value), else additionalProperties. */
+static json_t *unlisted_schema(json_t *schema, const char *k, json_t *addl)
+{
+    json_t *pp = json_is_object(schema) ? json_object_get(schema, "patternProperties") : NULL;
+    const char *pat;
+    json_t *ps;
+    if (json_is_object(pp)) json_object_foreach(pp, pat, ps)
+        {
+            regex_t re;
+            if (regcomp(&re, pat, REG_EXTENDED | REG_NOSUB) != 0) continue;
+            bool hit = regexec(&re, k, 0, NULL, 0) == 0;
+            regfree(&re);
+            if (hit) return ps;
+        }
+    return addl;
+}
+
 static void write_json(buf *b, json_t *v, json_t *schema)
 {
     schema = deref(schema);
     switch (json_typeof(v)) {
     case JSON_OBJECT: {
         json_t *order = json_object();
-        if (schema) collect(schema, order, 0);
+        if (schema) collect(schema, v, order, 0);
         json_t *addl =
             json_is_object(schema) ? json_object_get(schema, "additionalProperties") : NULL;
         puts_(b, "{");
@@ -186,7 +257,7 @@ static void write_json(buf *b, json_t *v, json_t *schema)
                 free(d);
                 json_decref(ks);
                 puts_(b, ": ");
-                write_json(b, x, pass ? addl : ps);
+                write_json(b, x, pass ? unlisted_schema(schema, k, addl) : ps);
             }
         }
         puts_(b, "}");
@@ -252,6 +323,33 @@ static char *read_all(const char *path, size_t *len)
     return p;
 }
 
+/* The end (one past the closing brace) of the JSON document starting at text[off], found by
+ * brace depth outside strings so that a document jansson refuses can be skipped; 0 when the
+ * document does not end. */
+static size_t doc_end(const char *text, size_t len, size_t off)
+{
+    long depth = 0;
+    bool in_str = false;
+    for (size_t i = off; i < len; i++) {
+        char c = text[i];
+        if (in_str) {
+            if (c == '\\')
+                i++;
+            else if (c == '"')
+                in_str = false;
+        } else if (c == '"') {
+            in_str = true;
+        } else if (c == '{' || c == '[') {
+            depth++;
+        } else if (c == '}' || c == ']') {
+            if (--depth == 0) return i + 1;
+        } else if (depth == 0 && c != ' ' && c != '\n' && c != '\r' && c != '\t') {
+            return 0; /* a top-level scalar: not a document */
+        }
+    }
+    return 0;
+}
+
 /* ---- stats -------------------------------------------------------------------------------------
  */
 typedef struct {
@@ -300,7 +398,9 @@ int main(int argc, char **argv)
     long shard = 0, nshard = 1, docno = 0;
     double slow_ms = -1;
     long allow_wrong = 0;
+    bool trace = false;
     int first_input = argc;
+    setvbuf(stdout, NULL, _IOLBF, 0);
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--tokenizer") == 0 && i + 1 < argc)
             tokdir = argv[++i];
@@ -312,8 +412,14 @@ int main(int argc, char **argv)
             quiet = true;
         else if (strcmp(argv[i], "--allow-wrong") == 0 && i + 1 < argc)
             allow_wrong = atol(argv[++i]);
-        else if (strcmp(argv[i], "--shard") == 0 && i + 1 < argc)
-            sscanf(argv[++i], "%ld/%ld", &shard, &nshard);
+        else if (strcmp(argv[i], "--shard") == 0 && i + 1 < argc) {
+            if (sscanf(argv[++i], "%ld/%ld", &shard, &nshard) != 2 || nshard < 1 || shard < 0 ||
+                shard >= nshard) {
+                fprintf(stderr, "--shard %s: want I/N with 0 <= I < N\n", argv[i]);
+                return 2;
+            }
+        } else if (strcmp(argv[i], "--trace") == 0)
+            trace = true;
         else if (strcmp(argv[i], "--slow-ms") == 0 && i + 1 < argc)
             slow_ms = atof(argv[++i]);
         else {
@@ -376,27 +482,28 @@ int main(int argc, char **argv)
                                  text[off] == '\t'))
                 off++;
             if (off >= len) break;
+            size_t end = doc_end(text, len, off);
+            if (!end) {
+                fprintf(stderr, "%s: unterminated JSON document at byte %zu\n", argv[a], off);
+                return 2;
+            }
+            if (docno++ % nshard != shard) {
+                off = end;
+                continue;
+            }
             json_error_t je;
-            json_t *doc =
-                json_loadb(text + off, len - off, JSON_DISABLE_EOF_CHECK | JSON_ALLOW_NUL, &je);
-            if (!doc) { /* e.g. an integer beyond int64: skip the document, counted */
-                json_t *d2 = json_loadb(
-                    text + off, len - off,
-                    JSON_DISABLE_EOF_CHECK | JSON_DECODE_INT_AS_REAL | JSON_ALLOW_NUL, &je);
-                if (!d2) {
-                    fprintf(stderr, "%s: bad JSON at %zu: %s\n", argv[a], off, je.text);
-                    return 2;
-                }
-                json_decref(d2);
-                off += je.position;
+            json_t *doc = json_loadb(text + off, end - off, JSON_ALLOW_NUL, &je);
+            if (!doc) /* an integer beyond int64: read it as a double */
+                doc = json_loadb(text + off, end - off, JSON_DECODE_INT_AS_REAL | JSON_ALLOW_NUL,
+                                 &je);
+            if (!doc) { /* e.g. a NUL in an object key, which jansson cannot hold: counted */
+                if (!quiet)
+                    printf("SKIPPED document %ld at byte %zu: %s\n", docno - 1, off, je.text);
+                off = end;
                 skipped++;
                 continue;
             }
-            off += je.position;
-            if (docno++ % nshard != shard) {
-                json_decref(doc);
-                continue;
-            }
+            off = end;
             json_t *schema = json_object_get(doc, "schema");
             const char *desc = json_string_value(json_object_get(doc, "description"));
             if (!schema) {
@@ -404,6 +511,7 @@ int main(int argc, char **argv)
                 continue;
             }
             schemas++;
+            if (trace) fprintf(stderr, "schema %ld: %s\n", docno - 1, desc ? desc : "?");
             g_root = schema;
             char *stext = json_dumps(schema, JSON_COMPACT);
             pd_gspec spec = {PD_GSPEC_JSON_SCHEMA, stext, strlen(stext), NULL, false};
@@ -434,7 +542,7 @@ int main(int argc, char **argv)
                 printf("SLOW compile %.1f ms (%zu rules, %zu states): %s\n", (t1 - t0) / 1e3, nr,
                        ns, desc ? desc : "?");
             }
-            size_t ti;
+            size_t ti, mask0 = masks.n;
             json_t *test;
             json_array_foreach(json_object_get(doc, "tests"), ti, test)
             {
@@ -492,6 +600,16 @@ int main(int argc, char **argv)
                 free(ids);
                 free(b.p);
             }
+            if (slow_ms >= 0) {
+                double worst = 0, sum = 0;
+                for (size_t q = mask0; q < masks.n; q++) {
+                    sum += masks.v[q];
+                    if (masks.v[q] > worst) worst = masks.v[q];
+                }
+                if (worst / 1e3 > slow_ms)
+                    printf("SLOW masks: max %.2f ms, mean %.1f us over %zu: %s\n", worst / 1e3,
+                           sum / (double)(masks.n - mask0), masks.n - mask0, desc ? desc : "?");
+            }
             pd_grammar_unref(g);
             json_decref(doc);
             if (max_fail >= 0 && bad > max_fail) break;
@@ -499,7 +617,7 @@ int main(int argc, char **argv)
         free(text);
     }
     if (skipped)
-        printf("documents skipped (integers beyond 64 bits, which jansson cannot read): %ld\n",
+        printf("documents skipped (JSON that jansson cannot hold, e.g. a NUL in a key): %ld\n",
                skipped);
     printf("schemas %ld, compiled %ld (%.2f%%), refused %ld\n", schemas, compiled,
            schemas ? 100.0 * (double)compiled / (double)schemas : 0.0, schemas - compiled);

@@ -204,6 +204,124 @@ TEST(schema_additional_properties_default_and_keys)
     pd_grammar_unref(g);
 }
 
+TEST(schema_pattern_properties_and_property_counts)
+{
+    pd_gvocab *v = small_vocab();
+    pd_grammar *g = compile(v, PD_GSPEC_JSON_SCHEMA,
+                            "{\"type\":\"object\",\"properties\":{\"x1\":{\"type\":\"string\"}},"
+                            "\"patternProperties\":{\"^x\":{\"type\":\"integer\"},"
+                            "\"1$\":{\"minimum\":0}},"
+                            "\"additionalProperties\":{\"type\":\"boolean\"}}",
+                            NULL);
+    ASSERT(g);
+    ACCEPT(g, "{}");
+    ACCEPT(g, "{\"xa\":-5,\"b\":true,\"b1\":3}");
+    ACCEPT(g, "{\"x2\":-5,\"x11\":4}");
+    REJECT(g, "{\"x11\":-4}");   /* both patterns: an integer >= 0 */
+    REJECT(g, "{\"xa\":true}");  /* ^x: integer */
+    REJECT(g, "{\"b\":1}");      /* neither: boolean */
+    REJECT(g, "{\"x1\":\"s\"}"); /* listed and matching both patterns: string and integer */
+    pd_grammar_unref(g);
+    /* additionalProperties false: only pattern keys */
+    g = compile(v, PD_GSPEC_JSON_SCHEMA,
+                "{\"type\":\"object\",\"patternProperties\":{\"^[a-z]+$\":{\"type\":\"null\"}},"
+                "\"additionalProperties\":false}",
+                NULL);
+    ASSERT(g);
+    ACCEPT(g, "{\"ab\":null,\"c\":null}");
+    REJECT(g, "{\"A\":null}");
+    REJECT(g, "{\"ab\":1}");
+    pd_grammar_unref(g);
+    g = compile(v, PD_GSPEC_JSON_SCHEMA,
+                "{\"type\":\"object\",\"properties\":{\"a\":{},\"b\":{}},\"required\":[\"a\"],"
+                "\"minProperties\":2,\"maxProperties\":3}",
+                NULL);
+    ASSERT(g);
+    REJECT(g, "{\"a\":1}");
+    ACCEPT(g, "{\"a\":1,\"b\":2}");
+    ACCEPT(g, "{\"a\":1,\"c\":2}");
+    ACCEPT(g, "{\"a\":1,\"b\":2,\"c\":3}");
+    REJECT(g, "{\"a\":1,\"b\":2,\"c\":3,\"d\":4}");
+    REJECT(g, "{\"b\":2,\"c\":3}");
+    pd_grammar_unref(g);
+    g = compile(v, PD_GSPEC_JSON_SCHEMA, "{\"type\":\"object\",\"minProperties\":1}", NULL);
+    ASSERT(g);
+    REJECT(g, "{}");
+    ACCEPT(g, "{\"q\":[]}");
+    ACCEPT(g, "{\"q\":[],\"r\":{},\"s\":1}");
+    pd_grammar_unref(g);
+}
+
+TEST(schema_not_formats)
+{
+    pd_gvocab *v = small_vocab();
+    pd_grammar *g =
+        compile(v, PD_GSPEC_JSON_SCHEMA, "{\"not\":{\"type\":[\"string\",\"null\"]}}", NULL);
+    ASSERT(g);
+    ACCEPT(g, "1.5");
+    ACCEPT(g, "{}");
+    REJECT(g, "\"s\"");
+    REJECT(g, "null");
+    pd_grammar_unref(g);
+    g = compile(v, PD_GSPEC_JSON_SCHEMA,
+                "{\"type\":[\"integer\",\"string\"],\"not\":{\"type\":\"integer\"}}", NULL);
+    ASSERT(g);
+    ACCEPT(g, "\"s\"");
+    REJECT(g, "1");
+    pd_grammar_unref(g);
+    g = compile(v, PD_GSPEC_JSON_SCHEMA,
+                "{\"properties\":{\"a\":{\"not\":{}},\"b\":{\"not\":false}}}", NULL);
+    ASSERT(g);
+    ACCEPT(g, "{\"b\":1}");
+    REJECT(g, "{\"a\":1}");
+    pd_grammar_unref(g);
+    /* drafts 3-7: keywords beside $ref are ignored; later drafts: merged */
+    g = compile(v, PD_GSPEC_JSON_SCHEMA,
+                "{\"$schema\":\"http://json-schema.org/draft-07/schema#\",\"definitions\":{"
+                "\"o\":{\"type\":\"object\"}},\"properties\":{\"a\":{\"type\":\"string\","
+                "\"$ref\":\"#/definitions/o\"}}}",
+                NULL);
+    ASSERT(g);
+    ACCEPT(g, "{\"a\":{}}");
+    REJECT(g, "{\"a\":\"s\"}");
+    pd_grammar_unref(g);
+    g = compile(v, PD_GSPEC_JSON_SCHEMA,
+                "{\"definitions\":{\"o\":{\"type\":[\"object\",\"string\"]}},\"properties\":{"
+                "\"a\":{\"type\":\"string\",\"$ref\":\"#/definitions/o\"}}}",
+                NULL);
+    ASSERT(g);
+    ACCEPT(g, "{\"a\":\"s\"}");
+    REJECT(g, "{\"a\":{}}");
+    pd_grammar_unref(g);
+    pd_gerr e;
+    ASSERT(!compile(v, PD_GSPEC_JSON_SCHEMA, "{\"not\":{\"type\":\"integer\"}}", &e));
+    ASSERT(strcmp(e.keyword, "not") == 0);
+    /* formats: JSON Schema's enforced, other names constrain nothing */
+    g = compile(v, PD_GSPEC_JSON_SCHEMA,
+                "{\"type\":\"array\",\"items\":[{\"format\":\"ipv6\",\"type\":\"string\"},"
+                "{\"format\":\"duration\",\"type\":\"string\"},"
+                "{\"format\":\"password\",\"type\":\"string\"},"
+                "{\"format\":\"uint8\",\"type\":\"integer\"}]}",
+                NULL);
+    ASSERT(g);
+    ACCEPT(g, "[\"fe80::1\",\"P1Y2M\",\"x\",255]");
+    ACCEPT(g, "[\"::ffff:1.2.3.4\",\"PT5S\",\"\",0]");
+    REJECT(g, "[\"1:::2\",\"P1Y2M\",\"x\",255]");
+    REJECT(g, "[\"::1\",\"P1H\",\"x\",255]");
+    REJECT(g, "[\"::1\",\"P1D\",\"x\",256]");
+    pd_grammar_unref(g);
+    g = compile(v, PD_GSPEC_JSON_SCHEMA, "{\"type\":\"string\",\"format\":\"date\"}", NULL);
+    ASSERT(g);
+    ACCEPT(g, "\"2024-02-29\"");
+    ACCEPT(g, "\"2000-02-29\"");
+    ACCEPT(g, "\"2023-12-31\"");
+    REJECT(g, "\"2023-02-29\"");
+    REJECT(g, "\"1900-02-29\"");
+    REJECT(g, "\"2022-02-30\"");
+    REJECT(g, "\"2022-04-31\"");
+    pd_grammar_unref(g);
+}
+
 TEST(schema_numbers)
 {
     pd_gvocab *v = small_vocab();
@@ -293,14 +411,16 @@ TEST(schema_refusals_name_keyword_and_path)
     struct {
         const char *schema, *kw, *path;
     } cases[] = {
-        {"{\"properties\":{\"a\":{\"not\":{\"type\":\"string\"}}}}", "not", "/properties/a/not"},
+        {"{\"properties\":{\"a\":{\"not\":{\"pattern\":\"x\"}}}}", "not", "/properties/a/not"},
         {"{\"type\":\"array\",\"uniqueItems\":true}", "uniqueItems", "/uniqueItems"},
-        {"{\"items\":{\"type\":\"string\",\"format\":\"ipv6\"}}", "format", "/items/format"},
+        {"{\"items\":{\"type\":\"string\",\"format\":\"iri\"}}", "format", "/items/format"},
         {"{\"$ref\":\"http://x/y.json\"}", "$ref", "/$ref"},
         {"{\"anyOf\":[{\"if\":{}}]}", "if", "/anyOf/0/if"},
         {"{\"properties\":{\"a/b\":{\"type\":\"number\",\"multipleOf\":3}}}", "multipleOf",
          "/properties/a~1b/multipleOf"},
-        {"{\"patternProperties\":{\"^x\":{}}}", "patternProperties", "/patternProperties"},
+        {"{\"patternProperties\":{\"a\":{},\"b\":{},\"c\":{},\"d\":{}}}", "patternProperties",
+         "/patternProperties"},
+        {"{\"type\":\"object\",\"maxProperties\":1000}", "maxProperties", "/maxProperties"},
         {"{\"type\":\"string\",\"pattern\":\"(?=a)\"}", "pattern", "/pattern"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
@@ -512,8 +632,10 @@ TEST(compile_cache_lru)
     pd_gvocab *v = small_vocab();
     pd_gcache *c = pd_gcache_create(v, 2);
     ASSERT(c);
-    pd_gspec s1 = {PD_GSPEC_REGEX, "a+", 2, NULL, false}, s2 = {PD_GSPEC_REGEX, "b+", 2, NULL, false},
-             s3 = {PD_GSPEC_CHOICE, "[\"a\"]", 5, NULL, false}, bad = {PD_GSPEC_REGEX, "(", 1, NULL, false};
+    pd_gspec s1 = {PD_GSPEC_REGEX, "a+", 2, NULL, false},
+             s2 = {PD_GSPEC_REGEX, "b+", 2, NULL, false},
+             s3 = {PD_GSPEC_CHOICE, "[\"a\"]", 5, NULL, false},
+             bad = {PD_GSPEC_REGEX, "(", 1, NULL, false};
     pd_grammar *g1, *g1b, *g;
     ASSERT_OK(pd_gcache_get(c, &s1, &g1, NULL));
     ASSERT_OK(pd_gcache_get(c, &s1, &g1b, NULL));
@@ -605,4 +727,41 @@ TEST(llama3_tokens_pass_mask_and_brute_force)
     }
     pd_grammar_unref(g);
     pd_gvocab_free(v);
+}
+
+/* pd_gspec.strict (what requests use, as XGrammar's strict mode): no keys beyond `properties`
+ * when `additionalProperties` is absent, no items beyond `prefixItems` when `items` is absent;
+ * what the schema does say still holds, and without strict both are allowed. */
+TEST(schema_strict_mode)
+{
+    pd_gvocab *v = small_vocab();
+    ASSERT(v);
+    static const struct {
+        const char *schema, *text;
+        int strict, loose;
+    } cases[] = {
+        {"{\"properties\":{\"a\":{\"type\":\"integer\"}}}", "{\"a\":1}", 1, 1},
+        {"{\"properties\":{\"a\":{\"type\":\"integer\"}}}", "{\"a\":1,\"b\":2}", 0, 1},
+        {"{\"properties\":{\"a\":{\"type\":\"integer\"}},\"additionalProperties\":true}",
+         "{\"a\":1,\"b\":2}", 1, 1},
+        {"{\"properties\":{\"a\":{}},\"additionalProperties\":{\"type\":\"string\"}}",
+         "{\"b\":\"x\"}", 1, 1},
+        {"{\"type\":\"object\"}", "{\"b\":2}", 1, 1},
+        {"{\"prefixItems\":[{\"type\":\"integer\"}]}", "[1]", 1, 1},
+        {"{\"prefixItems\":[{\"type\":\"integer\"}]}", "[1,2]", 0, 1},
+        {"{\"prefixItems\":[{\"type\":\"integer\"}],\"items\":{\"type\":\"string\"}}", "[1,\"x\"]",
+         1, 1},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++)
+        for (int strict = 0; strict < 2; strict++) {
+            pd_gspec s = {PD_GSPEC_JSON_SCHEMA, cases[i].schema, strlen(cases[i].schema), NULL,
+                          strict == 1};
+            pd_grammar *g = NULL;
+            pd_gerr e;
+            ASSERT_MSG(pd_grammar_compile(v, &s, &g, &e) == 0, "%s: %s", cases[i].schema, e.msg);
+            int want = strict ? cases[i].strict : cases[i].loose;
+            ASSERT_MSG(accepts(g, cases[i].text) == want, "%s strict %d: %s", cases[i].schema,
+                       strict, cases[i].text);
+            pd_grammar_unref(g);
+        }
 }
