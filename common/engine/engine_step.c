@@ -122,7 +122,7 @@ static int process_item(pd_engine *e, size_t i, const float *logits)
         if (cs->gm && cs->mask_rc < 0) /* the mask thread's (thread-local errors stay there) */
             return pd_error(cs->mask_rc, "structured output: the token mask failed (%s)",
                             pd_status_name(cs->mask_rc));
-        /* structured output: only what the grammar allows next (masks_job) */
+        /* structured output: only what the grammar allows next (masks_start) */
         PD_CHECK(pd_sample(cs->smp, logits, cs->gm ? cs->mask : NULL, e->ws, &res));
         if (cs->gm) PD_CHECK(pd_gmatcher_accept_token(cs->gm, res.token));
         PD_CHECK(pd_sched_append(e->sched, cs->sq, res.token));
