@@ -210,6 +210,28 @@ static int stream_calls(char *body, calls *out, char *finish, size_t fn, bool *c
     return 0;
 }
 
+/* stream_calls of the streamed answer to tools_body(tool_choice, seed, 400 tokens). */
+static int streamed_calls(const char *tool_choice, int seed, calls *out, char *finish, size_t fn,
+                          bool *content, char *why, size_t n)
+{
+    char *body = tools_body(tool_choice, seed, 400, true);
+    http_resp r;
+    int rc = body ? http_do(g_port, "POST", "/v1/chat/completions", NULL, body, &r) : -1;
+    free(body);
+    if (rc != 0) {
+        snprintf(why, n, "no response");
+        return -1;
+    }
+    if (r.status != 200) {
+        snprintf(why, n, "status %d: %.300s", r.status, r.body);
+        resp_free(&r);
+        return -1;
+    }
+    rc = stream_calls(r.body, out, finish, fn, content, why, n);
+    resp_free(&r);
+    return rc;
+}
+
 /* "required": every finished answer is a list of calls of the tools with valid arguments,
  * content "", finish_reason "tool_calls"; streamed with the same seed, the same calls (the
  * fragments concatenate to the non-streamed arguments) and finish_reason "tool_calls". An
@@ -244,15 +266,9 @@ TEST(sched_tools_required)
         for (int i = 0; i < full.n; i++)
             if (strcmp(full.names[i], full.names[0]) != 0) two_tools = 1;
 
-        body = tools_body("\"required\"", seed, 400, true);
-        ASSERT(body);
-        http_resp r;
-        ASSERT(http_do(g_port, "POST", "/v1/chat/completions", NULL, body, &r) == 0);
-        free(body);
-        ASSERT_EQ_INT(r.status, 200);
         bool content;
-        int rc = stream_calls(r.body, &str, finish, sizeof finish, &content, why, sizeof why);
-        resp_free(&r);
+        int rc = streamed_calls("\"required\"", seed, &str, finish, sizeof finish, &content, why,
+                                sizeof why);
         ASSERT_MSG(rc == 0, "seed %d: %s", seed, why);
         ASSERT(!content);
         ASSERT_STR_EQ(finish, "tool_calls");
@@ -339,15 +355,9 @@ TEST(sched_tools_named)
             ASSERT_STR_EQ(f, "length");
         }
         json_decref(o);
-        body = tools_body(NAMED, seed, 400, true);
-        ASSERT(body);
-        http_resp r;
-        ASSERT(http_do(g_port, "POST", "/v1/chat/completions", NULL, body, &r) == 0);
-        free(body);
-        ASSERT_EQ_INT(r.status, 200);
         bool content;
-        int rc = stream_calls(r.body, &str, finish, sizeof finish, &content, why, sizeof why);
-        resp_free(&r);
+        int rc =
+            streamed_calls(NAMED, seed, &str, finish, sizeof finish, &content, why, sizeof why);
         ASSERT_MSG(rc == 0, "seed %d: %s", seed, why);
         ASSERT(!content);
         ASSERT_STR_EQ(finish, f);
