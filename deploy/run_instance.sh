@@ -11,7 +11,10 @@
 #   - mounts: the model directory read-only at the same path (the flag --model is passed through
 #     unchanged), the two ranktables read-only under /etc/pdserve/ranktable/.
 #   - env: GLOBAL_RANK_TABLE_FILE_PATH, RANK_TABLE_FILE_PATH (container paths), NODE_PORTS, USE_OPENAI,
-#     PD_LOG_LEVEL and VLLM_CPU_KVCACHE_SPACE when set.
+#     PD_LOG_LEVEL, VLLM_CPU_KVCACHE_SPACE, VLLM_CPU_OMP_THREADS_BIND and PD_CPU_BUDGET when set.
+#   - CPU instances (--no-gpus): the host's core budget /dev/shm/pdserve-cpu-NAME (PD_CPU_BUDGET,
+#     default host) mounted at the same path, so the containers of one host share its cores
+#     (not with PD_CPU_BUDGET=off or pinned threads).
 #
 #   deploy/run_instance.sh [options] [--] FLAGS...
 #     --global FILE       global ranktable (default $GLOBAL_RANK_TABLE_FILE_PATH)
@@ -35,7 +38,7 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 me=run_instance.sh
 
 die() { echo "$me: $*" >&2; exit 1; }
-usage() { sed -n '15,29p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '18,32p' "$0" | sed 's/^# \{0,1\}//'; }
 
 global=${GLOBAL_RANK_TABLE_FILE_PATH:-} local=${RANK_TABLE_FILE_PATH:-}
 image=${PD_IMAGE:-pdserve:latest} name="" shm=16g
@@ -154,8 +157,17 @@ cmd+=(-v "$(abs "$global"):$g_in:ro" -v "$(abs "$local"):$l_in:ro")
 [ -n "$model" ] && cmd+=(-v "$model:$model:ro")
 cmd+=(-e "GLOBAL_RANK_TABLE_FILE_PATH=$g_in" -e "RANK_TABLE_FILE_PATH=$l_in"
       -e "NODE_PORTS=$node_ports" -e "USE_OPENAI=$use_openai")
-[ -n "${PD_LOG_LEVEL:-}" ] && cmd+=(-e "PD_LOG_LEVEL=$PD_LOG_LEVEL")
-[ -n "${VLLM_CPU_KVCACHE_SPACE:-}" ] && cmd+=(-e "VLLM_CPU_KVCACHE_SPACE=$VLLM_CPU_KVCACHE_SPACE")
+for v in PD_LOG_LEVEL VLLM_CPU_KVCACHE_SPACE VLLM_CPU_OMP_THREADS_BIND PD_CPU_BUDGET; do
+    [ -n "${!v:-}" ] && cmd+=(-e "$v=${!v}")
+done
+# CPU instances of one host share its cores through the budget's segment in the host's /dev/shm
+# (PD_CPU_BUDGET, docs/nodes.md); it must exist before the mount, or docker makes a directory
+budget=${PD_CPU_BUDGET:-host}
+if [ "$gpus" = 0 ] && [ "$role" != scheduler ] && [ "$budget" != off ] && [ -z "${VLLM_CPU_OMP_THREADS_BIND:-}" ]; then
+    seg=/dev/shm/pdserve-cpu-$budget
+    [ "$dry" = 1 ] || [ -e "$seg" ] || (umask 077 && : >>"$seg") || die "cannot create $seg"
+    cmd+=(-v "$seg:$seg")
+fi
 cmd+=("${docker_extra[@]}" "$image" "${pass[@]}")
 
 if [ "$dry" = 1 ]; then

@@ -63,6 +63,10 @@ typedef struct {
     size_t max_rope_dim; /* largest head_dim the cos/sin tables carry (default 256) */
     int no_graphs;       /* CUDA: never capture steps into graphs (1 when steps synchronize with the
                             host half-way, as tensor parallelism's host-staged all-reduce does) */
+    /* CPU: where the threads run (util/cores.h) */
+    const char *cpu_budget; /* the host core budget the pool joins (NULL: none) */
+    const int *cpus;        /* (n_cpus) the cores to pin the threads to; NULL: unpinned */
+    int n_cpus;             /* with cpus: the pool's size (n_threads is then ignored) */
 } pd_backend_params;
 
 /* Defaults as documented on each field. */

@@ -81,9 +81,21 @@ static int create_backends(pd_backend_group *g)
     g->own = true;
     int total = p->n_threads > 0 ? p->n_threads : pd_cpu_count();
     int per = total / g->n > 0 ? total / g->n : 1;
+    const char *budget = NULL;
+    bool pinned = false;
+    if (p->n_cuda_devices == 0) PD_CHECK(pd_cores_budget_name(p->cpu_budget, &budget));
     for (int r = 0; r < g->n; r++) {
         pd_backend_params bp = pd_backend_default_params();
         bp.n_threads = per;
+        int cpus[PD_CORES_MAX_CPUS], n_cpus = 0;
+        if (p->n_cuda_devices == 0) {
+            PD_CHECK(pd_cores_parse_bind(p->cpu_threads_bind, r, g->n, cpus, PD_CORES_MAX_CPUS,
+                                         &n_cpus));
+            bp.cpus = n_cpus ? cpus : NULL;
+            bp.n_cpus = n_cpus;
+            pinned = n_cpus > 0;
+            bp.cpu_budget = n_cpus ? NULL : budget; /* pinned cores are the rank's own */
+        }
         bp.max_tokens = p->max_tokens;
         bp.max_seqs = p->max_seqs;
         bp.max_blocks = p->max_blocks;
@@ -95,6 +107,14 @@ static int create_backends(pd_backend_group *g)
         } else {
             PD_CHECK(pd_backend_cpu_create(&bp, &g->b[r]));
         }
+    }
+    if (p->n_cuda_devices == 0) {
+        if (pinned)
+            PD_INFO("-", "CPU: %d rank(s), threads pinned (VLLM_CPU_OMP_THREADS_BIND=%s)", g->n,
+                    p->cpu_threads_bind);
+        else
+            PD_INFO("-", "CPU: %d rank(s) x %d threads; core budget %s", g->n, per,
+                    budget ? budget : "off (PD_CPU_BUDGET=off)");
     }
     return PD_OK;
 }

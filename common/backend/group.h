@@ -29,6 +29,8 @@ typedef struct {
     int n_ranks;          /* tensor-parallel size, >= 1 */
     pd_backend *borrowed; /* one rank only: run on this backend (not owned); NULL: create */
     int n_threads;        /* CPU ranks: threads of all ranks together; <= 0 = all online cores */
+    const char *cpu_threads_bind; /* CPU ranks: VLLM_CPU_OMP_THREADS_BIND's core lists, or NULL */
+    const char *cpu_budget;       /* CPU ranks: PD_CPU_BUDGET's value (NULL: "host") */
     /* -- CUDA ranks ---------------------------------------------------------------------------- */
     int n_cuda_devices;            /* 0: CPU ranks; else n_ranks (ranks may share a GPU) */
     const int *cuda_devices;       /* (n_cuda_devices) CUDA ordinal of each rank */

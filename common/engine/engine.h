@@ -76,6 +76,10 @@ typedef struct {
     int tp_size;               /* tensor parallel size (1); > 1 needs backend NULL */
     int n_threads;             /* CPU threads in total, split evenly across ranks; <= 0 = all
                                   online cores */
+    const char *cpu_threads_bind; /* CPU ranks: vLLM's VLLM_CPU_OMP_THREADS_BIND ("0-3|4-7": one
+                                     core list per rank; NULL, "all", "auto": unpinned) */
+    const char *cpu_budget;       /* CPU ranks: PD_CPU_BUDGET, the host core budget the ranks'
+                                     threads share with other processes (NULL: "host"; "off") */
     /* -- device: CPU backends (n_cuda_devices 0) or one CUDA backend per rank --------------- */
     int n_cuda_devices;                           /* 0, or tp_size (ranks may share a GPU) */
     int cuda_devices[PD_ENGINE_MAX_CUDA_DEVICES]; /* CUDA ordinal of each rank */

@@ -107,6 +107,8 @@ pd_backend_group_params eng_group_params(const pd_engine *e)
         .n_ranks = p->tp_size,
         .borrowed = p->backend,
         .n_threads = p->n_threads,
+        .cpu_threads_bind = p->cpu_threads_bind,
+        .cpu_budget = p->cpu_budget,
         .n_cuda_devices = p->n_cuda_devices,
         .cuda_devices = p->cuda_devices,
         .cuda_weight_dtype = p->cuda_weight_dtype,

@@ -110,6 +110,8 @@ static const pd_flag_bind BINDS[] = {
     B("GLOBAL_RANK_TABLE_FILE_PATH", PD_BIND_STR, global_ranktable),
     B("RANK_TABLE_FILE_PATH", PD_BIND_STR, local_ranktable),
     B("VLLM_CPU_KVCACHE_SPACE", PD_BIND_F64, engine.cpu_kvcache_space_gib),
+    B("VLLM_CPU_OMP_THREADS_BIND", PD_BIND_STR, engine.cpu_threads_bind),
+    B("PD_CPU_BUDGET", PD_BIND_STR, engine.cpu_budget),
 };
 #undef B
 

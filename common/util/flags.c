@@ -147,6 +147,15 @@ static const flag_def TABLE[] = {
      .env = "VLLM_CPU_KVCACHE_SPACE",
      .help = "CPU backend: KV budget per rank in GiB when --kv-cache-bytes is not given (vLLM's; "
              "unset or 0: 4), cut to what max-num-seqs sequences of max-model-len tokens hold"},
+    {NULL, PD_FLAG_STRING, PD_ROLE_NODES, "LISTS", .env = "VLLM_CPU_OMP_THREADS_BIND",
+     .help = "CPU backend: the cores each tensor-parallel rank's threads are pinned to (vLLM's: "
+             "0-3, or 0-3|4-7 for two ranks; all, auto or unset: unpinned, sharing the host's "
+             "cores through PD_CPU_BUDGET)"},
+    {NULL, PD_FLAG_STRING, PD_ROLE_NODES, "host|off|NAME", .env = "PD_CPU_BUDGET",
+     .help = "CPU backend: the core budget an instance's threads share with the other pdserve "
+             "processes of the host, so that busy instances together run about one thread per "
+             "core and an instance alone uses them all (host: the default; off: none; NAME: a "
+             "budget of that name)"},
     /* vLLM's, with no effect in pdserve: accepted so the guide's command lines run, logged */
     {"--swap-space", PD_FLAG_NUMBER, 0, "GiB", 0, I64_MAX, .unit = "GiB"},
     {"--disable-log-requests", PD_FLAG_SWITCH, .roles = 0},

@@ -1,15 +1,24 @@
 /* Fork-join pool (see threadpool.h). A run publishes (fn, ctx, n) and bumps a
  * generation counter; threads claim task indices from a counter tagged with the generation, so
  * uneven tasks balance themselves. Workers spin ~50 µs on the generation before sleeping on a
- * condvar. */
+ * condvar. A worker joins a run only with one of its tickets: the caller hands out as many as
+ * the host's core budget grants (util/cores.h), and a worker without one sleeps at once instead
+ * of spinning on a core another instance needs. */
+#define _GNU_SOURCE
 #include "util/threadpool.h"
 
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
+
+#include "util/cores.h"
+#include "util/log.h"
+#include "util/status.h"
 
 #define SPIN_ITERS 20000
 
@@ -31,6 +40,9 @@ struct pd_threadpool {
     pd_task_fn fn;
     void *ctx;
     atomic_int n_tasks;
+    atomic_int tickets; /* workers that may still join the current run */
+    pd_cores *budget;   /* owned; NULL: every worker joins every run */
+    int pin_caller;     /* a core to pin the next caller of pd_pool_run to, or -1 */
 };
 
 int pd_cpu_count(void)
@@ -63,12 +75,20 @@ static void run_tasks(pd_threadpool *p, unsigned gen)
     }
 }
 
+static bool take_ticket(pd_threadpool *p)
+{
+    int t = atomic_load(&p->tickets);
+    while (t > 0)
+        if (atomic_compare_exchange_weak(&p->tickets, &t, t - 1)) return true;
+    return false;
+}
+
 static void *worker_main(void *arg)
 {
     pd_threadpool *p = arg;
     unsigned seen = atomic_load(&p->generation);
+    int spins = 0;
     for (;;) {
-        int spins = 0;
         while (atomic_load_explicit(&p->generation, memory_order_acquire) == seen &&
                !atomic_load(&p->stop)) {
             if (++spins < SPIN_ITERS) {
@@ -84,7 +104,12 @@ static void *worker_main(void *arg)
         }
         if (atomic_load(&p->stop)) return NULL;
         seen = atomic_load_explicit(&p->generation, memory_order_acquire);
-        run_tasks(p, seen);
+        if (take_ticket(p)) {
+            run_tasks(p, seen);
+            spins = 0; /* the next run is likely microseconds away */
+        } else {
+            spins = SPIN_ITERS; /* not needed: sleep */
+        }
     }
 }
 
@@ -94,6 +119,7 @@ pd_threadpool *pd_pool_create(int n_threads)
     pd_threadpool *p = calloc(1, sizeof *p);
     if (!p) return NULL;
     p->n_threads = n_threads;
+    p->pin_caller = -1;
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->cv, NULL);
     if (n_threads > 1) {
@@ -122,6 +148,7 @@ void pd_pool_free(pd_threadpool *p)
     for (int i = 0; i < p->n_threads - 1; i++) pthread_join(p->threads[i], NULL);
     pthread_mutex_destroy(&p->mu);
     pthread_cond_destroy(&p->cv);
+    pd_cores_free(p->budget);
     free(p->threads);
     free(p);
 }
@@ -131,11 +158,53 @@ int pd_pool_size(const pd_threadpool *p)
     return p->n_threads;
 }
 
+void pd_pool_share(pd_threadpool *p, pd_cores *budget)
+{
+    pd_cores_free(p->budget);
+    p->budget = budget;
+}
+
+int pd_pool_pin(pd_threadpool *p, const int *cpus, int n)
+{
+    if (n != p->n_threads)
+        return pd_error(PD_EINVAL, "VLLM_CPU_OMP_THREADS_BIND: %d cores for %d threads", n,
+                        p->n_threads);
+    for (int i = 0; i < n - 1; i++) {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(cpus[i + 1], &set);
+        int rc = pthread_setaffinity_np(p->threads[i], sizeof set, &set);
+        if (rc != 0)
+            return pd_error(PD_EINVAL, "VLLM_CPU_OMP_THREADS_BIND: cannot run on core %d: %s",
+                            cpus[i + 1], strerror(rc));
+    }
+    cpu_set_t mine;
+    if (sched_getaffinity(0, sizeof mine, &mine) == 0 && !CPU_ISSET(cpus[0], &mine))
+        return pd_error(PD_EINVAL,
+                        "VLLM_CPU_OMP_THREADS_BIND: core %d is not one this process may "
+                        "run on",
+                        cpus[0]);
+    p->pin_caller = cpus[0];
+    return PD_OK;
+}
+
+static void run_inline(pd_task_fn fn, void *ctx, int n_tasks)
+{
+    for (int i = 0; i < n_tasks; i++) fn(ctx, i, n_tasks);
+}
+
 void pd_pool_run(pd_threadpool *p, pd_task_fn fn, void *ctx, int n_tasks)
 {
     if (n_tasks <= 0) return;
-    if (p->n_threads == 1 || n_tasks == 1) {
-        for (int i = 0; i < n_tasks; i++) fn(ctx, i, n_tasks);
+    if (p->pin_caller >= 0) {
+        if (pd_cores_pin_self(p->pin_caller) != PD_OK) PD_WARN("-", "%s", pd_last_error());
+        p->pin_caller = -1;
+    }
+    int want = (n_tasks < p->n_threads ? n_tasks : p->n_threads) - 1;
+    int extra = p->budget ? pd_cores_take(p->budget, want) : want;
+    if (extra == 0) {
+        run_inline(fn, ctx, n_tasks);
+        if (p->budget) pd_cores_give(p->budget, 1);
         return;
     }
     unsigned gen = atomic_load(&p->generation) + 1;
@@ -145,6 +214,7 @@ void pd_pool_run(pd_threadpool *p, pd_task_fn fn, void *ctx, int n_tasks)
     p->ctx = ctx;
     atomic_store(&p->n_tasks, n_tasks);
     atomic_store(&p->done_tasks, 0);
+    atomic_store(&p->tickets, extra);
     /* open, then wake the workers */
     atomic_store_explicit(&p->next, (uint64_t)gen << 32, memory_order_release);
     atomic_store_explicit(&p->generation, gen, memory_order_release);
@@ -154,5 +224,15 @@ void pd_pool_run(pd_threadpool *p, pd_task_fn fn, void *ctx, int n_tasks)
         pthread_mutex_unlock(&p->mu);
     }
     run_tasks(p, gen);
-    while (atomic_load_explicit(&p->done_tasks, memory_order_acquire) < n_tasks) cpu_relax();
+    /* a worker that took a task may have been descheduled: after a short spin, give it the
+       core */
+    for (int spins = 0; atomic_load_explicit(&p->done_tasks, memory_order_acquire) < n_tasks;
+         spins++)
+        if (spins < SPIN_ITERS)
+            cpu_relax();
+        else
+            sched_yield();
+    /* the tickets nobody took stay unused: close them before the cores go back */
+    atomic_store(&p->tickets, 0);
+    if (p->budget) pd_cores_give(p->budget, 1 + extra);
 }

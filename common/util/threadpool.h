@@ -9,6 +9,8 @@
 #ifndef PD_UTIL_THREADPOOL_H
 #define PD_UTIL_THREADPOOL_H
 
+#include "util/cores.h"
+
 typedef struct pd_threadpool pd_threadpool;
 typedef void (*pd_task_fn)(void *ctx, int task, int n_tasks);
 
@@ -17,6 +19,14 @@ pd_threadpool *pd_pool_create(int n_threads);
 void pd_pool_free(pd_threadpool *pool);
 int pd_pool_size(const pd_threadpool *pool);
 void pd_pool_run(pd_threadpool *pool, pd_task_fn fn, void *ctx, int n_tasks);
+
+/* Runs take their threads from budget (which the pool now owns; NULL: none): the caller's
+ * always, the workers' only while the host has cores free (util/cores.h). */
+void pd_pool_share(pd_threadpool *pool, pd_cores *budget);
+
+/* Pins worker i to cpus[i + 1] now and the next caller of pd_pool_run to cpus[0]; n must be the
+ * pool's size. Errors name VLLM_CPU_OMP_THREADS_BIND (where the list comes from). */
+int pd_pool_pin(pd_threadpool *pool, const int *cpus, int n);
 
 /* Number of online cores (>= 1). */
 int pd_cpu_count(void);

@@ -73,6 +73,21 @@ check "VLLM_CPU_KVCACHE_SPACE passed to the container when set" \
     grep -q -- "-e VLLM_CPU_KVCACHE_SPACE=2" "$work/kvspace.cmd"
 check "VLLM_CPU_KVCACHE_SPACE not passed when unset" \
     bash -c '! grep -q VLLM_CPU_KVCACHE_SPACE "$1"' _ "$work/prefill.cmd"
+# CPU instances share the host's core budget: its segment is mounted, unless turned off or pinned
+ri --dry-run --no-gpus --image pdserve:cpu --global "$G" --local "$rt/local_ranktable_10.0.0.5_67.json" \
+    "${flags[@]}" --port=8089 >"$work/budget.cmd" 2>&1
+check "CPU instance: the host core budget mounted" \
+    grep -q -- "-v /dev/shm/pdserve-cpu-host:/dev/shm/pdserve-cpu-host " "$work/budget.cmd"
+PD_CPU_BUDGET=rack1 ri --dry-run --no-gpus --image pdserve:cpu --global "$G" \
+    --local "$rt/local_ranktable_10.0.0.5_67.json" "${flags[@]}" --port=8089 >"$work/budget2.cmd" 2>&1
+check "CPU instance: a named budget mounted and passed" \
+    grep -q -- "-e PD_CPU_BUDGET=rack1 -v /dev/shm/pdserve-cpu-rack1:/dev/shm/pdserve-cpu-rack1 " "$work/budget2.cmd"
+VLLM_CPU_OMP_THREADS_BIND=0-3 ri --dry-run --no-gpus --image pdserve:cpu --global "$G" \
+    --local "$rt/local_ranktable_10.0.0.5_67.json" "${flags[@]}" --port=8089 >"$work/budget3.cmd" 2>&1
+check "CPU instance pinned: the bind list passed, no budget mounted" \
+    bash -c 'grep -q -- "-e VLLM_CPU_OMP_THREADS_BIND=0-3 " "$1" && ! grep -q pdserve-cpu "$1"' _ "$work/budget3.cmd"
+check "GPU instances: no core budget mounted" \
+    bash -c '! grep -q pdserve-cpu "$1"' _ "$work/decode.cmd"
 check "python3 fallback gives the same docker commands" \
     cmp <(cat "$work"/{prefill,decode,scheduler}.cmd) <(cat "$work"/{prefill,decode,scheduler}.cmd2)
 

@@ -46,10 +46,8 @@ done
 for round in $(seq "$rounds"); do
   for p in $s0 $s1; do
     name="split"; [ "$p" = "$s1" ] && name="local<=$local"
-    "$bin/tools/bench/pd-bench" --base-url "http://127.0.0.1:$p" --model m --num-prompts "$prompts" \
+    bench_line "$round" "$name" --base-url "http://127.0.0.1:$p" --model m --num-prompts "$prompts" \
       --random-input-len "$ilen" --random-output-len "$olen" --request-rate inf \
-      --max-concurrency "$conc" --seed "$round" --summary-only 2>&1 |
-      awk -v r="$round" -v n="$name" '/Failed requests|Output token throughput|Median TTFT|Median TPOT/ {
-        sub(/^[ \t]+/, ""); printf "round %s %-10s %s\n", r, n, $0 }'
+      --max-concurrency "$conc" --seed "$round"
   done
 done

@@ -11,3 +11,39 @@ cleanup() {
 }
 trap cleanup EXIT
 free_port() { /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+# start_1p1d NAME MODEL_DIR [VAR=VALUE ...]: a 1P1D cluster of MODEL_DIR on loopback
+# (deploy/start_servers.sh, default flags; the assignments go into every process's environment)
+# with its scheduler; logs in $work/NAME-*.log; sets $sched_port and waits (120 s) for /health.
+# Needs $bin (the build directory) and $root.
+start_1p1d() {
+  local name=$1 model=$2 dir="$work/$1"
+  shift 2
+  mkdir -p "$dir"
+  "$bin/ranktable/cli/pd-ranktable" --mode gen --prefill-server-list 0 --decode-server-list 1 \
+    --api-server --server-ip 127.0.0.1 --save-dir "$dir" >/dev/null || return 1
+  local pp dp spec role table port
+  pp=$(free_port) dp=$(free_port) sched_port=$(free_port)
+  for spec in "prefill:0:$pp" "decode:1:$dp" "scheduler:host:$sched_port"; do
+    IFS=: read -r role table port <<<"$spec"
+    env "$@" GLOBAL_RANK_TABLE_FILE_PATH="$dir/global_ranktable_127.0.0.1.json" \
+      NODE_PORTS="$pp,$dp" USE_OPENAI=1 PD_BIN_DIR="$bin" \
+      RANK_TABLE_FILE_PATH="$dir/local_ranktable_127.0.0.1_$table.json" \
+      "$root/deploy/start_servers.sh" --model "$model" --served-model-name m --host 127.0.0.1 \
+      --port "$port" >"$work/$name-$role.log" 2>&1 &
+    pids+=($!)
+  done
+  for _ in $(seq 120); do curl -sf "http://127.0.0.1:$sched_port/health" >/dev/null && return 0; sleep 1; done
+  echo "start_1p1d $name: no /health after 120 s (logs: $work/$name-*.log)" >&2
+  return 1
+}
+
+# bench_line ROUND NAME pd-bench-args...: one pd-bench run (summary only), its failures, output
+# rate, median TTFT and TPOT as "round R NAME ..." lines.
+bench_line() {
+  local round=$1 name=$2
+  shift 2
+  "$bin/tools/bench/pd-bench" "$@" --summary-only 2>&1 |
+    awk -v r="$round" -v n="$name" '/Failed requests|Output token throughput|Median TTFT|Median TPOT/ {
+      sub(/^[ \t]+/, ""); printf "round %s %-12s %s\n", r, n, $0 }'
+}

@@ -443,6 +443,8 @@ int main(int argc, char **argv)
     ep.model = m;
     ep.tok = tok;
     ep.n_threads = a.threads;
+    ep.cpu_threads_bind = getenv("VLLM_CPU_OMP_THREADS_BIND");
+    ep.cpu_budget = getenv("PD_CPU_BUDGET");
     ep.enable_prefix_caching = !a.no_prefix_cache;
     if (a.cuda_device >= 0) { /* the engine explains when this build or machine has no GPU */
         ep.n_cuda_devices = 1;

@@ -773,6 +773,28 @@ static const pd_backend_ops cpu_ops = {
     .matmul_swiglu = cpu_matmul_swiglu,
 };
 
+/* The pool of p->n_threads threads, or of the cores p->cpus pins it to; joined to the host
+ * budget p->cpu_budget (util/cores.h). */
+static int cpu_pool_create(const pd_backend_params *p, pd_threadpool **out)
+{
+    pd_threadpool *pool = pd_pool_create(p->cpus ? p->n_cpus : p->n_threads);
+    if (!pool) return pd_error(PD_ENOMEM, "cpu backend: out of memory");
+    int rc = PD_OK;
+    if (p->cpus) {
+        rc = pd_pool_pin(pool, p->cpus, p->n_cpus);
+    } else if (p->cpu_budget) {
+        pd_cores *budget = NULL;
+        rc = pd_cores_open(p->cpu_budget, 0, &budget);
+        if (rc == PD_OK) pd_pool_share(pool, budget);
+    }
+    if (rc != PD_OK) {
+        pd_pool_free(pool);
+        return rc;
+    }
+    *out = pool;
+    return PD_OK;
+}
+
 int pd_backend_cpu_create(const pd_backend_params *params, pd_backend **out)
 {
     pd_backend_params p = params ? *params : pd_backend_default_params();
@@ -795,9 +817,13 @@ int pd_backend_cpu_create(const pd_backend_params *params, pd_backend **out)
     be->mm = isa == PD_CPU_ISA_AVX512 ? cpu_mm_avx512 : cpu_mm_scalar;
     be->dot = isa == PD_CPU_ISA_AVX512 ? cpu_dot_avx512 : cpu_dot_scalar;
     be->axpy = isa == PD_CPU_ISA_AVX512 ? cpu_axpy_avx512 : cpu_axpy_scalar;
-    be->pool = pd_pool_create(p.n_threads);
+    int rc = cpu_pool_create(&p, &be->pool);
+    if (rc != PD_OK) {
+        free(be);
+        return rc;
+    }
     be->row_seq = malloc(p.max_tokens * sizeof(int32_t));
-    pd_backend *b = be->pool && be->row_seq ? pd_backend_wrap(&cpu_ops, be) : NULL;
+    pd_backend *b = be->row_seq ? pd_backend_wrap(&cpu_ops, be) : NULL;
     if (!b) {
         pd_pool_free(be->pool);
         free(be->row_seq);
