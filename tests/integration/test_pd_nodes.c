@@ -11,6 +11,7 @@
 #include "cluster.h"
 #include "rpc/pd_msg.h"
 #include "util/clock.h"
+#include "util/threadpool.h"
 
 #define N_PROMPTS  32
 #define MAX_TOKENS 16
@@ -718,4 +719,91 @@ TEST(pd_generate_sizes_kv_by_need)
     ASSERT_EQ_INT(generate_kv_blocks(model, 16, two), 128);
     char *cap[] = {"--kv-cache-bytes", "6553600", NULL}; /* 200 blocks of 32 KiB */
     ASSERT_EQ_INT(generate_kv_blocks(model, 16, cap), 200);
+}
+
+/* ---- cores: the host budget and pinning (docs/nodes.md "Cores") ---------------------------- */
+
+/* pd-generate's greedy text for one prompt under the environment assignment env (NULL: none),
+ * in out; its log must contain want. Returns 0 or -1 (the log is printed). */
+static int generate_text(const char *model, const char *env, const char *want, char *out,
+                         size_t cap)
+{
+    char log[600], line[1024];
+    snprintf(log, sizeof log, "%s/cores.log", pdt_tmp_dir());
+    unlink(log); /* cl_run appends */
+    char *argv[] = {(char *)cl_bin("tools/generate/pd-generate"),
+                    "--model",
+                    (char *)model,
+                    "--prompt-ids",
+                    "5,9,77,300,41,8,19,1000,3,64,12,7,200,90,15,33,21",
+                    "--max-tokens",
+                    "24",
+                    "--temperature",
+                    "0",
+                    NULL};
+    char name[64] = "", *eq = env ? strchr(env, '=') : NULL;
+    if (eq) {
+        snprintf(name, sizeof name, "%.*s", (int)(eq - env), env);
+        setenv(name, eq + 1, 1);
+    }
+    int st = cl_run(argv, log, 60);
+    if (eq) unsetenv(name);
+    bool seen = false;
+    out[0] = '\0';
+    FILE *f = fopen(log, "r");
+    while (f && fgets(line, sizeof line, f)) {
+        if (strstr(line, want)) seen = true;
+        if (strncmp(line, "20", 2) != 0)
+            strncat(out, line, cap - strlen(out) - 1); /* not a log line */
+    }
+    if (f) fclose(f);
+    if (st == 0 && seen && out[0]) return 0;
+    printf("    pd-generate (%s) exited with %d, \"%s\" %s in its log %s:\n", env ? env : "", st,
+           want, seen ? "found" : "not found", log);
+    f = fopen(log, "r");
+    while (f && fgets(line, sizeof line, f)) printf("    %s", line);
+    if (f) fclose(f);
+    return -1;
+}
+
+/* The threads' placement changes no token: the host budget (default), no budget, pinned to one
+ * core, pinned to two in either order. */
+TEST(pd_generate_same_tokens_pinned_or_shared)
+{
+    const char *model = model_dir();
+    ASSERT(model);
+    static char base[4096], other[4096];
+    ASSERT_OK(generate_text(model, NULL, "core budget host", base, sizeof base));
+    ASSERT_OK(generate_text(model, "PD_CPU_BUDGET=off", "core budget off", other, sizeof other));
+    ASSERT_STR_EQ(other, base);
+    ASSERT_OK(
+        generate_text(model, "VLLM_CPU_OMP_THREADS_BIND=0", "threads pinned", other, sizeof other));
+    ASSERT_STR_EQ(other, base);
+    if (pd_cpu_count() >= 2) {
+        ASSERT_OK(generate_text(model, "VLLM_CPU_OMP_THREADS_BIND=1,0", "threads pinned", other,
+                                sizeof other));
+        ASSERT_STR_EQ(other, base);
+    }
+}
+
+/* Bad core settings stop an instance at start-up with the variable named. */
+TEST(pd_node_refuses_bad_cpu_env)
+{
+    const char *model = model_dir();
+    ASSERT(model);
+    cl_cluster c;
+    ASSERT_OK(cl_start(&c, model, "0", "1", NULL));
+    char log[600], genv[700], lenv[700], text[4096];
+    snprintf(genv, sizeof genv, "GLOBAL_RANK_TABLE_FILE_PATH=%s", c.global);
+    snprintf(lenv, sizeof lenv, "RANK_TABLE_FILE_PATH=%s/local_ranktable_127.0.0.1_1.json", c.dir);
+    snprintf(log, sizeof log, "%s/bad.log", c.dir);
+    char *argv[] = {
+        (char *)cl_bin("decode_node/pd-decode"), "--model", (char *)model, "--port", "1", NULL};
+    char *bind[] = {genv, lenv, "VLLM_CPU_OMP_THREADS_BIND=0-1|2-3", NULL};
+    refused(argv, bind, log, text, sizeof text);
+    ASSERT_CONTAINS(text, "VLLM_CPU_OMP_THREADS_BIND: 2 core lists for 1 tensor-parallel rank");
+    char *budget[] = {genv, lenv, "PD_CPU_BUDGET=../x", NULL};
+    refused(argv, budget, log, text, sizeof text);
+    ASSERT_CONTAINS(text, "PD_CPU_BUDGET: '../x' is not host, off or a name");
+    ASSERT_EQ_INT(cl_stop_all(&c), 0);
 }
