@@ -108,7 +108,7 @@ static void *worker_main(void *arg)
             run_tasks(p, seen);
             spins = 0; /* the next run is likely microseconds away */
         } else {
-            spins = SPIN_ITERS; /* not needed: sleep */
+            spins = SPIN_ITERS; /* the budget gave this run fewer workers: sleep */
         }
     }
 }
@@ -224,15 +224,8 @@ void pd_pool_run(pd_threadpool *p, pd_task_fn fn, void *ctx, int n_tasks)
         pthread_mutex_unlock(&p->mu);
     }
     run_tasks(p, gen);
-    /* a worker that took a task may have been descheduled: after a short spin, give it the
-       core */
-    for (int spins = 0; atomic_load_explicit(&p->done_tasks, memory_order_acquire) < n_tasks;
-         spins++)
-        if (spins < SPIN_ITERS)
-            cpu_relax();
-        else
-            sched_yield();
-    /* the tickets nobody took stay unused: close them before the cores go back */
-    atomic_store(&p->tickets, 0);
+    while (atomic_load_explicit(&p->done_tasks, memory_order_acquire) < n_tasks) cpu_relax();
+    /* A ticket left untaken (the run was over before its worker came) stays: the worker that
+       takes it finds no task and spins on, ready for the next run. */
     if (p->budget) pd_cores_give(p->budget, 1 + extra);
 }

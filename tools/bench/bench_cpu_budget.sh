@@ -3,7 +3,8 @@
 # loopback, default flags, one with the host core budget (PD_CPU_BUDGET=host, the default) and
 # one without (PD_CPU_BUDGET=off: every instance runs a thread per core whenever it works);
 # pd-bench runs the same load against each in turn (an idle cluster's threads sleep), for each
-# concurrency and several rounds, printing output rate, TTFT and TPOT.
+# concurrency and several rounds, printing output rate, TTFT and TPOT. Every (concurrency, round)
+# has prompts of its own (no prefix-cache hits across them); both clusters get the same ones.
 #
 #   tools/bench/bench_cpu_budget.sh [--build DIR] [--model DIR | --preset P] [--input-len 256]
 #       [--output-len 64] [--prompts 32] [--concurrency "1 16"] [--rounds 3]
@@ -44,7 +45,7 @@ for c in $concs; do
       IFS=: read -r name port <<<"$spec"
       bench_line "$round" "C=$c $name" --base-url "http://127.0.0.1:$port" --model m \
         --num-prompts "$prompts" --random-input-len "$ilen" --random-output-len "$olen" \
-        --request-rate inf --max-concurrency "$c" --seed "$round"
+        --request-rate inf --max-concurrency "$c" --seed "$((c * 1000 + round))"
     done
   done
 done
