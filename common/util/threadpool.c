@@ -217,7 +217,8 @@ void pd_pool_run(pd_threadpool *p, pd_task_fn fn, void *ctx, int n_tasks)
     atomic_store(&p->tickets, extra);
     /* open, then wake the workers */
     atomic_store_explicit(&p->next, (uint64_t)gen << 32, memory_order_release);
-    atomic_store_explicit(&p->generation, gen, memory_order_release);
+    atomic_store(&p->generation, gen); /* seq_cst: ordered before the load of sleepers below, so
+                                          a worker going to sleep sees it or is woken */
     if (atomic_load(&p->sleepers) > 0) {
         pthread_mutex_lock(&p->mu);
         pthread_cond_broadcast(&p->cv);
