@@ -136,7 +136,8 @@ typedef struct {
     bool has_temperature, has_top_p, has_min_p, has_presence, has_frequency, has_repetition;
     const json_t *logit_bias, *stream_options, *stop_ids_json;
     bool stream, echo, include_stop, ignore_eos, skip_special, use_beam_search, add_special;
-    bool has_add_special, tokens_as_ids;
+    bool has_add_special, tokens_as_ids, early_stopping, has_length_penalty;
+    double length_penalty;
     const char **stop;
     int32_t n_stop;
     int32_t *stop_ids, n_stop_ids, *allowed, n_allowed;
@@ -236,8 +237,8 @@ static int read_common(const json_t *o, pd_api_kind kind, pd_arena *a, common_fi
         return rc;
     if ((rc = f_bool(o, "use_beam_search", "use_beam_search", &f->use_beam_search)) < 0) return rc;
     RD(f_bool(o, "add_special_tokens", "add_special_tokens", &f->add_special), f->has_add_special);
-    double lp;
-    if ((rc = f_num(o, "length_penalty", &lp)) < 0) return rc;
+    RD(f_num(o, "length_penalty", &f->length_penalty), f->has_length_penalty);
+    if ((rc = f_bool(o, "early_stopping", "early_stopping", &f->early_stopping)) < 0) return rc;
     if (kind == PD_API_COMPLETIONS) RD(f_int(o, "logprobs", &f->logprobs), f->has_logprobs);
     RD(f_int(o, "prompt_logprobs", &f->prompt_logprobs), f->has_prompt_logprobs);
     const json_t *rf;
@@ -326,7 +327,11 @@ static int check_shared(const pd_api_limits *lim, pd_api_kind kind, const common
                              .allowed_token_ids = f->allowed,
                              .n_allowed_token_ids = f->n_allowed,
                              .max_n = lim->max_n,
-                             .max_tokens_zero_ok = f->echo && kind == PD_API_COMPLETIONS};
+                             .max_tokens_zero_ok = f->echo && kind == PD_API_COMPLETIONS,
+                             .use_beam_search = f->use_beam_search,
+                             .early_stopping = f->early_stopping,
+                             .has_length_penalty = f->has_length_penalty,
+                             .length_penalty = f->length_penalty};
     PD_CHECK(pd_sampling_check(&sf, lim->vocab));
     int64_t n = f->has_n ? f->n : 1;
     if (f->has_truncate) {
@@ -967,7 +972,10 @@ static int parse_generate(const pd_api_limits *lim, const json_t *o, pd_arena *a
                                           "guided_choice",
                                           "guided_grammar",
                                           "guided_whitespace_pattern",
-                                          "guided_decoding_backend"};
+                                          "guided_decoding_backend",
+                                          "use_beam_search",
+                                          "length_penalty",
+                                          "early_stopping"};
     const char *k;
     json_t *v;
     json_object_foreach((json_t *)o, k, v)

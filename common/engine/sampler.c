@@ -196,6 +196,15 @@ int pd_sampling_check(const pd_sampling_fields *f, int32_t vocab)
             if (f->allowed_token_ids[i] < 0 || f->allowed_token_ids[i] >= vocab)
                 return pd_error(PD_EINVAL, "allowed_token_ids contains out-of-vocab token id!");
     }
+    if (!f->use_beam_search) {
+        if (f->early_stopping)
+            return pd_error(PD_EINVAL, "early_stopping is not effective and must be False when "
+                                       "not using beam search.");
+        if (f->has_length_penalty &&
+            !(f->length_penalty >= 1.0 - 1e-5 && f->length_penalty <= 1.0 + 1e-5))
+            return pd_error(PD_EINVAL, "length_penalty is not effective and must be the default "
+                                       "value of 1.0 when not using beam search.");
+    }
     return PD_OK;
 }
 

@@ -120,14 +120,18 @@ typedef struct {
     int32_t n_allowed_token_ids;
     int64_t max_n;           /* > 0: n above it is refused (the api-server's --max-n-style cap) */
     bool max_tokens_zero_ok; /* max_tokens 0 is allowed (completions with echo) */
+    /* beam search's own fields: without use_beam_search they must keep their defaults */
+    bool use_beam_search, early_stopping, has_length_penalty;
+    double length_penalty;
 } pd_sampling_fields;
 
 /* Checks f against a vocabulary of `vocab` tokens in §8.1's table order: n (and max_n),
  * best_of (>= n; > n unsupported), presence / frequency penalty, repetition_penalty,
  * temperature, top_p, top_k, min_p, max_tokens, min_tokens, logprobs, stop strings non-empty,
  * stop_token_ids in vocabulary, logit_bias keys and ids (every out-of-vocabulary one named),
- * allowed_token_ids. On failure PD_EINVAL with exactly the contract's (vLLM's) message, e.g.
- * "top_p must be in (0, 1], got 1.5.". */
+ * allowed_token_ids, then without use_beam_search early_stopping false and length_penalty 1
+ * (vLLM's _verify_non_beam_search). On failure PD_EINVAL with exactly the contract's (vLLM's)
+ * message, e.g. "top_p must be in (0, 1], got 1.5.". */
 int pd_sampling_check(const pd_sampling_fields *f, int32_t vocab);
 
 /* pd_sampling_check of every field of p (max_tokens when not -1), after p's own consistency

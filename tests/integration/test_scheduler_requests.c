@@ -60,6 +60,15 @@ TEST(sched_bad_inputs)
          "max_tokens must be at least 1, got 0.", NULL},
         {"/v1/completions", "{\"prompt\":\"a\",\"best_of\":2}", 400,
          "best_of > n is not supported.", NULL},
+        {"/v1/completions", "{\"prompt\":\"a\",\"length_penalty\":0.5}", 400,
+         "length_penalty is not effective and must be the default value of 1.0 when not using "
+         "beam search.",
+         NULL},
+        {"/v1/chat/completions",
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],\"early_stopping\":true}", 400,
+         "early_stopping is not effective and must be False when not using beam search.", NULL},
+        {"/v1/completions", "{\"prompt\":\"a\",\"early_stopping\":\"never\"}", 400,
+         "The field `early_stopping` must be a boolean.", NULL},
         {"/v1/completions", "{\"prompt\":\"a\",\"stop\":[\"x\",\"\"]}", 400,
          "stop cannot contain an empty string.", NULL},
         {"/v1/completions", "{\"prompt\":\"a\",\"stop_token_ids\":[999999]}", 400,
@@ -330,6 +339,18 @@ TEST(sched_legacy_generate)
     ASSERT(http_do(g_port_legacy, "POST", "/generate", NULL, "{\"prompt\":[1]}", &r) == 0);
     ASSERT_EQ_INT(r.status, 400);
     ASSERT_CONTAINS(r.body, "\"message\":\"The field `prompt` must be a string.\"");
+    resp_free(&r);
+    /* beam search's keys are known here (vLLM 0.5 passes them to SamplingParams) */
+    ASSERT(http_do(g_port_legacy, "POST", "/generate", NULL,
+                   "{\"prompt\":\"a\",\"length_penalty\":2,\"use_beam_search\":false}", &r) == 0);
+    ASSERT_EQ_INT(r.status, 400);
+    ASSERT_CONTAINS(r.body, "length_penalty is not effective and must be the default value of 1.0");
+    resp_free(&r);
+    ASSERT(http_do(g_port_legacy, "POST", "/generate", NULL,
+                   "{\"prompt\":\"a\",\"length_penalty\":1,\"early_stopping\":false,"
+                   "\"max_tokens\":2}",
+                   &r) == 0);
+    ASSERT_EQ_INT(r.status, 200);
     resp_free(&r);
 }
 
