@@ -262,8 +262,9 @@ static int read_common(const json_t *o, pd_api_kind kind, pd_arena *a, common_fi
 
 /* §8.1 in table order: the sampling fields through the engine's validator, then the rest. */
 static int check_shared(const pd_api_limits *lim, pd_api_kind kind, const common_fields *f,
-                        pd_arena *a, pd_sampling_params *sp)
+                        pd_arena *a, pd_api_request *r)
 {
+    pd_sampling_params *sp = &r->sp;
     /* logit_bias as written: its keys (checked by the validator) and their ids, clamped */
     pd_logit_bias *lb = NULL;
     const char **keys = NULL;
@@ -385,6 +386,13 @@ static int check_shared(const pd_api_limits *lim, pd_api_kind kind, const common
     sp->skip_special_tokens = f->skip_special;
     sp->logprobs = -1;
     sp->prompt_logprobs = -1;
+    /* best_of > n: best_of sequences are sampled and the n of the highest cumulative logprob
+     * returned, as vLLM 0.5 does; whole, not streamed (its completions rule, taken for every
+     * endpoint) */
+    r->best_of = f->has_best_of ? (int32_t)f->best_of : sp->n;
+    if (r->best_of > sp->n && sp->temperature < 1e-5)
+        return bad("best_of must be 1 when using greedy sampling.Got %lld.", (long long)f->best_of);
+    r->stream = f->stream && r->best_of == sp->n;
     return 0;
 }
 
@@ -997,9 +1005,8 @@ static int parse_generate(const pd_api_limits *lim, const json_t *o, pd_arena *a
     pd_api_limits fixed = *lim;
     fixed.defaults = pd_sampling_default_params();
     fixed.max_new_tokens = -1;
-    if ((rc = check_shared(&fixed, PD_API_GENERATE, &f, a, &r->sp)) < 0) return rc;
+    if ((rc = check_shared(&fixed, PD_API_GENERATE, &f, a, r)) < 0) return rc;
     if ((rc = read_guided(lim, o, a, &r->sp)) < 0) return rc;
-    r->stream = f.stream;
     r->truncate = f.has_truncate ? f.truncate : -1;
     r->add_special_tokens = true;
     r->max_tokens = f.has_max_tokens ? f.max_tokens : f.max_tokens_null ? -1 : 16;
@@ -1080,9 +1087,8 @@ int pd_api_parse(const pd_api_limits *lim, pd_api_kind kind, const char *body, s
         }
     }
     /* §8.1 */
-    if ((rc = check_shared(lim, kind, &f, a, &out->sp)) < 0) goto done;
-    out->stream = f.stream;
-    out->include_usage = f.stream_options ? f.include_usage : false;
+    if ((rc = check_shared(lim, kind, &f, a, out)) < 0) goto done;
+    out->include_usage = f.stream_options && out->stream ? f.include_usage : false;
     out->continuous_usage = f.stream_options && f.include_usage && f.continuous_usage;
     out->echo = f.echo;
     out->truncate = f.has_truncate ? f.truncate : -1;

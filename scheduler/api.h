@@ -71,7 +71,9 @@ typedef struct {
 typedef struct {
     pd_api_kind kind;
     pd_sampling_params sp; /* arrays and strings in the arena; n = choices per prompt */
-    bool stream;
+    int32_t best_of;       /* sequences sampled per prompt (>= n): the n of the highest
+                              cumulative logprob are returned */
+    bool stream;           /* false when best_of > n: the answer is sent whole */
     bool include_usage;    /* stream_options.include_usage (given or defaulted) */
     bool continuous_usage; /* stream_options.continuous_usage_stats */
     bool echo;

@@ -140,14 +140,15 @@ typedef struct choice {
     int32_t stop_token;
     char *stop_string; /* malloc'd */
     int64_t completion_tokens;
-    pd_sb text;        /* non-streaming: the whole text */
-    int64_t text_cps;  /* code points of the token strings listed so far: a completions
-                          logprob's text_offset (the previous one + its token's length, as
-                          vLLM counts; a byte token held back still counts its "\ufffd") */
-    pd_sb lp[4];       /* non-streaming logprobs: completions text_offset, token_logprobs,
-                        * tokens, top_logprobs items; chat: lp[0] holds the content items */
-    bool first_sent;   /* streaming: this choice's first chunk went out */
-    bool echo_lp_done; /* completions echo + logprobs: the prompt's items were listed */
+    double cum_logprob; /* of its sampled tokens, when their logprobs came (best_of > n) */
+    pd_sb text;         /* non-streaming: the whole text */
+    int64_t text_cps;   /* code points of the token strings listed so far: a completions
+                           logprob's text_offset (the previous one + its token's length, as
+                           vLLM counts; a byte token held back still counts its "\ufffd") */
+    pd_sb lp[4];        /* non-streaming logprobs: completions text_offset, token_logprobs,
+                         * tokens, top_logprobs items; chat: lp[0] holds the content items */
+    bool first_sent;    /* streaming: this choice's first chunk went out */
+    bool echo_lp_done;  /* completions echo + logprobs: the prompt's items were listed */
     /* streaming with tool parsing (pd_api_request.parse_tools): its parser, or NULL */
     pd_tool_stream *tools;
     int64_t last_tok_ns;
@@ -172,6 +173,9 @@ struct sreq {
     pd_api_request req;
     int n_choices;
     choice *choices;
+    int *answer; /* best_of > n: the choices answered, in order (n per prompt), from the
+                    request's arena; NULL: every choice */
+    int n_answer;
     int64_t prompt_tokens; /* summed over prompts, each once */
     bool streaming_started;
     bool done;    /* the response was completed or failed */
@@ -382,6 +386,10 @@ void srv_token_chunk(sreq *r, choice *c, const char *text, size_t len, bool fina
 void srv_finish_stream(sreq *r);
 /* Legacy /generate: {"text": [...]} of every choice (python_style: a stream line). */
 void srv_legacy_texts(sreq *r, pd_sb *b, bool python_style);
+/* The choices of the answer: every choice, or with best_of > n the picked ones (r->answer), in
+ * the order they are answered (their index in the response). */
+int srv_n_answer(const sreq *r);
+choice *srv_answer(sreq *r, int i);
 /* The non-streaming response. */
 void srv_respond_full(sreq *r);
 /* Appends token t's logprob items to out[0..3]; srv_lp_object wraps them. */

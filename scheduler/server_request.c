@@ -5,13 +5,14 @@
  * Design: the loop alone changes a request's client-facing state; the other threads reach it
  * only through records on the ready list, which one uv_async callback drains.
  *
- * n > 1: the choices of one prompt share its KV. The first (the leader) starts at once; the
- * others wait (deferred) until the decode instance has stepped the leader, when the prompt's full
- * blocks are in both instances' prefix caches: each follower then prefills only the prompt's
- * last partial block on the prefill instance, and the decode instance that holds the leader
- * reserves the cached blocks, so only that block moves (vLLM v1's n child requests share the
- * prompt's blocks through its prefix cache the same way). Prompts of at most one block, and
- * clusters without prefix caching, start every choice at once.
+ * n > 1 (or best_of > 1: a choice is one of the best_of sequences of a prompt, of which the n
+ * of the highest cumulative logprob are answered): the choices of one prompt share its KV. The
+ * first (the leader) starts at once; the others wait (deferred) until the decode instance has
+ * stepped the leader, when the prompt's full blocks are in both instances' prefix caches: each
+ * follower then prefills only the prompt's last partial block on the prefill instance, and the
+ * decode instance that holds the leader reserves the cached blocks, so only that block moves (vLLM
+ * v1's n child requests share the prompt's blocks through its prefix cache the same way). Prompts
+ * of at most one block, and clusters without prefix caching, start every choice at once.
  */
 #include <stdatomic.h>
 #include <stdio.h>
@@ -249,12 +250,38 @@ void srv_request_fail(sreq *r, int status, const char *msg)
     flush_out(r);
 }
 
+/* best_of > n: the answer is each prompt's n sequences of the highest cumulative logprob, best
+ * first (vLLM 0.5 sorts them so, a stable sort). */
+static int pick_best(sreq *r)
+{
+    int w = r->req.best_of, n = r->req.sp.n;
+    if (w <= n) return 0;
+    r->answer = pd_arena_calloc(r->a, r->req.n_prompts * (size_t)n, sizeof *r->answer);
+    int *idx = pd_arena_calloc(r->a, (size_t)w, sizeof *idx);
+    if (!r->answer || !idx) return -1;
+    for (size_t p = 0; p < r->req.n_prompts; p++) {
+        for (int k = 0; k < w; k++) {
+            int i = (int)p * w + k, j = k;
+            for (; j > 0 && r->choices[idx[j - 1]].cum_logprob < r->choices[i].cum_logprob; j--)
+                idx[j] = idx[j - 1];
+            idx[j] = i;
+        }
+        memcpy(r->answer + p * (size_t)n, idx, (size_t)n * sizeof *idx);
+    }
+    r->n_answer = (int)r->req.n_prompts * n;
+    return 0;
+}
+
 static void request_complete(sreq *r)
 {
     const char *reason = "stop";
     for (int i = 0; i < r->n_choices; i++)
         if (strcmp(r->choices[i].finish, "length") == 0) reason = "length";
     request_close(r, reason);
+    if (pick_best(r) < 0) {
+        srv_respond_error(r, 500, "out of memory", NULL);
+        return;
+    }
     if (!r->req.stream) {
         srv_respond_full(r);
         return;
@@ -287,7 +314,7 @@ static const char *pick_instances(pd_apiserver *s, choice *c)
  * picked now, which prefer those whose caches hold the leader's blocks. */
 static void start_followers(pd_apiserver *s, sreq *r, const choice *l)
 {
-    for (int i = l->index + 1; i < l->index + r->req.sp.n; i++) {
+    for (int i = l->index + 1; i < l->index + r->req.best_of; i++) {
         choice *c = &r->choices[i];
         if (!c->deferred) continue;
         c->deferred = false;
@@ -392,6 +419,7 @@ static void process(sreq *r)
                 }
                 c->last_tok_ns = now;
                 c->completion_tokens += t->n_tokens;
+                if (t->has_logprob) c->cum_logprob += t->logprob;
                 gen_push(c, t->token);
                 pd_metric_inc(s->m_gen, s->labels, t->n_tokens);
             }
@@ -433,7 +461,7 @@ static void process(sreq *r)
         c->work.n = 0;
         /* a leader that the decode instance has stepped (or that ended well) lets its followers
          * go: the prompt's blocks are cached */
-        if (!r->done && r->req.sp.n > 1 && c->index % r->req.sp.n == 0 &&
+        if (!r->done && r->req.best_of > 1 && c->index % r->req.best_of == 0 &&
             (c->completion_tokens >= 2 || (c->finished && !err_http)))
             start_followers(s, r, c);
         bool was_head = c->retrying;
@@ -601,7 +629,7 @@ void srv_on_client_abort(void *arg)
 void srv_dispatch(sreq *r)
 {
     pd_apiserver *s = r->s;
-    int n = r->req.sp.n;
+    int n = r->req.best_of; /* sequences per prompt: the answer's n are picked at the end */
     r->n_choices = (int)r->req.n_prompts * n;
     r->choices = pd_arena_calloc(r->a, (size_t)r->n_choices, sizeof *r->choices);
     if (!r->choices) {
@@ -610,8 +638,7 @@ void srv_dispatch(sreq *r)
     }
     for (size_t i = 0; i < r->req.n_prompts; i++)
         r->prompt_tokens += (int64_t)r->req.prompts[i].n_ids;
-    pd_metric_observe(s->m_h_n, s->labels, n);
-    /* best_of: the request's, which the API takes only equal to n (sampler.h), n by default */
+    pd_metric_observe(s->m_h_n, s->labels, r->req.sp.n);
     pd_metric_observe(s->m_h_best_of, s->labels, n);
     /* once per request (n choices are one request): the first prompt's max_tokens (prompts
      * differ only with max_tokens:null, which leaves each prompt the rest of the context) */
@@ -663,6 +690,7 @@ void srv_dispatch(sreq *r)
         sp.n = 1;
         sp.max_tokens = pr->max_tokens;
         if (sp.has_seed && r->n_choices > 1) sp.seed = r->req.sp.seed + i; /* per choice */
+        if (n > r->req.sp.n && sp.logprobs < 0) sp.logprobs = 0;           /* the sampled tokens' */
         pd__sampling_params__init(&c->sampling);
         if (pd_msg_sampling_to_proto(&sp, r->a, &c->sampling) < 0) {
             for (int j = 0; j < i; j++) {

@@ -438,8 +438,8 @@ void srv_finish_stream(sreq *r)
 void srv_legacy_texts(sreq *r, pd_sb *b, bool python_style)
 {
     pd_sb_str(b, python_style ? "{\"text\": [" : "{\"text\":[");
-    for (int i = 0; i < r->n_choices; i++) {
-        choice *c = &r->choices[i];
+    for (int i = 0; i < srv_n_answer(r); i++) {
+        choice *c = srv_answer(r, i);
         pd_sb_reset(&r->s->tokbuf);
         pd_sb_str(&r->s->tokbuf, r->req.prompts[c->prompt_idx].text);
         pd_sb_add(&r->s->tokbuf, c->text.p ? c->text.p : "", c->text.len);
@@ -450,6 +450,16 @@ void srv_legacy_texts(sreq *r, pd_sb *b, bool python_style)
             pd_sb_json_str(b, r->s->tokbuf.p, r->s->tokbuf.len);
     }
     pd_sb_str(b, python_style ? "]}\n" : "]}");
+}
+
+int srv_n_answer(const sreq *r)
+{
+    return r->answer ? r->n_answer : r->n_choices;
+}
+
+choice *srv_answer(sreq *r, int i)
+{
+    return &r->choices[r->answer ? r->answer[i] : i];
 }
 
 void srv_respond_full(sreq *r)
@@ -470,10 +480,10 @@ void srv_respond_full(sreq *r)
     pd_sb_json_str(b, srv_model_name(s), strlen(srv_model_name(s)));
     pd_sb_str(b, ",\"choices\":[");
     int64_t comp = 0;
-    for (int i = 0; i < r->n_choices; i++) {
-        choice *c = &r->choices[i];
+    for (int i = 0; i < srv_n_answer(r); i++) {
+        choice *c = srv_answer(r, i);
         comp += c->completion_tokens;
-        pd_sb_printf(b, "%s{\"index\":%d,", i ? "," : "", c->index);
+        pd_sb_printf(b, "%s{\"index\":%d,", i ? "," : "", i);
         if (chat) {
             pd_tool_calls tc = {0};
             bool forced = r->req.tools_required || r->req.tool_named;

@@ -145,7 +145,6 @@ int pd_sampling_check(const pd_sampling_fields *f, int32_t vocab)
                             "best_of must be greater than or equal to n, got n=%" PRId64
                             " and best_of=%" PRId64 ".",
                             n, f->best_of);
-        if (f->best_of != n) return pd_error(PD_EINVAL, "best_of > n is not supported.");
     }
     if (f->has_presence_penalty && !(f->presence_penalty >= -2.0 && f->presence_penalty <= 2.0))
         return pd_error(PD_EINVAL, "presence_penalty must be in [-2, 2], got %s.",

@@ -126,7 +126,7 @@ typedef struct {
 } pd_sampling_fields;
 
 /* Checks f against a vocabulary of `vocab` tokens in §8.1's table order: n (and max_n),
- * best_of (>= n; > n unsupported), presence / frequency penalty, repetition_penalty,
+ * best_of (>= n), presence / frequency penalty, repetition_penalty,
  * temperature, top_p, top_k, min_p, max_tokens, min_tokens, logprobs, stop strings non-empty,
  * stop_token_ids in vocabulary, logit_bias keys and ids (every out-of-vocabulary one named),
  * allowed_token_ids, then without use_beam_search early_stopping false and length_penalty 1

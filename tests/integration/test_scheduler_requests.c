@@ -58,8 +58,8 @@ TEST(sched_bad_inputs)
          "min_p must be in [0, 1], got 2.0.", NULL},
         {"/v1/completions", "{\"prompt\":\"a\",\"max_tokens\":0}", 400,
          "max_tokens must be at least 1, got 0.", NULL},
-        {"/v1/completions", "{\"prompt\":\"a\",\"best_of\":2}", 400,
-         "best_of > n is not supported.", NULL},
+        {"/v1/completions", "{\"prompt\":\"a\",\"best_of\":2,\"temperature\":0}", 400,
+         "best_of must be 1 when using greedy sampling.Got 2.", NULL},
         {"/v1/completions", "{\"prompt\":\"a\",\"length_penalty\":0.5}", 400,
          "length_penalty is not effective and must be the default value of 1.0 when not using "
          "beam search.",
@@ -208,6 +208,72 @@ TEST(sched_metrics_counts)
     ASSERT_CONTAINS(r.body, "vllm:request_prompt_tokens_bucket{model_name=\"tiny\",engine=\"0\","
                             "le=\"500.0\"}");
     resp_free(&r);
+}
+
+/* One completions answer's choices: their texts and the sums of their token logprobs (when
+ * listed). Returns the number of choices. */
+static int best_of_choices(const char *body, char texts[][256], double *sums, int max)
+{
+    json_t *o = json_loads(body, 0, NULL);
+    json_t *cs = json_object_get(o, "choices");
+    int n = 0;
+    for (; o && n < (int)json_array_size(cs) && n < max; n++) {
+        json_t *c = json_array_get(cs, (size_t)n);
+        if (json_integer_value(json_object_get(c, "index")) != n) break;
+        snprintf(texts[n], 256, "%s", json_string_value(json_object_get(c, "text")));
+        json_t *tl = json_object_get(json_object_get(c, "logprobs"), "token_logprobs");
+        sums[n] = 0;
+        for (size_t k = 0; k < json_array_size(tl); k++)
+            sums[n] += json_number_value(json_array_get(tl, k));
+    }
+    json_decref(o);
+    return n;
+}
+
+/* best_of > n (vLLM 0.5): best_of sequences are sampled and the n of the highest cumulative
+ * logprob answered, best first, whole even when a stream was asked for. With the same seed the
+ * sequences are those of an n = best_of request (choice i samples with seed + i), whose listed
+ * logprobs give the order; through the split cluster. */
+TEST(sched_best_of)
+{
+    FIXTURE();
+    http_resp r;
+    char all[4][256], got[4][256];
+    double sum[4], unused[4];
+    ASSERT(http_do(g_port, "POST", "/v1/completions", NULL,
+                   "{\"prompt\":\"Hello world\",\"max_tokens\":8,\"temperature\":1,\"seed\":123,"
+                   "\"n\":4,\"logprobs\":0,\"ignore_eos\":true}",
+                   &r) == 0);
+    ASSERT_MSG(r.status == 200, "status %d: %s", r.status, r.body);
+    ASSERT_EQ_INT(best_of_choices(r.body, all, sum, 4), 4);
+    resp_free(&r);
+    int order[4] = {0, 1, 2, 3}; /* by sum, best first, stable */
+    for (int i = 1; i < 4; i++)
+        for (int j = i; j > 0 && sum[order[j - 1]] < sum[order[j]]; j--) {
+            int t = order[j];
+            order[j] = order[j - 1];
+            order[j - 1] = t;
+        }
+    ASSERT_MSG(sum[order[0]] - sum[order[1]] > 1e-3 && sum[order[1]] - sum[order[2]] > 1e-3,
+               "near ties (%g %g %g): pick another seed", sum[order[0]], sum[order[1]],
+               sum[order[2]]);
+    const char *bodies[2] = {
+        "{\"prompt\":\"Hello world\",\"max_tokens\":8,\"temperature\":1,\"seed\":123,\"n\":2,"
+        "\"best_of\":4,\"ignore_eos\":true}",
+        "{\"prompt\":\"Hello world\",\"max_tokens\":8,\"temperature\":1,\"seed\":123,\"n\":2,"
+        "\"best_of\":4,\"ignore_eos\":true,\"stream\":true}"};
+    for (int k = 0; k < 2; k++) {
+        ASSERT(http_do(g_port, "POST", "/v1/completions", NULL, bodies[k], &r) == 0);
+        ASSERT_MSG(r.status == 200, "status %d: %s", r.status, r.body);
+        char ct[64];
+        ASSERT_STR_EQ(header(&r, "Content-Type", ct, sizeof ct), "application/json");
+        ASSERT_EQ_INT(best_of_choices(r.body, got, unused, 4), 2);
+        ASSERT_STR_EQ(got[0], all[order[0]]);
+        ASSERT_STR_EQ(got[1], all[order[1]]);
+        ASSERT_CONTAINS(r.body, "\"logprobs\":null");
+        ASSERT_CONTAINS(r.body, "\"completion_tokens\":16,");
+        resp_free(&r);
+    }
 }
 
 TEST(sched_logprobs)
