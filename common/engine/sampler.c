@@ -145,6 +145,9 @@ int pd_sampling_check(const pd_sampling_fields *f, int32_t vocab)
                             "best_of must be greater than or equal to n, got n=%" PRId64
                             " and best_of=%" PRId64 ".",
                             n, f->best_of);
+        if (f->max_n > 0 && f->best_of > f->max_n) /* each is a sequence, as a choice is */
+            return pd_error(PD_EINVAL, "best_of must be at most %" PRId64 ", got %" PRId64 ".",
+                            f->max_n, f->best_of);
     }
     if (f->has_presence_penalty && !(f->presence_penalty >= -2.0 && f->presence_penalty <= 2.0))
         return pd_error(PD_EINVAL, "presence_penalty must be in [-2, 2], got %s.",

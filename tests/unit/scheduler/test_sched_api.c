@@ -101,6 +101,8 @@ TEST(api_bad_requests_exact_messages)
     pd_api_limits l = limits();
     static const bad_case cases[] = {
         {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"n\":9}", 400, "n must be at most 8, got 9."},
+        {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"n\":2,\"best_of\":9}", 400,
+         "best_of must be at most 8, got 9."},
         {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"n\":2,\"best_of\":1}", 400,
          "best_of must be greater than or equal to n, got n=2 and best_of=1."},
         {PD_API_COMPLETIONS, "{\"prompt\":\"a\",\"frequency_penalty\":-2.5}", 400,
