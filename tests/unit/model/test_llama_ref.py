@@ -5,7 +5,9 @@ What is checked: the CLI contract the forward-pass tests rely on (keys, lengths,
 greedy output is not degenerate, the KV-cache generation loop agrees with recomputing the whole
 sequence, the safetensors parser reads bf16/f16 exactly as numpy rounds float32, sharded and
 single-file checkpoints give identical logits, and the attention/RMSNorm/RoPE math agrees with a
-deliberately naive loop implementation on a 1-layer model. Prints harness-style lines.
+deliberately naive loop implementation on a 1-layer model; and tests/reference/beam_ref.py
+(vLLM 0.5 beam search on that model): width 1 without EOS is greedy, and every answered beam's
+logprob and score agree with one fresh forward pass. Prints harness-style lines.
 """
 import json
 import os
@@ -38,6 +40,11 @@ def run_ref(model, ids, steps, *extra):
                        check=True)
         with open(f.name) as g:
             return json.load(g)
+
+
+def llama_ref_log_softmax(x):
+    m = np.max(x)
+    return x - m - np.log(np.sum(np.exp(x - m)))
 
 
 def check(name, fn):
@@ -190,7 +197,54 @@ def main():
         a, b = run_ref(d, long_, 1), run_ref(s, long_, 1)
         assert a["prompt_logits_last"] != b["prompt_logits_last"]
 
+    beam_ref = os.path.join(SRC, "tests", "reference", "beam_ref.py")
+
+    def run_beams(model, ids, *extra):
+        out = subprocess.run(["/usr/bin/python3", beam_ref, "--model", model, "--prompt-ids",
+                              ",".join(map(str, ids)), *extra], check=True, capture_output=True,
+                             text=True).stdout
+        return json.loads(out)["beams"]
+
+    def beam_width1_is_greedy():
+        g = run_ref(tiny, prompt, 8)["greedy_tokens"]
+        b = run_beams(tiny, prompt, "--width", "1", "--max-tokens", "8", "--ignore-eos")
+        assert len(b) == 1 and b[0]["tokens"] == g and b[0]["finish_reason"] == "length", (b, g)
+
+    def beam_scores_recompute():
+        """Each answered beam's cumulative logprob is the sum of its tokens' log-softmax values
+        from one fresh forward pass over prompt + tokens (the search's KV forks are right), its
+        score follows vLLM's formula, the answer is best first, finish reasons are consistent;
+        an EOS among the greedy path's tokens ends some beams inside the width."""
+        g = run_ref(tiny, prompt, 4)["greedy_tokens"]
+        eos = g[2]
+        m = llama_ref.Model(tiny)
+        stops = 0
+        for lp in ("0.5", "1", "2"):
+            for early in ("false", "true", "never"):
+                beams = run_beams(tiny, prompt, "--width", "4", "--n", "3", "--max-tokens", "6",
+                                  "--length-penalty", lp, "--early-stopping", early,
+                                  "--eos", str(eos))
+                assert len(beams) == 3, beams
+                scores = [b["score"] for b in beams]
+                assert scores == sorted(scores, reverse=True), scores
+                for b in beams:
+                    t = b["tokens"]
+                    m.reset()
+                    logits = m.forward(prompt + t[:-1], 0)[len(prompt) - 1:]
+                    cum = sum(float(llama_ref_log_softmax(lg)[x]) for lg, x in zip(logits, t))
+                    assert abs(cum - b["cumulative_logprob"]) < 1e-9, (cum, b)
+                    want = cum / ((len(prompt) + len(t)) ** float(lp))
+                    assert abs(want - b["score"]) < 1e-12, (want, b)
+                    if b["finish_reason"] == "stop":
+                        assert t[-1] == eos and eos not in t[:-1], b
+                        stops += 1
+                    else:
+                        assert b["finish_reason"] == "length" and len(t) == 6 and eos not in t, b
+        assert stops > 0, "no beam ended with EOS"
+
     for name, fn in [("cli_contract", cli_contract), ("not_degenerate", not_degenerate),
+                     ("beam_width1_is_greedy", beam_width1_is_greedy),
+                     ("beam_scores_recompute", beam_scores_recompute),
                      ("kv_cache_matches_recompute", kv_cache_matches_recompute),
                      ("dtype_parsing_exact", dtype_parsing_exact),
                      ("sharded_equals_single", sharded_equals_single),
