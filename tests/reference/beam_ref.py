@@ -40,7 +40,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from llama_ref import Model  # noqa: E402
+from llama_ref import Model, emit_json  # noqa: E402
 
 
 def log_softmax(x):
@@ -169,12 +169,7 @@ def main(argv):
         eos = e[0] if isinstance(e, list) else e
     beams = beam_search(m, prompt, a.width, a.n, a.max_tokens, a.length_penalty,
                         a.early_stopping, eos, stop_ids, a.ignore_eos, a.max_model_len)
-    text = json.dumps({"beams": beams, "precision": "float64"})
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text + "\n")
-    else:
-        print(text)
+    emit_json({"beams": beams, "precision": "float64"}, a.out)
     return 0
 
 

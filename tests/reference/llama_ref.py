@@ -251,6 +251,16 @@ class Model:
         return x @ self.lm_head.T
 
 
+def emit_json(obj, path):
+    """Writes obj as one JSON line to path, or prints it when path is None."""
+    text = json.dumps(obj)
+    if path:
+        with open(path, "w") as f:
+            f.write(text + "\n")
+    else:
+        print(text)
+
+
 def main(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True)
@@ -293,12 +303,7 @@ def main(argv):
     out["step_logits_max_abs"] = maxabs
     if a.step_logits:
         out["step_logits"] = steps
-    text = json.dumps(out)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text + "\n")
-    else:
-        print(text)
+    emit_json(out, a.out)
     return 0
 
 
