@@ -85,8 +85,9 @@ typedef struct {
     int cuda_devices[PD_ENGINE_MAX_CUDA_DEVICES]; /* CUDA ordinal of each rank */
     double gpu_memory_utilization; /* (0.9) CUDA: sizes the KV pool as vLLM does, when
                                       kv_cache_bytes and num_kv_blocks are 0 */
-    int cuda_weight_dtype;         /* CUDA: -1 (default) the backend's choice (bf16 compute);
-                                      PD_DTYPE_F32 the f32 precision mode (--dtype float32) */
+    int dtype; /* --dtype: -1 (default) the backend's choice (CUDA bf16, CPU f32 compute);
+                  CUDA: PD_DTYPE_F32 the f32 precision mode, F16, BF16; CPU: F32, or BF16 the
+                  bf16 compute mode (pd_backend_params.compute_dtype) */
     /* -- KV cache ------------------------------------------------------------------------- */
     size_t block_size;            /* tokens per block (16) */
     size_t kv_cache_bytes;        /* KV budget per rank in bytes; 0 = on CPU ranks
