@@ -96,23 +96,33 @@ static int isas(pd_cpu_isa out[3])
 /* ---- matmul
  * -------------------------------------------------------------------------------------- */
 
-/* y = x W^T + bias for every dtype/ISA/size combination vs a double reference with a
- * scale-aware bound: |y - ref| <= 1e-6 * sum_k |x_k w_k| + 1e-30. */
+/* y = x W^T + bias for every dtype/ISA/size combination, in f32 and in the bf16 compute mode,
+ * vs a double reference with a scale-aware bound: |y - ref| <= 1e-6 * sum_k |x_k w_k| + 1e-30.
+ * In the bf16 mode the reference takes x and W rounded to bf16 (nearest even; products exact,
+ * sums in double): the kernels differ from it only by f32 accumulation (and vdpbf16ps adding
+ * its pairs of products inside the instruction), so the same bound holds. Against the unrounded
+ * x and W each product is then off by at most (1 + 2^-8)^2 - 1 = 2^-7 + 2^-16 relative (bf16
+ * keeps 8 significant bits: unit roundoff 2^-8), so |y - ref_f64| <= (2^-7 + 2^-16) *
+ * sum_k |x_k w_k| (+ the f32 bound); checked too, and that the rounding shows at all (most
+ * elements outside the f32 bound of the unrounded reference). Sizes around the 16- and
+ * 32-element steps and every tile shape. */
 TEST(matmul_matches_reference)
 {
     static const size_t ns[] = {1, 2, 3, 5, 7, 13};
-    static const size_t ks[] = {1, 15, 16, 17, 33, 100};
+    static const size_t ks[] = {1, 15, 16, 17, 31, 32, 33, 100};
     static const size_t outs[] = {1, 3, 9, 17};
     static const pd_dtype dts[] = {PD_DTYPE_F32, PD_DTYPE_BF16, PD_DTYPE_F16};
     pd_cpu_isa isa[3];
     int n_isa = isas(isa);
     int checked = 0;
-    for (int ii = 0; ii < n_isa; ii++) {
-        pd_backend *b = make_backend(isa[ii], 2, -1);
+    size_t bf16_elems = 0, bf16_rounded = 0;
+    for (int mi = 0; mi < 2 * n_isa; mi++) {
+        int ii = mi % n_isa, bf = mi >= n_isa;
+        pd_backend *b = make_backend_mode(isa[ii], 2, -1, bf ? PD_DTYPE_BF16 : -1);
         ASSERT(b);
         const pd_backend_ops *o = pd_backend_get_ops(b);
         for (size_t di = 0; di < 3; di++)
-            for (size_t ki = 0; ki < 6; ki++)
+            for (size_t ki = 0; ki < 8; ki++)
                 for (size_t oi = 0; oi < 4; oi++)
                     for (size_t ni = 0; ni < 6; ni++) {
                         size_t n = ns[ni], K = ks[ki], out = outs[oi];
@@ -128,16 +138,29 @@ TEST(matmul_matches_reference)
                         int rc1 = o->weight_load(b, &hw.t, NULL, &W);
                         int rc2 = o->weight_load(b, &hb.t, NULL, &B);
                         int rc3 = (rc1 == 0 && rc2 == 0) ? o->matmul(b, x, n, W, B, y) : -1;
-                        double worst = 0;
-                        for (size_t i = 0; i < n; i++)
+                        double worst = 0, worst_f64 = 0;
+                        for (size_t i = 0; i < n && rc3 == 0; i++)
                             for (size_t j = 0; j < out; j++) {
-                                double ref = bias[j], mag = fabs(bias[j]);
+                                double ref = bias[j], ref64 = bias[j], mag = fabs(bias[j]);
                                 for (size_t k = 0; k < K; k++) {
-                                    ref += (double)x[i * K + k] * w[j * K + k];
-                                    mag += fabs((double)x[i * K + k] * w[j * K + k]);
+                                    float xk = x[i * K + k], wk = w[j * K + k];
+                                    ref64 += (double)xk * wk;
+                                    mag += fabs((double)xk * wk);
+                                    if (bf) {
+                                        xk = pd_bf16_to_f32(pd_f32_to_bf16(xk));
+                                        wk = pd_bf16_to_f32(pd_f32_to_bf16(wk));
+                                    }
+                                    ref += (double)xk * wk;
                                 }
-                                double err = fabs(y[i * out + j] - ref) / (mag * 1e-6 + 1e-30);
+                                double yv = y[i * out + j];
+                                double err = fabs(yv - ref) / (mag * 1e-6 + 1e-30);
+                                double err64 = !bf ? 0
+                                                   : fabs(yv - ref64) /
+                                                         (mag * (0x1p-7 + 0x1p-16 + 1e-6) + 1e-30);
                                 if (err > worst) worst = err;
+                                if (err64 > worst_f64) worst_f64 = err64;
+                                bf16_elems += bf;
+                                bf16_rounded += bf && fabs(yv - ref64) > mag * 1e-6;
                             }
                         o->weight_free(b, W);
                         o->weight_free(b, B);
@@ -145,14 +168,18 @@ TEST(matmul_matches_reference)
                         ASSERT_OK(rc1);
                         ASSERT_OK(rc2);
                         ASSERT_OK(rc3);
-                        ASSERT_MSG(worst <= 1.0,
-                                   "isa %d dtype %s n %zu K %zu out %zu: error %.3g x bound",
-                                   (int)isa[ii], pd_dtype_name(dts[di]), n, K, out, worst);
+                        ASSERT_MSG(worst <= 1.0 && worst_f64 <= 1.0,
+                                   "isa %d compute %s dtype %s n %zu K %zu out %zu: error %.3g x "
+                                   "bound, %.3g x the bf16 bound against the unrounded values",
+                                   (int)isa[ii], bf ? "bf16" : "f32", pd_dtype_name(dts[di]), n, K,
+                                   out, worst, worst_f64);
                         checked++;
                     }
         pd_backend_free(b);
     }
-    ASSERT(checked == n_isa * 3 * 6 * 4 * 6);
+    ASSERT(checked == 2 * n_isa * 3 * 8 * 4 * 6);
+    ASSERT_MSG(bf16_rounded > bf16_elems / 2, "bf16 mode: only %zu of %zu elements show rounding",
+               bf16_rounded, bf16_elems);
 }
 
 /* A row's result is bit-identical whether it is computed alone, in a batch of 37 at any
@@ -221,88 +248,6 @@ TEST(matmul_rows_bit_identical_across_batches_and_threads)
     pd_backend_free(bs);
     free(x), free(w), free(yb), free(y1), free(yt), free(hw.buf), free(hb.buf), free(wcopy);
     ASSERT_MSG(ok, "bf16 converted at load differs from bf16 stored");
-}
-
-/* The bf16 compute mode against a double reference of the same rounding: x and W rounded to
- * bf16 (nearest even), products exact, sums in double. The kernels differ from it only by f32
- * accumulation (and vdpbf16ps adding its pairs of products inside the instruction), so the
- * f32 bound of matmul_matches_reference holds: |y - ref| <= 1e-6 * sum_k |x_k w_k|. Against the
- * unrounded x and W each product is off by at most (1 + 2^-8)^2 - 1 = 2^-7 + 2^-16 relative
- * (bf16 keeps 8 significant bits: unit roundoff 2^-8), so |y - ref_f64| <= (2^-7 + 2^-16) *
- * sum_k |x_k w_k| (+ the f32 bound); checked too, and that rounding happened at all (some y
- * differs from the f32 mode). f32 and bf16 stored weights, sizes around the 32-element steps
- * and every tile shape. */
-TEST(matmul_bf16_mode_matches_rounded_reference)
-{
-    static const size_t ns[] = {1, 2, 3, 7, 13};
-    static const size_t ks[] = {1, 16, 31, 32, 33, 100};
-    static const size_t outs[] = {1, 9, 17};
-    static const pd_dtype dts[] = {PD_DTYPE_F32, PD_DTYPE_BF16};
-    pd_cpu_isa isa[3];
-    int n_isa = isas(isa), checked = 0, differs = 0;
-    for (int ii = 0; ii < n_isa; ii++) {
-        pd_backend *b = make_backend_mode(isa[ii], 2, -1, PD_DTYPE_BF16);
-        pd_backend *bf = make_backend(isa[ii], 2, -1);
-        ASSERT(b && bf);
-        const pd_backend_ops *o = pd_backend_get_ops(b);
-        for (size_t di = 0; di < 2; di++)
-            for (size_t ki = 0; ki < 6; ki++)
-                for (size_t oi = 0; oi < 3; oi++)
-                    for (size_t ni = 0; ni < 5; ni++) {
-                        size_t n = ns[ni], K = ks[ki], out = outs[oi];
-                        float *x = malloc(n * K * 4), *w = malloc(out * K * 4),
-                              *bias = malloc(out * 4), *y = malloc(n * out * 4),
-                              *yf = malloc(n * out * 4);
-                        fill(x, n * K);
-                        fill(w, out * K);
-                        fill(bias, out);
-                        host_tensor hw, hb;
-                        ht_make(&hw, "w", dts[di], out, K, w);
-                        ht_make(&hb, "b", PD_DTYPE_F32, 0, out, bias);
-                        pd_weight *W = NULL, *B = NULL, *Wf = NULL, *Bf = NULL;
-                        int rc = o->weight_load(b, &hw.t, NULL, &W);
-                        if (rc == 0) rc = o->weight_load(b, &hb.t, NULL, &B);
-                        if (rc == 0) rc = o->weight_load(bf, &hw.t, NULL, &Wf);
-                        if (rc == 0) rc = o->weight_load(bf, &hb.t, NULL, &Bf);
-                        if (rc == 0) rc = o->matmul(b, x, n, W, B, y);
-                        if (rc == 0) rc = o->matmul(bf, x, n, Wf, Bf, yf);
-                        double worst = 0, worst_f64 = 0;
-                        for (size_t i = 0; i < n && rc == 0; i++)
-                            for (size_t j = 0; j < out; j++) {
-                                double ref = bias[j], ref64 = bias[j], mag = fabs(bias[j]);
-                                for (size_t k = 0; k < K; k++) {
-                                    double xr = pd_bf16_to_f32(pd_f32_to_bf16(x[i * K + k]));
-                                    double wr = pd_bf16_to_f32(pd_f32_to_bf16(w[j * K + k]));
-                                    ref += xr * wr;
-                                    ref64 += (double)x[i * K + k] * w[j * K + k];
-                                    mag += fabs((double)x[i * K + k] * w[j * K + k]);
-                                }
-                                double yv = y[i * out + j];
-                                double e = fabs(yv - ref) / (mag * 1e-6 + 1e-30);
-                                double e64 =
-                                    fabs(yv - ref64) / (mag * (0x1p-7 + 0x1p-16 + 1e-6) + 1e-30);
-                                if (e > worst) worst = e;
-                                if (e64 > worst_f64) worst_f64 = e64;
-                                differs += y[i * out + j] != yf[i * out + j];
-                            }
-                        o->weight_free(b, W);
-                        o->weight_free(b, B);
-                        o->weight_free(bf, Wf);
-                        o->weight_free(bf, Bf);
-                        free(x), free(w), free(bias), free(y), free(yf), free(hw.buf), free(hb.buf);
-                        ASSERT_OK(rc);
-                        ASSERT_MSG(worst <= 1.0 && worst_f64 <= 1.0,
-                                   "isa %d weights %s n %zu K %zu out %zu: error %.3g x bound "
-                                   "(rounded reference), %.3g x bound (f64)",
-                                   (int)isa[ii], pd_dtype_name(dts[di]), n, K, out, worst,
-                                   worst_f64);
-                        checked++;
-                    }
-        pd_backend_free(b);
-        pd_backend_free(bf);
-    }
-    ASSERT(checked == n_isa * 2 * 6 * 3 * 5);
-    ASSERT_MSG(differs > checked, "the bf16 mode gave the f32 mode's results (%d differ)", differs);
 }
 
 /* The bf16 mode's refusals: a compute dtype the CPU does not have, another weight dtype, more
