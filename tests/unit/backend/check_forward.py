@@ -40,7 +40,7 @@ REL_TOL = 1e-4
 # have 9 roundings on the way to the logits (4 per layer, the LM head), whose independent
 # errors grow like their square root (~3u). 4u leaves room; measured 3.1e-3 to 6.1e-3
 # (docs/benchmarks.md). A kernel bug (a lost tail, a wrong pair order) is far above it; the
-# exact rounding is checked op by op in test_backend (matmul_bf16_mode_matches_rounded_reference).
+# exact rounding is checked op by op in test_backend (matmul_matches_reference).
 BF16_REL_TOL = 4 * 2.0 ** -8
 STEPS = 64
 
