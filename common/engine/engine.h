@@ -65,17 +65,17 @@ typedef void (*pd_engine_logits_fn)(void *ctx, const char *request_id, uint32_t 
 
 typedef struct {
     /* -- model: a directory to load, or an already loaded model (borrowed) ------------------ */
-    const char *model_dir;     /* NULL: use model */
-    const char *tokenizer_dir; /* --tokenizer: tokenizer.json from here; NULL: model_dir's */
-    const pd_model *model;     /* borrowed, used when model_dir is NULL; must outlive create */
-    const pd_tok *tok;         /* borrowed tokenizer; NULL: loaded from model_dir when it has a
-                                  tokenizer.json; with neither, events carry no text and stop
-                                  strings are refused */
-    pd_backend *backend;       /* borrowed backend for TP = 1; NULL: the engine creates CPU
-                                  backend(s) */
-    int tp_size;               /* tensor parallel size (1); > 1 needs backend NULL */
-    int n_threads;             /* CPU threads in total, split evenly across ranks; <= 0 = all
-                                  online cores */
+    const char *model_dir;        /* NULL: use model */
+    const char *tokenizer_dir;    /* --tokenizer: tokenizer.json from here; NULL: model_dir's */
+    const pd_model *model;        /* borrowed, used when model_dir is NULL; must outlive create */
+    const pd_tok *tok;            /* borrowed tokenizer; NULL: loaded from model_dir when it has a
+                                     tokenizer.json; with neither, events carry no text and stop
+                                     strings are refused */
+    pd_backend *backend;          /* borrowed backend for TP = 1; NULL: the engine creates CPU
+                                     backend(s) */
+    int tp_size;                  /* tensor parallel size (1); > 1 needs backend NULL */
+    int n_threads;                /* CPU threads in total, split evenly across ranks; <= 0 = all
+                                     online cores */
     const char *cpu_threads_bind; /* CPU ranks: vLLM's VLLM_CPU_OMP_THREADS_BIND ("0-3|4-7": one
                                      core list per rank; NULL, "all", "auto": unpinned) */
     const char *cpu_budget;       /* CPU ranks: PD_CPU_BUDGET, the host core budget the ranks'
