@@ -6,6 +6,7 @@
 #include "backend/backend.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 #include "util/status.h"
 
@@ -21,12 +22,30 @@ pd_backend_params pd_backend_default_params(void)
         .cpu_isa = PD_CPU_ISA_AUTO,
         .device = 0,
         .weight_dtype = -1,
+        .compute_dtype = -1,
         .max_tokens = 8192,
         .max_seqs = 256,
         .max_blocks = 65536,
         .max_rope_dim = 256,
     };
     return p;
+}
+
+int pd_cpu_isa_parse(const char *s, pd_cpu_isa *out)
+{
+    static const struct {
+        const char *name;
+        pd_cpu_isa isa;
+    } names[] = {{"auto", PD_CPU_ISA_AUTO},
+                 {"scalar", PD_CPU_ISA_SCALAR},
+                 {"avx512", PD_CPU_ISA_AVX512},
+                 {"avx512bf16", PD_CPU_ISA_AVX512_BF16}};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (!strcmp(s, names[i].name)) {
+            *out = names[i].isa;
+            return PD_OK;
+        }
+    return pd_error(PD_EINVAL, "cpu isa '%s': expected auto, scalar, avx512 or avx512bf16", s);
 }
 
 pd_backend *pd_backend_wrap(const pd_backend_ops *ops, void *impl)

@@ -45,8 +45,10 @@ typedef struct pd_kv pd_kv;           /* a paged KV-cache pool on the backend */
  * each one. Only grows at the end. */
 typedef enum {
     PD_CPU_ISA_AUTO = 0,
-    PD_CPU_ISA_SCALAR = 1, /* portable C, any x86-64 or other CPU */
-    PD_CPU_ISA_AVX512 = 2, /* avx512f (+ f16c for f16 weights) */
+    PD_CPU_ISA_SCALAR = 1,      /* portable C, any x86-64 or other CPU */
+    PD_CPU_ISA_AVX512 = 2,      /* avx512f (+ f16c for f16 weights) */
+    PD_CPU_ISA_AVX512_BF16 = 3, /* AVX512 + avx512_bf16: bf16 dot products (vdpbf16ps) in the
+                                   bf16 compute mode (compute_dtype BF16); else as AVX512 */
 } pd_cpu_isa;
 
 typedef struct {
@@ -55,6 +57,11 @@ typedef struct {
     int device;         /* CUDA: device ordinal (0) */
     int weight_dtype;   /* -1 = backend's choice (default); else a pd_dtype every matrix is
                            converted to at load (vectors: norms, biases are always f32) */
+    int compute_dtype;  /* CPU: -1 (default) or PD_DTYPE_F32: matmuls in f32; PD_DTYPE_BF16:
+                           vLLM's --dtype bfloat16, every matrix stored bf16 (weight_dtype -1 or
+                           BF16) and each matmul's x rows rounded to bf16, f32 accumulation.
+                           Activations between ops and the KV pool stay f32. CUDA: unused (its
+                           precision follows weight_dtype) */
     /* Capacity of one planned step (CUDA sizes its metadata buffers from these; the CPU backend
      * checks them too so both refuse the same batches). */
     size_t max_tokens;   /* rows per step (default 8192) */
@@ -71,6 +78,9 @@ typedef struct {
 
 /* Defaults as documented on each field. */
 pd_backend_params pd_backend_default_params(void);
+
+/* "auto", "scalar", "avx512" or "avx512bf16" -> *out; PD_EINVAL naming s otherwise. */
+int pd_cpu_isa_parse(const char *s, pd_cpu_isa *out);
 
 /* ---- host-side descriptions passed to ops --------------------------------------------------- */
 

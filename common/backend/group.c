@@ -102,9 +102,10 @@ static int create_backends(pd_backend_group *g)
         bp.no_graphs = g->n > 1; /* the all-reduce synchronizes with the host mid-step */
         if (p->n_cuda_devices > 0) {
             bp.device = p->cuda_devices[r];
-            bp.weight_dtype = p->cuda_weight_dtype;
+            bp.weight_dtype = p->dtype;
             PD_CHECK(pd_cuda_group_backend(&bp, &g->b[r]));
         } else {
+            bp.compute_dtype = p->dtype;
             PD_CHECK(pd_backend_cpu_create(&bp, &g->b[r]));
         }
     }

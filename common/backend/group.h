@@ -31,10 +31,11 @@ typedef struct {
     int n_threads;        /* CPU ranks: threads of all ranks together; <= 0 = all online cores */
     const char *cpu_threads_bind; /* CPU ranks: VLLM_CPU_OMP_THREADS_BIND's core lists, or NULL */
     const char *cpu_budget;       /* CPU ranks: PD_CPU_BUDGET's value (NULL: "host") */
+    int dtype; /* -1: the backend's choice; else a pd_dtype: the weight dtype of CUDA ranks, the
+                  compute dtype of CPU ranks */
     /* -- CUDA ranks ---------------------------------------------------------------------------- */
     int n_cuda_devices;            /* 0: CPU ranks; else n_ranks (ranks may share a GPU) */
     const int *cuda_devices;       /* (n_cuda_devices) CUDA ordinal of each rank */
-    int cuda_weight_dtype;         /* -1: the backend's choice; else a pd_dtype */
     double gpu_memory_utilization; /* (0, 1]: this instance's share of each GPU (KV sizing) */
     /* -- capacities ---------------------------------------------------------------------------- */
     size_t max_tokens;          /* rows per step (each rank's backend) */

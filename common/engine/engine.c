@@ -33,7 +33,7 @@ pd_engine_params pd_engine_default_params(void)
         .n_threads = 0,
         .n_cuda_devices = 0,
         .gpu_memory_utilization = 0.9,
-        .cuda_weight_dtype = -1,
+        .dtype = -1,
         .block_size = 16,
         .kv_cache_bytes = 0,
         .cpu_kvcache_space_gib = PD_ENGINE_CPU_KVCACHE_SPACE_GIB,

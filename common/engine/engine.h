@@ -65,17 +65,17 @@ typedef void (*pd_engine_logits_fn)(void *ctx, const char *request_id, uint32_t 
 
 typedef struct {
     /* -- model: a directory to load, or an already loaded model (borrowed) ------------------ */
-    const char *model_dir;     /* NULL: use model */
-    const char *tokenizer_dir; /* --tokenizer: tokenizer.json from here; NULL: model_dir's */
-    const pd_model *model;     /* borrowed, used when model_dir is NULL; must outlive create */
-    const pd_tok *tok;         /* borrowed tokenizer; NULL: loaded from model_dir when it has a
-                                  tokenizer.json; with neither, events carry no text and stop
-                                  strings are refused */
-    pd_backend *backend;       /* borrowed backend for TP = 1; NULL: the engine creates CPU
-                                  backend(s) */
-    int tp_size;               /* tensor parallel size (1); > 1 needs backend NULL */
-    int n_threads;             /* CPU threads in total, split evenly across ranks; <= 0 = all
-                                  online cores */
+    const char *model_dir;        /* NULL: use model */
+    const char *tokenizer_dir;    /* --tokenizer: tokenizer.json from here; NULL: model_dir's */
+    const pd_model *model;        /* borrowed, used when model_dir is NULL; must outlive create */
+    const pd_tok *tok;            /* borrowed tokenizer; NULL: loaded from model_dir when it has a
+                                     tokenizer.json; with neither, events carry no text and stop
+                                     strings are refused */
+    pd_backend *backend;          /* borrowed backend for TP = 1; NULL: the engine creates CPU
+                                     backend(s) */
+    int tp_size;                  /* tensor parallel size (1); > 1 needs backend NULL */
+    int n_threads;                /* CPU threads in total, split evenly across ranks; <= 0 = all
+                                     online cores */
     const char *cpu_threads_bind; /* CPU ranks: vLLM's VLLM_CPU_OMP_THREADS_BIND ("0-3|4-7": one
                                      core list per rank; NULL, "all", "auto": unpinned) */
     const char *cpu_budget;       /* CPU ranks: PD_CPU_BUDGET, the host core budget the ranks'
@@ -85,8 +85,9 @@ typedef struct {
     int cuda_devices[PD_ENGINE_MAX_CUDA_DEVICES]; /* CUDA ordinal of each rank */
     double gpu_memory_utilization; /* (0.9) CUDA: sizes the KV pool as vLLM does, when
                                       kv_cache_bytes and num_kv_blocks are 0 */
-    int cuda_weight_dtype;         /* CUDA: -1 (default) the backend's choice (bf16 compute);
-                                      PD_DTYPE_F32 the f32 precision mode (--dtype float32) */
+    int dtype; /* --dtype: -1 (default) the backend's choice (CUDA bf16, CPU f32 compute);
+                  CUDA: PD_DTYPE_F32 the f32 precision mode, F16, BF16; CPU: F32, or BF16 the
+                  bf16 compute mode (pd_backend_params.compute_dtype) */
     /* -- KV cache ------------------------------------------------------------------------- */
     size_t block_size;            /* tokens per block (16) */
     size_t kv_cache_bytes;        /* KV budget per rank in bytes; 0 = on CPU ranks

@@ -111,7 +111,7 @@ pd_backend_group_params eng_group_params(const pd_engine *e)
         .cpu_budget = p->cpu_budget,
         .n_cuda_devices = p->n_cuda_devices,
         .cuda_devices = p->cuda_devices,
-        .cuda_weight_dtype = p->cuda_weight_dtype,
+        .dtype = p->dtype,
         .gpu_memory_utilization = p->gpu_memory_utilization,
         .max_tokens = p->max_num_batched_tokens,
         .max_seqs = p->max_num_seqs,

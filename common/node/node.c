@@ -481,11 +481,15 @@ static int node_device(pd_node *n, pd_engine_params *ep)
 {
     const pd_node_params *p = &n->p;
     bool cuda = strcmp(p->device, "cuda") == 0;
+    ep->dtype = strcmp(p->dtype, "float32") == 0    ? PD_DTYPE_F32
+                : strcmp(p->dtype, "float16") == 0  ? PD_DTYPE_F16
+                : strcmp(p->dtype, "bfloat16") == 0 ? PD_DTYPE_BF16
+                                                    : -1;
     if (!cuda) {
-        if (strcmp(p->dtype, "auto") != 0 && strcmp(p->dtype, "float32") != 0)
+        if (ep->dtype == PD_DTYPE_F16)
             return pd_error(PD_EINVAL,
-                            "--dtype %s: the CPU backend computes in float32 (use auto or "
-                            "float32, or --device cuda)",
+                            "--dtype %s: the CPU backend computes in float32 or bfloat16 (use "
+                            "auto, float32 or bfloat16, or --device cuda)",
                             p->dtype);
         if (p->gpu_memory_utilization_set)
             PD_INFO(NULL,
@@ -506,10 +510,6 @@ static int node_device(pd_node *n, pd_engine_params *ep)
         PD_INFO(NULL, "rank %d: device_id %s -> CUDA device %d (%d visible)", r,
                 n->inst->devices[r].device_id, ep->cuda_devices[r], info.device_count);
     }
-    ep->cuda_weight_dtype = strcmp(p->dtype, "float32") == 0    ? PD_DTYPE_F32
-                            : strcmp(p->dtype, "float16") == 0  ? PD_DTYPE_F16
-                            : strcmp(p->dtype, "bfloat16") == 0 ? PD_DTYPE_BF16
-                                                                : -1;
     return PD_OK;
 #else
     (void)ep;

@@ -62,8 +62,8 @@ static const flag_def TABLE[] = {
     {"--device", PD_FLAG_CHOICE, PD_ROLE_NODES, NULL, .choices = CHOICES("cpu", "cuda"),
      .help = "backend of the engine; cuda: one GPU per rank"},
     {"--dtype", PD_FLAG_CHOICE, PD_ROLE_NODES, NULL, .choices = CHOICES("auto", "float32", "bfloat16", "float16", "half=float16", "float=float32"),
-     .help = "CUDA compute dtype (auto: bfloat16); the CPU backend computes in float32 (auto or "
-             "float32)"},
+     .help = "compute dtype (auto: bfloat16 on CUDA, float32 on the CPU; the CPU backend takes "
+             "auto, float32 or bfloat16: bf16 matmuls, f32 accumulation)"},
     {"--quantization", PD_FLAG_CHOICE, PD_ROLE_NODES, NULL, .choices = CHOICES("none"),
      .help = "weight quantization"},
     {"--gpu-memory-utilization", PD_FLAG_NUMBER, PD_ROLE_NODES, "F", 0, 1, .lo_open = true,

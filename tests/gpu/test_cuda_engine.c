@@ -1,7 +1,7 @@
 /* The engine on the CUDA backend (what the nodes run with --device cuda) against the engine on
  * the CPU backend, on pd-mkmodel `small` stored in bf16 (both backends then hold the same
  * weights): 16 greedy requests of mixed prompt lengths, batched by the engine's scheduler, 32
- * tokens each. In the f32 precision mode (cuda_weight_dtype F32) >= 95% of the tokens must be
+ * tokens each. In the f32 precision mode (dtype F32) >= 95% of the tokens must be
  * identical (only reduction orders differ); with bf16 compute the match is reported. Seeded
  * sampling gives the same tokens alone and among 15 batch neighbours in the f32 mode (reported
  * with bf16 compute, whose rounding depends on the batch's shape). The KV pool is
@@ -96,7 +96,7 @@ static pd_engine_params engine_params(const char *dir, int cuda_dtype)
     } else {
         p.n_cuda_devices = 1;
         p.cuda_devices[0] = 0;
-        p.cuda_weight_dtype = cuda_dtype;
+        p.dtype = cuda_dtype;
         p.gpu_memory_utilization = 0.5;
     }
     return p;

@@ -45,16 +45,18 @@ static Pd__SamplingParams sampling(double temperature, int64_t seed)
 }
 
 /* Runs n prompts through the cluster (prefill/decode instances chosen round-robin) and compares
- * the token ids with pd-generate's, bit for bit. Returns mismatching prompts. */
-static int compare_split_colocated(cl_cluster *c, int n, double temperature, int64_t seed)
+ * the token ids with pd-generate's (with the extra flags, NULL ok), bit for bit. Returns
+ * mismatching prompts. */
+static int compare_split_colocated(cl_cluster *c, int n, double temperature, int64_t seed,
+                                   char *const extra[])
 {
     static int32_t buf[N_PROMPTS][64];
     size_t len[N_PROMPTS];
     const int32_t *ptrs[N_PROMPTS];
     make_prompts(buf, len, ptrs);
     static cl_result ref[N_PROMPTS], got;
-    if (cl_reference(c->model, ptrs, len, (size_t)n, MAX_TOKENS, temperature, seed, c->dir, ref) <
-        0) {
+    if (cl_reference_ex(c->model, ptrs, len, (size_t)n, MAX_TOKENS, temperature, seed, c->dir,
+                        extra, ref) < 0) {
         printf("    reference: %s\n", pd_last_error());
         return n;
     }
@@ -82,13 +84,13 @@ static int compare_split_colocated(cl_cluster *c, int n, double temperature, int
     return bad;
 }
 
-/* A cluster of the test model in the shape given (cl_start's prefill and decode lists); on a
- * failure the error is printed and what started is stopped. */
-static int start_shape(cl_cluster *c, const char *prefill, const char *decode)
+/* A cluster of the test model in the shape given (cl_start's prefill and decode lists, extra
+ * node flags, NULL ok); on a failure the error is printed and what started is stopped. */
+static int start_shape(cl_cluster *c, const char *prefill, const char *decode, char *const extra[])
 {
     const char *model = model_dir();
     if (!model) return pd_error(PD_EINTERNAL, "pd-mkmodel failed");
-    int rc = cl_start(c, model, prefill, decode, NULL);
+    int rc = cl_start(c, model, prefill, decode, extra);
     if (rc < 0) {
         printf("    %s\n", pd_last_error());
         cl_stop_all(c);
@@ -96,12 +98,13 @@ static int start_shape(cl_cluster *c, const char *prefill, const char *decode)
     return rc;
 }
 
-static void run_shape(const char *prefill, const char *decode, int n_prompts)
+/* extra: flags of the nodes and of pd-generate alike (NULL ok). */
+static void run_shape(const char *prefill, const char *decode, int n_prompts, char *const extra[])
 {
     cl_cluster c;
-    ASSERT_OK(start_shape(&c, prefill, decode));
-    int bad_greedy = compare_split_colocated(&c, n_prompts, 0.0, 7);
-    int bad_seeded = compare_split_colocated(&c, n_prompts, 0.8, 1234);
+    ASSERT_OK(start_shape(&c, prefill, decode, extra));
+    int bad_greedy = compare_split_colocated(&c, n_prompts, 0.0, 7, extra);
+    int bad_seeded = compare_split_colocated(&c, n_prompts, 0.8, 1234, extra);
     if (bad_greedy || bad_seeded)
         for (int k = 0; k < c.n_prefill + c.n_decode; k++) cl_dump_log(&c.procs[k], 10);
     int bad_exit = cl_stop_all(&c);
@@ -112,22 +115,30 @@ static void run_shape(const char *prefill, const char *decode, int n_prompts)
 
 TEST(pd_1p1d_split_equals_colocated)
 {
-    run_shape("0", "1", N_PROMPTS);
+    run_shape("0", "1", N_PROMPTS, NULL);
+}
+
+/* --dtype bfloat16 on the CPU (bf16 matmuls): instances and pd-generate in the same mode give the
+ * same tokens, so the mode is batch- and chunk-invariant end to end too. */
+TEST(pd_1p1d_bf16_split_equals_colocated)
+{
+    char *bf16[] = {"--dtype", "bfloat16", NULL};
+    run_shape("0", "1", 8, bf16);
 }
 
 TEST(pd_2p1d_split_equals_colocated)
 {
-    run_shape("0 1", "2", 8);
+    run_shape("0 1", "2", 8, NULL);
 }
 
 TEST(pd_1p2d_split_equals_colocated)
 {
-    run_shape("0", "1 2", 8);
+    run_shape("0", "1 2", 8, NULL);
 }
 
 TEST(pd_prefill_tp2_to_decode_tp1)
 {
-    run_shape("0,1", "2", N_PROMPTS);
+    run_shape("0,1", "2", N_PROMPTS, NULL);
 }
 
 /* The decode instance's prefix cache: a prompt that starts with an earlier prompt's blocks is
@@ -142,7 +153,7 @@ static void prefix_cache_case(const char *prefill, const char *decode)
     const int32_t *ptrs[2] = {a, b};
     size_t len[2] = {40, 64};
     cl_cluster c;
-    ASSERT_OK(start_shape(&c, prefill, decode));
+    ASSERT_OK(start_shape(&c, prefill, decode, NULL));
     static cl_result ref[2], got[2];
     int rc = cl_reference(c.model, ptrs, len, 2, MAX_TOKENS, 0.0, 0, c.dir, ref);
     Pd__SamplingParams sp = sampling(0.0, 0);
@@ -340,6 +351,10 @@ TEST(pd_node_refuses_wrong_tp_and_unknown_instance)
                     "1",     "--kv-transport", "nccl",        NULL};
     refused(nccl, env, log, text, sizeof text);
     ASSERT_CONTAINS(text, "--kv-transport nccl needs --device cuda");
+    /* a compute dtype the CPU backend does not have */
+    char *f16[] = {prefill, "--model", (char *)model, "--port", "1", "--dtype", "float16", NULL};
+    refused(f16, env, log, text, sizeof text);
+    ASSERT_CONTAINS(text, "--dtype float16: the CPU backend computes in float32 or bfloat16");
     ASSERT_EQ_INT(cl_stop_all(&c), 0);
 }
 

@@ -3,7 +3,7 @@
  *   pd-generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3 | --prompts-file F) [--chat]
  *               [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S]
  *               [--concurrency N] [--json] [--bench] [--cpu-threads N] [--kv-cache-bytes N]
- *               [--prompt-logprobs K]
+ *               [--prompt-logprobs K] [--dtype auto|float32|bfloat16]
  *               [--cuda-device N [--dtype auto|float32|bfloat16|float16]]
  *
  * Design: a thin driver over the engine (engine.h) — the same scheduler, sampler, detokenizer
@@ -51,7 +51,7 @@ typedef struct {
     int64_t top_k, seed;
     int threads;
     int cuda_device;         /* --cuda-device N: run on this GPU; -1 = the CPU backend */
-    int cuda_dtype;          /* --dtype on CUDA: -1 = bfloat16 (auto), or a pd_dtype */
+    int dtype;               /* --dtype: -1 = auto (CUDA bfloat16, CPU float32), or a pd_dtype */
     int64_t concurrency;     /* requests in flight at once; 0 = all */
     bool no_prefix_cache;    /* --no-enable-prefix-caching */
     int64_t kv_cache_bytes;  /* --kv-cache-bytes: the pool's budget; 0 = the engine's default */
@@ -82,6 +82,7 @@ static void usage(FILE *o)
             "                   [--concurrency N] [--json] [--bench] [--cpu-threads N]\n"
             "                   [--tokenizer DIR] [--prompt-logprobs K]\n"
             "                   [--[no-]enable-prefix-caching] [--kv-cache-bytes N]\n"
+            "                   [--dtype auto|float32|bfloat16] (CPU: bfloat16 = bf16 matmuls)\n"
             "                   [--cuda-device N [--dtype auto|float32|bfloat16|float16]]\n"
             "  --kv-cache-bytes N  KV budget (bytes; default: %.0f GiB on the CPU, the GPU's\n"
             "                      free share with --cuda-device); the pool never holds more\n"
@@ -96,7 +97,7 @@ static int parse_args(int argc, char **argv, args_t *a)
     a->max_tokens = -1;
     a->prompt_logprobs = -1;
     a->cuda_device = -1;
-    a->cuda_dtype = -1;
+    a->dtype = -1;
     for (int i = 1; i < argc; i++) {
         const char *o = argv[i];
         if (!strcmp(o, "--chat"))
@@ -149,11 +150,11 @@ static int parse_args(int argc, char **argv, args_t *a)
                 a->cuda_device = (int)iv;
             } else if (!strcmp(o, "--dtype")) {
                 if (!strcmp(v, "float32"))
-                    a->cuda_dtype = PD_DTYPE_F32;
+                    a->dtype = PD_DTYPE_F32;
                 else if (!strcmp(v, "bfloat16"))
-                    a->cuda_dtype = PD_DTYPE_BF16;
+                    a->dtype = PD_DTYPE_BF16;
                 else if (!strcmp(v, "float16"))
-                    a->cuda_dtype = PD_DTYPE_F16;
+                    a->dtype = PD_DTYPE_F16;
                 else if (strcmp(v, "auto") != 0)
                     return pd_error(
                         PD_EINVAL, "--dtype: expected auto, float32, bfloat16 or float16, got '%s'",
@@ -446,13 +447,13 @@ int main(int argc, char **argv)
     ep.cpu_threads_bind = getenv("VLLM_CPU_OMP_THREADS_BIND");
     ep.cpu_budget = getenv("PD_CPU_BUDGET");
     ep.enable_prefix_caching = !a.no_prefix_cache;
+    ep.dtype = a.dtype;
     if (a.cuda_device >= 0) { /* the engine explains when this build or machine has no GPU */
         ep.n_cuda_devices = 1;
         ep.cuda_devices[0] = a.cuda_device;
-        ep.cuda_weight_dtype = a.cuda_dtype;
-    } else if (a.cuda_dtype >= 0 && a.cuda_dtype != PD_DTYPE_F32) {
-        fprintf(stderr, "pd-generate: --dtype: the CPU backend computes in float32 (or use "
-                        "--cuda-device)\n");
+    } else if (a.dtype == PD_DTYPE_F16) {
+        fprintf(stderr, "pd-generate: --dtype float16: the CPU backend computes in float32 or "
+                        "bfloat16 (or use --cuda-device)\n");
         return 2;
     }
     if (ep.max_num_seqs < n_seqs && a.concurrency == 0) ep.max_num_seqs = n_seqs;

@@ -7,11 +7,19 @@
  * rows; attention: (row, head) units; row-wise ops: ranges of rows), and each output element is
  * computed by exactly one kernel call whose reduction order depends only on its own inputs, so
  * results do not depend on the thread count, the batch composition or prefill chunking.
- * Kernel family (scalar or AVX-512) is chosen once at create by runtime feature detection.
+ * Kernel family (scalar, AVX-512, AVX-512 with bf16 dot products) is chosen once at create by
+ * runtime feature detection.
+ * The bf16 compute mode (compute_dtype BF16) stores every matrix in bf16 and rounds each
+ * matmul's x rows to bf16 once per call into a workspace before the tiles run: with avx512_bf16
+ * as bf16 for vdpbf16ps, otherwise as the bf16 values in f32 for the f32 kernels (the products
+ * are exact there, so that is the same arithmetic emulated; its bits may differ from
+ * vdpbf16ps, whose pairs of products are summed inside the instruction, but each path is
+ * batch-invariant on its own).
  * Nothing allocates after create except weight_load/kv_create (load time); the KV pool's pages are
  * committed as the pool is first written (kv_create).
  */
 #include <math.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -25,13 +33,19 @@ typedef struct {
     pd_backend_params p;
     pd_threadpool *pool;
     int n_threads;
-    pd_cpu_isa isa; /* resolved: SCALAR or AVX512 */
+    pd_cpu_isa isa; /* resolved: SCALAR, AVX512 or AVX512_BF16 */
+    bool bf16;      /* the bf16 compute mode (p.compute_dtype BF16) */
     cpu_mm_fn mm;
     cpu_dot_fn dot;
     cpu_axpy_fn axpy;
     pd_batch batch; /* the planned step (host pointers borrowed from the caller) */
     int planned;
     int32_t *row_seq; /* (max_tokens) sequence index of each planned row */
+    /* bf16 mode: one matmul's x rounded to bf16, (max_tokens, xr_ld) bf16 with avx512_bf16, else
+     * f32; xr_ld the largest ld of the loaded weights. An anonymous mapping (pages committed as
+     * they are first written), sized by weight_load. */
+    void *xr;
+    size_t xr_ld, xr_bytes;
 } cpu_be;
 
 struct pd_kv {
@@ -64,6 +78,7 @@ static void cpu_free(pd_backend *b)
     if (!be) return;
     pd_pool_free(be->pool);
     free(be->row_seq);
+    if (be->xr) munmap(be->xr, be->xr_bytes);
     free(be);
 }
 
@@ -111,6 +126,25 @@ static int cpu_sync(pd_backend *b)
 
 /* ---- weights --------------------------------------------------------------------------------- */
 
+/* bf16 mode: makes the x-rounding workspace hold max_tokens rows of ld (load time). */
+static int xr_reserve(cpu_be *be, size_t ld, const char *name)
+{
+    if (!be->bf16 || ld <= be->xr_ld) return PD_OK;
+    size_t es = be->isa == PD_CPU_ISA_AVX512_BF16 ? 2 : 4;
+    if (be->p.max_tokens > SIZE_MAX / es / ld)
+        return pd_error(PD_ERANGE, "weight_load: tensor %s: bf16 workspace size overflows", name);
+    size_t bytes = be->p.max_tokens * ld * es;
+    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+        return pd_error(PD_ENOMEM, "weight_load: tensor %s: cannot map a %zu-byte bf16 workspace",
+                        name, bytes);
+    if (be->xr) munmap(be->xr, be->xr_bytes);
+    be->xr = p;
+    be->xr_ld = ld;
+    be->xr_bytes = bytes;
+    return PD_OK;
+}
+
 static int cpu_weight_load(pd_backend *b, const pd_tensor *t, const pd_weight_slice *sl,
                            pd_weight **out)
 {
@@ -137,13 +171,17 @@ static int cpu_weight_load(pd_backend *b, const pd_tensor *t, const pd_weight_sl
     pd_dtype dt = t->dtype;
     if (t->ndim == 1)
         dt = PD_DTYPE_F32; /* norms, biases: always f32 */
+    else if (be->bf16)
+        dt = PD_DTYPE_BF16; /* as vLLM's --dtype bfloat16 converts a checkpoint at load */
     else if (be->p.weight_dtype >= 0)
         dt = (pd_dtype)be->p.weight_dtype;
     if (pd_dtype_size(dt) == 0)
         return pd_error(PD_EINVAL, "weight_load: bad weight_dtype %d", be->p.weight_dtype);
 
     size_t es = pd_dtype_size(dt), ses = pd_dtype_size(t->dtype);
-    size_t ld = (s.ncols + 15) & ~(size_t)15;
+    size_t align = be->bf16 ? 32 : 16; /* vdpbf16ps takes 32 elements at a time */
+    size_t ld = (s.ncols + align - 1) & ~(align - 1);
+    if (t->ndim == 2) PD_CHECK(xr_reserve(be, ld, name));
     pd_weight *w = calloc(1, sizeof *w);
     if (!w) return pd_error(PD_ENOMEM, "weight_load: out of memory");
     w->dtype = dt;
@@ -528,7 +566,10 @@ static int cpu_gather_rows(pd_backend *b, const void *x, size_t dim, void *out)
  * weight i are [task0[i], task0[i + 1]). */
 typedef struct {
     cpu_be *be;
-    const float *x;
+    const float *x;     /* (n, ldx) f32: the caller's rows, or (bf16 mode, no avx512_bf16) their
+                           values rounded to bf16 */
+    const uint16_t *xb; /* bf16 mode with avx512_bf16: (n, ldx) the rows rounded; else NULL */
+    size_t ldx;
     size_t n, n_w;
     const pd_weight *w[PD_MATMUL_MULTI_MAX];
     const float *bias[PD_MATMUL_MULTI_MAX];
@@ -545,7 +586,33 @@ static void mm_task(void *vctx, int task, int n_tasks)
     const pd_weight *w = c->w[i];
     size_t j0 = (t - c->task0[i]) * c->chunk[i];
     size_t j1 = j0 + c->chunk[i] < w->rows ? j0 + c->chunk[i] : w->rows;
-    c->be->mm(c->x, c->n, w->cols, w, j0, j1, c->bias[i], c->y[i], w->rows);
+    if (c->xb)
+        cpu_mm_avx512bf16(c->xb, c->n, c->ldx, w, j0, j1, c->bias[i], c->y[i], w->rows);
+    else
+        c->be->mm(c->x, c->n, c->ldx, w, j0, j1, c->bias[i], c->y[i], w->rows);
+}
+
+/* bf16 mode: rows of x (n, K) rounded to bf16 into the workspace (row stride ld). */
+typedef struct {
+    cpu_be *be;
+    const float *x;
+    size_t n, K, ld;
+} round_ctx;
+
+static void round_task(void *vctx, int task, int n_tasks)
+{
+    round_ctx *c = vctx;
+    size_t lo, hi;
+    task_range(c->n, task, n_tasks, &lo, &hi);
+    for (size_t r = lo; r < hi; r++) {
+        const float *x = c->x + r * c->K;
+        if (c->be->isa == PD_CPU_ISA_AVX512_BF16) {
+            cpu_round_bf16_avx512bf16(x, c->K, (uint16_t *)c->be->xr + r * c->ld, c->ld);
+        } else {
+            float *xr = (float *)c->be->xr + r * c->ld;
+            for (size_t k = 0; k < c->K; k++) xr[k] = pd_bf16_to_f32(pd_f32_to_bf16(x[k]));
+        }
+    }
 }
 
 /* W rows per task for an n-row product with w. */
@@ -576,7 +643,7 @@ static int cpu_matmul_multi(pd_backend *b, const void *x, size_t n, size_t n_w,
     if (n_w < 1 || n_w > PD_MATMUL_MULTI_MAX)
         return pd_error(PD_EINVAL, "matmul: %zu weights in one call, expected 1 to %d", n_w,
                         PD_MATMUL_MULTI_MAX);
-    mm_ctx c = {.be = be, .x = x, .n = n, .n_w = n_w};
+    mm_ctx c = {.be = be, .x = x, .ldx = w[0]->cols, .n = n, .n_w = n_w};
     for (size_t i = 0; i < n_w; i++) {
         const pd_weight *bi = bias ? bias[i] : NULL;
         if (bi && (bi->rows != 1 || bi->cols != w[i]->rows || bi->dtype != PD_DTYPE_F32))
@@ -592,6 +659,21 @@ static int cpu_matmul_multi(pd_backend *b, const void *x, size_t n, size_t n_w,
         c.task0[i + 1] = c.task0[i] + (w[i]->rows + c.chunk[i] - 1) / c.chunk[i];
     }
     if (n == 0 || c.task0[n_w] == 0) return PD_OK;
+    if (be->bf16) {
+        /* Once per call, not per tile; every weight of the mode is bf16 (weight_load). */
+        if (n > be->p.max_tokens)
+            return pd_error(PD_EINVAL, "matmul: %zu rows, the backend's max_tokens is %zu", n,
+                            be->p.max_tokens);
+        bool dot = be->isa == PD_CPU_ISA_AVX512_BF16;
+        round_ctx rc = {.be = be, .x = x, .n = n, .K = w[0]->cols};
+        rc.ld = dot ? w[0]->ld : rc.K;
+        pd_pool_run(be->pool, round_task, &rc, row_tasks(be, n, rc.K));
+        c.ldx = rc.ld;
+        if (dot)
+            c.xb = be->xr;
+        else
+            c.x = be->xr;
+    }
     pd_pool_run(be->pool, mm_task, &c, (int)c.task0[n_w]);
     return PD_OK;
 }
@@ -679,7 +761,7 @@ static void attn_task(void *vctx, int task, int n_tasks)
         const int32_t *table = bt->block_ids + bt->block_indptr[s];
         size_t off = (r * c->n_q_heads + h) * D;
         size_t n_ctx = (size_t)bt->positions[r] + 1;
-        if (c->be->isa == PD_CPU_ISA_AVX512 &&
+        if (c->be->isa != PD_CPU_ISA_SCALAR &&
             cpu_attention_head_avx512(c->q + off, &c->layer, (int)(h / c->group), table, n_ctx,
                                       c->scale, c->out + off))
             continue;
@@ -802,21 +884,38 @@ int pd_backend_cpu_create(const pd_backend_params *params, pd_backend **out)
         return pd_error(PD_EINVAL, "cpu backend: max_tokens, max_seqs, max_rope_dim must be > 0");
     if (p.weight_dtype >= PD_DTYPE_COUNT)
         return pd_error(PD_EINVAL, "cpu backend: weight_dtype %d is not a dtype", p.weight_dtype);
+    if (p.compute_dtype != -1 && p.compute_dtype != PD_DTYPE_F32 &&
+        p.compute_dtype != PD_DTYPE_BF16)
+        return pd_error(PD_EUNSUPPORTED,
+                        "cpu backend: compute_dtype %d is not supported (float32 or bfloat16)",
+                        p.compute_dtype);
+    if (p.compute_dtype == PD_DTYPE_BF16 && p.weight_dtype != -1 && p.weight_dtype != PD_DTYPE_BF16)
+        return pd_error(PD_EINVAL,
+                        "cpu backend: weight_dtype %d with compute_dtype bfloat16 (its weights "
+                        "are bfloat16)",
+                        p.weight_dtype);
     pd_cpu_isa isa = p.cpu_isa;
     if (isa == PD_CPU_ISA_AUTO)
-        isa = cpu_have_avx512() ? PD_CPU_ISA_AVX512 : PD_CPU_ISA_SCALAR;
+        isa = cpu_have_avx512bf16() ? PD_CPU_ISA_AVX512_BF16
+              : cpu_have_avx512()   ? PD_CPU_ISA_AVX512
+                                    : PD_CPU_ISA_SCALAR;
     else if (isa == PD_CPU_ISA_AVX512 && !cpu_have_avx512())
         return pd_error(PD_EUNSUPPORTED, "cpu backend: this CPU lacks avx512f/f16c");
-    else if (isa != PD_CPU_ISA_SCALAR && isa != PD_CPU_ISA_AVX512)
+    else if (isa == PD_CPU_ISA_AVX512_BF16 && !cpu_have_avx512bf16())
+        return pd_error(PD_EUNSUPPORTED,
+                        "cpu backend: this CPU or build lacks avx512_bf16 (or avx512f/f16c)");
+    else if (isa != PD_CPU_ISA_SCALAR && isa != PD_CPU_ISA_AVX512 && isa != PD_CPU_ISA_AVX512_BF16)
         return pd_error(PD_EINVAL, "cpu backend: unknown cpu_isa %d", (int)isa);
 
     cpu_be *be = calloc(1, sizeof *be);
     if (!be) return pd_error(PD_ENOMEM, "cpu backend: out of memory");
     be->p = p;
     be->isa = isa;
-    be->mm = isa == PD_CPU_ISA_AVX512 ? cpu_mm_avx512 : cpu_mm_scalar;
-    be->dot = isa == PD_CPU_ISA_AVX512 ? cpu_dot_avx512 : cpu_dot_scalar;
-    be->axpy = isa == PD_CPU_ISA_AVX512 ? cpu_axpy_avx512 : cpu_axpy_scalar;
+    be->bf16 = p.compute_dtype == PD_DTYPE_BF16;
+    bool simd = isa != PD_CPU_ISA_SCALAR; /* AVX512_BF16 is AVX512 outside the bf16 matmul */
+    be->mm = simd ? cpu_mm_avx512 : cpu_mm_scalar;
+    be->dot = simd ? cpu_dot_avx512 : cpu_dot_scalar;
+    be->axpy = simd ? cpu_axpy_avx512 : cpu_axpy_scalar;
     int rc = cpu_pool_create(&p, &be->pool);
     if (rc != PD_OK) {
         free(be);

@@ -9,7 +9,8 @@
 #include "backend/backend.h"
 
 /* A weight on the CPU backend: (rows, cols) with rows padded to ld elements (ld a multiple of
- * 16, the padding zero-filled) so SIMD loads of a row never need a mask; 64-byte aligned. */
+ * 16, of 32 in the bf16 compute mode; the padding zero-filled) so SIMD loads of a row never
+ * need a mask; 64-byte aligned. */
 struct pd_weight {
     pd_dtype dtype; /* F32, F16 or BF16 (vectors: always F32) */
     size_t rows, cols;
@@ -30,6 +31,15 @@ void cpu_mm_scalar(const float *x, size_t n, size_t ldx, const struct pd_weight 
 void cpu_mm_avx512(const float *x, size_t n, size_t ldx, const struct pd_weight *w, size_t j0,
                    size_t j1, const float *bias, float *y, size_t ldy);
 
+/* The bf16 compute mode's dot-product kernel (avx512_bf16): the same contract with x rows
+ * already rounded to bf16 (stride ldx = w->ld, zero-padded to it) and w bf16 with ld a multiple
+ * of 32. cpu_round_bf16_avx512bf16 rounds one row x (K) to bf16 (nearest even) into xb (ld),
+ * zero-filling [K, ld). Without avx512_bf16 the mode rounds x to bf16 values kept in f32 and
+ * runs cpu_mm_fn (cpu_backend.c). */
+void cpu_mm_avx512bf16(const uint16_t *x, size_t n, size_t ldx, const struct pd_weight *w,
+                       size_t j0, size_t j1, const float *bias, float *y, size_t ldy);
+void cpu_round_bf16_avx512bf16(const float *x, size_t K, uint16_t *xb, size_t ld);
+
 /* Dot product and axpy used by attention, with the same ISA split.
  * cpu_dot: sum_k a[k] * b[k] in a fixed order. cpu_axpy: y[k] += s * x[k]. */
 typedef float (*cpu_dot_fn)(const float *a, const float *b, size_t n);
@@ -41,6 +51,8 @@ void cpu_axpy_avx512(float *y, float s, const float *x, size_t n);
 
 /* 1 when the running CPU has the features the AVX-512 kernels need (avx512f, f16c). */
 int cpu_have_avx512(void);
+/* 1 when it also has avx512_bf16 and this build has the kernel (PD_HAVE_AVX512BF16). */
+int cpu_have_avx512bf16(void);
 
 /* ---- row kernels (cpu_ops.c) ---------------------------------------------------------------- */
 

@@ -12,21 +12,40 @@
  * a GEMV path for one row and a blocked GEMM for many). bf16/f16 weights are widened to f32 in
  * registers (exact), so they cost half the memory traffic and give the same result as
  * converting at load.
+ *
+ * The bf16 compute mode (compute_dtype BF16, vLLM's --dtype bfloat16) has one more kernel when
+ * the CPU has avx512_bf16: the caller rounds each x row to bf16 once per matmul
+ * (cpu_round_bf16_avx512bf16) and the same tiles use vdpbf16ps, whose lane l adds the two
+ * products of k = 2l, 2l+1 of each 32-element step into an f32 accumulator; half the
+ * instructions of the widening kernel and no widening. The same fixed order per output element
+ * holds, so it is batch-invariant too. Only its functions are compiled for avx512_bf16 (a target
+ * attribute), so the file builds with any compiler and runs on any CPU.
  */
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "backend/cpu/cpu_internal.h"
 #include "model/dtype.h"
+#include "pd_config.h"
 
 int cpu_have_avx512(void)
 {
 #if defined(__x86_64__)
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("f16c");
+#else
+    return 0;
+#endif
+}
+
+int cpu_have_avx512bf16(void)
+{
+#if defined(__x86_64__) && PD_HAVE_AVX512BF16
+    return cpu_have_avx512() && __builtin_cpu_supports("avx512bf16");
 #else
     return 0;
 #endif
@@ -158,16 +177,48 @@ INLINE_AVX512 void tile(const float *x, size_t ldx, const void *w, size_t ldw, p
     }
 }
 
-/* Row tiles of up to M_ x rows against W rows [j0, j1) in tiles of N_ (remainder 1 by 1). */
-#define TILE_ROWS(M_, N_, DT)                                                                      \
+/* Row tiles of up to M_ x rows against W rows [j0, j1) in tiles of N_ (remainder 1 by 1), each
+ * by TILE (tile or tile_bf16). */
+#define TILE_ROWS(TILE, M_, N_, DT)                                                                \
     do {                                                                                           \
         size_t j = j0;                                                                             \
         for (; j + (N_) <= j1; j += (N_))                                                          \
-            tile(xi, ldx, wb + j * ldw * es, ldw, DT, K, bias ? bias + j : NULL, yi + j, ldy, M_,  \
+            TILE(xi, ldx, wb + j * ldw * es, ldw, DT, K, bias ? bias + j : NULL, yi + j, ldy, M_,  \
                  N_);                                                                              \
         for (; j < j1; j++)                                                                        \
-            tile(xi, ldx, wb + j * ldw * es, ldw, DT, K, bias ? bias + j : NULL, yi + j, ldy, M_,  \
+            TILE(xi, ldx, wb + j * ldw * es, ldw, DT, K, bias ? bias + j : NULL, yi + j, ldy, M_,  \
                  1);                                                                               \
+    } while (0)
+
+/* The tile shapes for the n rows of x (element type XT): decode (n <= 2) streams W once, 8 rows
+ * at a time to keep many loads in flight; prefill runs 6 x 4 tiles and one shorter row tile. */
+#define MM_SHAPES(TILE, XT, DT)                                                                    \
+    do {                                                                                           \
+        size_t i = 0;                                                                              \
+        if (n <= 2) {                                                                              \
+            const XT *xi = x;                                                                      \
+            float *yi = y;                                                                         \
+            if (n == 1)                                                                            \
+                TILE_ROWS(TILE, 1, 8, DT);                                                         \
+            else                                                                                   \
+                TILE_ROWS(TILE, 2, 8, DT);                                                         \
+            break;                                                                                 \
+        }                                                                                          \
+        for (; i + 6 <= n; i += 6) {                                                               \
+            const XT *xi = x + i * ldx;                                                            \
+            float *yi = y + i * ldy;                                                               \
+            TILE_ROWS(TILE, 6, 4, DT);                                                             \
+        }                                                                                          \
+        const XT *xi = x + i * ldx;                                                                \
+        float *yi = y + i * ldy;                                                                   \
+        switch (n - i) {                                                                           \
+        case 5: TILE_ROWS(TILE, 5, 4, DT); break;                                                  \
+        case 4: TILE_ROWS(TILE, 4, 4, DT); break;                                                  \
+        case 3: TILE_ROWS(TILE, 3, 4, DT); break;                                                  \
+        case 2: TILE_ROWS(TILE, 2, 4, DT); break;                                                  \
+        case 1: TILE_ROWS(TILE, 1, 4, DT); break;                                                  \
+        default: break;                                                                            \
+        }                                                                                          \
     } while (0)
 
 INLINE_AVX512 void mm_dt(const float *x, size_t n, size_t ldx, const struct pd_weight *w, size_t j0,
@@ -175,32 +226,7 @@ INLINE_AVX512 void mm_dt(const float *x, size_t n, size_t ldx, const struct pd_w
 {
     const char *wb = w->data;
     const size_t ldw = w->ld, K = w->cols, es = dt == PD_DTYPE_F32 ? 4 : 2;
-    size_t i = 0;
-    if (n <= 2) {
-        /* Decode: stream W once, 8 rows at a time to keep many loads in flight. */
-        const float *xi = x;
-        float *yi = y;
-        if (n == 1)
-            TILE_ROWS(1, 8, dt);
-        else
-            TILE_ROWS(2, 8, dt);
-        return;
-    }
-    for (; i + 6 <= n; i += 6) {
-        const float *xi = x + i * ldx;
-        float *yi = y + i * ldy;
-        TILE_ROWS(6, 4, dt);
-    }
-    const float *xi = x + i * ldx;
-    float *yi = y + i * ldy;
-    switch (n - i) {
-    case 5: TILE_ROWS(5, 4, dt); break;
-    case 4: TILE_ROWS(4, 4, dt); break;
-    case 3: TILE_ROWS(3, 4, dt); break;
-    case 2: TILE_ROWS(2, 4, dt); break;
-    case 1: TILE_ROWS(1, 4, dt); break;
-    default: break;
-    }
+    MM_SHAPES(tile, float, dt);
 }
 
 AVX512 void cpu_mm_avx512(const float *x, size_t n, size_t ldx, const struct pd_weight *w,
@@ -375,6 +401,83 @@ int cpu_attention_head_avx512(const float *q, const cpu_kv_layer *kv, int kv_hea
                               const int32_t *block_table, size_t n_ctx, float scale, float *out)
 {
     return 0;
+}
+
+#endif
+
+/* ---- AVX-512 BF16 ---------------------------------------------------------------------------- */
+#if defined(__x86_64__) && PD_HAVE_AVX512BF16
+
+#define AVX512BF16 __attribute__((target("avx512f,avx512bf16,f16c,fma")))
+#define INLINE_AVX512BF16                                                                          \
+    static inline __attribute__((always_inline, target("avx512f,avx512bf16,f16c,fma")))
+
+/* One (M x N) tile of the bf16 compute mode: x rows bf16 (stride ldx), W rows bf16 (stride
+ * ldw), both zero-padded to K, a multiple of 32, so every load is whole. dt is BF16 (the only
+ * weight dtype of the mode; the parameter keeps TILE_ROWS' call shape). */
+INLINE_AVX512BF16 void tile_bf16(const uint16_t *x, size_t ldx, const void *w, size_t ldw,
+                                 pd_dtype dt, size_t K, const float *bias, float *y, size_t ldy,
+                                 const int M, const int N)
+{
+    __m512 acc[MT_MAX][NT_MAX];
+    const uint16_t *wh = w;
+    UNROLL for (int i = 0; i < M; i++) UNROLL for (int j = 0; j < N; j++) acc[i][j] =
+        _mm512_setzero_ps();
+    for (size_t k = 0; k < K; k += 32) {
+        __m512bh wv[NT_MAX];
+        UNROLL for (int j = 0; j < N; j++) wv[j] =
+            (__m512bh)_mm512_loadu_si512(wh + (size_t)j * ldw + k);
+        UNROLL for (int i = 0; i < M; i++)
+        {
+            __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (size_t)i * ldx + k);
+            UNROLL for (int j = 0; j < N; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+        }
+    }
+    UNROLL for (int i = 0; i < M; i++) UNROLL for (int j = 0; j < N; j++)
+    {
+        float s = hsum16(acc[i][j]);
+        if (bias) s += bias[j];
+        y[(size_t)i * ldy + j] = s;
+    }
+}
+
+AVX512BF16 void cpu_mm_avx512bf16(const uint16_t *x, size_t n, size_t ldx,
+                                  const struct pd_weight *w, size_t j0, size_t j1,
+                                  const float *bias, float *y, size_t ldy)
+{
+    const char *wb = w->data;
+    const size_t ldw = w->ld, K = w->ld, es = 2;
+    MM_SHAPES(tile_bf16, uint16_t, PD_DTYPE_BF16);
+}
+
+AVX512BF16 void cpu_round_bf16_avx512bf16(const float *x, size_t K, uint16_t *xb, size_t ld)
+{
+    size_t k = 0;
+    for (; k + 32 <= K; k += 32)
+        _mm512_storeu_si512(xb + k, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + k + 16),
+                                                                 _mm512_loadu_ps(x + k)));
+    if (k < K) {
+        /* Masked loads give zeros past K: the tail vector is the row's zero padding too. */
+        uint32_t m = K - k >= 32 ? 0xFFFFFFFFu : (1u << (K - k)) - 1u;
+        __m512 lo = _mm512_maskz_loadu_ps((__mmask16)m, x + k);
+        __m512 hi = _mm512_maskz_loadu_ps((__mmask16)(m >> 16), x + k + 16);
+        _mm512_storeu_si512(xb + k, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        k += 32;
+    }
+    for (; k < ld; k++) xb[k] = 0;
+}
+
+#else /* not x86-64, or a compiler without the avx512_bf16 intrinsics: never selected              \
+         (cpu_have_avx512bf16() == 0) */
+
+void cpu_mm_avx512bf16(const uint16_t *x, size_t n, size_t ldx, const struct pd_weight *w,
+                       size_t j0, size_t j1, const float *bias, float *y, size_t ldy)
+{
+    abort();
+}
+void cpu_round_bf16_avx512bf16(const float *x, size_t K, uint16_t *xb, size_t ld)
+{
+    abort();
 }
 
 #endif

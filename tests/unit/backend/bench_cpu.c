@@ -1,8 +1,9 @@
 /* bench_cpu: CPU backend benchmarks for docs/benchmarks.md (not a test).
  *
  *   bench_cpu --model DIR [--threads N] [--prompt-len 512] [--decode-steps 64] [--reps 3]
- *             [--bw-mib 2048] [--weight-dtype float32|bfloat16|float16] [--isa auto|scalar|avx512]
- *             [--fused 1|0]
+ *             [--bw-mib 2048] [--weight-dtype float32|bfloat16|float16]
+ *             [--compute-dtype float32|bfloat16] [--isa auto|scalar|avx512|avx512bf16] [--fused
+ * 1|0]
  *
  * Prints, for the same process and thread count:
  *  - read bandwidth of a vectorized STREAM-style read loop (sum of a buffer much larger than
@@ -14,7 +15,9 @@
  *    prefill reaches; OpenBLAS sgemm on the same shapes for reference, and whether OpenBLAS
  *    gives a row the same bits alone (M = 1) as inside M = prompt-len (why it is not used).
  * --fused 0 runs the model through the plain ops only (pd_forward_params.no_fused), for the
- * before/after of the backend's fused ops. Every figure is printed for each repetition, then
+ * before/after of the backend's fused ops. --compute-dtype bfloat16 runs the bf16 compute mode
+ * (matmul rows rounded to bf16; with avx512_bf16 the vdpbf16ps kernel, with --isa avx512 the f32
+ * kernels on the rounded rows). Every figure is printed for each repetition, then
  * best and spread.
  */
 #include <cblas.h>
@@ -180,7 +183,7 @@ static int run_seq(pd_forward *f, pd_kv *kv, const int32_t *ids, size_t n, size_
 
 int main(int argc, char **argv)
 {
-    const char *model = NULL, *wdt_s = NULL, *isa_s = "auto";
+    const char *model = NULL, *wdt_s = NULL, *cdt_s = NULL, *isa_s = "auto";
     int threads = 0, reps = 3, fused = 1;
     size_t prompt_len = 512, steps = 64, bw_mib = 2048;
     for (int i = 1; i + 1 < argc; i += 2) {
@@ -199,6 +202,8 @@ int main(int argc, char **argv)
             bw_mib = (size_t)atol(v);
         else if (!strcmp(a, "--weight-dtype"))
             wdt_s = v;
+        else if (!strcmp(a, "--compute-dtype"))
+            cdt_s = v;
         else if (!strcmp(a, "--isa"))
             isa_s = v;
         else if (!strcmp(a, "--fused"))
@@ -211,22 +216,20 @@ int main(int argc, char **argv)
     if (!model || reps < 1 || reps > 30 || prompt_len < 2 || prompt_len > 8192) {
         fprintf(stderr, "usage: bench_cpu --model DIR [--threads N] [--prompt-len 512] "
                         "[--decode-steps 64] [--reps 3] [--bw-mib 2048] [--weight-dtype D] "
-                        "[--isa auto|scalar|avx512] [--fused 1|0]\n");
+                        "[--compute-dtype D] [--isa auto|scalar|avx512|avx512bf16] "
+                        "[--fused 1|0]\n");
         return 2;
     }
     pd_backend_params bp = pd_backend_default_params();
     bp.n_threads = threads;
-    bp.cpu_isa = !strcmp(isa_s, "scalar")   ? PD_CPU_ISA_SCALAR
-                 : !strcmp(isa_s, "avx512") ? PD_CPU_ISA_AVX512
-                                            : PD_CPU_ISA_AUTO;
-    if (wdt_s) {
-        pd_dtype d;
-        if (pd_dtype_parse(wdt_s, &d) < 0) {
-            fprintf(stderr, "bench_cpu: %s\n", pd_last_error());
-            return 2;
-        }
-        bp.weight_dtype = (int)d;
+    pd_dtype wd = PD_DTYPE_F32, cd = PD_DTYPE_F32;
+    if (pd_cpu_isa_parse(isa_s, &bp.cpu_isa) < 0 || (wdt_s && pd_dtype_parse(wdt_s, &wd) < 0) ||
+        (cdt_s && pd_dtype_parse(cdt_s, &cd) < 0)) {
+        fprintf(stderr, "bench_cpu: %s\n", pd_last_error());
+        return 2;
     }
+    if (wdt_s) bp.weight_dtype = (int)wd;
+    if (cdt_s) bp.compute_dtype = (int)cd;
     pd_model *m = NULL;
     pd_backend *b = NULL;
     pd_forward *f = NULL;

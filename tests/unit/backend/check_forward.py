@@ -11,7 +11,11 @@ fwd_dump and llama_ref.py and requires:
   * with --all-logits on one variant per group, every prompt position within 1e-4; also for a
     600-token prompt on LONG variants (RoPE rows past the first table sizes);
   * fwd_dump --check-determinism (bit-identical logits and tokens alone, chunked 1/3/7, and
-    batched with other sequences) on a few variants, with both kernel families.
+    batched with other sequences) on a few variants, with both kernel families;
+  * the bf16 compute mode (--compute-dtype bfloat16, pd-generate --dtype bfloat16) on a few
+    variants, with both kernel families (auto: vdpbf16ps where the CPU has avx512_bf16; scalar:
+    the emulation): every prompt position's logits within BF16_REL_TOL of the float64
+    reference, --check-determinism, and pd-generate's greedy tokens equal to fwd_dump's.
 Tiny shapes keep the whole run to a few seconds.
 
 Also, with --generate: pd-generate --json greedy output equals the reference tokens, and a
@@ -31,6 +35,13 @@ import tempfile
 import numpy as np
 
 REL_TOL = 1e-4
+# The bf16 compute mode rounds every matmul input (and f32 weights) to bf16, unit roundoff
+# u = 2^-8: each rounding perturbs an element by at most u relative, and the 2-layer variants
+# have 9 roundings on the way to the logits (4 per layer, the LM head), whose independent
+# errors grow like their square root (~3u). 4u leaves room; measured 3.1e-3 to 6.1e-3
+# (docs/benchmarks.md). A kernel bug (a lost tail, a wrong pair order) is far above it; the
+# exact rounding is checked op by op in test_backend (matmul_matches_reference).
+BF16_REL_TOL = 4 * 2.0 ** -8
 STEPS = 64
 
 # name, pd-mkmodel flags
@@ -67,6 +78,47 @@ LONG_PROMPT = [(i * 7919 + 13) % 2000 + 1 for i in range(600)]
 LONG = {"gqa_f32", "rope_llama3"}
 DETERMINISM = {"gqa_f32", "qwen2", "qwen3", "bf16", "head_dim_48"}
 GENERATE = {"gqa_f32", "qwen2", "qwen3"}
+BF16_COMPUTE = {"gqa_f32", "bf16", "bf16_tied_qwen3"}
+
+
+def check_bf16_compute(args, mdir, name):
+    """The bf16 compute mode: all-position logits of PROMPTS[1] within BF16_REL_TOL, greedy
+    tokens not degenerate, determinism, and pd-generate --dtype bfloat16 giving fwd_dump's
+    greedy tokens (the same kernels through the engine). Returns (checks, failures)."""
+    ids = ",".join(str(t) for t in PROMPTS[1])
+    cmd = ["--model", mdir, "--prompt-ids", ids, "--steps", str(STEPS)]
+    ref = json.loads(run([sys.executable, args.ref] + cmd + ["--all-logits"]))
+    checks = fails = 0
+    for isa in ("auto", "scalar"):
+        got = json.loads(run([args.fwd_dump] + cmd + ["--all-logits", "--isa", isa,
+                                                      "--compute-dtype", "bfloat16"]))
+        checks += 1
+        e = rel_err(got["all_logits"], ref["all_logits"])
+        if not e <= BF16_REL_TOL or len(got["greedy_tokens"]) != STEPS or \
+                len(set(got["greedy_tokens"])) < 4:
+            print(f"FAIL {name}: bf16 compute ({isa}): all-position logits rel error {e:.3g} "
+                  f"(tolerance {BF16_REL_TOL:.3g}), greedy {got['greedy_tokens'][:10]}")
+            fails += 1
+        else:
+            print(f"ok  {name}: bf16 compute ({isa}): rel error {e:.3g}")
+        checks += 1
+        p = subprocess.run([args.fwd_dump, "--model", mdir, "--prompt-ids", ids, "--steps", "24",
+                            "--check-determinism", "--isa", isa, "--compute-dtype", "bfloat16"],
+                           capture_output=True, text=True)
+        if p.returncode != 0:
+            print(f"FAIL {name}: bf16 compute determinism ({isa}): {p.stderr.strip()}")
+            fails += 1
+        if args.generate and isa == "auto":
+            checks += 1
+            (o,) = gen_json(args.generate, mdir, ["--prompt-ids", ids, "--max-tokens",
+                                                  str(STEPS), "--temperature", "0", "--dtype",
+                                                  "bfloat16"])
+            want = got["greedy_tokens"]
+            if not o["token_ids"] or o["token_ids"] != want[:len(o["token_ids"])]:
+                print(f"FAIL {name}: pd-generate --dtype bfloat16 {o['token_ids'][:8]} vs "
+                      f"fwd_dump {want[:8]}")
+                fails += 1
+    return checks, fails
 
 
 def gen_json(generate, mdir, extra):
@@ -213,6 +265,10 @@ def main():
                     if p.returncode != 0:
                         print(f"FAIL {name}: determinism ({isa}): {p.stderr.strip()}")
                         failures += 1
+            if name in BF16_COMPUTE:
+                c, f = check_bf16_compute(args, mdir, name)
+                checks += c
+                failures += f
             if args.generate and name in GENERATE:
                 checks += 1
                 failures += check_generate(args.generate, mdir, name, ref_tokens, tmp)

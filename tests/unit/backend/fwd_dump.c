@@ -2,7 +2,8 @@
  * tests/reference/llama_ref.py, plus a determinism self-check.
  *
  *   fwd_dump --model DIR --prompt-ids 1,2,3 [--steps N] [--chunk C] [--threads T]
- *            [--isa auto|scalar|avx512] [--weight-dtype float32|bfloat16|float16] [--all-logits]
+ *            [--isa auto|scalar|avx512|avx512bf16] [--weight-dtype float32|bfloat16|float16]
+ *            [--compute-dtype float32|bfloat16] [--all-logits]
  *   -> {"prompt_logits_last": [...], "greedy_tokens": [...], "all_logits": [[...], ...]}
  *   fwd_dump --model DIR --prompt-ids 1,2,3 --check-determinism [--steps N]
  *   -> exit 0 when the prompt's logits and greedy tokens are bit-identical run alone in one
@@ -118,8 +119,8 @@ static int step(rt *r, size_t n_seqs, const int32_t *const *toks, const size_t *
     return rc;
 }
 
-static int rt_open(rt *r, const char *dir, int threads, pd_cpu_isa isa, int wdt, size_t max_len,
-                   int no_fused)
+static int rt_open(rt *r, const char *dir, int threads, pd_cpu_isa isa, int wdt, int cdt,
+                   size_t max_len, int no_fused)
 {
     memset(r, 0, sizeof *r);
     pd_model *m = NULL;
@@ -128,6 +129,7 @@ static int rt_open(rt *r, const char *dir, int threads, pd_cpu_isa isa, int wdt,
     bp.n_threads = threads;
     bp.cpu_isa = isa;
     bp.weight_dtype = wdt;
+    bp.compute_dtype = cdt;
     int rc = pd_backend_cpu_create(&bp, &r->b);
     pd_forward_params fp = pd_forward_default_params();
     fp.max_tokens = 4096;
@@ -271,9 +273,19 @@ static void print_floats(FILE *o, const float *x, size_t n)
     fputc(']', o);
 }
 
+/* An optional dtype flag: -1 when absent (the backend's choice), else its pd_dtype. */
+static int dtype_opt(const char *s, int *out)
+{
+    pd_dtype d;
+    *out = -1;
+    if (s) PD_CHECK(pd_dtype_parse(s, &d));
+    if (s) *out = (int)d;
+    return PD_OK;
+}
+
 int main(int argc, char **argv)
 {
-    const char *model = NULL, *ids_s = NULL, *isa_s = "auto", *wdt_s = NULL;
+    const char *model = NULL, *ids_s = NULL, *isa_s = "auto", *wdt_s = NULL, *cdt_s = NULL;
     size_t steps = 0, chunk = 0;
     int threads = 0, all_logits = 0, check = 0;
     for (int i = 1; i < argc; i++) {
@@ -302,6 +314,8 @@ int main(int argc, char **argv)
                 isa_s = v;
             else if (!strcmp(a, "--weight-dtype"))
                 wdt_s = v;
+            else if (!strcmp(a, "--compute-dtype"))
+                cdt_s = v;
             else {
                 fprintf(stderr, "fwd_dump: unknown option %s\n", a);
                 return 2;
@@ -312,23 +326,18 @@ int main(int argc, char **argv)
         fprintf(stderr, "usage: fwd_dump --model DIR --prompt-ids 1,2,3 [--steps N] ...\n");
         return 2;
     }
-    pd_cpu_isa isa = !strcmp(isa_s, "scalar")   ? PD_CPU_ISA_SCALAR
-                     : !strcmp(isa_s, "avx512") ? PD_CPU_ISA_AVX512
-                                                : PD_CPU_ISA_AUTO;
-    int wdt = -1;
-    if (wdt_s) {
-        pd_dtype d;
-        if (pd_dtype_parse(wdt_s, &d) < 0) {
-            fprintf(stderr, "fwd_dump: %s\n", pd_last_error());
-            return 2;
-        }
-        wdt = (int)d;
+    pd_cpu_isa isa;
+    int wdt, cdt;
+    if (pd_cpu_isa_parse(isa_s, &isa) < 0 || dtype_opt(wdt_s, &wdt) < 0 ||
+        dtype_opt(cdt_s, &cdt) < 0) {
+        fprintf(stderr, "fwd_dump: %s\n", pd_last_error());
+        return 2;
     }
     int32_t *ids = NULL;
     size_t n = 0;
     rt r;
     int rc = parse_ids(ids_s, &ids, &n);
-    if (rc == 0) rc = rt_open(&r, model, threads, isa, wdt, n + steps + 16, 0);
+    if (rc == 0) rc = rt_open(&r, model, threads, isa, wdt, cdt, n + steps + 16, 0);
     if (rc < 0) {
         fprintf(stderr, "fwd_dump: %s\n", pd_last_error());
         free(ids);
@@ -345,7 +354,7 @@ int main(int argc, char **argv)
         static const size_t chunks[] = {1, 3, 7};
         for (size_t c = 0; c < 3 && rc == 0 && !status; c++) {
             rt_close(&r);
-            rc = rt_open(&r, model, threads, isa, wdt, n + steps + 16, 0);
+            rc = rt_open(&r, model, threads, isa, wdt, cdt, n + steps + 16, 0);
             if (rc == 0) rc = run_single(&r, ids, n, chunks[c], steps, last, NULL, greedy);
             if (rc == 0 && (memcmp(last, ref_last, V * 4) || memcmp(greedy, ref_g, steps * 4))) {
                 fprintf(stderr, "fwd_dump: chunks of %zu differ from one chunk\n", chunks[c]);
@@ -354,7 +363,7 @@ int main(int argc, char **argv)
         }
         if (rc == 0 && !status) {
             rt_close(&r);
-            rc = rt_open(&r, model, threads, isa, wdt, n + steps + 16, 0);
+            rc = rt_open(&r, model, threads, isa, wdt, cdt, n + steps + 16, 0);
             if (rc == 0) rc = run_batched(&r, ids, n, steps, last, greedy);
             if (rc == 0 && memcmp(last, ref_last, V * 4)) {
                 fprintf(stderr, "fwd_dump: prompt logits differ when batched with others\n");
@@ -367,7 +376,7 @@ int main(int argc, char **argv)
         }
         if (rc == 0 && !status) { /* the plain ops instead of the backend's fused ones */
             rt_close(&r);
-            rc = rt_open(&r, model, threads, isa, wdt, n + steps + 16, 1);
+            rc = rt_open(&r, model, threads, isa, wdt, cdt, n + steps + 16, 1);
             if (rc == 0) rc = run_batched(&r, ids, n, steps, last, greedy);
             if (rc == 0 && (memcmp(last, ref_last, V * 4) || memcmp(greedy, ref_g, steps * 4))) {
                 fprintf(stderr, "fwd_dump: the plain ops differ from the fused ones\n");

@@ -1,6 +1,7 @@
 /* Op-level tests of the CPU backend against naive double-precision references: matmul with
- * f32/bf16/f16 weights and odd sizes on both kernel families (scalar, AVX-512 when the CPU has
- * it), bit-identical rows across batch sizes and thread counts, RMSNorm, SwiGLU, RoPE, embedding,
+ * f32/bf16/f16 weights and odd sizes on every kernel family (scalar, AVX-512 and AVX-512 BF16
+ * when the CPU has them), in f32 and in the bf16 compute mode, bit-identical rows across batch
+ * sizes and thread counts in both modes, RMSNorm, SwiGLU, RoPE, embedding,
  * paged GQA attention with scattered block tables, KV export/import, slices and every rejected
  * input; the fused ops against the plain ones. */
 #include <math.h>
@@ -57,59 +58,71 @@ static void ht_make(host_tensor *h, const char *name, pd_dtype dt, size_t rows, 
     h->t.nbytes = n * pd_dtype_size(dt);
 }
 
-static int have_avx512(void)
-{
-    pd_backend_params p = pd_backend_default_params();
-    p.cpu_isa = PD_CPU_ISA_AVX512;
-    p.n_threads = 1;
-    pd_backend *b = NULL;
-    if (pd_backend_cpu_create(&p, &b) < 0) return 0;
-    pd_backend_free(b);
-    return 1;
-}
-
-static pd_backend *make_backend(pd_cpu_isa isa, int threads, int weight_dtype)
+static pd_backend *make_backend_mode(pd_cpu_isa isa, int threads, int weight_dtype,
+                                     int compute_dtype)
 {
     pd_backend_params p = pd_backend_default_params();
     p.cpu_isa = isa;
     p.n_threads = threads;
     p.weight_dtype = weight_dtype;
+    p.compute_dtype = compute_dtype;
     pd_backend *b = NULL;
     if (pd_backend_cpu_create(&p, &b) < 0) return NULL;
     return b;
 }
 
-/* Number of ISAs to test and their values. */
-static int isas(pd_cpu_isa out[2])
+static pd_backend *make_backend(pd_cpu_isa isa, int threads, int weight_dtype)
 {
-    out[0] = PD_CPU_ISA_SCALAR;
-    if (have_avx512()) {
-        out[1] = PD_CPU_ISA_AVX512;
-        return 2;
-    }
-    return 1;
+    return make_backend_mode(isa, threads, weight_dtype, -1);
+}
+
+static int have_isa(pd_cpu_isa isa)
+{
+    pd_backend *b = make_backend(isa, 1, -1);
+    pd_backend_free(b);
+    return b != NULL;
+}
+
+/* Number of ISAs to test and their values: scalar, then those the CPU has. */
+static int isas(pd_cpu_isa out[3])
+{
+    int n = 0;
+    out[n++] = PD_CPU_ISA_SCALAR;
+    if (have_isa(PD_CPU_ISA_AVX512)) out[n++] = PD_CPU_ISA_AVX512;
+    if (have_isa(PD_CPU_ISA_AVX512_BF16)) out[n++] = PD_CPU_ISA_AVX512_BF16;
+    return n;
 }
 
 /* ---- matmul
  * -------------------------------------------------------------------------------------- */
 
-/* y = x W^T + bias for every dtype/ISA/size combination vs a double reference with a
- * scale-aware bound: |y - ref| <= 1e-6 * sum_k |x_k w_k| + 1e-30. */
+/* y = x W^T + bias for every dtype/ISA/size combination, in f32 and in the bf16 compute mode,
+ * vs a double reference with a scale-aware bound: |y - ref| <= 1e-6 * sum_k |x_k w_k| + 1e-30.
+ * In the bf16 mode the reference takes x and W rounded to bf16 (nearest even; products exact,
+ * sums in double): the kernels differ from it only by f32 accumulation (and vdpbf16ps adding
+ * its pairs of products inside the instruction), so the same bound holds. Against the unrounded
+ * x and W each product is then off by at most (1 + 2^-8)^2 - 1 = 2^-7 + 2^-16 relative (bf16
+ * keeps 8 significant bits: unit roundoff 2^-8), so |y - ref_f64| <= (2^-7 + 2^-16) *
+ * sum_k |x_k w_k| (+ the f32 bound); checked too, and that the rounding shows at all (most
+ * elements outside the f32 bound of the unrounded reference). Sizes around the 16- and
+ * 32-element steps and every tile shape. */
 TEST(matmul_matches_reference)
 {
     static const size_t ns[] = {1, 2, 3, 5, 7, 13};
-    static const size_t ks[] = {1, 15, 16, 17, 33, 100};
+    static const size_t ks[] = {1, 15, 16, 17, 31, 32, 33, 100};
     static const size_t outs[] = {1, 3, 9, 17};
     static const pd_dtype dts[] = {PD_DTYPE_F32, PD_DTYPE_BF16, PD_DTYPE_F16};
-    pd_cpu_isa isa[2];
+    pd_cpu_isa isa[3];
     int n_isa = isas(isa);
     int checked = 0;
-    for (int ii = 0; ii < n_isa; ii++) {
-        pd_backend *b = make_backend(isa[ii], 2, -1);
+    size_t bf16_elems = 0, bf16_rounded = 0;
+    for (int mi = 0; mi < 2 * n_isa; mi++) {
+        int ii = mi % n_isa, bf = mi >= n_isa;
+        pd_backend *b = make_backend_mode(isa[ii], 2, -1, bf ? PD_DTYPE_BF16 : -1);
         ASSERT(b);
         const pd_backend_ops *o = pd_backend_get_ops(b);
         for (size_t di = 0; di < 3; di++)
-            for (size_t ki = 0; ki < 6; ki++)
+            for (size_t ki = 0; ki < 8; ki++)
                 for (size_t oi = 0; oi < 4; oi++)
                     for (size_t ni = 0; ni < 6; ni++) {
                         size_t n = ns[ni], K = ks[ki], out = outs[oi];
@@ -125,16 +138,29 @@ TEST(matmul_matches_reference)
                         int rc1 = o->weight_load(b, &hw.t, NULL, &W);
                         int rc2 = o->weight_load(b, &hb.t, NULL, &B);
                         int rc3 = (rc1 == 0 && rc2 == 0) ? o->matmul(b, x, n, W, B, y) : -1;
-                        double worst = 0;
-                        for (size_t i = 0; i < n; i++)
+                        double worst = 0, worst_f64 = 0;
+                        for (size_t i = 0; i < n && rc3 == 0; i++)
                             for (size_t j = 0; j < out; j++) {
-                                double ref = bias[j], mag = fabs(bias[j]);
+                                double ref = bias[j], ref64 = bias[j], mag = fabs(bias[j]);
                                 for (size_t k = 0; k < K; k++) {
-                                    ref += (double)x[i * K + k] * w[j * K + k];
-                                    mag += fabs((double)x[i * K + k] * w[j * K + k]);
+                                    float xk = x[i * K + k], wk = w[j * K + k];
+                                    ref64 += (double)xk * wk;
+                                    mag += fabs((double)xk * wk);
+                                    if (bf) {
+                                        xk = pd_bf16_to_f32(pd_f32_to_bf16(xk));
+                                        wk = pd_bf16_to_f32(pd_f32_to_bf16(wk));
+                                    }
+                                    ref += (double)xk * wk;
                                 }
-                                double err = fabs(y[i * out + j] - ref) / (mag * 1e-6 + 1e-30);
+                                double yv = y[i * out + j];
+                                double err = fabs(yv - ref) / (mag * 1e-6 + 1e-30);
+                                double err64 = !bf ? 0
+                                                   : fabs(yv - ref64) /
+                                                         (mag * (0x1p-7 + 0x1p-16 + 1e-6) + 1e-30);
                                 if (err > worst) worst = err;
+                                if (err64 > worst_f64) worst_f64 = err64;
+                                bf16_elems += bf;
+                                bf16_rounded += bf && fabs(yv - ref64) > mag * 1e-6;
                             }
                         o->weight_free(b, W);
                         o->weight_free(b, B);
@@ -142,22 +168,27 @@ TEST(matmul_matches_reference)
                         ASSERT_OK(rc1);
                         ASSERT_OK(rc2);
                         ASSERT_OK(rc3);
-                        ASSERT_MSG(worst <= 1.0,
-                                   "isa %d dtype %s n %zu K %zu out %zu: error %.3g x bound",
-                                   (int)isa[ii], pd_dtype_name(dts[di]), n, K, out, worst);
+                        ASSERT_MSG(worst <= 1.0 && worst_f64 <= 1.0,
+                                   "isa %d compute %s dtype %s n %zu K %zu out %zu: error %.3g x "
+                                   "bound, %.3g x the bf16 bound against the unrounded values",
+                                   (int)isa[ii], bf ? "bf16" : "f32", pd_dtype_name(dts[di]), n, K,
+                                   out, worst, worst_f64);
                         checked++;
                     }
         pd_backend_free(b);
     }
-    ASSERT(checked == n_isa * 3 * 6 * 4 * 6);
+    ASSERT(checked == 2 * n_isa * 3 * 8 * 4 * 6);
+    ASSERT_MSG(bf16_rounded > bf16_elems / 2, "bf16 mode: only %zu of %zu elements show rounding",
+               bf16_rounded, bf16_elems);
 }
 
 /* A row's result is bit-identical whether it is computed alone, in a batch of 37 at any
- * position, and with 1 or 2 threads; weight_dtype bf16 conversion at load equals bf16 storage. */
+ * position (every tile shape), and with 1 or 2 threads, in f32 and in the bf16 compute mode;
+ * weight_dtype bf16 conversion at load equals bf16 storage. */
 TEST(matmul_rows_bit_identical_across_batches_and_threads)
 {
     const size_t K = 200, out = 75, N = 37;
-    pd_cpu_isa isa[2];
+    pd_cpu_isa isa[3];
     int n_isa = isas(isa);
     float *x = malloc(N * K * 4), *w = malloc(out * K * 4), *yb = malloc(N * out * 4),
           *y1 = malloc(out * 4), *yt = malloc(N * out * 4);
@@ -166,8 +197,10 @@ TEST(matmul_rows_bit_identical_across_batches_and_threads)
     host_tensor hw;
     ht_make(&hw, "w", PD_DTYPE_F32, out, K, w);
     int ok = 1;
-    for (int ii = 0; ii < n_isa && ok; ii++) {
-        pd_backend *b2 = make_backend(isa[ii], 2, -1), *b1 = make_backend(isa[ii], 1, -1);
+    for (int mi = 0; mi < 2 * n_isa && ok; mi++) {
+        int ii = mi % n_isa, cdt = mi < n_isa ? -1 : PD_DTYPE_BF16;
+        pd_backend *b2 = make_backend_mode(isa[ii], 2, -1, cdt),
+                   *b1 = make_backend_mode(isa[ii], 1, -1, cdt);
         ASSERT(b1 && b2);
         const pd_backend_ops *o = pd_backend_get_ops(b2);
         pd_weight *W2 = NULL, *W1 = NULL;
@@ -189,7 +222,9 @@ TEST(matmul_rows_bit_identical_across_batches_and_threads)
         o->weight_free(b1, W1);
         pd_backend_free(b1);
         pd_backend_free(b2);
-        ASSERT_MSG(ok, "isa %d: a row differs between batch sizes or thread counts", (int)isa[ii]);
+        ASSERT_MSG(ok,
+                   "isa %d compute dtype %d: a row differs between batch sizes or thread counts",
+                   (int)isa[ii], cdt);
     }
     /* weight_dtype = bf16 converts at load: identical to a bf16-stored tensor */
     pd_backend *bc = make_backend(PD_CPU_ISA_AUTO, 2, PD_DTYPE_BF16);
@@ -213,6 +248,37 @@ TEST(matmul_rows_bit_identical_across_batches_and_threads)
     pd_backend_free(bs);
     free(x), free(w), free(yb), free(y1), free(yt), free(hw.buf), free(hb.buf), free(wcopy);
     ASSERT_MSG(ok, "bf16 converted at load differs from bf16 stored");
+}
+
+/* The bf16 mode's refusals: a compute dtype the CPU does not have, another weight dtype, more
+ * rows than the workspace holds. */
+TEST(bf16_mode_errors)
+{
+    pd_backend_params p = pd_backend_default_params();
+    pd_backend *b = NULL;
+    p.compute_dtype = PD_DTYPE_F16;
+    ASSERT_ERR(pd_backend_cpu_create(&p, &b), PD_EUNSUPPORTED, "compute_dtype");
+    p.compute_dtype = PD_DTYPE_BF16;
+    p.weight_dtype = PD_DTYPE_F32;
+    ASSERT_ERR(pd_backend_cpu_create(&p, &b), PD_EINVAL, "weight_dtype");
+    p.weight_dtype = -1;
+    p.max_tokens = 4;
+    p.n_threads = 1;
+    ASSERT_OK(pd_backend_cpu_create(&p, &b));
+    const pd_backend_ops *o = pd_backend_get_ops(b);
+    float w[3 * 40], x[5 * 40], y[5 * 3];
+    fill(w, 3 * 40);
+    fill(x, 5 * 40);
+    host_tensor hw;
+    ht_make(&hw, "w", PD_DTYPE_F32, 3, 40, w);
+    pd_weight *W = NULL;
+    ASSERT_OK(o->weight_load(b, &hw.t, NULL, &W));
+    ASSERT(o->weight_nbytes(b, W) == 3 * 64 * 2); /* bf16, rows padded to 64 elements */
+    ASSERT_OK(o->matmul(b, x, 4, W, NULL, y));
+    ASSERT_ERR(o->matmul(b, x, 5, W, NULL, y), PD_EINVAL, "max_tokens");
+    o->weight_free(b, W);
+    free(hw.buf);
+    pd_backend_free(b);
 }
 
 TEST(weight_slices_and_errors)
@@ -271,7 +337,7 @@ TEST(weight_slices_and_errors)
 
 TEST(rmsnorm_swiglu_add_match_reference)
 {
-    pd_cpu_isa isa[2];
+    pd_cpu_isa isa[3];
     int n_isa = isas(isa);
     const size_t n = 5, dim = 37;
     float x[5 * 37], g[5 * 37], u[5 * 37], wv[37], y[5 * 37];
@@ -400,7 +466,7 @@ static pd_batch to_batch(step_desc *s, size_t n_out)
 
 TEST(paged_attention_matches_reference)
 {
-    pd_cpu_isa isa[2];
+    pd_cpu_isa isa[3];
     int n_isa = isas(isa);
     /* Per sequence, the contiguous k/v of every position (ref), filled over two steps. */
     float kref[3][8][NKV * HD], vref[3][8][NKV * HD];
@@ -516,7 +582,7 @@ TEST(paged_attention_matches_reference)
  * counts; and their bad inputs are refused with the field named. */
 TEST(fused_ops_equal_plain_ops)
 {
-    pd_cpu_isa isa[2];
+    pd_cpu_isa isa[3];
     int n_isa = isas(isa);
     enum { K = 72, O0 = 40, O1 = 9, O2 = 17, MAXN = 9 };
     const size_t outs[3] = {O0, O1, O2};
@@ -725,7 +791,7 @@ TEST(attention_head_sizes_and_long_context)
 {
     static const size_t dims[] = {6, 16, 32, 48, 64, 128, 136};
     enum { T = 150, NQH = 6, NKH = 2, B = 16 };
-    pd_cpu_isa isa[2];
+    pd_cpu_isa isa[3];
     int n_isa = isas(isa);
     int32_t ids[T], pos[T], qi[2] = {0, T}, kl[1] = {T}, bi[2] = {0, 10}, blocks[10];
     int64_t slots[T];
