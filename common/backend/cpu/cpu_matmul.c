@@ -473,10 +473,12 @@ AVX512BF16 void cpu_round_bf16_avx512bf16(const float *x, size_t K, uint16_t *xb
 void cpu_mm_avx512bf16(const uint16_t *x, size_t n, size_t ldx, const struct pd_weight *w,
                        size_t j0, size_t j1, const float *bias, float *y, size_t ldy)
 {
+    (void)x, (void)n, (void)ldx, (void)w, (void)j0, (void)j1, (void)bias, (void)y, (void)ldy;
     abort();
 }
 void cpu_round_bf16_avx512bf16(const float *x, size_t K, uint16_t *xb, size_t ld)
 {
+    (void)x, (void)K, (void)xb, (void)ld;
     abort();
 }
 
