@@ -46,30 +46,15 @@ done
 bench_name=llama
 # shellcheck source=tools/bench/lib_bench.sh
 source "$root/tools/bench/lib_bench.sh"
-if [ -z "$model" ]; then
-  model=$work/m
-  # shellcheck disable=SC2086 # extra pd-mkmodel flags
-  "$bin/tools/mkmodel/pd-mkmodel" --preset "$preset" $mkflags --out "$model" || exit 1
-fi
-if [ -z "$gguf" ]; then
-  gguf=$work/m.gguf
-  /usr/bin/python3 "$root/tools/bench/hf_to_gguf.py" "$model" "$gguf" --outtype "$outtype" || exit 1
-fi
-
+peer_model || exit 1
 case " $largs " in
   *" -c "*|*" --ctx-size "*) ;;
   *) slots=$(sed -n 's/.*\(-np\|--parallel\) \([0-9]*\).*/\2/p' <<<"$largs")
      largs="$largs -c $(( ${slots:-1} * (2 * ilen + olen + 64) ))" ;;
 esac
-lport=$(free_port)
 # shellcheck disable=SC2086 # largs is a list of flags
-"$llama" -m "$gguf" --host 127.0.0.1 --port "$lport" $largs >"$work/llama-server.log" 2>&1 &
-lpid=$!
-pids+=("$lpid")
+start_llama "$llama" $largs || exit 1
 start_1p1d pd "$model" || exit 1
-for _ in $(seq 120); do curl -sf "http://127.0.0.1:$lport/health" >/dev/null && break; sleep 1; done
-curl -sf "http://127.0.0.1:$lport/health" >/dev/null || {
-  echo "llama-server: no /health after 120 s:" >&2; tail -5 "$work/llama-server.log" >&2; exit 1; }
 echo "pdserve $(git -C "$root" rev-parse --short HEAD), model $model, llama-server $llama $largs ($gguf), $prompts prompts of $ilen words," \
   "$olen output tokens, goodput $goodput; load average $(cut -d' ' -f1-3 /proc/loadavg)"
 
@@ -94,12 +79,12 @@ print(f"{sys.argv[2]:<28} failed {r['failed']}, {r['total_input_tokens']} prompt
 EOF
 }
 run 0 4 warm-up "$sched_port" 4 >/dev/null # first requests of each server, not measured
-run 0 4 warm-up "$lport" 4 >/dev/null
+run 0 4 warm-up "$llama_port" 4 >/dev/null
 for round in $(seq "$rounds"); do
   for conc in $concs; do
     run "$round" "$conc" pdserve "$sched_port"
-    run "$round" "$conc" llama-server "$lport"
-    kill -0 "$lpid" 2>/dev/null || {
+    run "$round" "$conc" llama-server "$llama_port"
+    kill -0 "$llama_pid" 2>/dev/null || {
       echo "llama-server exited:" >&2; tail -5 "$work/llama-server.log" >&2; exit 1; }
   done
 done

@@ -9,7 +9,7 @@
 #       [--mkmodel "FLAGS"]] [--outtype f32] [--tokens 32] [--min-match 16] [--prompts 4]
 set -u
 root=$(cd "$(dirname "$0")/../.." && pwd)
-bin=$root/build llama="" model="" preset=tiny mkflags="" outtype=f32 ntok=32 minm=16 nprompts=4
+bin=$root/build llama="" model="" gguf="" preset=tiny mkflags="" outtype=f32 ntok=32 minm=16 nprompts=4
 while [ $# -gt 0 ]; do
   case "$1" in
     --llama-server) llama=$2; shift ;;
@@ -30,18 +30,8 @@ done
 bench_name=gguf
 # shellcheck source=tools/bench/lib_bench.sh
 source "$root/tools/bench/lib_bench.sh"
-if [ -z "$model" ]; then
-  model=$work/m
-  # shellcheck disable=SC2086 # extra pd-mkmodel flags
-  "$bin/tools/mkmodel/pd-mkmodel" --preset "$preset" $mkflags --out "$model" >/dev/null || exit 1
-fi
-/usr/bin/python3 "$root/tools/bench/hf_to_gguf.py" "$model" "$work/m.gguf" --outtype "$outtype" || exit 1
-port=$(free_port)
-"$llama" -m "$work/m.gguf" --host 127.0.0.1 --port "$port" -c 2048 -t 2 -np 1 >"$work/llama.log" 2>&1 &
-pids+=($!)
-for _ in $(seq 120); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 1; done
-curl -sf "http://127.0.0.1:$port/health" >/dev/null ||
-  { echo "check_llama_gguf.sh: llama-server not up after 120 s:" >&2; tail -5 "$work/llama.log" >&2; exit 1; }
+peer_model || exit 1
+start_llama "$llama" -c 2048 -t 2 -np 1 || exit 1
 vocab=$(/usr/bin/python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["vocab_size"])' "$model/config.json")
 # prompts: ids drawn with a fixed seed below the vocabulary's specials, 8 + 8 i tokens long
 /usr/bin/python3 - "$vocab" "$nprompts" >"$work/p.ids" <<'EOF'
@@ -56,7 +46,7 @@ EOF
 text="The history of the city, its people and their work: 1,234 words in 56 lines!"
 "$bin/tools/generate/pd-generate" --model "$model" --prompt "$text" --max-tokens 1 --temperature 0 \
   --json >"$work/pd-text.jsonl" || exit 1
-/usr/bin/python3 - "$port" "$ntok" "$minm" "$text" "$work/pd.jsonl" "$work/pd-text.jsonl" <<'EOF'
+/usr/bin/python3 - "$llama_port" "$ntok" "$minm" "$text" "$work/pd.jsonl" "$work/pd-text.jsonl" <<'EOF'
 import json, sys, urllib.request
 port, ntok, minm, text, pd_file, pd_text = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:]
 def post(path, body):
