@@ -33,9 +33,42 @@ start_1p1d() {
       --port "$port" >"$work/$name-$role.log" 2>&1 &
     pids+=($!)
   done
-  for _ in $(seq 120); do curl -sf "http://127.0.0.1:$sched_port/health" >/dev/null && return 0; sleep 1; done
-  echo "start_1p1d $name: no /health after 120 s (logs: $work/$name-*.log)" >&2
+  wait_health "$sched_port" "start_1p1d $name" "$work/$name-*.log"
+}
+
+# wait_health PORT WHAT LOGS: waits (120 s) for http://127.0.0.1:PORT/health to answer 200.
+wait_health() {
+  for _ in $(seq 120); do curl -sf "http://127.0.0.1:$1/health" >/dev/null && return 0; sleep 1; done
+  echo "$2: no /health after 120 s (logs: $3)" >&2
   return 1
+}
+
+# The llama.cpp peer (docs/benchmarks.md, "Peer: llama.cpp").
+# peer_model: sets $model (unless set: pd-mkmodel --preset $preset $mkflags into $work/m) and
+# $gguf (unless set: $model through hf_to_gguf.py as $outtype into $work/m.gguf).
+peer_model() {
+  if [ -z "$model" ]; then
+    model=$work/m
+    # shellcheck disable=SC2086 # extra pd-mkmodel flags
+    "$bin/tools/mkmodel/pd-mkmodel" --preset "$preset" $mkflags --out "$model" >/dev/null || return 1
+  fi
+  if [ -z "$gguf" ]; then
+    gguf=$work/m.gguf
+    /usr/bin/python3 "$root/tools/bench/hf_to_gguf.py" "$model" "$gguf" --outtype "$outtype" || return 1
+  fi
+}
+
+# start_llama BIN [ARGS...]: llama-server BIN on $gguf on loopback with ARGS; log
+# $work/llama-server.log; sets $llama_port and $llama_pid and waits (120 s) for /health.
+start_llama() {
+  local exe=$1
+  shift
+  llama_port=$(free_port)
+  "$exe" -m "$gguf" --host 127.0.0.1 --port "$llama_port" "$@" >"$work/llama-server.log" 2>&1 &
+  llama_pid=$!
+  pids+=("$llama_pid")
+  wait_health "$llama_port" llama-server "$work/llama-server.log" || {
+    tail -5 "$work/llama-server.log" >&2; return 1; }
 }
 
 # bench_line ROUND NAME pd-bench-args...: one pd-bench run (summary only), its failures, output
