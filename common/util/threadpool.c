@@ -86,7 +86,9 @@ static bool take_ticket(pd_threadpool *p)
 static void *worker_main(void *arg)
 {
     pd_threadpool *p = arg;
-    unsigned seen = atomic_load(&p->generation);
+    /* the generation at create, not the current one: a worker that starts after the first run
+       was published must still join it */
+    unsigned seen = 0;
     int spins = 0;
     for (;;) {
         while (atomic_load_explicit(&p->generation, memory_order_acquire) == seen &&
