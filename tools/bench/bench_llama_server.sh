@@ -42,11 +42,10 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-[ -x "$llama" ] || { echo "bench_llama_server.sh: --llama-server: '$llama' is not an executable" >&2; exit 2; }
 bench_name=llama
 # shellcheck source=tools/bench/lib_bench.sh
 source "$root/tools/bench/lib_bench.sh"
-peer_model || exit 1
+peer_model || exit $?
 case " $largs " in
   *" -c "*|*" --ctx-size "*) ;;
   *) slots=$(sed -n 's/.*\(-np\|--parallel\) \([0-9]*\).*/\2/p' <<<"$largs")

@@ -26,11 +26,10 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-[ -x "$llama" ] || { echo "check_llama_gguf.sh: --llama-server: '$llama' is not an executable" >&2; exit 2; }
 bench_name=gguf
 # shellcheck source=tools/bench/lib_bench.sh
 source "$root/tools/bench/lib_bench.sh"
-peer_model || exit 1
+peer_model || exit $?
 start_llama "$llama" -c 2048 -t 2 -np 1 || exit 1
 vocab=$(/usr/bin/python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["vocab_size"])' "$model/config.json")
 # prompts: ids drawn with a fixed seed below the vocabulary's specials, 8 + 8 i tokens long

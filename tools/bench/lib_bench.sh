@@ -44,9 +44,10 @@ wait_health() {
 }
 
 # The llama.cpp peer (docs/benchmarks.md, "Peer: llama.cpp").
-# peer_model: sets $model (unless set: pd-mkmodel --preset $preset $mkflags into $work/m) and
+# peer_model: checks $llama (the llama-server executable; exit status 2 when it is not one), sets $model (unless set: pd-mkmodel --preset $preset $mkflags into $work/m) and
 # $gguf (unless set: $model through hf_to_gguf.py as $outtype into $work/m.gguf).
 peer_model() {
+  [ -x "$llama" ] || { echo "$(basename "$0"): --llama-server: '$llama' is not an executable" >&2; return 2; }
   if [ -z "$model" ]; then
     model=$work/m
     # shellcheck disable=SC2086 # extra pd-mkmodel flags
