@@ -102,6 +102,18 @@ static void setup_eos(pd_engine *e)
     };
 }
 
+/* The scheduler's parameters, from the engine's (resolved by check_params). */
+static pd_sched_params sched_params(const pd_engine_params *p)
+{
+    return (pd_sched_params){.max_num_seqs = p->max_num_seqs,
+                             .max_num_batched_tokens = p->max_num_batched_tokens,
+                             .max_model_len = p->max_model_len,
+                             .chunked_prefill = p->enable_chunked_prefill,
+                             .max_prefill_chunk = p->max_prefill_chunk,
+                             .prefix_caching = p->enable_prefix_caching,
+                             .max_prompt_logit_rows = p->prompt_logprob_rows};
+}
+
 static int check_params(pd_engine *e)
 {
     pd_engine_params *p = &e->p;
@@ -121,11 +133,10 @@ static int check_params(pd_engine *e)
     PD_CHECK(pd_model_resolve_max_len(c, &len));
     p->max_model_len = (size_t)len;
     if (p->max_num_batched_tokens == 0)
-        p->max_num_batched_tokens = p->max_model_len > 2048 ? p->max_model_len : 2048;
-    pd_sched_params sp = {.max_num_seqs = p->max_num_seqs,
-                          .max_num_batched_tokens = p->max_num_batched_tokens,
-                          .max_model_len = p->max_model_len,
-                          .max_prefill_chunk = p->max_prefill_chunk};
+        p->max_num_batched_tokens = p->enable_chunked_prefill ? 512
+                                    : p->max_model_len > 2048 ? p->max_model_len
+                                                              : 2048;
+    pd_sched_params sp = sched_params(p);
     PD_CHECK(pd_sched_check_params(&sp));
     if (p->max_logprobs < 0) return pd_error(PD_EINVAL, "max_logprobs must be >= 0");
     if (p->event_capacity == 0) p->event_capacity = 4 * p->max_num_seqs + 64;
@@ -256,12 +267,7 @@ int pd_engine_create(const pd_engine_params *params, pd_engine **out)
     e->vocab = pd_forward_vocab(e->ranks[0].f);
     setup_eos(e);
     PD_CHECK_GOTO(create_kv(e), rc, fail);
-    pd_sched_params sp = {.max_num_seqs = e->p.max_num_seqs,
-                          .max_num_batched_tokens = e->p.max_num_batched_tokens,
-                          .max_model_len = e->p.max_model_len,
-                          .max_prefill_chunk = e->p.max_prefill_chunk,
-                          .prefix_caching = e->p.enable_prefix_caching,
-                          .max_prompt_logit_rows = e->p.prompt_logprob_rows};
+    pd_sched_params sp = sched_params(&e->p);
     PD_CHECK_GOTO(pd_sched_create(&sp, e->pool, &e->sched), rc, fail);
     PD_CHECK_GOTO(create_buffers(e), rc, fail);
     PD_CHECK_GOTO(eng_ranks_start(e), rc, fail);

@@ -104,7 +104,10 @@ typedef struct {
                                    sequence reuses those of its longest cached prefix */
     /* -- scheduling ------------------------------------------------------------------------ */
     size_t max_num_seqs;           /* (256) */
-    size_t max_num_batched_tokens; /* rows per step; 0 = max(max_model_len, 2048) */
+    size_t max_num_batched_tokens; /* rows per step; 0 = 512 with enable_chunked_prefill, else
+                                      max(max_model_len, 2048) (vLLM 0.5's defaults) */
+    bool enable_chunked_prefill;   /* (false) vLLM's: max_num_batched_tokens may be below
+                                      max_model_len (pd_sched_params.chunked_prefill) */
     size_t max_model_len;          /* 0 = the model's max_position_embeddings */
     size_t max_prefill_chunk;      /* rows of one prefilling sequence per step; 0 = budget only */
     /* -- sampling and output --------------------------------------------------------------- */

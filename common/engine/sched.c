@@ -78,7 +78,7 @@ int pd_sched_check_params(const pd_sched_params *p)
 {
     if (p->max_model_len == 0) return pd_error(PD_EINVAL, "max_model_len must be at least 1");
     if (p->max_num_seqs == 0) return pd_error(PD_EINVAL, "max_num_seqs must be at least 1");
-    if (p->max_num_batched_tokens < p->max_model_len)
+    if (!p->chunked_prefill && p->max_num_batched_tokens < p->max_model_len)
         return pd_error(PD_EINVAL,
                         "max_num_batched_tokens (%zu) is smaller than max_model_len (%zu). This "
                         "effectively limits the maximum sequence length to max_num_batched_tokens "

@@ -30,9 +30,14 @@ typedef struct pd_sched_seq pd_sched_seq;
 
 typedef struct {
     size_t max_num_seqs;           /* sequences per step and running at once (256) */
-    size_t max_num_batched_tokens; /* rows per step (default = max_model_len); >= max_model_len
-                                      and >= max_num_seqs */
+    size_t max_num_batched_tokens; /* rows per step (2048); >= max_num_seqs, and >=
+                                      max_model_len unless chunked_prefill */
     size_t max_model_len;          /* prompt + output tokens of one sequence (2048) */
+    bool chunked_prefill;          /* vLLM's enable_chunked_prefill: max_num_batched_tokens may be
+                                      below max_model_len, a longer prompt (or recompute) then
+                                      always prefills over several steps (false). Either way a
+                                      prompt that does not fit a step's remaining rows goes on in
+                                      the next step */
     size_t max_prefill_chunk;      /* rows one sequence may take in a step while it is
                                       prefilling (vLLM's long_prefill_token_threshold);
                                       0 = no limit but the token budget */
@@ -49,10 +54,10 @@ typedef struct {
 /* Defaults as documented on each field. */
 pd_sched_params pd_sched_default_params(void);
 
-/* PD_EINVAL with vLLM's wording when the budgets are inconsistent, e.g. "max_num_batched_tokens
- * (512) is smaller than max_model_len (2048). This effectively limits the maximum sequence
- * length to max_num_batched_tokens and makes vLLM reject longer sequences. Please increase
- * max_num_batched_tokens or decrease max_model_len." */
+/* PD_EINVAL with vLLM's wording when the budgets are inconsistent, e.g. without chunked_prefill
+ * "max_num_batched_tokens (512) is smaller than max_model_len (2048). This effectively limits
+ * the maximum sequence length to max_num_batched_tokens and makes vLLM reject longer sequences.
+ * Please increase max_num_batched_tokens or decrease max_model_len." */
 int pd_sched_check_params(const pd_sched_params *p);
 
 typedef enum {

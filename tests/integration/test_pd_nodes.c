@@ -98,11 +98,18 @@ static int start_shape(cl_cluster *c, const char *prefill, const char *decode, c
     return rc;
 }
 
-/* extra: flags of the nodes and of pd-generate alike (NULL ok). */
-static void run_shape(const char *prefill, const char *decode, int n_prompts, char *const extra[])
+/* extra: flags of the nodes and of pd-generate alike (NULL ok); node_only: more flags of the
+ * nodes alone (NULL ok). */
+static void run_shape_ex(const char *prefill, const char *decode, int n_prompts,
+                         char *const extra[], char *const node_only[])
 {
+    char *nodes[16];
+    size_t n = 0;
+    for (char *const *a = extra; a && *a && n < 15; a++) nodes[n++] = *a;
+    for (char *const *a = node_only; a && *a && n < 15; a++) nodes[n++] = *a;
+    nodes[n] = NULL;
     cl_cluster c;
-    ASSERT_OK(start_shape(&c, prefill, decode, extra));
+    ASSERT_OK(start_shape(&c, prefill, decode, nodes));
     int bad_greedy = compare_split_colocated(&c, n_prompts, 0.0, 7, extra);
     int bad_seeded = compare_split_colocated(&c, n_prompts, 0.8, 1234, extra);
     if (bad_greedy || bad_seeded)
@@ -113,9 +120,23 @@ static void run_shape(const char *prefill, const char *decode, int n_prompts, ch
     ASSERT_EQ_INT(bad_exit, 0); /* every node drained and exited 0 on SIGTERM */
 }
 
+static void run_shape(const char *prefill, const char *decode, int n_prompts, char *const extra[])
+{
+    run_shape_ex(prefill, decode, n_prompts, extra, NULL);
+}
+
 TEST(pd_1p1d_split_equals_colocated)
 {
     run_shape("0", "1", N_PROMPTS, NULL);
+}
+
+/* --enable-chunked-prefill with a 16-token step: every prompt (up to 64 tokens) prefills over
+ * several steps on the prefill instance, and the tokens equal pd-generate's unchunked run. */
+TEST(pd_1p1d_chunked_prefill_equals_colocated)
+{
+    char *chunked[] = {
+        "--enable-chunked-prefill", "--max-num-batched-tokens", "16", "--max-num-seqs", "8", NULL};
+    run_shape_ex("0", "1", 8, NULL, chunked);
 }
 
 /* --dtype bfloat16 on the CPU (bf16 matmuls): instances and pd-generate in the same mode give the

@@ -31,13 +31,15 @@ grep -q "Per-instance launcher" <<<"$out" || fail "sh start_servers.sh --help: n
 
 # one command line serves every role, with vLLM's flags too: each role parses it, then --help
 noop=(--disable-log-requests --disable-log-stats --trust-remote-code --use-v2-block-manager
-      --enable-chunked-prefill --disable-custom-all-reduce --revision main --load-format safetensors
+      --disable-custom-all-reduce --revision main --load-format safetensors
       --tokenizer-mode auto --distributed-executor-backend mp)
 for form in space eq; do
     if [ $form = space ]; then
-        more=(--device cuda --served-model-name tiny tiny-alias --shutdown-timeout 2.5 --swap-space 16)
+        more=(--device cuda --served-model-name tiny tiny-alias --shutdown-timeout 2.5 --swap-space 16
+              --enable-chunked-prefill)
     else
-        more=(--device=cuda --served-model-name=tiny --shutdown-timeout=2.5 --swap-space=16)
+        more=(--device=cuda --served-model-name=tiny --shutdown-timeout=2.5 --swap-space=16
+              --no-enable-chunked-prefill)
     fi
     for table in 0 1 host; do
         out=$(RANK_TABLE_FILE_PATH="$work/local_ranktable_127.0.0.1_$table.json" sh "$src/deploy/start_servers.sh" \

@@ -9,7 +9,10 @@
 #   tools/bench/bench_llama_server.sh --llama-server BIN [--build DIR] [--model DIR | --preset P
 #       [--mkmodel "FLAGS"]] [--gguf FILE] [--outtype f32|bf16] [--llama-args "-t 2 -np 16"]
 #       [--input-len 256] [--output-len 64] [--prompts 64] [--concurrency "1 16"] [--rounds 3]
-#       [--goodput ttft:2000,tpot:50]
+#       [--goodput ttft:2000,tpot:50] [--pd-args "FLAGS"]
+#
+# --pd-args: flags for pdserve's instances (every role's command line gets them, as in the guide,
+# e.g. "--cpu-threads 1" for a static split or "--enable-chunked-prefill"); default none.
 #
 # The chat endpoint carries text prompts (pd-bench's random words, the same for both servers and
 # tokenized by each with the same tokenizer); llama-server's /v1/completions takes no token ids.
@@ -20,7 +23,7 @@
 set -u
 root=$(cd "$(dirname "$0")/../.." && pwd)
 bin=$root/build llama="" model="" preset=small mkflags="" gguf="" outtype=f32 largs="-t 2 -np 16"
-ilen=256 olen=64 prompts=64 concs="1 16" rounds=3 goodput=ttft:2000,tpot:50
+ilen=256 olen=64 prompts=64 concs="1 16" rounds=3 goodput=ttft:2000,tpot:50 pd_args=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --llama-server) llama=$2; shift ;;
@@ -37,7 +40,8 @@ while [ $# -gt 0 ]; do
     --concurrency) concs=$2; shift ;;
     --rounds) rounds=$2; shift ;;
     --goodput) goodput=$2; shift ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    --pd-args) pd_args=$2; shift ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
     *) echo "bench_llama_server.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
   esac
   shift
@@ -54,7 +58,7 @@ esac
 # shellcheck disable=SC2086 # largs is a list of flags
 start_llama "$llama" $largs || exit 1
 start_1p1d pd "$model" || exit 1
-echo "pdserve $(git -C "$root" rev-parse --short HEAD), model $model, llama-server $llama $largs ($gguf), $prompts prompts of $ilen words," \
+echo "pdserve $(git -C "$root" rev-parse --short HEAD) ${pd_args:-(default flags)}, model $model, llama-server $llama $largs ($gguf), $prompts prompts of $ilen words," \
   "$olen output tokens, goodput $goodput; load average $(cut -d' ' -f1-3 /proc/loadavg)"
 
 # one pd-bench run, one line from its result file. Every run draws its own prompts (seed from

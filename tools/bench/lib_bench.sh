@@ -13,8 +13,9 @@ trap cleanup EXIT
 free_port() { /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
 # start_1p1d NAME MODEL_DIR [VAR=VALUE ...]: a 1P1D cluster of MODEL_DIR on loopback
-# (deploy/start_servers.sh, default flags; the assignments go into every process's environment)
-# with its scheduler; logs in $work/NAME-*.log; sets $sched_port and waits (120 s) for /health.
+# (deploy/start_servers.sh, default flags and the words of $pd_args, if set, on every role's
+# command line as in the guide; the assignments go into every process's environment) with its
+# scheduler; logs in $work/NAME-*.log; sets $sched_port and waits (120 s) for /health.
 # Needs $bin (the build directory) and $root.
 start_1p1d() {
   local name=$1 model=$2 dir="$work/$1"
@@ -26,11 +27,12 @@ start_1p1d() {
   pp=$(free_port) dp=$(free_port) sched_port=$(free_port)
   for spec in "prefill:0:$pp" "decode:1:$dp" "scheduler:host:$sched_port"; do
     IFS=: read -r role table port <<<"$spec"
+    # shellcheck disable=SC2086 # pd_args is a list of flags
     env "$@" GLOBAL_RANK_TABLE_FILE_PATH="$dir/global_ranktable_127.0.0.1.json" \
       NODE_PORTS="$pp,$dp" USE_OPENAI=1 PD_BIN_DIR="$bin" \
       RANK_TABLE_FILE_PATH="$dir/local_ranktable_127.0.0.1_$table.json" \
       "$root/deploy/start_servers.sh" --model "$model" --served-model-name m --host 127.0.0.1 \
-      --port "$port" >"$work/$name-$role.log" 2>&1 &
+      --port "$port" ${pd_args:-} >"$work/$name-$role.log" 2>&1 &
     pids+=($!)
   done
   wait_health "$sched_port" "start_1p1d $name" "$work/$name-*.log"

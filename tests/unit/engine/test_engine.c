@@ -300,6 +300,43 @@ TEST(engine_staggered_arrivals_and_chunks_equal_alone)
     }
 }
 
+/* vLLM's enable_chunked_prefill: a step budget below max_model_len is refused without it (vLLM's
+ * message), and with it every prompt longer than the budget prefills over several steps, each
+ * request still getting its tokens alone. */
+TEST(engine_chunked_prefill_budget_below_max_model_len)
+{
+    ASSERT_OK(tiny());
+    static treq reqs[8];
+    static tout alone[MAX_REQ], chunked[MAX_REQ];
+    memset(alone, 0, sizeof alone);
+    memset(chunked, 0, sizeof chunked);
+    pd_engine_params p = base_params();
+    for (int i = 0; i < 8; i++) make_req(&reqs[i], i + 70, pd_tok_vocab_size(g_tok));
+    for (int i = 0; i < 8; i++) snprintf(reqs[i].id, sizeof reqs[i].id, "req-%d", i);
+    ASSERT_OK(run_alone(&p, reqs, 8, alone));
+    p.max_num_batched_tokens = 64;
+    pd_engine *e = NULL;
+    ASSERT_ERR(pd_engine_create(&p, &e), PD_EINVAL,
+               "max_num_batched_tokens (64) is smaller than max_model_len (256).");
+    p.enable_chunked_prefill = true;
+    ASSERT_OK(pd_engine_create(&p, &e));
+    int rc = PD_OK;
+    for (int i = 0; rc >= 0 && i < 8; i++) rc = add_req(e, &reqs[i], PD_PHASE_FULL);
+    size_t steps = 0;
+    while (rc >= 0 && pd_engine_has_work(e) && steps++ < 5000) {
+        rc = pd_engine_step(e, NULL);
+        if (rc >= 0) rc = drain(e, chunked);
+    }
+    pd_engine_free(e);
+    ASSERT_OK(rc);
+    size_t longest = 0;
+    for (int i = 0; i < 8; i++) {
+        if (reqs[i].n_prompt > longest) longest = reqs[i].n_prompt;
+        ASSERT_MSG(same_tokens(&alone[i], &chunked[i], 1), "request %d differs when chunked", i);
+    }
+    ASSERT_MSG(longest > 64, "no prompt longer than the budget (%zu)", longest);
+}
+
 TEST(engine_text_is_the_incremental_decode)
 {
     ASSERT_OK(tiny());

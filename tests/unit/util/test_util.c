@@ -453,8 +453,6 @@ TEST(flags_vllm_no_effect_values)
                   "--tokenizer_mode",
                   "auto",
                   "--use-v2-block-manager",
-                  "--enable-chunked-prefill",
-                  "--no-enable-chunked-prefill",
                   "--distributed-executor-backend=mp",
                   "--disable-custom-all-reduce",
                   NULL};
