@@ -46,6 +46,7 @@ typedef struct {
     int64_t running, waiting, held;    /* from Stats: the engine's queues */
     int64_t stats_ns;                  /* when the last Stats answered (pd_now_ns), 0 = never */
     int64_t steps[PD_ENGINE_STEP_BINS], steps_sum; /* from Stats: cumulative, this process's */
+    pd_reg_spec spec;                              /* from Stats: cumulative */
     int max_num_seqs;
     char transport[16]; /* from Info */
     uint64_t epoch;     /* from Info: Stats with another one means the process restarted */
@@ -360,6 +361,11 @@ static void heartbeat_node(pd_reg *r, int k, bool again)
     nd->preemptions = st->num_preemptions;
     nd->cache_queries = st->prefix_cache_queries;
     nd->cache_hits = st->prefix_cache_hits;
+    nd->spec = (pd_reg_spec){.drafts = st->spec_drafts,
+                             .draft_tokens = st->spec_draft_tokens,
+                             .accepted = st->spec_accepted_tokens};
+    for (size_t i = 0; i < st->n_spec_accepted_per_pos && i < PD_ENGINE_SPEC_MAX_TOKENS; i++)
+        nd->spec.per_pos[i] = st->spec_accepted_per_pos[i];
     nd->running = st->num_running;
     nd->waiting = st->num_waiting;
     nd->held = st->num_held;
@@ -763,6 +769,20 @@ void pd_reg_prefix_cache(pd_reg *r, int64_t *queries, int64_t *hits)
     for (int k = 0; k < r->n; k++) {
         *queries += r->nodes[k].cache_queries;
         *hits += r->nodes[k].cache_hits;
+    }
+    pthread_mutex_unlock(&r->mu);
+}
+
+void pd_reg_spec_totals(pd_reg *r, pd_reg_spec *out)
+{
+    *out = (pd_reg_spec){0};
+    pthread_mutex_lock(&r->mu);
+    for (int k = 0; k < r->n; k++) {
+        const pd_reg_spec *s = &r->nodes[k].spec;
+        out->drafts += s->drafts;
+        out->draft_tokens += s->draft_tokens;
+        out->accepted += s->accepted;
+        for (size_t i = 0; i < PD_ENGINE_SPEC_MAX_TOKENS; i++) out->per_pos[i] += s->per_pos[i];
     }
     pthread_mutex_unlock(&r->mu);
 }

@@ -128,6 +128,13 @@ int64_t pd_reg_preemptions(pd_reg *r);
 int pd_reg_cache_block(pd_reg *r, rt_role role);
 /* Prefix cache tokens queried and hit, summed over every instance (from the last Stats). */
 void pd_reg_prefix_cache(pd_reg *r, int64_t *queries, int64_t *hits);
+
+/* Speculative decoding's counters of the decode instances, cumulative (their last Stats). */
+typedef struct {
+    int64_t drafts, draft_tokens, accepted;
+    int64_t per_pos[PD_ENGINE_SPEC_MAX_TOKENS];
+} pd_reg_spec;
+void pd_reg_spec_totals(pd_reg *r, pd_reg_spec *out);
 /* The engines' queues from the instances' last Stats (those that answered within three
  * heartbeat periods): *running, sequences in their running batches; *waiting, sequences in
  * their waiting queues plus those a prefill instance holds computed until the decode side has

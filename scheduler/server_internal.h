@@ -263,6 +263,8 @@ struct pd_apiserver {
     pd_metrics *m;
     pd_metric *m_cache_q, *m_cache_h;
     int64_t cache_q_seen, cache_h_seen;
+    pd_metric *m_spec_drafts, *m_spec_draft_tokens, *m_spec_accepted, *m_spec_pos;
+    pd_reg_spec spec_seen; /* what the vllm:spec_decode_* counters hold */
     pd_metric *m_running, *m_waiting, *m_kv, *m_gpu_kv, *m_preempt, *m_prompt, *m_gen, *m_success,
         *m_h_prompt, *m_h_gen, *m_h_n, *m_h_max, *m_ttft, *m_tpot, *m_e2e, *m_queue, *m_prefill,
         *m_decode, *m_infer, *m_kv_bytes, *m_kv_secs, *m_up, *m_unsent, *m_iter, *m_h_best_of,

@@ -105,6 +105,18 @@ void srv_handle_metrics(pd_apiserver *s, pd_http_exchange *ex)
     pd_reg_prefix_cache(s->reg, &cq, &ch);
     follow_counter(s->m_cache_q, s->labels, cq, &s->cache_q_seen);
     follow_counter(s->m_cache_h, s->labels, ch, &s->cache_h_seen);
+    pd_reg_spec sp;
+    pd_reg_spec_totals(s->reg, &sp);
+    follow_counter(s->m_spec_drafts, s->labels, sp.drafts, &s->spec_seen.drafts);
+    follow_counter(s->m_spec_draft_tokens, s->labels, sp.draft_tokens, &s->spec_seen.draft_tokens);
+    follow_counter(s->m_spec_accepted, s->labels, sp.accepted, &s->spec_seen.accepted);
+    for (int i = 0; i < PD_ENGINE_SPEC_MAX_TOKENS; i++) {
+        if (sp.per_pos[i] == 0) continue; /* positions past num_speculative_tokens stay out */
+        char pos[8];
+        snprintf(pos, sizeof pos, "%d", i);
+        const char *lv[3] = {s->labels[0], s->labels[1], pos};
+        follow_counter(s->m_spec_pos, lv, sp.per_pos[i], &s->spec_seen.per_pos[i]);
+    }
     char *text = pd_metrics_render(s->m);
     if (!text) {
         pd_http_respond_error(ex, 500, "out of memory", NULL);
@@ -156,6 +168,14 @@ int srv_metrics_init(pd_apiserver *s)
         "Prefix cache queries, in terms of number of queried tokens.", ml, NULL, 0);
     ADD(s->m_cache_h, PD_METRIC_COUNTER, "vllm:prefix_cache_hits_total",
         "Prefix cache hits, in terms of number of cached tokens.", ml, NULL, 0);
+    ADD(s->m_spec_drafts, PD_METRIC_COUNTER, "vllm:spec_decode_num_drafts_total",
+        "Number of spec decoding drafts.", ml, NULL, 0);
+    ADD(s->m_spec_draft_tokens, PD_METRIC_COUNTER, "vllm:spec_decode_num_draft_tokens_total",
+        "Number of draft tokens.", ml, NULL, 0);
+    ADD(s->m_spec_accepted, PD_METRIC_COUNTER, "vllm:spec_decode_num_accepted_tokens_total",
+        "Number of accepted tokens.", ml, NULL, 0);
+    ADD(s->m_spec_pos, PD_METRIC_COUNTER, "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+        "Accepted tokens per draft position.", "model_name,engine,position", NULL, 0);
     ADD(s->m_prompt, PD_METRIC_COUNTER, "vllm:prompt_tokens_total",
         "Number of prefill tokens processed.", ml, NULL, 0);
     ADD(s->m_gen, PD_METRIC_COUNTER, "vllm:generation_tokens_total",

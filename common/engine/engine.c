@@ -44,6 +44,11 @@ pd_engine_params pd_engine_default_params(void)
         .max_num_batched_tokens = 0,
         .max_model_len = 0,
         .max_prefill_chunk = 0,
+        .spec_num_tokens = 0,
+        .spec_ngram_max = 4,
+        .spec_ngram_min = 1,
+        .spec_disable_batch = 0,
+        .spec_max_step_rows = 32,
         .seed = -1,
         .max_logprobs = 20,
         .prompt_logprob_rows = 128,
@@ -102,6 +107,12 @@ static void setup_eos(pd_engine *e)
     };
 }
 
+size_t eng_max_out_rows(const pd_engine_params *p)
+{
+    return p->max_num_seqs + p->prompt_logprob_rows +
+           (p->spec_num_tokens ? p->spec_max_step_rows : 0);
+}
+
 /* The scheduler's parameters, from the engine's (resolved by check_params). */
 static pd_sched_params sched_params(const pd_engine_params *p)
 {
@@ -139,6 +150,15 @@ static int check_params(pd_engine *e)
     pd_sched_params sp = sched_params(p);
     PD_CHECK(pd_sched_check_params(&sp));
     if (p->max_logprobs < 0) return pd_error(PD_EINVAL, "max_logprobs must be >= 0");
+    if (p->spec_num_tokens > PD_ENGINE_SPEC_MAX_TOKENS)
+        return pd_error(PD_EINVAL, "num_speculative_tokens (%zu) must be at most %d",
+                        p->spec_num_tokens, PD_ENGINE_SPEC_MAX_TOKENS);
+    if (p->spec_num_tokens && (p->spec_ngram_min < 1 || p->spec_ngram_max < p->spec_ngram_min))
+        return pd_error(PD_EINVAL,
+                        "prompt_lookup_min (%zu) must be >= 1 and at most prompt_lookup_max (%zu)",
+                        p->spec_ngram_min, p->spec_ngram_max);
+    if (p->spec_num_tokens && p->spec_max_step_rows == 0)
+        return pd_error(PD_EINVAL, "spec_max_step_rows must be at least 1");
     if (p->event_capacity == 0) p->event_capacity = 4 * p->max_num_seqs + 64;
     if (p->event_capacity < p->max_num_seqs + 1)
         return pd_error(PD_EINVAL, "event_capacity (%zu) must exceed max_num_seqs (%zu)",
@@ -171,7 +191,7 @@ static int create_kv(pd_engine *e)
         PD_CHECK(pd_backend_get_ops(rk->b)->kv_create(rk->b, &kr, &rk->kv));
         rk->bounce_bytes = pd_kv_block_bytes(&kr) / (size_t)kr.n_layers;
         rk->bounce = malloc(rk->bounce_bytes);
-        rk->logits = malloc((p->max_num_seqs + p->prompt_logprob_rows) * e->vocab * sizeof(float));
+        rk->logits = malloc(eng_max_out_rows(p) * e->vocab * sizeof(float));
         if (!rk->bounce || !rk->logits) return pd_error(PD_ENOMEM, "engine: out of memory");
     }
     size_t tokens = n_blocks * p->block_size;
@@ -203,13 +223,14 @@ static int create_buffers(pd_engine *e)
     e->st_kvlen = malloc(S * sizeof(int32_t));
     e->st_bindptr = malloc((S + 1) * sizeof(int32_t));
     e->st_blocks = malloc(S * e->max_blocks_per_seq * sizeof(int32_t));
-    e->st_outrows = malloc((S + p->prompt_logprob_rows) * sizeof(int32_t));
+    e->st_outrows = malloc(eng_max_out_rows(p) * sizeof(int32_t));
+    e->spec_drafts = malloc(S * (p->spec_num_tokens ? p->spec_num_tokens : 1) * sizeof(int32_t));
     e->item_out = malloc(S * sizeof(int32_t));
     e->item_lp_out = malloc(S * sizeof(int32_t));
     e->cap = p->event_capacity;
     e->slots = calloc(e->cap, sizeof *e->slots);
     if (!e->st_tokens || !e->st_qindptr || !e->st_kvlen || !e->st_bindptr || !e->st_blocks ||
-        !e->st_outrows || !e->item_out || !e->item_lp_out || !e->slots)
+        !e->st_outrows || !e->item_out || !e->item_lp_out || !e->spec_drafts || !e->slots)
         return pd_error(PD_ENOMEM, "engine: out of memory for step buffers");
     size_t k = p->max_logprobs > 0 ? (size_t)p->max_logprobs : 1;
     for (size_t i = 0; i < e->cap; i++) {
@@ -277,6 +298,12 @@ int pd_engine_create(const pd_engine_params *params, pd_engine **out)
             "vocab %zu, %s",
             pd_arch_name(e->model->config.arch), e->tp, e->p.max_model_len, e->p.max_num_seqs,
             e->p.max_num_batched_tokens, e->vocab, e->tok ? "with tokenizer" : "no tokenizer");
+    if (e->p.spec_num_tokens)
+        PD_INFO("-",
+                "speculative decoding: [ngram], %zu draft tokens per step, n-grams of %zu to %zu, "
+                "while steps have at most %zu rows%s",
+                e->p.spec_num_tokens, e->p.spec_ngram_min, e->p.spec_ngram_max,
+                e->p.spec_max_step_rows, e->p.spec_disable_batch ? " and fewer sequences run" : "");
     *out = e;
     return PD_OK;
 fail:
@@ -320,6 +347,7 @@ void pd_engine_free(pd_engine *e)
     free(e->st_outrows);
     free(e->item_out);
     free(e->item_lp_out);
+    free(e->spec_drafts);
     pd_sampler_ws_free(e->ws);
     eng_masks_stop(e);
     pd_gcache_free(e->gcache);

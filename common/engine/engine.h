@@ -110,6 +110,14 @@ typedef struct {
                                       max_model_len (pd_sched_params.chunked_prefill) */
     size_t max_model_len;          /* 0 = the model's max_position_embeddings */
     size_t max_prefill_chunk;      /* rows of one prefilling sequence per step; 0 = budget only */
+    /* -- speculative decoding (vLLM's n-gram prompt lookup, engine/spec.h) ----------------- */
+    size_t spec_num_tokens;    /* drafts a decoding sequence may verify per step; 0 = off */
+    size_t spec_ngram_max;     /* longest suffix n-gram looked up in the sequence (4) */
+    size_t spec_ngram_min;     /* shortest (1) */
+    size_t spec_disable_batch; /* no drafts while this many sequences run or more; 0 = none
+                                  (vLLM's speculative_disable_by_batch_size) */
+    size_t spec_max_step_rows; /* drafts join a step while its rows stay within this: where a
+                                  step's time still grows little with its rows (32) */
     /* -- sampling and output --------------------------------------------------------------- */
     int64_t seed;                 /* -1 (default): a request without a seed gets a random one;
                                      else seed of a seedless request = mix(seed, request counter) */
@@ -271,7 +279,8 @@ void pd_engine_event_done(pd_engine *e);
 
 /* ---- queries ------------------------------------------------------------------------------ */
 
-#define PD_ENGINE_STEP_BINS 16 /* pd_engine_stats.step_tokens: up to 2^14 tokens, then above */
+#define PD_ENGINE_STEP_BINS       16 /* pd_engine_stats.step_tokens: up to 2^14 tokens, then above */
+#define PD_ENGINE_SPEC_MAX_TOKENS 16 /* the most drafts per sequence step (spec_num_tokens) */
 
 typedef struct {
     size_t num_running; /* sequences */
@@ -296,6 +305,11 @@ typedef struct {
      * into any power-of-two buckets (vLLM's vllm:iteration_tokens_total) */
     uint64_t step_tokens[PD_ENGINE_STEP_BINS];
     uint64_t step_tokens_sum; /* tokens over all steps */
+    /* speculative decoding (vLLM's vllm:spec_decode_* counters), cumulative */
+    uint64_t spec_drafts;          /* sequence steps that verified drafts */
+    uint64_t spec_draft_tokens;    /* draft tokens verified */
+    uint64_t spec_accepted_tokens; /* of those, accepted */
+    uint64_t spec_accepted_per_pos[PD_ENGINE_SPEC_MAX_TOKENS]; /* accepted at draft position i */
 } pd_engine_stats;
 
 /* A consistent snapshot (any thread). */

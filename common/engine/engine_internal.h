@@ -53,12 +53,15 @@ typedef struct {
     pd_sched_seq *sq; /* NULL for a child not forked yet */
     pd_sampler_seq *smp;
     pd_stop *stop;
-    pd_detok *detok; /* NULL without a tokenizer */
-    pd_gmatcher *gm; /* structured output: the grammar's state; NULL when unguided */
-    uint32_t *mask;  /* its allowed tokens for the next draw (with gm), made by the mask
-                        thread while the forward pass runs */
-    int mask_rc;     /* status of that computation */
-    bool ended;      /* its final event was pushed */
+    pd_detok *detok;    /* NULL without a tokenizer */
+    pd_gmatcher *gm;    /* structured output: the grammar's state; NULL when unguided */
+    uint32_t *mask;     /* its allowed tokens for the next draw (with gm), made by the mask
+                           thread while the forward pass runs */
+    int mask_rc;        /* status of that computation */
+    bool ended;         /* its final event was pushed */
+    float spec_rate;    /* speculative decoding: recent share of its drafts accepted (decaying
+                           average, starts at 1) */
+    uint32_t spec_rest; /* steps to go without drafts (the rate fell below SPEC_MIN_RATE) */
 } eng_seq;
 
 typedef enum {
@@ -171,6 +174,7 @@ struct pd_engine {
     int32_t *st_outrows;  /* (max_num_seqs + prompt_logprob_rows) */
     int32_t *item_out;    /* (max_num_seqs) logits row of each item, -1 when none */
     int32_t *item_lp_out; /* (max_num_seqs) first logits row of an item's prompt-logprob rows */
+    int32_t *spec_drafts; /* (max_num_seqs * spec_num_tokens) the drafts of each item */
     pd_step step;
     pd_sched_out so;
     pd_sampler_ws *ws;
@@ -221,6 +225,20 @@ bool eng_seq_end_status(pd_engine *e, eng_seq *s, int status, const char *msg);
  * (res: the sampler's result for logprobs, or NULL). Finishes the sequence when the checker says
  * so (prefill-only sequences are held instead). Under mu; the caller checked the queue has room. */
 int eng_seq_emit_token(pd_engine *e, eng_seq *s, int32_t token, const pd_sample_result *res);
+
+/* engine.c: logits rows a step may ask for (sampling, prompt logprobs, drafts). */
+size_t eng_max_out_rows(const pd_engine_params *p);
+
+/* engine_spec.c (under mu): drafts for the schedule's decoding items (spec_num_tokens > 0), after
+ * pd_sched_schedule and before the step is built. */
+int eng_spec_propose(pd_engine *e);
+/* Samples item i's rows one by one, accepting its drafts while the sampled token equals them;
+ * emits every token sampled (under mu). */
+int eng_spec_process(pd_engine *e, size_t i, const float *logits);
+
+/* engine_step.c: samples one token for s from logits, advances its grammar, appends it and
+ * emits it (under mu; the queue has room). */
+int eng_sample_emit(pd_engine *e, eng_seq *s, const float *logits);
 
 /* engine_ranks.c */
 /* The backend group's parameters from e->p (and e's sizes, once known). */

@@ -141,7 +141,7 @@ int eng_ranks_create(pd_engine *e)
         pd_backend_group_allreduce(e->group, r, &fp.allreduce, &fp.allreduce_ctx);
         fp.max_tokens = p->max_num_batched_tokens;
         fp.max_seqs = p->max_num_seqs;
-        fp.max_out = p->max_num_seqs + p->prompt_logprob_rows;
+        fp.max_out = eng_max_out_rows(p);
         PD_CHECK(pd_forward_create(rk->b, e->model, &fp, &rk->f));
     }
     return PD_OK;

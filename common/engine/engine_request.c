@@ -231,6 +231,7 @@ static int req_build(pd_engine *e, const pd_engine_request *rq, eng_req **out)
         eng_seq *s = &r->seqs[i];
         s->req = r;
         s->index = i;
+        s->spec_rate = 1.0f;
         PD_CHECK_GOTO(pd_sampler_seq_create(&r->sp, (int32_t)e->vocab, e->eos_ids, e->n_eos, i,
                                             rq->prompt_ids, rq->n_prompt, &s->smp),
                       rc, fail);

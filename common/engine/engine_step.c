@@ -54,9 +54,10 @@ static int build_step(pd_engine *e)
         memcpy(e->st_blocks + nb_total, pd_kvtable_ids(t), nb * sizeof(int32_t));
         nb_total += nb;
         e->st_bindptr[i + 1] = (int32_t)nb_total;
-        if (it->sample) {
+        if (it->sample) { /* the last row, and with drafts the rows that verify them */
             e->item_out[i] = (int32_t)n_out;
-            e->st_outrows[n_out++] = (int32_t)(row - 1);
+            for (size_t d = it->n_draft + 1; d > 0; d--)
+                e->st_outrows[n_out++] = (int32_t)(row - d);
         } else {
             e->item_out[i] = -1;
         }
@@ -112,24 +113,26 @@ static int process_item(pd_engine *e, size_t i, const float *logits)
     }
     uint32_t first = s->index, last = s->index;
     if (s->index == 0 && pd_seq_num_output(it->seq) == 0 && r->n > 1) last = r->n - 1;
-    for (uint32_t c = first; c <= last; c++) {
-        eng_seq *cs = &r->seqs[c];
-        if (cs->ended) continue;
-        if (e->p.on_logits)
-            e->p.on_logits(e->p.on_logits_ctx, r->id, c, pd_sampler_seq_num_output(cs->smp), logits,
-                           e->vocab);
-        pd_sample_result res;
-        if (cs->gm && cs->mask_rc < 0) /* the mask thread's (thread-local errors stay there) */
-            return pd_error(cs->mask_rc, "structured output: the token mask failed (%s)",
-                            pd_status_name(cs->mask_rc));
-        /* structured output: only what the grammar allows next (masks_start) */
-        PD_CHECK(pd_sample(cs->smp, logits, cs->gm ? cs->mask : NULL, e->ws, &res));
-        if (cs->gm) PD_CHECK(pd_gmatcher_accept_token(cs->gm, res.token));
-        PD_CHECK(pd_sched_append(e->sched, cs->sq, res.token));
-        e->stats.generation_tokens++;
-        PD_CHECK(eng_seq_emit_token(e, cs, res.token, &res));
-    }
+    for (uint32_t c = first; c <= last; c++)
+        if (!r->seqs[c].ended) PD_CHECK(eng_sample_emit(e, &r->seqs[c], logits));
     return PD_OK;
+}
+
+int eng_sample_emit(pd_engine *e, eng_seq *s, const float *logits)
+{
+    if (e->p.on_logits)
+        e->p.on_logits(e->p.on_logits_ctx, s->req->id, s->index, pd_sampler_seq_num_output(s->smp),
+                       logits, e->vocab);
+    pd_sample_result res;
+    if (s->gm && s->mask_rc < 0) /* the mask thread's (thread-local errors stay there) */
+        return pd_error(s->mask_rc, "structured output: the token mask failed (%s)",
+                        pd_status_name(s->mask_rc));
+    /* structured output: only what the grammar allows next (masks_start) */
+    PD_CHECK(pd_sample(s->smp, logits, s->gm ? s->mask : NULL, e->ws, &res));
+    if (s->gm) PD_CHECK(pd_gmatcher_accept_token(s->gm, res.token));
+    PD_CHECK(pd_sched_append(e->sched, s->sq, res.token));
+    e->stats.generation_tokens++;
+    return eng_seq_emit_token(e, s, res.token, &res);
 }
 
 /* Frees, once each, the requests of the last schedule's items that have ended (under mu). The
@@ -256,6 +259,7 @@ static int step_once(pd_engine *e, bool *did_work)
         return pd_error(PD_EBUSY, "output queue full: drain the events");
     }
     rc = pd_sched_schedule(e->sched, &e->so);
+    if (rc >= 0 && e->p.spec_num_tokens) rc = eng_spec_propose(e);
     if (rc >= 0) rc = build_step(e);
     if (rc < 0 || e->so.n_items == 0) {
         e->so.n_items = 0;
@@ -297,8 +301,9 @@ static int step_once(pd_engine *e, bool *did_work)
                     (it->start + it->n_new < np ? it->start + it->n_new : np) - it->start;
             int prc = it->lp_n ? prompt_logprobs(e, i) : PD_OK;
             if (prc == PD_OK && e->item_out[i] < 0) continue;
+            const float *logits = e->ranks[0].logits + (size_t)e->item_out[i] * e->vocab;
             if (prc == PD_OK)
-                prc = process_item(e, i, e->ranks[0].logits + (size_t)e->item_out[i] * e->vocab);
+                prc = it->n_draft ? eng_spec_process(e, i, logits) : process_item(e, i, logits);
             if (prc < 0) {
                 snprintf(msg, sizeof msg, "%s", pd_last_error());
                 PD_WARN(s->req->id, "sequence %u failed: %s", s->index, msg);

@@ -510,6 +510,14 @@ void pd_kvtable_clear(pd_kvtable *t)
     t->n_tokens = 0;
 }
 
+void pd_kvtable_truncate(pd_kvtable *t, size_t n_tokens)
+{
+    if (n_tokens >= t->n_tokens) return;
+    size_t keep = (n_tokens + t->pool->block_size - 1) / t->pool->block_size;
+    while (t->n_blocks > keep) pool_unref(t->pool, t->ids[--t->n_blocks]);
+    t->n_tokens = n_tokens;
+}
+
 size_t pd_kvtable_num_tokens(const pd_kvtable *t)
 {
     return t->n_tokens;

@@ -134,6 +134,10 @@ int pd_kvtable_fork(pd_kvtable *dst, const pd_kvtable *src);
 /* Drops every reference of t exactly once and empties it (token count 0). */
 void pd_kvtable_clear(pd_kvtable *t);
 
+/* Shrinks t to n_tokens slots (speculative decoding: the slots of rejected draft tokens), dropping
+ * the references of the blocks past them, last first. No-op when t holds at most n_tokens. */
+void pd_kvtable_truncate(pd_kvtable *t, size_t n_tokens);
+
 /* Slots held (tokens whose K/V have a place). */
 size_t pd_kvtable_num_tokens(const pd_kvtable *t);
 size_t pd_kvtable_num_blocks(const pd_kvtable *t);

@@ -559,12 +559,51 @@ void pd_sched_commit(pd_sched *s)
 {
     for (size_t i = 0; i < s->n_items; i++) {
         pd_sched_item *it = &s->items[i];
-        it->seq->n_computed += it->n_new;
+        it->seq->n_computed += it->n_new - it->n_draft;
+        it->seq->n_tokens -= it->n_draft; /* drafts come back one by one when accepted */
         if (it->lp_n) it->seq->lp_next = it->lp_start + it->lp_n;
         cache_computed(s, it->seq);
     }
     s->n_items = 0;
     s->n_copies = 0;
+}
+
+/* ---- speculative decoding -------------------------------------------------------------------- */
+
+int pd_sched_add_drafts(pd_sched *s, pd_sched_out *out, size_t item, const int32_t *drafts,
+                        size_t k)
+{
+    if (item >= s->n_items) return pd_error(PD_EINVAL, "scheduler: no item %zu", item);
+    pd_sched_item *it = &s->items[item];
+    pd_sched_seq *seq = it->seq;
+    if (k == 0) return PD_OK;
+    if (it->n_new != 1 || !it->sample || it->n_draft || it->lp_n)
+        return pd_error(PD_EINVAL, "scheduler: drafts need a one-row decoding item");
+    if (out->n_tokens + k > s->p.max_num_batched_tokens || seq->n_tokens + k >= s->p.max_model_len)
+        return pd_error(PD_EBUSY, "scheduler: no room for %zu drafts", k);
+    size_t n_cow = 0;
+    if (pd_kvtable_blocks_needed(seq->table, seq->n_tokens + k) > pd_kvpool_num_free(s->pool))
+        return pd_error(PD_EBUSY, "scheduler: no blocks for %zu drafts", k);
+    /* the item's own row made the block of its position writable: no copy-on-write here */
+    PD_CHECK(pd_kvtable_grow(seq->table, seq->n_tokens + k, NULL, &n_cow));
+    memcpy(seq->tokens + seq->n_tokens, drafts, k * sizeof *drafts);
+    seq->n_tokens += k;
+    it->n_new += k;
+    it->n_draft = k;
+    out->n_tokens += k;
+    return PD_OK;
+}
+
+void pd_sched_accept_draft(pd_sched *s, pd_sched_seq *seq)
+{
+    seq->n_computed++;
+    cache_computed(s, seq);
+}
+
+void pd_sched_drafts_done(pd_sched *s, pd_sched_seq *seq)
+{
+    (void)s;
+    if (seq->state == PD_SEQ_RUNNING) pd_kvtable_truncate(seq->table, seq->n_computed + 1);
 }
 
 /* ---- queries --------------------------------------------------------------------------------- */

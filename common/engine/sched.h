@@ -79,6 +79,9 @@ typedef struct {
                               token */
     size_t lp_start, lp_n; /* rows at positions [lp_start, lp_start + lp_n) want their logits for
                               the prompt logprobs of the tokens after them (lp_n 0: none) */
+    size_t n_draft;        /* speculative decoding: the last n_draft rows are draft tokens
+                              (pd_sched_add_drafts); the last n_draft + 1 rows' logits are
+                              wanted: row d's verifies draft d and gives the token after */
 } pd_sched_item;
 
 typedef struct {
@@ -137,6 +140,25 @@ int pd_sched_admit_computed(pd_sched *s, pd_sched_seq *seq, size_t n_computed);
 /* Appends a token (sampled, or the first token of an imported sequence). PD_ERANGE at
  * max_model_len. */
 int pd_sched_append(pd_sched *s, pd_sched_seq *seq, int32_t token);
+
+/* ---- speculative decoding ---------------------------------------------------------------- */
+
+/* Adds k draft tokens to item `item` of the schedule out (from the last pd_sched_schedule): a
+ * sequence decoding one row whose logits are wanted. Its slots grow by k (no preemption: PD_EBUSY,
+ * nothing changed, when the pool lacks the blocks or the step's budget the rows), and the item
+ * computes the drafts after its token, out->n_tokens growing by k. After pd_sched_commit the
+ * sequence counts the item's first row computed and holds none of the drafts: the engine appends
+ * the sampled tokens, calls pd_sched_accept_draft for each draft it accepts (its K/V, written by
+ * the step, become the sequence's) and then pd_sched_drafts_done. */
+int pd_sched_add_drafts(pd_sched *s, pd_sched_out *out, size_t item, const int32_t *drafts,
+                        size_t k);
+
+/* The next draft of seq's last step was accepted: its token was appended (the same id), and its
+ * K/V count as computed. */
+void pd_sched_accept_draft(pd_sched *s, pd_sched_seq *seq);
+
+/* Drops the slots of seq's rejected drafts (blocks freed at once). */
+void pd_sched_drafts_done(pd_sched *s, pd_sched_seq *seq);
 
 /* A new RUNNING sequence sharing parent's tokens, computed count and blocks (copy-on-write),
  * placed right after it in arrival order. parent must be RUNNING with nothing uncomputed but

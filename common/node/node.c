@@ -337,6 +337,14 @@ static void h_stats(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len)
     m.n_step_tokens = PD_ENGINE_STEP_BINS;
     m.step_tokens = bins;
     m.step_tokens_sum = (int64_t)st.step_tokens_sum;
+    m.spec_drafts = (int64_t)st.spec_drafts;
+    m.spec_draft_tokens = (int64_t)st.spec_draft_tokens;
+    m.spec_accepted_tokens = (int64_t)st.spec_accepted_tokens;
+    int64_t pos[PD_ENGINE_SPEC_MAX_TOKENS];
+    for (size_t i = 0; i < PD_ENGINE_SPEC_MAX_TOKENS; i++)
+        pos[i] = (int64_t)st.spec_accepted_per_pos[i];
+    m.n_spec_accepted_per_pos = n->p.engine.spec_num_tokens;
+    m.spec_accepted_per_pos = pos;
     pthread_mutex_lock(&n->mu);
     m.leases_held = n->leases;
     m.kv_transfer_bytes = n->kv_bytes;
@@ -440,6 +448,7 @@ pd_node_params pd_node_default_params(void)
         .device = "cpu",
         .dtype = "auto",
         .transfer_workers = 4,
+        .spec = pd_spec_flags_default(),
         .engine = pd_engine_default_params(),
     };
 }

@@ -23,6 +23,7 @@
 #include <stdint.h>
 
 #include "engine/engine.h"
+#include "engine/spec.h"
 #include "ranktable/ranktable.h"
 
 typedef struct pd_node pd_node;
@@ -41,6 +42,8 @@ typedef struct {
     const char *device;            /* --device cpu|cuda (cpu) */
     const char *dtype;             /* --dtype auto|float32|bfloat16|float16 (auto) */
     bool gpu_memory_utilization_set; /* given: the CPU backend logs that it has no effect */
+    pd_spec_flags spec;              /* decode: speculative decoding's flags, resolved into the
+                                        engine's spec_* fields after parsing */
     int transfer_workers;            /* prefill: concurrent KV sends (4) */
     unsigned ranktable_flags;        /* RT_ALLOW_SHARED_DEVICES for single-GPU setups */
     /* The engine's own (pd_engine_default_params): --model (model_dir), --tokenizer

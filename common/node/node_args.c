@@ -101,6 +101,30 @@ static const pd_flag_bind BINDS[] = {
      .fn = apply_gpu_memory_utilization,
      .dflt = "0.9"},
     B("--kv-transport", PD_BIND_STR, kv_transport),
+    {.name = "--speculative-model",
+     .type = PD_BIND_STR,
+     .off = offsetof(pd_node_params, spec.model),
+     .dflt = "none"},
+    {.name = "--num-speculative-tokens",
+     .type = PD_BIND_I64,
+     .off = offsetof(pd_node_params, spec.num_tokens),
+     .dflt = "none"},
+    {.name = "--ngram-prompt-lookup-max",
+     .type = PD_BIND_I64,
+     .off = offsetof(pd_node_params, spec.ngram_max),
+     .dflt = "none"},
+    {.name = "--ngram-prompt-lookup-min",
+     .type = PD_BIND_I64,
+     .off = offsetof(pd_node_params, spec.ngram_min),
+     .dflt = "1"},
+    {.name = "--speculative-config",
+     .type = PD_BIND_STR,
+     .off = offsetof(pd_node_params, spec.config_json),
+     .dflt = "none"},
+    {.name = "--speculative-disable-by-batch-size",
+     .type = PD_BIND_I64,
+     .off = offsetof(pd_node_params, spec.disable_batch),
+     .dflt = "none"},
     B("--kv-lease-seconds", PD_BIND_INT, kv_lease_s),
     {.name = "--shutdown-timeout",
      .type = PD_BIND_INT,
@@ -146,7 +170,7 @@ int pd_node_parse_args(int argc, char **argv, rt_role role, pd_node_params *p)
         pd_node_usage(argv[0], role);
         return 1;
     }
-    return PD_OK;
+    return pd_spec_configure(&p->spec, &p->engine);
 }
 
 int pd_node_main(int argc, char **argv, rt_role role)

@@ -78,6 +78,20 @@ static const flag_def TABLE[] = {
              "nccl, else tcp per decode rank (what it accepts), tcp on the CPU"},
     {"--kv-lease-seconds", PD_FLAG_INT, PD_ROLE_NODES, "S", 1, 86400,
      .help = "prefill: KV held at most S s for the decode side"},
+    {"--speculative-model", PD_FLAG_STRING, PD_ROLE_DECODE, "[ngram]",
+     .help = "speculative decoding: drafts by n-gram prompt lookup (needs "
+             "--num-speculative-tokens and --ngram-prompt-lookup-max)"},
+    {"--num-speculative-tokens", PD_FLAG_INT, PD_ROLE_DECODE, "K", 1, 16,
+     .help = "drafts a sequence verifies per step"},
+    {"--ngram-prompt-lookup-max", PD_FLAG_INT, PD_ROLE_DECODE, "N", 1, 1 << 20,
+     .help = "longest suffix n-gram looked up"},
+    {"--ngram-prompt-lookup-min", PD_FLAG_INT, PD_ROLE_DECODE, "N", 0, 1 << 20,
+     .help = "shortest suffix n-gram looked up"},
+    {"--speculative-config", PD_FLAG_STRING, PD_ROLE_DECODE, "JSON",
+     .help = "'{\"method\":\"ngram\",\"num_speculative_tokens\":K,\"prompt_lookup_max\":N,"
+             "\"prompt_lookup_min\":N}' instead of the flags above"},
+    {"--speculative-disable-by-batch-size", PD_FLAG_INT, PD_ROLE_DECODE, "N", 1, 1 << 20,
+     .help = "no drafts while N sequences or more run"},
     {"--enforce-eager", PD_FLAG_SWITCH, PD_ROLE_NODES,
      .help = "vLLM's: no CUDA graphs (sets PD_CUDA_GRAPHS=0)"},
     /* the api-server (pd-scheduler) */

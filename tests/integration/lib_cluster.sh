@@ -20,7 +20,8 @@ trap cleanup EXIT
 fail() { echo "FAIL: $*"; for f in "$work"/*.log; do echo "--- $f"; tail -n 15 "$f"; done; exit 1; }
 free_port() { $py -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
-# Sets pp, dp, sp (ports), args (the common command line) and pids (prefill, decode, scheduler).
+# Sets pp, dp, sp (ports), args (the common command line, with start_1p1d's arguments at its
+# end) and pids (prefill, decode, scheduler).
 start_1p1d() {
     "$bin/tools/mkmodel/pd-mkmodel" --preset tiny --out "$work/tiny" >/dev/null || fail "pd-mkmodel"
     "$bin/ranktable/cli/pd-ranktable" --mode gen --prefill-server-list 0 --decode-server-list 1 \
@@ -31,7 +32,7 @@ start_1p1d() {
     # one command line for every role, as in the guide (only the port differs)
     args=(--model "$work/tiny" --tensor-parallel-size 1 --max-model-len 512 --max-num-seqs 16
           --max-num-batched-tokens 1024 --host 127.0.0.1 --served-model-name tiny --cpu-threads 1
-          --kv-cache-bytes 16777216 --enable-prefix-caching)
+          --kv-cache-bytes 16777216 --enable-prefix-caching "$@")
     local spec role table port
     for spec in "prefill:0:$pp" "decode:1:$dp" "scheduler:host:$sp"; do
         IFS=: read -r role table port <<<"$spec"

@@ -147,6 +147,20 @@ TEST(pd_1p1d_bf16_split_equals_colocated)
     run_shape("0", "1", 8, bf16);
 }
 
+/* Speculative decoding on the decode instance (n-gram drafts; the prefill instance ignores the
+ * flags): the tokens equal pd-generate's plain decoding, greedy and seeded. */
+TEST(pd_1p1d_speculative_decode_equals_colocated)
+{
+    char *spec[] = {"--speculative-model",
+                    "[ngram]",
+                    "--num-speculative-tokens",
+                    "4",
+                    "--ngram-prompt-lookup-max",
+                    "3",
+                    NULL};
+    run_shape_ex("0", "1", 8, NULL, spec);
+}
+
 TEST(pd_2p1d_split_equals_colocated)
 {
     run_shape("0 1", "2", 8, NULL);

@@ -36,10 +36,12 @@ noop=(--disable-log-requests --disable-log-stats --trust-remote-code --use-v2-bl
 for form in space eq; do
     if [ $form = space ]; then
         more=(--device cuda --served-model-name tiny tiny-alias --shutdown-timeout 2.5 --swap-space 16
-              --enable-chunked-prefill)
+              --enable-chunked-prefill --speculative-model [ngram] --num-speculative-tokens 5
+              --ngram-prompt-lookup-max 4)
     else
         more=(--device=cuda --served-model-name=tiny --shutdown-timeout=2.5 --swap-space=16
-              --no-enable-chunked-prefill)
+              --no-enable-chunked-prefill
+              '--speculative-config={"method":"ngram","num_speculative_tokens":3}')
     fi
     for table in 0 1 host; do
         out=$(RANK_TABLE_FILE_PATH="$work/local_ranktable_127.0.0.1_$table.json" sh "$src/deploy/start_servers.sh" \

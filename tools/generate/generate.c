@@ -29,6 +29,7 @@
 #include <string.h>
 
 #include "engine/engine.h"
+#include "engine/spec.h"
 #include "model/model.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
@@ -56,6 +57,7 @@ typedef struct {
     bool no_prefix_cache;    /* --no-enable-prefix-caching */
     int64_t kv_cache_bytes;  /* --kv-cache-bytes: the pool's budget; 0 = the engine's default */
     int64_t prompt_logprobs; /* --prompt-logprobs K: -1 = none */
+    pd_spec_flags spec;      /* speculative decoding, as pd-decode's flags */
 } args_t;
 
 typedef struct {
@@ -84,6 +86,10 @@ static void usage(FILE *o)
             "                   [--[no-]enable-prefix-caching] [--kv-cache-bytes N]\n"
             "                   [--dtype auto|float32|bfloat16] (CPU: bfloat16 = bf16 matmuls)\n"
             "                   [--cuda-device N [--dtype auto|float32|bfloat16|float16]]\n"
+            "                   [--speculative-model [ngram] --num-speculative-tokens K\n"
+            "                    --ngram-prompt-lookup-max N [--ngram-prompt-lookup-min N]\n"
+            "                    | --speculative-config JSON]\n"
+            "                   [--speculative-disable-by-batch-size N]\n"
             "  --kv-cache-bytes N  KV budget (bytes; default: %.0f GiB on the CPU, the GPU's\n"
             "                      free share with --cuda-device); the pool never holds more\n"
             "                      than the run needs: the prompts in flight at once, each\n"
@@ -98,6 +104,7 @@ static int parse_args(int argc, char **argv, args_t *a)
     a->prompt_logprobs = -1;
     a->cuda_device = -1;
     a->dtype = -1;
+    a->spec = pd_spec_flags_default();
     for (int i = 1; i < argc; i++) {
         const char *o = argv[i];
         if (!strcmp(o, "--chat"))
@@ -161,6 +168,18 @@ static int parse_args(int argc, char **argv, args_t *a)
                         v);
             } else if (!strcmp(o, "--concurrency")) {
                 PD_CHECK(pd_arg_i64(o, v, 1, 1 << 20, &a->concurrency));
+            } else if (!strcmp(o, "--speculative-model")) {
+                a->spec.model = v;
+            } else if (!strcmp(o, "--speculative-config")) {
+                a->spec.config_json = v;
+            } else if (!strcmp(o, "--num-speculative-tokens")) {
+                PD_CHECK(pd_arg_i64(o, v, 1, PD_ENGINE_SPEC_MAX_TOKENS, &a->spec.num_tokens));
+            } else if (!strcmp(o, "--ngram-prompt-lookup-max")) {
+                PD_CHECK(pd_arg_i64(o, v, 1, 1 << 20, &a->spec.ngram_max));
+            } else if (!strcmp(o, "--ngram-prompt-lookup-min")) {
+                PD_CHECK(pd_arg_i64(o, v, 0, 1 << 20, &a->spec.ngram_min));
+            } else if (!strcmp(o, "--speculative-disable-by-batch-size")) {
+                PD_CHECK(pd_arg_i64(o, v, 1, 1 << 20, &a->spec.disable_batch));
             } else if (!strcmp(o, "--kv-cache-bytes")) {
                 PD_CHECK(pd_arg_i64(o, v, 1, (int64_t)1 << 50, &a->kv_cache_bytes));
             } else
@@ -458,6 +477,7 @@ int main(int argc, char **argv)
     }
     if (ep.max_num_seqs < n_seqs && a.concurrency == 0) ep.max_num_seqs = n_seqs;
     ep.kv_cache_bytes = (size_t)a.kv_cache_bytes;
+    PD_CHECK_GOTO(pd_spec_configure(&a.spec, &ep), rc, out);
     size_t ctx_len = (size_t)pd_model_max_len(cfg, NULL); /* the engine's max_model_len */
     int64_t max_new = sp.max_tokens > 0                  ? sp.max_tokens
                       : m->generation.has_max_new_tokens ? m->generation.max_new_tokens
@@ -562,6 +582,18 @@ int main(int argc, char **argv)
                 prompt_tokens, tp, prompt_tokens / (tp > 0 ? tp : 1e-9), decode_tokens, td,
                 decode_tokens / (td > 0 ? td : 1e-9), n_seqs, in_flight_cap,
                 a.threads > 0 ? a.threads : pd_cpu_count());
+        pd_engine_stats st;
+        pd_engine_get_stats(e, &st);
+        if (ep.spec_num_tokens)
+            fprintf(stderr,
+                    "bench: speculative decoding: %llu steps with drafts, %llu draft tokens, "
+                    "%llu accepted (acceptance %.1f %%), %llu engine steps\n",
+                    (unsigned long long)st.spec_drafts, (unsigned long long)st.spec_draft_tokens,
+                    (unsigned long long)st.spec_accepted_tokens,
+                    st.spec_draft_tokens
+                        ? 100.0 * (double)st.spec_accepted_tokens / (double)st.spec_draft_tokens
+                        : 0.0,
+                    (unsigned long long)st.steps);
     }
     rc = 0;
 out:

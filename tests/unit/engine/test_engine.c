@@ -11,6 +11,7 @@
 
 #include "backend/forward.h"
 #include "engine/engine.h"
+#include "engine/spec.h"
 #include "engine/kvpool.h"
 #include "model/model.h"
 #include "grammar/grammar.h"
@@ -619,6 +620,114 @@ static void log_logits(void *ctx, const char *id, uint32_t seq, int64_t step, co
     lg->vocab = vocab;
     memcpy(lg->rows + lg->n_rows * vocab, l, vocab * sizeof(float));
     lg->n_rows++;
+}
+
+/* The n-gram proposer: the longest suffix n-gram within [min, max] that occurs earlier, its most
+ * recent occurrence, at most k of the tokens after it, none without a match. */
+TEST(spec_ngram_proposer)
+{
+    int32_t out[8];
+    /* suffix "7 8" occurs at 1 (then 9 5 ...) and at 5 (then 3 7 8): the most recent one wins,
+       and the proposal runs up to the end of the tokens */
+    const int32_t a[] = {6, 7, 8, 9, 5, 7, 8, 3, 7, 8};
+    ASSERT_EQ_INT(pd_spec_ngram_propose(a, 10, 1, 2, 4, out), 3);
+    ASSERT(out[0] == 3 && out[1] == 7 && out[2] == 8);
+    /* with max 3 the 3-gram "3 7 8" does not occur earlier, so n = 2 is used, capped at k = 1 */
+    ASSERT_EQ_INT(pd_spec_ngram_propose(a, 10, 1, 3, 1, out), 1);
+    ASSERT_EQ_INT(out[0], 3);
+    /* min 3: no 3-gram match, nothing proposed */
+    ASSERT_EQ_INT(pd_spec_ngram_propose(a, 10, 3, 4, 4, out), 0);
+    /* the longest match wins over a more recent shorter one: "1 2 3" at 0 (then 4), "3" at 5 */
+    const int32_t b[] = {1, 2, 3, 4, 9, 3, 5, 1, 2, 3};
+    ASSERT_EQ_INT(pd_spec_ngram_propose(b, 10, 1, 3, 3, out), 3);
+    ASSERT(out[0] == 4 && out[1] == 9 && out[2] == 3);
+    /* a loop: the proposal continues it */
+    const int32_t c[] = {4, 5, 4, 5, 4, 5};
+    ASSERT_EQ_INT(pd_spec_ngram_propose(c, 6, 1, 4, 5, out), 2);
+    ASSERT(out[0] == 4 && out[1] == 5);
+    ASSERT_EQ_INT(pd_spec_ngram_propose(c, 1, 1, 4, 5, out), 0);
+    ASSERT_EQ_INT(pd_spec_ngram_propose(c, 6, 1, 4, 0, out), 0);
+}
+
+/* Logits observer: an FNV-1a hash of the bytes of every row sampled, by request index and output
+ * position (choice 0). */
+typedef struct {
+    uint64_t h[MAX_REQ][MAX_OUT];
+    size_t n_rows;
+} logit_hashes;
+
+static void hash_logits(void *ctx, const char *id, uint32_t seq, int64_t step, const float *l,
+                        size_t vocab)
+{
+    logit_hashes *lh = ctx;
+    int i = req_index(id);
+    if (i < 0 || i >= MAX_REQ || seq != 0 || step < 0 || step >= MAX_OUT) return;
+    uint64_t h = 1469598103934665603ull;
+    const unsigned char *b = (const unsigned char *)l;
+    for (size_t k = 0; k < vocab * sizeof(float); k++) h = (h ^ b[k]) * 1099511628211ull;
+    lh->h[i][step] = h;
+    lh->n_rows++;
+}
+
+/* Speculative decoding (n-gram drafts, 4 per step) in a batch of greedy and seeded requests gives
+ * each request the tokens, text, finish and logits (every row's bits) of plain decoding alone;
+ * some drafts are accepted and some rejected, and every block comes back. */
+TEST(engine_spec_ngram_equals_plain_decoding)
+{
+    ASSERT_OK(tiny());
+    enum { N = 12 };
+    static treq reqs[N];
+    static tout plain[MAX_REQ], spec[MAX_REQ];
+    static logit_hashes lp, ls;
+    memset(plain, 0, sizeof plain);
+    memset(spec, 0, sizeof spec);
+    memset(&lp, 0, sizeof lp);
+    memset(&ls, 0, sizeof ls);
+    for (int i = 0; i < N; i++) {
+        make_req(&reqs[i], i + 90, pd_tok_vocab_size(g_tok));
+        snprintf(reqs[i].id, sizeof reqs[i].id, "req-%d", i);
+        /* a prompt that repeats a phrase (what prompt lookup finds), outputs long enough for the
+           random model's loops */
+        size_t phrase = 3 + (size_t)i % 5, reps = 2 + (size_t)i % 3;
+        for (size_t k = phrase; k < phrase * reps; k++)
+            reqs[i].prompt[k] = reqs[i].prompt[k % phrase];
+        reqs[i].n_prompt = phrase * reps;
+        reqs[i].sp.max_tokens = 40 + i;
+        reqs[i].sp.ignore_eos = i % 4 != 0;
+    }
+    pd_engine_params p = base_params();
+    p.on_logits = hash_logits;
+    p.on_logits_ctx = &lp;
+    ASSERT_OK(run_alone(&p, reqs, N, plain));
+    p.on_logits_ctx = &ls;
+    p.spec_num_tokens = 4;
+    p.spec_ngram_max = 3;
+    pd_engine *e;
+    ASSERT_OK(pd_engine_create(&p, &e));
+    int rc = PD_OK;
+    for (int i = 0; i < N && rc >= 0; i++) rc = add_req(e, &reqs[i], PD_PHASE_FULL);
+    if (rc >= 0) rc = run_to_end(e, spec);
+    pd_engine_stats st;
+    pd_engine_get_stats(e, &st);
+    pd_engine_free(e);
+    ASSERT_OK(rc);
+    for (int i = 0; i < N; i++) {
+        ASSERT_MSG(same_tokens(&plain[i], &spec[i], 1), "request %d differs with drafts", i);
+        ASSERT_MSG(plain[i].tlen[0] == spec[i].tlen[0] &&
+                       memcmp(plain[i].text[0], spec[i].text[0], plain[i].tlen[0]) == 0 &&
+                       plain[i].finish[0] == spec[i].finish[0],
+                   "request %d: text or finish differs with drafts", i);
+        for (size_t k = 0; k < plain[i].n[0]; k++)
+            ASSERT_MSG(lp.h[i][k] == ls.h[i][k], "request %d: logits of output %zu differ", i, k);
+    }
+    printf("    %llu drafts steps, %llu draft tokens, %llu accepted; %zu plain rows, %zu spec\n",
+           (unsigned long long)st.spec_drafts, (unsigned long long)st.spec_draft_tokens,
+           (unsigned long long)st.spec_accepted_tokens, lp.n_rows, ls.n_rows);
+    ASSERT(st.spec_accepted_tokens > 0);
+    ASSERT(st.spec_accepted_tokens < st.spec_draft_tokens);
+    ASSERT_EQ_INT(st.spec_accepted_per_pos[0] >= st.spec_accepted_per_pos[1], 1);
+    ASSERT_EQ_INT(st.kv_blocks_free, st.kv_blocks_total);
+    ASSERT_EQ_INT(lp.n_rows, ls.n_rows);
 }
 
 /* Runs six requests (one with n = 2) on model m at TP 1 and TP 2: the same logits within
