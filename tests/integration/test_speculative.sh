@@ -54,7 +54,9 @@ m=$(curl -s "http://127.0.0.1:$sp/metrics")
 val() { awk -v n="$1" '$1 ~ "^"n"\\{" {print $2}' <<<"$m" | head -1; }
 drafts=$(val vllm:spec_decode_num_drafts_total) dt=$(val vllm:spec_decode_num_draft_tokens_total)
 acc=$(val vllm:spec_decode_num_accepted_tokens_total)
-[ -n "$drafts" ] && [ -n "$dt" ] && [ -n "$acc" ] || fail "no vllm:spec_decode_* counters: $(grep spec_decode <<<"$m")"
+if [ -z "$drafts" ] || [ -z "$dt" ] || [ -z "$acc" ]; then
+    fail "no vllm:spec_decode_* counters: $(grep spec_decode <<<"$m")"
+fi
 $py -c 'import sys; d,t,a=map(float,sys.argv[1:]); sys.exit(0 if d>0 and t>=d and 0<a<=t else 1)' "$drafts" "$dt" "$acc" ||
     fail "spec counters: drafts $drafts, draft tokens $dt, accepted $acc"
 grep -q '^vllm:spec_decode_num_accepted_tokens_per_pos_total{.*position="0"}' <<<"$m" || fail "no per-position counter"
