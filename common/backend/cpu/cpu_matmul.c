@@ -190,8 +190,42 @@ INLINE_AVX512 void tile(const float *x, size_t ldx, const void *w, size_t ldw, p
                  1);                                                                               \
     } while (0)
 
+/* A few rows (3 to 8: a small decode batch, or a sequence verifying drafts): W in blocks of 8 rows,
+ * each block taken by every pair of x rows while it is in the L1 cache, so W is streamed once with
+ * the decode tile's 8 loads in flight. */
+#define FEW_ROWS(TILE, XT, DT)                                                                     \
+    do {                                                                                           \
+        for (size_t jb = j0; jb < j1; jb += 8) {                                                   \
+            const char *wj = wb + jb * ldw * es;                                                   \
+            const float *bj = bias ? bias + jb : NULL;                                             \
+            size_t r = 0;                                                                          \
+            for (; r + 2 <= n; r += 2) {                                                           \
+                const XT *xr = x + r * ldx;                                                        \
+                float *yr = y + r * ldy + jb;                                                      \
+                if (jb + 8 <= j1)                                                                  \
+                    TILE(xr, ldx, wj, ldw, DT, K, bj, yr, ldy, 2, 8);                              \
+                else                                                                               \
+                    for (size_t j = jb; j < j1; j++)                                               \
+                        TILE(xr, ldx, wb + j * ldw * es, ldw, DT, K, bias ? bias + j : NULL,       \
+                             yr + (j - jb), ldy, 2, 1);                                            \
+            }                                                                                      \
+            if (r < n) {                                                                           \
+                const XT *xr = x + r * ldx;                                                        \
+                float *yr = y + r * ldy + jb;                                                      \
+                if (jb + 8 <= j1)                                                                  \
+                    TILE(xr, ldx, wj, ldw, DT, K, bj, yr, ldy, 1, 8);                              \
+                else                                                                               \
+                    for (size_t j = jb; j < j1; j++)                                               \
+                        TILE(xr, ldx, wb + j * ldw * es, ldw, DT, K, bias ? bias + j : NULL,       \
+                             yr + (j - jb), ldy, 1, 1);                                            \
+            }                                                                                      \
+        }                                                                                          \
+    } while (0)
+
 /* The tile shapes for the n rows of x (element type XT): decode (n <= 2) streams W once, 8 rows
- * at a time to keep many loads in flight; prefill runs 6 x 4 tiles and one shorter row tile. */
+ * at a time to keep many loads in flight; a few rows (n <= 8) take W's blocks of 8 rows by pairs
+ * (FEW_ROWS); prefill runs 6 x 4 tiles and one shorter row tile. Every output element sees the
+ * same operations whatever the shape (one 16-lane accumulator over K, then hsum16). */
 #define MM_SHAPES(TILE, XT, DT)                                                                    \
     do {                                                                                           \
         size_t i = 0;                                                                              \
@@ -202,6 +236,10 @@ INLINE_AVX512 void tile(const float *x, size_t ldx, const void *w, size_t ldw, p
                 TILE_ROWS(TILE, 1, 8, DT);                                                         \
             else                                                                                   \
                 TILE_ROWS(TILE, 2, 8, DT);                                                         \
+            break;                                                                                 \
+        }                                                                                          \
+        if (n <= 8) {                                                                              \
+            FEW_ROWS(TILE, XT, DT);                                                                \
             break;                                                                                 \
         }                                                                                          \
         for (; i + 6 <= n; i += 6) {                                                               \
