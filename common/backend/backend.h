@@ -72,6 +72,9 @@ typedef struct {
                             host half-way, as tensor parallelism's host-staged all-reduce does) */
     /* CPU: where the threads run (util/cores.h) */
     const char *cpu_budget; /* the host core budget the pool joins (NULL: none) */
+    int cpu_share;          /* with cpu_budget: threads a run takes whether cores are free or not
+                               (the caller's included; <= 1: the caller's alone); the pool's other
+                               threads run only on free cores */
     const int *cpus;        /* (n_cpus) the cores to pin the threads to; NULL: unpinned */
     int n_cpus;             /* with cpus: the pool's size (n_threads is then ignored) */
 } pd_backend_params;

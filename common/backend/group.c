@@ -81,6 +81,11 @@ static int create_backends(pd_backend_group *g)
     g->own = true;
     int total = p->n_threads > 0 ? p->n_threads : pd_cpu_count();
     int per = total / g->n > 0 ? total / g->n : 1;
+    /* with the budget, an explicit thread count is the rank's share: its pool has a thread for
+       every core of the host (split across the ranks) and borrows the cores other instances
+       leave idle; without --cpu-threads the share is the calling thread alone */
+    int host_per = pd_cpu_count() / g->n > 0 ? pd_cpu_count() / g->n : 1;
+    int share = p->n_threads > 0 ? per : 1;
     const char *budget = NULL;
     bool pinned = false;
     if (p->n_cuda_devices == 0) PD_CHECK(pd_cores_budget_name(p->cpu_budget, &budget));
@@ -95,6 +100,8 @@ static int create_backends(pd_backend_group *g)
             bp.n_cpus = n_cpus;
             pinned = n_cpus > 0;
             bp.cpu_budget = n_cpus ? NULL : budget; /* pinned cores are the rank's own */
+            if (bp.cpu_budget && host_per > per) bp.n_threads = host_per;
+            bp.cpu_share = share;
         }
         bp.max_tokens = p->max_tokens;
         bp.max_seqs = p->max_seqs;
@@ -113,6 +120,11 @@ static int create_backends(pd_backend_group *g)
         if (pinned)
             PD_INFO("-", "CPU: %d rank(s), threads pinned (VLLM_CPU_OMP_THREADS_BIND=%s)", g->n,
                     p->cpu_threads_bind);
+        else if (budget && p->n_threads > 0)
+            PD_INFO("-",
+                    "CPU: %d rank(s) x %d threads, %d always (--cpu-threads), the others on idle "
+                    "cores; core budget %s",
+                    g->n, per > host_per ? per : host_per, share, budget);
         else
             PD_INFO("-", "CPU: %d rank(s) x %d threads; core budget %s", g->n, per,
                     budget ? budget : "off (PD_CPU_BUDGET=off)");

@@ -165,13 +165,16 @@ void pd_cores_free(pd_cores *c)
     free(c);
 }
 
-int pd_cores_take(pd_cores *c, int want)
+int pd_cores_take(pd_cores *c, int want, int sure)
 {
     seg *s = c->s;
+    if (sure > want) sure = want;
+    if (sure < 0) sure = 0;
     /* free first, then held: a process killed in between leaks its cores rather than granting
        cores twice */
-    atomic_fetch_sub(&s->free, 1);
+    atomic_fetch_sub(&s->free, 1 + sure);
     int got = 0;
+    want -= sure;
     int32_t f = atomic_load_explicit(&s->free, memory_order_relaxed);
     while (want > 0 && f > 0) {
         int t = f < want ? (int)f : want;
@@ -180,9 +183,9 @@ int pd_cores_take(pd_cores *c, int want)
             break;
         }
     }
-    atomic_fetch_add_explicit(&s->held[c->slot], 1 + got, memory_order_relaxed);
+    atomic_fetch_add_explicit(&s->held[c->slot], 1 + sure + got, memory_order_relaxed);
     if (got < want && pd_now_ns() - c->last_reclaim_ns > RECLAIM_EVERY_NS) reclaim_dead(c);
-    return got;
+    return sure + got;
 }
 
 void pd_cores_give(pd_cores *c, int n)

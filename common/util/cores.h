@@ -32,9 +32,10 @@ typedef struct pd_cores pd_cores;
 int pd_cores_open(const char *name, int n_cores, pd_cores **out);
 void pd_cores_free(pd_cores *c);
 
-/* Takes the caller's core and up to want more while free; returns how many more it got
+/* Takes the caller's core and up to want more: the first `sure` of them whether free or not (an
+ * instance's own share, --cpu-threads), the others only while free; returns how many more it got
  * (0..want). Every take is followed by a pd_cores_give of 1 + that number. */
-int pd_cores_take(pd_cores *c, int want);
+int pd_cores_take(pd_cores *c, int want, int sure);
 void pd_cores_give(pd_cores *c, int n);
 
 /* The budget's core count and its free cores now (may be negative). */

@@ -42,6 +42,7 @@ struct pd_threadpool {
     atomic_int n_tasks;
     atomic_int tickets; /* workers that may still join the current run */
     pd_cores *budget;   /* owned; NULL: every worker joins every run */
+    int share;          /* with budget: threads a run takes whether cores are free or not */
     int pin_caller;     /* a core to pin the next caller of pd_pool_run to, or -1 */
 };
 
@@ -160,10 +161,11 @@ int pd_pool_size(const pd_threadpool *p)
     return p->n_threads;
 }
 
-void pd_pool_share(pd_threadpool *p, pd_cores *budget)
+void pd_pool_share(pd_threadpool *p, pd_cores *budget, int share)
 {
     pd_cores_free(p->budget);
     p->budget = budget;
+    p->share = share > 1 ? share : 1;
 }
 
 int pd_pool_pin(pd_threadpool *p, const int *cpus, int n)
@@ -203,7 +205,7 @@ void pd_pool_run(pd_threadpool *p, pd_task_fn fn, void *ctx, int n_tasks)
         p->pin_caller = -1;
     }
     int want = (n_tasks < p->n_threads ? n_tasks : p->n_threads) - 1;
-    int extra = p->budget ? pd_cores_take(p->budget, want) : want;
+    int extra = p->budget ? pd_cores_take(p->budget, want, p->share - 1) : want;
     if (extra == 0) {
         run_inline(fn, ctx, n_tasks);
         if (p->budget) pd_cores_give(p->budget, 1);

@@ -20,9 +20,10 @@ void pd_pool_free(pd_threadpool *pool);
 int pd_pool_size(const pd_threadpool *pool);
 void pd_pool_run(pd_threadpool *pool, pd_task_fn fn, void *ctx, int n_tasks);
 
-/* Runs take their threads from budget (which the pool now owns; NULL: none): the caller's
- * always, the workers' only while the host has cores free (util/cores.h). */
-void pd_pool_share(pd_threadpool *pool, pd_cores *budget);
+/* Runs take their threads from budget (which the pool now owns; NULL: none): the caller's and
+ * share - 1 workers' always (share <= 1: the caller's alone), the other workers' only while the
+ * host has cores free (util/cores.h). */
+void pd_pool_share(pd_threadpool *pool, pd_cores *budget, int share);
 
 /* Pins worker i to cpus[i + 1] now and the next caller of pd_pool_run to cpus[0]; n must be the
  * pool's size. Errors name VLLM_CPU_OMP_THREADS_BIND (where the list comes from). */

@@ -867,7 +867,7 @@ static int cpu_pool_create(const pd_backend_params *p, pd_threadpool **out)
     } else if (p->cpu_budget) {
         pd_cores *budget = NULL;
         rc = pd_cores_open(p->cpu_budget, 0, &budget);
-        if (rc == PD_OK) pd_pool_share(pool, budget);
+        if (rc == PD_OK) pd_pool_share(pool, budget, p->cpu_share);
     }
     if (rc != PD_OK) {
         pd_pool_free(pool);

@@ -96,19 +96,31 @@ TEST(cores_take_and_give)
     ASSERT_OK(pd_cores_open(name, 3, &a));
     ASSERT_OK(pd_cores_open(name, 99, &b)); /* the first opener's count holds */
     ASSERT_EQ_INT(pd_cores_total(b), 3);
-    ASSERT_EQ_INT(pd_cores_take(a, 5), 2); /* its own core + the 2 left */
+    ASSERT_EQ_INT(pd_cores_take(a, 5, 0), 2); /* its own core + the 2 left */
     ASSERT_EQ_INT(pd_cores_free_now(a), 0);
-    ASSERT_EQ_INT(pd_cores_take(b, 2), 0); /* the caller's core is never refused */
+    ASSERT_EQ_INT(pd_cores_take(b, 2, 0), 0); /* the caller's core is never refused */
     ASSERT_EQ_INT(pd_cores_free_now(a), -1);
     pd_cores_give(a, 3);
-    ASSERT_EQ_INT(pd_cores_take(b, 0), 0);
+    ASSERT_EQ_INT(pd_cores_take(b, 0, 0), 0);
     ASSERT_EQ_INT(pd_cores_free_now(a), 1);
     pd_cores_give(b, 2);
     ASSERT_EQ_INT(pd_cores_free_now(a), 3);
     /* a pool closed while holding cores gives them back */
-    ASSERT_EQ_INT(pd_cores_take(b, 1), 1);
+    ASSERT_EQ_INT(pd_cores_take(b, 1, 0), 1);
     pd_cores_free(b);
     ASSERT_EQ_INT(pd_cores_free_now(a), 3);
+    /* a share is taken whether free or not, the rest only while free */
+    ASSERT_OK(pd_cores_open(name, 3, &b));
+    ASSERT_EQ_INT(pd_cores_take(a, 4, 1), 2); /* its core + its share of 1 + the 1 left */
+    ASSERT_EQ_INT(pd_cores_free_now(a), 0);
+    ASSERT_EQ_INT(pd_cores_take(b, 4, 1), 1); /* its core and its share: 2 over the budget */
+    ASSERT_EQ_INT(pd_cores_free_now(a), -2);
+    ASSERT_EQ_INT(pd_cores_take(b, 1, 5), 1); /* a share above want is want */
+    pd_cores_give(b, 2);
+    pd_cores_give(b, 2);
+    pd_cores_give(a, 3);
+    ASSERT_EQ_INT(pd_cores_free_now(a), 3);
+    pd_cores_free(b);
     pd_cores_free(a);
     drop(name);
 }
@@ -123,7 +135,7 @@ TEST(cores_dead_holder_reclaimed)
     pid_t pid = fork();
     if (pid == 0) {
         pd_cores *c = NULL;
-        if (pd_cores_open(name, 2, &c) != PD_OK || pd_cores_take(c, 1) != 1) _exit(1);
+        if (pd_cores_open(name, 2, &c) != PD_OK || pd_cores_take(c, 1, 0) != 1) _exit(1);
         _exit(0); /* holding both cores */
     }
     ASSERT(pid > 0);
@@ -169,7 +181,7 @@ static pd_threadpool *shared_pool(int threads, const char *name, int cores)
         pd_pool_free(p);
         return NULL;
     }
-    pd_pool_share(p, c);
+    pd_pool_share(p, c, 1);
     return p;
 }
 
