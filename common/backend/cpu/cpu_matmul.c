@@ -193,32 +193,24 @@ INLINE_AVX512 void tile(const float *x, size_t ldx, const void *w, size_t ldw, p
 /* A few rows (3 to 8: a small decode batch, or a sequence verifying drafts): W in blocks of 8 rows,
  * each block taken by every pair of x rows while it is in the L1 cache, so W is streamed once with
  * the decode tile's 8 loads in flight. */
+#define FEW_BLOCK(TILE, XT, DT, M_) /* x rows [r, r + M_) against the W block at jb */             \
+    do {                                                                                           \
+        const XT *xr = x + r * ldx;                                                                \
+        float *yr = y + r * ldy + jb;                                                              \
+        if (jb + 8 <= j1)                                                                          \
+            TILE(xr, ldx, wb + jb * ldw * es, ldw, DT, K, bias ? bias + jb : NULL, yr, ldy, M_,    \
+                 8);                                                                               \
+        else                                                                                       \
+            for (size_t j = jb; j < j1; j++)                                                       \
+                TILE(xr, ldx, wb + j * ldw * es, ldw, DT, K, bias ? bias + j : NULL,               \
+                     yr + (j - jb), ldy, M_, 1);                                                   \
+    } while (0)
 #define FEW_ROWS(TILE, XT, DT)                                                                     \
     do {                                                                                           \
         for (size_t jb = j0; jb < j1; jb += 8) {                                                   \
-            const char *wj = wb + jb * ldw * es;                                                   \
-            const float *bj = bias ? bias + jb : NULL;                                             \
             size_t r = 0;                                                                          \
-            for (; r + 2 <= n; r += 2) {                                                           \
-                const XT *xr = x + r * ldx;                                                        \
-                float *yr = y + r * ldy + jb;                                                      \
-                if (jb + 8 <= j1)                                                                  \
-                    TILE(xr, ldx, wj, ldw, DT, K, bj, yr, ldy, 2, 8);                              \
-                else                                                                               \
-                    for (size_t j = jb; j < j1; j++)                                               \
-                        TILE(xr, ldx, wb + j * ldw * es, ldw, DT, K, bias ? bias + j : NULL,       \
-                             yr + (j - jb), ldy, 2, 1);                                            \
-            }                                                                                      \
-            if (r < n) {                                                                           \
-                const XT *xr = x + r * ldx;                                                        \
-                float *yr = y + r * ldy + jb;                                                      \
-                if (jb + 8 <= j1)                                                                  \
-                    TILE(xr, ldx, wj, ldw, DT, K, bj, yr, ldy, 1, 8);                              \
-                else                                                                               \
-                    for (size_t j = jb; j < j1; j++)                                               \
-                        TILE(xr, ldx, wb + j * ldw * es, ldw, DT, K, bias ? bias + j : NULL,       \
-                             yr + (j - jb), ldy, 1, 1);                                            \
-            }                                                                                      \
+            for (; r + 2 <= n; r += 2) FEW_BLOCK(TILE, XT, DT, 2);                                 \
+            if (r < n) FEW_BLOCK(TILE, XT, DT, 1);                                                 \
         }                                                                                          \
     } while (0)
 
