@@ -241,7 +241,9 @@ static int create_buffers(pd_engine *e)
         if (!sl->top_ids || !sl->top_lp || !sl->blocks)
             return pd_error(PD_ENOMEM, "engine: out of memory for the output queue");
     }
-    PD_CHECK(pd_sampler_ws_create((int32_t)e->vocab, p->max_logprobs, &e->ws));
+    /* top-N logprobs for the logprobs field, and 2 x best_of for a beam search's candidates */
+    size_t ws_top = p->max_logprobs > 2 * (int64_t)S ? (size_t)p->max_logprobs : 2 * S;
+    PD_CHECK(pd_sampler_ws_create((int32_t)e->vocab, (int32_t)ws_top, &e->ws));
     return PD_OK;
 }
 
@@ -331,6 +333,7 @@ void pd_engine_free(pd_engine *e)
     if (e->slots) {
         for (size_t i = 0; i < e->cap; i++) {
             free(e->slots[i].text);
+            free(e->slots[i].tokens);
             free(e->slots[i].stop_str);
             free(e->slots[i].top_ids);
             free(e->slots[i].top_lp);

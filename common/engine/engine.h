@@ -242,7 +242,8 @@ typedef struct {
 typedef struct {
     const char *request_id;
     uint32_t seq_index;       /* choice index 0 .. n-1 */
-    const int32_t *token_ids; /* (n_tokens): the new token, 0 or 1 of them */
+    const int32_t *token_ids; /* (n_tokens): the new token, 0 or 1 of them (a beam search's
+                                 answer: all its tokens) */
     size_t n_tokens;
     const char *text; /* UTF-8 delta to show now (after hold-back), not NUL-terminated */
     size_t text_len;
@@ -269,6 +270,10 @@ typedef struct {
     size_t n_blocks;
     uint64_t seed;        /* the sampling seed in use (pass it to the decode side) */
     size_t cached_tokens; /* prompt tokens the prefix cache held when it was admitted */
+    /* beam search (use_beam_search): a choice comes as one final event carrying every output
+     * token of its beam (n_tokens of them) and its text; this is the beam's cumulative logprob */
+    bool has_cumulative_logprob;
+    double cumulative_logprob;
 } pd_engine_event;
 
 /* Borrows the oldest event: 1 and *ev set, or 0 when the queue is empty. Every pointer in *ev

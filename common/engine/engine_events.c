@@ -16,14 +16,17 @@
 
 /* ---- the queue ------------------------------------------------------------------------------ */
 
-static int grow_buf(char **buf, size_t *cap, size_t need)
+/* Grows the buffer *pbuf points to (any object pointer, cap in bytes) to need bytes. */
+static int grow_buf(void *pbuf, size_t *cap, size_t need)
 {
     if (need <= *cap) return PD_OK;
     size_t c = *cap ? *cap : 64;
     while (c < need) c *= 2;
-    char *nb = realloc(*buf, c);
+    void *buf;
+    memcpy(&buf, pbuf, sizeof buf);
+    void *nb = realloc(buf, c);
     if (!nb) return pd_error(PD_ENOMEM, "engine: out of memory for an event");
-    *buf = nb;
+    memcpy(pbuf, &nb, sizeof nb);
     *cap = c;
     return PD_OK;
 }
@@ -108,12 +111,15 @@ void pd_engine_event_done(pd_engine *e)
 bool eng_seq_end_status(pd_engine *e, eng_seq *s, int status, const char *msg)
 {
     if (s->ended) return true;
-    ev_slot *sl = slot_begin(e, s);
-    if (!sl) return false;
-    sl->ev.final = true;
-    sl->ev.status = status;
-    pd_str_copy(sl->err, sizeof sl->err, msg);
-    slot_publish(e);
+    /* a beam search answers n choices on its first n slots; the other slots end silently */
+    if (!s->req->beam || s->index < (uint32_t)s->req->sp.n) {
+        ev_slot *sl = slot_begin(e, s);
+        if (!sl) return false;
+        sl->ev.final = true;
+        sl->ev.status = status;
+        pd_str_copy(sl->err, sizeof sl->err, msg);
+        slot_publish(e);
+    }
     if (s->sq) pd_sched_finish(e->sched, s->sq);
     s->ended = true;
     s->req->n_live--;
@@ -194,6 +200,57 @@ int eng_seq_emit_token(pd_engine *e, eng_seq *s, int32_t token, const pd_sample_
         pd_sched_finish(e->sched, s->sq);
         s->ended = true;
         r->n_live--;
+    }
+    slot_publish(e);
+    return PD_OK;
+}
+
+int eng_seq_emit_beam(pd_engine *e, eng_seq *s, const int32_t *toks, size_t n, double cum,
+                      const pd_stop_result *fin)
+{
+    eng_req *r = s->req;
+    ev_slot *sl = slot_begin(e, s);
+    if (!sl) return pd_error(PD_EINTERNAL, "engine: output queue overflow");
+    PD_CHECK(grow_buf(&sl->tokens, &sl->tokens_cap, n * sizeof *toks));
+    memcpy(sl->tokens, toks, n * sizeof *toks);
+    size_t tlen = 0;
+    if (e->tok) { /* the whole text at once; a stop token's own text as the stop checker drops it */
+        pd_detok *d = NULL;
+        PD_CHECK(
+            pd_detok_create(e->tok, r->sp.skip_special_tokens, r->beam->prompt, r->n_prompt, &d));
+        int rc = PD_OK;
+        size_t n_text =
+            fin->finish == PD_FINISH_STOP && !r->sp.include_stop_str_in_output && n > 0 ? n - 1 : n;
+        for (size_t i = 0; i <= n_text && rc >= 0; i++) {
+            const char *delta;
+            size_t dlen;
+            rc = i < n_text ? pd_detok_push(d, toks[i], &delta, &dlen)
+                            : pd_detok_flush(d, &delta, &dlen);
+            if (rc >= 0) rc = grow_buf(&sl->text, &sl->text_cap, tlen + dlen + 1);
+            if (rc >= 0) memcpy(sl->text + tlen, delta, dlen);
+            tlen += dlen;
+        }
+        pd_detok_free(d);
+        PD_CHECK(rc);
+    } else {
+        PD_CHECK(grow_buf(&sl->text, &sl->text_cap, 1));
+    }
+    sl->text[tlen] = '\0';
+    sl->ev.text = sl->text;
+    sl->ev.text_len = tlen;
+    sl->ev.token_ids = sl->tokens;
+    sl->ev.n_tokens = n;
+    sl->ev.completion_tokens = (int64_t)n;
+    sl->ev.has_cumulative_logprob = true;
+    sl->ev.cumulative_logprob = cum;
+    sl->ev.final = true;
+    sl->ev.finish = fin->finish;
+    sl->ev.stop_kind = fin->stop_kind;
+    sl->ev.stop_token = fin->stop_token;
+    if (r->plp && s->index == 0) { /* the slot owns them from here */
+        sl->plp = r->plp;
+        r->plp = NULL;
+        sl->ev.prompt_logprobs = sl->plp;
     }
     slot_publish(e);
     return PD_OK;

@@ -4,6 +4,7 @@
  *   engine_step.c     one step (schedule, forward, sample) and the engine thread
  *   engine_ranks.c    the tensor-parallel ranks: their forward passes, threads and step jobs
  *   engine_events.c   the output queue and the events a sequence pushes to it
+ *   engine_beam.c     beam search (use_beam_search): candidates, rounds, the answer
  *
  * Threads and locks:
  *   - e->mu guards the scheduler, the KV block pool, the request table and the inbox. The engine
@@ -72,6 +73,44 @@ typedef enum {
     REQ_IMPORTING = 2, /* a reservation whose import waits in the inbox */
 } req_state;
 
+/* Beam search state of a request (engine_beam.c), in the request's arena. The request's W =
+ * best_of eng_seqs are beam slots: a slot holds a running beam (sq set) or nothing (sq NULL);
+ * choice j of the answer is pushed on slot j. A round runs when every running beam has its
+ * candidates (its last token computed). */
+typedef struct {
+    uint32_t parent; /* slot of the beam it extends */
+    int32_t token;
+    double cum;         /* cumulative logprob with the token */
+    double score;       /* beam score (EOS-corrected) */
+    pd_stop_result fin; /* finish, stop_kind, stop_token; finish NONE while running */
+    int32_t *tokens;    /* finished: (max_out) its output tokens, in the pool */
+    size_t n_tokens;
+} eng_beam_cand;
+
+typedef struct {
+    uint32_t width;    /* W = best_of */
+    uint32_t n_cand;   /* candidates per beam: min(2W, vocab) */
+    size_t max_out;    /* output tokens a beam may reach (the effective max_tokens) */
+    int32_t *prompt;   /* (n_prompt) for the answers' detokenizers */
+    double *cum;       /* (W) cumulative logprob of each slot's beam */
+    bool *ready;       /* (W) the slot's candidates are those of its current tokens */
+    int32_t *cand_tok; /* (W, n_cand) each slot's most likely next tokens, desc */
+    double *cand_lp;   /* (W, n_cand) their logprobs */
+    uint32_t *order;   /* (n_order) running slots, best first (the parents' order) */
+    uint32_t n_order;
+    eng_beam_cand *cands; /* (2W) a round's candidates, then the running ones by score */
+    eng_beam_cand *fin;   /* (3W) the finished kept (n_fin, best first), then scratch */
+    uint32_t n_fin;
+    int32_t *fin_pool;  /* (3W, max_out) token arrays of finished beams */
+    uint32_t *fin_free; /* (3W) free token arrays of fin_pool */
+    uint32_t n_fin_free;
+    uint32_t *kids;      /* (W) scratch: children of each slot in a round */
+    uint32_t *slot_of;   /* (W) scratch: the slot of each new beam */
+    pd_sched_seq **dead; /* (W) sequences of beams dropped last round: a step's items may
+                            still point at them, so they are freed at the next round */
+    uint32_t n_dead;
+} eng_beam;
+
 struct eng_req {
     char id[PD_ENGINE_MAX_REQUEST_ID + 1];
     pd_idmap_link link; /* in pd_engine.reqs, keyed by id */
@@ -90,6 +129,7 @@ struct eng_req {
     uint32_t n_live;         /* sequences without a final event */
     pd_prompt_logprobs *plp; /* prompt logprobs being filled (malloc'd), NULL when not asked or
                                 once the first event of choice 0 took them */
+    eng_beam *beam;          /* use_beam_search: its state (n = best_of slots), else NULL */
     eng_seq seqs[];          /* (n) */
 };
 
@@ -99,6 +139,8 @@ typedef struct {
     pd_engine_event ev;
     char id[PD_ENGINE_MAX_REQUEST_ID + 1];
     int32_t token;
+    int32_t *tokens; /* a beam's answer: its tokens (grows geometrically, tokens_cap bytes) */
+    size_t tokens_cap;
     char *text; /* grows geometrically */
     size_t text_cap;
     char *stop_str; /* grows geometrically */
@@ -239,6 +281,24 @@ int eng_spec_process(pd_engine *e, size_t i, const float *logits);
 /* engine_step.c: samples one token for s from logits, advances its grammar, appends it and
  * emits it (under mu; the queue has room). */
 int eng_sample_emit(pd_engine *e, eng_seq *s, const float *logits);
+
+/* Pushes the final event of a beam search answer on s: every output token of the beam at once
+ * (toks, n), their text, cum its cumulative logprob, fin its finish. Under mu; the caller
+ * checked the queue has room. */
+int eng_seq_emit_beam(pd_engine *e, eng_seq *s, const int32_t *toks, size_t n, double cum,
+                      const pd_stop_result *fin);
+
+/* engine_beam.c (under mu) */
+/* The beam state of a request being built (r->n = best_of slots), in r's arena. */
+int eng_beam_create(pd_engine *e, eng_req *r, const int32_t *prompt);
+/* Frees the sequences of dropped beams that are still kept (eng_req_free). */
+void eng_beam_free(pd_engine *e, eng_req *r);
+/* Takes slot s's candidates from its logits row (the step computed its last token). */
+int eng_beam_candidates(pd_engine *e, eng_seq *s, const float *logits);
+/* Runs a round of r's search once every running beam has its candidates: ranks the
+ * candidates, keeps the best finished ones, forks and drops beams, appends their tokens; when
+ * the search stops, pushes the answer and ends every slot. No-op otherwise. */
+int eng_beam_round(pd_engine *e, eng_req *r);
 
 /* engine_ranks.c */
 /* The backend group's parameters from e->p (and e's sizes, once known). */

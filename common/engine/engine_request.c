@@ -26,6 +26,7 @@ static eng_req *req_find(pd_engine *e, const char *id)
 
 void eng_req_free(pd_engine *e, eng_req *r)
 {
+    eng_beam_free(e, r);
     for (uint32_t i = 0; i < r->n; i++) {
         eng_seq *s = &r->seqs[i];
         if (s->sq) pd_sched_seq_free(e->sched, s->sq);
@@ -171,6 +172,48 @@ void pd_engine_grammar_warm(pd_engine *e, const pd_sampling_params *sp)
     if (sp->guided_kind && req_grammar(e, sp, &g) >= 0) pd_grammar_unref(g);
 }
 
+/* What beam search (engine_beam.c) takes beyond pd_sampling_params_validate's checks: the
+ * width against max_num_seqs and the vocabulary, and none of the sampling fields its
+ * log-softmax ranking does not apply (each named in the message). */
+static int beam_check(const pd_engine *e, const pd_sampling_params *sp, pd_engine_phase phase)
+{
+    int32_t w = sp->best_of > 0 ? sp->best_of : sp->n;
+    if ((size_t)w > e->p.max_num_seqs)
+        return pd_error(PD_EINVAL, "best_of must be at most %zu, got %d.", e->p.max_num_seqs, w);
+    if (2 * (size_t)w > e->vocab)
+        return pd_error(PD_EINVAL,
+                        "best_of: beam search needs a vocabulary of at least 2 x %d "
+                        "tokens, the model has %zu",
+                        w, e->vocab);
+    const char *field = NULL;
+    if (phase != PD_PHASE_FULL)
+        field = "a prefill-only request";
+    else if (sp->logprobs >= 0)
+        field = "logprobs";
+    else if (sp->n_stop > 0)
+        field = "stop";
+    else if (sp->min_tokens > 0)
+        field = "min_tokens";
+    else if (sp->presence_penalty != 0.0)
+        field = "presence_penalty";
+    else if (sp->frequency_penalty != 0.0)
+        field = "frequency_penalty";
+    else if (sp->repetition_penalty != 1.0)
+        field = "repetition_penalty";
+    else if (sp->min_p > 0.0)
+        field = "min_p";
+    else if (sp->n_logit_bias > 0)
+        field = "logit_bias";
+    else if (sp->has_allowed_token_ids)
+        field = "allowed_token_ids";
+    else if (sp->guided_kind)
+        field = "guided decoding";
+    if (field)
+        return pd_error(PD_EUNSUPPORTED, "use_beam_search: %s is not supported with beam search",
+                        field);
+    return PD_OK;
+}
+
 /* Builds a request object: copies and validates the parameters (rq->sampling not NULL) and
  * creates the per-sequence sampler, stop checker and detokenizer (no engine state touched). */
 static int req_build(pd_engine *e, const pd_engine_request *rq, eng_req **out)
@@ -210,12 +253,17 @@ static int req_build(pd_engine *e, const pd_engine_request *rq, eng_req **out)
         return pd_error(PD_EINVAL, "stop strings need a tokenizer; this engine has none");
     if (rq->phase == PD_PHASE_PREFILL_ONLY && sp.n != 1)
         return pd_error(PD_EUNSUPPORTED, "n > 1 is not supported for prefill-only requests");
+    int32_t n_seqs = sp.n;
+    if (sp.use_beam_search) {
+        PD_CHECK(beam_check(e, &sp, rq->phase));
+        n_seqs = sp.best_of > 0 ? sp.best_of : sp.n;
+    }
 
-    eng_req *r = calloc(1, sizeof *r + (size_t)sp.n * sizeof(eng_seq));
+    eng_req *r = calloc(1, sizeof *r + (size_t)n_seqs * sizeof(eng_seq));
     if (!r) return pd_error(PD_ENOMEM, "engine: out of memory for a request");
     snprintf(r->id, sizeof r->id, "%s", rq->request_id);
     r->phase = rq->phase;
-    r->n = (uint32_t)sp.n;
+    r->n = (uint32_t)n_seqs;
     r->n_live = r->n;
     r->n_prompt = rq->n_prompt;
     int rc = PD_OK;
@@ -250,6 +298,7 @@ static int req_build(pd_engine *e, const pd_engine_request *rq, eng_req **out)
             }
         }
     }
+    if (sp.use_beam_search) PD_CHECK_GOTO(eng_beam_create(e, r, rq->prompt_ids), rc, fail);
     pd_grammar_unref(g);
     *out = r;
     return PD_OK;
@@ -435,6 +484,8 @@ int pd_engine_add_imported(pd_engine *e, const pd_engine_request *rq, int32_t fi
     if (first_token < 0 || (size_t)first_token >= e->vocab)
         return pd_error(PD_EINVAL, "Token id %d is out of vocabulary", first_token);
     if (rq->sampling->n != 1) return pd_error(PD_EINVAL, "an imported request has n = 1");
+    if (rq->sampling->use_beam_search)
+        return pd_error(PD_EUNSUPPORTED, "use_beam_search: an imported request cannot search");
     eng_req *built;
     PD_CHECK(req_build(e, rq, &built));
     pthread_mutex_lock(&e->mu);

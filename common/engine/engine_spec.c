@@ -35,7 +35,8 @@ int eng_spec_propose(pd_engine *e)
         eng_seq *s = pd_seq_user(it->seq);
         eng_req *r = s->req;
         size_t n_out = pd_seq_num_output(it->seq);
-        if (it->n_new != 1 || !it->sample || it->lp_n || s->gm || r->abort_requested || n_out == 0)
+        if (it->n_new != 1 || !it->sample || it->lp_n || s->gm || r->beam || r->abort_requested ||
+            n_out == 0) /* a beam search ranks its beams' own rows only */
             continue;
         if (s->spec_rest > 0) {
             s->spec_rest--;

@@ -107,6 +107,7 @@ static int process_item(pd_engine *e, size_t i, const float *logits)
     eng_seq *s = pd_seq_user(it->seq);
     eng_req *r = s->req;
     if (r->abort_requested) return PD_OK; /* its abort is applied at the next boundary */
+    if (r->beam) return eng_beam_candidates(e, s, logits); /* the round comes after the items */
     if (s->index == 0 && pd_seq_num_output(it->seq) == 0 && r->n > 1 && !r->seqs[1].sq) {
         for (uint32_t c = 1; c < r->n; c++)
             PD_CHECK(pd_sched_fork(e->sched, it->seq, &r->seqs[c], &r->seqs[c].sq));
@@ -133,6 +134,14 @@ int eng_sample_emit(pd_engine *e, eng_seq *s, const float *logits)
     PD_CHECK(pd_sched_append(e->sched, s->sq, res.token));
     e->stats.generation_tokens++;
     return eng_seq_emit_token(e, s, res.token, &res);
+}
+
+/* Ends every sequence of r with the error rc (its message copied to msg) (under mu). */
+static void end_request(pd_engine *e, eng_req *r, int rc, char *msg, size_t cap)
+{
+    snprintf(msg, cap, "%s", pd_last_error());
+    PD_WARN(r->id, "request failed: %s", msg);
+    for (uint32_t c = 0; c < r->n; c++) eng_seq_end_status(e, &r->seqs[c], rc, msg);
 }
 
 /* Frees, once each, the requests of the last schedule's items that have ended (under mu). The
@@ -304,12 +313,13 @@ static int step_once(pd_engine *e, bool *did_work)
             const float *logits = e->ranks[0].logits + (size_t)e->item_out[i] * e->vocab;
             if (prc == PD_OK)
                 prc = it->n_draft ? eng_spec_process(e, i, logits) : process_item(e, i, logits);
-            if (prc < 0) {
-                snprintf(msg, sizeof msg, "%s", pd_last_error());
-                PD_WARN(s->req->id, "sequence %u failed: %s", s->index, msg);
-                for (uint32_t c = 0; c < s->req->n; c++)
-                    eng_seq_end_status(e, &s->req->seqs[c], prc, msg);
-            }
+            if (prc < 0) end_request(e, s->req, prc, msg, sizeof msg);
+        }
+        /* beam searches whose beams all have their candidates now */
+        for (size_t i = 0; i < e->so.n_items; i++) {
+            eng_req *r = ((eng_seq *)pd_seq_user(e->so.items[i].seq))->req;
+            int brc = r->beam ? eng_beam_round(e, r) : PD_OK;
+            if (brc < 0) end_request(e, r, brc, msg, sizeof msg);
         }
     }
     free_ended_requests(e);

@@ -47,6 +47,7 @@ pd_sampling_params pd_sampling_default_params(void)
     p.include_stop_str_in_output = false;
     p.max_tokens = -1;
     p.skip_special_tokens = true;
+    p.length_penalty = 1.0;
     return p;
 }
 
@@ -198,7 +199,25 @@ int pd_sampling_check(const pd_sampling_fields *f, int32_t vocab)
             if (f->allowed_token_ids[i] < 0 || f->allowed_token_ids[i] >= vocab)
                 return pd_error(PD_EINVAL, "allowed_token_ids contains out-of-vocab token id!");
     }
-    if (!f->use_beam_search) {
+    if (f->use_beam_search) {
+        int64_t best_of = f->has_best_of ? f->best_of : n;
+        if (best_of == 1)
+            return pd_error(
+                PD_EINVAL,
+                "best_of must be greater than 1 when using beam search. Got %" PRId64 ".", best_of);
+        if (f->has_temperature && f->temperature > PD_SAMPLING_GREEDY_EPS)
+            return pd_error(PD_EINVAL, "temperature must be 0 when using beam search.");
+        if (f->has_top_p && f->top_p < 1.0 - PD_SAMPLING_GREEDY_EPS)
+            return pd_error(PD_EINVAL, "top_p must be 1 when using beam search.");
+        if (f->has_top_k && f->top_k != -1 && f->top_k != 0)
+            return pd_error(PD_EINVAL, "top_k must be -1 when using beam search.");
+        if (f->early_stopping < PD_EARLY_STOPPING_FALSE ||
+            f->early_stopping > PD_EARLY_STOPPING_NEVER)
+            return pd_error(PD_EINVAL, "early_stopping must be True, False, or 'never', got %d.",
+                            (int)f->early_stopping);
+        if (f->has_length_penalty && !isfinite(f->length_penalty))
+            return pd_error(PD_EINVAL, "length_penalty must be a finite number.");
+    } else {
         if (f->early_stopping)
             return pd_error(PD_EINVAL, "early_stopping is not effective and must be False when "
                                        "not using beam search.");
@@ -253,7 +272,13 @@ int pd_sampling_params_validate(const pd_sampling_params *p, int32_t vocab)
                             .n_logit_bias = p->n_logit_bias,
                             .has_allowed_token_ids = p->has_allowed_token_ids,
                             .allowed_token_ids = p->allowed_token_ids,
-                            .n_allowed_token_ids = p->n_allowed_token_ids};
+                            .n_allowed_token_ids = p->n_allowed_token_ids,
+                            .has_best_of = p->use_beam_search,
+                            .best_of = p->best_of > 0 ? p->best_of : p->n,
+                            .use_beam_search = p->use_beam_search,
+                            .early_stopping = p->early_stopping,
+                            .has_length_penalty = true,
+                            .length_penalty = p->length_penalty};
     return pd_sampling_check(&f, vocab);
 }
 

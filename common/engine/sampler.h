@@ -83,7 +83,20 @@ typedef struct {
     const char *guided;
     size_t guided_len;
     const char *guided_ws;
+    /* beam search (vLLM 0.5's, docs/api.md): best_of beams (the width) are searched and the n
+     * of the best score answered; the other sampling fields keep their defaults (checked) */
+    bool use_beam_search;
+    int32_t best_of;        /* beams with use_beam_search (>= n, > 1); 0 = n */
+    double length_penalty;  /* score = cumulative logprob / len ** length_penalty (1) */
+    int32_t early_stopping; /* pd_early_stopping */
 } pd_sampling_params;
+
+/* vLLM 0.5's early_stopping: true, false or "never" (when a beam search stops). */
+typedef enum {
+    PD_EARLY_STOPPING_FALSE = 0, /* when the best running beam cannot beat the worst kept */
+    PD_EARLY_STOPPING_TRUE = 1,  /* as soon as best_of beams finished */
+    PD_EARLY_STOPPING_NEVER = 2, /* as false, the running beam scored at its longest length */
+} pd_early_stopping;
 
 /* Built-in defaults (§7.1): n 1, temperature 1, top_p 1, top_k 0, min_p 0, penalties off,
  * no seed, no bias, no allowed list, min_tokens 0, logprobs -1, prompt_logprobs -1, no stop,
@@ -121,7 +134,8 @@ typedef struct {
     int64_t max_n;           /* > 0: n above it is refused (the api-server's --max-n-style cap) */
     bool max_tokens_zero_ok; /* max_tokens 0 is allowed (completions with echo) */
     /* beam search's own fields: without use_beam_search they must keep their defaults */
-    bool use_beam_search, early_stopping, has_length_penalty;
+    bool use_beam_search, has_length_penalty;
+    int32_t early_stopping; /* pd_early_stopping */
     double length_penalty;
 } pd_sampling_fields;
 
@@ -129,9 +143,10 @@ typedef struct {
  * best_of (>= n), presence / frequency penalty, repetition_penalty,
  * temperature, top_p, top_k, min_p, max_tokens, min_tokens, logprobs, stop strings non-empty,
  * stop_token_ids in vocabulary, logit_bias keys and ids (every out-of-vocabulary one named),
- * allowed_token_ids, then without use_beam_search early_stopping false and length_penalty 1
- * (vLLM's _verify_non_beam_search). On failure PD_EINVAL with exactly the contract's (vLLM's)
- * message, e.g. "top_p must be in (0, 1], got 1.5.". */
+ * allowed_token_ids, then with use_beam_search best_of > 1, temperature 0, top_p 1, top_k off
+ * (vLLM 0.5's _verify_beam_search; top_k 0 and -1 are both "off" here), without it
+ * early_stopping false and length_penalty 1 (vLLM's _verify_non_beam_search). On failure PD_EINVAL
+ * with exactly the contract's (vLLM's) message, e.g. "top_p must be in (0, 1], got 1.5.". */
 int pd_sampling_check(const pd_sampling_fields *f, int32_t vocab);
 
 /* pd_sampling_check of every field of p (max_tokens when not -1), after p's own consistency

@@ -337,6 +337,27 @@ int pd_sched_fork(pd_sched *s, pd_sched_seq *parent, void *user, pd_sched_seq **
     return PD_OK;
 }
 
+int pd_sched_pass_children(pd_sched *s, pd_sched_seq *from, pd_sched_seq *to, size_t n)
+{
+    (void)s;
+    if (from->state != PD_SEQ_RUNNING || to->state != PD_SEQ_RUNNING || from->pending_children < n)
+        return pd_error(PD_EINVAL, "scheduler: %zu reserved children cannot pass (%zu held)", n,
+                        from->pending_children);
+    from->pending_children -= n;
+    to->pending_children += n;
+    return PD_OK;
+}
+
+int pd_sched_finish_into(pd_sched *s, pd_sched_seq *seq, pd_sched_seq *heir)
+{
+    if (seq->state != PD_SEQ_RUNNING || heir->state != PD_SEQ_RUNNING || seq == heir)
+        return pd_error(PD_EINVAL, "scheduler: finish_into needs two running sequences");
+    heir->pending_children += 1 + seq->pending_children;
+    s->running_slots += 1 + seq->pending_children; /* pd_sched_finish takes them off */
+    pd_sched_finish(s, seq);
+    return PD_OK;
+}
+
 int pd_sched_hold(pd_sched *s, pd_sched_seq *seq)
 {
     if (seq->state != PD_SEQ_RUNNING)
@@ -642,6 +663,10 @@ const pd_sched_params *pd_sched_get_params(const pd_sched *s)
 pd_seq_state pd_seq_get_state(const pd_sched_seq *seq)
 {
     return seq->state;
+}
+size_t pd_seq_num_reserved(const pd_sched_seq *seq)
+{
+    return seq->pending_children;
 }
 void *pd_seq_user(const pd_sched_seq *seq)
 {

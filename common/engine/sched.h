@@ -165,6 +165,12 @@ void pd_sched_drafts_done(pd_sched *s, pd_sched_seq *seq);
  * its last token. */
 int pd_sched_fork(pd_sched *s, pd_sched_seq *parent, void *user, pd_sched_seq **out);
 
+/* Beam search keeps the children reserved at add while its beams fork and drop: moves n of
+ * from's reserved children to to (both RUNNING), or ends seq (RUNNING; as pd_sched_finish) and
+ * gives its place and its reserved children to heir (RUNNING) as reserved children. */
+int pd_sched_pass_children(pd_sched *s, pd_sched_seq *from, pd_sched_seq *to, size_t n);
+int pd_sched_finish_into(pd_sched *s, pd_sched_seq *seq, pd_sched_seq *heir);
+
 /* RUNNING -> HELD (blocks kept, no longer scheduled): a prefill-only sequence after its first
  * token. */
 int pd_sched_hold(pd_sched *s, pd_sched_seq *seq);
@@ -206,6 +212,8 @@ size_t pd_seq_num_output(const pd_sched_seq *seq);
 size_t pd_seq_num_computed(const pd_sched_seq *seq);
 /* Prompt tokens whose KV the prefix cache held when the sequence was first admitted. */
 size_t pd_seq_num_cached(const pd_sched_seq *seq);
+/* Children still reserved for it (pd_sched_add's n_children not forked yet, or passed). */
+size_t pd_seq_num_reserved(const pd_sched_seq *seq);
 /* Times this sequence was preempted. */
 uint32_t pd_seq_num_preemptions(const pd_sched_seq *seq);
 /* The sequence's block table (never NULL). */

@@ -216,6 +216,23 @@ static bool is_stop_id(const pd_stop *s, int32_t token)
     return false;
 }
 
+pd_finish_reason pd_stop_check_token(const pd_stop *s, int32_t token, pd_stop_result *r)
+{
+    if (s->eos_id >= 0 && token == s->eos_id) {
+        r->finish = PD_FINISH_STOP;
+    } else if (is_stop_id(s, token)) {
+        r->finish = PD_FINISH_STOP;
+        r->stop_kind = PD_STOP_REASON_TOKEN;
+        r->stop_token = token;
+    }
+    return r->finish;
+}
+
+int64_t pd_stop_max_tokens(const pd_stop *s)
+{
+    return s->max_tokens;
+}
+
 int pd_stop_push(pd_stop *s, int32_t token, const char *delta, size_t delta_len, pd_stop_result *r)
 {
     if (s->finished)
@@ -234,16 +251,8 @@ int pd_stop_push(pd_stop *s, int32_t token, const char *delta, size_t delta_len,
     bool drop_text = false;
     if (s->prompt_len + s->n_output >= s->max_model_len || s->n_output >= s->max_tokens) {
         r->finish = PD_FINISH_LENGTH;
-    } else if (s->n_output >= s->min_tokens) {
-        if (s->eos_id >= 0 && token == s->eos_id) {
-            r->finish = PD_FINISH_STOP;
-            drop_text = !s->include_stop;
-        } else if (is_stop_id(s, token)) {
-            r->finish = PD_FINISH_STOP;
-            r->stop_kind = PD_STOP_REASON_TOKEN;
-            r->stop_token = token;
-            drop_text = !s->include_stop;
-        }
+    } else if (s->n_output >= s->min_tokens && pd_stop_check_token(s, token, r) != PD_FINISH_NONE) {
+        drop_text = !s->include_stop;
     }
     if (r->finish == PD_FINISH_NONE && s->complete) r->finish = PD_FINISH_STOP;
 

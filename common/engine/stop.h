@@ -97,6 +97,16 @@ void pd_stop_complete(pd_stop *s);
  * the sequence has not finished or was already flushed. */
 int pd_stop_flush(pd_stop *s, const char *tail, size_t tail_len, pd_stop_result *r);
 
+/* Steps 3 and 4 for one token, from the checker's configuration only (neither its state nor
+ * min_tokens): PD_FINISH_STOP with a null stop_reason for the primary EOS, with stop_kind TOKEN
+ * and stop_token for a stop id or another EOS id (none of them with ignore_eos but the client's
+ * stop ids), else PD_FINISH_NONE. Only r's finish, stop_kind and stop_token are set; the caller
+ * cleared r. Beam search checks its candidates with it (vLLM 0.5: these before the length). */
+pd_finish_reason pd_stop_check_token(const pd_stop *s, int32_t token, pd_stop_result *r);
+
+/* The effective max_tokens (pd_stop_effective_max_tokens) the checker applies. */
+int64_t pd_stop_max_tokens(const pd_stop *s);
+
 /* Output tokens pushed so far. */
 int64_t pd_stop_num_output(const pd_stop *s);
 

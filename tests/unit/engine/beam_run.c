@@ -1,0 +1,210 @@
+/* beam_run: runs one beam search request through the engine and prints its answer as JSON in
+ * tests/reference/beam_ref.py's shape, for test_beam.py to compare with that reference.
+ *
+ *   beam_run --model DIR --prompt-ids 1,2,3 --width W [--n N] --max-tokens M
+ *            [--length-penalty X] [--early-stopping false|true|never] [--ignore-eos]
+ *            [--stop-token-ids 5,6] [--max-model-len L] [--abort-after-steps K]
+ *
+ * Prints {"beams": [{"tokens", "cumulative_logprob", "score", "finish_reason"}, ...],
+ * "kv_blocks_free_start", "kv_blocks_free_end", "kv_blocks_peak_used", "block_size",
+ * "statuses": [...]}: the free blocks of the pool before the request and after it ended, the
+ * most blocks in use after any step, and each choice's final status (0, or PD_ECANCELLED after
+ * --abort-after-steps K aborted it after K steps). The engine runs on 2 threads with the model's
+ * EOS (config.json's eos_token_id when the model directory has no tokenizer).
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine/engine.h"
+#include "util/args.h"
+#include "util/log.h"
+#include "util/status.h"
+
+#define MAX_IDS 1024
+#define MAX_W   64
+
+typedef struct {
+    const char *model;
+    int32_t prompt[MAX_IDS], stop_ids[MAX_IDS];
+    size_t n_prompt, n_stop_ids;
+    int64_t width, n, max_tokens, max_model_len, abort_after;
+    double length_penalty;
+    int32_t early;
+    bool ignore_eos;
+} args_t;
+
+typedef struct {
+    int32_t *toks;
+    size_t n;
+    double cum;
+    const char *finish;
+    int status;
+    bool done;
+} choice_t;
+
+static int parse_list(const char *flag, const char *s, int32_t *out, size_t *n)
+{
+    *n = 0;
+    while (*s) {
+        char *end;
+        long v = strtol(s, &end, 10);
+        if (end == s || v < 0 || *n == MAX_IDS)
+            return pd_error(PD_EINVAL, "%s: expected comma-separated ids, got \"%s\"", flag, s);
+        out[(*n)++] = (int32_t)v;
+        s = *end == ',' ? end + 1 : end;
+    }
+    return PD_OK;
+}
+
+static int parse(int argc, char **argv, args_t *a)
+{
+    *a = (args_t){.n = 1, .length_penalty = 1.0, .abort_after = -1};
+    for (int i = 1; i < argc; i++) {
+        const char *o = argv[i];
+        if (!strcmp(o, "--ignore-eos")) {
+            a->ignore_eos = true;
+            continue;
+        }
+        if (i + 1 >= argc) return pd_error(PD_EINVAL, "%s: missing value", o);
+        const char *v = argv[++i];
+        if (!strcmp(o, "--model"))
+            a->model = v;
+        else if (!strcmp(o, "--prompt-ids"))
+            PD_CHECK(parse_list(o, v, a->prompt, &a->n_prompt));
+        else if (!strcmp(o, "--stop-token-ids"))
+            PD_CHECK(parse_list(o, v, a->stop_ids, &a->n_stop_ids));
+        else if (!strcmp(o, "--width"))
+            PD_CHECK(pd_arg_i64(o, v, 1, MAX_W, &a->width));
+        else if (!strcmp(o, "--n"))
+            PD_CHECK(pd_arg_i64(o, v, 1, MAX_W, &a->n));
+        else if (!strcmp(o, "--max-tokens"))
+            PD_CHECK(pd_arg_i64(o, v, 1, INT64_MAX, &a->max_tokens));
+        else if (!strcmp(o, "--max-model-len"))
+            PD_CHECK(pd_arg_i64(o, v, 2, INT64_MAX, &a->max_model_len));
+        else if (!strcmp(o, "--abort-after-steps"))
+            PD_CHECK(pd_arg_i64(o, v, 0, INT64_MAX, &a->abort_after));
+        else if (!strcmp(o, "--length-penalty"))
+            PD_CHECK(pd_arg_f64(o, v, &a->length_penalty));
+        else if (!strcmp(o, "--early-stopping")) {
+            if (!strcmp(v, "false"))
+                a->early = PD_EARLY_STOPPING_FALSE;
+            else if (!strcmp(v, "true"))
+                a->early = PD_EARLY_STOPPING_TRUE;
+            else if (!strcmp(v, "never"))
+                a->early = PD_EARLY_STOPPING_NEVER;
+            else
+                return pd_error(PD_EINVAL, "--early-stopping: expected false, true or never");
+        } else
+            return pd_error(PD_EINVAL, "unknown option %s", o);
+    }
+    if (!a->model || !a->n_prompt || !a->width || !a->max_tokens)
+        return pd_error(PD_EINVAL, "--model, --prompt-ids, --width and --max-tokens are required");
+    return PD_OK;
+}
+
+/* Drains the events into the choices; *n_done counts the final ones. */
+static int drain(pd_engine *e, choice_t *c, int64_t n, int64_t *n_done)
+{
+    const pd_engine_event *ev;
+    while (pd_engine_next_event(e, &ev)) {
+        int rc = PD_OK;
+        choice_t *ch = ev->seq_index < n ? &c[ev->seq_index] : NULL;
+        if (!ch || ch->done || !ev->final)
+            rc = pd_error(PD_EINTERNAL, "unexpected event (choice %u, final %d)", ev->seq_index,
+                          ev->final);
+        if (rc == PD_OK && ev->n_tokens && !(ch->toks = malloc(ev->n_tokens * sizeof *ch->toks)))
+            rc = pd_error(PD_ENOMEM, "out of memory");
+        if (rc == PD_OK) {
+            if (ev->n_tokens) memcpy(ch->toks, ev->token_ids, ev->n_tokens * sizeof *ch->toks);
+            ch->n = ev->n_tokens;
+            ch->cum = ev->cumulative_logprob;
+            ch->finish = pd_finish_reason_name(ev->finish);
+            ch->status = ev->status;
+            ch->done = true;
+            (*n_done)++;
+        }
+        pd_engine_event_done(e);
+        PD_CHECK(rc);
+    }
+    return PD_OK;
+}
+
+static int run(const args_t *a)
+{
+    pd_engine_params p = pd_engine_default_params();
+    p.model_dir = a->model;
+    p.n_threads = 2;
+    p.max_num_seqs = MAX_W;
+    p.num_kv_blocks = 4096;
+    p.seed = 0;
+    if (a->max_model_len) p.max_model_len = (size_t)a->max_model_len;
+    pd_engine *e;
+    PD_CHECK(pd_engine_create(&p, &e));
+    pd_sampling_params sp = pd_sampling_default_params();
+    sp.n = (int32_t)a->n;
+    sp.use_beam_search = true;
+    sp.best_of = (int32_t)a->width;
+    sp.temperature = 0.0;
+    sp.length_penalty = a->length_penalty;
+    sp.early_stopping = a->early;
+    sp.ignore_eos = a->ignore_eos;
+    sp.max_tokens = a->max_tokens;
+    sp.stop_token_ids = a->stop_ids;
+    sp.n_stop_token_ids = (int32_t)a->n_stop_ids;
+    pd_engine_request rq = {
+        .request_id = "beam", .prompt_ids = a->prompt, .n_prompt = a->n_prompt, .sampling = &sp};
+    pd_engine_stats st;
+    pd_engine_get_stats(e, &st);
+    size_t free_start = st.kv_blocks_free, peak = 0;
+    choice_t c[MAX_W] = {0};
+    int64_t n_done = 0, steps = 0;
+    int rc = pd_engine_add(e, &rq);
+    while (rc >= 0 && n_done < a->n) {
+        if (steps == a->abort_after) rc = pd_engine_abort(e, "beam");
+        bool did = false;
+        if (rc >= 0) rc = pd_engine_step(e, &did);
+        steps++;
+        pd_engine_get_stats(e, &st);
+        if (st.kv_blocks_total - st.kv_blocks_free > peak)
+            peak = st.kv_blocks_total - st.kv_blocks_free;
+        if (rc >= 0) rc = drain(e, c, a->n, &n_done);
+        if (rc >= 0 && !did && n_done < a->n)
+            rc = pd_error(PD_EINTERNAL, "the engine stopped with %lld of %lld choices answered",
+                          (long long)n_done, (long long)a->n);
+    }
+    if (rc >= 0) { /* the request is freed at the end of the step that answered it */
+        pd_engine_get_stats(e, &st);
+        printf("{\"beams\": [");
+        for (int64_t j = 0; j < a->n; j++) {
+            size_t len = a->n_prompt + c[j].n;
+            printf("%s{\"tokens\": [", j ? ", " : "");
+            for (size_t k = 0; k < c[j].n; k++) printf("%s%d", k ? ", " : "", c[j].toks[k]);
+            printf("], \"cumulative_logprob\": %.9g, \"score\": %.9g, \"finish_reason\": ",
+                   c[j].cum, c[j].cum / pow((double)len, a->length_penalty));
+            printf(c[j].finish ? "\"%s\"}" : "null}", c[j].finish);
+        }
+        printf("], \"statuses\": [");
+        for (int64_t j = 0; j < a->n; j++) printf("%s%d", j ? ", " : "", c[j].status);
+        printf("], \"kv_blocks_free_start\": %zu, \"kv_blocks_free_end\": %zu, "
+               "\"kv_blocks_peak_used\": %zu, \"block_size\": %zu}\n",
+               free_start, st.kv_blocks_free, peak, st.block_size);
+    }
+    for (int64_t j = 0; j < a->n; j++) free(c[j].toks);
+    pd_engine_free(e);
+    return rc;
+}
+
+int main(int argc, char **argv)
+{
+    pd_log_set_level(PD_LOG_WARN);
+    args_t a;
+    int rc = parse(argc, argv, &a);
+    if (rc >= 0) rc = run(&a);
+    if (rc < 0) {
+        fprintf(stderr, "beam_run: %s\n", pd_last_error());
+        return 1;
+    }
+    return 0;
+}
