@@ -58,6 +58,23 @@ static int f_bool(const json_t *o, const char *path, const char *key, bool *out)
     return 1;
 }
 
+/* early_stopping: a boolean, or on /generate (vLLM 0.5's SamplingParams) also "never". */
+static int f_early_stopping(const json_t *o, pd_api_kind kind, int32_t *out)
+{
+    const json_t *v = json_object_get(o, "early_stopping");
+    if (kind == PD_API_GENERATE && json_is_string(v) && !strcmp(json_string_value(v), "never")) {
+        *out = PD_EARLY_STOPPING_NEVER;
+        return 1;
+    }
+    bool b = false;
+    int rc = f_bool(o, "early_stopping", "early_stopping", &b);
+    if (rc < 0 && kind == PD_API_GENERATE)
+        return pd_error(PD_EINVAL, "early_stopping must be True, False, or 'never', got %s.",
+                        json_is_string(v) ? json_string_value(v) : "a value of another type");
+    *out = b ? PD_EARLY_STOPPING_TRUE : PD_EARLY_STOPPING_FALSE;
+    return rc;
+}
+
 static int f_str(const json_t *o, const char *key, const char **out)
 {
     const json_t *v = json_object_get(o, key);
@@ -136,7 +153,8 @@ typedef struct {
     bool has_temperature, has_top_p, has_min_p, has_presence, has_frequency, has_repetition;
     const json_t *logit_bias, *stream_options, *stop_ids_json;
     bool stream, echo, include_stop, ignore_eos, skip_special, use_beam_search, add_special;
-    bool has_add_special, tokens_as_ids, early_stopping, has_length_penalty;
+    bool has_add_special, tokens_as_ids, has_length_penalty;
+    int32_t early_stopping; /* pd_early_stopping */
     double length_penalty;
     const char **stop;
     int32_t n_stop;
@@ -238,7 +256,7 @@ static int read_common(const json_t *o, pd_api_kind kind, pd_arena *a, common_fi
     if ((rc = f_bool(o, "use_beam_search", "use_beam_search", &f->use_beam_search)) < 0) return rc;
     RD(f_bool(o, "add_special_tokens", "add_special_tokens", &f->add_special), f->has_add_special);
     RD(f_num(o, "length_penalty", &f->length_penalty), f->has_length_penalty);
-    if ((rc = f_bool(o, "early_stopping", "early_stopping", &f->early_stopping)) < 0) return rc;
+    if ((rc = f_early_stopping(o, kind, &f->early_stopping)) < 0) return rc;
     if (kind == PD_API_COMPLETIONS) RD(f_int(o, "logprobs", &f->logprobs), f->has_logprobs);
     RD(f_int(o, "prompt_logprobs", &f->prompt_logprobs), f->has_prompt_logprobs);
     const json_t *rf;
@@ -299,22 +317,24 @@ static int check_shared(const pd_api_limits *lim, pd_api_kind kind, const common
                              .has_presence_penalty = f->has_presence,
                              .has_frequency_penalty = f->has_frequency,
                              .has_repetition_penalty = f->has_repetition,
-                             .has_temperature = f->has_temperature,
-                             .has_top_p = f->has_top_p,
-                             .has_top_k = f->has_top_k,
+                             /* beam search checks the values in use, given or default */
+                             .has_temperature = f->has_temperature || f->use_beam_search,
+                             .has_top_p = f->has_top_p || f->use_beam_search,
+                             .has_top_k = f->has_top_k || f->use_beam_search,
                              .has_min_p = f->has_min_p,
                              .has_max_tokens = f->has_max_tokens,
                              .has_min_tokens = f->has_min_tokens,
                              .n = f->n,
                              .best_of = f->best_of,
-                             .top_k = f->top_k,
+                             .top_k = f->has_top_k ? f->top_k : lim->defaults.top_k,
                              .max_tokens = f->max_tokens,
                              .min_tokens = f->min_tokens,
                              .presence_penalty = f->presence,
                              .frequency_penalty = f->frequency,
                              .repetition_penalty = f->repetition,
-                             .temperature = f->temperature,
-                             .top_p = f->top_p,
+                             .temperature =
+                                 f->has_temperature ? f->temperature : lim->defaults.temperature,
+                             .top_p = f->has_top_p ? f->top_p : lim->defaults.top_p,
                              .min_p = f->min_p,
                              .stop = (const char *const *)f->stop,
                              .n_stop = f->n_stop,
@@ -390,7 +410,13 @@ static int check_shared(const pd_api_limits *lim, pd_api_kind kind, const common
      * returned, as vLLM 0.5 does; whole, not streamed (its completions rule, taken for every
      * endpoint) */
     r->best_of = f->has_best_of ? (int32_t)f->best_of : sp->n;
-    if (r->best_of > sp->n && sp->temperature < 1e-5)
+    if (f->use_beam_search) { /* one search answers the n choices (docs/beam_search.md) */
+        sp->use_beam_search = true;
+        sp->best_of = r->best_of;
+        sp->length_penalty = f->has_length_penalty ? f->length_penalty : 1.0;
+        sp->early_stopping = f->early_stopping;
+        r->best_of = sp->n;
+    } else if (r->best_of > sp->n && sp->temperature < 1e-5)
         return bad("best_of must be 1 when using greedy sampling.Got %lld.", (long long)f->best_of);
     r->stream = f->stream && r->best_of == sp->n;
     return 0;

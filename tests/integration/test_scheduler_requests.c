@@ -89,8 +89,28 @@ TEST(sched_bad_inputs)
          "Token id 99999999 is out of vocabulary", NULL},
         {"/v1/completions", "{\"prompt\":\"a\",\"suffix\":\"b\"}", 400,
          "suffix is not currently supported", NULL},
+        /* beam search: vLLM 0.5's _verify_beam_search on the values in use (temperature's
+         * default is 1), then the refusal while the servers cannot run a search yet */
         {"/v1/completions", "{\"prompt\":\"a\",\"use_beam_search\":true}", 400,
-         "`use_beam_search` is not supported.", NULL},
+         "best_of must be greater than 1 when using beam search. Got 1.", NULL},
+        {"/v1/completions", "{\"prompt\":\"a\",\"use_beam_search\":true,\"best_of\":2}", 400,
+         "temperature must be 0 when using beam search.", NULL},
+        {"/v1/completions",
+         "{\"prompt\":\"a\",\"use_beam_search\":true,\"n\":2,\"temperature\":0,"
+         "\"top_p\":0.5}",
+         400, "top_p must be 1 when using beam search.", NULL},
+        {"/v1/chat/completions",
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],\"use_beam_search\":true,"
+         "\"best_of\":2,\"temperature\":0,\"top_k\":5}",
+         400, "top_k must be -1 when using beam search.", NULL},
+        {"/v1/completions",
+         "{\"prompt\":\"a\",\"use_beam_search\":true,\"n\":3,\"best_of\":2,"
+         "\"temperature\":0}",
+         400, "best_of must be greater than or equal to n, got n=3 and best_of=2.", NULL},
+        {"/v1/completions",
+         "{\"prompt\":\"a\",\"use_beam_search\":true,\"best_of\":2,\"temperature\":0,"
+         "\"top_k\":-1,\"length_penalty\":0.5,\"early_stopping\":true}",
+         400, "`use_beam_search` is not supported.", NULL},
         {"/v1/completions", "{\"prompt\":\"a\",\"guided_regex\":\"(x+\"}", 400, NULL,
          "`guided_regex`: "},
         {"/v1/completions", "{\"prompt\":\"a\",\"max_tokens\":600}", 400, NULL,
@@ -417,6 +437,18 @@ TEST(sched_legacy_generate)
                    "\"max_tokens\":2}",
                    &r) == 0);
     ASSERT_EQ_INT(r.status, 200);
+    resp_free(&r);
+    /* and early_stopping may be "never" there (a SamplingParams value) */
+    ASSERT(http_do(g_port_legacy, "POST", "/generate", NULL,
+                   "{\"prompt\":\"a\",\"early_stopping\":\"never\"}", &r) == 0);
+    ASSERT_EQ_INT(r.status, 400);
+    ASSERT_CONTAINS(r.body, "early_stopping is not effective and must be False when not using "
+                            "beam search.");
+    resp_free(&r);
+    ASSERT(http_do(g_port_legacy, "POST", "/generate", NULL,
+                   "{\"prompt\":\"a\",\"early_stopping\":\"soon\"}", &r) == 0);
+    ASSERT_EQ_INT(r.status, 400);
+    ASSERT_CONTAINS(r.body, "early_stopping must be True, False, or 'never', got soon.");
     resp_free(&r);
 }
 

@@ -4,6 +4,7 @@
  *               [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S]
  *               [--concurrency N] [--json] [--bench] [--cpu-threads N] [--kv-cache-bytes N]
  *               [--prompt-logprobs K] [--dtype auto|float32|bfloat16]
+ *               [--ignore-eos] [--beam-width W [--length-penalty X]]
  *               [--cuda-device N [--dtype auto|float32|bfloat16|float16]]
  *
  * Design: a thin driver over the engine (engine.h) — the same scheduler, sampler, detokenizer
@@ -13,7 +14,9 @@
  * one. --prompt-logprobs K (with --json): each prompt's "prompt_logprobs" as the api-server's
  * body has them, keyed by token id ({"logprob", "rank"}; no decoded_token). --prompts-file: one
  * prompt per line (empty lines skipped); comma-separated ids per line when the file name ends in
- * ".ids". Without --seed the seed is 0, so runs are reproducible.
+ * ".ids". Without --seed the seed is 0, so runs are reproducible. --beam-width W: each prompt
+ * answers the best beam of a beam search of W beams (use_beam_search, best_of W, temperature 0;
+ * docs/beam_search.md), which comes whole at the end.
  *
  * The KV pool holds what this run can use at once and no more (the engine's max_kv_tokens): the
  * prompts that can be in flight together (--concurrency, and the engine's max_num_seqs), each
@@ -58,6 +61,9 @@ typedef struct {
     int64_t kv_cache_bytes;  /* --kv-cache-bytes: the pool's budget; 0 = the engine's default */
     int64_t prompt_logprobs; /* --prompt-logprobs K: -1 = none */
     pd_spec_flags spec;      /* speculative decoding, as pd-decode's flags */
+    bool ignore_eos;         /* --ignore-eos */
+    int64_t beam_width;      /* --beam-width W: beam search of W beams; 0 = sampling */
+    double length_penalty;   /* --length-penalty (beam search) */
 } args_t;
 
 typedef struct {
@@ -90,6 +96,8 @@ static void usage(FILE *o)
             "                    --ngram-prompt-lookup-max N [--ngram-prompt-lookup-min N]\n"
             "                    | --speculative-config JSON]\n"
             "                   [--speculative-disable-by-batch-size N]\n"
+            "                   [--ignore-eos] [--beam-width W [--length-penalty X]]\n"
+            "  --beam-width W      answer the best of a beam search of W beams (temperature 0)\n"
             "  --kv-cache-bytes N  KV budget (bytes; default: %.0f GiB on the CPU, the GPU's\n"
             "                      free share with --cuda-device); the pool never holds more\n"
             "                      than the run needs: the prompts in flight at once, each\n"
@@ -105,6 +113,7 @@ static int parse_args(int argc, char **argv, args_t *a)
     a->cuda_device = -1;
     a->dtype = -1;
     a->spec = pd_spec_flags_default();
+    a->length_penalty = 1.0;
     for (int i = 1; i < argc; i++) {
         const char *o = argv[i];
         if (!strcmp(o, "--chat"))
@@ -113,6 +122,8 @@ static int parse_args(int argc, char **argv, args_t *a)
             a->json = true;
         else if (!strcmp(o, "--bench"))
             a->bench = true;
+        else if (!strcmp(o, "--ignore-eos"))
+            a->ignore_eos = true;
         else if (!strcmp(o, "--enable-prefix-caching") || !strcmp(o, "--no-enable-prefix-caching"))
             a->no_prefix_cache = o[2] == 'n';
         else if (!strcmp(o, "--help") || !strcmp(o, "-h")) {
@@ -166,6 +177,10 @@ static int parse_args(int argc, char **argv, args_t *a)
                     return pd_error(
                         PD_EINVAL, "--dtype: expected auto, float32, bfloat16 or float16, got '%s'",
                         v);
+            } else if (!strcmp(o, "--beam-width")) {
+                PD_CHECK(pd_arg_i64(o, v, 2, 1 << 10, &a->beam_width));
+            } else if (!strcmp(o, "--length-penalty")) {
+                PD_CHECK(pd_arg_f64(o, v, &a->length_penalty));
             } else if (!strcmp(o, "--concurrency")) {
                 PD_CHECK(pd_arg_i64(o, v, 1, 1 << 20, &a->concurrency));
             } else if (!strcmp(o, "--speculative-model")) {
@@ -457,6 +472,15 @@ int main(int argc, char **argv)
     if (!sp.has_seed) sp.has_seed = true, sp.seed = 0; /* offline runs are reproducible */
     sp.prompt_logprobs = (int32_t)a.prompt_logprobs;
     sp.max_tokens = a.max_tokens > 0 ? a.max_tokens : m->generation.has_max_new_tokens ? -1 : 16;
+    sp.ignore_eos = a.ignore_eos;
+    if (a.beam_width > 0) {
+        sp.use_beam_search = true;
+        sp.best_of = (int32_t)a.beam_width;
+        sp.temperature = 0.0;
+        sp.top_p = 1.0;
+        sp.top_k = 0;
+        sp.length_penalty = a.length_penalty;
+    }
     PD_CHECK_GOTO(pd_sampling_params_validate(&sp, vocab), rc, out);
 
     pd_engine_params ep = pd_engine_default_params();
@@ -487,6 +511,7 @@ int main(int argc, char **argv)
     PD_CHECK_GOTO(
         run_kv_tokens(seqs, n_seqs, at_once, max_new, ctx_len, ep.block_size, &ep.max_kv_tokens),
         rc, out);
+    if (a.beam_width > 0) ep.max_kv_tokens *= (size_t)a.beam_width; /* each beam its own tail */
     PD_CHECK_GOTO(pd_engine_create(&ep, &e), rc, out);
     size_t max_len = pd_engine_max_model_len(e);
     for (size_t i = 0; i < n_seqs; i++) {
@@ -572,16 +597,22 @@ int main(int argc, char **argv)
             putchar('\n');
         }
     }
-    if (a.bench) {
+    if (a.bench && a.beam_width > 0) { /* the answer comes whole: no prefill/decode split */
+        fprintf(stderr,
+                "bench: beam search of width %lld: %zu prompts, %zu answered tokens in %.3f s "
+                "(concurrency %zu, %d threads); total %.3f s\n",
+                (long long)a.beam_width, n_seqs, gen_tokens, t_end - t0, in_flight_cap,
+                a.threads > 0 ? a.threads : pd_cpu_count(), t_end - t0);
+    } else if (a.bench) {
         /* prefill: start -> the last first token; decode: the remaining tokens after it */
         double tp = t_last_first - t0, td = t_end - t_last_first;
         size_t decode_tokens = gen_tokens > n_seqs ? gen_tokens - n_seqs : 0;
         fprintf(stderr,
                 "bench: prefill %zu tokens in %.3f s = %.1f tokens/s; decode %zu tokens in "
-                "%.3f s = %.1f tokens/s (%zu prompts, concurrency %zu, %d threads)\n",
+                "%.3f s = %.1f tokens/s (%zu prompts, concurrency %zu, %d threads); total %.3f s\n",
                 prompt_tokens, tp, prompt_tokens / (tp > 0 ? tp : 1e-9), decode_tokens, td,
                 decode_tokens / (td > 0 ? td : 1e-9), n_seqs, in_flight_cap,
-                a.threads > 0 ? a.threads : pd_cpu_count());
+                a.threads > 0 ? a.threads : pd_cpu_count(), t_end - t0);
         pd_engine_stats st;
         pd_engine_get_stats(e, &st);
         if (ep.spec_num_tokens)

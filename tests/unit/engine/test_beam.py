@@ -5,7 +5,8 @@ logprob and score within 1e-4, on three model shapes (pd-mkmodel tiny llama, tin
 biases and tied embeddings, small), prompts of 1, 7 and 37 tokens (the last over two blocks of
 16: its last block is copied on write), an EOS that ends beams inside the width and one that
 never does, length_penalty 0.5 / 1 / 2 with each early_stopping value, n < best_of, stop token
-ids and ignore_eos. Also: the prompt's blocks are held once whatever the width, and an abort
+ids, ignore_eos, and stop ids frequent enough that each early_stopping rule gives its own
+answer. Also: the prompt's blocks are held once whatever the width, and an abort
 mid-search gives every block back.
 
 The EOS is chosen per case by editing the model copy's config.json (the engine takes it from
@@ -171,7 +172,27 @@ def main():
             assert got["statuses"] == [PD_ECANCELLED] * 2, got
             assert got["kv_blocks_free_end"] == got["kv_blocks_free_start"], got
 
+    def early_stopping_decides():
+        """Every fifth id a stop id: beams finish every round, so the finished set fills long
+        before max_tokens and with length_penalty 2 (longer beams score higher) the three
+        early_stopping rules answer differently; the engine follows each."""
+        base, prompt = shapes["tiny"], prompts["tiny"]
+        model = with_eos(base, os.path.join(tmp, "tiny-eos1"), 1)
+        stops = ",".join(str(t) for t in range(0, 2048, 5))
+        for width in (3, 4):
+            answers = set()
+            for lp in (0.5, 2.0):
+                for early in earlies:
+                    a = args_of(prompt, width, width, 10, lp, early, ("--stop-token-ids", stops))
+                    want = reference(model, 1, *a)
+                    same_beams(engine(beam_run, model, *a)["beams"], want,
+                               f"width {width} lp {lp} early {early}")
+                    if lp == 2.0:
+                        answers.add(json.dumps([b["tokens"] for b in want]))
+            assert len(answers) >= 2, f"width {width}: early_stopping changed nothing"
+
     check("stop_token_ids", stop_token_ids)
+    check("early_stopping_decides", early_stopping_decides)
     check("prompt_blocks_once", prompt_blocks_once)
     check("abort_frees_every_block", abort_frees_every_block)
     shutil.rmtree(tmp)
