@@ -439,17 +439,18 @@ TEST(sched_legacy_generate)
     ASSERT_EQ_INT(r.status, 200);
     resp_free(&r);
     /* and early_stopping may be "never" there (a SamplingParams value) */
-    ASSERT(http_do(g_port_legacy, "POST", "/generate", NULL,
-                   "{\"prompt\":\"a\",\"early_stopping\":\"never\"}", &r) == 0);
-    ASSERT_EQ_INT(r.status, 400);
-    ASSERT_CONTAINS(r.body, "early_stopping is not effective and must be False when not using "
-                            "beam search.");
-    resp_free(&r);
-    ASSERT(http_do(g_port_legacy, "POST", "/generate", NULL,
-                   "{\"prompt\":\"a\",\"early_stopping\":\"soon\"}", &r) == 0);
-    ASSERT_EQ_INT(r.status, 400);
-    ASSERT_CONTAINS(r.body, "early_stopping must be True, False, or 'never', got soon.");
-    resp_free(&r);
+    static const struct {
+        const char *body, *msg;
+    } es[] = {{"{\"prompt\":\"a\",\"early_stopping\":\"never\"}",
+               "early_stopping is not effective and must be False when not using beam search."},
+              {"{\"prompt\":\"a\",\"early_stopping\":\"soon\"}",
+               "early_stopping must be True, False, or 'never', got soon."}};
+    for (size_t i = 0; i < sizeof es / sizeof *es; i++) {
+        ASSERT(http_do(g_port_legacy, "POST", "/generate", NULL, es[i].body, &r) == 0);
+        ASSERT_EQ_INT(r.status, 400);
+        ASSERT_CONTAINS(r.body, es[i].msg);
+        resp_free(&r);
+    }
 }
 
 /* The npm cache directory holding the OpenAI SDK (abs: PATH_MAX bytes), or NULL when it is not

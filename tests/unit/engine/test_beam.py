@@ -23,28 +23,14 @@ import tempfile
 SRC = os.environ.get("PD_SOURCE_ROOT", os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 BUILD = os.environ.get("PD_BUILD_ROOT")
 BEAM_REF = os.path.join(SRC, "tests", "reference", "beam_ref.py")
+sys.dont_write_bytecode = True  # nothing written into the source tree
+sys.path.insert(0, os.path.join(SRC, "tests", "unit", "model"))
+import test_llama_ref as harness  # noqa: E402  check() and mkmodel() of the python tests
+
 PD_ECANCELLED = -13
 MAX_MODEL_LEN = 256
 TOL = 1e-4
-
-passed = failed = 0
-
-
-def check(name, fn):
-    global passed, failed
-    try:
-        fn()
-        print(f"PASS {name}")
-        passed += 1
-    except Exception as e:  # report and continue with the other checks
-        print(f"FAIL {name}: {type(e).__name__}: {e}")
-        failed += 1
-
-
-def mkmodel(out, *args):
-    exe = os.path.join(BUILD, "tools", "mkmodel", "pd-mkmodel")
-    subprocess.run([exe, "--out", out, *args], check=True, stdout=subprocess.DEVNULL)
-    return out
+check, mkmodel = harness.check, harness.mkmodel
 
 
 def with_eos(src, dst, eos):
@@ -196,8 +182,8 @@ def main():
     check("prompt_blocks_once", prompt_blocks_once)
     check("abort_frees_every_block", abort_frees_every_block)
     shutil.rmtree(tmp)
-    print(f"harness: {passed} passed, {failed} failed, 0 skipped")
-    return 1 if failed else 0
+    print(f"harness: {harness.passed} passed, {harness.failed} failed, 0 skipped")
+    return 1 if harness.failed else 0
 
 
 if __name__ == "__main__":
