@@ -173,9 +173,11 @@ void pd_engine_grammar_warm(pd_engine *e, const pd_sampling_params *sp)
 }
 
 /* What beam search (engine_beam.c) takes beyond pd_sampling_params_validate's checks: the
- * width against max_num_seqs and the vocabulary, and none of the sampling fields its
- * log-softmax ranking does not apply (each named in the message). */
-static int beam_check(const pd_engine *e, const pd_sampling_params *sp, pd_engine_phase phase)
+ * width against max_num_seqs and the vocabulary, the search's most blocks against the pool (a
+ * pool that cannot hold them all at once would leave its beams preempting each other), and none of
+ * the sampling fields its log-softmax ranking does not apply (each named in the message). */
+static int beam_check(const pd_engine *e, const pd_sampling_params *sp, size_t rq_n_prompt,
+                      pd_engine_phase phase)
 {
     int32_t w = sp->best_of > 0 ? sp->best_of : sp->n;
     if ((size_t)w > e->p.max_num_seqs)
@@ -185,6 +187,15 @@ static int beam_check(const pd_engine *e, const pd_sampling_params *sp, pd_engin
                         "best_of: beam search needs a vocabulary of at least 2 x %d "
                         "tokens, the model has %zu",
                         w, e->vocab);
+    /* the most blocks the search may hold: the prompt's full blocks once, each beam its tail */
+    size_t bs = e->p.block_size, P = rq_n_prompt;
+    int64_t max_out = pd_stop_effective_max_tokens(sp, &e->stop_model, (int64_t)P);
+    size_t need = P / bs + (size_t)w * ((P % bs + (size_t)max_out + bs - 1) / bs);
+    if (need > pd_kvpool_num_blocks(e->pool))
+        return pd_error(PD_EINVAL,
+                        "best_of: a beam search of %d beams may hold %zu KV blocks, the pool has "
+                        "%zu (lower best_of or max_tokens)",
+                        w, need, pd_kvpool_num_blocks(e->pool));
     const char *field = NULL;
     if (phase != PD_PHASE_FULL)
         field = "a prefill-only request";
@@ -255,7 +266,7 @@ static int req_build(pd_engine *e, const pd_engine_request *rq, eng_req **out)
         return pd_error(PD_EUNSUPPORTED, "n > 1 is not supported for prefill-only requests");
     int32_t n_seqs = sp.n;
     if (sp.use_beam_search) {
-        PD_CHECK(beam_check(e, &sp, rq->phase));
+        PD_CHECK(beam_check(e, &sp, rq->n_prompt, rq->phase));
         n_seqs = sp.best_of > 0 ? sp.best_of : sp.n;
     }
 

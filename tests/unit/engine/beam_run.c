@@ -4,13 +4,16 @@
  *   beam_run --model DIR --prompt-ids 1,2,3 --width W [--n N] --max-tokens M
  *            [--length-penalty X] [--early-stopping false|true|never] [--ignore-eos]
  *            [--stop-token-ids 5,6] [--max-model-len L] [--abort-after-steps K]
+ *            [--copies C] [--num-kv-blocks B]
  *
  * Prints {"beams": [{"tokens", "cumulative_logprob", "score", "finish_reason"}, ...],
  * "kv_blocks_free_start", "kv_blocks_free_end", "kv_blocks_peak_used", "block_size",
- * "statuses": [...]}: the free blocks of the pool before the request and after it ended, the
- * most blocks in use after any step, and each choice's final status (0, or PD_ECANCELLED after
- * --abort-after-steps K aborted it after K steps). The engine runs on 2 threads with the model's
- * EOS (config.json's eos_token_id when the model directory has no tokenizer).
+ * "statuses": [...], "preemptions"}: the free blocks of the pool before the request and after it
+ * ended, the most blocks in use after any step, each choice's final status (0, or PD_ECANCELLED
+ * after --abort-after-steps K aborted it after K steps) and the engine's preemptions. --copies C
+ * runs C copies of the request at once (they must answer alike; copy 0 is printed), in a pool of
+ * --num-kv-blocks B blocks (4096). The engine runs on 2 threads with the model's EOS
+ * (config.json's eos_token_id when the model directory has no tokenizer).
  */
 #include <math.h>
 #include <stdio.h>
@@ -24,12 +27,13 @@
 
 #define MAX_IDS 1024
 #define MAX_W   64
+#define MAX_C   8
 
 typedef struct {
     const char *model;
     int32_t prompt[MAX_IDS], stop_ids[MAX_IDS];
     size_t n_prompt, n_stop_ids;
-    int64_t width, n, max_tokens, max_model_len, abort_after;
+    int64_t width, n, max_tokens, max_model_len, abort_after, copies, kv_blocks;
     double length_penalty;
     int32_t early;
     bool ignore_eos;
@@ -60,7 +64,7 @@ static int parse_list(const char *flag, const char *s, int32_t *out, size_t *n)
 
 static int parse(int argc, char **argv, args_t *a)
 {
-    *a = (args_t){.n = 1, .length_penalty = 1.0, .abort_after = -1};
+    *a = (args_t){.n = 1, .length_penalty = 1.0, .abort_after = -1, .copies = 1, .kv_blocks = 4096};
     for (int i = 1; i < argc; i++) {
         const char *o = argv[i];
         if (!strcmp(o, "--ignore-eos")) {
@@ -83,6 +87,10 @@ static int parse(int argc, char **argv, args_t *a)
             PD_CHECK(pd_arg_i64(o, v, 1, INT64_MAX, &a->max_tokens));
         else if (!strcmp(o, "--max-model-len"))
             PD_CHECK(pd_arg_i64(o, v, 2, INT64_MAX, &a->max_model_len));
+        else if (!strcmp(o, "--copies"))
+            PD_CHECK(pd_arg_i64(o, v, 1, MAX_C, &a->copies));
+        else if (!strcmp(o, "--num-kv-blocks"))
+            PD_CHECK(pd_arg_i64(o, v, 1, 1 << 20, &a->kv_blocks));
         else if (!strcmp(o, "--abort-after-steps"))
             PD_CHECK(pd_arg_i64(o, v, 0, INT64_MAX, &a->abort_after));
         else if (!strcmp(o, "--length-penalty"))
@@ -104,13 +112,15 @@ static int parse(int argc, char **argv, args_t *a)
     return PD_OK;
 }
 
-/* Drains the events into the choices; *n_done counts the final ones. */
-static int drain(pd_engine *e, choice_t *c, int64_t n, int64_t *n_done)
+/* Drains the events into the choices (c[copy * n + choice]; request ids "beam-<copy>");
+ * *n_done counts the final ones. */
+static int drain(pd_engine *e, choice_t *c, int64_t copies, int64_t n, int64_t *n_done)
 {
     const pd_engine_event *ev;
     while (pd_engine_next_event(e, &ev)) {
         int rc = PD_OK;
-        choice_t *ch = ev->seq_index < n ? &c[ev->seq_index] : NULL;
+        long k = strtol(ev->request_id + 5, NULL, 10);
+        choice_t *ch = k >= 0 && k < copies && ev->seq_index < n ? &c[k * n + ev->seq_index] : NULL;
         if (!ch || ch->done || !ev->final)
             rc = pd_error(PD_EINTERNAL, "unexpected event (choice %u, final %d)", ev->seq_index,
                           ev->final);
@@ -137,7 +147,7 @@ static int run(const args_t *a)
     p.model_dir = a->model;
     p.n_threads = 2;
     p.max_num_seqs = MAX_W;
-    p.num_kv_blocks = 4096;
+    p.num_kv_blocks = (size_t)a->kv_blocks;
     p.seed = 0;
     if (a->max_model_len) p.max_model_len = (size_t)a->max_model_len;
     pd_engine *e;
@@ -153,26 +163,41 @@ static int run(const args_t *a)
     sp.max_tokens = a->max_tokens;
     sp.stop_token_ids = a->stop_ids;
     sp.n_stop_token_ids = (int32_t)a->n_stop_ids;
-    pd_engine_request rq = {
-        .request_id = "beam", .prompt_ids = a->prompt, .n_prompt = a->n_prompt, .sampling = &sp};
     pd_engine_stats st;
     pd_engine_get_stats(e, &st);
     size_t free_start = st.kv_blocks_free, peak = 0;
-    choice_t c[MAX_W] = {0};
-    int64_t n_done = 0, steps = 0;
-    int rc = pd_engine_add(e, &rq);
-    while (rc >= 0 && n_done < a->n) {
-        if (steps == a->abort_after) rc = pd_engine_abort(e, "beam");
+    choice_t c[MAX_C * MAX_W] = {0};
+    int64_t n_done = 0, steps = 0, n_all = a->copies * a->n;
+    char ids[MAX_C][32];
+    int rc = PD_OK;
+    for (int64_t k = 0; k < a->copies && rc >= 0; k++) {
+        snprintf(ids[k], sizeof ids[k], "beam-%lld", (long long)k);
+        pd_engine_request rq = {.request_id = ids[k],
+                                .prompt_ids = a->prompt,
+                                .n_prompt = a->n_prompt,
+                                .sampling = &sp};
+        rc = pd_engine_add(e, &rq);
+    }
+    while (rc >= 0 && n_done < n_all) {
+        for (int64_t k = 0; k < a->copies && steps == a->abort_after && rc >= 0; k++)
+            rc = pd_engine_abort(e, ids[k]);
         bool did = false;
         if (rc >= 0) rc = pd_engine_step(e, &did);
         steps++;
         pd_engine_get_stats(e, &st);
         if (st.kv_blocks_total - st.kv_blocks_free > peak)
             peak = st.kv_blocks_total - st.kv_blocks_free;
-        if (rc >= 0) rc = drain(e, c, a->n, &n_done);
-        if (rc >= 0 && !did && n_done < a->n)
+        if (rc >= 0) rc = drain(e, c, a->copies, a->n, &n_done);
+        if (rc >= 0 && !did && n_done < n_all)
             rc = pd_error(PD_EINTERNAL, "the engine stopped with %lld of %lld choices answered",
-                          (long long)n_done, (long long)a->n);
+                          (long long)n_done, (long long)n_all);
+    }
+    for (int64_t i = a->n; rc >= 0 && i < n_all; i++) { /* every copy answers as copy 0 */
+        const choice_t *x = &c[i], *y = &c[i % a->n];
+        if (x->n != y->n || (x->n && memcmp(x->toks, y->toks, x->n * sizeof *x->toks)) ||
+            x->cum != y->cum || x->status != y->status)
+            rc = pd_error(PD_EINTERNAL, "copy %lld answered choice %lld differently",
+                          (long long)(i / a->n), (long long)(i % a->n));
     }
     if (rc >= 0) { /* the request is freed at the end of the step that answered it */
         pd_engine_get_stats(e, &st);
@@ -188,10 +213,11 @@ static int run(const args_t *a)
         printf("], \"statuses\": [");
         for (int64_t j = 0; j < a->n; j++) printf("%s%d", j ? ", " : "", c[j].status);
         printf("], \"kv_blocks_free_start\": %zu, \"kv_blocks_free_end\": %zu, "
-               "\"kv_blocks_peak_used\": %zu, \"block_size\": %zu}\n",
-               free_start, st.kv_blocks_free, peak, st.block_size);
+               "\"kv_blocks_peak_used\": %zu, \"block_size\": %zu, \"preemptions\": %llu}\n",
+               free_start, st.kv_blocks_free, peak, st.block_size,
+               (unsigned long long)st.num_preemptions);
     }
-    for (int64_t j = 0; j < a->n; j++) free(c[j].toks);
+    for (int64_t j = 0; j < n_all; j++) free(c[j].toks);
     pd_engine_free(e);
     return rc;
 }

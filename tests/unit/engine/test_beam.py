@@ -5,8 +5,8 @@ logprob and score within 1e-4, on three model shapes (pd-mkmodel tiny llama, tin
 biases and tied embeddings, small), prompts of 1, 7 and 37 tokens (the last over two blocks of
 16: its last block is copied on write), an EOS that ends beams inside the width and one that
 never does, length_penalty 0.5 / 1 / 2 with each early_stopping value, n < best_of, stop token
-ids, ignore_eos, and stop ids frequent enough that each early_stopping rule gives its own
-answer. Also: the prompt's blocks are held once whatever the width, and an abort
+ids, ignore_eos, stop ids frequent enough that each early_stopping rule gives its own answer,
+and two searches preempting each other's beams in a small pool. Also: the prompt's blocks are held once whatever the width, and an abort
 mid-search gives every block back.
 
 The EOS is chosen per case by editing the model copy's config.json (the engine takes it from
@@ -177,7 +177,25 @@ def main():
                         answers.add(json.dumps([b["tokens"] for b in want]))
             assert len(answers) >= 2, f"width {width}: early_stopping changed nothing"
 
+    def preempted_beams():
+        """Two searches at once in a pool of 16 blocks, less than their 18 at the peak: beams
+        are preempted and recompute, and both answer as the reference does; a search whose
+        blocks cannot all fit in the pool is refused at add."""
+        model = with_eos(shapes["tiny"], os.path.join(tmp, "tiny-eos1"), 1)
+        a = args_of(prompts["small"], 4, 2, 40, 1.0, "false", ("--ignore-eos",))
+        want = reference(model, 1, *a)
+        got = engine(beam_run, model, *a, "--copies", "2", "--num-kv-blocks", "16")
+        same_beams(got["beams"], want, "preempted")
+        assert got["preemptions"] > 0, got
+        assert got["kv_blocks_free_end"] == got["kv_blocks_free_start"], got
+        out = subprocess.run([beam_run, "--model", model, "--num-kv-blocks", "20",
+                              *args_of(prompts["small"], 8, 1, 40, 1.0, "false", ())],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0 and "best_of: a beam search of 8 beams may hold 26 KV " \
+            "blocks, the pool has 20" in out.stderr, out.stderr
+
     check("stop_token_ids", stop_token_ids)
+    check("preempted_beams", preempted_beams)
     check("early_stopping_decides", early_stopping_decides)
     check("prompt_blocks_once", prompt_blocks_once)
     check("abort_frees_every_block", abort_frees_every_block)
