@@ -3,6 +3,7 @@
  * pointer; unknown non-standard keywords are ignored as JSON Schema itself does. Objects keep
  * the schema's property order (optional ones may be skipped; additional properties, when
  * allowed, come last). */
+#include <errno.h>
 #include <jansson.h>
 #include <math.h>
 #include <stdio.h>
@@ -60,6 +61,36 @@ static const char *const REFUSED[] = {"not",
                                       "$recursiveRef",
                                       "multipleOf",
                                       NULL};
+
+/* The keywords enforced (docs/structured_output.md); with ANNOTATIONS and REFUSED, the JSON
+ * Schema vocabulary. Any other key is not a keyword and constrains nothing. */
+static const char *const ENFORCED[] = {"type",
+                                       "properties",
+                                       "required",
+                                       "additionalProperties",
+                                       "patternProperties",
+                                       "minProperties",
+                                       "maxProperties",
+                                       "items",
+                                       "additionalItems",
+                                       "prefixItems",
+                                       "minItems",
+                                       "maxItems",
+                                       "enum",
+                                       "const",
+                                       "anyOf",
+                                       "oneOf",
+                                       "allOf",
+                                       "$ref",
+                                       "minLength",
+                                       "maxLength",
+                                       "pattern",
+                                       "format",
+                                       "minimum",
+                                       "maximum",
+                                       "exclusiveMinimum",
+                                       "exclusiveMaximum",
+                                       NULL};
 
 static bool in_list(const char *k, const char *const *l)
 {
@@ -599,6 +630,83 @@ static bool num_of(json_t *j, double *v)
     return true;
 }
 
+/* Numbers written without an exponent that are multiples of q = k / 10^d, as a remainder
+ * automaton over the digits: v = N / 10^f (N the digits read, f of them after the point) is a
+ * multiple of q iff k * 10^f divides N * 10^d, i.e. the digits past the d-th fraction digit
+ * are zeros and k divides N' * 10^(d - f') (N', f' up to the d-th). Nodes: start, '-', "0",
+ * I_r (integer part, N mod k = r), P_r (just after the point), F_{f,r} (f fraction digits,
+ * f = 1..max(d, 1); for d = 0, F_{1,r} takes the fraction's zeros). */
+static gx *multiple_graph(gb *b, long k, int d, bool integer)
+{
+    long D = d > 0 ? d : 1;
+    long nn = 3 + k + (integer ? 0 : k + D * k),
+         ne = 32 + 12 * k + (integer ? 0 : 12 * (D + 1) * k);
+    gx *x = pd_arena_calloc(b->a, 1, sizeof *x);
+    bool *fin = pd_arena_calloc(b->a, (size_t)nn, sizeof(bool));
+    gx_edge *ed = pd_arena_calloc(b->a, (size_t)ne, sizeof(gx_edge));
+    if (!x || !fin || !ed) return gx_none(b);
+    x->kind = X_GRAPH;
+    x->g_nodes = (int32_t)nn;
+    x->g_start = 0;
+    x->g_final = fin;
+    x->g_edges = ed;
+    gx *dig[10];
+    for (int g = 0; g < 10; g++) dig[g] = gx_byte(b, (uint8_t)('0' + g), (uint8_t)('0' + g));
+    long pw[12]; /* 10^j mod k */
+    pw[0] = 1 % k;
+    for (int j = 1; j < 12; j++) pw[j] = pw[j - 1] * 10 % k;
+#define EDGE(f, t, e) (ed[x->n].from = (int32_t)(f), ed[x->n].to = (int32_t)(t), ed[x->n++].x = (e))
+    const long I = 3, P = 3 + k, F = 3 + 2 * k;
+    EDGE(0, 1, gx_str(b, "-"));
+    for (int s = 0; s < 2; s++) {
+        EDGE(s, 2, dig[0]);
+        for (int g = 1; g < 10; g++) EDGE(s, I + g % k, dig[g]);
+    }
+    fin[2] = true;
+    for (long r = 0; r < k; r++) {
+        for (int g = 0; g < 10; g++) EDGE(I + r, I + (10 * r + g) % k, dig[g]);
+        fin[I + r] = r * pw[d] % k == 0;
+        if (integer) continue;
+        EDGE(I + r, P + r, gx_str(b, "."));
+        if (d == 0) {
+            EDGE(P + r, F + r, dig[0]);
+            EDGE(F + r, F + r, dig[0]);
+            fin[F + r] = r == 0;
+            continue;
+        }
+        for (int g = 0; g < 10; g++) EDGE(P + r, F + (10 * r + g) % k, dig[g]);
+        for (long f = 1; f <= d; f++) {
+            long at = F + (f - 1) * k + r;
+            fin[at] = r * pw[d - f] % k == 0;
+            if (f == d)
+                EDGE(at, at, dig[0]);
+            else
+                for (int g = 0; g < 10; g++) EDGE(at, F + f * k + (10 * r + g) % k, dig[g]);
+        }
+    }
+    if (!integer) EDGE(2, P, gx_str(b, "."));
+#undef EDGE
+    return x;
+}
+
+/* multipleOf q as k / 10^d (k <= 1000, d <= 9); false when it is not a positive number of
+ * that form. */
+static bool multiple_of(json_t *j, long *k, int *d)
+{
+    double m;
+    dec q;
+    if (!num_of(j, &m) || !(m > 0) || !to_dec(m, &q) || strlen(q.f) > 9) return false;
+    char all[140];
+    snprintf(all, sizeof all, "%s%s", q.i, q.f);
+    char *end;
+    errno = 0;
+    long long v = strtoll(all, &end, 10);
+    if (errno || *end || v <= 0 || v > 1000) return false;
+    *k = (long)v;
+    *d = (int)strlen(q.f);
+    return true;
+}
+
 static gx *number_expr(sc *c, json_t *s, const char *path, bool integer)
 {
     gb *b = c->b;
@@ -617,11 +725,14 @@ static gx *number_expr(sc *c, json_t *s, const char *path, bool integer)
         hinc = false;
     else if (j && num_of(j, &v) && (v <= hi))
         hi = v, hinc = false;
+    gx *mult = NULL;
     if ((j = json_object_get(s, "multipleOf"))) {
-        double m;
-        if (!(num_of(j, &m) && integer && m == 1.0))
+        long k;
+        int d;
+        if (!multiple_of(j, &k, &d))
             return fail(c, "multipleOf", path, "%s",
-                        "multipleOf is not supported (except 1 on integers)");
+                        "supported: a positive k / 10^d with k up to 1000 and d up to 9");
+        if (!(integer && k == 1 && d == 0)) mult = multiple_graph(b, k, d, integer);
     }
     if ((j = json_object_get(s, "format")) && json_is_string(j)) {
         /* OpenAPI's integer formats are bounds; float/double and string formats do not
@@ -644,7 +755,13 @@ static gx *number_expr(sc *c, json_t *s, const char *path, bool integer)
                 if (hi > ifmt[k].hi) hi = ifmt[k].hi, hinc = true;
             }
     }
-    if (isinf(lo) && isinf(hi)) return gx_call(b, integer ? r_integer(c) : r_number(c));
+    if (isinf(lo) && isinf(hi)) {
+        if (!mult) return gx_call(b, integer ? r_integer(c) : r_number(c));
+        int32_t r = gb_rule_new(b, "number-multiple");
+        b->rules[r].keep = true;
+        gb_rule_set(b, r, mult);
+        return gx_call(b, r);
+    }
     if (lo > hi || (lo == hi && !(linc && hinc)))
         return fail(c, "minimum", path, "%s", "the bounds exclude every number");
     dec L, H;
@@ -685,7 +802,7 @@ static gx *number_expr(sc *c, json_t *s, const char *path, bool integer)
     }
     int32_t r = gb_rule_new(b, "number-range");
     b->rules[r].keep = true;
-    gb_rule_set(b, r, gx_alt2(b, pos, neg));
+    gb_rule_set(b, r, mult ? gx_and(b, gx_alt2(b, pos, neg), mult) : gx_alt2(b, pos, neg));
     return gx_call(b, r);
 }
 
@@ -749,7 +866,9 @@ static const char *format_regex(const char *f, bool *refused)
     return NULL;
 }
 
-static gx *string_expr(sc *c, json_t *s, const char *path)
+/* The content of a string (JSON-escaped, between the quotes) under the string keywords of s;
+ * NULL when they leave any content. */
+static gx *string_body(sc *c, json_t *s, const char *path)
 {
     gb *b = c->b;
     json_t *mn = json_object_get(s, "minLength"), *mx = json_object_get(s, "maxLength");
@@ -776,11 +895,54 @@ static gx *string_expr(sc *c, json_t *s, const char *path)
                                      sub(c, path, "pattern")));
         body = body ? gx_and(b, body, p) : p;
     }
-    if (!body && lmin == 0 && lmax < 0) return gx_call(b, r_string(c));
     if (lmin > 0 || lmax >= 0) {
         gx *len = gx_rep(b, jchar(c), (int32_t)lmin, (int32_t)lmax);
         body = body ? gx_and(b, body, len) : len;
     }
+    return body;
+}
+
+/* The content of the strings that `not: nt` leaves (not_on_strings): the strings written as
+ * json_esc writes them (one spelling per string, so the complement cannot let another spelling
+ * of an excluded string through) that are not in nt's language. */
+static gx *string_not(sc *c, json_t *nt, const char *path)
+{
+    gb *b = c->b;
+    gx *x = string_body(c, nt, path);
+    json_t *cst = json_object_get(nt, "const"), *en = json_object_get(nt, "enum");
+    if (cst || en) {
+        size_t n = cst ? 1 : json_array_size(en);
+        gx **alts = malloc(sizeof(gx *) * (n ? n : 1));
+        if (!alts) return gx_none(b);
+        for (size_t i = 0; i < n; i++) {
+            json_t *v = cst ? cst : json_array_get(en, i);
+            alts[i] = json_esc(c, gx_lit(b, json_string_value(v), json_string_length(v)));
+        }
+        gx *e = gx_alt(b, alts, (int)n);
+        free(alts);
+        if (cst && en) { /* the const, when the enum lists it */
+            bool listed = false;
+            for (size_t i = 0; i < json_array_size(en); i++)
+                listed = listed || json_equal(cst, json_array_get(en, i));
+            if (!listed) e = gx_none(b);
+        }
+        x = x ? gx_and(b, x, e) : e;
+    }
+    gx *all = json_esc(c, gx_star(b, gx_cp_range(b, 0, 0x10FFFF)));
+    return x ? gx_and(b, all, gx_not(b, x)) : gx_none(b);
+}
+
+static gx *string_expr(sc *c, json_t *s, const char *path)
+{
+    gb *b = c->b;
+    gx *body = string_body(c, s, path);
+    json_t *nt = json_object_get(s, "not");
+    if (nt && b->status >= 0) {
+        gx *n = string_not(c, nt, sub(c, path, "not"));
+        body = body ? gx_and(b, body, n) : n;
+    }
+    if (b->status < 0) return gx_none(b);
+    if (!body) return gx_call(b, r_string(c));
     int32_t r = gb_rule_new(b, "string-constrained");
     b->rules[r].keep = true;
     gb_rule_set(b, r, gx_seq3(b, lit(c, "\""), body, lit(c, "\"")));
@@ -1180,6 +1342,17 @@ static json_t *mask_types(unsigned m)
     return a;
 }
 
+/* Appends x to r's allOf (r is a copy of ours). */
+static void add_allof(json_t *r, json_t *x)
+{
+    json_t *all = json_object_get(r, "allOf");
+    if (!json_is_array(all)) {
+        all = json_array();
+        json_object_set_new(r, "allOf", all);
+    }
+    json_array_append_new(all, x);
+}
+
 static json_t *merge2(sc *c, json_t *a, json_t *b2, const char *path);
 
 static json_t *flatten_allof(sc *c, json_t *s, const char *path, int depth)
@@ -1192,6 +1365,8 @@ static json_t *flatten_allof(sc *c, json_t *s, const char *path, int depth)
     if (!s) return NULL;
     if (json_is_true(s))
         s = json_object();
+    else if (json_is_false(s))
+        s = json_pack("{s:b}", "not", true); /* no value */
     else
         json_incref(s);
     keep(c, s);
@@ -1226,7 +1401,9 @@ static json_t *merge2(sc *c, json_t *a, json_t *b2, const char *path)
     json_object_foreach(b2, k, v)
     {
         json_t *o = json_object_get(m, k);
-        if (!o || in_list(k, ANNOTATIONS)) {
+        if (!o && (strcmp(k, "anyOf") == 0 || strcmp(k, "oneOf") == 0))
+            o = json_object_get(m, k[0] == 'a' ? "oneOf" : "anyOf"); /* both as anyOf */
+        if (!o || in_list(k, ANNOTATIONS) || !(in_list(k, ENFORCED) || in_list(k, REFUSED))) {
             if (!o) json_object_set(m, k, v);
             continue;
         }
@@ -1262,13 +1439,15 @@ static json_t *merge2(sc *c, json_t *a, json_t *b2, const char *path)
             json_object_set_new(m, k, u);
         } else if (strcmp(k, "minimum") == 0 || strcmp(k, "minLength") == 0 ||
                    strcmp(k, "minItems") == 0 || strcmp(k, "maximum") == 0 ||
-                   strcmp(k, "maxLength") == 0 || strcmp(k, "maxItems") == 0) {
+                   strcmp(k, "maxLength") == 0 || strcmp(k, "maxItems") == 0 ||
+                   strcmp(k, "minProperties") == 0 || strcmp(k, "maxProperties") == 0 ||
+                   strcmp(k, "exclusiveMinimum") == 0 || strcmp(k, "exclusiveMaximum") == 0) {
             double x, y;
             if (!num_of(o, &x) || !num_of(v, &y)) {
                 fail(c, "allOf", path, "cannot merge '%s'", k);
                 return NULL;
             }
-            bool takemax = strncmp(k, "min", 3) == 0;
+            bool takemax = strncmp(k, "min", 3) == 0 || strcmp(k, "exclusiveMinimum") == 0;
             if (takemax ? y > x : y < x) json_object_set(m, k, v);
         } else if (strcmp(k, "enum") == 0 && json_is_array(o) && json_is_array(v)) {
             json_t *u = json_array();
@@ -1300,8 +1479,10 @@ static json_t *merge2(sc *c, json_t *a, json_t *b2, const char *path)
                 fail(c, "allOf", path, "%s", "merging anyOf/oneOf gives over 64 branches");
                 return NULL;
             }
+            json_object_del(m, "oneOf");
             json_object_set_new(m, "anyOf", u);
-            if (strcmp(k, "oneOf") == 0) json_object_del(m, "oneOf");
+        } else if (strcmp(k, "not") == 0) {
+            add_allof(m, json_pack("{s:O}", "not", v)); /* sch takes one `not` at a time */
         } else {
             fail(c, "allOf", path, "cannot merge two different '%s'", k);
             return NULL;
@@ -1341,24 +1522,201 @@ static bool value_has_type(json_t *v, unsigned m)
     return false;
 }
 
-/* `not` in the forms that reduce to other keywords: not false (no constraint), not true or
- * not {} (no value), not {"type": ...} (those types removed). Returns the schema without
- * `not`, NULL for no value (or a refusal already recorded), s itself to refuse as usual. */
-static json_t *not_rewrite(sc *c, json_t *s, json_t *nt)
+/* not {bound: v} for a single bound: the opposite bound. The integer keywords flip to v -+ 1;
+ * `minLength: 0` and the like match every value of their type (handled by the caller). */
+static const struct {
+    const char *kw, *opp;
+    int shift; /* 0: numbers (inclusive <-> exclusive), -1/+1: counts */
+} NOT_BOUNDS[] = {
+    {"minimum", "exclusiveMaximum", 0},     {"maximum", "exclusiveMinimum", 0},
+    {"exclusiveMinimum", "maximum", 0},     {"exclusiveMaximum", "minimum", 0},
+    {"minLength", "maxLength", -1},         {"maxLength", "minLength", 1},
+    {"minItems", "maxItems", -1},           {"maxItems", "minItems", 1},
+    {"minProperties", "maxProperties", -1}, {"maxProperties", "minProperties", 1},
+};
+
+/* Whether `not: nt` constrains strings only and string_expr subtracts it: nt holds string
+ * keywords (`pattern`, `format`, `minLength`, `maxLength`, `enum`/`const` of strings, `type`
+ * "string") and at least one of `pattern`, `format`, `enum`, `const`. */
+static bool not_on_strings(json_t *nt)
+{
+    if (!json_is_object(nt)) return false;
+    const char *k;
+    json_t *v;
+    bool core = false;
+    json_object_foreach(nt, k, v)
+    {
+        if (in_list(k, ANNOTATIONS) || strcmp(k, "minLength") == 0 || strcmp(k, "maxLength") == 0)
+            continue;
+        if (strcmp(k, "type") == 0) {
+            if (!json_is_string(v) || strcmp(json_string_value(v), "string") != 0) return false;
+        } else if (strcmp(k, "pattern") == 0 || strcmp(k, "format") == 0) {
+            if (!json_is_string(v)) return false;
+            core = true;
+        } else if (strcmp(k, "const") == 0) {
+            if (!json_is_string(v)) return false;
+            core = true;
+        } else if (strcmp(k, "enum") == 0) {
+            size_t i;
+            json_t *x;
+            if (!json_is_array(v)) return false;
+            json_array_foreach(v, i, x) if (!json_is_string(x)) return false;
+            core = true;
+        } else {
+            return false;
+        }
+    }
+    return core;
+}
+
+/* `not` in the forms that reduce exactly to other keywords: not false (no constraint), not
+ * true or not {} (no value), not {"type": ...} (those types removed), not {"not": X} (X),
+ * not {"anyOf": [...]} (allOf of the nots), not {"allOf": [...]} (anyOf of the nots), not of a
+ * lone local `$ref` (not of its target), not {"required": [...]} (one of them absent), not of
+ * a single bound (the opposite bound). Returns the schema without `not` (and with what it
+ * became), NULL for no value (or a refusal already recorded), s itself to refuse as usual. */
+static json_t *not_rewrite(sc *c, json_t *s, json_t *nt, const char *path)
 {
     if (json_is_true(nt) || (json_is_object(nt) && !has_constraints(nt, "", NULL))) return NULL;
     json_t *r = json_deep_copy(s);
     keep(c, r);
     json_object_del(r, "not");
     if (json_is_false(nt)) return r;
-    if (!json_is_object(nt) || !json_object_get(nt, "type") || has_constraints(nt, "type", NULL))
-        return s;
+    if (!json_is_object(nt)) return s;
+    json_t *v;
+    const char *npath = sub(c, path, "not");
+    if ((v = json_object_get(nt, "not")) && !has_constraints(nt, "not", NULL)) {
+        if (json_is_false(v)) return NULL;
+        if (!json_is_true(v)) add_allof(r, json_incref(v));
+        return r;
+    }
+    if ((v = json_object_get(nt, "$ref")) && !has_constraints(nt, "$ref", NULL)) {
+        json_t *t = deref(c, nt, npath);
+        if (!t) return NULL;
+        if (t == nt) return s;
+        add_allof(r, json_pack("{s:O}", "not", t));
+        return r;
+    }
+    bool any = (v = json_object_get(nt, "anyOf")) && !has_constraints(nt, "anyOf", NULL);
+    if (any || ((v = json_object_get(nt, "allOf")) && !has_constraints(nt, "allOf", NULL))) {
+        if (!json_is_array(v) || json_array_size(v) == 0) return s;
+        json_t *nots = json_array();
+        size_t i;
+        json_t *x;
+        json_array_foreach(v, i, x) json_array_append_new(nots, json_pack("{s:O}", "not", x));
+        add_allof(r, any ? json_pack("{s:o}", "allOf", nots) : json_pack("{s:o}", "anyOf", nots));
+        return r;
+    }
+    if ((v = json_object_get(nt, "required")) && !has_constraints(nt, "required", NULL)) {
+        if (!json_is_array(v) || json_array_size(v) == 0) return s;
+        json_t *alts = json_array();
+        size_t i;
+        json_t *x;
+        json_array_foreach(v, i, x)
+        {
+            if (!json_is_string(x)) {
+                json_decref(alts);
+                return s;
+            }
+            json_array_append_new(
+                alts, json_pack("{s:{s:b}}", "properties", json_string_value(x), false));
+        }
+        add_allof(r, json_pack("{s:o}", "anyOf", alts));
+        return r;
+    }
+    for (size_t k = 0; k < sizeof NOT_BOUNDS / sizeof *NOT_BOUNDS; k++) {
+        if (!(v = json_object_get(nt, NOT_BOUNDS[k].kw)) ||
+            has_constraints(nt, NOT_BOUNDS[k].kw, NULL))
+            continue;
+        if (NOT_BOUNDS[k].shift == 0) {
+            if (!json_is_number(v)) return s;
+            add_allof(r, json_pack("{s:O}", NOT_BOUNDS[k].opp, v));
+            return r;
+        }
+        if (!json_is_integer(v)) return s;
+        json_int_t n = json_integer_value(v) + NOT_BOUNDS[k].shift;
+        if (n < 0) { /* not {minLength: 0}: no value of that type */
+            const char *t = NOT_BOUNDS[k].kw[3] == 'L'   ? "string"
+                            : NOT_BOUNDS[k].kw[3] == 'I' ? "array"
+                                                         : "object";
+            add_allof(r, json_pack("{s:{s:s}}", "not", "type", t));
+        } else {
+            add_allof(r, json_pack("{s:I}", NOT_BOUNDS[k].opp, n));
+        }
+        return r;
+    }
+    if (!json_object_get(nt, "type") || has_constraints(nt, "type", NULL)) return s;
     unsigned neg = type_mask(json_object_get(nt, "type"));
     unsigned have = type_mask(json_object_get(s, "type"));
     if (neg == 0) return s;
     /* "not integer" leaves the numbers with a fraction: not a type of its own */
     if ((neg & (1u << 6)) && !(neg & (1u << 5)) && (have & (1u << 5))) return s;
     json_object_set_new(r, "type", mask_types(have & ~neg));
+    return r;
+}
+
+/* Whether name is in s's `required`. */
+static bool is_required(json_t *s, const char *name)
+{
+    json_t *req = json_object_get(s, "required");
+    for (size_t i = 0; i < json_array_size(req); i++)
+        if (json_is_string(json_array_get(req, i)) &&
+            strcmp(json_string_value(json_array_get(req, i)), name) == 0)
+            return true;
+    return false;
+}
+
+/* `dependentRequired`, `dependentSchemas` and draft-7 `dependencies` as anyOf: for each entry
+ * (a, D), either a is absent (`properties: {a: false}`) or a is present and the object has the
+ * names of D (`required`) or matches D (a schema); a required a needs no branch. Returns s
+ * without these keywords and with an allOf of what they became, or s itself when it has none;
+ * NULL after a refusal. */
+static json_t *deps_rewrite(sc *c, json_t *s, const char *path)
+{
+    static const char *const KW[] = {"dependencies", "dependentRequired", "dependentSchemas"};
+    json_t *r = s;
+    for (size_t k = 0; k < 3; k++) {
+        json_t *d = json_object_get(s, KW[k]);
+        if (!d) continue;
+        if (!json_is_object(d)) {
+            fail(c, KW[k], path, "%s", "must be an object");
+            return NULL;
+        }
+        if (r == s) {
+            r = json_deep_copy(s);
+            keep(c, r);
+        }
+        json_object_del(r, KW[k]);
+        const char *a;
+        json_t *dv;
+        json_object_foreach(d, a, dv)
+        {
+            json_t *then;
+            if (json_is_array(dv) && k != 2) {
+                size_t i;
+                json_t *x;
+                json_array_foreach(dv, i, x) if (!json_is_string(x))
+                {
+                    fail(c, KW[k], path, "'%s': names must be strings", a);
+                    return NULL;
+                }
+                if (json_array_size(dv) == 0) continue;
+                then = json_pack("{s:O}", "required", dv);
+            } else if ((json_is_object(dv) || json_is_boolean(dv)) && k != 1) {
+                if (json_is_true(dv)) continue;
+                then = json_is_false(dv) ? json_pack("{s:b}", "not", true) : json_incref(dv);
+            } else {
+                fail(c, KW[k], path, "'%s': not a list of names or a schema", a);
+                return NULL;
+            }
+            if (is_required(s, a)) {
+                add_allof(r, then);
+                continue;
+            }
+            add_allof(r, json_pack("{s:[{s:{s:b}},{s:[{s:[s]},o]}]}", "anyOf", "properties", a,
+                                   false, "allOf", "required", a, then));
+        }
+    }
     return r;
 }
 
@@ -1382,7 +1740,7 @@ static gx *sch(sc *c, json_t *s, const char *path)
     json_t *v;
     json_t *nt = json_object_get(s, "not");
     if (nt) {
-        json_t *r = not_rewrite(c, s, nt);
+        json_t *r = not_on_strings(nt) ? s : not_rewrite(c, s, nt, path);
         if (!r) {
             out = gx_none(b);
             goto done;
@@ -1392,12 +1750,18 @@ static gx *sch(sc *c, json_t *s, const char *path)
             goto done;
         }
     }
+    json_t *dr = deps_rewrite(c, s, path);
+    if (dr != s) {
+        out = dr ? sch(c, dr, path) : gx_none(b);
+        goto done;
+    }
     json_object_foreach(s, k, v)
     {
         if (in_list(k, REFUSED)) {
             /* a few harmless values */
             if (strcmp(k, "uniqueItems") == 0 && json_is_false(v)) continue;
-            if (strcmp(k, "multipleOf") == 0) continue; /* checked with the number */
+            if (strcmp(k, "multipleOf") == 0) continue;               /* checked with the number */
+            if (strcmp(k, "not") == 0 && not_on_strings(v)) continue; /* string_expr */
             out = fail(c, k, path, "%s", "this keyword is not supported");
             goto done;
         }
@@ -1419,7 +1783,8 @@ static gx *sch(sc *c, json_t *s, const char *path)
             out = gx_none(b);
             goto done;
         }
-        if (json_object_get(f, "allOf") || json_object_get(f, "$ref")) {
+        if ((json_object_get(f, "allOf") && !json_object_get(f, "not")) ||
+            json_object_get(f, "$ref")) {
             out = fail(c, "allOf", path, "%s", "could not be flattened");
             goto done;
         }
@@ -1497,10 +1862,17 @@ static gx *sch(sc *c, json_t *s, const char *path)
         size_t n = cst ? 1 : json_array_size(en);
         gx **alts = malloc(sizeof(gx *) * (n ? n : 1));
         int m = 0;
+        unsigned vt = 0; /* the types of the values kept */
         for (size_t i = 0; alts && i < n; i++) {
             json_t *val = cst ? cst : json_array_get(en, i);
-            if (value_has_type(val, tm)) alts[m++] = value_lit(c, val);
+            if (!value_has_type(val, tm)) continue;
+            alts[m++] = value_lit(c, val);
+            for (unsigned t = 0; t < 7; t++)
+                if (value_has_type(val, 1u << t)) vt |= 1u << t;
         }
+        /* the rest only for the types of the values: keeps the intersection free of the
+         * recursive rules of the other types */
+        if (rest) json_object_set_new(rest, "type", mask_types(tm & vt));
         out = alts ? gx_alt(b, alts, m) : gx_none(b);
         free(alts);
         if (rest && m > 0) out = gx_and(b, out, sch(c, rest, path));

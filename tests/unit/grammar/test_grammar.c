@@ -322,6 +322,73 @@ TEST(schema_not_formats)
     pd_grammar_unref(g);
 }
 
+/* `not` forms that reduce exactly, and dependencies: accepted and rejected values */
+TEST(schema_not_forms_and_dependencies)
+{
+    pd_gvocab *v = small_vocab();
+    struct {
+        const char *schema, *yes[4], *no[4];
+    } cases[] = {
+        /* string-only nots: the complement of one spelling per string */
+        {"{\"type\":\"string\",\"not\":{\"enum\":[\"ab\",\"c\\\"\"]}}",
+         {"\"a\"", "\"abc\"", "\"\"", "\"c\""},
+         {"\"ab\"", "\"c\\\"\"", "\"a\\u0062\"", "1"}},
+        {"{\"not\":{\"pattern\":\"^x\",\"minLength\":2}}",
+         {"\"x\"", "\"yx\"", "3", "\"\\n\""},
+         {"\"xy\"", "\"xxx\"", "\"x\\n\"", "\"\\u0078y\""}},
+        {"{\"type\":[\"string\",\"null\"],\"not\":{\"const\":\"n\"}}",
+         {"null", "\"nn\"", "\"\"", "\"N\""},
+         {"\"n\"", "\"\\u006e\"", "1", "\"\\u006E\""}},
+        /* not not, not anyOf / allOf / $ref, not of a bound */
+        {"{\"not\":{\"not\":{\"type\":\"integer\",\"minimum\":3}}}",
+         {"3", "40", "5", "100"},
+         {"2", "\"s\"", "3.5", "null"}},
+        {"{\"type\":\"integer\",\"not\":{\"anyOf\":[{\"minimum\":10},{\"maximum\":0}]}}",
+         {"1", "9", "5", "2"},
+         {"0", "10", "-1", "11"}},
+        {"{\"type\":\"integer\",\"not\":{\"allOf\":[{\"minimum\":10},{\"maximum\":20}]}}",
+         {"9", "21", "-3", "100"},
+         {"10", "20", "15", "11"}},
+        {"{\"$defs\":{\"s\":{\"type\":\"string\"}},\"not\":{\"$ref\":\"#/$defs/s\"}}",
+         {"1", "null", "[]", "{}"},
+         {"\"\"", "\"s\"", "\"1\"", "\"[]\""}},
+        {"{\"type\":\"array\",\"not\":{\"maxItems\":1}}",
+         {"[1,2]", "[1,2,3]", "[[],[]]", "[null,null]"},
+         {"[]", "[1]", "[[1,2]]", "{}"}},
+        /* not required: one of them absent */
+        {"{\"type\":\"object\",\"properties\":{\"a\":{},\"b\":{}},\"not\":{\"required\":[\"a\","
+         "\"b\"]}}",
+         {"{}", "{\"a\":1}", "{\"b\":1}", "{\"c\":1}"},
+         {"{\"a\":1,\"b\":2}", "{\"a\":1,\"b\":2,\"c\":3}", "[]", "1"}},
+        /* dependencies: names and schemas */
+        {"{\"type\":\"object\",\"properties\":{\"a\":{},\"b\":{},\"c\":{}},\"dependentRequired\":"
+         "{\"a\":[\"b\"]}}",
+         {"{}", "{\"a\":1,\"b\":2}", "{\"b\":1}", "{\"c\":1}"},
+         {"{\"a\":1}", "{\"a\":1,\"c\":3}", "[]", "1"}},
+        {"{\"type\":\"object\",\"properties\":{\"a\":{},\"b\":{\"type\":\"string\"}},"
+         "\"dependencies\":{\"a\":{\"required\":[\"b\"],\"properties\":{\"b\":{\"minLength\":2}}}}"
+         "}",
+         {"{}", "{\"a\":1,\"b\":\"xy\"}", "{\"b\":\"x\"}", "{\"b\":\"\"}"},
+         {"{\"a\":1}", "{\"a\":1,\"b\":\"x\"}", "{\"b\":1}", "{\"a\":1,\"b\":2}"}},
+        {"{\"type\":\"object\",\"required\":[\"a\"],\"properties\":{\"a\":{},\"b\":{},\"c\":{}},"
+         "\"dependentSchemas\":{\"a\":{\"required\":[\"b\"]},\"c\":false}}",
+         {"{\"a\":1,\"b\":2}", "{\"a\":{},\"b\":[]}", "{\"a\":1,\"b\":null}", "{\"a\":0,\"b\":0}"},
+         {"{\"a\":1}", "{\"b\":1}", "{}", "{\"a\":1,\"b\":1,\"c\":1}"}},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        pd_gerr e;
+        pd_grammar *g = compile(v, PD_GSPEC_JSON_SCHEMA, cases[i].schema, &e);
+        ASSERT_MSG(g, "%s: %s", cases[i].schema, e.msg);
+        for (int k = 0; k < 4; k++) {
+            ASSERT_MSG(accepts(g, cases[i].yes[k]) == 1, "%s should accept %s", cases[i].schema,
+                       cases[i].yes[k]);
+            ASSERT_MSG(accepts(g, cases[i].no[k]) == 0, "%s should reject %s", cases[i].schema,
+                       cases[i].no[k]);
+        }
+        pd_grammar_unref(g);
+    }
+}
+
 TEST(schema_numbers)
 {
     pd_gvocab *v = small_vocab();
@@ -343,6 +410,22 @@ TEST(schema_numbers)
         {"{\"type\":\"integer\",\"minimum\":-20,\"maximum\":-3}",
          {"-20", "-3", "-10", "-19", "-4", "-15"},
          {"-21", "-2", "0", "3", "-200", "20"}},
+        /* multipleOf: a remainder automaton over the digits, numbers without an exponent */
+        {"{\"type\":\"number\",\"multipleOf\":1.0,\"minimum\":0.0}",
+         {"0", "5", "5.0", "100", "0.00", "12"},
+         {"-1", "0.5", "1e1", "5.01", "1.5", "-3"}},
+        {"{\"type\":\"integer\",\"multipleOf\":7}",
+         {"0", "7", "-14", "700", "-0", "98"},
+         {"1", "8", "-15", "701", "7.0", "7e0"}},
+        {"{\"type\":\"number\",\"multipleOf\":0.01}",
+         {"0.01", "1", "-2.5", "3.14", "0.100", "7.00"},
+         {"0.001", "3.141", "1e-2", "0.015", "2.0001", "-0.009"}},
+        {"{\"type\":\"number\",\"multipleOf\":1.5,\"maximum\":6}",
+         {"0", "1.5", "3", "4.50", "-1.5", "6"},
+         {"1", "2", "7.5", "0.5", "4.55", "6.0001"}},
+        {"{\"type\":\"integer\",\"multipleOf\":0.5,\"exclusiveMinimum\":2}",
+         {"3", "4", "10", "999", "21", "5"},
+         {"2", "1", "0", "-4", "2.5", "3.0e0"}},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         pd_gerr e;
@@ -411,12 +494,12 @@ TEST(schema_refusals_name_keyword_and_path)
     struct {
         const char *schema, *kw, *path;
     } cases[] = {
-        {"{\"properties\":{\"a\":{\"not\":{\"pattern\":\"x\"}}}}", "not", "/properties/a/not"},
+        {"{\"properties\":{\"a\":{\"not\":{\"multipleOf\":2}}}}", "not", "/properties/a/not"},
         {"{\"type\":\"array\",\"uniqueItems\":true}", "uniqueItems", "/uniqueItems"},
         {"{\"items\":{\"type\":\"string\",\"format\":\"iri\"}}", "format", "/items/format"},
         {"{\"$ref\":\"http://x/y.json\"}", "$ref", "/$ref"},
         {"{\"anyOf\":[{\"if\":{}}]}", "if", "/anyOf/0/if"},
-        {"{\"properties\":{\"a/b\":{\"type\":\"number\",\"multipleOf\":3}}}", "multipleOf",
+        {"{\"properties\":{\"a/b\":{\"type\":\"number\",\"multipleOf\":1001}}}", "multipleOf",
          "/properties/a~1b/multipleOf"},
         {"{\"patternProperties\":{\"a\":{},\"b\":{},\"c\":{},\"d\":{}}}", "patternProperties",
          "/patternProperties"},
