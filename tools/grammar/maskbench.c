@@ -93,48 +93,77 @@ static json_t *deref(json_t *s)
     return s;
 }
 
-/* property order and property schemas of s (with allOf/anyOf/oneOf branches, in order) */
-/* how many keys of value v the (dereferenced) branch s lists in its properties */
-static size_t listed_keys(json_t *s, json_t *v)
-{
-    s = deref(s);
-    json_t *props = json_is_object(s) ? json_object_get(s, "properties") : NULL;
-    size_t n = 0;
-    const char *k;
-    json_t *x;
-    if (json_is_object(props) && json_is_object(v))
-        json_object_foreach(v, k, x) n += json_object_get(props, k) != NULL;
-    return n;
-}
+/* ---- property order ---------------------------------------------------------------------- */
+/* The engine writes an object's properties in the order of its merged schema
+ * (docs/structured_output.md): the properties of s and of its allOf entries, then those of the
+ * anyOf/oneOf branch taken (and of the dependentSchemas / schema-valued dependencies, which it
+ * enforces as branches), then the required names that none of them lists, then the other
+ * keys. collect() computes that order for a value v, as an object of name -> property schema;
+ * pass 1 (req false) takes the properties, pass 2 (req true) the required names. */
 
-static void collect(json_t *s, json_t *v, json_t *order, int depth);
+static void collect(json_t *s, json_t *v, json_t *order, bool req, int depth);
 
-/* Pass 1 of collect: the properties and required names of s and of its allOf entries, in
- * order (not their anyOf/oneOf branches). */
-static void collect_direct(json_t *s, json_t *order, int depth)
+/* The properties (req false) or required names (req true) of s and of its allOf entries, in
+ * order (not those of their branches). */
+static void collect_direct(json_t *s, json_t *order, bool req, int depth)
 {
     s = deref(s);
     if (!json_is_object(s) || depth > 8) return;
-    json_t *props = json_object_get(s, "properties");
+    json_t *props = json_object_get(s, "properties"), *names = json_object_get(s, "required");
     const char *k;
     json_t *pv;
-    if (json_is_object(props))
-        json_object_foreach(props, k, pv) if (!json_object_get(order, k))
-            json_object_set(order, k, pv);
-    json_t *req = json_object_get(s, "required");
     size_t i;
     json_t *x;
-    if (json_is_array(req))
-        json_array_foreach(req, i, x) if (json_is_string(x) &&
-                                          !json_object_get(order, json_string_value(x)))
+    if (!req && json_is_object(props))
+        json_object_foreach(props, k, pv) if (!json_object_get(order, k))
+            json_object_set(order, k, pv);
+    if (req && json_is_array(names))
+        json_array_foreach(names, i, x) if (json_is_string(x) &&
+                                            !json_object_get(order, json_string_value(x)))
             json_object_set(order, json_string_value(x), json_true());
     json_t *all = json_object_get(s, "allOf");
-    if (json_is_array(all)) json_array_foreach(all, i, x) collect_direct(x, order, depth + 1);
+    if (json_is_array(all)) json_array_foreach(all, i, x) collect_direct(x, order, req, depth + 1);
 }
 
-/* Pass 2: the anyOf/oneOf branches of s and of its allOf entries, the branches that list the
- * most keys of v first (v is written in the order of the branch it matches). */
-static void collect_branches(json_t *s, json_t *v, json_t *order, int depth)
+/* Whether x equals y, numbers by value (1 and 1.0 are the same JSON number). */
+static bool same_value(json_t *x, json_t *y)
+{
+    if (json_is_number(x) && json_is_number(y)) return json_number_value(x) == json_number_value(y);
+    return json_equal(x, y);
+}
+
+/* How well branch s fits the object v: -1 when a key of v that s lists (with its allOf
+ * entries) has a `const` or `enum` that excludes v's value (the branch a discriminator rules
+ * out), else the number of keys of v that s lists. */
+static long branch_fit(json_t *s, json_t *v)
+{
+    json_t *props = json_object();
+    collect_direct(s, props, false, 0);
+    long n = 0;
+    const char *k;
+    json_t *x;
+    json_object_foreach(v, k, x)
+    {
+        json_t *p = deref(json_object_get(props, k));
+        if (!p) continue;
+        n++;
+        json_t *c = json_is_object(p) ? json_object_get(p, "const") : NULL;
+        json_t *e = json_is_object(p) ? json_object_get(p, "enum") : NULL;
+        bool listed = !json_is_array(e);
+        for (size_t i = 0; !listed && i < json_array_size(e); i++)
+            listed = same_value(json_array_get(e, i), x);
+        if ((c && !same_value(c, x)) || !listed) {
+            n = -1;
+            break;
+        }
+    }
+    json_decref(props);
+    return n;
+}
+
+/* The anyOf/oneOf branches of s and of its allOf entries, best fit to v first (v is written
+ * in the order of the branch it matches), then the dependent schemas of the keys v has. */
+static void collect_branches(json_t *s, json_t *v, json_t *order, bool req, int depth)
 {
     s = deref(s);
     if (!json_is_object(s) || depth > 8) return;
@@ -144,25 +173,35 @@ static void collect_branches(json_t *s, json_t *v, json_t *order, int depth)
     for (int c = 0; c < 2; c++) {
         json_t *a = json_object_get(s, comb[c]);
         if (!json_is_array(a)) continue;
-        size_t na = json_array_size(a), best = 0;
+        size_t na = json_array_size(a);
+        long *fit = malloc(sizeof(long) * (na ? na : 1)), best = -1;
+        if (!fit) continue;
         for (size_t j = 0; j < na; j++) {
-            size_t m = listed_keys(json_array_get(a, j), v);
-            if (m > best) best = m;
+            fit[j] = branch_fit(json_array_get(a, j), v);
+            if (fit[j] > best) best = fit[j];
         }
-        for (size_t m = best + 1; m-- > 0;) /* branches listing m keys of v, m descending */
-            json_array_foreach(a, i, x) if (listed_keys(x, v) == m) collect(x, v, order, depth + 1);
+        for (long m = best; m >= -1; m--) /* the branches of fit m, m descending */
+            json_array_foreach(a, i, x) if (fit[i] == m) collect(x, v, order, req, depth + 1);
+        free(fit);
+    }
+    const char *deps[] = {"dependencies", "dependentSchemas"};
+    for (int d = 0; d < 2; d++) {
+        json_t *ds = json_object_get(s, deps[d]);
+        const char *k;
+        if (json_is_object(ds))
+            json_object_foreach(ds, k, x) if (json_is_object(x) && json_object_get(v, k))
+                collect(x, v, order, req, depth + 1);
     }
     json_t *all = json_object_get(s, "allOf");
-    if (json_is_array(all)) json_array_foreach(all, i, x) collect_branches(x, v, order, depth + 1);
+    if (json_is_array(all))
+        json_array_foreach(all, i, x) collect_branches(x, v, order, req, depth + 1);
 }
 
-/* The property order of value v under schema s, as the engine generates it
- * (docs/structured_output.md): the properties of s and its allOf entries, then those of the
- * anyOf/oneOf branches. */
-static void collect(json_t *s, json_t *v, json_t *order, int depth)
+/* One pass (req false: properties, true: required names) over s and its branches. */
+static void collect(json_t *s, json_t *v, json_t *order, bool req, int depth)
 {
-    collect_direct(s, order, depth);
-    collect_branches(s, v, order, depth);
+    collect_direct(s, order, req, depth);
+    collect_branches(s, v, order, req, depth);
 }
 
 /* a double as Python's repr writes it: shortest round-trip digits, fixed notation for
@@ -235,7 +274,10 @@ static void write_json(buf *b, json_t *v, json_t *schema)
     switch (json_typeof(v)) {
     case JSON_OBJECT: {
         json_t *order = json_object();
-        if (schema) collect(schema, v, order, 0);
+        if (schema) {
+            collect(schema, v, order, false, 0);
+            collect(schema, v, order, true, 0);
+        }
         json_t *addl =
             json_is_object(schema) ? json_object_get(schema, "additionalProperties") : NULL;
         puts_(b, "{");
@@ -589,12 +631,19 @@ int main(int argc, char **argv)
                 if (!ok || inconsistent) {
                     bad++;
                     n_inconsistent += inconsistent;
-                    if (!quiet || bad <= 20)
-                        printf("%s %s %s: %s%s\n  at token %zu of %zu: %.300s\n",
+                    if (!quiet || bad <= 20) {
+                        /* the text around where the matcher stopped (or ended), marked "<|>" */
+                        char *pre = NULL;
+                        size_t np = 0;
+                        if (pd_tok_decode(tok, ids, i, false, &pre, &np) < 0 || np > b.n) np = 0;
+                        free(pre);
+                        size_t from = np > 200 ? np - 200 : 0;
+                        printf("%s %s %s: %s\n  at token %zu of %zu, byte %zu: %s%.*s<|>%.100s\n",
                                inconsistent ? "INCONSISTENT" : "WRONG",
                                is_valid ? "valid-rejected" : "invalid-accepted", desc ? desc : "?",
-                               json_string_value(json_object_get(test, "description")) ?: "", "", i,
-                               nid, b.p);
+                               json_string_value(json_object_get(test, "description")) ?: "", i,
+                               nid, np, from ? "..." : "", (int)(np - from), b.p + from, b.p + np);
+                    }
                 }
                 pd_gmatcher_free(m);
                 free(ids);

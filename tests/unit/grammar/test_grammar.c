@@ -187,6 +187,39 @@ TEST(schema_object_properties)
     pd_grammar_unref(g);
 }
 
+/* The property order of merged schemas (docs/structured_output.md), which pd-maskbench writes
+ * its instances in: the object's properties, then a branch's (anyOf/oneOf, through allOf and
+ * $ref, dependentSchemas), then required names none of them lists, then additional keys. */
+TEST(schema_property_order_of_merges)
+{
+    pd_gvocab *v = small_vocab();
+    struct {
+        const char *schema, *yes, *no;
+    } cases[] = {
+        {"{\"type\":\"object\",\"required\":[\"a\"],\"anyOf\":[{\"properties\":{\"b\":{},\"a\":{}}}"
+         "]}",
+         "{\"b\":1,\"a\":2}", "{\"a\":2,\"b\":1}"},
+        {"{\"$defs\":{\"r\":{\"properties\":{\"r\":{},\"t\":{\"const\":\"y\"}}}},\"oneOf\":[{"
+         "\"properties\":{\"t\":{\"const\":\"x\"}}},{\"allOf\":[{\"$ref\":\"#/$defs/r\"}]}]}",
+         "{\"r\":1,\"t\":\"y\"}", "{\"t\":\"y\",\"r\":1}"},
+        {"{\"allOf\":[{\"properties\":{\"h\":{}}},{\"type\":\"object\",\"required\":[\"t\"]}]}",
+         "{\"h\":1,\"t\":2,\"z\":3}", "{\"h\":1,\"z\":3,\"t\":2}"},
+        {"{\"type\":\"object\",\"properties\":{\"a\":{}},\"dependentSchemas\":{\"a\":{"
+         "\"properties\":{\"d\":{}}}}}",
+         "{\"a\":1,\"d\":2,\"z\":3}", "{\"a\":1,\"z\":3,\"d\":2}"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        pd_gerr e;
+        pd_grammar *g = compile(v, PD_GSPEC_JSON_SCHEMA, cases[i].schema, &e);
+        ASSERT_MSG(g, "%s: %s", cases[i].schema, e.msg);
+        ASSERT_MSG(accepts(g, cases[i].yes) == 1, "%s should accept %s", cases[i].schema,
+                   cases[i].yes);
+        ASSERT_MSG(accepts(g, cases[i].no) == 0, "%s should reject %s", cases[i].schema,
+                   cases[i].no);
+        pd_grammar_unref(g);
+    }
+}
+
 TEST(schema_additional_properties_default_and_keys)
 {
     pd_gvocab *v = small_vocab();
