@@ -268,6 +268,29 @@ static json_t *unlisted_schema(json_t *schema, const char *k, json_t *addl)
     return addl;
 }
 
+/* The schema that gives an array's items: s, or else the first of its allOf/anyOf/oneOf
+ * entries (in turn, dereferenced) that has `items` or `prefixItems`. */
+static json_t *array_schema(json_t *s, int depth)
+{
+    s = deref(s);
+    if (!json_is_object(s) || json_object_get(s, "items") || json_object_get(s, "prefixItems") ||
+        depth > 8)
+        return s;
+    const char *comb[] = {"allOf", "anyOf", "oneOf"};
+    for (int c = 0; c < 3; c++) {
+        size_t i;
+        json_t *x, *a = json_object_get(s, comb[c]);
+        if (json_is_array(a)) json_array_foreach(a, i, x)
+            {
+                json_t *r = array_schema(x, depth + 1);
+                if (json_is_object(r) &&
+                    (json_object_get(r, "items") || json_object_get(r, "prefixItems")))
+                    return r;
+            }
+    }
+    return s;
+}
+
 static void write_json(buf *b, json_t *v, json_t *schema)
 {
     schema = deref(schema);
@@ -307,6 +330,7 @@ static void write_json(buf *b, json_t *v, json_t *schema)
         break;
     }
     case JSON_ARRAY: {
+        schema = array_schema(schema, 0);
         json_t *items = json_is_object(schema) ? json_object_get(schema, "items") : NULL;
         json_t *prefix = json_is_object(schema) ? json_object_get(schema, "prefixItems") : NULL;
         if (json_is_array(items))
