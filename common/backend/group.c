@@ -79,12 +79,14 @@ static int create_backends(pd_backend_group *g)
         return PD_OK;
     }
     g->own = true;
-    int total = p->n_threads > 0 ? p->n_threads : pd_cpu_count();
+    int cores = pd_cpu_count();
+    int total = p->n_threads > 0 ? p->n_threads : cores;
     int per = total / g->n > 0 ? total / g->n : 1;
     /* with the budget, an explicit thread count is the rank's share: its pool has a thread for
        every core of the host (split across the ranks) and borrows the cores other instances
        leave idle; without --cpu-threads the share is the calling thread alone */
-    int host_per = pd_cpu_count() / g->n > 0 ? pd_cpu_count() / g->n : 1;
+    int host_per = cores / g->n > 0 ? cores / g->n : 1;
+    int pool = per > host_per ? per : host_per; /* threads of a budgeted rank's pool */
     int share = p->n_threads > 0 ? per : 1;
     const char *budget = NULL;
     bool pinned = false;
@@ -100,7 +102,7 @@ static int create_backends(pd_backend_group *g)
             bp.n_cpus = n_cpus;
             pinned = n_cpus > 0;
             bp.cpu_budget = n_cpus ? NULL : budget; /* pinned cores are the rank's own */
-            if (bp.cpu_budget && host_per > per) bp.n_threads = host_per;
+            if (bp.cpu_budget) bp.n_threads = pool;
             bp.cpu_share = share;
         }
         bp.max_tokens = p->max_tokens;
@@ -124,7 +126,7 @@ static int create_backends(pd_backend_group *g)
             PD_INFO("-",
                     "CPU: %d rank(s) x %d threads, %d always (--cpu-threads), the others on idle "
                     "cores; core budget %s",
-                    g->n, per > host_per ? per : host_per, share, budget);
+                    g->n, pool, share, budget);
         else
             PD_INFO("-", "CPU: %d rank(s) x %d threads; core budget %s", g->n, per,
                     budget ? budget : "off (PD_CPU_BUDGET=off)");
