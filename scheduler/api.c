@@ -418,7 +418,9 @@ static int check_shared(const pd_api_limits *lim, pd_api_kind kind, const common
         r->best_of = sp->n;
     } else if (r->best_of > sp->n && sp->temperature < 1e-5)
         return bad("best_of must be 1 when using greedy sampling.Got %lld.", (long long)f->best_of);
-    r->stream = f->stream && r->best_of == sp->n;
+    /* a search's beams are answered whole at its end: not streamed, as vLLM 0.5's completions
+     * (and best_of > n above) */
+    r->stream = f->stream && r->best_of == sp->n && !f->use_beam_search;
     return 0;
 }
 
@@ -441,7 +443,6 @@ static int check_prompt_logprobs(const pd_api_limits *lim, const common_fields *
 /* §8.4 in table order. */
 static int check_unsupported(const json_t *o, const common_fields *f)
 {
-    if (f->use_beam_search) return bad("`use_beam_search` is not supported.");
     const json_t *v = json_object_get(o, "prompt_embeds");
     if (v && !json_is_null(v)) return bad("`prompt_embeds` is not supported.");
     v = json_object_get(o, "structural_tag");
@@ -1139,6 +1140,11 @@ int pd_api_parse(const pd_api_limits *lim, pd_api_kind kind, const char *body, s
         json_object_foreach(o, k, v) PD_DEBUG(NULL, "request key '%s'", k);
     }
 done:
+    /* what the engine's search does not apply (logprobs, stop strings, the logits processors) */
+    if (rc >= 0 && out->sp.use_beam_search && out->kind != PD_API_TOKENIZE) {
+        const char *field = pd_sampling_beam_unsupported(&out->sp);
+        if (field) rc = bad("use_beam_search: %s is not supported with beam search", field);
+    }
     if (rc < 0 && rc != PD_ENOMEM && *http_status == 400) rc = PD_EINVAL;
     json_decref(messages);
     json_decref(o);

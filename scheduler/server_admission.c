@@ -24,10 +24,12 @@ enum { ADMIT_RETRY_MS = 10 };
 /* Conditional disaggregation: whether c's decode instance prefills its prompt itself, the
  * tokens it likely lacks in its prefix cache being at most --max-local-prefill-length (what the
  * pick of the decode instance charged it, less max_tokens). Not with prompt logprobs: the
- * scheduler takes them from the Prefill reply. */
+ * scheduler takes them from the Prefill reply. Always for a beam search whose prompt leaves room
+ * for one token only: the prefill's own token would end it there, and no KV would move. */
 static bool prefill_locally(const pd_apiserver *s, const choice *c)
 {
     const pd_api_prompt *pr = &c->r->req.prompts[c->prompt_idx];
+    if (c->sampling.use_beam_search && (int64_t)pr->n_ids + 1 >= s->L) return true;
     return s->p.max_local_prefill_length > 0 && !c->sampling.has_prompt_logprobs &&
            c->d_tokens - pr->max_tokens <= s->p.max_local_prefill_length;
 }

@@ -186,6 +186,19 @@ static void start_prefill(choice *c)
     q.prompt_ids = pr->ids;
     q.n_prompt_ids = pr->n_ids;
     q.sampling = &c->sampling;
+    Pd__SamplingParams plain;
+    if (c->sampling.use_beam_search) {
+        /* a search's prefill computes the prompt's KV only: its token is not used, the decode
+         * instance expands the beams (docs/beam_search.md) */
+        plain = c->sampling;
+        plain.use_beam_search = false;
+        plain.best_of = plain.early_stopping = 0;
+        plain.length_penalty = 0.0;
+        plain.n = 1;
+        plain.min_tokens = 2; /* no stop token may end it there: its KV must move */
+        plain.max_tokens = -1;
+        q.sampling = &plain;
+    }
     q.targets = c->targets;
     q.n_targets = c->n_targets;
     q.decode_block_ids = c->block_ids;
@@ -214,6 +227,12 @@ static void on_decode_done(void *arg, int st, const char *details, const uint8_t
     bool aborted = c->r->aborted;
     bool final_seen = c->final_rx;
     pthread_mutex_unlock(&c->r->mu);
+    if (st == PD_RPC_INVALID_ARGUMENT && !aborted && !final_seen) {
+        /* refused by the decode instance's engine (a beam search its pool cannot hold, a
+           best_of above its max_num_seqs): the request's fault, with the engine's words */
+        chain_fail(c, 400, "%s", details && *details ? details : "Decode: invalid request");
+        return;
+    }
     if (st != PD_RPC_OK && !aborted && !final_seen) {
         PD_WARN(c->r->id, "Decode stream of %s ended with %s: %s", c->sub_id,
                 pd_rpc_status_name(st), details);
@@ -284,10 +303,11 @@ static void on_prefill_done(void *arg, int st, const char *details, const uint8_
     c->kv_seconds = m->kv_seconds;
     c->prefill_seconds = m->prefill_seconds;
     c->cached_tokens = m->cached_tokens;
+    bool beam = c->sampling.use_beam_search; /* its first token is not the answer's */
     if (m->first->status != 0) {
         c->err_http = 500;
         snprintf(c->err, sizeof c->err, "Generation failed: %s", m->first->error);
-    } else {
+    } else if (!beam) {
         if (m->first->prompt_logprobs) { /* kept for the response; the loop reads them */
             if (c->plp) pd__prompt_logprobs__free_unpacked(c->plp, NULL);
             c->plp = m->first->prompt_logprobs;
@@ -295,9 +315,9 @@ static void on_prefill_done(void *arg, int st, const char *details, const uint8_
         }
         srv_rec_push(&c->pending, m->first);
     }
-    bool final = m->first->final || m->first->status != 0;
+    bool final = (m->first->final && !beam) || m->first->status != 0;
     pthread_mutex_unlock(&r->mu);
-    int32_t first = m->first->n_token_ids ? m->first->token_ids[0] : -1;
+    int32_t first = m->first->n_token_ids && !beam ? m->first->token_ids[0] : -1;
     uint64_t seed = m->seed;
     pd__prefill_reply__free_unpacked(m, NULL);
     if (final) {

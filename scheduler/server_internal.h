@@ -117,7 +117,7 @@ typedef struct choice {
     bool decode_lost;   /* its decode instance left the routing set while it prefilled */
     bool rx_paused;     /* its Decode stream waits until the loop has taken the pending records */
     bool relayed;       /* its events come over the decode instance's relay (under r->mu) */
-    bool final_rx;      /* its final event arrived (under r->mu) */
+    bool final_rx;      /* its (a leader's: every) final event arrived (under r->mu) */
     uint64_t rx_bytes;  /* relayed: packed event bytes received (under r->mu) */
     uint64_t credit;    /* relayed: packed event bytes the node may send in all (under r->mu) */
     uint64_t pause_seq; /* relayed: Pause calls sent (under r->mu) */
@@ -131,6 +131,11 @@ typedef struct choice {
     bool in_queue, retrying;
     struct choice *q_prev, *q_next;
     bool deferred; /* an n > 1 follower waiting for its leader (see server_request.c) */
+    /* beam search: one chain per prompt, its leader's, answers the prompt's n choices; the
+     * others ride on it (no chain of their own), their events routed by TokenEvent.index */
+    bool rides;
+    int n_riders;  /* the leader's: the choices after it that its events reach (n - 1) */
+    int finals_rx; /* final events its chain delivered (under r->mu) */
     /* loop side */
     rec_buf work;
     bool chain_running; /* holds a reference */

@@ -244,8 +244,11 @@ static void choice_event(choice *c, const Pd__TokenEvent *ev, size_t size)
             snprintf(c->err, sizeof c->err, "Generation failed: %s", ev->error);
         }
     } else {
-        srv_rec_push(&c->pending, ev);
-        c->final_rx |= ev->final;
+        /* a beam search's choice j comes on its leader's chain (pd.proto's TokenEvent.index) */
+        int j = ev->index > 0 && ev->index <= c->n_riders ? ev->index : 0;
+        srv_rec_push(&c[j].pending, ev);
+        c->finals_rx += ev->final;
+        c->final_rx = c->finals_rx > c->n_riders;
     }
     /* the loop is behind: stop this choice's Decode stream until it has caught up (what waits
      * here stays bounded; the rest waits on the decode instance, as a relayed choice's does
@@ -292,7 +295,7 @@ static void on_relay_msg(void *arg, const uint8_t *msg, size_t len)
         if (c) {
             choice_event(c, ev, b->events[i].len);
             pthread_mutex_lock(&c->r->mu);
-            if (ev->final) end_id = c->call_id[PH_DECODE];
+            if (ev->final && c->final_rx) end_id = c->call_id[PH_DECODE];
             pthread_mutex_unlock(&c->r->mu);
         }
         if (ev) pd__token_event__free_unpacked(ev, NULL);

@@ -364,7 +364,7 @@ static void process(sreq *r)
     int64_t now = pd_now_ns();
     for (int i = 0; i < r->n_choices; i++) {
         choice *c = &r->choices[i];
-        if (!c->chain_running) continue;
+        if (!c->chain_running && !c->rides) continue;
         /* swap the pending buffer in */
         pthread_mutex_lock(&r->mu);
         rec_buf spare = c->work;
@@ -501,7 +501,15 @@ static void process(sreq *r)
     }
     if (r->done) return;
     bool all = true;
-    for (int i = 0; i < r->n_choices; i++) all = all && r->choices[i].finished;
+    for (int i = 0; i < r->n_choices; i++) {
+        const choice *c = &r->choices[i];
+        if (c->rides && !c->finished && !r->choices[i - i % r->req.best_of].chain_running) {
+            srv_request_fail(r, 500,
+                             "Generation failed: the beam search ended without this choice.");
+            return;
+        }
+        all = all && c->finished;
+    }
     if (all) {
         request_complete(r);
         return;
@@ -638,8 +646,9 @@ void srv_dispatch(sreq *r)
     }
     for (size_t i = 0; i < r->req.n_prompts; i++)
         r->prompt_tokens += (int64_t)r->req.prompts[i].n_ids;
+    bool beam = r->req.sp.use_beam_search; /* one chain per prompt, see choice.rides */
     pd_metric_observe(s->m_h_n, s->labels, r->req.sp.n);
-    pd_metric_observe(s->m_h_best_of, s->labels, n);
+    pd_metric_observe(s->m_h_best_of, s->labels, beam ? r->req.sp.best_of : n);
     /* once per request (n choices are one request): the first prompt's max_tokens (prompts
      * differ only with max_tokens:null, which leaves each prompt the rest of the context) */
     pd_metric_observe(s->m_h_max, s->labels, (double)r->req.prompts[0].max_tokens);
@@ -647,7 +656,7 @@ void srv_dispatch(sreq *r)
     pd_metric_observe(s->m_h_prompt, s->labels, (double)r->prompt_tokens);
     /* n > 1: the block size of an instance that caches prefixes, for the followers */
     int cache_bs = 0;
-    if (n > 1) cache_bs = pd_reg_cache_block(s->reg, RT_ROLE_PREFILL);
+    if (n > 1 && !beam) cache_bs = pd_reg_cache_block(s->reg, RT_ROLE_PREFILL);
     if (n > 1 && !cache_bs) cache_bs = pd_reg_cache_block(s->reg, RT_ROLE_DECODE);
     for (int i = 0; i < r->n_choices; i++) {
         choice *c = &r->choices[i];
@@ -655,6 +664,8 @@ void srv_dispatch(sreq *r)
         c->index = i;
         c->prompt_idx = i / n;
         c->p_node = c->d_node = -1;
+        c->rides = beam && i % n;
+        c->n_riders = beam && !c->rides ? n - 1 : 0;
         if (r->n_choices == 1)
             snprintf(c->sub_id, sizeof c->sub_id, "%s", r->id);
         else
@@ -685,9 +696,10 @@ void srv_dispatch(sreq *r)
     }
     for (int i = 0; i < r->n_choices; i++) {
         choice *c = &r->choices[i];
+        if (c->rides) continue;
         const pd_api_prompt *pr = &r->req.prompts[c->prompt_idx];
         pd_sampling_params sp = r->req.sp;
-        sp.n = 1;
+        sp.n = beam ? r->req.sp.n : 1;
         sp.max_tokens = pr->max_tokens;
         if (sp.has_seed && r->n_choices > 1) sp.seed = r->req.sp.seed + i; /* per choice */
         if (n > r->req.sp.n && sp.logprobs < 0) sp.logprobs = 0;           /* the sampled tokens' */
@@ -723,6 +735,7 @@ void srv_dispatch(sreq *r)
     /* requests already waiting for KV or prefill room go first */
     for (int i = 0; i < r->n_choices; i++) {
         choice *c = &r->choices[i];
+        if (c->rides) continue;
         c->chain_running = true;
         r->refs++;
         if (!c->deferred) srv_admit_or_reserve(s, c);

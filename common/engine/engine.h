@@ -193,7 +193,10 @@ int pd_engine_reserve(pd_engine *e, const char *request_id, size_t n_tokens,
 /* Admits a reserved request whose prompt K/V the transfer wrote: r->prompt_ids must have the
  * reserved length, r->sampling must carry the seed the prefill side used (has_seed) and n = 1;
  * first_token is the token the prefill side sampled. The engine then emits its event (text,
- * stop check: it may finish right away) and decodes on from it. */
+ * stop check: it may finish right away) and decodes on from it. A beam search
+ * (use_beam_search, any n) ignores first_token: the engine computes the prompt's last position
+ * again (a step of one row, whose logits are the colocated prefill's bit for bit) and runs the
+ * whole search from there. */
 int pd_engine_add_imported(pd_engine *e, const pd_engine_request *r, int32_t first_token);
 
 /* ---- running ------------------------------------------------------------------------------ */

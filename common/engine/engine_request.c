@@ -95,13 +95,22 @@ int eng_apply_inbox(pd_engine *e)
                 e->n_held--;
                 r->state = REQ_ACTIVE;
             }
+        } else if (r->state == REQ_IMPORTING && r->beam) {
+            /* its last prompt position is computed again here: the first expansion comes from
+             * its logits, as a colocated search's does */
+            eng_seq *s = &r->seqs[0];
+            r->state = REQ_ACTIVE;
+            int rc = pd_sched_admit_computed(e->sched, s->sq, r->n_prompt - 1, r->n - 1);
+            if (rc < 0)
+                for (uint32_t i = 0; i < r->n; i++)
+                    eng_seq_end_status(e, &r->seqs[i], rc, pd_last_error());
         } else if (r->state == REQ_IMPORTING) {
             eng_seq *s = &r->seqs[0];
             r->state = REQ_ACTIVE;
             int rc = pd_sampler_seq_append(s->smp, r->first_token);
             if (rc >= 0 && s->gm) rc = pd_gmatcher_accept_token(s->gm, r->first_token);
             if (rc >= 0) rc = eng_seq_emit_token(e, s, r->first_token, NULL);
-            if (rc >= 0 && !s->ended) rc = pd_sched_admit_computed(e->sched, s->sq, r->n_prompt);
+            if (rc >= 0 && !s->ended) rc = pd_sched_admit_computed(e->sched, s->sq, r->n_prompt, 0);
             if (rc < 0) eng_seq_end_status(e, s, rc, pd_last_error());
         }
         eng_req_maybe_free(e, r);
@@ -196,29 +205,8 @@ static int beam_check(const pd_engine *e, const pd_sampling_params *sp, size_t r
                         "best_of: a beam search of %d beams may hold %zu KV blocks, the pool has "
                         "%zu (lower best_of or max_tokens)",
                         w, need, pd_kvpool_num_blocks(e->pool));
-    const char *field = NULL;
-    if (phase != PD_PHASE_FULL)
-        field = "a prefill-only request";
-    else if (sp->logprobs >= 0)
-        field = "logprobs";
-    else if (sp->n_stop > 0)
-        field = "stop";
-    else if (sp->min_tokens > 0)
-        field = "min_tokens";
-    else if (sp->presence_penalty != 0.0)
-        field = "presence_penalty";
-    else if (sp->frequency_penalty != 0.0)
-        field = "frequency_penalty";
-    else if (sp->repetition_penalty != 1.0)
-        field = "repetition_penalty";
-    else if (sp->min_p > 0.0)
-        field = "min_p";
-    else if (sp->n_logit_bias > 0)
-        field = "logit_bias";
-    else if (sp->has_allowed_token_ids)
-        field = "allowed_token_ids";
-    else if (sp->guided_kind)
-        field = "guided decoding";
+    const char *field =
+        phase != PD_PHASE_FULL ? "a prefill-only request" : pd_sampling_beam_unsupported(sp);
     if (field)
         return pd_error(PD_EUNSUPPORTED, "use_beam_search: %s is not supported with beam search",
                         field);
@@ -492,11 +480,11 @@ int pd_engine_add_imported(pd_engine *e, const pd_engine_request *rq, int32_t fi
         return pd_error(PD_EINVAL, "an imported request needs the prefill side's seed");
     if (rq->phase != PD_PHASE_FULL)
         return pd_error(PD_EINVAL, "an imported request runs in phase FULL");
-    if (first_token < 0 || (size_t)first_token >= e->vocab)
+    bool beam = rq->sampling->use_beam_search;
+    if (!beam && (first_token < 0 || (size_t)first_token >= e->vocab))
         return pd_error(PD_EINVAL, "Token id %d is out of vocabulary", first_token);
-    if (rq->sampling->n != 1) return pd_error(PD_EINVAL, "an imported request has n = 1");
-    if (rq->sampling->use_beam_search)
-        return pd_error(PD_EUNSUPPORTED, "use_beam_search: an imported request cannot search");
+    if (!beam && rq->sampling->n != 1)
+        return pd_error(PD_EINVAL, "an imported request has n = 1 (or searches beams)");
     eng_req *built;
     PD_CHECK(req_build(e, rq, &built));
     pthread_mutex_lock(&e->mu);
@@ -507,32 +495,25 @@ int pd_engine_add_imported(pd_engine *e, const pd_engine_request *rq, int32_t fi
     else if (r->n_prompt != rq->n_prompt)
         rc = pd_error(PD_EINVAL, "request '%s': prompt has %zu tokens but %zu were reserved",
                       rq->request_id, rq->n_prompt, r->n_prompt);
-    if (rc >= 0)
-        rc = pd_sched_seq_set_prompt(e->sched, r->seqs[0].sq, rq->prompt_ids, rq->n_prompt);
-    if (rc >= 0) rc = pd_sched_append(e->sched, r->seqs[0].sq, first_token);
+    pd_sched_seq *sq = rc >= 0 ? r->seqs[0].sq : NULL;
+    if (rc >= 0) rc = pd_sched_seq_set_prompt(e->sched, sq, rq->prompt_ids, rq->n_prompt);
+    if (rc >= 0 && !beam) rc = pd_sched_append(e->sched, sq, first_token);
     if (rc >= 0) {
-        /* move the built per-sequence state into the reservation */
-        pd_arena *old = r->arena;
-        r->arena = built->arena;
-        built->arena = old;
-        r->sp = built->sp;
-        r->seqs[0].smp = built->seqs[0].smp;
-        r->seqs[0].stop = built->seqs[0].stop;
-        r->seqs[0].detok = built->seqs[0].detok;
-        r->seqs[0].gm = built->seqs[0].gm;
-        r->seqs[0].mask = built->seqs[0].mask;
-        built->seqs[0].smp = NULL;
-        built->seqs[0].stop = NULL;
-        built->seqs[0].detok = NULL;
-        built->seqs[0].gm = NULL;
-        built->seqs[0].mask = NULL;
-        r->first_token = first_token;
-        r->state = REQ_IMPORTING;
+        /* the built request takes the reservation's place and its sequence */
+        pd_seq_set_user(sq, &built->seqs[0]);
+        built->seqs[0].sq = sq;
+        r->seqs[0].sq = NULL;
+        pd_idmap_del(&e->reqs, &r->link);
+        eng_req_free(e, r);
+        built->first_token = beam ? -1 : first_token;
+        built->state = REQ_IMPORTING;
+        pd_idmap_put(&e->reqs, &built->link, built->id);
         e->n_held--;
-        inbox_push(e, r);
+        inbox_push(e, built);
         wake_engine(e);
+        built = NULL;
     }
     pthread_mutex_unlock(&e->mu);
-    eng_req_free(e, built);
+    if (built) eng_req_free(e, built);
     return rc;
 }

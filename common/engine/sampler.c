@@ -229,6 +229,22 @@ int pd_sampling_check(const pd_sampling_fields *f, int32_t vocab)
     return PD_OK;
 }
 
+const char *pd_sampling_beam_unsupported(const pd_sampling_params *p)
+{
+    if (p->logprobs >= 0) return "logprobs";
+    if (p->prompt_logprobs >= 0) return "prompt_logprobs";
+    if (p->n_stop > 0) return "stop";
+    if (p->min_tokens > 0) return "min_tokens";
+    if (p->presence_penalty != 0.0) return "presence_penalty";
+    if (p->frequency_penalty != 0.0) return "frequency_penalty";
+    if (p->repetition_penalty != 1.0) return "repetition_penalty";
+    if (p->min_p > 0.0) return "min_p";
+    if (p->n_logit_bias > 0) return "logit_bias";
+    if (p->has_allowed_token_ids) return "allowed_token_ids";
+    if (p->guided_kind) return "guided decoding";
+    return NULL;
+}
+
 int pd_sampling_params_validate(const pd_sampling_params *p, int32_t vocab)
 {
     if (p->n_stop < 0 || (p->n_stop > 0 && !p->stop))

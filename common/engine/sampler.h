@@ -153,6 +153,11 @@ int pd_sampling_check(const pd_sampling_fields *f, int32_t vocab);
  * (arrays present where counts say so). */
 int pd_sampling_params_validate(const pd_sampling_params *p, int32_t vocab);
 
+/* With use_beam_search: the first field of p a beam search does not support (the engine's
+ * search applies no logits processor, returns no per-token logprobs and checks no stop string:
+ * docs/beam_search.md), as the field's name ("logprobs", "stop", ...), or NULL. */
+const char *pd_sampling_beam_unsupported(const pd_sampling_params *p);
+
 /* True when p selects greedy decoding (temperature < PD_SAMPLING_GREEDY_EPS). */
 bool pd_sampling_is_greedy(const pd_sampling_params *p);
 

@@ -286,14 +286,18 @@ int pd_sched_seq_set_prompt(const pd_sched *s, pd_sched_seq *seq, const int32_t 
     return PD_OK;
 }
 
-int pd_sched_admit_computed(pd_sched *s, pd_sched_seq *seq, size_t n_computed)
+int pd_sched_admit_computed(pd_sched *s, pd_sched_seq *seq, size_t n_computed, size_t n_children)
 {
     if (seq->state != PD_SEQ_HELD)
         return pd_error(PD_EINVAL, "scheduler: admit of a sequence that holds no reservation");
     if (n_computed > pd_kvtable_num_tokens(seq->table) || n_computed > seq->n_tokens)
         return pd_error(PD_EINVAL, "scheduler: %zu computed tokens but %zu reserved, %zu known",
                         n_computed, pd_kvtable_num_tokens(seq->table), seq->n_tokens);
+    if (n_children + 1 > s->p.max_num_seqs)
+        return pd_error(PD_EINVAL, "n must be at most %zu, got %zu.", s->p.max_num_seqs,
+                        n_children + 1);
     seq->n_computed = n_computed;
+    seq->pending_children = n_children;
     seq->state = PD_SEQ_WAITING;
     list_insert_sorted(&s->waiting, seq);
     return PD_OK;
@@ -671,6 +675,11 @@ size_t pd_seq_num_reserved(const pd_sched_seq *seq)
 void *pd_seq_user(const pd_sched_seq *seq)
 {
     return seq->user;
+}
+
+void pd_seq_set_user(pd_sched_seq *seq, void *user)
+{
+    seq->user = user;
 }
 const int32_t *pd_seq_tokens(const pd_sched_seq *seq, size_t *n)
 {

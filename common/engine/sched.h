@@ -134,8 +134,9 @@ int pd_sched_seq_set_prompt(const pd_sched *s, pd_sched_seq *seq, const int32_t 
                             size_t n_prompt);
 
 /* Admits a HELD sequence whose first n_computed tokens have their K/V in its blocks (an import
- * finished): state RUNNING, computing from token n_computed on. */
-int pd_sched_admit_computed(pd_sched *s, pd_sched_seq *seq, size_t n_computed);
+ * finished): queued, computing from token n_computed on, with n_children forks to come
+ * reserved against max_num_seqs (a beam search's, as pd_sched_add's). */
+int pd_sched_admit_computed(pd_sched *s, pd_sched_seq *seq, size_t n_computed, size_t n_children);
 
 /* Appends a token (sampled, or the first token of an imported sequence). PD_ERANGE at
  * max_model_len. */
@@ -205,6 +206,8 @@ const pd_sched_params *pd_sched_get_params(const pd_sched *s);
 
 pd_seq_state pd_seq_get_state(const pd_sched_seq *seq);
 void *pd_seq_user(const pd_sched_seq *seq);
+/* Hands seq to another owner (an imported request takes over its reservation's sequence). */
+void pd_seq_set_user(pd_sched_seq *seq, void *user);
 /* All tokens (prompt then generated): *n receives the count. Valid until the next append. */
 const int32_t *pd_seq_tokens(const pd_sched_seq *seq, size_t *n);
 size_t pd_seq_num_prompt(const pd_sched_seq *seq);

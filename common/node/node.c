@@ -168,6 +168,7 @@ Pd__TokenEvent *node_event_to_proto(const pd_engine_event *ev, pd_arena *a)
         m->text.len = ev->text_len;
     }
     m->final = ev->final;
+    m->index = (int32_t)ev->seq_index;
     m->status = ev->status;
     m->error = pd_arena_strdup(a, ev->error ? ev->error : "");
     const char *fr = pd_finish_reason_name(ev->finish);

@@ -188,6 +188,7 @@ static void h_decode(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len)
         } else {
             r->call = call;
             r->decoding = true;
+            r->finals = sp.use_beam_search ? sp.n : 1;
             /* a relay not (yet) open here: the events go on this call, which the caller reads */
             for (relay *rl = n->relays; q->relay_id && q->relay_id[0] && rl; rl = rl->next)
                 if (strcmp(rl->id, q->relay_id) == 0) r->rl = rl;
@@ -226,7 +227,7 @@ static void relay_release(req *r)
 
 /* Dispatcher: a relayed request's (non-failed) event joins its waiting events, which go out as
  * flow control allows. Called with n->mu held. */
-static void relay_event(pd_node *n, req *r, const pd_engine_event *ev)
+static void relay_event(pd_node *n, req *r, const pd_engine_event *ev, bool last)
 {
     pd_arena *a = pd_arena_create(1024);
     Pd__TokenEvent *m = a ? node_event_to_proto(ev, a) : NULL;
@@ -245,7 +246,7 @@ static void relay_event(pd_node *n, req *r, const pd_engine_event *ev)
         node_req_remove(n, r);
         return;
     }
-    r->finished = ev->final;
+    r->finished = last;
     relay_release(r);
     n->relay_pauses += !waiting && r->held.n > 0;
 }
@@ -272,8 +273,10 @@ void node_decode_event(pd_node *n, req *r, const pd_engine_event *ev)
         }
         return;
     }
+    /* a beam search's n choices end one by one: its call ends with the last */
+    bool last = ev->final && (ev->status < 0 || --r->finals <= 0);
     if (r->rl && ev->status >= 0) {
-        relay_event(n, r, ev);
+        relay_event(n, r, ev, last);
         return;
     }
     if (ev->status < 0) {
@@ -293,9 +296,9 @@ void node_decode_event(pd_node *n, req *r, const pd_engine_event *ev)
         pd_engine_abort(n->e, r->id); /* the final cancelled event ends it */
         return;
     }
-    if (ev->final || rc < 0) {
+    if (last || rc < 0) {
         pd_rpc_stream_end(r->call, rc < 0 ? PD_RPC_INTERNAL : PD_RPC_OK, "");
-        if (!ev->final) pd_engine_abort(n->e, r->id);
+        if (!last) pd_engine_abort(n->e, r->id);
         node_req_remove(n, r);
     }
 }

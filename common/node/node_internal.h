@@ -75,7 +75,8 @@ typedef struct req {
     uint64_t pause_seq; /* the newest Pause applied */
     uint64_t credit;    /* relayed: packed event bytes it may send in all (0: no limit) */
     uint64_t sent;      /* relayed: packed event bytes sent so far */
-    bool finished;      /* relayed: the engine's final event came (it may still be held) */
+    int finals;         /* decode: final events still to come (a beam search's n, else 1) */
+    bool finished;      /* relayed: the engine's last final event came (it may still be held) */
     bool done;          /* relayed: the final event is out; the Decode call waits for the
                            caller's cancel (so the caller ends it after that event) */
     bool caller_gone;   /* decode: its call was cancelled before its final event */

@@ -60,6 +60,12 @@ int pd_msg_sampling_from_proto(const Pd__SamplingParams *m, pd_arena *a, pd_samp
     p.guided = (const char *)m->guided.data;
     p.guided_len = m->guided.len;
     p.guided_ws = m->guided_ws && m->guided_ws[0] ? m->guided_ws : NULL;
+    p.use_beam_search = m->use_beam_search;
+    if (p.use_beam_search) {
+        p.best_of = m->best_of;
+        p.length_penalty = m->length_penalty;
+        p.early_stopping = m->early_stopping;
+    }
     /* the message is freed before the request ends: own every array */
     return pd_sampling_params_clone(&p, a, out);
 }
@@ -109,5 +115,11 @@ int pd_msg_sampling_to_proto(const pd_sampling_params *p, pd_arena *a, Pd__Sampl
     m->guided.data = (uint8_t *)p->guided;
     m->guided.len = p->guided ? p->guided_len : 0;
     if (p->guided_ws) m->guided_ws = (char *)p->guided_ws;
+    m->use_beam_search = p->use_beam_search;
+    if (p->use_beam_search) {
+        m->best_of = p->best_of;
+        m->length_penalty = p->length_penalty;
+        m->early_stopping = p->early_stopping;
+    }
     return PD_OK;
 }

@@ -291,6 +291,21 @@ int open_long_stream(int port, const char *auth)
 }
 
 /* POST body to path on port; the parsed response (200 asserted by the caller). */
+bool side_cluster(cl_cluster *c, const char *prefill, const char *decode, cl_proc *sp, int *port,
+                  const char *name, char *const args[])
+{
+    if (cl_start(c, g_model, prefill, decode, NULL) < 0) {
+        printf("    cl_start: %s\n", pd_last_error());
+        return false;
+    }
+    if (start_scheduler_on(c, sp, port, name, args, "1") < 0) {
+        printf("    %s did not start\n", name);
+        cl_stop_all(c);
+        return false;
+    }
+    return true;
+}
+
 json_t *post_json(int port, const char *path, const char *body, int *status)
 {
     http_resp r;

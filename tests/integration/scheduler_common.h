@@ -66,6 +66,11 @@ bool fixture(void);
         }                                                                                          \
     } while (0)
 
+/* A cluster of its own (prefill and decode server lists as cl_start takes them) with a
+ * scheduler on it (extra flags args); false, with both stopped, when either did not start. */
+bool side_cluster(cl_cluster *c, const char *prefill, const char *decode, cl_proc *sp, int *port,
+                  const char *name, char *const args[]);
+
 /* ---- helpers for the API ------------------------------------------------------------------- */
 
 /* Keys of a JSON object in order, joined by ','. */

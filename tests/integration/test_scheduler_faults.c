@@ -66,23 +66,6 @@ TEST(sched_client_disconnect_aborts)
     ASSERT_EQ_INT(running, 0);
 }
 
-/* A cluster of its own (prefill and decode server lists as cl_start takes them) with a
- * scheduler on it (extra flags args); false, with both stopped, when either did not start. */
-static bool side_cluster(cl_cluster *c, const char *prefill, const char *decode, cl_proc *sp,
-                         int *port, const char *name, char *const args[])
-{
-    if (cl_start(c, g_model, prefill, decode, NULL) < 0) {
-        printf("    cl_start: %s\n", pd_last_error());
-        return false;
-    }
-    if (start_scheduler_on(c, sp, port, name, args, "1") < 0) {
-        printf("    %s did not start\n", name);
-        cl_stop_all(c);
-        return false;
-    }
-    return true;
-}
-
 /* 2P1D: a prefill instance hangs; the request routed to it is cancelled when the heartbeat
  * takes it out and is retried on the other prefill instance. */
 TEST(sched_prefill_retry)

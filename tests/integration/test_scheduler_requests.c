@@ -109,8 +109,8 @@ TEST(sched_bad_inputs)
          400, "best_of must be greater than or equal to n, got n=3 and best_of=2.", NULL},
         {"/v1/completions",
          "{\"prompt\":\"a\",\"use_beam_search\":true,\"best_of\":2,\"temperature\":0,"
-         "\"top_k\":-1,\"length_penalty\":0.5,\"early_stopping\":true}",
-         400, "`use_beam_search` is not supported.", NULL},
+         "\"top_k\":-1,\"length_penalty\":0.5,\"min_tokens\":2}",
+         400, "use_beam_search: min_tokens is not supported with beam search", NULL},
         {"/v1/completions", "{\"prompt\":\"a\",\"guided_regex\":\"(x+\"}", 400, NULL,
          "`guided_regex`: "},
         {"/v1/completions", "{\"prompt\":\"a\",\"max_tokens\":600}", 400, NULL,

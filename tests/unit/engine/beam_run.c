@@ -4,7 +4,7 @@
  *   beam_run --model DIR --prompt-ids 1,2,3 --width W [--n N] --max-tokens M
  *            [--length-penalty X] [--early-stopping false|true|never] [--ignore-eos]
  *            [--stop-token-ids 5,6] [--max-model-len L] [--abort-after-steps K]
- *            [--copies C] [--num-kv-blocks B]
+ *            [--copies C] [--num-kv-blocks B] [--split]
  *
  * Prints {"beams": [{"tokens", "cumulative_logprob", "score", "finish_reason"}, ...],
  * "kv_blocks_free_start", "kv_blocks_free_end", "kv_blocks_peak_used", "block_size",
@@ -14,13 +14,19 @@
  * runs C copies of the request at once (they must answer alike; copy 0 is printed), in a pool of
  * --num-kv-blocks B blocks (4096). The engine runs on 2 threads with the model's EOS
  * (config.json's eos_token_id when the model directory has no tokenizer).
+ * --split runs each copy as the nodes of a split deployment do (docs/beam_search.md): a second
+ * engine prefills the prompt as a plain prefill-only request, the search's engine reserves the
+ * prompt's blocks, the KV moves between them (kv_export / kv_import), and the search is admitted
+ * with pd_engine_add_imported, which computes the prompt's last position again.
  */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "backend/backend.h"
 #include "engine/engine.h"
+#include "model/model.h"
 #include "util/args.h"
 #include "util/log.h"
 #include "util/status.h"
@@ -36,7 +42,7 @@ typedef struct {
     int64_t width, n, max_tokens, max_model_len, abort_after, copies, kv_blocks;
     double length_penalty;
     int32_t early;
-    bool ignore_eos;
+    bool ignore_eos, split;
 } args_t;
 
 typedef struct {
@@ -67,8 +73,8 @@ static int parse(int argc, char **argv, args_t *a)
     *a = (args_t){.n = 1, .length_penalty = 1.0, .abort_after = -1, .copies = 1, .kv_blocks = 4096};
     for (int i = 1; i < argc; i++) {
         const char *o = argv[i];
-        if (!strcmp(o, "--ignore-eos")) {
-            a->ignore_eos = true;
+        if (!strcmp(o, "--ignore-eos") || !strcmp(o, "--split")) {
+            *(!strcmp(o, "--split") ? &a->split : &a->ignore_eos) = true;
             continue;
         }
         if (i + 1 >= argc) return pd_error(PD_EINVAL, "%s: missing value", o);
@@ -141,6 +147,81 @@ static int drain(pd_engine *e, choice_t *c, int64_t copies, int64_t n, int64_t *
     return PD_OK;
 }
 
+/* Moves the K/V of n blocks from P's pblocks to D's dblocks, layer by layer through the host. */
+static int move_kv(pd_engine *P, const int32_t *pblocks, pd_engine *D, const int32_t *dblocks,
+                   size_t n_blocks, size_t block_size)
+{
+    pd_backend *bp = pd_engine_backend(P, 0), *bd = pd_engine_backend(D, 0);
+    const pd_backend_ops *op = pd_backend_get_ops(bp), *od = pd_backend_get_ops(bd);
+    const pd_model_config *cfg = pd_engine_model_config(P);
+    size_t heads = (size_t)cfg->num_key_value_heads, hd = (size_t)cfg->head_dim;
+    void *host = malloc(2 * n_blocks * block_size * heads * hd * sizeof(float));
+    if (!host) return pd_error(PD_ENOMEM, "out of memory");
+    int rc = PD_OK;
+    for (int l = 0; l < (int)cfg->num_hidden_layers && rc >= 0; l++) {
+        pd_kv_range src = {
+            .layer = l, .block_ids = pblocks, .n_blocks = n_blocks, .head0 = 0, .n_heads = heads};
+        pd_kv_range dst = src;
+        dst.block_ids = dblocks;
+        rc = op->kv_export(bp, pd_engine_kv(P, 0), &src, host);
+        if (rc >= 0) rc = op->sync(bp);
+        if (rc >= 0) rc = od->kv_import(bd, pd_engine_kv(D, 0), &dst, host);
+        if (rc >= 0) rc = od->sync(bd);
+    }
+    free(host);
+    return rc;
+}
+
+/* --split: rq's prompt prefilled on a fresh engine made with p, as pd-scheduler asks a prefill
+ * instance for a search (a plain request that no stop token ends), its KV moved into blocks D
+ * reserves, then the search admitted on D. */
+static int add_split(const pd_engine_params *p, pd_engine *D, const pd_engine_request *rq)
+{
+    pd_engine *P;
+    PD_CHECK(pd_engine_create(p, &P));
+    pd_sampling_params plain = pd_sampling_default_params();
+    plain.temperature = 0.0;
+    plain.min_tokens = 2;
+    pd_engine_request pq = *rq;
+    pq.sampling = &plain;
+    pq.phase = PD_PHASE_PREFILL_ONLY;
+    int32_t pblocks[MAX_IDS], dblocks[MAX_IDS];
+    size_t np = 0, nd = 0;
+    uint64_t seed = 0;
+    int rc = pd_engine_add(P, &pq);
+    for (bool held = false; rc >= 0 && !held;) {
+        bool did = false;
+        rc = pd_engine_step(P, &did);
+        const pd_engine_event *ev;
+        while (rc >= 0 && pd_engine_next_event(P, &ev)) {
+            if (ev->held) {
+                held = true;
+                np = ev->n_blocks;
+                memcpy(pblocks, ev->block_ids, np * sizeof *pblocks);
+                seed = ev->seed;
+            } else if (ev->final) {
+                rc = pd_error(PD_EINTERNAL, "the prefill ended without its KV held");
+            }
+            pd_engine_event_done(P);
+        }
+        if (rc >= 0 && !did && !held) rc = pd_error(PD_EINTERNAL, "the prefill stopped");
+    }
+    if (rc >= 0)
+        rc = pd_engine_reserve(D, rq->request_id, rq->n_prompt, rq->prompt_ids, dblocks, MAX_IDS,
+                               &nd, NULL);
+    if (rc >= 0 && nd != np)
+        rc = pd_error(PD_EINTERNAL, "%zu blocks prefilled, %zu reserved", np, nd);
+    if (rc >= 0) rc = move_kv(P, pblocks, D, dblocks, nd, p->block_size);
+    if (rc >= 0) rc = pd_engine_release(P, rq->request_id);
+    pd_engine_free(P);
+    pd_sampling_params sp = *rq->sampling;
+    sp.has_seed = true; /* as the nodes pass it; a search draws nothing */
+    sp.seed = (int64_t)seed;
+    pd_engine_request iq = *rq;
+    iq.sampling = &sp;
+    return rc >= 0 ? pd_engine_add_imported(D, &iq, -1) : rc;
+}
+
 static int run(const args_t *a)
 {
     pd_engine_params p = pd_engine_default_params();
@@ -176,7 +257,7 @@ static int run(const args_t *a)
                                 .prompt_ids = a->prompt,
                                 .n_prompt = a->n_prompt,
                                 .sampling = &sp};
-        rc = pd_engine_add(e, &rq);
+        rc = a->split ? add_split(&p, e, &rq) : pd_engine_add(e, &rq);
     }
     while (rc >= 0 && n_done < n_all) {
         for (int64_t k = 0; k < a->copies && steps == a->abort_after && rc >= 0; k++)
@@ -206,7 +287,7 @@ static int run(const args_t *a)
             size_t len = a->n_prompt + c[j].n;
             printf("%s{\"tokens\": [", j ? ", " : "");
             for (size_t k = 0; k < c[j].n; k++) printf("%s%d", k ? ", " : "", c[j].toks[k]);
-            printf("], \"cumulative_logprob\": %.9g, \"score\": %.9g, \"finish_reason\": ",
+            printf("], \"cumulative_logprob\": %.17g, \"score\": %.17g, \"finish_reason\": ",
                    c[j].cum, c[j].cum / pow((double)len, a->length_penalty));
             printf(c[j].finish ? "\"%s\"}" : "null}", c[j].finish);
         }

@@ -6,8 +6,10 @@ biases and tied embeddings, small), prompts of 1, 7 and 37 tokens (the last over
 16: its last block is copied on write), an EOS that ends beams inside the width and one that
 never does, length_penalty 0.5 / 1 / 2 with each early_stopping value, n < best_of, stop token
 ids, ignore_eos, stop ids frequent enough that each early_stopping rule gives its own answer,
-and two searches preempting each other's beams in a small pool. Also: the prompt's blocks are held once whatever the width, and an abort
-mid-search gives every block back.
+and two searches preempting each other's beams in a small pool. Each case also runs split
+(beam_run --split: prefilled on one engine, the KV moved, the search imported on another) and
+must answer bit for bit as colocated. Also: the prompt's blocks are held once whatever the
+width, and an abort mid-search gives every block back (colocated and split).
 
 The EOS is chosen per case by editing the model copy's config.json (the engine takes it from
 there when the directory has no tokenizer); usage: test_beam.py BEAM_RUN. Prints
@@ -112,6 +114,10 @@ def main():
                 same_beams(got["beams"], want, f"{shape} lp {lp} early {early} eos {eos}")
                 assert got["statuses"] == [0] * n, got["statuses"]
                 assert got["kv_blocks_free_end"] == got["kv_blocks_free_start"], got
+                split = engine(beam_run, model, *a, "--split")
+                assert split["beams"] == got["beams"], \
+                    f"split != colocated: {split['beams']} != {got['beams']}"
+                assert split["kv_blocks_free_end"] == split["kv_blocks_free_start"], split
                 stops += sum(b["finish_reason"] == "stop" for b in want)
         if eos_pick == "inside" and "--ignore-eos" not in extra:
             assert stops > 0, "no beam ended with the EOS"
@@ -152,11 +158,12 @@ def main():
     def abort_frees_every_block():
         model = with_eos(shapes["tiny"], os.path.join(tmp, "tiny-eos1"), 1)
         for steps in (0, 1, 3, 6):
-            got = engine(beam_run, model, *args_of(prompts["small"], 4, 2, 40, 1.0, "never",
-                                                   ("--ignore-eos", "--abort-after-steps",
-                                                    str(steps))))
-            assert got["statuses"] == [PD_ECANCELLED] * 2, got
-            assert got["kv_blocks_free_end"] == got["kv_blocks_free_start"], got
+            for split in ((), ("--split",)):
+                got = engine(beam_run, model, *args_of(prompts["small"], 4, 2, 40, 1.0, "never",
+                                                       ("--ignore-eos", "--abort-after-steps",
+                                                        str(steps), *split)))
+                assert got["statuses"] == [PD_ECANCELLED] * 2, (split, got)
+                assert got["kv_blocks_free_end"] == got["kv_blocks_free_start"], (split, got)
 
     def early_stopping_decides():
         """Every fifth id a stop id: beams finish every round, so the finished set fills long

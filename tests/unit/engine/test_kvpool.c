@@ -551,7 +551,7 @@ TEST(sched_fork_shares_prompt_and_imported_sequences_continue)
     ASSERT_OK(pd_sched_seq_create(s, prompt, 9, NULL, &imp));
     ASSERT_OK(pd_sched_reserve(s, imp, 9, false, NULL));
     ASSERT_OK(pd_sched_append(s, imp, 77));
-    ASSERT_OK(pd_sched_admit_computed(s, imp, 9));
+    ASSERT_OK(pd_sched_admit_computed(s, imp, 9, 0));
     ASSERT_OK(pd_sched_schedule(s, &o));
     bool found = false;
     for (size_t i = 0; i < o.n_items; i++)
@@ -595,7 +595,7 @@ TEST(sched_waiting_imports_filling_the_pool_still_finish)
         ASSERT_OK(pd_sched_seq_create(s, prompt, 8, (void *)(uintptr_t)i, &m.seqs[i]));
         ASSERT_OK(pd_sched_reserve(s, m.seqs[i], 8, false, NULL));
         ASSERT_OK(pd_sched_append(s, m.seqs[i], (int32_t)(1000 * i))); /* the first token */
-        ASSERT_OK(pd_sched_admit_computed(s, m.seqs[i], 8));
+        ASSERT_OK(pd_sched_admit_computed(s, m.seqs[i], 8, 0));
         ASSERT_OK(sim_shadow(&m, pool));
         ASSERT(sim_kv(&m, m.seqs[i], 0, 8, true)); /* what the import wrote */
     }
