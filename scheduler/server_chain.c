@@ -197,6 +197,8 @@ static void start_prefill(choice *c)
         plain.n = 1;
         plain.min_tokens = 2; /* no stop token may end it there: its KV must move */
         plain.max_tokens = -1;
+        plain.n_stop = 0;
+        plain.logprobs = -1;
         q.sampling = &plain;
     }
     q.targets = c->targets;

@@ -318,7 +318,8 @@ static inline int srv_prefill_timeout_ms(const pd_apiserver *s)
 /* ---- server_relay.c (rpc thread, flow control from the loop) --------------------------------- */
 
 void srv_rec_buf_free(rec_buf *b);
-/* Appends one token event to b (rpc thread, under r->mu). */
+/* Appends one token event to b (rpc thread, under r->mu): a record per token (a beam search's
+ * answer carries all its tokens at once). */
 void srv_rec_push(rec_buf *b, const Pd__TokenEvent *ev);
 /* The rpc thread's map of relayed choices by sub_id. */
 void srv_cmap_add(pd_apiserver *s, choice *c);

@@ -29,7 +29,9 @@ void srv_rec_buf_free(rec_buf *b)
     memset(b, 0, sizeof *b);
 }
 
-void srv_rec_push(rec_buf *b, const Pd__TokenEvent *ev)
+/* Appends token i of ev's n (one record each; an event without a token is one record): ev's
+ * text, finish and stop reason go with the last, each token's logprobs with its own. */
+static void rec_push_token(rec_buf *b, const Pd__TokenEvent *ev, size_t i, size_t n)
 {
     if (b->n == b->cap) {
         size_t cap = b->cap ? b->cap * 2 : 16;
@@ -38,41 +40,51 @@ void srv_rec_push(rec_buf *b, const Pd__TokenEvent *ev)
         b->recs = p;
         b->cap = cap;
     }
+    bool last = i + 1 == n;
     tok_rec *t = &b->recs[b->n++];
     memset(t, 0, sizeof *t);
     t->text_off = b->text.len;
-    pd_sb_add(&b->text, ev->text.data ? (const char *)ev->text.data : "", ev->text.len);
-    t->text_len = ev->text.len;
-    t->n_tokens = (int)ev->n_token_ids;
-    t->final = ev->final;
-    snprintf(t->finish, sizeof t->finish, "%s", ev->finish_reason ? ev->finish_reason : "");
-    t->stop_kind = ev->stop_kind;
+    if (last) pd_sb_add(&b->text, ev->text.data ? (const char *)ev->text.data : "", ev->text.len);
+    t->text_len = last ? ev->text.len : 0;
+    t->n_tokens = ev->n_token_ids ? 1 : 0;
+    t->final = last && ev->final;
+    snprintf(t->finish, sizeof t->finish, "%s", last && ev->finish_reason ? ev->finish_reason : "");
+    t->stop_kind = last ? ev->stop_kind : 0;
     t->stop_token = ev->stop_token;
     t->stop_off = b->text.len;
-    t->stop_len = ev->stop_string ? strlen(ev->stop_string) : 0;
+    t->stop_len = last && ev->stop_string ? strlen(ev->stop_string) : 0;
     if (t->stop_len) pd_sb_add(&b->text, ev->stop_string, t->stop_len);
     t->prompt_tokens = ev->prompt_tokens;
-    t->token = ev->n_token_ids ? ev->token_ids[0] : -1;
+    t->token = ev->n_token_ids ? ev->token_ids[i] : -1;
+    bool each = ev->n_token_logprobs == n; /* a beam's answer: per token */
     t->has_logprob = ev->has_logprob;
-    t->logprob = ev->logprob;
+    t->logprob = each ? ev->token_logprobs[i] : ev->logprob;
+    size_t k = each ? ev->n_top_logprobs / n : ev->n_top_logprobs;
+    Pd__TopLogprob *const *top = ev->top_logprobs + (each ? i * k : 0);
     t->top_off = b->n_top;
-    if (ev->n_top_logprobs && b->n_top + ev->n_top_logprobs > b->cap_top) {
+    if (k && b->n_top + k > b->cap_top) {
         size_t cap = b->cap_top ? b->cap_top : 64;
-        while (cap < b->n_top + ev->n_top_logprobs) cap *= 2;
+        while (cap < b->n_top + k) cap *= 2;
         int32_t *ids = realloc(b->top_ids, cap * sizeof *ids);
         if (ids) b->top_ids = ids;
         float *lps = ids ? realloc(b->top_lps, cap * sizeof *lps) : NULL;
         if (lps) b->top_lps = lps;
         if (ids && lps) b->cap_top = cap;
     }
-    if (b->n_top + ev->n_top_logprobs <= b->cap_top) {
-        for (size_t i = 0; i < ev->n_top_logprobs; i++) {
-            b->top_ids[b->n_top + i] = ev->top_logprobs[i]->id;
-            b->top_lps[b->n_top + i] = ev->top_logprobs[i]->logprob;
+    if (b->n_top + k <= b->cap_top) {
+        for (size_t j = 0; j < k; j++) {
+            b->top_ids[b->n_top + j] = top[j]->id;
+            b->top_lps[b->n_top + j] = top[j]->logprob;
         }
-        t->n_top = ev->n_top_logprobs;
-        b->n_top += t->n_top;
+        t->n_top = k;
+        b->n_top += k;
     }
+}
+
+void srv_rec_push(rec_buf *b, const Pd__TokenEvent *ev)
+{
+    size_t n = ev->n_token_ids ? ev->n_token_ids : 1;
+    for (size_t i = 0; i < n; i++) rec_push_token(b, ev, i, n);
 }
 
 typedef struct { /* which Relay stream a callback belongs to */

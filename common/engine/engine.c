@@ -337,6 +337,9 @@ void pd_engine_free(pd_engine *e)
             free(e->slots[i].stop_str);
             free(e->slots[i].top_ids);
             free(e->slots[i].top_lp);
+            free(e->slots[i].beam_lp);
+            free(e->slots[i].beam_top_ids);
+            free(e->slots[i].beam_top_lp);
             free(e->slots[i].blocks);
             free(e->slots[i].plp);
         }

@@ -274,9 +274,12 @@ typedef struct {
     uint64_t seed;        /* the sampling seed in use (pass it to the decode side) */
     size_t cached_tokens; /* prompt tokens the prefix cache held when it was admitted */
     /* beam search (use_beam_search): a choice comes as one final event carrying every output
-     * token of its beam (n_tokens of them) and its text; this is the beam's cumulative logprob */
+     * token of its beam (n_tokens of them) and its text; this is the beam's cumulative logprob.
+     * With logprobs asked (has_logprob), token_logprobs holds each token's and top_ids /
+     * top_logprobs n_top entries per token (n_tokens x n_top). */
     bool has_cumulative_logprob;
     double cumulative_logprob;
+    const float *token_logprobs; /* (n_tokens) */
 } pd_engine_event;
 
 /* Borrows the oldest event: 1 and *ev set, or 0 when the queue is empty. Every pointer in *ev

@@ -43,12 +43,16 @@ int eng_beam_create(pd_engine *e, eng_req *r, const int32_t *prompt)
     if (!b) return pd_error(PD_ENOMEM, "engine: out of memory for a beam search");
     b->width = W;
     b->n_cand = 2 * (size_t)W < e->vocab ? 2 * W : (uint32_t)e->vocab;
+    b->k = r->sp.logprobs;
+    b->n_keep = b->k > (int32_t)b->n_cand ? (uint32_t)b->k : b->n_cand;
     b->max_out = (size_t)pd_stop_max_tokens(r->seqs[0].stop);
     b->prompt = pd_arena_calloc(a, r->n_prompt, sizeof *b->prompt);
     b->cum = pd_arena_calloc(a, W, sizeof *b->cum);
     b->ready = pd_arena_calloc(a, W, sizeof *b->ready);
-    b->cand_tok = pd_arena_calloc(a, (size_t)W * b->n_cand, sizeof *b->cand_tok);
-    b->cand_lp = pd_arena_calloc(a, (size_t)W * b->n_cand, sizeof *b->cand_lp);
+    b->cand_tok = pd_arena_calloc(a, (size_t)W * b->n_keep, sizeof *b->cand_tok);
+    b->cand_lp = pd_arena_calloc(a, (size_t)W * b->n_keep, sizeof *b->cand_lp);
+    b->lp_tail = pd_arena_calloc(a, W, sizeof *b->lp_tail);
+    b->lp_new = pd_arena_calloc(a, W, sizeof *b->lp_new);
     b->order = pd_arena_calloc(a, W, sizeof *b->order);
     b->cands = pd_arena_calloc(a, 2 * (size_t)W, sizeof *b->cands);
     b->fin = pd_arena_calloc(a, 3 * (size_t)W, sizeof *b->fin);
@@ -57,15 +61,38 @@ int eng_beam_create(pd_engine *e, eng_req *r, const int32_t *prompt)
     b->kids = pd_arena_calloc(a, W, sizeof *b->kids);
     b->slot_of = pd_arena_calloc(a, W, sizeof *b->slot_of);
     b->dead = pd_arena_calloc(a, W, sizeof *b->dead);
-    if (!b->prompt || !b->cum || !b->ready || !b->cand_tok || !b->cand_lp || !b->order ||
-        !b->cands || !b->fin || !b->fin_pool || !b->fin_free || !b->kids || !b->slot_of || !b->dead)
+    if (!b->prompt || !b->cum || !b->ready || !b->cand_tok || !b->cand_lp || !b->lp_tail ||
+        !b->lp_new || !b->order || !b->cands || !b->fin || !b->fin_pool || !b->fin_free ||
+        !b->kids || !b->slot_of || !b->dead)
         return pd_error(PD_ENOMEM, "engine: out of memory for a beam search of %u beams", W);
     memcpy(b->prompt, prompt, r->n_prompt * sizeof *prompt);
     b->n_order = 1; /* the prompt's sequence, slot 0 */
     for (uint32_t i = 0; i < 3 * W; i++) b->fin_free[i] = i;
     b->n_fin_free = 3 * W;
     r->beam = b;
+    if (r->sp.n_stop > 0) { /* req_build made every slot's detokenizer (stop strings need one) */
+        b->cand_dt = pd_arena_calloc(a, 2 * (size_t)W, sizeof *b->cand_dt);
+        b->cand_st = pd_arena_calloc(a, 2 * (size_t)W, sizeof *b->cand_st);
+        if (!b->cand_dt || !b->cand_st)
+            return pd_error(PD_ENOMEM, "engine: out of memory for a beam search of %u beams", W);
+        for (uint32_t i = 0; i < 2 * W; i++) {
+            PD_CHECK(pd_detok_create(e->tok, r->sp.skip_special_tokens, prompt, r->n_prompt,
+                                     &b->cand_dt[i]));
+            PD_CHECK(pd_stop_create(&r->sp, &e->stop_model, (int64_t)r->n_prompt, &b->cand_st[i]));
+        }
+    }
     return PD_OK;
+}
+
+void eng_beam_destroy(pd_engine *e, eng_req *r)
+{
+    eng_beam *b = r->beam;
+    if (!b) return;
+    eng_beam_free(e, r);
+    for (uint32_t i = 0; b->cand_dt && i < 2 * b->width; i++) {
+        pd_detok_free(b->cand_dt[i]);
+        pd_stop_free(b->cand_st[i]);
+    }
 }
 
 void eng_beam_free(pd_engine *e, eng_req *r)
@@ -81,8 +108,8 @@ int eng_beam_candidates(pd_engine *e, eng_seq *s, const float *logits)
     eng_beam *b = s->req->beam;
     pd_sample_result res;
     PD_CHECK(
-        pd_sampler_logprobs(logits, (int32_t)e->vocab, (int32_t)b->n_cand, 0, e->ws, &res, NULL));
-    size_t o = (size_t)s->index * b->n_cand;
+        pd_sampler_logprobs(logits, (int32_t)e->vocab, (int32_t)b->n_keep, 0, e->ws, &res, NULL));
+    size_t o = (size_t)s->index * b->n_keep;
     for (int32_t j = 0; j < res.n_top; j++) {
         b->cand_tok[o + (size_t)j] = res.top_ids[j];
         b->cand_lp[o + (size_t)j] = res.top_logprobs[j];
@@ -116,15 +143,35 @@ static void sort_by_score(eng_beam_cand *c, uint32_t n)
     }
 }
 
-/* Step 1: the 2W best (parent, token) pairs, best first, ties in parent-then-token order. */
-static uint32_t gather(const pd_engine *e, const eng_req *r)
+/* Whether candidate c's text ends with a stop string: decoded and checked on copies of its
+ * parent's detokenizer and checker (kept for the beam it may become); sets c->fin if so. */
+static int check_stop_string(eng_req *r, eng_beam_cand *c)
+{
+    eng_beam *b = r->beam;
+    const eng_seq *p = &r->seqs[c->parent];
+    pd_detok *d = b->cand_dt[c->scratch];
+    pd_stop *st = b->cand_st[c->scratch];
+    PD_CHECK(pd_detok_copy_state(d, p->detok));
+    PD_CHECK(pd_stop_copy_state(st, p->stop));
+    const char *delta;
+    size_t dlen;
+    PD_CHECK(pd_detok_push(d, c->token, &delta, &dlen));
+    pd_stop_result sr;
+    PD_CHECK(pd_stop_push(st, c->token, delta, dlen, &sr));
+    if (sr.stop_kind == PD_STOP_REASON_STRING) c->fin = sr;
+    return PD_OK;
+}
+
+/* Step 1: the 2W best (parent, token) pairs, best first, ties in parent-then-token order, into
+ * cands (*n_cands of them); with step 2's stop check. */
+static int gather(const pd_engine *e, eng_req *r, uint32_t *n_cands)
 {
     eng_beam *b = r->beam;
     uint32_t cap = 2 * b->width, n = 0;
     for (uint32_t k = 0; k < b->n_order; k++) {
         uint32_t slot = b->order[k];
-        const int32_t *tok = b->cand_tok + (size_t)slot * b->n_cand;
-        const double *lp = b->cand_lp + (size_t)slot * b->n_cand;
+        const int32_t *tok = b->cand_tok + (size_t)slot * b->n_keep;
+        const double *lp = b->cand_lp + (size_t)slot * b->n_keep;
         size_t n_out = pd_seq_num_output(r->seqs[slot].sq) + 1;
         for (uint32_t j = 0; j < b->n_cand; j++) {
             double v = b->cum[slot] + lp[j];
@@ -132,25 +179,52 @@ static uint32_t gather(const pd_engine *e, const eng_req *r)
             uint32_t pos = n < cap ? n++ : cap - 1;
             for (; pos > 0 && v > b->cands[pos - 1].cum; pos--) b->cands[pos] = b->cands[pos - 1];
             eng_beam_cand *c = &b->cands[pos];
-            *c = (eng_beam_cand){.parent = slot, .token = tok[j], .cum = v, .n_tokens = n_out};
+            *c = (eng_beam_cand){.parent = slot,
+                                 .token = tok[j],
+                                 .logprob = (float)lp[j],
+                                 .cum = v,
+                                 .n_tokens = n_out};
         }
     }
-    /* step 2's stop check (vLLM 0.5: the stop tokens before the length) */
+    /* step 2's stop check (vLLM 0.5: stop tokens, then stop strings, then the length) */
     for (uint32_t i = 0; i < n; i++) {
         eng_beam_cand *c = &b->cands[i];
         c->fin.stop_token = -1;
-        if (pd_stop_check_token(r->seqs[0].stop, c->token, &c->fin) == PD_FINISH_NONE &&
-            c->n_tokens >= b->max_out)
-            c->fin.finish = PD_FINISH_LENGTH;
+        c->scratch = i;
+        if (pd_stop_check_token(r->seqs[0].stop, c->token, &c->fin) == PD_FINISH_NONE) {
+            if (b->cand_st) PD_CHECK(check_stop_string(r, c));
+            if (c->fin.finish == PD_FINISH_NONE && c->n_tokens >= b->max_out)
+                c->fin.finish = PD_FINISH_LENGTH;
+        }
         c->score = ranked_score(e, r, c->cum, c->n_tokens, c->token);
     }
-    return n;
+    *n_cands = n;
+    return PD_OK;
+}
+
+/* With logprobs: candidate c's token as the next link of its parent's chain (in the arena). */
+static const eng_beam_lp *lp_link(eng_req *r, const eng_beam_cand *c)
+{
+    eng_beam *b = r->beam;
+    size_t k = (size_t)b->k;
+    eng_beam_lp *l = pd_arena_alloc(r->arena, sizeof *l + k * (sizeof(int32_t) + sizeof(float)), 0);
+    if (!l) return NULL;
+    l->prev = b->lp_tail[c->parent];
+    l->logprob = c->logprob;
+    l->top_ids = (int32_t *)(l + 1);
+    l->top_lps = (float *)(l->top_ids + k);
+    size_t o = (size_t)c->parent * b->n_keep;
+    for (size_t i = 0; i < k; i++) {
+        l->top_ids[i] = b->cand_tok[o + i];
+        l->top_lps[i] = (float)b->cand_lp[o + i];
+    }
+    return l;
 }
 
 /* Step 2: moves the finished candidates into the kept set (the W best stay) and compacts the
- * running ones, sorted by score, to the front of cands. Returns the finished ones there were
- * (kept and new, before the cut); *n_run receives the running count. */
-static uint32_t keep_finished(eng_req *r, uint32_t n, uint32_t *n_run)
+ * running ones, sorted by score, to the front of cands. *n_all receives the finished ones there
+ * were (kept and new, before the cut), *n_run the running count. */
+static int keep_finished(eng_req *r, uint32_t n, uint32_t *n_run, uint32_t *n_all)
 {
     eng_beam *b = r->beam;
     uint32_t nf = b->n_fin, nr = 0;
@@ -160,6 +234,8 @@ static uint32_t keep_finished(eng_req *r, uint32_t n, uint32_t *n_run)
             b->cands[nr++] = c;
             continue;
         }
+        if (b->k >= 0 && !(c.lp = lp_link(r, &c)))
+            return pd_error(PD_ENOMEM, "engine: out of memory for a beam's logprobs");
         size_t n_tok;
         const int32_t *all = pd_seq_tokens(r->seqs[c.parent].sq, &n_tok);
         c.tokens = b->fin_pool + (size_t)b->fin_free[--b->n_fin_free] * b->max_out;
@@ -173,7 +249,8 @@ static uint32_t keep_finished(eng_req *r, uint32_t n, uint32_t *n_run)
         b->fin_free[b->n_fin_free++] = (uint32_t)((b->fin[i].tokens - b->fin_pool) / b->max_out);
     sort_by_score(b->cands, nr);
     *n_run = nr;
-    return nf;
+    *n_all = nf;
+    return PD_OK;
 }
 
 /* Step 3: vLLM 0.5's _check_beam_search_early_stopping, given W finished ones. */
@@ -208,8 +285,7 @@ static int answer(pd_engine *e, eng_req *r)
     for (uint32_t j = 0; j < (uint32_t)r->sp.n; j++) {
         eng_seq *s = &r->seqs[j];
         if (j < b->n_fin) {
-            const eng_beam_cand *f = &b->fin[j];
-            int erc = eng_seq_emit_beam(e, s, f->tokens, f->n_tokens, f->cum, &f->fin);
+            int erc = eng_seq_emit_beam(e, s, &b->fin[j]);
             if (erc < 0 && rc == PD_OK) rc = erc;
             if (erc >= 0) continue;
         }
@@ -231,6 +307,10 @@ static int answer(pd_engine *e, eng_req *r)
 static int next_beams(pd_engine *e, eng_req *r, uint32_t nb)
 {
     eng_beam *b = r->beam;
+    /* the new beams' logprobs links, while the parents' chains are as they were */
+    for (uint32_t j = 0; j < nb && b->k >= 0; j++)
+        if (!(b->lp_new[j] = lp_link(r, &b->cands[j])))
+            return pd_error(PD_ENOMEM, "engine: out of memory for a beam's logprobs");
     memset(b->kids, 0, b->width * sizeof *b->kids);
     for (uint32_t j = 0; j < nb; j++) b->kids[b->cands[j].parent]++;
     uint32_t anchor = b->cands[0].parent;
@@ -264,6 +344,16 @@ static int next_beams(pd_engine *e, eng_req *r, uint32_t nb)
             b->slot_of[j] = p;
         }
     }
+    /* each new beam takes over its candidate's logprobs chain, detokenizer and checker */
+    for (uint32_t j = 0; j < nb; j++) {
+        uint32_t slot = b->slot_of[j];
+        const eng_beam_cand *c = &b->cands[j];
+        if (b->k >= 0) b->lp_tail[slot] = b->lp_new[j];
+        if (b->cand_st) {
+            PD_CHECK(pd_detok_copy_state(r->seqs[slot].detok, b->cand_dt[c->scratch]));
+            PD_CHECK(pd_stop_copy_state(r->seqs[slot].stop, b->cand_st[c->scratch]));
+        }
+    }
     for (uint32_t j = 0; j < nb; j++) {
         uint32_t slot = b->slot_of[j];
         PD_CHECK(pd_sched_append(e->sched, r->seqs[slot].sq, b->cands[j].token));
@@ -289,8 +379,9 @@ int eng_beam_round(pd_engine *e, eng_req *r)
             return PD_OK; /* a beam was preempted: the round waits until it recomputed */
     }
     eng_beam_free(e, r); /* last round's dropped beams: no step refers to them any more */
-    uint32_t n_run, n = gather(e, r);
-    uint32_t n_fin = keep_finished(r, n, &n_run);
+    uint32_t n = 0, n_run = 0, n_fin = 0;
+    PD_CHECK(gather(e, r, &n));
+    PD_CHECK(keep_finished(r, n, &n_run, &n_fin));
     bool stop = n_run == 0 || (n_fin >= b->width && early_stop(e, r));
     if (stop) return answer(e, r);
     return next_beams(e, r, n_run < b->width ? n_run : b->width);

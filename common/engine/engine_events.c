@@ -205,48 +205,103 @@ int eng_seq_emit_token(pd_engine *e, eng_seq *s, int32_t token, const pd_sample_
     return PD_OK;
 }
 
-int eng_seq_emit_beam(pd_engine *e, eng_seq *s, const int32_t *toks, size_t n, double cum,
-                      const pd_stop_result *fin)
+/* A beam's text: its tokens decoded and stop-checked as a sampled sequence's are (held-back
+ * bytes, a stop token's or stop string's text dropped unless include_stop_str_in_output), into
+ * sl->text; its stop string into sl->stop_str. */
+static int beam_text(pd_engine *e, const eng_req *r, ev_slot *sl, const int32_t *toks, size_t n)
+{
+    pd_detok *d = NULL;
+    pd_stop *st = NULL;
+    int rc = pd_detok_create(e->tok, r->sp.skip_special_tokens, r->beam->prompt, r->n_prompt, &d);
+    if (rc >= 0) rc = pd_stop_create(&r->sp, &e->stop_model, (int64_t)r->n_prompt, &st);
+    size_t tlen = 0;
+    pd_stop_result sr = {0};
+    for (size_t i = 0; i < n && rc >= 0 && sr.finish == PD_FINISH_NONE; i++) {
+        const char *delta;
+        size_t dlen;
+        rc = pd_detok_push(d, toks[i], &delta, &dlen);
+        if (rc >= 0) rc = pd_stop_push(st, toks[i], delta, dlen, &sr);
+        if (rc >= 0) rc = grow_buf(&sl->text, &sl->text_cap, tlen + sr.text_len + 1);
+        if (rc >= 0) memcpy(sl->text + tlen, sr.text, sr.text_len);
+        tlen += rc >= 0 ? sr.text_len : 0;
+    }
+    const char *tail = "";
+    size_t tail_len = 0;
+    if (rc >= 0) rc = pd_detok_flush(d, &tail, &tail_len);
+    if (rc >= 0 && sr.finish == PD_FINISH_NONE) { /* cannot happen: the search stopped it */
+        rc = grow_buf(&sl->text, &sl->text_cap, tlen + tail_len + 1);
+        if (rc >= 0) memcpy(sl->text + tlen, tail, tail_len);
+        tlen += rc >= 0 ? tail_len : 0;
+    } else if (rc >= 0) {
+        pd_stop_result fr;
+        rc = pd_stop_flush(st, tail, tail_len, &fr);
+        if (rc >= 0) rc = grow_buf(&sl->text, &sl->text_cap, tlen + fr.text_len + 1);
+        if (rc >= 0) memcpy(sl->text + tlen, fr.text, fr.text_len);
+        tlen += rc >= 0 ? fr.text_len : 0;
+    }
+    if (rc >= 0 && sr.stop_kind == PD_STOP_REASON_STRING && sr.stop_string) {
+        size_t len = strlen(sr.stop_string);
+        rc = grow_buf(&sl->stop_str, &sl->stop_cap, len + 1);
+        if (rc >= 0) memcpy(sl->stop_str, sr.stop_string, len + 1);
+        if (rc >= 0) sl->ev.stop_string = sl->stop_str;
+    }
+    pd_detok_free(d);
+    pd_stop_free(st);
+    PD_CHECK(rc);
+    sl->text[tlen] = '\0';
+    sl->ev.text = sl->text;
+    sl->ev.text_len = tlen;
+    return PD_OK;
+}
+
+/* A beam's logprobs from its chain (n links, the last f->lp), into the slot's beam arrays. */
+static int beam_logprobs(ev_slot *sl, const eng_beam_cand *f, int32_t k)
+{
+    size_t n = f->n_tokens, nk = n * (size_t)k;
+    PD_CHECK(grow_buf(&sl->beam_lp, &sl->beam_lp_cap, n * sizeof(float)));
+    PD_CHECK(grow_buf(&sl->beam_top_ids, &sl->beam_ids_cap, (nk ? nk : 1) * sizeof(int32_t)));
+    PD_CHECK(grow_buf(&sl->beam_top_lp, &sl->beam_top_cap, (nk ? nk : 1) * sizeof(float)));
+    const eng_beam_lp *l = f->lp;
+    for (size_t i = n; i-- > 0; l = l->prev) {
+        if (!l) return pd_error(PD_EINTERNAL, "engine: a beam's logprobs are %zu short", i + 1);
+        sl->beam_lp[i] = l->logprob;
+        memcpy(sl->beam_top_ids + i * (size_t)k, l->top_ids, (size_t)k * sizeof(int32_t));
+        memcpy(sl->beam_top_lp + i * (size_t)k, l->top_lps, (size_t)k * sizeof(float));
+    }
+    sl->ev.has_logprob = true;
+    sl->ev.token_logprobs = sl->beam_lp;
+    sl->ev.top_ids = sl->beam_top_ids;
+    sl->ev.top_logprobs = sl->beam_top_lp;
+    sl->ev.n_top = k;
+    return PD_OK;
+}
+
+int eng_seq_emit_beam(pd_engine *e, eng_seq *s, const eng_beam_cand *f)
 {
     eng_req *r = s->req;
     ev_slot *sl = slot_begin(e, s);
     if (!sl) return pd_error(PD_EINTERNAL, "engine: output queue overflow");
-    PD_CHECK(grow_buf(&sl->tokens, &sl->tokens_cap, n * sizeof *toks));
-    memcpy(sl->tokens, toks, n * sizeof *toks);
-    size_t tlen = 0;
-    if (e->tok) { /* the whole text at once; a stop token's own text as the stop checker drops it */
-        pd_detok *d = NULL;
-        PD_CHECK(
-            pd_detok_create(e->tok, r->sp.skip_special_tokens, r->beam->prompt, r->n_prompt, &d));
-        int rc = PD_OK;
-        size_t n_text =
-            fin->finish == PD_FINISH_STOP && !r->sp.include_stop_str_in_output && n > 0 ? n - 1 : n;
-        for (size_t i = 0; i <= n_text && rc >= 0; i++) {
-            const char *delta;
-            size_t dlen;
-            rc = i < n_text ? pd_detok_push(d, toks[i], &delta, &dlen)
-                            : pd_detok_flush(d, &delta, &dlen);
-            if (rc >= 0) rc = grow_buf(&sl->text, &sl->text_cap, tlen + dlen + 1);
-            if (rc >= 0) memcpy(sl->text + tlen, delta, dlen);
-            tlen += dlen;
-        }
-        pd_detok_free(d);
-        PD_CHECK(rc);
+    size_t n = f->n_tokens;
+    PD_CHECK(grow_buf(&sl->tokens, &sl->tokens_cap, n * sizeof *f->tokens));
+    memcpy(sl->tokens, f->tokens, n * sizeof *f->tokens);
+    if (e->tok) {
+        PD_CHECK(beam_text(e, r, sl, f->tokens, n));
     } else {
         PD_CHECK(grow_buf(&sl->text, &sl->text_cap, 1));
+        sl->text[0] = '\0';
+        sl->ev.text = sl->text;
+        sl->ev.text_len = 0;
     }
-    sl->text[tlen] = '\0';
-    sl->ev.text = sl->text;
-    sl->ev.text_len = tlen;
+    if (r->beam->k >= 0) PD_CHECK(beam_logprobs(sl, f, r->beam->k));
     sl->ev.token_ids = sl->tokens;
     sl->ev.n_tokens = n;
     sl->ev.completion_tokens = (int64_t)n;
     sl->ev.has_cumulative_logprob = true;
-    sl->ev.cumulative_logprob = cum;
+    sl->ev.cumulative_logprob = f->cum;
     sl->ev.final = true;
-    sl->ev.finish = fin->finish;
-    sl->ev.stop_kind = fin->stop_kind;
-    sl->ev.stop_token = fin->stop_token;
+    sl->ev.finish = f->fin.finish;
+    sl->ev.stop_kind = f->fin.stop_kind;
+    sl->ev.stop_token = f->fin.stop_token;
     if (r->plp && s->index == 0) { /* the slot owns them from here */
         sl->plp = r->plp;
         r->plp = NULL;

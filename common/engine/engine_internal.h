@@ -77,26 +77,47 @@ typedef enum {
  * best_of eng_seqs are beam slots: a slot holds a running beam (sq set) or nothing (sq NULL);
  * choice j of the answer is pushed on slot j. A round runs when every running beam has its
  * candidates (its last token computed). */
+/* One output token of a beam with its logprobs (a request with logprobs >= 0): a beam's tokens
+ * are a chain back to its first, shared by the beams that forked from it; in the arena. */
+typedef struct eng_beam_lp {
+    const struct eng_beam_lp *prev; /* the token before, NULL for the first */
+    float logprob;
+    int32_t *top_ids; /* (k) the k most likely tokens of its step, desc */
+    float *top_lps;   /* (k) */
+} eng_beam_lp;
+
 typedef struct {
     uint32_t parent; /* slot of the beam it extends */
     int32_t token;
-    double cum;         /* cumulative logprob with the token */
-    double score;       /* beam score (EOS-corrected) */
-    pd_stop_result fin; /* finish, stop_kind, stop_token; finish NONE while running */
-    int32_t *tokens;    /* finished: (max_out) its output tokens, in the pool */
+    float logprob;         /* the token's */
+    double cum;            /* cumulative logprob with the token */
+    double score;          /* beam score (EOS-corrected) */
+    pd_stop_result fin;    /* finish, stop_kind, stop_token, stop_string; NONE while running */
+    uint32_t scratch;      /* with stop strings: its checker and detokenizer in cand_st / cand_dt */
+    const eng_beam_lp *lp; /* finished, with logprobs: its last token's */
+    int32_t *tokens;       /* finished: (max_out) its output tokens, in the pool */
     size_t n_tokens;
 } eng_beam_cand;
 
 typedef struct {
-    uint32_t width;    /* W = best_of */
-    uint32_t n_cand;   /* candidates per beam: min(2W, vocab) */
-    size_t max_out;    /* output tokens a beam may reach (the effective max_tokens) */
-    int32_t *prompt;   /* (n_prompt) for the answers' detokenizers */
-    double *cum;       /* (W) cumulative logprob of each slot's beam */
-    bool *ready;       /* (W) the slot's candidates are those of its current tokens */
-    int32_t *cand_tok; /* (W, n_cand) each slot's most likely next tokens, desc */
-    double *cand_lp;   /* (W, n_cand) their logprobs */
-    uint32_t *order;   /* (n_order) running slots, best first (the parents' order) */
+    uint32_t width;              /* W = best_of */
+    uint32_t n_cand;             /* candidates per beam: min(2W, vocab) */
+    uint32_t n_keep;             /* tokens kept per beam and step: n_cand, or k when larger */
+    int32_t k;                   /* top logprobs per token (the request's logprobs), -1: none */
+    size_t max_out;              /* output tokens a beam may reach (the effective max_tokens) */
+    int32_t *prompt;             /* (n_prompt) for the answers' detokenizers */
+    double *cum;                 /* (W) cumulative logprob of each slot's beam */
+    bool *ready;                 /* (W) the slot's candidates are those of its current tokens */
+    int32_t *cand_tok;           /* (W, n_keep) each slot's most likely next tokens, desc */
+    double *cand_lp;             /* (W, n_keep) their logprobs */
+    const eng_beam_lp **lp_tail; /* (W) with logprobs: each slot's last token's, NULL at first */
+    const eng_beam_lp **lp_new;  /* (W) scratch: the new beams' */
+    /* with stop strings: a candidate is decoded and checked on copies of its beam's
+     * detokenizer and checker (the slot's eng_seq.detok / .stop), which the beams it becomes
+     * take over */
+    pd_detok **cand_dt; /* (2W) */
+    pd_stop **cand_st;  /* (2W) */
+    uint32_t *order;    /* (n_order) running slots, best first (the parents' order) */
     uint32_t n_order;
     eng_beam_cand *cands; /* (2W) a round's candidates, then the running ones by score */
     eng_beam_cand *fin;   /* (3W) the finished kept (n_fin, best first), then scratch */
@@ -146,9 +167,13 @@ typedef struct {
     char *stop_str; /* grows geometrically */
     size_t stop_cap;
     char err[256];
-    int32_t *top_ids;        /* (max_logprobs) */
-    float *top_lp;           /* (max_logprobs) */
-    int32_t *blocks;         /* (max_blocks_per_seq) */
+    int32_t *top_ids;                               /* (max_logprobs) */
+    float *top_lp;                                  /* (max_logprobs) */
+    float *beam_lp;                                 /* a beam's answer with logprobs: (n tokens) */
+    int32_t *beam_top_ids;                          /* (n tokens, k) */
+    float *beam_top_lp;                             /* (n tokens, k) */
+    size_t beam_lp_cap, beam_ids_cap, beam_top_cap; /* their bytes */
+    int32_t *blocks;                                /* (max_blocks_per_seq) */
     pd_prompt_logprobs *plp; /* owned: the event's prompt logprobs, freed when the slot is
                                 taken again */
 } ev_slot;
@@ -282,17 +307,19 @@ int eng_spec_process(pd_engine *e, size_t i, const float *logits);
  * emits it (under mu; the queue has room). */
 int eng_sample_emit(pd_engine *e, eng_seq *s, const float *logits);
 
-/* Pushes the final event of a beam search answer on s: every output token of the beam at once
- * (toks, n), their text, cum its cumulative logprob, fin its finish. Under mu; the caller
- * checked the queue has room. */
-int eng_seq_emit_beam(pd_engine *e, eng_seq *s, const int32_t *toks, size_t n, double cum,
-                      const pd_stop_result *fin);
+/* Pushes the final event of a beam search answer on s: every output token of finished beam f
+ * at once, their text (decoded and stop-checked as a sampled sequence's would be), with
+ * logprobs their logprobs, f's cumulative logprob and finish. Under mu; the caller checked the
+ * queue has room. */
+int eng_seq_emit_beam(pd_engine *e, eng_seq *s, const eng_beam_cand *f);
 
 /* engine_beam.c (under mu) */
 /* The beam state of a request being built (r->n = best_of slots), in r's arena. */
 int eng_beam_create(pd_engine *e, eng_req *r, const int32_t *prompt);
-/* Frees the sequences of dropped beams that are still kept (eng_req_free). */
+/* Frees the sequences of dropped beams that are still kept (each round, and eng_req_free). */
 void eng_beam_free(pd_engine *e, eng_req *r);
+/* Everything the search owns outside the arena (eng_req_free). */
+void eng_beam_destroy(pd_engine *e, eng_req *r);
 /* Takes slot s's candidates from its logits row (the step computed its last token). */
 int eng_beam_candidates(pd_engine *e, eng_seq *s, const float *logits);
 /* Runs a round of r's search once every running beam has its candidates: ranks the

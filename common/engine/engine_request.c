@@ -26,7 +26,7 @@ static eng_req *req_find(pd_engine *e, const char *id)
 
 void eng_req_free(pd_engine *e, eng_req *r)
 {
-    eng_beam_free(e, r);
+    eng_beam_destroy(e, r);
     for (uint32_t i = 0; i < r->n; i++) {
         eng_seq *s = &r->seqs[i];
         if (s->sq) pd_sched_seq_free(e->sched, s->sq);
@@ -303,6 +303,7 @@ static int req_build(pd_engine *e, const pd_engine_request *rq, eng_req **out)
     return PD_OK;
 fail:
     pd_grammar_unref(g);
+    eng_beam_destroy(e, r);
     for (uint32_t i = 0; i < r->n; i++) {
         pd_sampler_seq_free(r->seqs[i].smp);
         pd_stop_free(r->seqs[i].stop);

@@ -421,7 +421,9 @@ static void preempt(pd_sched *s, pd_sched_seq *seq)
  * hold KV (imported from a prefill instance, or reserved for one) give it up, youngest first,
  * until need blocks are free; they recompute it when their turn comes. Without this, waiting
  * sequences holding KV could fill the pool so that none of them can take its next block and
- * nothing ever runs again. Returns how many gave their KV up. */
+ * nothing ever runs again. "Nothing runs" counts the running sequences with nothing to compute:
+ * the beams of a search waiting for a preempted sibling (docs/beam_search.md), which would
+ * otherwise wait for good. Returns how many gave their KV up. */
 static size_t evict_waiting(pd_sched *s, const pd_sched_seq *head, size_t need)
 {
     size_t n = 0;
@@ -547,7 +549,7 @@ int pd_sched_schedule(pd_sched *s, pd_sched_out *out)
         if (fresh) take_cached(s, seq);
         size_t n_new = rows_for(s, seq, budget, lp_budget);
         size_t need = pd_kvtable_blocks_needed(seq->table, seq->n_computed + n_new);
-        if (n_new > 0 && need > pd_kvpool_num_free(s->pool) && !s->running.head)
+        if (n_new > 0 && need > pd_kvpool_num_free(s->pool) && s->n_items == 0)
             n_preempted += evict_waiting(s, seq, need);
         if (n_new == 0 || need > pd_kvpool_num_free(s->pool)) {
             if (fresh) { /* not admitted: the cached blocks go back (still cached) */

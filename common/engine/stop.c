@@ -327,6 +327,21 @@ int pd_stop_flush(pd_stop *s, const char *tail, size_t tail_len, pd_stop_result 
     return PD_OK;
 }
 
+int pd_stop_copy_state(pd_stop *dst, const pd_stop *src)
+{
+    if (src->finished || dst->n_stop != src->n_stop || dst->max_tokens != src->max_tokens)
+        return pd_error(PD_EINVAL, "stop checker: state copied from a finished or different one");
+    dst->len = 0;
+    PD_CHECK(reserve(dst, src->len));
+    memcpy(dst->buf, src->buf, src->len);
+    dst->len = src->len;
+    dst->released = src->released;
+    dst->n_output = src->n_output;
+    dst->finished = dst->flushed = false;
+    dst->complete = src->complete;
+    return PD_OK;
+}
+
 int64_t pd_stop_num_output(const pd_stop *s)
 {
     return s->n_output;

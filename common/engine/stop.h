@@ -104,6 +104,11 @@ int pd_stop_flush(pd_stop *s, const char *tail, size_t tail_len, pd_stop_result 
  * cleared r. Beam search checks its candidates with it (vLLM 0.5: these before the length). */
 pd_finish_reason pd_stop_check_token(const pd_stop *s, int32_t token, pd_stop_result *r);
 
+/* Makes dst's state (text held and released, tokens pushed) src's, so that dst goes on as src
+ * would: both made with the same parameters, src not finished (a beam search checks each
+ * candidate on a copy of its beam's checker). Allocates only while dst's buffer grows. */
+int pd_stop_copy_state(pd_stop *dst, const pd_stop *src);
+
 /* The effective max_tokens (pd_stop_effective_max_tokens) the checker applies. */
 int64_t pd_stop_max_tokens(const pd_stop *s);
 

@@ -180,18 +180,27 @@ Pd__TokenEvent *node_event_to_proto(const pd_engine_event *ev, pd_arena *a)
     m->completion_tokens = ev->completion_tokens;
     m->has_logprob = ev->has_logprob;
     m->logprob = ev->logprob;
-    if (ev->n_top > 0) {
-        Pd__TopLogprob *tl = pd_arena_calloc(a, (size_t)ev->n_top, sizeof *tl);
-        Pd__TopLogprob **pp = pd_arena_calloc(a, (size_t)ev->n_top, sizeof *pp);
+    /* a beam's answer: every token's logprob, and n_top entries per token */
+    size_t n_top =
+        (size_t)(ev->n_top > 0 ? ev->n_top : 0) * (ev->token_logprobs ? ev->n_tokens : 1);
+    if (ev->token_logprobs) {
+        m->token_logprobs = pd_arena_alloc(a, ev->n_tokens * sizeof(float) + 1, 0);
+        if (!m->token_logprobs) return NULL;
+        memcpy(m->token_logprobs, ev->token_logprobs, ev->n_tokens * sizeof(float));
+        m->n_token_logprobs = ev->n_tokens;
+    }
+    if (n_top > 0) {
+        Pd__TopLogprob *tl = pd_arena_calloc(a, n_top, sizeof *tl);
+        Pd__TopLogprob **pp = pd_arena_calloc(a, n_top, sizeof *pp);
         if (!tl || !pp) return NULL;
-        for (int32_t i = 0; i < ev->n_top; i++) {
+        for (size_t i = 0; i < n_top; i++) {
             pd__top_logprob__init(&tl[i]);
             tl[i].id = ev->top_ids[i];
             tl[i].logprob = ev->top_logprobs[i];
             pp[i] = &tl[i];
         }
         m->top_logprobs = pp;
-        m->n_top_logprobs = (size_t)ev->n_top;
+        m->n_top_logprobs = n_top;
     }
     const pd_prompt_logprobs *plp = ev->prompt_logprobs;
     if (plp && plp->n_prompt > 1) {

@@ -343,6 +343,19 @@ void pd_detok_free(pd_detok *d)
     free(d);
 }
 
+int pd_detok_copy_state(pd_detok *dst, const pd_detok *src)
+{
+    if (dst->t != src->t || dst->skip_special != src->skip_special)
+        return pd_error(PD_EINVAL, "detokenizer: state copied from a different one");
+    dst->out.n = dst->pending.n = 0;
+    PD_CHECK(bb_put(&dst->out, src->out.p, src->out.n));
+    PD_CHECK(bb_put(&dst->pending, src->pending.p, src->pending.n));
+    dst->n_tok = src->n_tok;
+    dst->strip_left = src->strip_left;
+    dst->hidden = src->hidden;
+    return 0;
+}
+
 int pd_detok_push(pd_detok *d, int32_t id, const char **delta, size_t *delta_len)
 {
     *delta = "";

@@ -123,6 +123,11 @@ int pd_detok_push(pd_detok *d, int32_t id, const char **delta, size_t *delta_len
  * becomes U+FFFD). Same pointer rules as push. */
 int pd_detok_flush(pd_detok *d, const char **delta, size_t *delta_len);
 
+/* Makes dst's state src's (text so far, bytes held back), so that dst goes on as src would;
+ * both made for the same tokenizer and skip_special_tokens (a beam search decodes each
+ * candidate on a copy of its beam's detokenizer). Allocates only while dst's buffers grow. */
+int pd_detok_copy_state(pd_detok *dst, const pd_detok *src);
+
 /* All text emitted so far (NUL-terminated, borrowed, valid until the next call on d). */
 const char *pd_detok_text(const pd_detok *d, size_t *len);
 

@@ -199,6 +199,132 @@ TEST(sched_beam_split_equals_colocated)
     ASSERT_EQ_INT(cl_stop(&lp, 10000), 0);
 }
 
+/* The text of ids (return_tokens_as_token_ids' "token_id:N" strings) by /detokenize (malloc'd). */
+static char *detokenize(const json_t *tokens)
+{
+    json_t *ids = json_array();
+    size_t i;
+    const json_t *t;
+    json_array_foreach(tokens, i, t)
+    {
+        const char *s = json_string_value(t);
+        json_array_append_new(ids,
+                              json_integer(s && strchr(s, ':') ? atoll(strchr(s, ':') + 1) : -1));
+    }
+    json_t *q = json_pack("{so}", "tokens", ids);
+    char *body = json_dumps(q, JSON_COMPACT);
+    json_decref(q);
+    int st = 0;
+    json_t *o = post_json(g_port, "/detokenize", body, &st);
+    free(body);
+    const char *text = json_string_value(json_object_get(o, "prompt"));
+    char *out = st == 200 && text ? strdup(text) : NULL;
+    json_decref(o);
+    return out;
+}
+
+/* Stop strings end beams during the search (vLLM 0.5: a candidate whose text reaches one
+ * finishes there), and logprobs come per token: split equals colocated, choices included
+ * whole; a choice that stopped on the string has the text before it (its tokens' text goes on
+ * with the string), the others do not contain it. */
+TEST(sched_beam_stop_strings_and_logprobs)
+{
+    FIXTURE();
+    char *extra[] = {"--max-local-prefill-length", "4096", NULL};
+    cl_proc lp;
+    int lport = 0;
+    ASSERT_MSG(start_scheduler(&lp, &lport, "scheduler_beam_local2", extra, "1") == 0,
+               "pd-scheduler with --max-local-prefill-length did not start");
+    const char *base = "{\"prompt\":\"The knight rode\",\"max_tokens\":16,"
+                       "\"use_beam_search\":true,\"n\":3,\"best_of\":3,\"temperature\":0,"
+                       "\"ignore_eos\":true";
+    char body[1024];
+    snprintf(body, sizeof body, "%s}", base);
+    int st = 0;
+    json_t *o = post_json(g_port, "/v1/completions", body, &st);
+    ASSERT_EQ_INT(st, 200);
+    /* a stop string from the middle of the best beam's text */
+    const char *t0 = json_string_value(
+        json_object_get(json_array_get(json_object_get(o, "choices"), 0), "text"));
+    ASSERT(t0 && strlen(t0) > 12);
+    char stop[8];
+    snprintf(stop, sizeof stop, "%.3s", t0 + strlen(t0) / 2);
+    json_decref(o);
+    json_t *js = json_string(stop);
+    char *sj = json_dumps(js, JSON_ENCODE_ANY);
+    json_decref(js);
+    snprintf(body, sizeof body,
+             "%s,\"stop\":[%s],\"logprobs\":2,\"return_tokens_as_token_ids\":true}", base, sj);
+    json_t *a = post_json(g_port, "/v1/completions", body, &st);
+    ASSERT_EQ_INT(st, 200);
+    json_t *b = post_json(lport, "/v1/completions", body, &st);
+    ASSERT_EQ_INT(st, 200);
+    char *ca = json_dumps(json_object_get(a, "choices"), JSON_COMPACT);
+    char *cb = json_dumps(json_object_get(b, "choices"), JSON_COMPACT);
+    ASSERT_MSG(ca && cb && strcmp(ca, cb) == 0, "split:\n%s\ncolocated:\n%s", ca, cb);
+    int stopped = 0;
+    size_t i;
+    const json_t *c;
+    json_array_foreach(json_object_get(a, "choices"), i, c)
+    {
+        const char *text = json_string_value(json_object_get(c, "text"));
+        const char *fin = json_string_value(json_object_get(c, "finish_reason"));
+        const json_t *lps = json_object_get(c, "logprobs");
+        const json_t *toks = json_object_get(lps, "tokens");
+        ASSERT(text && fin && json_array_size(toks) > 0);
+        ASSERT_EQ_INT(json_array_size(json_object_get(lps, "token_logprobs")),
+                      json_array_size(toks));
+        ASSERT_EQ_INT(json_array_size(json_object_get(lps, "top_logprobs")), json_array_size(toks));
+        ASSERT_MSG(!strstr(text, stop), "choice %zu's text %s contains the stop string %s", i, text,
+                   stop);
+        if (strcmp(fin, "stop") != 0) continue;
+        stopped++;
+        ASSERT_STR_EQ(json_string_value(json_object_get(c, "stop_reason")), stop);
+        char *all = detokenize(toks);
+        ASSERT(all);
+        ASSERT_MSG(strncmp(all, text, strlen(text)) == 0 &&
+                       strncmp(all + strlen(text), stop, strlen(stop)) == 0,
+                   "choice %zu: tokens' text %s, answer %s + stop %s", i, all, text, stop);
+        free(all);
+    }
+    ASSERT_MSG(stopped > 0, "no beam stopped on %s: %s", stop, ca);
+    printf("    stop %s: %d of 3 beams stopped on it\n", sj, stopped);
+    free(ca);
+    free(cb);
+    json_decref(a);
+    json_decref(b);
+    free(sj);
+    /* chat with logprobs: the content items of each beam, split as colocated */
+    const char *chat = "{\"messages\":[{\"role\":\"user\",\"content\":\"Tell me a story\"}],"
+                       "\"max_tokens\":10,\"use_beam_search\":true,\"n\":2,\"best_of\":3,"
+                       "\"temperature\":0,\"logprobs\":true,\"top_logprobs\":3}";
+    a = post_json(g_port, "/v1/chat/completions", chat, &st);
+    ASSERT_EQ_INT(st, 200);
+    b = post_json(lport, "/v1/chat/completions", chat, &st);
+    ASSERT_EQ_INT(st, 200);
+    ca = json_dumps(json_object_get(a, "choices"), JSON_COMPACT);
+    cb = json_dumps(json_object_get(b, "choices"), JSON_COMPACT);
+    ASSERT_MSG(ca && cb && strcmp(ca, cb) == 0, "chat split:\n%s\ncolocated:\n%s", ca, cb);
+    size_t n_items = 0; /* every beam's tokens, each with its 3 top ones */
+    json_array_foreach(json_object_get(a, "choices"), i, c)
+    {
+        const json_t *items = json_object_get(json_object_get(c, "logprobs"), "content");
+        const json_t *it;
+        size_t j;
+        ASSERT(json_array_size(items) > 0);
+        json_array_foreach(items, j, it)
+            ASSERT_EQ_INT(json_array_size(json_object_get(it, "top_logprobs")), 3);
+        n_items += json_array_size(items);
+    }
+    ASSERT_EQ_INT(n_items, json_integer_value(
+                               json_object_get(json_object_get(a, "usage"), "completion_tokens")));
+    free(ca);
+    free(cb);
+    json_decref(a);
+    json_decref(b);
+    ASSERT_EQ_INT(cl_stop(&lp, 10000), 0);
+}
+
 /* The legacy /generate (USE_OPENAI=0): {"text": [...]} of the n beams, prompt included. */
 TEST(sched_beam_legacy_generate)
 {
@@ -238,8 +364,10 @@ TEST(sched_beam_refusals_and_metrics)
 {
     FIXTURE();
     static const char *const refused[][2] = {
-        {"\"logprobs\":1", "use_beam_search: logprobs is not supported with beam search"},
-        {"\"stop\":[\"x\"]", "use_beam_search: stop is not supported with beam search"},
+        {"\"prompt_logprobs\":1",
+         "use_beam_search: prompt_logprobs is not supported with beam search"},
+        {"\"echo\":true,\"logprobs\":1",
+         "use_beam_search: prompt_logprobs is not supported with beam search"},
         {"\"presence_penalty\":0.5",
          "use_beam_search: presence_penalty is not supported with beam search"},
         {"\"guided_choice\":[\"a\",\"b\"]",

@@ -27,9 +27,12 @@ engine/output_processor/single_step.py `_process_sequence_group_outputs` and
 CLI:
   beam_ref.py --model DIR --prompt-ids 1,2,3 --width W [--n N] --max-tokens M
               [--length-penalty 1.0] [--early-stopping false|true|never] [--eos ID]
-              [--stop-token-ids 5,6] [--ignore-eos] [--max-model-len L] [--out FILE.json]
+              [--stop-token-ids 5,6] [--ignore-eos] [--max-model-len L] [--logprobs K]
+              [--out FILE.json]
 prints (or writes) JSON: {"beams": [{"tokens": [...], "cumulative_logprob": x, "score": s,
-"finish_reason": "stop"|"length"}, ...] (the n answered, best first), "precision": "float64"}.
+"finish_reason": "stop"|"length"}, ...] (the n answered, best first), "precision": "float64"};
+with --logprobs K each beam also has "logprobs": per token [logprob, [[id, logprob], ...K]]
+(the K most likely tokens of its step, ties: lower id first).
 --eos defaults to config.json's eos_token_id (the first, when it is a list).
 """
 import argparse
@@ -49,8 +52,9 @@ def log_softmax(x):
 
 
 class Beam:
-    def __init__(self, tokens, cum, cache, finish=None):
+    def __init__(self, tokens, cum, cache, finish=None, lps=()):
         self.tokens = tokens  # output tokens
+        self.lps = list(lps)  # with --logprobs: per token [logprob, [[id, logprob], ...]]
         self.cum = cum  # cumulative logprob
         self.cache = cache  # (k lists, v lists) of the model after its tokens but the last
         self.finish = finish  # None while running, else "stop" / "length"
@@ -70,7 +74,7 @@ def topk_desc(values, k):
 
 
 def beam_search(m, prompt, width, n, max_tokens, lp=1.0, early="false", eos=None,
-                stop_ids=(), ignore_eos=False, max_model_len=None):
+                stop_ids=(), ignore_eos=False, max_model_len=None, logprobs=None):
     if max_model_len is None:
         max_model_len = m.cfg.max_pos
     P = len(prompt)
@@ -93,7 +97,10 @@ def beam_search(m, prompt, width, n, max_tokens, lp=1.0, early="false", eos=None
         children = []
         for pi, t in pairs:
             p = parents[pi]
-            c = Beam(p.tokens + [t], p.cum + float(parent_lp[pi][t]), p.cache)
+            c = Beam(p.tokens + [t], p.cum + float(parent_lp[pi][t]), p.cache, lps=p.lps)
+            if logprobs is not None:  # the token's logprob and its step's top ones
+                top = topk_desc(parent_lp[pi], logprobs)
+                c.lps.append([float(parent_lp[pi][t]), [[i, float(parent_lp[pi][i])] for i in top]])
             if (not ignore_eos and eos is not None and t == eos) or t in stop_ids:
                 c.finish = "stop"
             elif len(c.tokens) >= max_tokens or P + len(c.tokens) >= max_model_len:
@@ -122,8 +129,12 @@ def beam_search(m, prompt, width, n, max_tokens, lp=1.0, early="false", eos=None
             b.cache = (list(m.k_cache), list(m.v_cache))
             parent_lp.append(log_softmax(out))
     answer = sorted(finished, key=lambda b: b.score(P, lp), reverse=True)[:n]
-    return [{"tokens": b.tokens, "cumulative_logprob": b.cum, "score": b.score(P, lp),
-             "finish_reason": b.finish} for b in answer]
+    out = [{"tokens": b.tokens, "cumulative_logprob": b.cum, "score": b.score(P, lp),
+            "finish_reason": b.finish} for b in answer]
+    if logprobs is not None:
+        for o, b in zip(out, answer):
+            o["logprobs"] = b.lps
+    return out
 
 
 def early_stopping_holds(early, lp, best, worst, P, max_tokens, max_model_len, eos):
@@ -151,6 +162,7 @@ def main(argv):
     ap.add_argument("--stop-token-ids", default="")
     ap.add_argument("--ignore-eos", action="store_true")
     ap.add_argument("--max-model-len", type=int)
+    ap.add_argument("--logprobs", type=int, help="each token's logprob and K top ones")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     prompt = [int(s) for s in a.prompt_ids.split(",") if s.strip()]
@@ -168,7 +180,8 @@ def main(argv):
             e = json.load(f).get("eos_token_id")
         eos = e[0] if isinstance(e, list) else e
     beams = beam_search(m, prompt, a.width, a.n, a.max_tokens, a.length_penalty,
-                        a.early_stopping, eos, stop_ids, a.ignore_eos, a.max_model_len)
+                        a.early_stopping, eos, stop_ids, a.ignore_eos, a.max_model_len,
+                        a.logprobs)
     emit_json({"beams": beams, "precision": "float64"}, a.out)
     return 0
 

@@ -4,7 +4,7 @@
  *   beam_run --model DIR --prompt-ids 1,2,3 --width W [--n N] --max-tokens M
  *            [--length-penalty X] [--early-stopping false|true|never] [--ignore-eos]
  *            [--stop-token-ids 5,6] [--max-model-len L] [--abort-after-steps K]
- *            [--copies C] [--num-kv-blocks B] [--split]
+ *            [--copies C] [--num-kv-blocks B] [--split] [--logprobs K]
  *
  * Prints {"beams": [{"tokens", "cumulative_logprob", "score", "finish_reason"}, ...],
  * "kv_blocks_free_start", "kv_blocks_free_end", "kv_blocks_peak_used", "block_size",
@@ -14,10 +14,12 @@
  * runs C copies of the request at once (they must answer alike; copy 0 is printed), in a pool of
  * --num-kv-blocks B blocks (4096). The engine runs on 2 threads with the model's EOS
  * (config.json's eos_token_id when the model directory has no tokenizer).
- * --split runs each copy as the nodes of a split deployment do (docs/beam_search.md): a second
- * engine prefills the prompt as a plain prefill-only request, the search's engine reserves the
- * prompt's blocks, the KV moves between them (kv_export / kv_import), and the search is admitted
- * with pd_engine_add_imported, which computes the prompt's last position again.
+ * --logprobs K asks each token's logprob and K top ones: every beam then has "logprobs":
+ * [[logprob, [[id, logprob], ...K]], ...] per token. --split runs each copy as the nodes of a split
+ * deployment do (docs/beam_search.md): a second engine prefills the prompt as a plain prefill-only
+ * request, the search's engine reserves the prompt's blocks, the KV moves between them (kv_export /
+ * kv_import), and the search is admitted with pd_engine_add_imported, which computes the prompt's
+ * last position again.
  */
 #include <math.h>
 #include <stdio.h>
@@ -39,7 +41,7 @@ typedef struct {
     const char *model;
     int32_t prompt[MAX_IDS], stop_ids[MAX_IDS];
     size_t n_prompt, n_stop_ids;
-    int64_t width, n, max_tokens, max_model_len, abort_after, copies, kv_blocks;
+    int64_t width, n, max_tokens, max_model_len, abort_after, copies, kv_blocks, logprobs;
     double length_penalty;
     int32_t early;
     bool ignore_eos, split;
@@ -47,6 +49,10 @@ typedef struct {
 
 typedef struct {
     int32_t *toks;
+    float *lps;      /* (n) with --logprobs */
+    int32_t *top_id; /* (n, k) */
+    float *top_lp;   /* (n, k) */
+    int32_t k;
     size_t n;
     double cum;
     const char *finish;
@@ -70,7 +76,12 @@ static int parse_list(const char *flag, const char *s, int32_t *out, size_t *n)
 
 static int parse(int argc, char **argv, args_t *a)
 {
-    *a = (args_t){.n = 1, .length_penalty = 1.0, .abort_after = -1, .copies = 1, .kv_blocks = 4096};
+    *a = (args_t){.n = 1,
+                  .length_penalty = 1.0,
+                  .abort_after = -1,
+                  .copies = 1,
+                  .kv_blocks = 4096,
+                  .logprobs = -1};
     for (int i = 1; i < argc; i++) {
         const char *o = argv[i];
         if (!strcmp(o, "--ignore-eos") || !strcmp(o, "--split")) {
@@ -97,6 +108,8 @@ static int parse(int argc, char **argv, args_t *a)
             PD_CHECK(pd_arg_i64(o, v, 1, MAX_C, &a->copies));
         else if (!strcmp(o, "--num-kv-blocks"))
             PD_CHECK(pd_arg_i64(o, v, 1, 1 << 20, &a->kv_blocks));
+        else if (!strcmp(o, "--logprobs"))
+            PD_CHECK(pd_arg_i64(o, v, 0, 20, &a->logprobs));
         else if (!strcmp(o, "--abort-after-steps"))
             PD_CHECK(pd_arg_i64(o, v, 0, INT64_MAX, &a->abort_after));
         else if (!strcmp(o, "--length-penalty"))
@@ -132,6 +145,18 @@ static int drain(pd_engine *e, choice_t *c, int64_t copies, int64_t n, int64_t *
                           ev->final);
         if (rc == PD_OK && ev->n_tokens && !(ch->toks = malloc(ev->n_tokens * sizeof *ch->toks)))
             rc = pd_error(PD_ENOMEM, "out of memory");
+        size_t nk = ev->n_tokens * (size_t)(ev->n_top > 0 ? ev->n_top : 0);
+        if (rc == PD_OK && ev->token_logprobs &&
+            (!(ch->lps = malloc(ev->n_tokens * sizeof *ch->lps + 1)) ||
+             !(ch->top_id = malloc(nk * sizeof *ch->top_id + 1)) ||
+             !(ch->top_lp = malloc(nk * sizeof *ch->top_lp + 1))))
+            rc = pd_error(PD_ENOMEM, "out of memory");
+        if (rc == PD_OK && ev->token_logprobs) {
+            memcpy(ch->lps, ev->token_logprobs, ev->n_tokens * sizeof *ch->lps);
+            memcpy(ch->top_id, ev->top_ids, nk * sizeof *ch->top_id);
+            memcpy(ch->top_lp, ev->top_logprobs, nk * sizeof *ch->top_lp);
+            ch->k = ev->n_top;
+        }
         if (rc == PD_OK) {
             if (ev->n_tokens) memcpy(ch->toks, ev->token_ids, ev->n_tokens * sizeof *ch->toks);
             ch->n = ev->n_tokens;
@@ -244,6 +269,7 @@ static int run(const args_t *a)
     sp.max_tokens = a->max_tokens;
     sp.stop_token_ids = a->stop_ids;
     sp.n_stop_token_ids = (int32_t)a->n_stop_ids;
+    sp.logprobs = (int32_t)a->logprobs;
     pd_engine_stats st;
     pd_engine_get_stats(e, &st);
     size_t free_start = st.kv_blocks_free, peak = 0;
@@ -289,7 +315,19 @@ static int run(const args_t *a)
             for (size_t k = 0; k < c[j].n; k++) printf("%s%d", k ? ", " : "", c[j].toks[k]);
             printf("], \"cumulative_logprob\": %.17g, \"score\": %.17g, \"finish_reason\": ",
                    c[j].cum, c[j].cum / pow((double)len, a->length_penalty));
-            printf(c[j].finish ? "\"%s\"}" : "null}", c[j].finish);
+            printf(c[j].finish ? "\"%s\"" : "null", c[j].finish);
+            if (c[j].lps) {
+                printf(", \"logprobs\": [");
+                for (size_t k = 0; k < c[j].n; k++) {
+                    printf("%s[%.9g, [", k ? ", " : "", c[j].lps[k]);
+                    for (int32_t q = 0; q < c[j].k; q++)
+                        printf("%s[%d, %.9g]", q ? ", " : "", c[j].top_id[k * c[j].k + q],
+                               c[j].top_lp[k * c[j].k + q]);
+                    printf("]]");
+                }
+                printf("]");
+            }
+            printf("}");
         }
         printf("], \"statuses\": [");
         for (int64_t j = 0; j < a->n; j++) printf("%s%d", j ? ", " : "", c[j].status);
@@ -298,7 +336,12 @@ static int run(const args_t *a)
                free_start, st.kv_blocks_free, peak, st.block_size,
                (unsigned long long)st.num_preemptions);
     }
-    for (int64_t j = 0; j < n_all; j++) free(c[j].toks);
+    for (int64_t j = 0; j < n_all; j++) {
+        free(c[j].toks);
+        free(c[j].lps);
+        free(c[j].top_id);
+        free(c[j].top_lp);
+    }
     pd_engine_free(e);
     return rc;
 }

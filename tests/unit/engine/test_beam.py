@@ -9,7 +9,8 @@ ids, ignore_eos, stop ids frequent enough that each early_stopping rule gives it
 and two searches preempting each other's beams in a small pool. Each case also runs split
 (beam_run --split: prefilled on one engine, the KV moved, the search imported on another) and
 must answer bit for bit as colocated. Also: the prompt's blocks are held once whatever the
-width, and an abort mid-search gives every block back (colocated and split).
+width, an abort mid-search gives every block back (colocated and split), and with logprobs
+each token's logprob and top ones are the reference's.
 
 The EOS is chosen per case by editing the model copy's config.json (the engine takes it from
 there when the directory has no tokenizer); usage: test_beam.py BEAM_RUN. Prints
@@ -186,8 +187,9 @@ def main():
 
     def preempted_beams():
         """Two searches at once in a pool of 16 blocks, less than their 18 at the peak: beams
-        are preempted and recompute, and both answer as the reference does; a search whose
-        blocks cannot all fit in the pool is refused at add."""
+        are preempted and recompute, and both answer as the reference does; so do 8 searches,
+        and 4 imported ones, in that pool; a search whose blocks cannot all fit in the pool is
+        refused at add."""
         model = with_eos(shapes["tiny"], os.path.join(tmp, "tiny-eos1"), 1)
         a = args_of(prompts["small"], 4, 2, 40, 1.0, "false", ("--ignore-eos",))
         want = reference(model, 1, *a)
@@ -195,13 +197,39 @@ def main():
         same_beams(got["beams"], want, "preempted")
         assert got["preemptions"] > 0, got
         assert got["kv_blocks_free_end"] == got["kv_blocks_free_start"], got
+        # liveness: 8 searches at once (4 imported, split) in that pool all answer alike
+        for more in (("--copies", "8"), ("--copies", "4", "--split")):
+            got = engine(beam_run, model, *a, *more, "--num-kv-blocks", "16")
+            same_beams(got["beams"], want, f"preempted {more}")
+            assert got["preemptions"] > 0, got
+            assert got["kv_blocks_free_end"] == got["kv_blocks_free_start"], got
         out = subprocess.run([beam_run, "--model", model, "--num-kv-blocks", "20",
                               *args_of(prompts["small"], 8, 1, 40, 1.0, "false", ())],
                              capture_output=True, text=True, timeout=120)
         assert out.returncode != 0 and "best_of: a beam search of 8 beams may hold 26 KV " \
             "blocks, the pool has 20" in out.stderr, out.stderr
 
+    def logprobs():
+        """logprobs 0 and 3 (more than 2W = 4 top tokens): each token's logprob and its step's
+        top ones as the reference's, split and colocated alike."""
+        model = with_eos(shapes["tiny"], os.path.join(tmp, "tiny-eos1"), 1)
+        for k in (0, 5):
+            a = args_of(prompts["small"], 2, 2, 6, 1.0, "false", ("--logprobs", str(k)))
+            want = reference(model, 1, *a)
+            got = engine(beam_run, model, *a)
+            same_beams(got["beams"], want, f"logprobs {k}")
+            for g, w in zip(got["beams"], want):
+                assert len(g["logprobs"]) == len(w["logprobs"]) == len(g["tokens"]), (g, w)
+                for (gl, gt), (wl, wt) in zip(g["logprobs"], w["logprobs"]):
+                    assert abs(gl - wl) < TOL, (gl, wl)
+                    assert [i for i, _ in gt] == [i for i, _ in wt], (gt, wt)
+                    assert all(abs(x - y) < TOL for (_, x), (_, y) in zip(gt, wt)), (gt, wt)
+                assert abs(sum(lp for lp, _ in g["logprobs"]) - g["cumulative_logprob"]) < TOL
+            split = engine(beam_run, model, *a, "--split")
+            assert split["beams"] == got["beams"], "split != colocated with logprobs"
+
     check("stop_token_ids", stop_token_ids)
+    check("logprobs", logprobs)
     check("preempted_beams", preempted_beams)
     check("early_stopping_decides", early_stopping_decides)
     check("prompt_blocks_once", prompt_blocks_once)

@@ -610,6 +610,47 @@ TEST(sched_waiting_imports_filling_the_pool_still_finish)
     pd_kvpool_free(pool);
 }
 
+/* A running sequence with nothing to compute (a beam waiting for its search's round) does not
+ * count as running: the oldest waiting sequence that does not fit still makes a younger waiting
+ * one that holds KV give it up. Regression: a search's preempted beam waited for good while a
+ * younger import held the blocks it needed and its siblings idled. */
+TEST(sched_idle_running_lets_waiting_holders_give_way)
+{
+    pd_kvpool *pool;
+    ASSERT_OK(pd_kvpool_create(8, 4, &pool));
+    pd_sched_params p = {.max_num_seqs = 8,
+                         .max_num_batched_tokens = 64,
+                         .max_model_len = 32,
+                         .max_prefill_chunk = 0};
+    pd_sched *s;
+    ASSERT_OK(pd_sched_create(&p, pool, &s));
+    int32_t prompt[24];
+    for (int i = 0; i < 24; i++) prompt[i] = i + 1;
+    pd_sched_seq *idle, *head, *young;
+    ASSERT_OK(pd_sched_seq_create(s, prompt, 4, NULL, &idle));
+    ASSERT_OK(pd_sched_add(s, idle, 0));
+    pd_sched_out o;
+    ASSERT_OK(pd_sched_schedule(s, &o));
+    ASSERT_EQ_INT(o.n_items, 1);
+    pd_sched_commit(s); /* computed, nothing appended: idle, one block */
+    ASSERT_OK(pd_sched_seq_create(s, prompt, 8, NULL, &head));   /* older: two blocks */
+    ASSERT_OK(pd_sched_seq_create(s, prompt, 24, NULL, &young)); /* younger: six blocks */
+    ASSERT_OK(pd_sched_reserve(s, young, 24, false, NULL));
+    ASSERT_OK(pd_sched_admit_computed(s, young, 23, 0));
+    ASSERT_OK(pd_sched_add(s, head, 0));
+    ASSERT_EQ_INT(pd_kvpool_num_free(pool), 1);
+    ASSERT_OK(pd_sched_schedule(s, &o));
+    ASSERT_EQ_INT(o.n_items, 1);
+    ASSERT(o.items[0].seq == head);
+    ASSERT_EQ_INT(pd_kvtable_num_blocks(pd_seq_table(young)), 0);
+    ASSERT_EQ_INT(pd_seq_num_computed(young), 0);
+    ASSERT_EQ_INT(pd_sched_num_preemptions(s), 1);
+    pd_sched_commit(s);
+    pd_sched_free(s);
+    ASSERT(pd_kvpool_all_free(pool));
+    pd_kvpool_free(pool);
+}
+
 /* Prefix caching in the scheduler: a prompt that shares full blocks with one computed before
  * starts after them; its last token is always computed (its logits give the next token), also
  * when every block of it is cached; the counters add up. */
