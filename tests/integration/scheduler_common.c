@@ -291,6 +291,12 @@ int open_long_stream(int port, const char *auth)
 }
 
 /* POST body to path on port; the parsed response (200 asserted by the caller). */
+int start_colocated_scheduler(cl_proc *p, int *port, const char *name)
+{
+    char *extra[] = {"--max-local-prefill-length", "4096", NULL};
+    return start_scheduler(p, port, name, extra, "1");
+}
+
 bool side_cluster(cl_cluster *c, const char *prefill, const char *decode, cl_proc *sp, int *port,
                   const char *name, char *const args[])
 {

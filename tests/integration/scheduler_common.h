@@ -66,6 +66,11 @@ bool fixture(void);
         }                                                                                          \
     } while (0)
 
+/* A twin of the fixture's api-server on its cluster whose decode instance prefills every
+ * prompt itself (--max-local-prefill-length 4096): colocated serving, to compare split with.
+ * 0 once it answers /health. */
+int start_colocated_scheduler(cl_proc *p, int *port, const char *name);
+
 /* A cluster of its own (prefill and decode server lists as cl_start takes them) with a
  * scheduler on it (extra flags args); false, with both stopped, when either did not start. */
 bool side_cluster(cl_cluster *c, const char *prefill, const char *decode, cl_proc *sp, int *port,

@@ -149,10 +149,9 @@ static char *pd_generate(const char *prompt, int w, double lp, int max_tokens)
 TEST(sched_beam_split_equals_colocated)
 {
     FIXTURE();
-    char *extra[] = {"--max-local-prefill-length", "4096", NULL};
     cl_proc lp;
     int lport = 0;
-    ASSERT_MSG(start_scheduler(&lp, &lport, "scheduler_beam_local", extra, "1") == 0,
+    ASSERT_MSG(start_colocated_scheduler(&lp, &lport, "scheduler_beam_local") == 0,
                "pd-scheduler with --max-local-prefill-length did not start");
     for (size_t k = 0; k < sizeof CASES / sizeof *CASES; k++) {
         char *body = expand(CASES[k].body);
@@ -230,10 +229,9 @@ static char *detokenize(const json_t *tokens)
 TEST(sched_beam_stop_strings_and_logprobs)
 {
     FIXTURE();
-    char *extra[] = {"--max-local-prefill-length", "4096", NULL};
     cl_proc lp;
     int lport = 0;
-    ASSERT_MSG(start_scheduler(&lp, &lport, "scheduler_beam_local2", extra, "1") == 0,
+    ASSERT_MSG(start_colocated_scheduler(&lp, &lport, "scheduler_beam_local2") == 0,
                "pd-scheduler with --max-local-prefill-length did not start");
     const char *base = "{\"prompt\":\"The knight rode\",\"max_tokens\":16,"
                        "\"use_beam_search\":true,\"n\":3,\"best_of\":3,\"temperature\":0,"

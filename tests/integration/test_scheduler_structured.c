@@ -215,10 +215,9 @@ TEST(sched_structured_stream_equals_full)
 TEST(sched_structured_split_equals_colocated)
 {
     FIXTURE();
-    char *extra[] = {"--max-local-prefill-length", "4096", NULL};
     cl_proc lp;
     int lport = 0;
-    ASSERT_MSG(start_scheduler(&lp, &lport, "scheduler_local", extra, "1") == 0,
+    ASSERT_MSG(start_colocated_scheduler(&lp, &lport, "scheduler_local") == 0,
                "pd-scheduler with --max-local-prefill-length did not start");
     json_t *js = json_string(KNIGHT_SCHEMA);
     char *sj = json_dumps(js, JSON_ENCODE_ANY);

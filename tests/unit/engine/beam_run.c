@@ -26,9 +26,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "backend/backend.h"
 #include "engine/engine.h"
-#include "model/model.h"
+#include "kv_move.h"
 #include "util/args.h"
 #include "util/log.h"
 #include "util/status.h"
@@ -172,31 +171,6 @@ static int drain(pd_engine *e, choice_t *c, int64_t copies, int64_t n, int64_t *
     return PD_OK;
 }
 
-/* Moves the K/V of n blocks from P's pblocks to D's dblocks, layer by layer through the host. */
-static int move_kv(pd_engine *P, const int32_t *pblocks, pd_engine *D, const int32_t *dblocks,
-                   size_t n_blocks, size_t block_size)
-{
-    pd_backend *bp = pd_engine_backend(P, 0), *bd = pd_engine_backend(D, 0);
-    const pd_backend_ops *op = pd_backend_get_ops(bp), *od = pd_backend_get_ops(bd);
-    const pd_model_config *cfg = pd_engine_model_config(P);
-    size_t heads = (size_t)cfg->num_key_value_heads, hd = (size_t)cfg->head_dim;
-    void *host = malloc(2 * n_blocks * block_size * heads * hd * sizeof(float));
-    if (!host) return pd_error(PD_ENOMEM, "out of memory");
-    int rc = PD_OK;
-    for (int l = 0; l < (int)cfg->num_hidden_layers && rc >= 0; l++) {
-        pd_kv_range src = {
-            .layer = l, .block_ids = pblocks, .n_blocks = n_blocks, .head0 = 0, .n_heads = heads};
-        pd_kv_range dst = src;
-        dst.block_ids = dblocks;
-        rc = op->kv_export(bp, pd_engine_kv(P, 0), &src, host);
-        if (rc >= 0) rc = op->sync(bp);
-        if (rc >= 0) rc = od->kv_import(bd, pd_engine_kv(D, 0), &dst, host);
-        if (rc >= 0) rc = od->sync(bd);
-    }
-    free(host);
-    return rc;
-}
-
 /* --split: rq's prompt prefilled on a fresh engine made with p, as pd-scheduler asks a prefill
  * instance for a search (a plain request that no stop token ends), its KV moved into blocks D
  * reserves, then the search admitted on D. */
@@ -236,7 +210,7 @@ static int add_split(const pd_engine_params *p, pd_engine *D, const pd_engine_re
                                &nd, NULL);
     if (rc >= 0 && nd != np)
         rc = pd_error(PD_EINTERNAL, "%zu blocks prefilled, %zu reserved", np, nd);
-    if (rc >= 0) rc = move_kv(P, pblocks, D, dblocks, nd, p->block_size);
+    if (rc >= 0) rc = kv_move(P, pblocks, D, dblocks, nd);
     if (rc >= 0) rc = pd_engine_release(P, rq->request_id);
     pd_engine_free(P);
     pd_sampling_params sp = *rq->sampling;

@@ -13,6 +13,7 @@
 #include "engine/engine.h"
 #include "engine/spec.h"
 #include "engine/kvpool.h"
+#include "kv_move.h"
 #include "model/model.h"
 #include "grammar/grammar.h"
 #include "tokenizer/tokenizer.h"
@@ -814,31 +815,6 @@ TEST(engine_tp2_matches_tp1_qwen3)
     pd_model_free(m);
 }
 
-/* The KV transfer between two engines: every layer's blocks, through host memory. */
-static int move_kv(pd_engine *P, const int32_t *pblocks, pd_engine *D, const int32_t *dblocks,
-                   size_t n_blocks)
-{
-    pd_backend *bp = pd_engine_backend(P, 0), *bd = pd_engine_backend(D, 0);
-    const pd_backend_ops *op = pd_backend_get_ops(bp), *od = pd_backend_get_ops(bd);
-    size_t heads = (size_t)g_model->config.num_key_value_heads;
-    size_t hd = (size_t)g_model->config.head_dim;
-    void *host = malloc(2 * n_blocks * 16 * heads * hd * sizeof(float));
-    if (!host) return pd_error(PD_ENOMEM, "out of memory");
-    int rc = PD_OK;
-    for (int l = 0; l < (int)g_model->config.num_hidden_layers && rc >= 0; l++) {
-        pd_kv_range src = {
-            .layer = l, .block_ids = pblocks, .n_blocks = n_blocks, .head0 = 0, .n_heads = heads};
-        pd_kv_range dst = src;
-        dst.block_ids = dblocks;
-        rc = op->kv_export(bp, pd_engine_kv(P, 0), &src, host);
-        if (rc >= 0) rc = op->sync(bp);
-        if (rc >= 0) rc = od->kv_import(bd, pd_engine_kv(D, 0), &dst, host);
-        if (rc >= 0) rc = od->sync(bd);
-    }
-    free(host);
-    return rc;
-}
-
 TEST(engine_prefill_then_decode_through_exported_kv)
 {
     ASSERT_OK(tiny());
@@ -875,7 +851,7 @@ TEST(engine_prefill_then_decode_through_exported_kv)
     ASSERT_EQ_INT(n_dblocks, pre[7].n_blocks);
     ASSERT_ERR(pd_engine_reserve(D, r.id, r.n_prompt, NULL, dblocks, 64, &n_dblocks, NULL),
                PD_EEXIST, "already in use");
-    ASSERT_OK(move_kv(P, pre[7].blocks, D, dblocks, n_dblocks));
+    ASSERT_OK(kv_move(P, pre[7].blocks, D, dblocks, n_dblocks));
     ASSERT_ERR(pd_engine_release(P, "nope"), PD_ENOTFOUND, "no held");
     ASSERT_OK(pd_engine_release(P, r.id));
     pd_engine_get_stats(P, &st);
@@ -932,7 +908,7 @@ static int hand_over(pd_engine *P, pd_engine *D, const treq *r, tout *pre, tout 
     if (nb != pre[i].n_blocks || skip >= nb)
         return pd_error(PD_EINTERNAL, "%zu blocks reserved, %zu cached, %zu prefilled", nb, skip,
                         pre[i].n_blocks);
-    PD_CHECK(move_kv(P, pre[i].blocks + skip, D, dblocks + skip, nb - skip));
+    PD_CHECK(kv_move(P, pre[i].blocks + skip, D, dblocks + skip, nb - skip));
     PD_CHECK(pd_engine_release(P, r->id));
     treq rd = *r;
     rd.sp.has_seed = true;
@@ -1472,7 +1448,7 @@ TEST(engine_imports_filling_the_pool_recompute_and_match)
         int32_t dblocks[2];
         size_t nb = 0;
         ASSERT_OK(pd_engine_reserve(D, r[i].id, 32, NULL, dblocks, 2, &nb, NULL));
-        ASSERT_OK(move_kv(P, pre[i].blocks, D, dblocks, nb));
+        ASSERT_OK(kv_move(P, pre[i].blocks, D, dblocks, nb));
         ASSERT_OK(pd_engine_release(P, r[i].id));
         pd_engine_request rq = {.request_id = r[i].id,
                                 .prompt_ids = r[i].prompt,
