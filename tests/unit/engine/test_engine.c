@@ -731,6 +731,167 @@ TEST(engine_spec_ngram_equals_plain_decoding)
     ASSERT_EQ_INT(lp.n_rows, ls.n_rows);
 }
 
+/* Q(a, x), the regularized upper incomplete gamma function (the chi-square survival function
+ * is Q(df / 2, chi2 / 2)): its series below a + 1, its continued fraction above. */
+static double gamma_q(double a, double x)
+{
+    if (x <= 0.0) return 1.0;
+    double lg = lgamma(a);
+    if (x < a + 1.0) {
+        double sum = 1.0 / a, term = sum;
+        for (int n = 1; n < 1000 && fabs(term) > fabs(sum) * 1e-15; n++) {
+            term *= x / (a + n);
+            sum += term;
+        }
+        return 1.0 - sum * exp(-x + a * log(x) - lg);
+    }
+    double b = x + 1.0 - a, c = 1e300, d = 1.0 / b, h = d;
+    for (int i = 1; i < 1000; i++) {
+        double an = -i * (i - a);
+        b += 2.0;
+        d = an * d + b;
+        if (fabs(d) < 1e-300) d = 1e-300;
+        c = b + an / c;
+        if (fabs(c) < 1e-300) c = 1e-300;
+        d = 1.0 / d;
+        double del = d * c;
+        h *= del;
+        if (fabs(del - 1.0) < 1e-15) break;
+    }
+    return exp(-x + a * log(x) - lg) * h;
+}
+
+/* Chi-square test of homogeneity of two samples of tokens (counts ca, cb over vocab ids; the
+ * ids expected fewer than 5 times in either sample pooled into one category): its p-value. */
+static double chi2_same(const uint32_t *ca, const uint32_t *cb, size_t vocab, int *df)
+{
+    double na = 0, nb = 0;
+    for (size_t t = 0; t < vocab; t++) na += ca[t], nb += cb[t];
+    double n = na + nb, chi2 = 0, pool_a = 0, pool_b = 0;
+    int cats = 0;
+    for (size_t t = 0; t <= vocab; t++) {
+        double a = t < vocab ? ca[t] : pool_a, b = t < vocab ? cb[t] : pool_b;
+        double ea = na * (a + b) / n, eb = nb * (a + b) / n;
+        if (a + b == 0) continue;
+        if (t < vocab && (ea < 5 || eb < 5)) { /* pooled */
+            pool_a += a;
+            pool_b += b;
+            continue;
+        }
+        if (t == vocab && (ea < 5 || eb < 5)) break; /* a pool too small to count */
+        chi2 += (a - ea) * (a - ea) / ea + (b - eb) * (b - eb) / eb;
+        cats++;
+    }
+    *df = cats - 1;
+    return cats > 1 ? gamma_q((cats - 1) / 2.0, chi2 / 2.0) : 1.0;
+}
+
+/* Output tokens 1..3 (token 0 is the prefill's, drawn before any draft) of `draws` sampled
+ * choices (temperature 0.5, top_k 8) of prompt ids, n = 8 per request, each request its own seed
+ * from seed0: counts[pos][token]. spec: with n-gram drafts (3 per step). */
+static int sample_counts(const int32_t *prompt, size_t n_prompt, bool spec, int64_t seed0,
+                         int draws, uint32_t *counts, size_t vocab, pd_engine_stats *st)
+{
+    pd_engine_params p = base_params();
+    p.max_num_seqs = 8; /* a step of 8 sequences and their drafts stays within 32 rows */
+    if (spec) p.spec_num_tokens = 3, p.spec_ngram_max = 3;
+    pd_engine *e;
+    PD_CHECK(pd_engine_create(&p, &e));
+    pd_sampling_params sp = pd_sampling_default_params();
+    sp.n = 8;
+    sp.temperature = 0.5;
+    sp.top_k = 8;
+    sp.max_tokens = 4;
+    sp.ignore_eos = true;
+    sp.has_seed = true;
+    int rc = PD_OK;
+    for (int q = 0; q * 8 < draws && rc >= 0; q++) {
+        char id[32];
+        snprintf(id, sizeof id, "stat-%d", q);
+        sp.seed = seed0 + q;
+        pd_engine_request rq = {
+            .request_id = id, .prompt_ids = prompt, .n_prompt = n_prompt, .sampling = &sp};
+        rc = pd_engine_add(e, &rq);
+        size_t pos[8] = {0};
+        while (rc >= 0 && pd_engine_has_work(e)) {
+            bool did;
+            rc = pd_engine_step(e, &did);
+            const pd_engine_event *ev;
+            while (rc >= 0 && pd_engine_next_event(e, &ev)) {
+                for (size_t k = 0; k < ev->n_tokens && ev->seq_index < 8; k++) {
+                    size_t at = pos[ev->seq_index]++;
+                    if (at >= 1 && at <= 3) counts[(at - 1) * vocab + (size_t)ev->token_ids[k]]++;
+                }
+                if (ev->status < 0) rc = pd_error(PD_EINTERNAL, "%s", ev->error);
+                pd_engine_event_done(e);
+            }
+        }
+    }
+    pd_engine_get_stats(e, st);
+    pd_engine_free(e);
+    return rc;
+}
+
+/* Speculative decoding keeps the sampled distribution (issue 33): 16,000 draws of output tokens
+ * 1..3 with n-gram drafts against 16,000 without (other seeds), on a prompt that ends in the
+ * random model's own greedy run (whose repeats the drafts follow: about a quarter accepted),
+ * chi-square test of homogeneity per position: p > 0.01 each. The seeds are fixed, so the test
+ * is deterministic. A verifier that keeps its first draft row even when the sampled token
+ * differs gives p = 0 at output token 2 (tried). */
+TEST(engine_spec_keeps_the_sampled_distribution)
+{
+    ASSERT_OK(tiny());
+    size_t V = pd_tok_vocab_size(g_tok);
+    static treq base;
+    make_req(&base, 0, V);
+    int32_t prompt[256];
+    size_t n_prompt = 6;
+    memcpy(prompt, base.prompt, n_prompt * sizeof *prompt);
+    /* the prompt: 6 ids and the model's greedy continuation of them, 200 tokens, whose tail
+       loops */
+    base.n_prompt = n_prompt;
+    base.sp.temperature = 0.0;
+    base.sp.max_tokens = 200;
+    base.sp.ignore_eos = true;
+    pd_engine_params p = base_params();
+    pd_engine *g;
+    ASSERT_OK(pd_engine_create(&p, &g));
+    int rc = add_req(g, &base, PD_PHASE_FULL);
+    while (rc >= 0 && pd_engine_has_work(g)) {
+        bool did;
+        rc = pd_engine_step(g, &did);
+        const pd_engine_event *ev;
+        while (rc >= 0 && pd_engine_next_event(g, &ev)) {
+            for (size_t k = 0; k < ev->n_tokens && n_prompt < 206; k++)
+                prompt[n_prompt++] = ev->token_ids[k];
+            pd_engine_event_done(g);
+        }
+    }
+    pd_engine_free(g);
+    ASSERT_OK(rc);
+    ASSERT_EQ_INT(n_prompt, 206);
+    uint32_t *ca = calloc(3 * V, sizeof *ca), *cb = calloc(3 * V, sizeof *cb);
+    ASSERT(ca && cb);
+    pd_engine_stats sa, sb;
+    enum { DRAWS = 16000 };
+    ASSERT_OK(sample_counts(prompt, n_prompt, true, 1, DRAWS, ca, V, &sa));
+    ASSERT_OK(sample_counts(prompt, n_prompt, false, 1000001, DRAWS, cb, V, &sb));
+    printf("    with drafts: %llu draft tokens, %llu accepted\n",
+           (unsigned long long)sa.spec_draft_tokens, (unsigned long long)sa.spec_accepted_tokens);
+    ASSERT(sa.spec_accepted_tokens > DRAWS / 10);
+    ASSERT(sa.spec_draft_tokens - sa.spec_accepted_tokens > DRAWS / 10);
+    for (int pos = 0; pos < 3; pos++) {
+        int df = 0;
+        double pv = chi2_same(ca + (size_t)pos * V, cb + (size_t)pos * V, V, &df);
+        printf("    output token %d: chi-square p = %.3f (%d degrees of freedom)\n", pos + 1, pv,
+               df);
+        ASSERT_MSG(pv > 0.01, "output token %d: p = %g", pos + 1, pv);
+        ASSERT(df >= 3);
+    }
+    free(ca);
+    free(cb);
+}
+
 /* Runs six requests (one with n = 2) on model m at TP 1 and TP 2: the same logits within
  * 1e-5 relative and the same tokens. */
 static void tp2_matches_tp1(pd_model *m)
