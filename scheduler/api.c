@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "json/json.h"
 #include "util/log.h"
 #include "util/status.h"
 
@@ -1060,7 +1061,7 @@ int pd_api_parse(const pd_api_limits *lim, pd_api_kind kind, const char *body, s
     out->kind = kind;
     *http_status = 400;
     json_error_t jerr;
-    json_t *o = json_loadb(body, len, JSON_DECODE_ANY, &jerr);
+    json_t *o = pdj_loadb(body, len, JSON_DECODE_ANY, &jerr);
     if (!o)
         return bad("Invalid JSON in request body: %s (line %d, column %d)", jerr.text, jerr.line,
                    jerr.column);
@@ -1157,7 +1158,7 @@ int pd_api_detokenize(const pd_api_limits *lim, const char *body, size_t len, pd
     *http_status = 400;
     *text = NULL;
     json_error_t jerr;
-    json_t *o = json_loadb(body, len, JSON_DECODE_ANY, &jerr);
+    json_t *o = pdj_loadb(body, len, JSON_DECODE_ANY, &jerr);
     if (!o)
         return bad("Invalid JSON in request body: %s (line %d, column %d)", jerr.text, jerr.line,
                    jerr.column);

@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "grammar/gram_internal.h"
+#include "json/json.h"
 #include "util/fmt.h"
 #include "util/status.h"
 
@@ -299,6 +300,17 @@ static gx *value_lit(sc *c, json_t *v)
     }
     char *d = json_dumps(v, JSON_ENCODE_ANY | JSON_COMPACT);
     if (!d) return gx_none(b);
+    if (json_is_real(v)) { /* the shortest text that reads back as v: 2.1, not jansson's
+                              2.1000000000000001 (what a model, or Python's json, writes) */
+        char t[48];
+        for (int prec = 1; prec <= 17; prec++) {
+            snprintf(t, sizeof t, "%.*g", prec, json_real_value(v));
+            if (strtod(t, NULL) == json_real_value(v)) break;
+        }
+        if (!strpbrk(t, ".eE")) strcat(t, ".0"); /* a real as written: 2.0 (2 is added below) */
+        free(d);
+        if (!(d = strdup(t))) return gx_none(b);
+    }
     gx *x = gx_str(b, d);
     if (json_is_real(v) && floor(json_real_value(v)) == json_real_value(v) &&
         fabs(json_real_value(v)) < 1e15) { /* 2.0 == 2 */
@@ -1920,7 +1932,7 @@ static void sc_free(sc *c)
 int schema_compile(gb *b, const char *text, size_t len, const char *ws_pattern, int32_t *root)
 {
     json_error_t je;
-    json_t *j = json_loadb(text, len, JSON_ALLOW_NUL, &je);
+    json_t *j = pdj_loadb(text, len, JSON_ALLOW_NUL, &je); /* a bound beyond int64 too */
     if (!j)
         return gb_fail(b, PD_EPARSE, "", "", je.position, "json schema: not valid JSON: %s at %d",
                        je.text, je.position);

@@ -173,12 +173,65 @@ int pdj_loads(const char *text, size_t len, const char *what, json_t **out)
     json_error_t err;
     /* Request bodies: a duplicate key is accepted and the last one wins (as in vLLM / Python's
      * json module; the API contract §0 requires it). Files are stricter: see pdj_load_file. */
-    json_t *v = json_loadb(text, len, JSON_ALLOW_NUL, &err);
+    json_t *v = pdj_loadb(text, len, JSON_ALLOW_NUL, &err);
     if (!v)
         return pd_error(PD_EPARSE, "%s: line %d column %d: %s", what, err.line, err.column,
                         err.text);
     *out = v;
     return PD_OK;
+}
+
+/* Whole reals within int64 back to integers, in place (see pdj_loadb). */
+static int restore_ints(json_t *v)
+{
+    if (json_is_object(v)) {
+        const char *k;
+        json_t *x;
+        json_object_foreach(v, k, x)
+        {
+            if (json_is_real(x)) {
+                double d = json_real_value(x);
+                if (d == floor(d) && fabs(d) < 9.2e18 &&
+                    json_object_set_new(v, k, json_integer((json_int_t)d)) < 0)
+                    return -1;
+            } else if (restore_ints(x) < 0) {
+                return -1;
+            }
+        }
+    } else if (json_is_array(v)) {
+        for (size_t i = 0; i < json_array_size(v); i++) {
+            json_t *x = json_array_get(v, i);
+            if (json_is_real(x)) {
+                double d = json_real_value(x);
+                if (d == floor(d) && fabs(d) < 9.2e18 &&
+                    json_array_set_new(v, i, json_integer((json_int_t)d)) < 0)
+                    return -1;
+            } else if (restore_ints(x) < 0) {
+                return -1;
+            }
+        }
+    }
+    return 0;
+}
+
+json_t *pdj_loadb(const char *text, size_t len, size_t flags, json_error_t *err)
+{
+    json_t *v = json_loadb(text, len, flags, err);
+    if (v || !strstr(err->text, "too big")) return v;
+    v = json_loadb(text, len, flags | JSON_DECODE_INT_AS_REAL, err);
+    if (json_is_real(v)) { /* a document that is one number */
+        double d = json_real_value(v);
+        if (d == floor(d) && fabs(d) < 9.2e18) {
+            json_decref(v);
+            v = json_integer((json_int_t)d);
+        }
+    }
+    if (v && restore_ints(v) < 0) {
+        json_decref(v);
+        snprintf(err->text, sizeof err->text, "out of memory");
+        return NULL;
+    }
+    return v;
 }
 
 int pdj_load_file(const char *file, json_t **out)

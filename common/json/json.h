@@ -59,6 +59,12 @@ int pdj_get_double_range(const json_t *obj, const char *path, const char *key, i
 int pdj_loads(const char *text, size_t len, const char *what, json_t **out);
 int pdj_load_file(const char *file, json_t **out);
 
+/* json_loadb(text, len, flags, err) that also reads a document holding an integer beyond int64
+ * (a JSON Schema's `"maximum": 9223372036854776000`, which Python's json reads as an int): on
+ * jansson's "too big integer" the text is read again with every integer as a real, and then the
+ * whole reals within int64 are made integers again, so only the big ones stay reals. */
+json_t *pdj_loadb(const char *text, size_t len, size_t flags, json_error_t *err);
+
 /* Compact serialization with doubles printed at 15 significant digits (0.7, not
  * 0.69999999999999996). Caller frees the result with free(). NULL on out of memory. */
 char *pdj_dumps(const json_t *v);

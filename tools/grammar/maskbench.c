@@ -27,6 +27,7 @@
 #include <time.h>
 
 #include "grammar/grammar.h"
+#include "json/json.h"
 #include "tokenizer/tokenizer.h"
 #include "util/status.h"
 
@@ -558,10 +559,8 @@ int main(int argc, char **argv)
                 continue;
             }
             json_error_t je;
-            json_t *doc = json_loadb(text + off, end - off, JSON_ALLOW_NUL, &je);
-            if (!doc) /* an integer beyond int64: read it as a double */
-                doc = json_loadb(text + off, end - off, JSON_DECODE_INT_AS_REAL | JSON_ALLOW_NUL,
-                                 &je);
+            /* an integer beyond int64 is read as a double, the others stay integers */
+            json_t *doc = pdj_loadb(text + off, end - off, JSON_ALLOW_NUL, &je);
             if (!doc) { /* e.g. a NUL in an object key, which jansson cannot hold: counted */
                 if (!quiet)
                     printf("SKIPPED document %ld at byte %zu: %s\n", docno - 1, off, je.text);

@@ -502,6 +502,36 @@ TEST(schema_strings_formats_enums)
     pd_grammar_unref(g);
 }
 
+/* A real enum or const value is matched as written (2.1, not 2.1000000000000001), a whole one
+ * with or without ".0"; a schema with a bound beyond int64 (Snowplow's maximum
+ * 9223372036854776000) compiles with its other keywords exact. */
+TEST(schema_real_literals_and_big_bounds)
+{
+    pd_gvocab *v = small_vocab();
+    pd_grammar *g = compile(v, PD_GSPEC_JSON_SCHEMA, "{\"enum\":[2,2.1,1e-7,3.0]}", NULL);
+    ASSERT(g);
+    ACCEPT(g, "2");
+    ACCEPT(g, "2.1");
+    ACCEPT(g, "1e-07");
+    ACCEPT(g, "3.0");
+    ACCEPT(g, "3");
+    REJECT(g, "2.1000000000000001");
+    REJECT(g, "2.2");
+    pd_grammar_unref(g);
+    g = compile(v, PD_GSPEC_JSON_SCHEMA,
+                "{\"type\":\"object\",\"properties\":{\"x\":{\"type\":[\"integer\",\"null\"],"
+                "\"minimum\":0,\"maximum\":9223372036854776000},\"v\":{\"type\":\"string\","
+                "\"maxLength\":3}},\"required\":[\"x\",\"v\"],\"additionalProperties\":false}",
+                NULL);
+    ASSERT(g);
+    ACCEPT(g, "{\"x\":1,\"v\":\"abc\"}");
+    ACCEPT(g, "{\"x\":9223372036854775999,\"v\":\"\"}");
+    REJECT(g, "{\"x\":1,\"v\":\"abcd\"}");
+    REJECT(g, "{\"x\":-1,\"v\":\"a\"}");
+    REJECT(g, "{\"x\":9223372036854776001,\"v\":\"a\"}");
+    pd_grammar_unref(g);
+}
+
 TEST(schema_refs_recursion_anyof_allof)
 {
     pd_gvocab *v = small_vocab();

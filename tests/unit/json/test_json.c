@@ -143,6 +143,31 @@ TEST(json_parse_error_line_column)
     ASSERT(v == NULL);
 }
 
+/* An integer beyond int64 (Python reads it; a JSON Schema bound) is read as a real; the
+ * document's other integers stay integers, also at the top level. */
+TEST(json_loadb_reads_big_integers_as_reals)
+{
+    const char *s = "{\"maximum\": 9223372036854776000, \"maxLength\": 3, \"x\": 2.5, "
+                    "\"a\": [1, -18446744073709551616, {\"n\": 7}]}";
+    json_error_t e;
+    json_t *v = pdj_loadb(s, strlen(s), 0, &e);
+    ASSERT(v);
+    ASSERT(json_is_real(json_object_get(v, "maximum")));
+    ASSERT(json_real_value(json_object_get(v, "maximum")) == 9223372036854776000.0);
+    ASSERT(json_is_integer(json_object_get(v, "maxLength")));
+    ASSERT(json_is_real(json_object_get(v, "x")));
+    const json_t *a = json_object_get(v, "a");
+    ASSERT(json_is_integer(json_array_get(a, 0)));
+    ASSERT(json_is_real(json_array_get(a, 1)));
+    ASSERT_EQ_INT(json_integer_value(json_object_get(json_array_get(a, 2), "n")), 7);
+    json_decref(v);
+    v = pdj_loadb("[1", 2, 0, &e); /* any other error is still one */
+    ASSERT(!v);
+    v = pdj_loadb("12345678901234567890", 20, JSON_DECODE_ANY, &e);
+    ASSERT(json_is_real(v));
+    json_decref(v);
+}
+
 TEST(json_duplicate_keys_last_wins_in_bodies_rejected_in_files)
 {
     json_t *v = NULL;
