@@ -309,13 +309,13 @@ static void on_prefill_done(void *arg, int st, const char *details, const uint8_
     if (m->first->status != 0) {
         c->err_http = 500;
         snprintf(c->err, sizeof c->err, "Generation failed: %s", m->first->error);
-    } else if (!beam) {
+    } else {
         if (m->first->prompt_logprobs) { /* kept for the response; the loop reads them */
             if (c->plp) pd__prompt_logprobs__free_unpacked(c->plp, NULL);
             c->plp = m->first->prompt_logprobs;
             m->first->prompt_logprobs = NULL;
         }
-        srv_rec_push(&c->pending, m->first);
+        if (!beam) srv_rec_push(&c->pending, m->first);
     }
     bool final = (m->first->final && !beam) || m->first->status != 0;
     pthread_mutex_unlock(&r->mu);

@@ -188,12 +188,18 @@ static bool plp_has(const Pd__PromptLogprobs *p, size_t i)
            i * nt <= p->n_top_logprobs;
 }
 
+/* The prompt logprobs of c's prompt: its own, or a beam search's choice's its leader's. */
+static const Pd__PromptLogprobs *choice_plp(const sreq *r, const choice *c)
+{
+    return c->rides ? r->choices[c->index - c->index % r->req.best_of].plp : c->plp;
+}
+
 void srv_lp_prompt_items(sreq *r, choice *c, pd_sb out[4])
 {
     if (r->req.kind != PD_API_COMPLETIONS || !r->req.echo || c->echo_lp_done) return;
     c->echo_lp_done = true;
     const pd_api_prompt *pr = &r->req.prompts[c->prompt_idx];
-    const Pd__PromptLogprobs *p = c->plp;
+    const Pd__PromptLogprobs *p = choice_plp(r, c);
     size_t nt = p && p->n_top > 0 ? (size_t)p->n_top : 0;
     rec_buf w = {.top_ids = p ? p->top_ids : NULL, .top_lps = p ? p->top_logprobs : NULL};
     for (size_t i = 0; i < pr->n_ids; i++) {
@@ -222,7 +228,7 @@ void srv_lp_prompt_items(sreq *r, choice *c, pd_sb out[4])
  * "decoded_token"}, ...}, ...] with the prompt token first, then the top ones (vLLM's dict). */
 static void prompt_logprobs_json(sreq *r, pd_sb *b, const choice *c)
 {
-    const Pd__PromptLogprobs *p = c ? c->plp : NULL;
+    const Pd__PromptLogprobs *p = c ? choice_plp(r, c) : NULL;
     if (r->req.sp.prompt_logprobs < 0 || !c) {
         pd_sb_str(b, "null");
         return;

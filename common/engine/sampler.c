@@ -231,7 +231,6 @@ int pd_sampling_check(const pd_sampling_fields *f, int32_t vocab)
 
 const char *pd_sampling_beam_unsupported(const pd_sampling_params *p)
 {
-    if (p->prompt_logprobs >= 0) return "prompt_logprobs";
     if (p->min_tokens > 0) return "min_tokens";
     if (p->presence_penalty != 0.0) return "presence_penalty";
     if (p->frequency_penalty != 0.0) return "frequency_penalty";

@@ -154,8 +154,8 @@ int pd_sampling_check(const pd_sampling_fields *f, int32_t vocab);
 int pd_sampling_params_validate(const pd_sampling_params *p, int32_t vocab);
 
 /* With use_beam_search: the first field of p a beam search does not support (the engine's
- * search applies no logits processor and computes no prompt logprobs: docs/beam_search.md), as
- * the field's name ("min_tokens", "presence_penalty", ...), or NULL. */
+ * search applies no logits processor: docs/beam_search.md), as the field's name ("min_tokens",
+ * "presence_penalty", ...), or NULL. */
 const char *pd_sampling_beam_unsupported(const pd_sampling_params *p);
 
 /* True when p selects greedy decoding (temperature < PD_SAMPLING_GREEDY_EPS). */

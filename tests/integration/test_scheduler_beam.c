@@ -323,6 +323,55 @@ TEST(sched_beam_stop_strings_and_logprobs)
     ASSERT_EQ_INT(cl_stop(&lp, 10000), 0);
 }
 
+/* prompt_logprobs with a search are the prefill instance's, as for any request: equal to a
+ * greedy request's of the same prompt, in every choice; with echo and logprobs each choice's
+ * logprobs start with the prompt's items. */
+TEST(sched_beam_prompt_logprobs)
+{
+    FIXTURE();
+    int st = 0;
+    json_t *g = post_json(g_port, "/v1/completions",
+                          "{\"prompt\":\"The knight rode far\",\"max_tokens\":2,"
+                          "\"temperature\":0,\"prompt_logprobs\":2}",
+                          &st);
+    ASSERT_EQ_INT(st, 200);
+    json_t *b = post_json(g_port, "/v1/completions",
+                          "{\"prompt\":\"The knight rode far\",\"max_tokens\":6,"
+                          "\"use_beam_search\":true,\"n\":2,\"best_of\":3,\"temperature\":0,"
+                          "\"prompt_logprobs\":2}",
+                          &st);
+    ASSERT_EQ_INT(st, 200);
+    char *want = json_dumps(
+        json_object_get(json_array_get(json_object_get(g, "choices"), 0), "prompt_logprobs"),
+        JSON_COMPACT);
+    ASSERT(want && strlen(want) > 20);
+    for (size_t i = 0; i < 2; i++) {
+        char *got = json_dumps(
+            json_object_get(json_array_get(json_object_get(b, "choices"), i), "prompt_logprobs"),
+            JSON_COMPACT);
+        ASSERT_MSG(got && strcmp(got, want) == 0, "choice %zu: %s, greedy %s", i, got, want);
+        free(got);
+    }
+    free(want);
+    json_decref(g);
+    json_decref(b);
+    b = post_json(g_port, "/v1/completions",
+                  "{\"prompt\":\"The knight rode far\",\"max_tokens\":6,\"use_beam_search\":true,"
+                  "\"n\":2,\"best_of\":3,\"temperature\":0,\"echo\":true,\"logprobs\":1}",
+                  &st);
+    ASSERT_EQ_INT(st, 200);
+    for (size_t i = 0; i < 2; i++) {
+        const json_t *c = json_array_get(json_object_get(b, "choices"), i);
+        const json_t *lp = json_object_get(json_object_get(c, "logprobs"), "token_logprobs");
+        ASSERT_MSG(json_array_size(lp) > 4 && json_is_null(json_array_get(lp, 0)) &&
+                       json_is_number(json_array_get(lp, 1)),
+                   "choice %zu: %s", i, json_dumps(c, JSON_COMPACT));
+        ASSERT(strncmp(json_string_value(json_object_get(c, "text")), "The knight rode far", 19) ==
+               0);
+    }
+    json_decref(b);
+}
+
 /* The legacy /generate (USE_OPENAI=0): {"text": [...]} of the n beams, prompt included. */
 TEST(sched_beam_legacy_generate)
 {
@@ -362,10 +411,9 @@ TEST(sched_beam_refusals_and_metrics)
 {
     FIXTURE();
     static const char *const refused[][2] = {
-        {"\"prompt_logprobs\":1",
-         "use_beam_search: prompt_logprobs is not supported with beam search"},
-        {"\"echo\":true,\"logprobs\":1",
-         "use_beam_search: prompt_logprobs is not supported with beam search"},
+        {"\"min_tokens\":2", "use_beam_search: min_tokens is not supported with beam search"},
+        {"\"repetition_penalty\":1.2",
+         "use_beam_search: repetition_penalty is not supported with beam search"},
         {"\"presence_penalty\":0.5",
          "use_beam_search: presence_penalty is not supported with beam search"},
         {"\"guided_choice\":[\"a\",\"b\"]",
