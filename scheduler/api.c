@@ -1141,7 +1141,7 @@ int pd_api_parse(const pd_api_limits *lim, pd_api_kind kind, const char *body, s
         json_object_foreach(o, k, v) PD_DEBUG(NULL, "request key '%s'", k);
     }
 done:
-    /* what the engine's search does not apply (logprobs, stop strings, the logits processors) */
+    /* what the engine's search does not apply: the logits processors (docs/beam_search.md) */
     if (rc >= 0 && out->sp.use_beam_search && out->kind != PD_API_TOKENIZE) {
         const char *field = pd_sampling_beam_unsupported(&out->sp);
         if (field) rc = bad("use_beam_search: %s is not supported with beam search", field);

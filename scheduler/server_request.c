@@ -657,7 +657,7 @@ void srv_dispatch(sreq *r)
     /* n > 1: the block size of an instance that caches prefixes, for the followers */
     int cache_bs = 0;
     if (n > 1 && !beam) cache_bs = pd_reg_cache_block(s->reg, RT_ROLE_PREFILL);
-    if (n > 1 && !cache_bs) cache_bs = pd_reg_cache_block(s->reg, RT_ROLE_DECODE);
+    if (n > 1 && !beam && !cache_bs) cache_bs = pd_reg_cache_block(s->reg, RT_ROLE_DECODE);
     for (int i = 0; i < r->n_choices; i++) {
         choice *c = &r->choices[i];
         c->r = r;

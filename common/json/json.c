@@ -181,7 +181,14 @@ int pdj_loads(const char *text, size_t len, const char *what, json_t **out)
     return PD_OK;
 }
 
-/* Whole reals within int64 back to integers, in place (see pdj_loadb). */
+/* x as an integer (a new reference) when it is a whole real within int64, else NULL. */
+static json_t *whole(const json_t *x)
+{
+    double d = json_is_real(x) ? json_real_value(x) : 0.5;
+    return d == floor(d) && fabs(d) < 9.2e18 ? json_integer((json_int_t)d) : NULL;
+}
+
+/* The whole reals within int64 of v made integers again, in place (see pdj_loadb). */
 static int restore_ints(json_t *v)
 {
     if (json_is_object(v)) {
@@ -189,26 +196,13 @@ static int restore_ints(json_t *v)
         json_t *x;
         json_object_foreach(v, k, x)
         {
-            if (json_is_real(x)) {
-                double d = json_real_value(x);
-                if (d == floor(d) && fabs(d) < 9.2e18 &&
-                    json_object_set_new(v, k, json_integer((json_int_t)d)) < 0)
-                    return -1;
-            } else if (restore_ints(x) < 0) {
-                return -1;
-            }
+            json_t *w = whole(x);
+            if (w ? json_object_set_new(v, k, w) < 0 : restore_ints(x) < 0) return -1;
         }
     } else if (json_is_array(v)) {
         for (size_t i = 0; i < json_array_size(v); i++) {
-            json_t *x = json_array_get(v, i);
-            if (json_is_real(x)) {
-                double d = json_real_value(x);
-                if (d == floor(d) && fabs(d) < 9.2e18 &&
-                    json_array_set_new(v, i, json_integer((json_int_t)d)) < 0)
-                    return -1;
-            } else if (restore_ints(x) < 0) {
-                return -1;
-            }
+            json_t *x = json_array_get(v, i), *w = whole(x);
+            if (w ? json_array_set_new(v, i, w) < 0 : restore_ints(x) < 0) return -1;
         }
     }
     return 0;
@@ -219,12 +213,10 @@ json_t *pdj_loadb(const char *text, size_t len, size_t flags, json_error_t *err)
     json_t *v = json_loadb(text, len, flags, err);
     if (v || !strstr(err->text, "too big")) return v;
     v = json_loadb(text, len, flags | JSON_DECODE_INT_AS_REAL, err);
-    if (json_is_real(v)) { /* a document that is one number */
-        double d = json_real_value(v);
-        if (d == floor(d) && fabs(d) < 9.2e18) {
-            json_decref(v);
-            v = json_integer((json_int_t)d);
-        }
+    json_t *w = whole(v); /* a document that is one number */
+    if (w) {
+        json_decref(v);
+        v = w;
     }
     if (v && restore_ints(v) < 0) {
         json_decref(v);

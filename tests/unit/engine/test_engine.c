@@ -847,8 +847,8 @@ TEST(engine_spec_keeps_the_sampled_distribution)
     int32_t prompt[256];
     size_t n_prompt = 6;
     memcpy(prompt, base.prompt, n_prompt * sizeof *prompt);
-    /* the prompt: 6 ids and the model's greedy continuation of them, 200 tokens, whose tail
-       loops */
+    /* the prompt: 6 ids and the model's greedy continuation of them, 200 tokens, whose
+       repeats the drafts follow */
     base.n_prompt = n_prompt;
     base.sp.temperature = 0.0;
     base.sp.max_tokens = 200;
