@@ -290,6 +290,12 @@ typedef struct {
     uint64_t seq, credit;
 } flow_op;
 
+/* The first choice of c's prompt: a beam search's leader, whose chain carries c's events. */
+static inline choice *srv_leader(const sreq *r, const choice *c)
+{
+    return &r->choices[c->index - c->index % r->req.best_of];
+}
+
 /* ---- server_chain.c (rpc thread) ------------------------------------------------------------ */
 
 /* Puts r on the ready list for the loop (any thread; from the rpc thread the wake-up waits for

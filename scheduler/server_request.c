@@ -503,7 +503,7 @@ static void process(sreq *r)
     bool all = true;
     for (int i = 0; i < r->n_choices; i++) {
         const choice *c = &r->choices[i];
-        if (c->rides && !c->finished && !r->choices[i - i % r->req.best_of].chain_running) {
+        if (c->rides && !c->finished && !srv_leader(r, c)->chain_running) {
             srv_request_fail(r, 500,
                              "Generation failed: the beam search ended without this choice.");
             return;

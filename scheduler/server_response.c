@@ -191,7 +191,7 @@ static bool plp_has(const Pd__PromptLogprobs *p, size_t i)
 /* The prompt logprobs of c's prompt: its own, or a beam search's choice's its leader's. */
 static const Pd__PromptLogprobs *choice_plp(const sreq *r, const choice *c)
 {
-    return c->rides ? r->choices[c->index - c->index % r->req.best_of].plp : c->plp;
+    return c->rides ? srv_leader(r, c)->plp : c->plp;
 }
 
 void srv_lp_prompt_items(sreq *r, choice *c, pd_sb out[4])

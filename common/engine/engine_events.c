@@ -126,41 +126,52 @@ bool eng_seq_end_status(pd_engine *e, eng_seq *s, int status, const char *msg)
     return true;
 }
 
+/* Feeds token through detokenizer d (NULL: no text) and checker st and appends the text to
+ * show to sl->text at *tlen; when it ends the sequence, also the detokenizer's held tail (as
+ * the checker lets it through) and the stop string (sl->ev.stop_string). *sr: the push's. */
+static int text_push(ev_slot *sl, pd_detok *d, pd_stop *st, int32_t token, size_t *tlen,
+                     pd_stop_result *sr)
+{
+    const char *delta = "";
+    size_t dlen = 0;
+    if (d) PD_CHECK(pd_detok_push(d, token, &delta, &dlen));
+    PD_CHECK(pd_stop_push(st, token, delta, dlen, sr));
+    PD_CHECK(grow_buf(&sl->text, &sl->text_cap, *tlen + sr->text_len + 1));
+    memcpy(sl->text + *tlen, sr->text, sr->text_len);
+    *tlen += sr->text_len;
+    if (sr->finish == PD_FINISH_NONE) return PD_OK;
+    const char *tail = "";
+    size_t tail_len = 0;
+    if (d) PD_CHECK(pd_detok_flush(d, &tail, &tail_len));
+    pd_stop_result fr;
+    PD_CHECK(pd_stop_flush(st, tail, tail_len, &fr));
+    PD_CHECK(grow_buf(&sl->text, &sl->text_cap, *tlen + fr.text_len + 1));
+    memcpy(sl->text + *tlen, fr.text, fr.text_len);
+    *tlen += fr.text_len;
+    if (sr->stop_kind == PD_STOP_REASON_STRING && sr->stop_string) {
+        size_t n = strlen(sr->stop_string);
+        PD_CHECK(grow_buf(&sl->stop_str, &sl->stop_cap, n + 1));
+        memcpy(sl->stop_str, sr->stop_string, n + 1);
+        sl->ev.stop_string = sl->stop_str;
+    }
+    return PD_OK;
+}
+
 int eng_seq_emit_token(pd_engine *e, eng_seq *s, int32_t token, const pd_sample_result *res)
 {
     eng_req *r = s->req;
     ev_slot *sl = slot_begin(e, s);
     if (!sl) return pd_error(PD_EINTERNAL, "engine: output queue overflow");
-    const char *delta = "";
-    size_t dlen = 0;
-    if (s->detok) PD_CHECK(pd_detok_push(s->detok, token, &delta, &dlen));
     pd_stop_result sr;
     /* a grammar complete with nothing to follow (or past an EOS that ignore_eos kept) ends
      * the answer here, as an EOS would */
     if (s->gm && pd_gmatcher_is_terminated(s->gm)) pd_stop_complete(s->stop);
-    PD_CHECK(pd_stop_push(s->stop, token, delta, dlen, &sr));
     size_t tlen = 0;
-    PD_CHECK(grow_buf(&sl->text, &sl->text_cap, sr.text_len + 1));
-    memcpy(sl->text, sr.text, sr.text_len);
-    tlen = sr.text_len;
+    PD_CHECK(text_push(sl, s->detok, s->stop, token, &tlen, &sr));
     if (sr.finish != PD_FINISH_NONE) {
-        const char *tail = "";
-        size_t tail_len = 0;
-        if (s->detok) PD_CHECK(pd_detok_flush(s->detok, &tail, &tail_len));
-        pd_stop_result fr;
-        PD_CHECK(pd_stop_flush(s->stop, tail, tail_len, &fr));
-        PD_CHECK(grow_buf(&sl->text, &sl->text_cap, tlen + fr.text_len + 1));
-        memcpy(sl->text + tlen, fr.text, fr.text_len);
-        tlen += fr.text_len;
         sl->ev.finish = sr.finish;
         sl->ev.stop_kind = sr.stop_kind;
         sl->ev.stop_token = sr.stop_token;
-        if (sr.stop_kind == PD_STOP_REASON_STRING && sr.stop_string) {
-            size_t n = strlen(sr.stop_string);
-            PD_CHECK(grow_buf(&sl->stop_str, &sl->stop_cap, n + 1));
-            memcpy(sl->stop_str, sr.stop_string, n + 1);
-            sl->ev.stop_string = sl->stop_str;
-        }
     }
     sl->text[tlen] = '\0';
     sl->ev.text = sl->text;
@@ -216,34 +227,15 @@ static int beam_text(pd_engine *e, const eng_req *r, ev_slot *sl, const int32_t 
     if (rc >= 0) rc = pd_stop_create(&r->sp, &e->stop_model, (int64_t)r->n_prompt, &st);
     size_t tlen = 0;
     pd_stop_result sr = {0};
-    for (size_t i = 0; i < n && rc >= 0 && sr.finish == PD_FINISH_NONE; i++) {
-        const char *delta;
-        size_t dlen;
-        rc = pd_detok_push(d, toks[i], &delta, &dlen);
-        if (rc >= 0) rc = pd_stop_push(st, toks[i], delta, dlen, &sr);
-        if (rc >= 0) rc = grow_buf(&sl->text, &sl->text_cap, tlen + sr.text_len + 1);
-        if (rc >= 0) memcpy(sl->text + tlen, sr.text, sr.text_len);
-        tlen += rc >= 0 ? sr.text_len : 0;
-    }
-    const char *tail = "";
-    size_t tail_len = 0;
-    if (rc >= 0) rc = pd_detok_flush(d, &tail, &tail_len);
+    for (size_t i = 0; i < n && rc >= 0 && sr.finish == PD_FINISH_NONE; i++)
+        rc = text_push(sl, d, st, toks[i], &tlen, &sr);
     if (rc >= 0 && sr.finish == PD_FINISH_NONE) { /* cannot happen: the search stopped it */
-        rc = grow_buf(&sl->text, &sl->text_cap, tlen + tail_len + 1);
+        const char *tail = "";
+        size_t tail_len = 0;
+        rc = pd_detok_flush(d, &tail, &tail_len);
+        if (rc >= 0) rc = grow_buf(&sl->text, &sl->text_cap, tlen + tail_len + 1);
         if (rc >= 0) memcpy(sl->text + tlen, tail, tail_len);
         tlen += rc >= 0 ? tail_len : 0;
-    } else if (rc >= 0) {
-        pd_stop_result fr;
-        rc = pd_stop_flush(st, tail, tail_len, &fr);
-        if (rc >= 0) rc = grow_buf(&sl->text, &sl->text_cap, tlen + fr.text_len + 1);
-        if (rc >= 0) memcpy(sl->text + tlen, fr.text, fr.text_len);
-        tlen += rc >= 0 ? fr.text_len : 0;
-    }
-    if (rc >= 0 && sr.stop_kind == PD_STOP_REASON_STRING && sr.stop_string) {
-        size_t len = strlen(sr.stop_string);
-        rc = grow_buf(&sl->stop_str, &sl->stop_cap, len + 1);
-        if (rc >= 0) memcpy(sl->stop_str, sr.stop_string, len + 1);
-        if (rc >= 0) sl->ev.stop_string = sl->stop_str;
     }
     pd_detok_free(d);
     pd_stop_free(st);
