@@ -275,6 +275,10 @@ int pd_engine_create(const pd_engine_params *params, pd_engine **out)
         goto fail;
     }
     e->p.model = NULL;
+    char cfg_file[4096];
+    snprintf(cfg_file, sizeof cfg_file, "%s/config.json", e->model->dir ? e->model->dir : ".");
+    PD_CHECK_GOTO(pd_quant_check_flag(e->p.quantization, &e->model->config.quant, cfg_file), rc,
+                  fail);
     e->tok = e->p.tok;
     /* a tokenizer named by --tokenizer must load; the model's own is optional */
     const char *tok_dir = e->p.tokenizer_dir ? e->p.tokenizer_dir : e->p.model_dir;

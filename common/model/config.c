@@ -276,6 +276,7 @@ static int config_parse(const json_t *root, pd_model_config *out)
     bool use_sw = !qwen;
     PD_CHECK(pdj_get_bool(root, "", "use_sliding_window", O, &use_sw));
     c.sliding_window = use_sw ? sw : 0;
+    PD_CHECK(pd_quant_config_parse(json_object_get(root, "quantization_config"), &c.quant));
     *out = c;
     return PD_OK;
 }

@@ -17,6 +17,7 @@
 #include <stdint.h>
 
 #include "model/dtype.h"
+#include "model/quant.h"
 
 /* Enums only grow at the end. */
 typedef enum {
@@ -67,6 +68,7 @@ typedef struct {
     int n_eos_token_ids;  /* 0 when absent; "eos_token_id" may be an int or a list */
     int64_t eos_token_ids[PD_MAX_EOS_IDS];
     int64_t sliding_window; /* 0 when absent/null/disabled; caps the context (pd_model_max_len) */
+    pd_quant_config quant;  /* "quantization_config" (method PD_QUANT_NONE when absent) */
 } pd_model_config;
 
 /* Llama defaults as transformers' LlamaConfig has them (sizes 0: must come from the file). */

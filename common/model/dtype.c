@@ -10,6 +10,10 @@ size_t pd_dtype_size(pd_dtype dt)
     case PD_DTYPE_F32: return 4;
     case PD_DTYPE_F16: return 2;
     case PD_DTYPE_BF16: return 2;
+    case PD_DTYPE_I32: return 4;
+    case PD_DTYPE_I8:
+    case PD_DTYPE_U8:
+    case PD_DTYPE_F8_E4M3: return 1;
     }
     return 0;
 }
@@ -20,6 +24,10 @@ const char *pd_dtype_name(pd_dtype dt)
     case PD_DTYPE_F32: return "float32";
     case PD_DTYPE_F16: return "float16";
     case PD_DTYPE_BF16: return "bfloat16";
+    case PD_DTYPE_I32: return "int32";
+    case PD_DTYPE_I8: return "int8";
+    case PD_DTYPE_U8: return "uint8";
+    case PD_DTYPE_F8_E4M3: return "float8_e4m3fn";
     }
     return "?";
 }
@@ -30,6 +38,10 @@ const char *pd_dtype_st_name(pd_dtype dt)
     case PD_DTYPE_F32: return "F32";
     case PD_DTYPE_F16: return "F16";
     case PD_DTYPE_BF16: return "BF16";
+    case PD_DTYPE_I32: return "I32";
+    case PD_DTYPE_I8: return "I8";
+    case PD_DTYPE_U8: return "U8";
+    case PD_DTYPE_F8_E4M3: return "F8_E4M3";
     }
     return "?";
 }
@@ -95,6 +107,10 @@ void pd_to_f32_n(pd_dtype src_dtype, const void *src, float *dst, size_t n)
     case PD_DTYPE_F32: memcpy(dst, src, n * sizeof(float)); break;
     case PD_DTYPE_F16: pd_f16_to_f32_n(src, dst, n); break;
     case PD_DTYPE_BF16: pd_bf16_to_f32_n(src, dst, n); break;
+    case PD_DTYPE_I32: BLOCKED(n, dst[i] = (float)((const int32_t *)src)[i]); break;
+    case PD_DTYPE_I8: BLOCKED(n, dst[i] = (float)((const int8_t *)src)[i]); break;
+    case PD_DTYPE_U8: BLOCKED(n, dst[i] = (float)((const uint8_t *)src)[i]); break;
+    case PD_DTYPE_F8_E4M3: BLOCKED(n, dst[i] = pd_f8e4m3_to_f32(((const uint8_t *)src)[i])); break;
     }
 }
 
@@ -104,5 +120,6 @@ void pd_from_f32_n(pd_dtype dst_dtype, const float *src, void *dst, size_t n)
     case PD_DTYPE_F32: memcpy(dst, src, n * sizeof(float)); break;
     case PD_DTYPE_F16: pd_f32_to_f16_n(src, dst, n); break;
     case PD_DTYPE_BF16: pd_f32_to_bf16_n(src, dst, n); break;
+    default: break;
     }
 }

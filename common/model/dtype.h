@@ -14,19 +14,38 @@
 #include <stdint.h>
 #include <string.h>
 
-/* On-disk/wire values: only grow at the end. */
-typedef enum { PD_DTYPE_F32 = 0, PD_DTYPE_F16 = 1, PD_DTYPE_BF16 = 2 } pd_dtype;
+/* On-disk/wire values: only grow at the end. The first PD_DTYPE_COUNT are the float dtypes
+ * weights, activations and the KV cache are computed in; the others are the stored parts of
+ * quantized checkpoints (packed int32 nibbles, int8 / uint8 values, float8 e4m3 weights), which
+ * only model/quant.h reads and no --dtype names. */
+typedef enum {
+    PD_DTYPE_F32 = 0,
+    PD_DTYPE_F16 = 1,
+    PD_DTYPE_BF16 = 2,
+    PD_DTYPE_I32 = 3,
+    PD_DTYPE_I8 = 4,
+    PD_DTYPE_U8 = 5,
+    PD_DTYPE_F8_E4M3 = 6, /* float8_e4m3fn: bias 7, no infinities, 0x7f/0xff NaN, max 448 */
+} pd_dtype;
 
-#define PD_DTYPE_COUNT 3
+#define PD_DTYPE_COUNT     3 /* the float dtypes: F32, F16, BF16 */
+#define PD_DTYPE_ALL_COUNT 7
 
-/* Bytes per element (4, 2, 2); 0 for an out-of-range value. */
+/* 1 for F32, F16 and BF16. */
+static inline int pd_dtype_is_float(pd_dtype dt)
+{
+    return dt == PD_DTYPE_F32 || dt == PD_DTYPE_F16 || dt == PD_DTYPE_BF16;
+}
+
+/* Bytes per element (4, 2, 2, 4, 1, 1, 1); 0 for an out-of-range value. */
 size_t pd_dtype_size(pd_dtype dt);
-/* torch_dtype spelling: "float32", "float16", "bfloat16" ("?" for an out-of-range value). */
+/* torch_dtype spelling: "float32", "float16", "bfloat16", "int32", "int8", "uint8",
+ * "float8_e4m3fn" ("?" for an out-of-range value). */
 const char *pd_dtype_name(pd_dtype dt);
-/* safetensors spelling: "F32", "F16", "BF16". */
+/* safetensors spelling: "F32", "F16", "BF16", "I32", "I8", "U8", "F8_E4M3". */
 const char *pd_dtype_st_name(pd_dtype dt);
-/* Accepts either spelling above, plus "float", "half", "fp32", "fp16", "bf16" (case-sensitive).
- * Returns PD_OK, or PD_EUNSUPPORTED with a message naming s. */
+/* Accepts the float dtypes only, in either spelling above, plus "float", "half", "fp32", "fp16",
+ * "bf16" (case-sensitive). Returns PD_OK, or PD_EUNSUPPORTED with a message naming s. */
 int pd_dtype_parse(const char *s, pd_dtype *out);
 
 /* ---- scalar conversions ------------------------------------------------------------------ */
@@ -99,15 +118,49 @@ static inline uint16_t pd_f32_to_f16(float f)
     return (uint16_t)(sign | r);
 }
 
+/* float8 e4m3fn -> float32, exact: the byte's exponent and mantissa moved into a float's
+ * (subnormals scaled by their exponent), NaN for 0x7f / 0xff. */
+static inline float pd_f8e4m3_to_f32(uint8_t b)
+{
+    const uint32_t sign = (uint32_t)(b & 0x80u) << 24;
+    const uint32_t em = b & 0x7fu;
+    if (em == 0x7fu) return pd_f32_from_bits(sign | 0x7fc00000u);
+    float mag = em >= 8u ? pd_f32_from_bits(((em + (120u << 3)) << 20)) /* bias 7 -> 127 */
+                         : (float)em * 0.001953125f;                       /* em * 2^-9 */
+    return pd_f32_from_bits(sign | pd_f32_bits(mag));
+}
+
+/* float32 -> float8 e4m3fn, round to nearest even, saturating to +-448 (what torch's
+ * to(float8_e4m3fn) does after a clamp, as quantizers write checkpoints); NaN -> 0x7f. */
+static inline uint8_t pd_f32_to_f8e4m3(float f)
+{
+    const uint32_t u = pd_f32_bits(f);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
+    const uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return (uint8_t)(sign | 0x7fu);
+    if (a >= 0x43e00000u) return (uint8_t)(sign | 0x7eu); /* >= 448 */
+    if (a < 0x3c800000u) {                                /* < 2^-6: subnormal steps of 2^-9 */
+        /* |f| / 2^-9 (below 8) rounded to nearest even by the FPU: next to 2^23 a float's
+           unit in the last place is 1 */
+        float q = pd_f32_from_bits(a) * 512.0f + 8388608.0f;
+        return (uint8_t)(sign | (uint8_t)(pd_f32_bits(q) - 0x4b000000u));
+    }
+    uint32_t v = a - (120u << 23); /* exponent bias 127 -> 7 */
+    v += 0x7ffffu + ((v >> 20) & 1u);
+    uint32_t r = v >> 20;
+    if (r > 0x7eu) r = 0x7eu;
+    return (uint8_t)(sign | r);
+}
+
 /* ---- bulk conversions (n elements; src and dst must not overlap) -------------------------- */
 
 void pd_bf16_to_f32_n(const uint16_t *src, float *dst, size_t n);
 void pd_f32_to_bf16_n(const float *src, uint16_t *dst, size_t n);
 void pd_f16_to_f32_n(const uint16_t *src, float *dst, size_t n);
 void pd_f32_to_f16_n(const float *src, uint16_t *dst, size_t n);
-/* Any stored dtype -> float32 (a copy for F32). */
+/* Any stored dtype -> float32 (a copy for F32; integers by value). */
 void pd_to_f32_n(pd_dtype src_dtype, const void *src, float *dst, size_t n);
-/* float32 -> any dtype (a copy for F32). */
+/* float32 -> a float dtype (a copy for F32); other dtypes are left untouched. */
 void pd_from_f32_n(pd_dtype dst_dtype, const float *src, void *dst, size_t n);
 
 #endif

@@ -28,34 +28,30 @@ int64_t pd_model_param_count(const pd_model_config *c)
     return emb * (c->tie_word_embeddings ? 1 : 2) + c->num_hidden_layers * layer + H;
 }
 
-/* The file a missing tensor should have been in: the single file, else the directory. */
-static const char *where(const pd_st *st)
-{
-    return pd_st_file_count(st) == 1 && pd_st_count(st) > 0 ? pd_st_at(st, 0)->file
-                                                            : pd_st_path(st);
-}
-
-/* Finds name and checks its shape: ndim dims, want[0..ndim). */
+/* Finds name, checks it holds floats and its shape: ndim dims (a, b). */
 static int resolve(const pd_st *st, pd_tensor *out, const char *name, int ndim, int64_t a,
                    int64_t b)
 {
-    const int64_t want[2] = {a, b};
-    pd_tensor exp;
-    memset(&exp, 0, sizeof exp);
-    exp.ndim = ndim;
-    for (int i = 0; i < ndim; i++) exp.shape[i] = want[i];
-    char es[96], as[96];
-    const pd_tensor *t = pd_st_get(st, name);
-    if (!t)
-        return pd_error(PD_ENOTFOUND, "%s: tensor '%s' not found (expected shape %s)", where(st),
-                        name, pd_tensor_shape_str(&exp, es, sizeof es));
-    int ok = t->ndim == ndim;
-    for (int i = 0; ok && i < ndim; i++) ok = t->shape[i] == want[i];
-    if (!ok)
-        return pd_error(PD_EINVAL, "%s: tensor '%s': expected shape %s, got %s", t->file, name,
-                        pd_tensor_shape_str(&exp, es, sizeof es),
-                        pd_tensor_shape_str(t, as, sizeof as));
-    *out = *t;
+    const int64_t shape[2] = {a, b};
+    return pd_st_expect(st, name, PD_ST_FLOAT, ndim, shape, out);
+}
+
+/* Linear layer `module` of layer l, (rows, cols): module.weight, or its quantized tensors
+ * when the checkpoint is quantized and the module is not in its ignore list. */
+static int linear(pd_model *m, int l, pd_tensor *out, const char *module, int64_t rows,
+                  int64_t cols)
+{
+    char prefix[128], name[160];
+    snprintf(prefix, sizeof prefix, "model.layers.%d.%s", l, module);
+    const pd_quant_config *qc = &m->config.quant;
+    if (qc->method == PD_QUANT_NONE || pd_quant_ignored(qc, prefix)) {
+        snprintf(name, sizeof name, "%s.weight", prefix);
+        return resolve(m->st, out, name, 2, rows, cols);
+    }
+    pd_qweight *q = &m->qweights[m->n_qweights];
+    PD_CHECK(pd_qweight_resolve(m->st, qc, prefix, rows, cols, q));
+    m->n_qweights++;
+    *out = pd_qweight_tensor(q);
     return PD_OK;
 }
 
@@ -69,6 +65,10 @@ static int resolve_weights(pd_model *m)
     pd_model_weights *w = &m->weights;
     w->layers = calloc((size_t)c->num_hidden_layers, sizeof *w->layers);
     if (!w->layers) return pd_error(PD_ENOMEM, "model: out of memory");
+    if (c->quant.method != PD_QUANT_NONE) {
+        m->qweights = calloc((size_t)c->num_hidden_layers * 7, sizeof *m->qweights);
+        if (!m->qweights) return pd_error(PD_ENOMEM, "model: out of memory");
+    }
     PD_CHECK(resolve(st, &w->embed_tokens, "model.embed_tokens.weight", 2, V, H));
     PD_CHECK(resolve(st, &w->norm, "model.norm.weight", 1, H, 0));
     if (c->tie_word_embeddings) {
@@ -82,12 +82,11 @@ static int resolve_weights(pd_model *m)
         char f[160];
 #define R1(field, suffix, a)                                                                       \
     (snprintf(f, sizeof f, "model.layers.%d.%s", l, suffix), resolve(st, &L->field, f, 1, a, 0))
-#define R2(field, suffix, a, b)                                                                    \
-    (snprintf(f, sizeof f, "model.layers.%d.%s", l, suffix), resolve(st, &L->field, f, 2, a, b))
+#define R2(field, suffix, a, b) linear(m, l, &L->field, suffix, a, b)
         PD_CHECK(R1(input_layernorm, "input_layernorm.weight", H));
-        PD_CHECK(R2(q_proj, "self_attn.q_proj.weight", Q, H));
-        PD_CHECK(R2(k_proj, "self_attn.k_proj.weight", KV, H));
-        PD_CHECK(R2(v_proj, "self_attn.v_proj.weight", KV, H));
+        PD_CHECK(R2(q_proj, "self_attn.q_proj", Q, H));
+        PD_CHECK(R2(k_proj, "self_attn.k_proj", KV, H));
+        PD_CHECK(R2(v_proj, "self_attn.v_proj", KV, H));
         if (c->qkv_bias) {
             PD_CHECK(R1(q_bias, "self_attn.q_proj.bias", Q));
             PD_CHECK(R1(k_bias, "self_attn.k_proj.bias", KV));
@@ -97,12 +96,12 @@ static int resolve_weights(pd_model *m)
             PD_CHECK(R1(q_norm, "self_attn.q_norm.weight", c->head_dim));
             PD_CHECK(R1(k_norm, "self_attn.k_norm.weight", c->head_dim));
         }
-        PD_CHECK(R2(o_proj, "self_attn.o_proj.weight", H, Q));
+        PD_CHECK(R2(o_proj, "self_attn.o_proj", H, Q));
         if (c->o_bias) PD_CHECK(R1(o_bias, "self_attn.o_proj.bias", H));
         PD_CHECK(R1(post_attention_layernorm, "post_attention_layernorm.weight", H));
-        PD_CHECK(R2(gate_proj, "mlp.gate_proj.weight", I, H));
-        PD_CHECK(R2(up_proj, "mlp.up_proj.weight", I, H));
-        PD_CHECK(R2(down_proj, "mlp.down_proj.weight", H, I));
+        PD_CHECK(R2(gate_proj, "mlp.gate_proj", I, H));
+        PD_CHECK(R2(up_proj, "mlp.up_proj", I, H));
+        PD_CHECK(R2(down_proj, "mlp.down_proj", H, I));
 #undef R1
 #undef R2
     }
@@ -156,6 +155,7 @@ void pd_model_free(pd_model *m)
     if (!m) return;
     pd_st_close(m->st);
     free(m->weights.layers);
+    free(m->qweights);
     free(m->dir);
     free(m);
 }

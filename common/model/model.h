@@ -4,7 +4,9 @@
  * Design: loading checks every tensor the architecture needs (presence, dtype, shape) once, so
  * a backend walks pd_model_weights without a single lookup or check of its own. Weights stay as
  * stored, mmapped, in any of F32/F16/BF16 (one dtype per tensor; they may differ between
- * tensors); converting or repacking them is the backend's choice. Unlike most pdserve structs
+ * tensors); converting or repacking them is the backend's choice. In a quantized checkpoint
+ * (config.quant) the seven linears of each layer are pd_tensors standing for their quantized
+ * tensors (pd_tensor.quant, model/quant.h) unless its ignore list names them. Unlike most pdserve structs
  * pd_model is readable: backends iterate its weights directly. It is immutable after load and
  * may be read from any number of threads.
  *
@@ -56,6 +58,8 @@ typedef struct pd_model {
     pd_model_weights weights;
     size_t weight_bytes; /* sum of nbytes of the distinct tensors above */
     pd_st *st;           /* owns the mappings the tensor views point into */
+    pd_qweight *qweights; /* the quantized linears the weights' pd_tensor.quant point at */
+    size_t n_qweights;
 } pd_model;
 
 /* Loads dir/config.json, dir/generation_config.json (optional), and the safetensors in dir

@@ -105,6 +105,38 @@ int pd_st_find(const pd_st *st, const char *name, const pd_tensor **out)
     return PD_OK;
 }
 
+/* The file a missing tensor should have been in: the single file, else the directory. */
+static const char *where(const pd_st *st)
+{
+    return st->n_files == 1 && st->n > 0 ? st->tensors[0].file : st->path;
+}
+
+int pd_st_expect(const pd_st *st, const char *name, int dtype, int ndim, const int64_t *shape,
+                 pd_tensor *out)
+{
+    pd_tensor exp;
+    memset(&exp, 0, sizeof exp);
+    exp.ndim = ndim;
+    for (int i = 0; i < ndim; i++) exp.shape[i] = shape[i];
+    char es[96], as[96];
+    const pd_tensor *t = pd_st_get(st, name);
+    if (!t)
+        return pd_error(PD_ENOTFOUND, "%s: tensor '%s' not found (expected shape %s)", where(st),
+                        name, pd_tensor_shape_str(&exp, es, sizeof es));
+    int ok = t->ndim == ndim;
+    for (int i = 0; ok && i < ndim; i++) ok = t->shape[i] == shape[i];
+    if (!ok)
+        return pd_error(PD_EINVAL, "%s: tensor '%s': expected shape %s, got %s", t->file, name,
+                        pd_tensor_shape_str(&exp, es, sizeof es),
+                        pd_tensor_shape_str(t, as, sizeof as));
+    if (dtype == PD_ST_FLOAT ? !pd_dtype_is_float(t->dtype) : (int)t->dtype != dtype)
+        return pd_error(PD_EINVAL, "%s: tensor '%s': expected dtype %s, got %s", t->file, name,
+                        dtype == PD_ST_FLOAT ? "F32, F16 or BF16" : pd_dtype_st_name(dtype),
+                        pd_dtype_st_name(t->dtype));
+    *out = *t;
+    return PD_OK;
+}
+
 size_t pd_st_count(const pd_st *st)
 {
     return st->n;
@@ -183,15 +215,12 @@ static int map_file(const char *path, st_file *f)
 
 static int dtype_from_st(const char *s, pd_dtype *out)
 {
-    if (strcmp(s, "F32") == 0)
-        *out = PD_DTYPE_F32;
-    else if (strcmp(s, "F16") == 0)
-        *out = PD_DTYPE_F16;
-    else if (strcmp(s, "BF16") == 0)
-        *out = PD_DTYPE_BF16;
-    else
-        return PD_EUNSUPPORTED;
-    return PD_OK;
+    for (int d = 0; d < PD_DTYPE_ALL_COUNT; d++)
+        if (strcmp(s, pd_dtype_st_name((pd_dtype)d)) == 0) {
+            *out = (pd_dtype)d;
+            return PD_OK;
+        }
+    return PD_EUNSUPPORTED;
 }
 
 typedef struct {
@@ -224,7 +253,7 @@ static int parse_entry(pd_st *st, const char *fpath, const char *name, const jso
     memset(&t, 0, sizeof t);
     if (dtype_from_st(dts, &t.dtype) < 0)
         return pd_error(PD_EUNSUPPORTED,
-                        "%s: tensor '%s': unsupported dtype \"%s\" (supported: F32, F16, BF16)",
+                        "%s: tensor '%s': unsupported dtype \"%s\" (supported: F32, F16, BF16, I32, I8, U8, F8_E4M3)",
                         fpath, name, dts);
     size_t nd = json_array_size(shape);
     if (nd > PD_TENSOR_MAX_DIMS)

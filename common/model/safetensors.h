@@ -5,7 +5,8 @@
  * {"name": {"dtype": "F32", "shape": [..], "data_offsets": [begin, end]}, ...,
  *  "__metadata__": {...}}, then the data region. The reader maps each file read-only and checks
  * everything before handing out a pointer: N within the file, the header parses, every dtype is
- * F32/F16/BF16 (others: PD_EUNSUPPORTED naming tensor and dtype), offsets lie inside the data
+ * F32/F16/BF16, or I32/I8/U8/F8_E4M3 (the parts of quantized checkpoints; others:
+ * PD_EUNSUPPORTED naming tensor and dtype), offsets lie inside the data
  * region, shape product x element size equals end - begin, and the tensors sorted by offset
  * cover the data region contiguously without overlap, each at a multiple of its element size.
  * Errors name the file and the tensor.
@@ -34,6 +35,9 @@ typedef struct {
                          aligned buffer), so typed loads of any element are aligned */
     size_t nbytes;    /* product(shape) * pd_dtype_size(dtype) */
     const char *file; /* path of the file that holds it */
+    /* Non-NULL: not a stored tensor but a quantized linear layer (model/quant.h) named by its
+     * module prefix, shape its logical (out, in), data NULL, nbytes all its stored bytes. */
+    const struct pd_qweight *quant;
 } pd_tensor;
 
 /* Number of elements (1 for ndim == 0). */
@@ -53,6 +57,16 @@ void pd_st_close(pd_st *st);
 int pd_st_find(const pd_st *st, const char *name, const pd_tensor **out);
 /* NULL when absent; no error message set. */
 const pd_tensor *pd_st_get(const pd_st *st, const char *name);
+/* Dtype classes pd_st_expect accepts: any float dtype, or exactly one dtype. */
+#define PD_ST_FLOAT (-1)
+
+/* Finds name and checks it: dtype (a pd_dtype, or PD_ST_FLOAT for F32/F16/BF16) and shape
+ * (ndim dims, shape[0..ndim)). PD_ENOTFOUND "<file>: tensor '<name>' not found (expected
+ * shape [..])", or PD_EINVAL "<file>: tensor '<name>': expected shape [..], got [..]" / "...:
+ * expected dtype .., got ..". *out is a copy of the view. */
+int pd_st_expect(const pd_st *st, const char *name, int dtype, int ndim, const int64_t *shape,
+                 pd_tensor *out);
+
 /* All tensors, in file order then header order. */
 size_t pd_st_count(const pd_st *st);
 const pd_tensor *pd_st_at(const pd_st *st, size_t i);

@@ -67,8 +67,13 @@ static const flag_def TABLE[] = {
     {"--dtype", PD_FLAG_CHOICE, PD_ROLE_NODES, NULL, .choices = CHOICES("auto", "float32", "bfloat16", "float16", "half=float16", "float=float32"),
      .help = "compute dtype (auto: bfloat16 on CUDA, float32 on the CPU; the CPU backend takes "
              "auto, float32 or bfloat16: bf16 matmuls, f32 accumulation)"},
-    {"--quantization", PD_FLAG_CHOICE, PD_ROLE_NODES, NULL, .choices = CHOICES("none"),
-     .help = "weight quantization"},
+    {"--quantization", PD_FLAG_CHOICE, PD_ROLE_NODES, NULL,
+     .choices = CHOICES("none", "awq", "awq_marlin", "gptq", "gptq_marlin", "fp8",
+                        "compressed-tensors", "smoothquant"),
+     .help = "the checkpoint's quantization method (config.json quantization_config), checked "
+             "at start-up; none or absent: whatever the checkpoint is. awq_marlin and "
+             "gptq_marlin mean awq and gptq; smoothquant: an int8 W8A8 compressed-tensors "
+             "checkpoint"},
     {"--gpu-memory-utilization", PD_FLAG_NUMBER, PD_ROLE_NODES, "F", 0, 1, .lo_open = true,
      .help = "CUDA: share of GPU memory for weights + KV"},
     {"--kv-transport", PD_FLAG_CHOICE, PD_ROLE_NODES, NULL, .choices = CHOICES("auto", "tcp", "nccl", "cuda_ipc"),

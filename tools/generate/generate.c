@@ -4,7 +4,7 @@
  *               [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S]
  *               [--concurrency N] [--json] [--bench] [--cpu-threads N] [--kv-cache-bytes N]
  *               [--prompt-logprobs K] [--dtype auto|float32|bfloat16]
- *               [--ignore-eos] [--beam-width W [--length-penalty X]]
+ *               [--ignore-eos] [--beam-width W [--length-penalty X]] [--quantization METHOD]
  *               [--cuda-device N [--dtype auto|float32|bfloat16|float16]]
  *
  * Design: a thin driver over the engine (engine.h) — the same scheduler, sampler, detokenizer
@@ -56,6 +56,7 @@ typedef struct {
     int threads;
     int cuda_device;         /* --cuda-device N: run on this GPU; -1 = the CPU backend */
     int dtype;               /* --dtype: -1 = auto (CUDA bfloat16, CPU float32), or a pd_dtype */
+    const char *quantization; /* --quantization: checked against the checkpoint (NULL: none) */
     int64_t concurrency;     /* requests in flight at once; 0 = all */
     bool no_prefix_cache;    /* --no-enable-prefix-caching */
     int64_t kv_cache_bytes;  /* --kv-cache-bytes: the pool's budget; 0 = the engine's default */
@@ -91,6 +92,7 @@ static void usage(FILE *o)
             "                   [--tokenizer DIR] [--prompt-logprobs K]\n"
             "                   [--[no-]enable-prefix-caching] [--kv-cache-bytes N]\n"
             "                   [--dtype auto|float32|bfloat16] (CPU: bfloat16 = bf16 matmuls)\n"
+            "                   [--quantization METHOD] (checked against config.json)\n"
             "                   [--cuda-device N [--dtype auto|float32|bfloat16|float16]]\n"
             "                   [--speculative-model [ngram] --num-speculative-tokens K\n"
             "                    --ngram-prompt-lookup-max N [--ngram-prompt-lookup-min N]\n"
@@ -177,6 +179,8 @@ static int parse_args(int argc, char **argv, args_t *a)
                     return pd_error(
                         PD_EINVAL, "--dtype: expected auto, float32, bfloat16 or float16, got '%s'",
                         v);
+            } else if (!strcmp(o, "--quantization")) {
+                a->quantization = v;
             } else if (!strcmp(o, "--beam-width")) {
                 PD_CHECK(pd_arg_i64(o, v, 2, 1 << 10, &a->beam_width));
             } else if (!strcmp(o, "--length-penalty")) {
@@ -491,6 +495,7 @@ int main(int argc, char **argv)
     ep.cpu_budget = getenv("PD_CPU_BUDGET");
     ep.enable_prefix_caching = !a.no_prefix_cache;
     ep.dtype = a.dtype;
+    ep.quantization = a.quantization;
     if (a.cuda_device >= 0) { /* the engine explains when this build or machine has no GPU */
         ep.n_cuda_devices = 1;
         ep.cuda_devices[0] = a.cuda_device;

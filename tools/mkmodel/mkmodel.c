@@ -13,6 +13,25 @@
  * the thread pool. Scales: projections std 1/sqrt(fan_in), norms 1 +- 0.1, embeddings std 1
  * and an lm_head whose logits have std ~3, so greedy decoding produces varied tokens (tied
  * embeddings: a zero-mean final norm instead, see build_specs).
+ *
+ * Quantized checkpoints (mkquant.h): --quantize awq|gptq|fp8|w8a8 generates the same float
+ * weights (rounded to the model dtype, as the float checkpoint stores them), quantizes each of
+ * the 7 linears of a layer (q/k/v/o_proj, gate/up/down_proj) round-to-nearest and writes that
+ * format's tensors instead of "<prefix>.weight"; embeddings, lm_head, norms and biases stay in the
+ * model dtype; config.json gets the format's "quantization_config".
+ *   --quantize awq        AutoAWQ GEMM: 4 bit, zero points, groups of --group-size (default
+ *                         128) input rows: qweight, qzeros, scales
+ *   --quantize gptq       AutoGPTQ: qweight, qzeros, scales, g_idx, with
+ *     --bits 4|8            bits per value (default 4)
+ *     --group-size N|-1     input rows per group (default 128; -1: one group per output row)
+ *     --desc-act            act order: groups from a pseudo-random permutation of the input rows
+ *     --sym                 symmetric (zero point 2^(bits-1)); default asymmetric
+ *     --checkpoint-format gptq|gptq_v2   v1 stores zero - 1 (default gptq), v2 the zero itself
+ *   --quantize fp8        weight F8_E4M3 and a per-tensor weight_scale, with
+ *     --activation-scheme dynamic|static   static also writes input_scale (default dynamic)
+ *   --quantize w8a8       compressed-tensors int8: weight I8 and a per-row weight_scale
+ * A quantization flag without --quantize, or with a method it does not apply to, is refused; so
+ * is a --group-size that does not divide every linear's in_features.
  */
 #include <dirent.h>
 #include <errno.h>
@@ -25,6 +44,7 @@
 #include <unistd.h>
 
 #include "bpe_train.h"
+#include "mkquant.h"
 #include "json/json.h"
 #include "model/config.h"
 #include "model/dtype.h"
@@ -140,23 +160,22 @@ static void fill_task(void *ctx, int task, int n_tasks)
         for (size_t i = lo; i < hi; i++) o[i] = pd_f32_to_f16(weight_at(w, key, i));
         break;
     }
+    default: break; /* generated tensors are float (build_specs) */
     }
 }
 
-typedef struct {
-    const wspec *specs; /* the tensors of this file, in order */
-    uint64_t seed;
-    pd_threadpool *pool;
-} fill_ctx;
-
-static int fill_tensor(void *ctx, size_t index, void *buf, size_t nbytes)
+/* The key of a tensor's element stream: a mix of seed and name. */
+static uint64_t tensor_key(uint64_t seed, const char *name)
 {
-    const fill_ctx *f = ctx;
-    fill_job j = {&f->specs[index], pd_mix64(f->seed ^ name_hash(f->specs[index].name)), buf,
-                  nbytes / pd_dtype_size(f->specs[index].t.dtype)};
+    return pd_mix64(seed ^ name_hash(name));
+}
+
+/* Generates w into buf (its nbytes), split over pool. */
+static void fill_float(const wspec *w, uint64_t seed, pd_threadpool *pool, void *buf)
+{
+    fill_job j = {w, tensor_key(seed, w->name), buf, (size_t)pd_tensor_numel(&w->t)};
     size_t tasks = (j.numel + FILL_CHUNK - 1) / FILL_CHUNK;
-    pd_pool_run(f->pool, fill_task, &j, (int)tasks);
-    return PD_OK;
+    pd_pool_run(pool, fill_task, &j, (int)tasks);
 }
 
 /* The canonical tensor list of a config, in Hugging Face names. */
@@ -231,34 +250,149 @@ static int build_specs(const pd_model_config *c, pd_dtype dt, wspec **out, size_
     return PD_OK;
 }
 
-static int name_cmp(const void *a, const void *b)
+/* ---- checkpoint files -------------------------------------------------------------------- */
+
+/* One tensor of the checkpoint: a generated float tensor, or one stored part of a quantized
+ * linear. */
+typedef struct {
+    pd_tensor t;
+    char name[160];
+    size_t spec; /* the float tensor (index into the wspec list) it comes from */
+    int part;    /* -1: that tensor itself; else the mkq_part of it quantized */
+} stensor;
+
+/* The 7 linears of a layer (q/k/v/o_proj, gate/up/down_proj): the 2-D "*_proj.weight". */
+static bool is_linear(const wspec *w)
 {
-    return strcmp(*(const char *const *)a, *(const char *const *)b);
+    static const char tail[] = "_proj.weight";
+    const size_t n = strlen(w->name), t = sizeof tail - 1;
+    return w->t.ndim == 2 && n > t && strcmp(w->name + n - t, tail) == 0;
 }
 
-static int write_weights(const char *dir, const pd_model_config *c, pd_dtype dt, uint64_t seed,
-                         int shards, pd_threadpool *pool)
+/* A linear's module name: its weight's name without ".weight". */
+static void linear_prefix(const wspec *w, char *buf, size_t n)
 {
+    snprintf(buf, n, "%.*s", (int)(strlen(w->name) - strlen(".weight")), w->name);
+}
+
+/* Refuses a quantization q cannot apply to every linear of c (before any file is written). */
+static int check_quant_shapes(const pd_model_config *c, pd_dtype dt, const mkq_opts *q)
+{
+    if (q->method == MKQ_NONE) return PD_OK;
     wspec *specs = NULL;
     size_t n = 0;
     PD_CHECK(build_specs(c, dt, &specs, &n));
     int rc = PD_OK;
-    pd_tensor *views = calloc(n, sizeof *views);
-    const char **names = calloc(n, sizeof *names);
-    int *shard_of = calloc(n, sizeof *shard_of);
-    json_t *index = NULL;
-    if (!views || !names || !shard_of) {
-        rc = pd_error(PD_ENOMEM, "out of memory");
-        goto done;
+    for (size_t i = 0; i < n && rc == PD_OK; i++) {
+        if (!is_linear(&specs[i])) continue;
+        char prefix[128];
+        linear_prefix(&specs[i], prefix, sizeof prefix);
+        rc = mkq_check_linear(q, prefix, specs[i].t.shape[0], specs[i].t.shape[1]);
     }
-    if ((size_t)shards > n) {
-        rc = pd_error(PD_EINVAL, "--shards %d: the model has only %zu tensors", shards, n);
-        goto done;
+    free(specs);
+    return rc;
+}
+
+/* The stored tensors, in file order: each float tensor, or a linear's quantized parts. */
+static int build_stored(const wspec *specs, size_t n, const mkq_opts *q, stensor **out,
+                        size_t *n_out)
+{
+    stensor *st = calloc(n * MKQ_MAX_PARTS, sizeof *st);
+    if (!st) return pd_error(PD_ENOMEM, "out of memory");
+    size_t m = 0;
+    for (size_t i = 0; i < n; i++) {
+        const wspec *w = &specs[i];
+        mkq_tensor parts[MKQ_MAX_PARTS];
+        int np = q->method != MKQ_NONE && is_linear(w)
+                     ? mkq_tensors(q, w->t.shape[0], w->t.shape[1], parts)
+                     : 0;
+        if (np == 0) {
+            st[m].t = w->t;
+            snprintf(st[m].name, sizeof st[m].name, "%s", w->name);
+            st[m].t.name = st[m].name;
+            st[m].spec = i;
+            st[m++].part = -1;
+            continue;
+        }
+        char prefix[128];
+        linear_prefix(w, prefix, sizeof prefix);
+        for (int p = 0; p < np; p++) {
+            stensor *s = &st[m++];
+            snprintf(s->name, sizeof s->name, "%s.%s", prefix, parts[p].suffix);
+            s->t.name = s->name;
+            s->t.dtype = parts[p].dtype;
+            s->t.ndim = parts[p].ndim;
+            s->t.shape[0] = parts[p].shape[0];
+            s->t.shape[1] = parts[p].shape[1];
+            s->t.nbytes = (size_t)pd_tensor_numel(&s->t) * pd_dtype_size(s->t.dtype);
+            s->spec = i;
+            s->part = (int)parts[p].part;
+        }
     }
-    uint64_t total = 0;
-    for (size_t i = 0; i < n; i++) total += specs[i].t.nbytes;
-    /* contiguous groups of roughly total/shards bytes, none empty */
-    uint64_t acc = 0;
+    *out = st;
+    *n_out = m;
+    return PD_OK;
+}
+
+/* What pd_st_write's fill callback needs; lin caches the last quantized linear, whose parts
+ * are asked for one after another. */
+typedef struct {
+    const wspec *specs;
+    const stensor *st; /* the tensors of the file being written, in order */
+    uint64_t seed;
+    const mkq_opts *q;
+    pd_threadpool *pool;
+    size_t cached; /* the spec lin holds; SIZE_MAX: none */
+    mkq_linear lin;
+} fill_ctx;
+
+/* Quantizes float tensor i into f->lin: its values rounded to the model dtype first, as the
+ * float checkpoint stores them. */
+static int quantize_spec(fill_ctx *f, size_t i)
+{
+    const wspec *w = &f->specs[i];
+    const size_t numel = (size_t)pd_tensor_numel(&w->t);
+    float *x = malloc(numel * sizeof *x);                                     /* (out, in) f32 */
+    void *raw = w->t.dtype == PD_DTYPE_F32 ? (void *)x : malloc(w->t.nbytes); /* model dtype */
+    if (!x || !raw) {
+        if (raw != x) free(raw);
+        free(x);
+        return pd_error(PD_ENOMEM, "out of memory quantizing %s", w->name);
+    }
+    fill_float(w, f->seed, f->pool, raw);
+    if (raw != x) {
+        pd_to_f32_n(w->t.dtype, raw, x, numel);
+        free(raw);
+    }
+    f->cached = SIZE_MAX;
+    int rc = mkq_quantize(f->q, x, w->t.shape[0], w->t.shape[1], ~tensor_key(f->seed, w->name),
+                          f->pool, &f->lin);
+    free(x);
+    PD_CHECK(rc);
+    f->cached = i;
+    return PD_OK;
+}
+
+static int fill_tensor(void *ctx, size_t index, void *buf, size_t nbytes)
+{
+    fill_ctx *f = ctx;
+    const stensor *s = &f->st[index];
+    (void)nbytes;
+    if (s->part < 0) {
+        fill_float(&f->specs[s->spec], f->seed, f->pool, buf);
+        return PD_OK;
+    }
+    if (f->cached != s->spec) PD_CHECK(quantize_spec(f, s->spec));
+    mkq_pack(f->q, &f->lin, (mkq_part)s->part, buf);
+    return PD_OK;
+}
+
+/* Contiguous groups of roughly total/shards bytes, none empty: shard_of[i] for n items of
+ * bytes[i] (a quantized linear's parts are one item, so they stay in one file). */
+static void assign_shards(const uint64_t *bytes, size_t n, int shards, int *shard_of)
+{
+    uint64_t total = 0, acc = 0;
+    for (size_t i = 0; i < n; i++) total += bytes[i];
     int cur = 0;
     for (size_t i = 0; i < n; i++) {
         size_t left = n - i;
@@ -267,46 +401,99 @@ static int write_weights(const char *dir, const pd_model_config *c, pd_dtype dt,
              left == (size_t)(shards - 1 - cur)))
             cur++;
         shard_of[i] = cur;
-        acc += specs[i].t.nbytes;
+        acc += bytes[i];
     }
+}
+
+static int stensor_name_cmp(const void *a, const void *b)
+{
+    return strcmp((*(const stensor *const *)a)->name, (*(const stensor *const *)b)->name);
+}
+
+/* model.safetensors.index.json: total size and each tensor's shard, names sorted as
+ * transformers writes them. */
+static int write_index(const char *dir, const stensor *st, size_t n, const int *shard_of,
+                       int shards, uint64_t total)
+{
+    const stensor **sorted = malloc(n * sizeof *sorted);
+    if (!sorted) return pd_error(PD_ENOMEM, "out of memory");
+    for (size_t i = 0; i < n; i++) sorted[i] = &st[i];
+    qsort(sorted, n, sizeof *sorted, stensor_name_cmp);
+    json_t *index = json_object();
+    json_t *meta = json_object();
+    json_object_set_new(meta, "total_size", json_integer((json_int_t)total));
+    json_object_set_new(index, "metadata", meta);
+    json_t *wm = json_object();
+    for (size_t k = 0; k < n; k++) {
+        char f[64];
+        snprintf(f, sizeof f, "model-%05d-of-%05d.safetensors", shard_of[sorted[k]->spec] + 1,
+                 shards);
+        json_object_set_new(wm, sorted[k]->name, json_string(f));
+    }
+    json_object_set_new(index, "weight_map", wm);
+    char path[4096];
+    snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
+    int rc = pdj_dump_file(index, path, 2);
+    json_decref(index);
+    free(sorted);
+    return rc;
+}
+
+/* Writes the weights (quantized per q) as one file or shards + index; *total_out: their bytes. */
+static int write_weights(const char *dir, const pd_model_config *c, pd_dtype dt, const mkq_opts *q,
+                         uint64_t seed, int shards, pd_threadpool *pool, uint64_t *total_out)
+{
+    wspec *specs = NULL;
+    size_t n = 0, n_st = 0;
+    PD_CHECK(build_specs(c, dt, &specs, &n));
+    int rc = PD_OK;
+    stensor *st = NULL;
+    pd_tensor *views = NULL;
+    uint64_t *bytes = calloc(n, sizeof *bytes);
+    int *shard_of = calloc(n, sizeof *shard_of);
+    fill_ctx fc = {specs, NULL, seed, q, pool, SIZE_MAX, {0}};
+    if (!bytes || !shard_of) {
+        rc = pd_error(PD_ENOMEM, "out of memory");
+        goto done;
+    }
+    if ((size_t)shards > n) {
+        rc = pd_error(PD_EINVAL, "--shards %d: the model has only %zu tensors", shards, n);
+        goto done;
+    }
+    PD_CHECK_GOTO(build_stored(specs, n, q, &st, &n_st), rc, done);
+    views = calloc(n_st, sizeof *views);
+    if (!views) {
+        rc = pd_error(PD_ENOMEM, "out of memory");
+        goto done;
+    }
+    uint64_t total = 0;
+    for (size_t i = 0; i < n_st; i++) {
+        bytes[st[i].spec] += st[i].t.nbytes;
+        total += st[i].t.nbytes;
+    }
+    assign_shards(bytes, n, shards, shard_of);
     char path[4096];
     for (int s = 0; s < shards; s++) {
-        size_t first = n, cnt = 0;
-        for (size_t i = 0; i < n; i++)
-            if (shard_of[i] == s) {
-                if (first == n) first = i;
-                views[cnt++] = specs[i].t;
+        size_t first = n_st, cnt = 0;
+        for (size_t i = 0; i < n_st; i++)
+            if (shard_of[st[i].spec] == s) {
+                if (first == n_st) first = i;
+                views[cnt++] = st[i].t;
             }
-        fill_ctx fc = {&specs[first], seed, pool};
+        fc.st = &st[first];
         if (shards == 1)
             snprintf(path, sizeof path, "%s/model.safetensors", dir);
         else
             snprintf(path, sizeof path, "%s/model-%05d-of-%05d.safetensors", dir, s + 1, shards);
         PD_CHECK_GOTO(pd_st_write(path, views, cnt, fill_tensor, &fc), rc, done);
     }
-    if (shards > 1) {
-        index = json_object();
-        json_t *meta = json_object();
-        json_object_set_new(meta, "total_size", json_integer((json_int_t)total));
-        json_object_set_new(index, "metadata", meta);
-        json_t *wm = json_object();
-        for (size_t i = 0; i < n; i++) names[i] = specs[i].name;
-        qsort(names, n, sizeof *names, name_cmp); /* transformers writes the map sorted */
-        for (size_t k = 0; k < n; k++) {
-            size_t i = 0;
-            while (strcmp(specs[i].name, names[k]) != 0) i++;
-            char f[64];
-            snprintf(f, sizeof f, "model-%05d-of-%05d.safetensors", shard_of[i] + 1, shards);
-            json_object_set_new(wm, names[k], json_string(f));
-        }
-        json_object_set_new(index, "weight_map", wm);
-        snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
-        PD_CHECK_GOTO(pdj_dump_file(index, path, 2), rc, done);
-    }
+    if (shards > 1) PD_CHECK_GOTO(write_index(dir, st, n_st, shard_of, shards, total), rc, done);
+    *total_out = total;
 done:
-    json_decref(index);
+    mkq_linear_free(&fc.lin);
     free(views);
-    free(names);
+    free(st);
+    free(bytes);
     free(shard_of);
     free(specs);
     return rc;
@@ -550,7 +737,17 @@ static void usage(FILE *f)
                "  --qkv-bias                         attention_bias: true (Llama/Mistral: q,k,v,o\n"
                "                                     biases; Qwen2 always has q,k,v biases)\n"
                "  --rope-scaling linear:F|dynamic:F|llama3:F\n"
-               "  --threads N                        generation threads (default: all cores)\n");
+               "  --threads N                        generation threads (default: all cores)\n"
+               "  --quantize awq|gptq|fp8|w8a8       quantize the 7 linears of each layer\n"
+               "  --bits 4|8                         gptq: 4 (default) or 8 bits; awq: 4\n"
+               "  --group-size N                     awq, gptq: input rows per group (default\n"
+               "                                     128; -1: one per output row, gptq only)\n"
+               "  --desc-act                         gptq: act order (permuted groups, g_idx)\n"
+               "  --sym                              gptq: symmetric (default asymmetric)\n"
+               "  --checkpoint-format gptq|gptq_v2   gptq: zero points stored as zero - 1 (gptq,\n"
+               "                                     default) or as they are (gptq_v2)\n"
+               "  --activation-scheme dynamic|static fp8: static writes input_scale (default\n"
+               "                                     dynamic)\n");
 }
 
 static int parse_f64(const char *opt, const char *s, double *out)
@@ -616,7 +813,8 @@ static int run(int argc, char **argv)
         O_TIE,
         O_BIAS,
         O_ROPE,
-        O_THREADS
+        O_THREADS,
+        O_QUANT /* every quantization flag: mkq_parse tells them apart */
     };
     static const struct option longopts[] = {{"preset", required_argument, 0, 'p'},
                                              {"out", required_argument, 0, 'o'},
@@ -639,9 +837,17 @@ static int run(int argc, char **argv)
                                              {"qkv-bias", no_argument, 0, O_BIAS},
                                              {"rope-scaling", required_argument, 0, O_ROPE},
                                              {"threads", required_argument, 0, O_THREADS},
+                                             {"quantize", required_argument, 0, O_QUANT},
+                                             {"bits", required_argument, 0, O_QUANT},
+                                             {"group-size", required_argument, 0, O_QUANT},
+                                             {"desc-act", no_argument, 0, O_QUANT},
+                                             {"sym", no_argument, 0, O_QUANT},
+                                             {"checkpoint-format", required_argument, 0, O_QUANT},
+                                             {"activation-scheme", required_argument, 0, O_QUANT},
                                              {"help", no_argument, 0, 'h'},
                                              {0, 0, 0, 0}};
     options o = {.shards = 1};
+    mkq_opts q = mkq_default_opts();
     /* overrides: -1 = preset value */
     int64_t ov_hidden = -1, ov_inter = -1, ov_layers = -1, ov_heads = -1, ov_kv = -1, ov_hd = -1,
             ov_vocab = -1, ov_maxpos = -1, v;
@@ -650,9 +856,10 @@ static int run(int argc, char **argv)
     pd_arch arch = PD_ARCH_LLAMA;
     pd_model_config rope_holder = pd_model_config_default();
     const int64_t big = INT64_C(1) << 20;
-    int ch;
+    int ch, li = -1;
+    char flag[64];
     opterr = 0;
-    while ((ch = getopt_long(argc, argv, "p:o:h", longopts, NULL)) != -1) {
+    while ((ch = getopt_long(argc, argv, "p:o:h", longopts, &li)) != -1) {
         switch (ch) {
         case 'p': o.preset = optarg; break;
         case 'o': o.out = optarg; break;
@@ -696,12 +903,17 @@ static int run(int argc, char **argv)
         case O_TIE: tie = true; break;
         case O_BIAS: bias = true; break;
         case O_ROPE: PD_CHECK(parse_rope(optarg, &rope_holder)); break;
+        case O_QUANT:
+            snprintf(flag, sizeof flag, "--%s", longopts[li].name);
+            PD_CHECK(mkq_parse(&q, flag, optarg));
+            break;
         default:
             return pd_error(PD_EINVAL, "unknown or incomplete option \"%s\" (see --help)",
                             argv[optind - 1]);
         }
     }
     if (optind < argc) return pd_error(PD_EINVAL, "unexpected argument \"%s\"", argv[optind]);
+    PD_CHECK(mkq_check(&q));
     if (!o.preset || !o.out) {
         usage(stderr);
         return pd_error(PD_EINVAL, "--preset and --out are required");
@@ -758,6 +970,7 @@ static int run(int argc, char **argv)
     if (o.shards > n_tensors)
         return pd_error(PD_EINVAL, "--shards %d: the model has only %lld tensors", o.shards,
                         (long long)n_tensors);
+    PD_CHECK(check_quant_shapes(&c, dt, &q));
     PD_CHECK(make_dirs(o.out));
     PD_CHECK(remove_old_checkpoint(o.out));
     char path[4096];
@@ -784,6 +997,11 @@ static int run(int argc, char **argv)
     double t_tok = pd_now_s() - t0;
     json_t *cj = pd_model_config_to_json(&c);
     if (!cj) return pd_error(PD_ENOMEM, "out of memory");
+    if (q.method != MKQ_NONE &&
+        json_object_set_new(cj, "quantization_config", mkq_config_json(&q)) != 0) {
+        json_decref(cj);
+        return pd_error(PD_ENOMEM, "out of memory");
+    }
     snprintf(path, sizeof path, "%s/config.json", o.out);
     int rc = pdj_dump_file(cj, path, 2);
     json_decref(cj);
@@ -798,16 +1016,18 @@ static int run(int argc, char **argv)
     pd_threadpool *pool = pd_pool_create(o.threads > 0 ? o.threads : 0);
     if (!pool) return pd_error(PD_ENOMEM, "cannot create the thread pool");
     double t1 = pd_now_s();
-    rc = write_weights(o.out, &c, dt, o.seed, o.shards, pool);
+    uint64_t bytes = 0;
+    rc = write_weights(o.out, &c, dt, &q, o.seed, o.shards, pool, &bytes);
     pd_pool_free(pool);
     PD_CHECK(rc);
     double t_w = pd_now_s() - t1;
     int64_t params = pd_model_param_count(&c);
-    size_t bytes = (size_t)params * pd_dtype_size(dt);
-    printf("pd-mkmodel: %s (%s) -> %s: %lld params, vocab %lld, %s, %.1f MB in %d file(s); "
+    printf("pd-mkmodel: %s (%s) -> %s: %lld params, vocab %lld, %s%s%s, %.1f MB in %d file(s); "
            "tokenizer %.2f s, weights %.2f s\n",
            ps->name, pd_arch_name(c.arch), o.out, (long long)params, (long long)c.vocab_size,
-           pd_dtype_name(dt), (double)bytes / 1e6, o.shards, t_tok, t_w);
+           pd_dtype_name(dt), q.method != MKQ_NONE ? ", quantized " : "",
+           q.method != MKQ_NONE ? mkq_method_name(q.method) : "", (double)bytes / 1e6, o.shards,
+           t_tok, t_w);
     return PD_OK;
 }
 

@@ -46,6 +46,10 @@ typedef struct {
      * they are first written), sized by weight_load. */
     void *xr;
     size_t xr_ld, xr_bytes;
+    /* GPTQ act order: x permuted for each weight of a matmul_multi call whose columns are
+     * stored permuted, (PD_MATMUL_MULTI_MAX, max_tokens, xp_ld) f32, mapped like xr. */
+    float *xp;
+    size_t xp_ld, xp_bytes;
 } cpu_be;
 
 struct pd_kv {
@@ -79,6 +83,7 @@ static void cpu_free(pd_backend *b)
     pd_pool_free(be->pool);
     free(be->row_seq);
     if (be->xr) munmap(be->xr, be->xr_bytes);
+    if (be->xp) munmap(be->xp, be->xp_bytes);
     free(be);
 }
 
@@ -126,23 +131,50 @@ static int cpu_sync(pd_backend *b)
 
 /* ---- weights --------------------------------------------------------------------------------- */
 
+/* Makes a workspace (*buf, mapped, *bytes) hold copies x max_tokens rows of ld elements of es
+ * bytes (load time); pages are committed as they are first written. */
+static int ws_reserve(cpu_be *be, void **buf, size_t *cur_ld, size_t *bytes, size_t ld, size_t es,
+                      size_t copies, const char *name)
+{
+    if (ld <= *cur_ld) return PD_OK;
+    if (be->p.max_tokens > SIZE_MAX / es / ld / copies)
+        return pd_error(PD_ERANGE, "weight_load: tensor %s: workspace size overflows", name);
+    size_t n = be->p.max_tokens * ld * es * copies;
+    void *p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+        return pd_error(PD_ENOMEM, "weight_load: tensor %s: cannot map a %zu-byte workspace", name,
+                        n);
+    if (*buf) munmap(*buf, *bytes);
+    *buf = p;
+    *cur_ld = ld;
+    *bytes = n;
+    return PD_OK;
+}
+
 /* bf16 mode: makes the x-rounding workspace hold max_tokens rows of ld (load time). */
 static int xr_reserve(cpu_be *be, size_t ld, const char *name)
 {
-    if (!be->bf16 || ld <= be->xr_ld) return PD_OK;
+    if (!be->bf16) return PD_OK;
     size_t es = be->isa == PD_CPU_ISA_AVX512_BF16 ? 2 : 4;
-    if (be->p.max_tokens > SIZE_MAX / es / ld)
-        return pd_error(PD_ERANGE, "weight_load: tensor %s: bf16 workspace size overflows", name);
-    size_t bytes = be->p.max_tokens * ld * es;
-    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED)
-        return pd_error(PD_ENOMEM, "weight_load: tensor %s: cannot map a %zu-byte bf16 workspace",
-                        name, bytes);
-    if (be->xr) munmap(be->xr, be->xr_bytes);
-    be->xr = p;
-    be->xr_ld = ld;
-    be->xr_bytes = bytes;
-    return PD_OK;
+    return ws_reserve(be, &be->xr, &be->xr_ld, &be->xr_bytes, ld, es, 1, name);
+}
+
+static int quant_load(cpu_be *be, const pd_tensor *t, const pd_weight_slice *s, pd_weight **out)
+{
+    if (be->bf16)
+        return pd_error(PD_EUNSUPPORTED,
+                        "weight_load: tensor %s: quantized weights compute in float32 on the CPU "
+                        "(--dtype bfloat16 takes float checkpoints)",
+                        t->name);
+    PD_CHECK(cpu_qweight_load(t, s, out));
+    if (!(*out)->perm) return PD_OK;
+    int rc = ws_reserve(be, (void **)&be->xp, &be->xp_ld, &be->xp_bytes, (*out)->cols,
+                        sizeof(float), PD_MATMUL_MULTI_MAX, t->name);
+    if (rc < 0) {
+        cpu_weight_release(*out);
+        *out = NULL;
+    }
+    return rc;
 }
 
 static int cpu_weight_load(pd_backend *b, const pd_tensor *t, const pd_weight_slice *sl,
@@ -150,7 +182,8 @@ static int cpu_weight_load(pd_backend *b, const pd_tensor *t, const pd_weight_sl
 {
     cpu_be *be = BE(b);
     const char *name = t && t->name ? t->name : "(unnamed)";
-    if (!t || !t->data) return pd_error(PD_EINVAL, "weight_load: tensor %s has no data", name);
+    if (!t || (!t->data && !t->quant))
+        return pd_error(PD_EINVAL, "weight_load: tensor %s has no data", name);
     if (t->ndim != 1 && t->ndim != 2)
         return pd_error(PD_EINVAL, "weight_load: tensor %s: expected 1 or 2 dimensions, got %d",
                         name, t->ndim);
@@ -167,6 +200,10 @@ static int cpu_weight_load(pd_backend *b, const pd_tensor *t, const pd_weight_sl
                         "weight_load: tensor %s: slice rows [%zu, +%zu) cols [%zu, +%zu) outside "
                         "(%zu, %zu)",
                         name, s.row0, s.nrows, s.col0, s.ncols, rows, cols);
+    if (t->quant) return quant_load(be, t, &s, out);
+    if (!pd_dtype_is_float(t->dtype))
+        return pd_error(PD_EINVAL, "weight_load: tensor %s: dtype %s is not a float dtype", name,
+                        pd_dtype_st_name(t->dtype));
 
     pd_dtype dt = t->dtype;
     if (t->ndim == 1)
@@ -216,9 +253,7 @@ static int cpu_weight_load(pd_backend *b, const pd_tensor *t, const pd_weight_sl
 
 static void cpu_weight_free(pd_backend *b, pd_weight *w)
 {
-    if (!w) return;
-    free(w->data);
-    free(w);
+    cpu_weight_release(w);
 }
 
 static size_t cpu_weight_nbytes(const pd_backend *b, const pd_weight *w)
@@ -573,6 +608,7 @@ typedef struct {
     size_t n, n_w;
     const pd_weight *w[PD_MATMUL_MULTI_MAX];
     const float *bias[PD_MATMUL_MULTI_MAX];
+    const float *xw[PD_MATMUL_MULTI_MAX]; /* weight i's x when its columns are permuted */
     float *y[PD_MATMUL_MULTI_MAX];
     size_t chunk[PD_MATMUL_MULTI_MAX];
     size_t task0[PD_MATMUL_MULTI_MAX + 1];
@@ -589,7 +625,26 @@ static void mm_task(void *vctx, int task, int n_tasks)
     if (c->xb)
         cpu_mm_avx512bf16(c->xb, c->n, c->ldx, w, j0, j1, c->bias[i], c->y[i], w->rows);
     else
-        c->be->mm(c->x, c->n, c->ldx, w, j0, j1, c->bias[i], c->y[i], w->rows);
+        c->be->mm(c->xw[i] ? c->xw[i] : c->x, c->n, c->ldx, w, j0, j1, c->bias[i], c->y[i],
+                  w->rows);
+}
+
+/* Act order: rows of x (n, K) into xp with column k = x column perm[k]. */
+typedef struct {
+    cpu_be *be;
+    const float *x;
+    float *xp;
+    const int32_t *perm;
+    size_t n, K;
+} perm_ctx;
+
+static void perm_task(void *vctx, int task, int n_tasks)
+{
+    perm_ctx *c = vctx;
+    size_t lo, hi;
+    task_range(c->n, task, n_tasks, &lo, &hi);
+    for (size_t r = lo; r < hi; r++)
+        for (size_t k = 0; k < c->K; k++) c->xp[r * c->K + k] = c->x[r * c->K + c->perm[k]];
 }
 
 /* bf16 mode: rows of x (n, K) rounded to bf16 into the workspace (row stride ld). */
@@ -626,7 +681,8 @@ static size_t mm_chunk(const cpu_be *be, size_t n, const pd_weight *w)
         chunk = (per + 7) & ~(size_t)7;
     } else {
         /* Prefill: a W chunk of MM_CHUNK_KB stays in L2 while all x row tiles pass over it. */
-        chunk = ((size_t)MM_CHUNK_KB * 1024) / (w->ld * pd_dtype_size(w->dtype));
+        size_t row_bytes = w->q ? cpu_wq_row_bytes(w->q, w->ld) : w->ld * pd_dtype_size(w->dtype);
+        chunk = ((size_t)MM_CHUNK_KB * 1024) / row_bytes;
         chunk &= ~(size_t)3;
         if (chunk < 4) chunk = 4;
         size_t fair = (out + (size_t)be->n_threads - 1) / (size_t)be->n_threads;
@@ -659,6 +715,16 @@ static int cpu_matmul_multi(pd_backend *b, const void *x, size_t n, size_t n_w,
         c.task0[i + 1] = c.task0[i] + (w[i]->rows + c.chunk[i] - 1) / c.chunk[i];
     }
     if (n == 0 || c.task0[n_w] == 0) return PD_OK;
+    for (size_t i = 0; i < n_w; i++) {
+        if (!w[i]->perm) continue;
+        if (n > be->p.max_tokens)
+            return pd_error(PD_EINVAL, "matmul: %zu rows, the backend's max_tokens is %zu", n,
+                            be->p.max_tokens);
+        perm_ctx pc = {.be = be, .x = x, .perm = w[i]->perm, .n = n, .K = w[i]->cols};
+        pc.xp = be->xp + i * be->p.max_tokens * be->xp_ld;
+        pd_pool_run(be->pool, perm_task, &pc, row_tasks(be, n, pc.K));
+        c.xw[i] = pc.xp;
+    }
     if (be->bf16) {
         /* Once per call, not per tile; every weight of the mode is bf16 (weight_load). */
         if (n > be->p.max_tokens)

@@ -8,16 +8,45 @@
 
 #include "backend/backend.h"
 
+/* How a quantized weight's values are stored (CPU_WQ_NONE: a float weight). */
+typedef enum {
+    CPU_WQ_NONE = 0,
+    CPU_WQ_U4 = 1,  /* 0..15, two per byte: per 32 columns 16 bytes, byte i holding column i in
+                       its low and column 16 + i in its high nibble */
+    CPU_WQ_U8 = 2,  /* 0..255, a byte each */
+    CPU_WQ_I8 = 3,  /* int8, a byte each */
+    CPU_WQ_FP8 = 4, /* float8 e4m3fn, a byte each */
+} cpu_wq;
+
 /* A weight on the CPU backend: (rows, cols) with rows padded to ld elements (ld a multiple of
- * 16, of 32 in the bf16 compute mode; the padding zero-filled) so SIMD loads of a row never
- * need a mask; 64-byte aligned. */
+ * 16, of 32 in the bf16 compute mode and for U4; the padding zero-filled) so SIMD loads of a row
+ * never need a mask; 64-byte aligned.
+ * Quantized (q != CPU_WQ_NONE): element (j, k) is (v - zero[j, g]) * scale[j, g], v the stored
+ * value of column k and g = k / gs its group (gs a multiple of 16; one group per row for
+ * I8/FP8, zero 0); with perm, column k of the stored rows is input column perm[k] (GPTQ act
+ * order: the columns sorted by group), and x is permuted to match before the product. */
 struct pd_weight {
-    pd_dtype dtype; /* F32, F16 or BF16 (vectors: always F32) */
+    pd_dtype dtype; /* F32, F16 or BF16 (vectors: always F32); F32 when quantized */
     size_t rows, cols;
     size_t ld;     /* elements between rows */
-    void *data;    /* (rows, ld) in dtype */
-    size_t nbytes; /* rows * ld * elem */
+    void *data;    /* (rows, ld) in dtype, or the packed values (cpu_wq_row_bytes(q, ld) a row) */
+    size_t nbytes; /* every byte the weight holds (scales, zeros and perm included) */
+    cpu_wq q;
+    size_t gs, ng;       /* quantized: columns per group, groups per row */
+    float *scale, *zero; /* quantized: (rows, ng) */
+    int32_t *perm;       /* quantized: (cols) input column of each stored column; NULL: identity */
 };
+
+/* Loads slice s (rows and columns resolved, in range) of t, a quantized linear (t->quant). */
+int cpu_qweight_load(const pd_tensor *t, const pd_weight_slice *s, pd_weight **out);
+/* Frees any CPU weight (NULL: no-op). */
+void cpu_weight_release(pd_weight *w);
+
+/* Bytes of one stored row of ld values. */
+static inline size_t cpu_wq_row_bytes(cpu_wq q, size_t ld)
+{
+    return q == CPU_WQ_U4 ? ld / 2 : ld;
+}
 
 /* Computes y[i, j] = dot(x[i, :], W[j, :]) (+ bias[j]) for rows i < n of x (row stride ldx) and
  * W rows j in [j0, j1); y row stride ldy, column j at y[i * ldy + j].

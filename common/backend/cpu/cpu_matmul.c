@@ -77,6 +77,35 @@ static float dot_w_scalar(const float *x, const void *w, pd_dtype dt, size_t K)
     return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
 }
 
+/* Stored value k of a quantized row, as f32. */
+static float q_value(cpu_wq q, const uint8_t *row, size_t k)
+{
+    switch (q) {
+    case CPU_WQ_U4: {
+        uint8_t b = row[(k / 32) * 16 + k % 16];
+        return (float)(k & 16 ? b >> 4 : b & 15);
+    }
+    case CPU_WQ_U8: return (float)row[k];
+    case CPU_WQ_I8: return (float)(int8_t)row[k];
+    case CPU_WQ_FP8: return pd_f8e4m3_to_f32(row[k]);
+    case CPU_WQ_NONE: break;
+    }
+    return 0.0f;
+}
+
+/* dot_w_scalar's order with row j of a quantized weight dequantized on the fly. */
+static float dot_q_scalar(const float *x, const struct pd_weight *w, size_t j)
+{
+    const uint8_t *row = (const uint8_t *)w->data + j * cpu_wq_row_bytes(w->q, w->ld);
+    const float *sc = w->scale + j * w->ng, *zp = w->zero + j * w->ng;
+    float s[8] = {0};
+    for (size_t k = 0; k < w->cols; k++) {
+        size_t g = k / w->gs;
+        s[k & 7] += x[k] * ((q_value(w->q, row, k) - zp[g]) * sc[g]);
+    }
+    return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
+}
+
 void cpu_mm_scalar(const float *x, size_t n, size_t ldx, const struct pd_weight *w, size_t j0,
                    size_t j1, const float *bias, float *y, size_t ldy)
 {
@@ -84,7 +113,9 @@ void cpu_mm_scalar(const float *x, size_t n, size_t ldx, const struct pd_weight 
     for (size_t i = 0; i < n; i++) {
         const float *xi = x + i * ldx;
         for (size_t j = j0; j < j1; j++) {
-            float s = dot_w_scalar(xi, (const char *)w->data + j * w->ld * es, w->dtype, w->cols);
+            float s = w->q ? dot_q_scalar(xi, w, j)
+                           : dot_w_scalar(xi, (const char *)w->data + j * w->ld * es, w->dtype,
+                                          w->cols);
             if (bias) s += bias[j];
             y[i * ldy + j] = s;
         }
@@ -137,13 +168,15 @@ INLINE_AVX512 float hsum16(__m512 v)
 #define MT_MAX 6 /* x rows per tile */
 #define NT_MAX 8 /* W rows per tile */
 
-/* One (M x N) tile: x rows [0, M) (stride ldx), W rows at w (stride ldw elements). M, N and dt
- * are constants at each call site, so the accumulators live in registers. */
-INLINE_AVX512 void tile(const float *x, size_t ldx, const void *w, size_t ldw, pd_dtype dt,
-                        size_t K, const float *bias, float *y, size_t ldy, const int M, const int N)
+/* One (M x N) tile: x rows [0, M) (stride ldx), W rows [j, j + N) of wt. M, N and dt are
+ * constants at each call site, so the accumulators live in registers. */
+INLINE_AVX512 void tile(const float *x, size_t ldx, const struct pd_weight *wt, size_t j0,
+                        pd_dtype dt, size_t K, const float *bias, float *y, size_t ldy, const int M,
+                        const int N)
 {
     __m512 acc[MT_MAX][NT_MAX];
-    const size_t es = dt == PD_DTYPE_F32 ? 4 : 2;
+    const size_t es = dt == PD_DTYPE_F32 ? 4 : 2, ldw = wt->ld;
+    const char *w = (const char *)wt->data + j0 * ldw * es;
     UNROLL for (int i = 0; i < M; i++) UNROLL for (int j = 0; j < N; j++) acc[i][j] =
         _mm512_setzero_ps();
     size_t k = 0;
@@ -177,17 +210,87 @@ INLINE_AVX512 void tile(const float *x, size_t ldx, const void *w, size_t ldw, p
     }
 }
 
-/* Row tiles of up to M_ x rows against W rows [j0, j1) in tiles of N_ (remainder 1 by 1), each
- * by TILE (tile or tile_bf16). */
+/* 16 stored values of a quantized row p from column k (a multiple of 16), as f32. FP8 comes
+ * out as the f16 whose bits are the byte's shifted into place: the value times 2^-8 (exact,
+ * subnormals included); tile_q's scale carries the 2^8. */
+INLINE_AVX512 __m512 load_q16(const uint8_t *p, cpu_wq q, size_t k)
+{
+    if (q == CPU_WQ_U4) {
+        __m128i b = _mm_loadu_si128((const __m128i *)(p + (k / 32) * 16));
+        if (k & 16) b = _mm_srli_epi16(b, 4);
+        return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(0x0f))));
+    }
+    __m128i b = _mm_loadu_si128((const __m128i *)(p + k));
+    if (q == CPU_WQ_U8) return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
+    if (q == CPU_WQ_I8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+    __m256i h = _mm256_cvtepu8_epi16(b);
+    __m256i em = _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7f)), 7);
+    __m256i sg = _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8);
+    return _mm512_cvtph_ps(_mm256_or_si256(em, sg));
+}
+
+/* tile for a quantized weight: each 16 weights dequantized in registers as (v - z) * s, one
+ * rounding, then the same fmadd sequence per accumulator as tile (lane l over k = l, l + 16,
+ * ..., masked x at the tail), group by group. Q is a constant at each call site. */
+INLINE_AVX512 void tile_q(const float *x, size_t ldx, const struct pd_weight *wt, size_t j0,
+                          cpu_wq q, size_t K, const float *bias, float *y, size_t ldy, const int M,
+                          const int N)
+{
+    __m512 acc[MT_MAX][NT_MAX];
+    const size_t rb = cpu_wq_row_bytes(q, wt->ld), gs = wt->gs, ng = wt->ng;
+    const uint8_t *w = (const uint8_t *)wt->data + j0 * rb;
+    const float *sc = wt->scale + j0 * ng, *zp = wt->zero + j0 * ng;
+    const float unit = q == CPU_WQ_FP8 ? 256.0f : 1.0f;
+    UNROLL for (int i = 0; i < M; i++) UNROLL for (int j = 0; j < N; j++) acc[i][j] =
+        _mm512_setzero_ps();
+    size_t k = 0;
+    for (size_t g = 0; k < K; g++) {
+        __m512 sv[NT_MAX], zv[NT_MAX], wv[NT_MAX];
+        UNROLL for (int j = 0; j < N; j++)
+        {
+            sv[j] = _mm512_set1_ps(sc[(size_t)j * ng + g] * unit);
+            zv[j] = _mm512_set1_ps(zp[(size_t)j * ng + g]);
+        }
+        const size_t ke = (g + 1) * gs < K ? (g + 1) * gs : K;
+        for (; k + 16 <= ke; k += 16) {
+            UNROLL for (int j = 0; j < N; j++) wv[j] =
+                _mm512_mul_ps(_mm512_sub_ps(load_q16(w + (size_t)j * rb, q, k), zv[j]), sv[j]);
+            UNROLL for (int i = 0; i < M; i++)
+            {
+                __m512 xv = _mm512_loadu_ps(x + (size_t)i * ldx + k);
+                UNROLL for (int j = 0; j < N; j++) acc[i][j] =
+                    _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+            }
+        }
+        if (k < ke) { /* K's tail (the last group): x masked, W padded */
+            __mmask16 m = (__mmask16)((1u << (ke - k)) - 1u);
+            UNROLL for (int j = 0; j < N; j++) wv[j] =
+                _mm512_mul_ps(_mm512_sub_ps(load_q16(w + (size_t)j * rb, q, k), zv[j]), sv[j]);
+            UNROLL for (int i = 0; i < M; i++)
+            {
+                __m512 xv = _mm512_maskz_loadu_ps(m, x + (size_t)i * ldx + k);
+                UNROLL for (int j = 0; j < N; j++) acc[i][j] =
+                    _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+            }
+            k = ke;
+        }
+    }
+    UNROLL for (int i = 0; i < M; i++) UNROLL for (int j = 0; j < N; j++)
+    {
+        float s = hsum16(acc[i][j]);
+        if (bias) s += bias[j];
+        y[(size_t)i * ldy + j] = s;
+    }
+}
+
+/* Row tiles of up to M_ x rows against W rows [j0, j1) of w in tiles of N_ (remainder 1 by 1),
+ * each by TILE (tile, tile_q or tile_bf16). */
 #define TILE_ROWS(TILE, M_, N_, DT)                                                                \
     do {                                                                                           \
         size_t j = j0;                                                                             \
         for (; j + (N_) <= j1; j += (N_))                                                          \
-            TILE(xi, ldx, wb + j * ldw * es, ldw, DT, K, bias ? bias + j : NULL, yi + j, ldy, M_,  \
-                 N_);                                                                              \
-        for (; j < j1; j++)                                                                        \
-            TILE(xi, ldx, wb + j * ldw * es, ldw, DT, K, bias ? bias + j : NULL, yi + j, ldy, M_,  \
-                 1);                                                                               \
+            TILE(xi, ldx, w, j, DT, K, bias ? bias + j : NULL, yi + j, ldy, M_, N_);               \
+        for (; j < j1; j++) TILE(xi, ldx, w, j, DT, K, bias ? bias + j : NULL, yi + j, ldy, M_, 1); \
     } while (0)
 
 /* A few rows (3 to 8: a small decode batch, or a sequence verifying drafts): W in blocks of 8 rows,
@@ -198,12 +301,10 @@ INLINE_AVX512 void tile(const float *x, size_t ldx, const void *w, size_t ldw, p
         const XT *xr = x + r * ldx;                                                                \
         float *yr = y + r * ldy + jb;                                                              \
         if (jb + 8 <= j1)                                                                          \
-            TILE(xr, ldx, wb + jb * ldw * es, ldw, DT, K, bias ? bias + jb : NULL, yr, ldy, M_,    \
-                 8);                                                                               \
+            TILE(xr, ldx, w, jb, DT, K, bias ? bias + jb : NULL, yr, ldy, M_, 8);                  \
         else                                                                                       \
             for (size_t j = jb; j < j1; j++)                                                       \
-                TILE(xr, ldx, wb + j * ldw * es, ldw, DT, K, bias ? bias + j : NULL,               \
-                     yr + (j - jb), ldy, M_, 1);                                                   \
+                TILE(xr, ldx, w, j, DT, K, bias ? bias + j : NULL, yr + (j - jb), ldy, M_, 1);     \
     } while (0)
 #define FEW_ROWS(TILE, XT, DT)                                                                     \
     do {                                                                                           \
@@ -254,18 +355,32 @@ INLINE_AVX512 void tile(const float *x, size_t ldx, const void *w, size_t ldw, p
 INLINE_AVX512 void mm_dt(const float *x, size_t n, size_t ldx, const struct pd_weight *w, size_t j0,
                          size_t j1, const float *bias, float *y, size_t ldy, pd_dtype dt)
 {
-    const char *wb = w->data;
-    const size_t ldw = w->ld, K = w->cols, es = dt == PD_DTYPE_F32 ? 4 : 2;
+    const size_t K = w->cols;
     MM_SHAPES(tile, float, dt);
+}
+
+INLINE_AVX512 void mm_q(const float *x, size_t n, size_t ldx, const struct pd_weight *w, size_t j0,
+                        size_t j1, const float *bias, float *y, size_t ldy, cpu_wq q)
+{
+    const size_t K = w->cols;
+    MM_SHAPES(tile_q, float, q);
 }
 
 AVX512 void cpu_mm_avx512(const float *x, size_t n, size_t ldx, const struct pd_weight *w,
                           size_t j0, size_t j1, const float *bias, float *y, size_t ldy)
 {
+    switch (w->q) {
+    case CPU_WQ_U4: mm_q(x, n, ldx, w, j0, j1, bias, y, ldy, CPU_WQ_U4); return;
+    case CPU_WQ_U8: mm_q(x, n, ldx, w, j0, j1, bias, y, ldy, CPU_WQ_U8); return;
+    case CPU_WQ_I8: mm_q(x, n, ldx, w, j0, j1, bias, y, ldy, CPU_WQ_I8); return;
+    case CPU_WQ_FP8: mm_q(x, n, ldx, w, j0, j1, bias, y, ldy, CPU_WQ_FP8); return;
+    case CPU_WQ_NONE: break;
+    }
     switch (w->dtype) {
     case PD_DTYPE_F32: mm_dt(x, n, ldx, w, j0, j1, bias, y, ldy, PD_DTYPE_F32); break;
     case PD_DTYPE_BF16: mm_dt(x, n, ldx, w, j0, j1, bias, y, ldy, PD_DTYPE_BF16); break;
     case PD_DTYPE_F16: mm_dt(x, n, ldx, w, j0, j1, bias, y, ldy, PD_DTYPE_F16); break;
+    default: break;
     }
 }
 
@@ -445,12 +560,13 @@ int cpu_attention_head_avx512(const float *q, const cpu_kv_layer *kv, int kv_hea
 /* One (M x N) tile of the bf16 compute mode: x rows bf16 (stride ldx), W rows bf16 (stride
  * ldw), both zero-padded to K, a multiple of 32, so every load is whole. dt is BF16 (the only
  * weight dtype of the mode; the parameter keeps TILE_ROWS' call shape). */
-INLINE_AVX512BF16 void tile_bf16(const uint16_t *x, size_t ldx, const void *w, size_t ldw,
-                                 pd_dtype dt, size_t K, const float *bias, float *y, size_t ldy,
-                                 const int M, const int N)
+INLINE_AVX512BF16 void tile_bf16(const uint16_t *x, size_t ldx, const struct pd_weight *wt,
+                                 size_t j0, pd_dtype dt, size_t K, const float *bias, float *y,
+                                 size_t ldy, const int M, const int N)
 {
     __m512 acc[MT_MAX][NT_MAX];
-    const uint16_t *wh = w;
+    const size_t ldw = wt->ld;
+    const uint16_t *wh = (const uint16_t *)wt->data + j0 * ldw;
     UNROLL for (int i = 0; i < M; i++) UNROLL for (int j = 0; j < N; j++) acc[i][j] =
         _mm512_setzero_ps();
     for (size_t k = 0; k < K; k += 32) {
@@ -475,8 +591,7 @@ AVX512BF16 void cpu_mm_avx512bf16(const uint16_t *x, size_t n, size_t ldx,
                                   const struct pd_weight *w, size_t j0, size_t j1,
                                   const float *bias, float *y, size_t ldy)
 {
-    const char *wb = w->data;
-    const size_t ldw = w->ld, K = w->ld, es = 2;
+    const size_t K = w->ld;
     MM_SHAPES(tile_bf16, uint16_t, PD_DTYPE_BF16);
 }
 

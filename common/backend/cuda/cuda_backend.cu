@@ -17,6 +17,7 @@
 extern "C" {
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/pd_nccl.h"
+#include "model/quant.h"
 #include "util/log.h"
 }
 
@@ -242,7 +243,7 @@ static int op_weight_load(pd_backend *b, const pd_tensor *t, const pd_weight_sli
     ENTER(cb);
     *out = NULL;
     const char *name = t && t->name ? t->name : "(unnamed)";
-    if (!t || !t->data || (t->ndim != 1 && t->ndim != 2))
+    if (!t || (!t->data && !t->quant) || (t->ndim != 1 && t->ndim != 2))
         return pd_error(PD_EINVAL, "cuda weight_load: tensor '%s' must be 1-D or 2-D with data",
                         name);
     size_t R = t->ndim == 2 ? (size_t)t->shape[0] : 1;
@@ -257,6 +258,9 @@ static int op_weight_load(pd_backend *b, const pd_tensor *t, const pd_weight_sli
                         "cuda weight_load: tensor '%s' (%zu, %zu): slice rows [%zu, +%zu) cols "
                         "[%zu, +%zu) is out of range",
                         name, R, C, sl->row0, sl->nrows, sl->col0, sl->ncols);
+    if (!t->quant && !pd_dtype_is_float(t->dtype))
+        return pd_error(PD_EINVAL, "cuda weight_load: tensor '%s': dtype %s is not a float dtype",
+                        name, pd_dtype_st_name(t->dtype));
     pd_weight *w = (pd_weight *)calloc(1, sizeof *w);
     if (!w) return pd_error(PD_ENOMEM, "cuda weight_load: out of host memory");
     w->is_vector = t->ndim == 1;
@@ -273,13 +277,15 @@ static int op_weight_load(pd_backend *b, const pd_tensor *t, const pd_weight_sli
                         "cuda weight_load: tensor '%s': %zu bytes: %s", name, nr * nc * de,
                         cudaGetErrorString(e));
     }
-    // Convert on the host in chunks of rows, then copy each chunk.
+    // Convert on the host in chunks of rows, then copy each chunk. A quantized linear is
+    // dequantized into the weight dtype here (its own kernels are not written yet), so it
+    // computes as its dequantized float checkpoint would.
     size_t row_bytes = nc * de;
     size_t chunk_rows = ((size_t)16 << 20) / row_bytes;
     if (chunk_rows < 1) chunk_rows = 1;
     if (chunk_rows > nr) chunk_rows = nr;
     unsigned char *hbuf = (unsigned char *)malloc(chunk_rows * row_bytes);
-    float *tmp = (float *)malloc(nc * sizeof(float));
+    float *tmp = (float *)malloc((t->quant ? chunk_rows : 1) * nc * sizeof(float));
     int rc = PD_OK;
     if (!hbuf || !tmp) {
         rc = pd_error(PD_ENOMEM, "cuda weight_load: out of host memory");
@@ -287,7 +293,13 @@ static int op_weight_load(pd_backend *b, const pd_tensor *t, const pd_weight_sli
     }
     for (size_t r0 = 0; r0 < nr; r0 += chunk_rows) {
         size_t cr = nr - r0 < chunk_rows ? nr - r0 : chunk_rows;
-        for (size_t r = 0; r < cr; r++) {
+        if (t->quant) {
+            rc = pd_qweight_dequant(t->quant, (int64_t)(sl->row0 + r0), (int64_t)cr,
+                                    (int64_t)sl->col0, (int64_t)nc, tmp);
+            if (rc < 0) goto fail;
+            pd_from_f32_n(w->dtype, tmp, hbuf, cr * nc);
+        }
+        for (size_t r = 0; r < cr && !t->quant; r++) {
             const unsigned char *src =
                 (const unsigned char *)t->data + ((sl->row0 + r0 + r) * C + sl->col0) * se;
             unsigned char *dst = hbuf + r * row_bytes;

@@ -30,6 +30,7 @@
 
 #include "backend/forward.h"
 #include "model/model.h"
+#include "model/quant.h"
 #include "util/clock.h"
 #include "util/status.h"
 #include "util/threadpool.h"
@@ -380,7 +381,11 @@ int main(int argc, char **argv)
     for (int i = 0; i < 7; i++) {
         size_t nel = (size_t)pd_tensor_numel(mats[i]);
         wf[i] = malloc(nel * 4);
-        pd_to_f32_n(mats[i]->dtype, mats[i]->data, wf[i], nel);
+        if (mats[i]->quant) /* a quantized checkpoint: its dequantized values */
+            rc = pd_qweight_dequant(mats[i]->quant, 0, mats[i]->shape[0], 0, mats[i]->shape[1],
+                                    wf[i]);
+        else
+            pd_to_f32_n(mats[i]->dtype, mats[i]->data, wf[i], nel);
     }
     for (int r = 0; r < reps; r++) {
         double t0 = pd_now_s();

@@ -3,8 +3,11 @@
 
 For each model variant (made by pd-mkmodel with its shape flags: GQA and MHA, head_dim !=
 hidden/heads, rope_scaling none/linear/dynamic/llama3, tied/untied embeddings, q/k/v(/o) bias,
-Llama/Mistral/Qwen2/Qwen3 (per-head q/k norms), f32/bf16/f16 weights, single file and sharded) and several prompts, runs
-fwd_dump and llama_ref.py and requires:
+Llama/Mistral/Qwen2/Qwen3 (per-head q/k norms), f32/bf16/f16 weights, single file and sharded,
+and quantized checkpoints: AWQ, GPTQ 4/8 bit with act order, symmetric, v1/v2 zero points, per
+channel, fp8, int8 W8A8) and several prompts, runs fwd_dump and llama_ref.py and requires (a
+quantized model's reference is llama_ref.py on the float model that the independent numpy
+dequantizer tests/reference/quant_ref.py makes of it):
   * logits at the last prompt position within relative error 1e-4
     (max |c - ref| / max |ref|, ref in float64);
   * identical greedy tokens for 64 steps;
@@ -63,6 +66,15 @@ VARIANTS = [
                                  "--arch", "qwen2"]),
     ("qwen3", ["--arch", "qwen3", "--head-dim", "48"]),
     ("bf16_tied_qwen3", ["--dtype", "bfloat16", "--tie-embeddings", "--arch", "qwen3"]),
+    ("awq", ["--quantize", "awq"]),
+    ("awq_g32_qwen2", ["--quantize", "awq", "--group-size", "32", "--arch", "qwen2"]),
+    ("gptq4_act_order", ["--quantize", "gptq", "--desc-act", "--group-size", "32"]),
+    ("gptq8_sym_v2", ["--quantize", "gptq", "--bits", "8", "--sym", "--checkpoint-format",
+                      "gptq_v2", "--shards", "2"]),
+    ("gptq4_per_channel", ["--quantize", "gptq", "--group-size", "-1"]),
+    ("fp8", ["--quantize", "fp8", "--dtype", "bfloat16"]),
+    ("fp8_static", ["--quantize", "fp8", "--activation-scheme", "static"]),
+    ("w8a8", ["--quantize", "w8a8"]),
 ]
 
 PROMPTS = [
@@ -76,8 +88,9 @@ ALL_LOGITS = {"gqa_f32", "rope_dynamic", "bf16"}
 # doubling from 256 positions): every position's logits against the reference
 LONG_PROMPT = [(i * 7919 + 13) % 2000 + 1 for i in range(600)]
 LONG = {"gqa_f32", "rope_llama3"}
-DETERMINISM = {"gqa_f32", "qwen2", "qwen3", "bf16", "head_dim_48"}
-GENERATE = {"gqa_f32", "qwen2", "qwen3"}
+DETERMINISM = {"gqa_f32", "qwen2", "qwen3", "bf16", "head_dim_48", "awq", "gptq4_act_order",
+               "fp8"}
+GENERATE = {"gqa_f32", "qwen2", "qwen3", "awq", "gptq4_act_order", "w8a8"}
 BF16_COMPUTE = {"gqa_f32", "bf16", "bf16_tied_qwen3"}
 
 
@@ -197,13 +210,18 @@ def main():
             mdir = os.path.join(tmp, name)
             run([args.mkmodel, "--preset", "tiny", "--out", mdir, "--layers", "2", "--seed", "7"]
                 + flags)
+            refdir = mdir
+            if "--quantize" in flags:
+                refdir = mdir + "_dequantized"
+                run([sys.executable, os.path.join(os.path.dirname(args.ref), "quant_ref.py"),
+                     "--model", mdir, "--out", refdir])
             worst = 0.0
             ref_tokens = []
             for pi, prompt in enumerate(PROMPTS):
                 ids = ",".join(str(t) for t in prompt)
                 want_all = name in ALL_LOGITS and pi == 1
                 extra = ["--all-logits"] if want_all else []
-                ref = json.loads(run([sys.executable, args.ref, "--model", mdir, "--prompt-ids",
+                ref = json.loads(run([sys.executable, args.ref, "--model", refdir, "--prompt-ids",
                                       ids, "--steps", str(STEPS)] + extra))
                 got = json.loads(run([args.fwd_dump, "--model", mdir, "--prompt-ids", ids,
                                       "--steps", str(STEPS)] + extra))
@@ -247,7 +265,7 @@ def main():
             sc = json.loads(run([args.fwd_dump, "--model", mdir, "--prompt-ids",
                                  ",".join(str(t) for t in PROMPTS[1]), "--steps", str(STEPS),
                                  "--isa", "scalar", "--threads", "1"]))
-            ref = json.loads(run([sys.executable, args.ref, "--model", mdir, "--prompt-ids",
+            ref = json.loads(run([sys.executable, args.ref, "--model", refdir, "--prompt-ids",
                                   ",".join(str(t) for t in PROMPTS[1]), "--steps", str(STEPS)]))
             es = rel_err(sc["prompt_logits_last"], ref["prompt_logits_last"])
             checks += 1

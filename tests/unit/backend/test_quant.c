@@ -1,0 +1,485 @@
+/* Quantized linears (model/quant.h) and the CPU backend's quantized matmul.
+ *
+ * Each format is written here from float weights by this file's own packers (the layouts as
+ * docs/quantization.md states them: AWQ's [0,2,4,6,1,3,5,7] nibble order, GPTQ packed along the
+ * input with g_idx and v1 zero points, fp8 e4m3, int8), into a real safetensors file, then
+ * resolved through pd_qweight_resolve. Checked: pd_qweight_dequant gives exactly the values the
+ * packer meant ((q - z) * s, one f32 rounding); the CPU backend's quantized matmul equals, bit
+ * for bit, its float matmul on those dequantized values (every ISA, every tile shape, tensor
+ * parallel slices); and malformed tensors are refused naming the tensor. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/backend.h"
+#include "harness.h"
+#include "model/dtype.h"
+#include "model/quant.h"
+#include "model/safetensors.h"
+#include "util/status.h"
+
+static uint64_t rng = 0x243F6A8885A308D3ull;
+
+static float frand(void) /* uniform in [-1, 1) */
+{
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return (float)((double)(rng >> 11) / 9007199254740992.0 * 2.0 - 1.0);
+}
+
+/* ---- this file's packers --------------------------------------------------------------------- */
+
+typedef struct {
+    const char *name;
+    const char *qc; /* quantization_config JSON */
+    int64_t rows, cols;
+} fmt_case;
+
+/* A quantized linear written by this file: its tensors, and the dequantized values meant. */
+typedef struct {
+    pd_tensor t[6];
+    void *buf[6];
+    int n;
+    float *deq; /* (rows, cols) */
+} packed;
+
+static void *add(packed *p, const char *name, pd_dtype dt, int ndim, int64_t a, int64_t b)
+{
+    pd_tensor *t = &p->t[p->n];
+    memset(t, 0, sizeof *t);
+    t->name = name;
+    t->dtype = dt;
+    t->ndim = ndim;
+    t->shape[0] = a;
+    t->shape[1] = b;
+    t->nbytes = (size_t)pd_tensor_numel(t) * pd_dtype_size(dt);
+    p->buf[p->n] = calloc(1, t->nbytes ? t->nbytes : 1);
+    t->data = p->buf[p->n];
+    return p->buf[p->n++];
+}
+
+static void packed_free(packed *p)
+{
+    for (int i = 0; i < p->n; i++) free(p->buf[i]);
+    free(p->deq);
+}
+
+static const int k_awq_order[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+
+/* Round-to-nearest asymmetric integers of a group: scale (f16-rounded) and zero point. */
+static void int_params(const float *w, size_t n, size_t stride, int bits, uint16_t *s16,
+                       unsigned *z)
+{
+    float lo = 0, hi = 0;
+    for (size_t i = 0; i < n; i++) {
+        float v = w[i * stride];
+        lo = v < lo ? v : lo;
+        hi = v > hi ? v : hi;
+    }
+    const float qmax = (float)((1 << bits) - 1);
+    *s16 = pd_f32_to_f16((hi - lo) / qmax + 1e-6f);
+    float s = pd_f16_to_f32(*s16);
+    float zf = roundf(-lo / s);
+    *z = (unsigned)(zf < 0 ? 0 : zf > qmax ? qmax : zf);
+}
+
+static unsigned int_q(float w, float s, unsigned z, int bits)
+{
+    float q = roundf(w / s) + (float)z, qmax = (float)((1 << bits) - 1);
+    return (unsigned)(q < 0 ? 0 : q > qmax ? qmax : q);
+}
+
+/* AWQ or GPTQ (bits, group G, act order when perm, v1 zero points when v1) from W (R, C). */
+static void pack_int(packed *p, const float *W, int64_t R, int64_t C, bool awq, int bits,
+                     int64_t G, bool act_order, bool v1)
+{
+    const int64_t ng = C / G, P = 32 / bits;
+    int32_t *gidx = malloc((size_t)C * sizeof *gidx);
+    for (int64_t k = 0; k < C; k++) gidx[k] = (int32_t)(k / G);
+    if (act_order) /* a shuffle of the group assignment: every group still holds G rows */
+        for (int64_t k = C - 1; k > 0; k--) {
+            int64_t j = (int64_t)((frand() + 1.0f) * 0.5f * (float)(k + 1)) % (k + 1);
+            int32_t t = gidx[k];
+            gidx[k] = gidx[j];
+            gidx[j] = t;
+        }
+    uint16_t *s16 = malloc((size_t)(ng * R) * 2);
+    unsigned *z = malloc((size_t)(ng * R) * sizeof *z);
+    float *col = malloc((size_t)G * sizeof *col);
+    for (int64_t g = 0; g < ng; g++)
+        for (int64_t r = 0; r < R; r++) {
+            int64_t m = 0;
+            for (int64_t k = 0; k < C; k++)
+                if (gidx[k] == g) col[m++] = W[r * C + k];
+            int_params(col, (size_t)G, 1, bits, &s16[g * R + r], &z[g * R + r]);
+        }
+    free(col);
+    p->deq = malloc((size_t)(R * C) * sizeof(float));
+    uint32_t *qw = awq ? add(p, "L.qweight", PD_DTYPE_I32, 2, C, R / 8)
+                       : add(p, "L.qweight", PD_DTYPE_I32, 2, C / P, R);
+    uint32_t *qz = awq ? add(p, "L.qzeros", PD_DTYPE_I32, 2, ng, R / 8)
+                       : add(p, "L.qzeros", PD_DTYPE_I32, 2, ng, R / P);
+    uint16_t *sc = add(p, "L.scales", PD_DTYPE_F16, 2, ng, R);
+    memcpy(sc, s16, (size_t)(ng * R) * 2);
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t k = 0; k < C; k++) {
+            int64_t g = gidx[k];
+            float s = pd_f16_to_f32(s16[g * R + r]);
+            unsigned q = int_q(W[r * C + k], s, z[g * R + r], bits);
+            p->deq[r * C + k] = ((float)q - (float)z[g * R + r]) * s;
+            if (awq) {
+                int i = 0;
+                while (k_awq_order[i] != r % 8) i++;
+                qw[k * (R / 8) + r / 8] |= q << (4 * i);
+            } else {
+                qw[(k / P) * R + r] |= q << (bits * (k % P));
+            }
+        }
+    for (int64_t g = 0; g < ng; g++)
+        for (int64_t r = 0; r < R; r++) {
+            unsigned zs = z[g * R + r];
+            if (awq) {
+                int i = 0;
+                while (k_awq_order[i] != r % 8) i++;
+                qz[g * (R / 8) + r / 8] |= zs << (4 * i);
+            } else {
+                zs = v1 ? (zs - 1u) & ((1u << bits) - 1u) : zs;
+                qz[g * (R / P) + r / P] |= zs << (bits * (r % P));
+            }
+        }
+    if (v1) /* a stored 2^bits - 1 reads as 2^bits (zero 0 wrapped), as vLLM reads it */
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t k = 0; k < C; k++) {
+                int64_t g = gidx[k];
+                if (z[g * R + r] == 0) {
+                    float s = pd_f16_to_f32(s16[g * R + r]);
+                    unsigned q = int_q(W[r * C + k], s, 0, bits);
+                    p->deq[r * C + k] = ((float)q - (float)(1u << bits)) * s;
+                }
+            }
+    if (!awq) memcpy(add(p, "L.g_idx", PD_DTYPE_I32, 1, C, 0), gidx, (size_t)C * 4);
+    free(gidx);
+    free(s16);
+    free(z);
+}
+
+/* fp8 (per-tensor scale) or int8 (per-row scale) weights. */
+static void pack_8bit(packed *p, const float *W, int64_t R, int64_t C, bool fp8, bool per_row)
+{
+    uint8_t *wq = add(p, "L.weight", fp8 ? PD_DTYPE_F8_E4M3 : PD_DTYPE_I8, 2, R, C);
+    float *ws = per_row ? add(p, "L.weight_scale", PD_DTYPE_F32, 2, R, 1)
+                        : add(p, "L.weight_scale", PD_DTYPE_F32, 0, 0, 0);
+    p->deq = malloc((size_t)(R * C) * sizeof(float));
+    float amax_all = 0;
+    for (int64_t i = 0; i < R * C; i++) amax_all = fmaxf(amax_all, fabsf(W[i]));
+    for (int64_t r = 0; r < R; r++) {
+        float amax = 0;
+        for (int64_t k = 0; k < C; k++) amax = fmaxf(amax, fabsf(W[r * C + k]));
+        float s = (per_row ? amax : amax_all) / (fp8 ? 448.0f : 127.0f);
+        ws[per_row ? r : 0] = s;
+        for (int64_t k = 0; k < C; k++) {
+            float v = W[r * C + k] / s;
+            if (fp8) {
+                wq[r * C + k] = pd_f32_to_f8e4m3(v);
+                p->deq[r * C + k] = pd_f8e4m3_to_f32(wq[r * C + k]) * s;
+            } else {
+                float q = fminf(fmaxf(roundf(v), -127.0f), 127.0f);
+                wq[r * C + k] = (uint8_t)(int8_t)q;
+                p->deq[r * C + k] = (float)(int8_t)q * s; /* never -0 */
+            }
+        }
+    }
+}
+
+/* The formats under test: config, packer arguments. */
+typedef struct {
+    const char *name, *qc;
+    int kind; /* 0 awq, 1 gptq, 2 fp8, 3 int8 */
+    int bits;
+    int64_t G;
+    bool act_order, v1, per_row;
+} fmt;
+
+static const fmt k_fmts[] = {
+    {"awq", "{\"quant_method\":\"awq\",\"bits\":4,\"group_size\":32,\"zero_point\":true,"
+            "\"version\":\"gemm\"}", 0, 4, 32, false, false, false},
+    {"gptq4 v1", "{\"quant_method\":\"gptq\",\"bits\":4,\"group_size\":32,\"desc_act\":false,"
+                 "\"sym\":false}", 1, 4, 32, false, true, false},
+    {"gptq4 act order v2", "{\"quant_method\":\"gptq\",\"bits\":4,\"group_size\":16,"
+                           "\"desc_act\":true,\"sym\":false,\"checkpoint_format\":\"gptq_v2\"}",
+     1, 4, 16, true, false, false},
+    {"gptq8 v1", "{\"quant_method\":\"gptq\",\"bits\":8,\"group_size\":32,\"desc_act\":false,"
+                 "\"sym\":false}", 1, 8, 32, false, true, false},
+    {"gptq4 per channel", "{\"quant_method\":\"gptq\",\"bits\":4,\"group_size\":-1,"
+                          "\"sym\":false,\"checkpoint_format\":\"gptq_v2\"}", 1, 4, -1, false,
+     false, false},
+    {"fp8", "{\"quant_method\":\"fp8\",\"activation_scheme\":\"dynamic\"}", 2, 8, 0, false, false,
+     false},
+    {"w8a8 int8", "{\"quant_method\":\"compressed-tensors\",\"format\":\"int-quantized\","
+                  "\"config_groups\":{\"group_0\":{\"targets\":[\"Linear\"],\"weights\":{"
+                  "\"num_bits\":8,\"type\":\"int\",\"symmetric\":true,\"strategy\":\"channel\","
+                  "\"dynamic\":false},\"input_activations\":{\"num_bits\":8,\"type\":\"int\","
+                  "\"symmetric\":true,\"strategy\":\"token\",\"dynamic\":true}}},"
+                  "\"ignore\":[\"lm_head\"]}", 3, 8, 0, false, false, true},
+};
+#define N_FMTS (sizeof k_fmts / sizeof k_fmts[0])
+
+static int parse_qc(const char *text, pd_quant_config *c)
+{
+    json_error_t je;
+    json_t *j = json_loads(text, 0, &je);
+    int rc = pd_quant_config_parse(j, c);
+    json_decref(j);
+    return rc;
+}
+
+/* Writes format f of W (R, C) to a file, opens it and resolves "L". */
+static int make(const fmt *f, const float *W, int64_t R, int64_t C, pd_quant_config *qc,
+                packed *p, pd_st **st, pd_qweight *q)
+{
+    memset(p, 0, sizeof *p);
+    PD_CHECK(parse_qc(f->qc, qc));
+    if (f->kind <= 1)
+        pack_int(p, W, R, C, f->kind == 0, f->bits, f->G < 0 ? C : f->G, f->act_order, f->v1);
+    else
+        pack_8bit(p, W, R, C, f->kind == 2, f->per_row);
+    char path[600];
+    snprintf(path, sizeof path, "%s/q.safetensors", pdt_tmp_dir());
+    PD_CHECK(pd_st_write(path, p->t, (size_t)p->n, NULL, NULL));
+    PD_CHECK(pd_st_open(path, st));
+    return pd_qweight_resolve(*st, qc, "L", R, C, q);
+}
+
+static pd_backend *cpu(pd_cpu_isa isa, int threads)
+{
+    pd_backend_params bp = pd_backend_default_params();
+    bp.cpu_isa = isa;
+    bp.n_threads = threads;
+    pd_backend *b = NULL;
+    return pd_backend_cpu_create(&bp, &b) < 0 ? NULL : b;
+}
+
+/* ---- tests ---------------------------------------------------------------------------------- */
+
+/* Every format: the dequantized values are the packer's, and the quantized matmul equals the
+ * float matmul on them bit for bit (scalar and AVX-512; 1 to 13 rows: decode, few-row and
+ * prefill tiles; 2 threads), whole and as tensor-parallel row and column slices. */
+TEST(quantized_matmul_equals_dequantized_float_matmul)
+{
+    const int64_t R = 48, C = 128;
+    static const size_t ns[] = {1, 2, 3, 8, 13};
+    pd_cpu_isa isas[2] = {PD_CPU_ISA_SCALAR, PD_CPU_ISA_AVX512};
+    float *W = malloc((size_t)(R * C) * 4), *deq = malloc((size_t)(R * C) * 4);
+    float *x = malloc(13 * (size_t)C * 4), *yq = malloc(13 * (size_t)R * 4),
+          *yf = malloc(13 * (size_t)R * 4);
+    for (int64_t i = 0; i < R * C; i++) W[i] = frand() * 0.5f;
+    for (size_t i = 0; i < 13 * (size_t)C; i++) x[i] = frand();
+    for (size_t f = 0; f < N_FMTS; f++) {
+        pd_quant_config qc;
+        packed p;
+        pd_st *st = NULL;
+        pd_qweight q;
+        ASSERT_MSG(make(&k_fmts[f], W, R, C, &qc, &p, &st, &q) == 0, "%s: %s", k_fmts[f].name,
+                   pd_last_error());
+        ASSERT_OK(pd_qweight_dequant(&q, 0, R, 0, C, deq));
+        ASSERT_MSG(memcmp(deq, p.deq, (size_t)(R * C) * 4) == 0, "%s: dequantized values differ",
+                   k_fmts[f].name);
+        pd_tensor tq = pd_qweight_tensor(&q);
+        const int32_t *gidx = k_fmts[f].act_order ? p.buf[3] : NULL;
+        /* whole; rows [16, 40) (column parallel); columns [64, 128) (row parallel) */
+        const pd_weight_slice sls[3] = {{0, 0, 0, 0}, {16, 24, 0, 0}, {0, 0, 64, 64}};
+        for (int si = 0; si < 3; si++) {
+            const pd_weight_slice *sl = &sls[si];
+            if (k_fmts[f].G < 0 && si == 2) continue; /* one group per row: not splittable */
+            if (gidx && si == 2) { /* act order's groups straddle the halves: refused */
+                pd_backend *b = cpu(PD_CPU_ISA_AUTO, 1);
+                pd_weight *Wq = NULL;
+                ASSERT(pd_backend_get_ops(b)->weight_load(b, &tq, sl, &Wq) == PD_EINVAL);
+                ASSERT_CONTAINS(pd_last_error(), "split a quantization group");
+                pd_backend_free(b);
+                continue;
+            }
+            size_t rows = sl->nrows ? sl->nrows : (size_t)R;
+            size_t cols = sl->ncols ? sl->ncols : (size_t)C;
+            /* the float reference: the slice's dequantized values and x in the backend's column
+               order (act order: sorted by group, stable) */
+            size_t *ord = malloc(cols * sizeof *ord), m = 0;
+            for (int32_t g = 0; m < cols; g++)
+                for (size_t k = 0; k < cols; k++)
+                    if (!gidx ? g == 0 : gidx[sl->col0 + k] == g) ord[m++] = k;
+            float *wf = malloc(rows * cols * 4), *xs = malloc(13 * cols * 4),
+                  *xo = malloc(13 * cols * 4);
+            for (size_t r = 0; r < rows; r++)
+                for (size_t k = 0; k < cols; k++)
+                    wf[r * cols + k] = deq[(sl->row0 + r) * (size_t)C + sl->col0 + ord[k]];
+            for (size_t r = 0; r < 13; r++)
+                for (size_t k = 0; k < cols; k++) {
+                    xs[r * cols + k] = x[r * (size_t)C + sl->col0 + k];
+                    xo[r * cols + k] = x[r * (size_t)C + sl->col0 + ord[k]];
+                }
+            pd_tensor tf = {.name = "deq", .dtype = PD_DTYPE_F32, .ndim = 2,
+                            .shape = {(int64_t)rows, (int64_t)cols}, .data = wf,
+                            .nbytes = rows * cols * 4};
+            for (int ii = 0; ii < 2; ii++) {
+                pd_backend *b = cpu(isas[ii], 2);
+                if (!b) continue; /* no AVX-512 here */
+                const pd_backend_ops *o = pd_backend_get_ops(b);
+                pd_weight *Wq = NULL, *Wf = NULL;
+                ASSERT_MSG(o->weight_load(b, &tq, sl, &Wq) == 0, "%s slice %d: %s",
+                           k_fmts[f].name, si, pd_last_error());
+                ASSERT_OK(o->weight_load(b, &tf, NULL, &Wf));
+                for (size_t ni = 0; ni < 5; ni++) {
+                    ASSERT_OK(o->matmul(b, xs, ns[ni], Wq, NULL, yq));
+                    ASSERT_OK(o->matmul(b, xo, ns[ni], Wf, NULL, yf));
+                    ASSERT_MSG(memcmp(yq, yf, ns[ni] * rows * 4) == 0,
+                               "%s isa %d slice %d n %zu: quantized != float matmul",
+                               k_fmts[f].name, (int)isas[ii], si, ns[ni]);
+                }
+                o->weight_free(b, Wq);
+                o->weight_free(b, Wf);
+                pd_backend_free(b);
+            }
+            free(ord), free(wf), free(xs), free(xo);
+        }
+        packed_free(&p);
+        pd_st_close(st);
+    }
+    free(W), free(deq), free(x), free(yq), free(yf);
+}
+
+/* Malformed checkpoints and configs are refused naming the tensor or field. */
+TEST(malformed_quantized_tensors_named)
+{
+    const int64_t R = 16, C = 64;
+    float *W = malloc((size_t)(R * C) * 4);
+    for (int64_t i = 0; i < R * C; i++) W[i] = frand();
+    pd_quant_config qc;
+    packed p;
+    pd_st *st = NULL;
+    pd_qweight q;
+    char path[600];
+    snprintf(path, sizeof path, "%s/q.safetensors", pdt_tmp_dir());
+    /* AWQ without scales; with scales of the wrong shape */
+    ASSERT_OK(parse_qc(k_fmts[0].qc, &qc));
+    memset(&p, 0, sizeof p);
+    pack_int(&p, W, R, C, true, 4, 32, false, false);
+    ASSERT_OK(pd_st_write(path, p.t, 2, NULL, NULL)); /* qweight, qzeros */
+    ASSERT_OK(pd_st_open(path, &st));
+    ASSERT(pd_qweight_resolve(st, &qc, "L", R, C, &q) == PD_ENOTFOUND);
+    ASSERT_MSG(strstr(pd_last_error(), "'L.scales' not found"), "%s", pd_last_error());
+    pd_st_close(st);
+    p.t[2].shape[0] = 3; /* scales (3, 16) for 2 groups */
+    p.t[2].nbytes = 3 * 16 * 2;
+    ASSERT_OK(pd_st_write(path, p.t, 3, NULL, NULL));
+    ASSERT_OK(pd_st_open(path, &st));
+    ASSERT(pd_qweight_resolve(st, &qc, "L", R, C, &q) == PD_EINVAL);
+    ASSERT_MSG(strstr(pd_last_error(), "'L.scales': expected shape [2, 16], got [3, 16]"), "%s",
+               pd_last_error());
+    pd_st_close(st);
+    packed_free(&p);
+    /* GPTQ act order with a g_idx naming a group that does not exist, or unbalanced groups */
+    ASSERT_OK(parse_qc(k_fmts[2].qc, &qc));
+    memset(&p, 0, sizeof p);
+    pack_int(&p, W, R, C, false, 4, 16, true, false);
+    ((int32_t *)p.buf[3])[5] = 9;
+    ASSERT_OK(pd_st_write(path, p.t, 4, NULL, NULL));
+    ASSERT_OK(pd_st_open(path, &st));
+    ASSERT(pd_qweight_resolve(st, &qc, "L", R, C, &q) == PD_EINVAL);
+    ASSERT_MSG(strstr(pd_last_error(), "'L.g_idx': g_idx[5] = 9"), "%s", pd_last_error());
+    pd_st_close(st);
+    int32_t *gi = p.buf[3];
+    gi[5] = (gi[5] + 1) % 4; /* a row moved to another group: 15 and 17 rows */
+    ASSERT_OK(pd_st_write(path, p.t, 4, NULL, NULL));
+    ASSERT_OK(pd_st_open(path, &st));
+    ASSERT(pd_qweight_resolve(st, &qc, "L", R, C, &q) == PD_EINVAL);
+    ASSERT_MSG(strstr(pd_last_error(), "input rows, expected group_size 16"), "%s",
+               pd_last_error());
+    pd_st_close(st);
+    packed_free(&p);
+    /* fp8 with an int8 weight; a column slice that splits a group (CPU) */
+    ASSERT_OK(parse_qc(k_fmts[5].qc, &qc));
+    memset(&p, 0, sizeof p);
+    pack_8bit(&p, W, R, C, false, false);
+    ASSERT_OK(pd_st_write(path, p.t, 2, NULL, NULL));
+    ASSERT_OK(pd_st_open(path, &st));
+    ASSERT(pd_qweight_resolve(st, &qc, "L", R, C, &q) == PD_EINVAL);
+    ASSERT_MSG(strstr(pd_last_error(), "'L.weight': expected dtype F8_E4M3, got I8"), "%s",
+               pd_last_error());
+    pd_st_close(st);
+    packed_free(&p);
+    ASSERT_OK(make(&k_fmts[0], W, R, C, &qc, &p, &st, &q));
+    pd_backend *b = cpu(PD_CPU_ISA_AUTO, 1);
+    ASSERT(b);
+    pd_tensor tq = pd_qweight_tensor(&q);
+    pd_weight_slice half = {0, 0, 16, 32};
+    pd_weight *Wq = NULL;
+    ASSERT(pd_backend_get_ops(b)->weight_load(b, &tq, &half, &Wq) == PD_EINVAL);
+    ASSERT_MSG(strstr(pd_last_error(), "split a quantization group of 32"), "%s", pd_last_error());
+    pd_backend_free(b);
+    pd_st_close(st);
+    packed_free(&p);
+    free(W);
+}
+
+/* quantization_config as public checkpoints write it parses; unsupported variants are named. */
+TEST(quantization_config_variants)
+{
+    pd_quant_config c;
+    /* TheBloke/Llama-2-7B-AWQ, TheBloke/Llama-2-7B-GPTQ, neuralmagic FP8 (config.json) */
+    ASSERT_OK(parse_qc("{\"bits\":4,\"group_size\":128,\"modules_to_not_convert\":null,"
+                       "\"quant_method\":\"awq\",\"version\":\"gemm\",\"zero_point\":true}",
+                       &c));
+    ASSERT(c.method == PD_QUANT_AWQ && c.bits == 4 && c.group_size == 128);
+    ASSERT_OK(parse_qc("{\"bits\":4,\"group_size\":128,\"damp_percent\":0.01,\"desc_act\":false,"
+                       "\"sym\":true,\"true_sequential\":true,\"model_name_or_path\":null,"
+                       "\"model_file_base_name\":\"model\",\"quant_method\":\"gptq\"}",
+                       &c));
+    ASSERT(c.method == PD_QUANT_GPTQ && c.sym && c.zero_minus_one && !c.desc_act);
+    ASSERT_OK(parse_qc("{\"activation_scheme\":\"static\",\"ignored_layers\":[\"lm_head\"],"
+                       "\"quant_method\":\"fp8\"}",
+                       &c));
+    ASSERT(c.method == PD_QUANT_FP8 && c.act_static && c.n_ignore == 0);
+    ASSERT_OK(parse_qc(k_fmts[6].qc, &c));
+    ASSERT(c.kind == PD_QKIND_INT8 && c.per_channel);
+    ASSERT_OK(parse_qc("{\"quant_method\":\"compressed-tensors\",\"format\":\"float-quantized\","
+                       "\"config_groups\":{\"g\":{\"targets\":[\"Linear\"],\"weights\":{"
+                       "\"num_bits\":8,\"type\":\"float\",\"symmetric\":true,\"strategy\":"
+                       "\"tensor\"}}},\"ignore\":[\"lm_head\",\"re:.*layers\\\\.0\\\\.mlp.*\"]}",
+                       &c));
+    ASSERT(c.kind == PD_QKIND_FP8 && !c.per_channel && c.n_ignore == 1);
+    ASSERT(pd_quant_ignored(&c, "model.layers.0.mlp.down_proj"));
+    ASSERT(!pd_quant_ignored(&c, "model.layers.10.mlp.down_proj"));
+    static const struct {
+        const char *qc, *msg;
+    } bad[] = {
+        {"{\"quant_method\":\"awq\",\"bits\":3}", "quantization_config.bits: AWQ with 3 bits"},
+        {"{\"quant_method\":\"awq\",\"version\":\"gemv\"}", "quantization_config.version"},
+        {"{\"quant_method\":\"gptq\",\"bits\":2}", "quantization_config.bits: GPTQ with 2 bits"},
+        {"{\"quant_method\":\"gptq\",\"bits\":4,\"checkpoint_format\":\"marlin\"}",
+         "quantization_config.checkpoint_format"},
+        {"{\"quant_method\":\"gptq\",\"bits\":4,\"group_size\":0}", "group_size: must be"},
+        {"{\"quant_method\":\"bitsandbytes\"}", "quantization_config.quant_method: \"bitsandbytes\""},
+        {"{\"quant_method\":\"fp8\",\"weight_block_size\":[128,128]}", "weight_block_size"},
+        {"{\"quant_method\":\"compressed-tensors\",\"format\":\"pack-quantized\"}",
+         "quantization_config.format"},
+        {"{\"bits\":4}", "quantization_config.quant_method: required"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        ASSERT_MSG(parse_qc(bad[i].qc, &c) < 0, "%s was accepted", bad[i].qc);
+        ASSERT_MSG(strstr(pd_last_error(), bad[i].msg), "%s: %s", bad[i].qc, pd_last_error());
+    }
+    /* --quantization against the checkpoint */
+    ASSERT_OK(parse_qc(k_fmts[0].qc, &c));
+    ASSERT_OK(pd_quant_check_flag("awq_marlin", &c, "m/config.json"));
+    ASSERT_OK(pd_quant_check_flag(NULL, &c, "m/config.json"));
+    ASSERT(pd_quant_check_flag("gptq", &c, "m/config.json") == PD_EINVAL);
+    ASSERT_MSG(strstr(pd_last_error(), "--quantization gptq, but m/config.json's "
+                                       "quantization_config.quant_method is awq"),
+               "%s", pd_last_error());
+    ASSERT(pd_quant_check_flag("q4_0", &c, "m/config.json") == PD_EINVAL);
+    memset(&c, 0, sizeof c);
+    ASSERT(pd_quant_check_flag("fp8", &c, "m/config.json") == PD_EINVAL);
+    ASSERT_MSG(strstr(pd_last_error(), "has no quantization_config"), "%s", pd_last_error());
+}
