@@ -196,6 +196,13 @@ static int parse_compressed(const json_t *qc, pd_quant_config *c)
         if (nb != 8)
             return pd_error(PD_EUNSUPPORTED, "%s.num_bits: %lld is not supported (8)", wp,
                             (long long)nb);
+        const char *at = NULL, *as = NULL;
+        bool adyn = false;
+        PD_CHECK(pdj_get_string(in, wp, "type", PDJ_NULL_IS_ABSENT, &at));
+        PD_CHECK(pdj_get_string(in, wp, "strategy", PDJ_NULL_IS_ABSENT, &as));
+        PD_CHECK(pdj_get_bool(in, wp, "dynamic", PDJ_NULL_IS_ABSENT, &adyn));
+        c->act_int8 = c->kind == PD_QKIND_INT8 && at && strcmp(at, "int") == 0 && adyn &&
+                      as && strcmp(as, "token") == 0;
     }
     c->bits = 8;
     return parse_ignore(qc, "ignore", c);

@@ -17,10 +17,12 @@
  * Integer formats dequantize as w = (q - z) * s, fp8 and int8 as w = q * s: one f32 rounding of
  * the exact (q - z) times the scale widened to f32, which is what every backend computes.
  *
- * Activations: awq and gptq are weight-only (x in the compute dtype). fp8 and the W8A8 schemes
- * also quantize activations in vLLM; pdserve multiplies their dequantized weights by x in the
- * compute dtype instead (the weight bytes, which bound decode, are the same; the values differ
- * from vLLM's by the activation rounding, docs/quantization.md).
+ * Activations: awq and gptq are weight-only (x in the compute dtype). Int8 W8A8 with dynamic
+ * per-token int8 input activations (SmoothQuant checkpoints) quantizes x as vLLM does (act_int8;
+ * the CPU backend's integer kernels). fp8 and the other schemes also quantize activations in
+ * vLLM; pdserve multiplies their dequantized weights by x in the compute dtype instead (the
+ * weight bytes, which bound decode, are the same; the values differ from vLLM's by the
+ * activation rounding, docs/quantization.md).
  *
  * Design: the model loader (model.c) resolves each quantized linear into a pd_qweight whose
  * tensors are checked here once (presence, dtype, shape, with the tensor named); backends read
@@ -63,6 +65,7 @@ typedef struct {
     bool zero_minus_one; /* gptq v1: stored zero points are zero - 1 */
     bool act_static;     /* fp8: activation_scheme static (input_scale per linear) */
     bool per_channel;    /* fp8 / int8: weight_scale per output row (else per tensor) */
+    bool act_int8;       /* int8 W8A8: input activations int8, dynamic, per token */
     /* compressed-tensors "ignore": module names, or "re:" + a regular expression (POSIX
        extended, matched whole) of modules left unquantized */
     char ignore[PD_QUANT_MAX_IGNORE][128];

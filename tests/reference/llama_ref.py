@@ -29,9 +29,12 @@ Semantics that follow transformers exactly:
   * MLP: down(silu(gate(x)) * up(x)). LM head: lm_head.weight, or embed_tokens when
     tie_word_embeddings is true.
 
+  * --act-int8 (int8 W8A8 checkpoints, with a model dequantized by quant_ref.py): the input of
+    every decoder linear quantized per token as vLLM's dynamic int8 activations (Model.lin).
+
 CLI:
   llama_ref.py --model DIR --prompt-ids 1,2,3 [--steps N] [--out FILE.json] [--all-logits]
-               [--step-logits]
+               [--step-logits] [--act-int8]
 prints (or writes) JSON:
   {"prompt_logits_last": [V floats, logits at the last prompt position],
    "greedy_tokens": [N ids, argmax generation appending each id],
@@ -180,7 +183,8 @@ def silu(x):
 
 
 class Model:
-    def __init__(self, model_dir):
+    def __init__(self, model_dir, act_int8=False):
+        self.act_int8 = act_int8
         with open(os.path.join(model_dir, "config.json")) as f:
             self.cfg = Config(json.load(f))
         self.w = load_weights(model_dir)
@@ -188,6 +192,16 @@ class Model:
         self.embed = self.w["model.embed_tokens.weight"]
         self.lm_head = self.embed if c.tie else self.w["lm_head.weight"]
         assert self.embed.shape == (c.vocab, c.hidden), self.embed.shape
+
+    def lin(self, h, name):
+        """h @ W^T for the linear `name`; with act_int8 (W8A8, as vLLM's dynamic per-token int8
+        activations), each row of h first becomes q * max|h| / 127, q = round-half-even(h * 127 /
+        max|h|) in [-127, 127]."""
+        if self.act_int8:
+            amax = np.max(np.abs(h), axis=-1, keepdims=True)
+            inv = np.divide(127.0, amax, out=np.zeros_like(amax), where=amax > 0)
+            h = np.rint(h * inv) * (amax / 127.0)
+        return h @ self.w[name].T
 
     def reset(self):
         c = self.cfg
@@ -214,9 +228,9 @@ class Model:
         for l in range(c.layers):
             p = f"model.layers.{l}."
             h = rms_norm(x, w[p + "input_layernorm.weight"], c.eps)
-            q = h @ w[p + "self_attn.q_proj.weight"].T
-            k = h @ w[p + "self_attn.k_proj.weight"].T
-            v = h @ w[p + "self_attn.v_proj.weight"].T
+            q = self.lin(h, p + "self_attn.q_proj.weight")
+            k = self.lin(h, p + "self_attn.k_proj.weight")
+            v = self.lin(h, p + "self_attn.v_proj.weight")
             if c.qkv_bias:
                 q = q + w[p + "self_attn.q_proj.bias"]
                 k = k + w[p + "self_attn.k_proj.bias"]
@@ -239,14 +253,14 @@ class Model:
             pr = np.exp(s)
             pr = pr / pr.sum(axis=-1, keepdims=True)
             a = np.einsum("hts,shd->thd", pr, V).reshape(T, c.heads * c.head_dim)
-            o = a @ w[p + "self_attn.o_proj.weight"].T
+            o = self.lin(a, p + "self_attn.o_proj.weight")
             if c.o_bias:
                 o = o + w[p + "self_attn.o_proj.bias"]
             x = x + o
             h = rms_norm(x, w[p + "post_attention_layernorm.weight"], c.eps)
-            g = h @ w[p + "mlp.gate_proj.weight"].T
-            u = h @ w[p + "mlp.up_proj.weight"].T
-            x = x + (silu(g) * u) @ w[p + "mlp.down_proj.weight"].T
+            g = self.lin(h, p + "mlp.gate_proj.weight")
+            u = self.lin(h, p + "mlp.up_proj.weight")
+            x = x + self.lin(silu(g) * u, p + "mlp.down_proj.weight")
         x = rms_norm(x, w["model.norm.weight"], c.eps)
         return x @ self.lm_head.T
 
@@ -269,6 +283,8 @@ def main(argv):
     ap.add_argument("--out", help="write the JSON here instead of stdout")
     ap.add_argument("--all-logits", action="store_true", help="logits of every prompt position")
     ap.add_argument("--step-logits", action="store_true", help="logits of every greedy step")
+    ap.add_argument("--act-int8", action="store_true",
+                    help="W8A8: quantize the input of every decoder linear to int8 per token")
     a = ap.parse_args(argv)
     try:
         ids = [int(s) for s in a.prompt_ids.split(",") if s.strip() != ""]
@@ -278,7 +294,7 @@ def main(argv):
         ap.error("--prompt-ids: at least one id")
     if a.steps < 0:
         ap.error("--steps: must be >= 0")
-    m = Model(a.model)
+    m = Model(a.model, act_int8=a.act_int8)
     for t in ids:
         if not 0 <= t < m.cfg.vocab:
             ap.error(f"--prompt-ids: id {t} outside the vocabulary (size {m.cfg.vocab})")

@@ -50,6 +50,10 @@ typedef struct {
      * stored permuted, (PD_MATMUL_MULTI_MAX, max_tokens, xp_ld) f32, mapped like xr. */
     float *xp;
     size_t xp_ld, xp_bytes;
+    /* W8A8: x rows quantized to int8 (cpu_quant_row_i8 layout), (max_tokens, xq_ld) bytes */
+    uint8_t *xq;
+    size_t xq_ld, xq_bytes;
+    bool vnni; /* the W8A8 kernel uses vpdpbusd */
 } cpu_be;
 
 struct pd_kv {
@@ -84,6 +88,7 @@ static void cpu_free(pd_backend *b)
     free(be->row_seq);
     if (be->xr) munmap(be->xr, be->xr_bytes);
     if (be->xp) munmap(be->xp, be->xp_bytes);
+    if (be->xq) munmap(be->xq, be->xq_bytes);
     free(be);
 }
 
@@ -167,8 +172,12 @@ static int quant_load(cpu_be *be, const pd_tensor *t, const pd_weight_slice *s, 
                         "(--dtype bfloat16 takes float checkpoints)",
                         t->name);
     PD_CHECK(cpu_qweight_load(t, s, out));
-    if (!(*out)->perm) return PD_OK;
-    int rc = ws_reserve(be, (void **)&be->xp, &be->xp_ld, &be->xp_bytes, (*out)->cols,
+    int rc = PD_OK;
+    if ((*out)->q == CPU_WQ_I8A8)
+        rc = ws_reserve(be, (void **)&be->xq, &be->xq_ld, &be->xq_bytes,
+                        CPU_XQ_HEAD + (*out)->ld, 1, 1, t->name);
+    if ((*out)->perm && rc == PD_OK)
+        rc = ws_reserve(be, (void **)&be->xp, &be->xp_ld, &be->xp_bytes, (*out)->cols,
                         sizeof(float), PD_MATMUL_MULTI_MAX, t->name);
     if (rc < 0) {
         cpu_weight_release(*out);
@@ -609,6 +618,8 @@ typedef struct {
     const pd_weight *w[PD_MATMUL_MULTI_MAX];
     const float *bias[PD_MATMUL_MULTI_MAX];
     const float *xw[PD_MATMUL_MULTI_MAX]; /* weight i's x when its columns are permuted */
+    const uint8_t *xq;                    /* W8A8 weights' x, quantized; row stride ldxq */
+    size_t ldxq;
     float *y[PD_MATMUL_MULTI_MAX];
     size_t chunk[PD_MATMUL_MULTI_MAX];
     size_t task0[PD_MATMUL_MULTI_MAX + 1];
@@ -622,11 +633,30 @@ static void mm_task(void *vctx, int task, int n_tasks)
     const pd_weight *w = c->w[i];
     size_t j0 = (t - c->task0[i]) * c->chunk[i];
     size_t j1 = j0 + c->chunk[i] < w->rows ? j0 + c->chunk[i] : w->rows;
-    if (c->xb)
+    if (w->q == CPU_WQ_I8A8)
+        (c->be->vnni ? cpu_mm_i8a8_vnni : cpu_mm_i8a8_scalar)(c->xq, c->n, c->ldxq, w, j0, j1,
+                                                              c->bias[i], c->y[i], w->rows);
+    else if (c->xb)
         cpu_mm_avx512bf16(c->xb, c->n, c->ldx, w, j0, j1, c->bias[i], c->y[i], w->rows);
     else
         c->be->mm(c->xw[i] ? c->xw[i] : c->x, c->n, c->ldx, w, j0, j1, c->bias[i], c->y[i],
                   w->rows);
+}
+
+/* W8A8: rows of x (n, K) quantized into xq (row stride ld bytes). */
+typedef struct {
+    const float *x;
+    uint8_t *xq;
+    size_t n, K, ld;
+} xq_ctx;
+
+static void xq_task(void *vctx, int task, int n_tasks)
+{
+    xq_ctx *c = vctx;
+    size_t lo, hi;
+    task_range(c->n, task, n_tasks, &lo, &hi);
+    for (size_t r = lo; r < hi; r++)
+        cpu_quant_row_i8(c->x + r * c->K, c->K, c->ld - CPU_XQ_HEAD, c->xq + r * c->ld);
 }
 
 /* Act order: rows of x (n, K) into xp with column k = x column perm[k]. */
@@ -715,6 +745,17 @@ static int cpu_matmul_multi(pd_backend *b, const void *x, size_t n, size_t n_w,
         c.task0[i + 1] = c.task0[i] + (w[i]->rows + c.chunk[i] - 1) / c.chunk[i];
     }
     if (n == 0 || c.task0[n_w] == 0) return PD_OK;
+    for (size_t i = 0; i < n_w; i++) {
+        if (w[i]->q != CPU_WQ_I8A8 || c.xq) continue;
+        if (n > be->p.max_tokens)
+            return pd_error(PD_EINVAL, "matmul: %zu rows, the backend's max_tokens is %zu", n,
+                            be->p.max_tokens);
+        xq_ctx qc = {.x = x, .xq = be->xq, .n = n, .K = w[i]->cols};
+        qc.ld = CPU_XQ_HEAD + w[i]->ld;
+        pd_pool_run(be->pool, xq_task, &qc, row_tasks(be, n, qc.K));
+        c.xq = be->xq;
+        c.ldxq = qc.ld;
+    }
     for (size_t i = 0; i < n_w; i++) {
         if (!w[i]->perm) continue;
         if (n > be->p.max_tokens)
@@ -982,6 +1023,7 @@ int pd_backend_cpu_create(const pd_backend_params *params, pd_backend **out)
     be->mm = simd ? cpu_mm_avx512 : cpu_mm_scalar;
     be->dot = simd ? cpu_dot_avx512 : cpu_dot_scalar;
     be->axpy = simd ? cpu_axpy_avx512 : cpu_axpy_scalar;
+    be->vnni = simd && cpu_have_avx512vnni();
     int rc = cpu_pool_create(&p, &be->pool);
     if (rc != PD_OK) {
         free(be);

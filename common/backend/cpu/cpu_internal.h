@@ -11,15 +11,18 @@
 /* How a quantized weight's values are stored (CPU_WQ_NONE: a float weight). */
 typedef enum {
     CPU_WQ_NONE = 0,
-    CPU_WQ_U4 = 1,  /* 0..15, two per byte: per 32 columns 16 bytes, byte i holding column i in
-                       its low and column 16 + i in its high nibble */
+    CPU_WQ_U4 = 1,  /* 0..15, two per byte: per 128 columns 16 little-endian 32-bit words, word
+                       l holding column l + 16c in bits 4c .. 4c + 3 (c = 0 .. 7), so the 16
+                       values of columns [16c, 16c + 16) are one load and one shift away from
+                       32-bit lanes */
     CPU_WQ_U8 = 2,  /* 0..255, a byte each */
     CPU_WQ_I8 = 3,  /* int8, a byte each */
     CPU_WQ_FP8 = 4, /* float8 e4m3fn, a byte each */
+    CPU_WQ_I8A8 = 5, /* int8 as CPU_WQ_I8, times x quantized to int8 per row (W8A8, below) */
 } cpu_wq;
 
 /* A weight on the CPU backend: (rows, cols) with rows padded to ld elements (ld a multiple of
- * 16, of 32 in the bf16 compute mode and for U4; the padding zero-filled) so SIMD loads of a row
+ * 16, of 32 in the bf16 compute mode, of 128 for U4; the padding zero-filled) so SIMD loads of a row
  * never need a mask; 64-byte aligned.
  * Quantized (q != CPU_WQ_NONE): element (j, k) is (v - zero[j, g]) * scale[j, g], v the stored
  * value of column k and g = k / gs its group (gs a multiple of 16; one group per row for
@@ -35,7 +38,23 @@ struct pd_weight {
     size_t gs, ng;       /* quantized: columns per group, groups per row */
     float *scale, *zero; /* quantized: (rows, ng) */
     int32_t *perm;       /* quantized: (cols) input column of each stored column; NULL: identity */
+    int32_t *wsum;       /* I8A8: (rows) the sum of each row's values */
 };
+
+/* W8A8 (CPU_WQ_I8A8), as vLLM computes it: each x row is quantized to int8 with its own scale
+ * (dynamic, per token, symmetric: sx = max|x| / 127, q = round-half-even(x * (127 / max|x|))),
+ * stored as a CPU_XQ_HEAD-byte header holding sx (f32) and then q + 128 as bytes, ld of them;
+ * y[i, j] = (float)(sum_k q[i, k] w[j, k]) * sx[i] * scale[j] (+ bias[j]): an exact integer sum,
+ * so every kernel and batch shape gives the same bits. */
+#define CPU_XQ_HEAD 64
+void cpu_quant_row_i8(const float *x, size_t K, size_t ld, uint8_t *row);
+void cpu_mm_i8a8_scalar(const uint8_t *xq, size_t n, size_t ldx, const struct pd_weight *w,
+                        size_t j0, size_t j1, const float *bias, float *y, size_t ldy);
+/* The same with avx512_vnni dot products (vpdpbusd); ld a multiple of 64. */
+void cpu_mm_i8a8_vnni(const uint8_t *xq, size_t n, size_t ldx, const struct pd_weight *w,
+                      size_t j0, size_t j1, const float *bias, float *y, size_t ldy);
+/* 1 when the running CPU has avx512f, avx512bw and avx512_vnni. */
+int cpu_have_avx512vnni(void);
 
 /* Loads slice s (rows and columns resolved, in range) of t, a quantized linear (t->quant). */
 int cpu_qweight_load(const pd_tensor *t, const pd_weight_slice *s, pd_weight **out);

@@ -27,6 +27,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "backend/cpu/cpu_internal.h"
 #include "model/dtype.h"
@@ -49,6 +50,58 @@ int cpu_have_avx512bf16(void)
 #else
     return 0;
 #endif
+}
+
+int cpu_have_avx512vnni(void)
+{
+#if defined(__x86_64__)
+    return cpu_have_avx512() && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vnni");
+#else
+    return 0;
+#endif
+}
+
+/* ---- W8A8 ------------------------------------------------------------------------------------ */
+
+void cpu_quant_row_i8(const float *x, size_t K, size_t ld, uint8_t *row)
+{
+    float amax = 0.0f;
+    for (size_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(x[k]));
+    float sx = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    memcpy(row, &sx, sizeof sx);
+    uint8_t *q = row + CPU_XQ_HEAD;
+    for (size_t k = 0; k < K; k++) {
+        float v = nearbyintf(x[k] * inv); /* the default rounding mode: half to even */
+        v = v > 127.0f ? 127.0f : v < -128.0f ? -128.0f : v;
+        q[k] = (uint8_t)((int)v + 128);
+    }
+    memset(q + K, 128, ld - K);
+}
+
+/* The row's sum and the output element, shared by both kernels. */
+static inline float i8a8_out(int64_t dot_u, const struct pd_weight *w, size_t j, float sx,
+                             const float *bias)
+{
+    int64_t dot = dot_u - 128 * (int64_t)w->wsum[j];
+    float s = (float)dot * sx * w->scale[j];
+    return bias ? s + bias[j] : s;
+}
+
+void cpu_mm_i8a8_scalar(const uint8_t *xq, size_t n, size_t ldx, const struct pd_weight *w,
+                        size_t j0, size_t j1, const float *bias, float *y, size_t ldy)
+{
+    for (size_t i = 0; i < n; i++) {
+        const uint8_t *row = xq + i * ldx;
+        float sx;
+        memcpy(&sx, row, sizeof sx);
+        for (size_t j = j0; j < j1; j++) {
+            const int8_t *wr = (const int8_t *)w->data + j * w->ld;
+            int64_t d = 0;
+            for (size_t k = 0; k < w->cols; k++) d += (int64_t)row[CPU_XQ_HEAD + k] * wr[k];
+            y[i * ldy + j] = i8a8_out(d, w, j, sx, bias);
+        }
+    }
 }
 
 /* ---- scalar ---------------------------------------------------------------------------------- */
@@ -82,11 +135,12 @@ static float q_value(cpu_wq q, const uint8_t *row, size_t k)
 {
     switch (q) {
     case CPU_WQ_U4: {
-        uint8_t b = row[(k / 32) * 16 + k % 16];
-        return (float)(k & 16 ? b >> 4 : b & 15);
+        uint8_t b = row[(k / 128) * 64 + 4 * (k % 16) + (k % 128) / 32];
+        return (float)((k % 128) / 16 % 2 ? b >> 4 : b & 15);
     }
     case CPU_WQ_U8: return (float)row[k];
-    case CPU_WQ_I8: return (float)(int8_t)row[k];
+    case CPU_WQ_I8:
+    case CPU_WQ_I8A8: return (float)(int8_t)row[k];
     case CPU_WQ_FP8: return pd_f8e4m3_to_f32(row[k]);
     case CPU_WQ_NONE: break;
     }
@@ -210,16 +264,11 @@ INLINE_AVX512 void tile(const float *x, size_t ldx, const struct pd_weight *wt, 
     }
 }
 
-/* 16 stored values of a quantized row p from column k (a multiple of 16), as f32. FP8 comes
+/* 16 stored values of a U8, I8 or FP8 row p from column k (a multiple of 16), as f32. FP8 comes
  * out as the f16 whose bits are the byte's shifted into place: the value times 2^-8 (exact,
  * subnormals included); tile_q's scale carries the 2^8. */
 INLINE_AVX512 __m512 load_q16(const uint8_t *p, cpu_wq q, size_t k)
 {
-    if (q == CPU_WQ_U4) {
-        __m128i b = _mm_loadu_si128((const __m128i *)(p + (k / 32) * 16));
-        if (k & 16) b = _mm_srli_epi16(b, 4);
-        return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(0x0f))));
-    }
     __m128i b = _mm_loadu_si128((const __m128i *)(p + k));
     if (q == CPU_WQ_U8) return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
     if (q == CPU_WQ_I8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
@@ -229,9 +278,20 @@ INLINE_AVX512 __m512 load_q16(const uint8_t *p, cpu_wq q, size_t k)
     return _mm512_cvtph_ps(_mm256_or_si256(em, sg));
 }
 
+/* 16 weights of a U4 row from column k (a multiple of 16): the 128-column block's words shifted
+ * so the chunk's nibbles are each lane's low 4 bits, which are all vpermps reads of an index,
+ * looked up in the group's table t[v] = (v - z) * s. */
+INLINE_AVX512 __m512 load_u4_lut(const uint8_t *p, size_t k, __m512 t)
+{
+    __m512i words = _mm512_loadu_si512((const void *)(p + (k / 128) * 64));
+    __m512i idx = _mm512_srlv_epi32(words, _mm512_set1_epi32((int)(4 * ((k % 128) / 16))));
+    return _mm512_permutexvar_ps(idx, t);
+}
+
 /* tile for a quantized weight: each 16 weights dequantized in registers as (v - z) * s, one
- * rounding, then the same fmadd sequence per accumulator as tile (lane l over k = l, l + 16,
- * ..., masked x at the tail), group by group. Q is a constant at each call site. */
+ * rounding (U4: from a 16-entry table of those products per row and group), then the same
+ * fmadd sequence per accumulator as tile (lane l over k = l, l + 16, ..., masked x at the tail),
+ * group by group. Q is a constant at each call site. */
 INLINE_AVX512 void tile_q(const float *x, size_t ldx, const struct pd_weight *wt, size_t j0,
                           cpu_wq q, size_t K, const float *bias, float *y, size_t ldy, const int M,
                           const int N)
@@ -250,11 +310,19 @@ INLINE_AVX512 void tile_q(const float *x, size_t ldx, const struct pd_weight *wt
         {
             sv[j] = _mm512_set1_ps(sc[(size_t)j * ng + g] * unit);
             zv[j] = _mm512_set1_ps(zp[(size_t)j * ng + g]);
+            if (q == CPU_WQ_U4) /* the table: v = 0 .. 15 */
+                sv[j] = _mm512_mul_ps(_mm512_sub_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
+                                                                   10, 11, 12, 13, 14, 15),
+                                                    zv[j]),
+                                      sv[j]);
         }
         const size_t ke = (g + 1) * gs < K ? (g + 1) * gs : K;
         for (; k + 16 <= ke; k += 16) {
             UNROLL for (int j = 0; j < N; j++) wv[j] =
-                _mm512_mul_ps(_mm512_sub_ps(load_q16(w + (size_t)j * rb, q, k), zv[j]), sv[j]);
+                q == CPU_WQ_U4 ? load_u4_lut(w + (size_t)j * rb, k, sv[j])
+                               : _mm512_mul_ps(_mm512_sub_ps(load_q16(w + (size_t)j * rb, q, k),
+                                                             zv[j]),
+                                               sv[j]);
             UNROLL for (int i = 0; i < M; i++)
             {
                 __m512 xv = _mm512_loadu_ps(x + (size_t)i * ldx + k);
@@ -265,7 +333,10 @@ INLINE_AVX512 void tile_q(const float *x, size_t ldx, const struct pd_weight *wt
         if (k < ke) { /* K's tail (the last group): x masked, W padded */
             __mmask16 m = (__mmask16)((1u << (ke - k)) - 1u);
             UNROLL for (int j = 0; j < N; j++) wv[j] =
-                _mm512_mul_ps(_mm512_sub_ps(load_q16(w + (size_t)j * rb, q, k), zv[j]), sv[j]);
+                q == CPU_WQ_U4 ? load_u4_lut(w + (size_t)j * rb, k, sv[j])
+                               : _mm512_mul_ps(_mm512_sub_ps(load_q16(w + (size_t)j * rb, q, k),
+                                                             zv[j]),
+                                               sv[j]);
             UNROLL for (int i = 0; i < M; i++)
             {
                 __m512 xv = _mm512_maskz_loadu_ps(m, x + (size_t)i * ldx + k);
@@ -374,6 +445,7 @@ AVX512 void cpu_mm_avx512(const float *x, size_t n, size_t ldx, const struct pd_
     case CPU_WQ_U8: mm_q(x, n, ldx, w, j0, j1, bias, y, ldy, CPU_WQ_U8); return;
     case CPU_WQ_I8: mm_q(x, n, ldx, w, j0, j1, bias, y, ldy, CPU_WQ_I8); return;
     case CPU_WQ_FP8: mm_q(x, n, ldx, w, j0, j1, bias, y, ldy, CPU_WQ_FP8); return;
+    case CPU_WQ_I8A8: /* never here: cpu_backend.c runs cpu_mm_i8a8_* on quantized x */
     case CPU_WQ_NONE: break;
     }
     switch (w->dtype) {
@@ -527,6 +599,48 @@ AVX512 int cpu_attention_head_avx512(const float *q, const cpu_kv_layer *kv, int
     }
 }
 
+#define AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,fma")))
+#define INLINE_AVX512VNNI                                                                          \
+    static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512vnni,fma")))
+
+/* An (M x N) W8A8 tile: 64 products per vpdpbusd (x bytes unsigned, w signed), int32 lanes,
+ * reduced exactly. The rows' headers hold their scales (cpu_quant_row_i8). */
+INLINE_AVX512VNNI void tile_i8(const uint8_t *x, size_t ldx, const struct pd_weight *wt, size_t j0,
+                               int dt, size_t K, const float *bias, float *y, size_t ldy,
+                               const int M, const int N)
+{
+    __m512i acc[MT_MAX][NT_MAX];
+    const int8_t *w = (const int8_t *)wt->data + j0 * wt->ld;
+    UNROLL for (int i = 0; i < M; i++) UNROLL for (int j = 0; j < N; j++) acc[i][j] =
+        _mm512_setzero_si512();
+    for (size_t k = 0; k < K; k += 64) {
+        __m512i wv[NT_MAX];
+        UNROLL for (int j = 0; j < N; j++) wv[j] =
+            _mm512_loadu_si512((const void *)(w + (size_t)j * wt->ld + k));
+        UNROLL for (int i = 0; i < M; i++)
+        {
+            __m512i xv = _mm512_loadu_si512((const void *)(x + (size_t)i * ldx + CPU_XQ_HEAD + k));
+            UNROLL for (int j = 0; j < N; j++) acc[i][j] =
+                _mm512_dpbusd_epi32(acc[i][j], xv, wv[j]);
+        }
+    }
+    UNROLL for (int i = 0; i < M; i++)
+    {
+        float sx;
+        memcpy(&sx, x + (size_t)i * ldx, sizeof sx);
+        UNROLL for (int j = 0; j < N; j++) y[(size_t)i * ldy + j] =
+            i8a8_out(_mm512_reduce_add_epi32(acc[i][j]), wt, j0 + (size_t)j, sx,
+                     bias ? bias - j0 : NULL);
+    }
+}
+
+AVX512VNNI void cpu_mm_i8a8_vnni(const uint8_t *x, size_t n, size_t ldx, const struct pd_weight *w,
+                                 size_t j0, size_t j1, const float *bias, float *y, size_t ldy)
+{
+    const size_t K = w->ld;
+    MM_SHAPES(tile_i8, uint8_t, 0);
+}
+
 #else /* not x86-64: the AVX-512 entry points are never selected (cpu_have_avx512() == 0) */
 
 void cpu_mm_avx512(const float *x, size_t n, size_t ldx, const struct pd_weight *w, size_t j0,
@@ -546,6 +660,11 @@ int cpu_attention_head_avx512(const float *q, const cpu_kv_layer *kv, int kv_hea
                               const int32_t *block_table, size_t n_ctx, float scale, float *out)
 {
     return 0;
+}
+void cpu_mm_i8a8_vnni(const uint8_t *x, size_t n, size_t ldx, const struct pd_weight *w,
+                      size_t j0, size_t j1, const float *bias, float *y, size_t ldy)
+{
+    cpu_mm_i8a8_scalar(x, n, ldx, w, j0, j1, bias, y, ldy);
 }
 
 #endif

@@ -19,7 +19,7 @@
 static cpu_wq wq_of(const pd_qweight *q)
 {
     if (q->cfg->kind == PD_QKIND_FP8) return CPU_WQ_FP8;
-    if (q->cfg->kind == PD_QKIND_INT8) return CPU_WQ_I8;
+    if (q->cfg->kind == PD_QKIND_INT8) return q->cfg->act_int8 ? CPU_WQ_I8A8 : CPU_WQ_I8;
     return q->cfg->bits == 4 ? CPU_WQ_U4 : CPU_WQ_U8;
 }
 
@@ -30,6 +30,7 @@ void cpu_weight_release(pd_weight *w)
     free(w->scale);
     free(w->zero);
     free(w->perm);
+    free(w->wsum);
     free(w);
 }
 
@@ -75,8 +76,9 @@ static void pack_row(cpu_wq wq, const uint8_t *val, const int32_t *perm, size_t 
         uint8_t v = val[perm[k]];
         if (wq != CPU_WQ_U4)
             dst[k] = v;
-        else
-            dst[(k / 32) * 16 + k % 16] |= (uint8_t)(k & 16 ? v << 4 : v);
+        else /* word k % 16 of the 128-column block, nibble (k % 128) / 16 */
+            dst[(k / 128) * 64 + 4 * (k % 16) + (k % 128) / 32] |=
+                (uint8_t)((k % 128) / 16 % 2 ? v << 4 : v);
     }
 }
 
@@ -85,7 +87,8 @@ int cpu_qweight_load(const pd_tensor *t, const pd_weight_slice *s, pd_weight **o
     const pd_qweight *q = t->quant;
     const cpu_wq wq = wq_of(q);
     const size_t nr = s->nrows, nc = s->ncols;
-    const size_t ld = (nc + 31) & ~(size_t)31, rb = cpu_wq_row_bytes(wq, ld);
+    const size_t align = wq == CPU_WQ_U4 ? 128 : 64;
+    const size_t ld = (nc + align - 1) & ~(align - 1), rb = cpu_wq_row_bytes(wq, ld);
     const bool is_int = q->cfg->kind == PD_QKIND_INT;
     const size_t n_src_groups = is_int ? (size_t)q->n_groups : 1;
     pd_weight *w = calloc(1, sizeof *w);
@@ -111,10 +114,14 @@ int cpu_qweight_load(const pd_tensor *t, const pd_weight_slice *s, pd_weight **o
                       t->name, w->gs);
         goto done;
     }
-    w->data = calloc(nr, rb ? rb : 1);
+    /* 64-byte aligned rows (rb is a multiple of 64 for U4): a block's words are one cache line */
+    size_t bytes = (nr * rb + 63) & ~(size_t)63;
+    w->data = aligned_alloc(64, bytes ? bytes : 64);
+    if (w->data) memset(w->data, 0, bytes);
     w->scale = malloc(nr * w->ng * sizeof(float));
     w->zero = calloc(nr * w->ng, sizeof(float));
-    if (!w->data || !w->scale || !w->zero) {
+    if (wq == CPU_WQ_I8A8) w->wsum = calloc(nr, sizeof *w->wsum);
+    if (!w->data || !w->scale || !w->zero || (wq == CPU_WQ_I8A8 && !w->wsum)) {
         rc = pd_error(PD_ENOMEM, "weight_load: tensor %s: out of memory", t->name);
         goto done;
     }
@@ -129,6 +136,7 @@ int cpu_qweight_load(const pd_tensor *t, const pd_weight_slice *s, pd_weight **o
                     goto done;
                 }
         pack_row(wq, val + r * nc, perm, nc, (uint8_t *)w->data + r * rb);
+        for (size_t k = 0; k < nc && w->wsum; k++) w->wsum[r] += (int8_t)val[r * nc + k];
         for (size_t g = 0; g < w->ng; g++) {
             w->scale[r * w->ng + g] = ssrc[r * n_src_groups + (is_int ? (size_t)gid[g] : 0)];
             if (is_int) w->zero[r * w->ng + g] = zsrc[r * n_src_groups + (size_t)gid[g]];
@@ -140,7 +148,8 @@ int cpu_qweight_load(const pd_tensor *t, const pd_weight_slice *s, pd_weight **o
         w->perm = perm;
         perm = NULL;
     }
-    w->nbytes = nr * rb + 2 * nr * w->ng * sizeof(float) + (w->perm ? nc * sizeof(int32_t) : 0);
+    w->nbytes = nr * rb + 2 * nr * w->ng * sizeof(float) + (w->perm ? nc * sizeof(int32_t) : 0) +
+                (w->wsum ? nr * sizeof(int32_t) : 0);
     *out = w;
     w = NULL;
 done:

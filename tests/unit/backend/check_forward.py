@@ -88,7 +88,7 @@ ALL_LOGITS = {"gqa_f32", "rope_dynamic", "bf16"}
 # doubling from 256 positions): every position's logits against the reference
 LONG_PROMPT = [(i * 7919 + 13) % 2000 + 1 for i in range(600)]
 LONG = {"gqa_f32", "rope_llama3"}
-DETERMINISM = {"gqa_f32", "qwen2", "qwen3", "bf16", "head_dim_48", "awq", "gptq4_act_order",
+DETERMINISM = {"gqa_f32", "qwen2", "qwen3", "bf16", "head_dim_48", "awq", "gptq4_act_order", "w8a8",
                "fp8"}
 GENERATE = {"gqa_f32", "qwen2", "qwen3", "awq", "gptq4_act_order", "w8a8"}
 BF16_COMPUTE = {"gqa_f32", "bf16", "bf16_tied_qwen3"}
@@ -211,6 +211,8 @@ def main():
             run([args.mkmodel, "--preset", "tiny", "--out", mdir, "--layers", "2", "--seed", "7"]
                 + flags)
             refdir = mdir
+            # int8 W8A8: activations quantized per token in both (llama_ref.py --act-int8)
+            refx = ["--act-int8"] if "w8a8" in flags else []
             if "--quantize" in flags:
                 refdir = mdir + "_dequantized"
                 run([sys.executable, os.path.join(os.path.dirname(args.ref), "quant_ref.py"),
@@ -222,7 +224,7 @@ def main():
                 want_all = name in ALL_LOGITS and pi == 1
                 extra = ["--all-logits"] if want_all else []
                 ref = json.loads(run([sys.executable, args.ref, "--model", refdir, "--prompt-ids",
-                                      ids, "--steps", str(STEPS)] + extra))
+                                      ids, "--steps", str(STEPS)] + extra + refx))
                 got = json.loads(run([args.fwd_dump, "--model", mdir, "--prompt-ids", ids,
                                       "--steps", str(STEPS)] + extra))
                 checks += 1
@@ -266,7 +268,8 @@ def main():
                                  ",".join(str(t) for t in PROMPTS[1]), "--steps", str(STEPS),
                                  "--isa", "scalar", "--threads", "1"]))
             ref = json.loads(run([sys.executable, args.ref, "--model", refdir, "--prompt-ids",
-                                  ",".join(str(t) for t in PROMPTS[1]), "--steps", str(STEPS)]))
+                                  ",".join(str(t) for t in PROMPTS[1]), "--steps", str(STEPS)]
+                                 + refx))
             es = rel_err(sc["prompt_logits_last"], ref["prompt_logits_last"])
             checks += 1
             if not es <= REL_TOL or sc["greedy_tokens"] != ref["greedy_tokens"]:
