@@ -648,6 +648,7 @@ typedef struct {
     const float *x;
     uint8_t *xq;
     size_t n, K, ld;
+    bool simd;
 } xq_ctx;
 
 static void xq_task(void *vctx, int task, int n_tasks)
@@ -656,7 +657,9 @@ static void xq_task(void *vctx, int task, int n_tasks)
     size_t lo, hi;
     task_range(c->n, task, n_tasks, &lo, &hi);
     for (size_t r = lo; r < hi; r++)
-        cpu_quant_row_i8(c->x + r * c->K, c->K, c->ld - CPU_XQ_HEAD, c->xq + r * c->ld);
+        (c->simd ? cpu_quant_row_i8_avx512 : cpu_quant_row_i8)(c->x + r * c->K, c->K,
+                                                                c->ld - CPU_XQ_HEAD,
+                                                                c->xq + r * c->ld);
 }
 
 /* Act order: rows of x (n, K) into xp with column k = x column perm[k]. */
@@ -750,7 +753,7 @@ static int cpu_matmul_multi(pd_backend *b, const void *x, size_t n, size_t n_w,
         if (n > be->p.max_tokens)
             return pd_error(PD_EINVAL, "matmul: %zu rows, the backend's max_tokens is %zu", n,
                             be->p.max_tokens);
-        xq_ctx qc = {.x = x, .xq = be->xq, .n = n, .K = w[i]->cols};
+        xq_ctx qc = {.x = x, .xq = be->xq, .n = n, .K = w[i]->cols, .simd = be->vnni};
         qc.ld = CPU_XQ_HEAD + w[i]->ld;
         pd_pool_run(be->pool, xq_task, &qc, row_tasks(be, n, qc.K));
         c.xq = be->xq;

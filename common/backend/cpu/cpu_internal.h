@@ -48,12 +48,13 @@ struct pd_weight {
  * so every kernel and batch shape gives the same bits. */
 #define CPU_XQ_HEAD 64
 void cpu_quant_row_i8(const float *x, size_t K, size_t ld, uint8_t *row);
+void cpu_quant_row_i8_avx512(const float *x, size_t K, size_t ld, uint8_t *row); /* same bytes */
 void cpu_mm_i8a8_scalar(const uint8_t *xq, size_t n, size_t ldx, const struct pd_weight *w,
                         size_t j0, size_t j1, const float *bias, float *y, size_t ldy);
 /* The same with avx512_vnni dot products (vpdpbusd); ld a multiple of 64. */
 void cpu_mm_i8a8_vnni(const uint8_t *xq, size_t n, size_t ldx, const struct pd_weight *w,
                       size_t j0, size_t j1, const float *bias, float *y, size_t ldy);
-/* 1 when the running CPU has avx512f, avx512bw and avx512_vnni. */
+/* 1 when the running CPU has avx512f, avx512bw, avx512vl and avx512_vnni. */
 int cpu_have_avx512vnni(void);
 
 /* Loads slice s (rows and columns resolved, in range) of t, a quantized linear (t->quant). */

@@ -56,7 +56,7 @@ int cpu_have_avx512vnni(void)
 {
 #if defined(__x86_64__)
     return cpu_have_avx512() && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vnni");
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 #else
     return 0;
 #endif
@@ -599,9 +599,45 @@ AVX512 int cpu_attention_head_avx512(const float *q, const cpu_kv_layer *kv, int
     }
 }
 
-#define AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,fma")))
+#define AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma")))
 #define INLINE_AVX512VNNI                                                                          \
-    static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512vnni,fma")))
+    static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512vl,avx512vnni,fma")))
+
+/* cpu_quant_row_i8 in 16 lanes: the same max, product and rounding (vcvtps2dq rounds half to
+ * even, as nearbyintf does in the default mode), so the same bytes. */
+AVX512VNNI void cpu_quant_row_i8_avx512(const float *x, size_t K, size_t ld, uint8_t *row)
+{
+    __m512 am = _mm512_setzero_ps();
+    size_t k = 0;
+    for (; k + 16 <= K; k += 16) am = _mm512_max_ps(am, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
+    if (k < K)
+        am = _mm512_max_ps(am, _mm512_abs_ps(_mm512_maskz_loadu_ps(
+                                   (__mmask16)((1u << (K - k)) - 1u), x + k)));
+    float amax = _mm512_reduce_max_ps(am);
+    float sx = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    memcpy(row, &sx, sizeof sx);
+    uint8_t *q = row + CPU_XQ_HEAD;
+    const __m512 vinv = _mm512_set1_ps(inv);
+    const __m512i lo = _mm512_set1_epi32(-128), hi = _mm512_set1_epi32(127),
+                  off = _mm512_set1_epi32(128);
+    for (k = 0; k < K; k += 16) {
+        __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1u);
+        __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + k), vinv));
+        v = _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(v, lo), hi), off);
+        _mm_mask_storeu_epi8(q + k, m, _mm512_cvtepi32_epi8(v));
+    }
+    memset(q + K, 128, ld - K);
+}
+
+/* The horizontal sums of a[0..3] as the four lanes of one vector. */
+INLINE_AVX512VNNI __m128i reduce4_epi32(const __m512i *a)
+{
+    __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a[0], a[1]), _mm512_unpackhi_epi32(a[0], a[1]));
+    __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2], a[3]), _mm512_unpackhi_epi32(a[2], a[3]));
+    __m512i abcd = _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
+    __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(abcd), _mm512_extracti64x4_epi64(abcd, 1));
+    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
 
 /* An (M x N) W8A8 tile: 64 products per vpdpbusd (x bytes unsigned, w signed), int32 lanes,
  * reduced exactly. The rows' headers hold their scales (cpu_quant_row_i8). */
@@ -628,9 +664,13 @@ INLINE_AVX512VNNI void tile_i8(const uint8_t *x, size_t ldx, const struct pd_wei
     {
         float sx;
         memcpy(&sx, x + (size_t)i * ldx, sizeof sx);
-        UNROLL for (int j = 0; j < N; j++) y[(size_t)i * ldy + j] =
-            i8a8_out(_mm512_reduce_add_epi32(acc[i][j]), wt, j0 + (size_t)j, sx,
-                     bias ? bias - j0 : NULL);
+        int32_t dot[NT_MAX];
+        int j = 0;
+        for (; j + 4 <= N; j += 4) /* four sums at once (integer: any order is exact) */
+            _mm_storeu_si128((__m128i *)(dot + j), reduce4_epi32(&acc[i][j]));
+        for (; j < N; j++) dot[j] = _mm512_reduce_add_epi32(acc[i][j]);
+        UNROLL for (int jj = 0; jj < N; jj++) y[(size_t)i * ldy + jj] =
+            i8a8_out(dot[jj], wt, j0 + (size_t)jj, sx, bias ? bias - j0 : NULL);
     }
 }
 
@@ -665,6 +705,10 @@ void cpu_mm_i8a8_vnni(const uint8_t *x, size_t n, size_t ldx, const struct pd_we
                       size_t j0, size_t j1, const float *bias, float *y, size_t ldy)
 {
     cpu_mm_i8a8_scalar(x, n, ldx, w, j0, j1, bias, y, ldy);
+}
+void cpu_quant_row_i8_avx512(const float *x, size_t K, size_t ld, uint8_t *row)
+{
+    cpu_quant_row_i8(x, K, ld, row);
 }
 
 #endif
