@@ -664,13 +664,20 @@ INLINE_AVX512VNNI void tile_i8(const uint8_t *x, size_t ldx, const struct pd_wei
     {
         float sx;
         memcpy(&sx, x + (size_t)i * ldx, sizeof sx);
-        int32_t dot[NT_MAX];
         int j = 0;
-        for (; j + 4 <= N; j += 4) /* four sums at once (integer: any order is exact) */
-            _mm_storeu_si128((__m128i *)(dot + j), reduce4_epi32(&acc[i][j]));
-        for (; j < N; j++) dot[j] = _mm512_reduce_add_epi32(acc[i][j]);
-        UNROLL for (int jj = 0; jj < N; jj++) y[(size_t)i * ldy + jj] =
-            i8a8_out(dot[jj], wt, j0 + (size_t)jj, sx, bias ? bias - j0 : NULL);
+        for (; j + 4 <= N; j += 4) { /* four outputs at once: i8a8_out's operations, in order */
+            __m128i d = _mm_sub_epi32(reduce4_epi32(&acc[i][j]),
+                                      _mm_slli_epi32(_mm_loadu_si128((const __m128i *)(
+                                                         wt->wsum + j0 + (size_t)j)),
+                                                     7));
+            __m128 v = _mm_mul_ps(_mm_mul_ps(_mm_cvtepi32_ps(d), _mm_set1_ps(sx)),
+                                  _mm_loadu_ps(wt->scale + j0 + (size_t)j));
+            if (bias) v = _mm_add_ps(v, _mm_loadu_ps(bias + j));
+            _mm_storeu_ps(y + (size_t)i * ldy + j, v);
+        }
+        for (; j < N; j++) /* integer sums: any order is exact */
+            y[(size_t)i * ldy + j] = i8a8_out(_mm512_reduce_add_epi32(acc[i][j]), wt,
+                                              j0 + (size_t)j, sx, bias ? bias - j0 : NULL);
     }
 }
 

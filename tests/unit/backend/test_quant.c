@@ -448,6 +448,103 @@ TEST(malformed_quantized_tensors_named)
     free(W);
 }
 
+/* Writes the tensors of layout e (tests/data/quant/public_layouts.json) except skip (NULL: none),
+ * the first one's first dimension grown by grow, and resolves its module. */
+static int write_layout(json_t *e, const char *skip, int grow, const pd_quant_config *qc,
+                        pd_st **st, pd_qweight *q)
+{
+    const char *module = json_string_value(json_object_get(e, "module"));
+    json_t *tensors = json_object_get(e, "tensors");
+    pd_tensor t[8];
+    char names[8][160];
+    void *bufs[8] = {0};
+    size_t n = 0;
+    const char *key;
+    json_t *v;
+    json_object_foreach(tensors, key, v)
+    {
+        if (skip && strcmp(key, skip) == 0) continue;
+        memset(&t[n], 0, sizeof t[n]);
+        snprintf(names[n], sizeof names[n], "%s.%s", module, key);
+        t[n].name = names[n];
+        for (int d = 0; d < PD_DTYPE_ALL_COUNT; d++)
+            if (strcmp(pd_dtype_st_name((pd_dtype)d), json_string_value(json_array_get(v, 0))) == 0)
+                t[n].dtype = (pd_dtype)d;
+        json_t *shape = json_array_get(v, 1);
+        t[n].ndim = (int)json_array_size(shape);
+        for (int d = 0; d < t[n].ndim; d++)
+            t[n].shape[d] = json_integer_value(json_array_get(shape, (size_t)d)) + (n == 0 && d == 0 ? grow : 0);
+        t[n].nbytes = (size_t)pd_tensor_numel(&t[n]) * pd_dtype_size(t[n].dtype);
+        bufs[n] = calloc(1, t[n].nbytes ? t[n].nbytes : 1);
+        if (strcmp(key, "g_idx") == 0) /* groups in order */
+            for (int64_t k = 0; k < t[n].shape[0]; k++) ((int32_t *)bufs[n])[k] = (int32_t)(k / qc->group_size);
+        t[n].data = bufs[n];
+        n++;
+    }
+    char path[600];
+    snprintf(path, sizeof path, "%s/layout.safetensors", pdt_tmp_dir());
+    int rc = pd_st_write(path, t, n, NULL, NULL);
+    for (size_t i = 0; i < n; i++) free(bufs[i]);
+    if (rc < 0) return rc;
+    PD_CHECK(pd_st_open(path, st));
+    return pd_qweight_resolve(*st, qc, module, json_integer_value(json_object_get(e, "out")),
+                              json_integer_value(json_object_get(e, "in")), q);
+}
+
+/* Real layouts (shapes, dtypes, field names of public AWQ, GPTQ 4 and 8 bit, fp8 and W8A8
+ * checkpoints) resolve; each tensor missing, and the first one misshapen, is refused naming it. */
+TEST(public_checkpoint_layouts_resolve)
+{
+    char path[600];
+    snprintf(path, sizeof path, "%s/quant/public_layouts.json", getenv("PD_TEST_DATA_DIR"));
+    json_error_t je;
+    json_t *all = json_load_file(path, 0, &je);
+    ASSERT_MSG(all, "%s: %s", path, je.text);
+    const char *name;
+    json_t *e;
+    int checked = 0;
+    json_object_foreach(all, name, e)
+    {
+        if (name[0] == '_') continue;
+        pd_quant_config qc;
+        ASSERT_MSG(pd_quant_config_parse(json_object_get(e, "quantization_config"), &qc) == 0,
+                   "%s: %s", name, pd_last_error());
+        pd_st *st = NULL;
+        pd_qweight q;
+        ASSERT_MSG(write_layout(e, NULL, 0, &qc, &st, &q) == 0, "%s: %s", name, pd_last_error());
+        pd_st_close(st);
+        const char *module = json_string_value(json_object_get(e, "module"));
+        const char *key;
+        json_t *v;
+        bool first = true;
+        json_object_foreach(json_object_get(e, "tensors"), key, v)
+        {
+            char want[200];
+            snprintf(want, sizeof want, "'%s.%s'", module, key);
+            st = NULL;
+            int rc = write_layout(e, key, 0, &qc, &st, &q);
+            pd_st_close(st);
+            if (strcmp(key, "g_idx") == 0 && !qc.desc_act) /* optional: groups k / G */
+                ASSERT_MSG(rc == 0, "%s without g_idx: %s", name, pd_last_error());
+            else
+                ASSERT_MSG(rc == PD_ENOTFOUND && strstr(pd_last_error(), want),
+                           "%s without %s: rc %d, %s", name, key, rc, pd_last_error());
+            if (first) {
+                st = NULL;
+                rc = write_layout(e, NULL, 1, &qc, &st, &q);
+                pd_st_close(st);
+                ASSERT_MSG(rc == PD_EINVAL && strstr(pd_last_error(), want) &&
+                               strstr(pd_last_error(), "expected shape"),
+                           "%s with %s misshapen: rc %d, %s", name, key, rc, pd_last_error());
+                first = false;
+            }
+        }
+        checked++;
+    }
+    json_decref(all);
+    ASSERT(checked == 6);
+}
+
 /* quantization_config as public checkpoints write it parses; unsupported variants are named. */
 TEST(quantization_config_variants)
 {
