@@ -85,9 +85,9 @@ typedef struct {
     int cuda_devices[PD_ENGINE_MAX_CUDA_DEVICES]; /* CUDA ordinal of each rank */
     double gpu_memory_utilization; /* (0.9) CUDA: sizes the KV pool as vLLM does, when
                                       kv_cache_bytes and num_kv_blocks are 0 */
-    const char *quantization; /* --quantization (vLLM's spelling): must name the checkpoint's
-                                 quantization_config method (pd_quant_check_flag); NULL or
-                                 "none": whatever the checkpoint is */
+    const char *quantization;      /* --quantization (vLLM's spelling): must name the checkpoint's
+                                      quantization_config method (pd_quant_check_flag); NULL or
+                                      "none": whatever the checkpoint is */
     int dtype; /* --dtype: -1 (default) the backend's choice (CUDA bf16, CPU f32 compute);
                   CUDA: PD_DTYPE_F32 the f32 precision mode, F16, BF16; CPU: F32, or BF16 the
                   bf16 compute mode (pd_backend_params.compute_dtype) */

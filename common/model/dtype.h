@@ -126,7 +126,7 @@ static inline float pd_f8e4m3_to_f32(uint8_t b)
     const uint32_t em = b & 0x7fu;
     if (em == 0x7fu) return pd_f32_from_bits(sign | 0x7fc00000u);
     float mag = em >= 8u ? pd_f32_from_bits(((em + (120u << 3)) << 20)) /* bias 7 -> 127 */
-                         : (float)em * 0.001953125f;                       /* em * 2^-9 */
+                         : (float)em * 0.001953125f;                    /* em * 2^-9 */
     return pd_f32_from_bits(sign | pd_f32_bits(mag));
 }
 

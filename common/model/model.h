@@ -6,9 +6,9 @@
  * stored, mmapped, in any of F32/F16/BF16 (one dtype per tensor; they may differ between
  * tensors); converting or repacking them is the backend's choice. In a quantized checkpoint
  * (config.quant) the seven linears of each layer are pd_tensors standing for their quantized
- * tensors (pd_tensor.quant, model/quant.h) unless its ignore list names them. Unlike most pdserve structs
- * pd_model is readable: backends iterate its weights directly. It is immutable after load and
- * may be read from any number of threads.
+ * tensors (pd_tensor.quant, model/quant.h) unless its ignore list names them. Unlike most pdserve
+ * structs pd_model is readable: backends iterate its weights directly. It is immutable after load
+ * and may be read from any number of threads.
  *
  * Shapes below use H = hidden_size, I = intermediate_size, V = vocab_size, D = head_dim,
  * Nq = num_attention_heads, Nkv = num_key_value_heads; (rows, cols) row-major, i.e. a
@@ -56,8 +56,8 @@ typedef struct pd_model {
     bool has_generation_config;      /* generation_config.json was present */
     pd_generation_config generation; /* all fields absent when the file is not there */
     pd_model_weights weights;
-    size_t weight_bytes; /* sum of nbytes of the distinct tensors above */
-    pd_st *st;           /* owns the mappings the tensor views point into */
+    size_t weight_bytes;  /* sum of nbytes of the distinct tensors above */
+    pd_st *st;            /* owns the mappings the tensor views point into */
     pd_qweight *qweights; /* the quantized linears the weights' pd_tensor.quant point at */
     size_t n_qweights;
 } pd_model;

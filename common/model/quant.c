@@ -114,7 +114,7 @@ static int parse_gptq(const json_t *qc, pd_quant_config *c)
     PD_CHECK(pdj_get_bool(qc, QC, "is_marlin_format", PDJ_NULL_IS_ABSENT, &marlin));
     if (marlin)
         return pd_error(PD_EUNSUPPORTED, QC ".is_marlin_format: Marlin-packed GPTQ checkpoints "
-                                         "are not supported");
+                                            "are not supported");
     return PD_OK;
 }
 
@@ -146,7 +146,7 @@ static int parse_compressed(const json_t *qc, pd_quant_config *c)
         strcmp(fmt, "naive-quantized") != 0)
         return pd_error(PD_EUNSUPPORTED,
                         QC ".format: \"%s\" is not supported (int-quantized, float-quantized, "
-                        "naive-quantized)",
+                           "naive-quantized)",
                         fmt);
     json_t *groups = NULL;
     PD_CHECK(pdj_get_object(qc, QC, "config_groups", PDJ_REQUIRED, &groups));
@@ -201,8 +201,8 @@ static int parse_compressed(const json_t *qc, pd_quant_config *c)
         PD_CHECK(pdj_get_string(in, wp, "type", PDJ_NULL_IS_ABSENT, &at));
         PD_CHECK(pdj_get_string(in, wp, "strategy", PDJ_NULL_IS_ABSENT, &as));
         PD_CHECK(pdj_get_bool(in, wp, "dynamic", PDJ_NULL_IS_ABSENT, &adyn));
-        c->act_int8 = c->kind == PD_QKIND_INT8 && at && strcmp(at, "int") == 0 && adyn &&
-                      as && strcmp(as, "token") == 0;
+        c->act_int8 = c->kind == PD_QKIND_INT8 && at && strcmp(at, "int") == 0 && adyn && as &&
+                      strcmp(as, "token") == 0;
     }
     c->bits = 8;
     return parse_ignore(qc, "ignore", c);
@@ -235,7 +235,7 @@ int pd_quant_config_parse(const json_t *qc, pd_quant_config *out)
     } else {
         return pd_error(PD_EUNSUPPORTED,
                         QC ".quant_method: \"%s\" is not supported (awq, gptq, fp8, "
-                        "compressed-tensors)",
+                           "compressed-tensors)",
                         m);
     }
     if (c.kind == PD_QKIND_INT && (c.group_size == 0 || c.group_size < -1))
@@ -267,8 +267,8 @@ bool pd_quant_ignored(const pd_quant_config *cfg, const char *module)
 
 int pd_quant_check_flag(const char *flag, const pd_quant_config *cfg, const char *config_file)
 {
-    static const char *const known[] = {"none", "awq", "awq_marlin", "gptq", "gptq_marlin",
-                                         "fp8", "compressed-tensors", "smoothquant"};
+    static const char *const known[] = {"none",        "awq", "awq_marlin",         "gptq",
+                                        "gptq_marlin", "fp8", "compressed-tensors", "smoothquant"};
     bool ok = !flag;
     for (size_t i = 0; i < sizeof known / sizeof known[0] && !ok; i++)
         ok = strcmp(flag, known[i]) == 0;
@@ -290,10 +290,9 @@ int pd_quant_check_flag(const char *flag, const pd_quant_config *cfg, const char
                         "checkpoint: leave --quantization out, or quantize it first)",
                         flag, config_file);
     if (strcmp(want, have) != 0 || (sq && cfg->kind != PD_QKIND_INT8))
-        return pd_error(PD_EINVAL,
-                        "--quantization %s, but %s's quantization_config.quant_method is %s%s",
-                        flag, config_file, have,
-                        sq && cfg->method == PD_QUANT_COMPRESSED ? " with fp8 weights" : "");
+        return pd_error(
+            PD_EINVAL, "--quantization %s, but %s's quantization_config.quant_method is %s%s", flag,
+            config_file, have, sq && cfg->method == PD_QUANT_COMPRESSED ? " with fp8 weights" : "");
     return PD_OK;
 }
 
@@ -333,7 +332,8 @@ static int check_g_idx(const pd_qweight *q, const char *prefix)
     int rc = PD_OK;
     for (int64_t k = 0; k < q->cols && rc == PD_OK; k++) {
         if (g[k] < 0 || g[k] >= q->n_groups)
-            rc = pd_error(PD_EINVAL, "%s: tensor '%s.g_idx': g_idx[%lld] = %d, not a group in [0, "
+            rc = pd_error(PD_EINVAL,
+                          "%s: tensor '%s.g_idx': g_idx[%lld] = %d, not a group in [0, "
                           "%lld)",
                           q->g_idx.file, prefix, (long long)k, g[k], (long long)q->n_groups);
         else
@@ -403,8 +403,8 @@ int pd_qweight_resolve(const pd_st *st, const pd_quant_config *cfg, const char *
         int dt = cfg->kind == PD_QKIND_FP8 ? PD_DTYPE_F8_E4M3 : PD_DTYPE_I8;
         PD_CHECK(expect(st, prefix, "weight", dt, 2, rows, cols, &q.weight));
         /* fp8 checkpoints: one scale; compressed-tensors: per the strategy */
-        PD_CHECK(expect_scale(st, prefix, "weight_scale", cfg->per_channel ? rows : 1,
-                              &q.weight_scale));
+        PD_CHECK(
+            expect_scale(st, prefix, "weight_scale", cfg->per_channel ? rows : 1, &q.weight_scale));
         if (cfg->act_static) PD_CHECK(expect_scale(st, prefix, "input_scale", 1, &q.input_scale));
     }
     q.nbytes = q.qweight.nbytes + q.qzeros.nbytes + q.scales.nbytes + q.g_idx.nbytes +

@@ -4,15 +4,14 @@
  * Formats (as vLLM reads them; docs/quantization.md has the byte layouts):
  *   awq                 AutoAWQ GEMM, 4 bit, groups of group_size input rows, zero points:
  *                       qweight I32 (in, out/8), qzeros I32 (in/G, out/8), scales F16 (in/G, out);
- *                       nibble i of an int32 at column c holds output column 8c + [0,2,4,6,1,3,5,7][i].
- *   gptq                AutoGPTQ / GPTQModel, 4 or 8 bit: qweight I32 (in*bits/32, out) packed
- *                       along the input, qzeros I32 (groups, out*bits/32), scales F16 (groups, out),
- *                       g_idx I32 (in) (act order: any assignment of input rows to groups);
- *                       checkpoint_format gptq (v1) stores zero - 1, gptq_v2 the zero itself.
- *   fp8                 weight F8_E4M3 (out, in), weight_scale F32 per tensor; activation_scheme
- *                       dynamic or static (input_scale F32, read and checked, see below).
- *   compressed-tensors  llm-compressor: int8 W8A8 (weight I8 (out, in), weight_scale (out, 1) or
- *                       per tensor, input activations int8 per token, dynamic) and fp8 W8A8
+ *                       nibble i of an int32 at column c holds output column 8c +
+ * [0,2,4,6,1,3,5,7][i]. gptq                AutoGPTQ / GPTQModel, 4 or 8 bit: qweight I32
+ * (in*bits/32, out) packed along the input, qzeros I32 (groups, out*bits/32), scales F16 (groups,
+ * out), g_idx I32 (in) (act order: any assignment of input rows to groups); checkpoint_format gptq
+ * (v1) stores zero - 1, gptq_v2 the zero itself. fp8                 weight F8_E4M3 (out, in),
+ * weight_scale F32 per tensor; activation_scheme dynamic or static (input_scale F32, read and
+ * checked, see below). compressed-tensors  llm-compressor: int8 W8A8 (weight I8 (out, in),
+ * weight_scale (out, 1) or per tensor, input activations int8 per token, dynamic) and fp8 W8A8
  *                       (weight F8_E4M3, the same scales).
  * Integer formats dequantize as w = (q - z) * s, fp8 and int8 as w = q * s: one f32 rounding of
  * the exact (q - z) times the scale widened to f32, which is what every backend computes.
@@ -58,10 +57,10 @@ typedef enum {
 typedef struct {
     pd_quant_method method;
     pd_qkind kind;
-    int bits;           /* 4 or 8 */
-    int64_t group_size; /* INT: input rows per group; -1 = one group per output row */
-    bool desc_act;      /* gptq: act order (g_idx required) */
-    bool sym;           /* gptq: symmetric (zero 2^(bits-1)) */
+    int bits;            /* 4 or 8 */
+    int64_t group_size;  /* INT: input rows per group; -1 = one group per output row */
+    bool desc_act;       /* gptq: act order (g_idx required) */
+    bool sym;            /* gptq: symmetric (zero 2^(bits-1)) */
     bool zero_minus_one; /* gptq v1: stored zero points are zero - 1 */
     bool act_static;     /* fp8: activation_scheme static (input_scale per linear) */
     bool per_channel;    /* fp8 / int8: weight_scale per output row (else per tensor) */

@@ -253,7 +253,8 @@ static int parse_entry(pd_st *st, const char *fpath, const char *name, const jso
     memset(&t, 0, sizeof t);
     if (dtype_from_st(dts, &t.dtype) < 0)
         return pd_error(PD_EUNSUPPORTED,
-                        "%s: tensor '%s': unsupported dtype \"%s\" (supported: F32, F16, BF16, I32, I8, U8, F8_E4M3)",
+                        "%s: tensor '%s': unsupported dtype \"%s\" (supported: F32, F16, BF16, "
+                        "I32, I8, U8, F8_E4M3)",
                         fpath, name, dts);
     size_t nd = json_array_size(shape);
     if (nd > PD_TENSOR_MAX_DIMS)

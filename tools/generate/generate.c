@@ -54,17 +54,17 @@ typedef struct {
     double temperature, top_p;
     int64_t top_k, seed;
     int threads;
-    int cuda_device;         /* --cuda-device N: run on this GPU; -1 = the CPU backend */
-    int dtype;               /* --dtype: -1 = auto (CUDA bfloat16, CPU float32), or a pd_dtype */
+    int cuda_device;          /* --cuda-device N: run on this GPU; -1 = the CPU backend */
+    int dtype;                /* --dtype: -1 = auto (CUDA bfloat16, CPU float32), or a pd_dtype */
     const char *quantization; /* --quantization: checked against the checkpoint (NULL: none) */
-    int64_t concurrency;     /* requests in flight at once; 0 = all */
-    bool no_prefix_cache;    /* --no-enable-prefix-caching */
-    int64_t kv_cache_bytes;  /* --kv-cache-bytes: the pool's budget; 0 = the engine's default */
-    int64_t prompt_logprobs; /* --prompt-logprobs K: -1 = none */
-    pd_spec_flags spec;      /* speculative decoding, as pd-decode's flags */
-    bool ignore_eos;         /* --ignore-eos */
-    int64_t beam_width;      /* --beam-width W: beam search of W beams; 0 = sampling */
-    double length_penalty;   /* --length-penalty (beam search) */
+    int64_t concurrency;      /* requests in flight at once; 0 = all */
+    bool no_prefix_cache;     /* --no-enable-prefix-caching */
+    int64_t kv_cache_bytes;   /* --kv-cache-bytes: the pool's budget; 0 = the engine's default */
+    int64_t prompt_logprobs;  /* --prompt-logprobs K: -1 = none */
+    pd_spec_flags spec;       /* speculative decoding, as pd-decode's flags */
+    bool ignore_eos;          /* --ignore-eos */
+    int64_t beam_width;       /* --beam-width W: beam search of W beams; 0 = sampling */
+    double length_penalty;    /* --length-penalty (beam search) */
 } args_t;
 
 typedef struct {

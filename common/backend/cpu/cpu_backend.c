@@ -174,8 +174,8 @@ static int quant_load(cpu_be *be, const pd_tensor *t, const pd_weight_slice *s, 
     PD_CHECK(cpu_qweight_load(t, s, out));
     int rc = PD_OK;
     if ((*out)->q == CPU_WQ_I8A8)
-        rc = ws_reserve(be, (void **)&be->xq, &be->xq_ld, &be->xq_bytes,
-                        CPU_XQ_HEAD + (*out)->ld, 1, 1, t->name);
+        rc = ws_reserve(be, (void **)&be->xq, &be->xq_ld, &be->xq_bytes, CPU_XQ_HEAD + (*out)->ld,
+                        1, 1, t->name);
     if ((*out)->perm && rc == PD_OK)
         rc = ws_reserve(be, (void **)&be->xp, &be->xp_ld, &be->xp_bytes, (*out)->cols,
                         sizeof(float), PD_MATMUL_MULTI_MAX, t->name);
@@ -657,9 +657,8 @@ static void xq_task(void *vctx, int task, int n_tasks)
     size_t lo, hi;
     task_range(c->n, task, n_tasks, &lo, &hi);
     for (size_t r = lo; r < hi; r++)
-        (c->simd ? cpu_quant_row_i8_avx512 : cpu_quant_row_i8)(c->x + r * c->K, c->K,
-                                                                c->ld - CPU_XQ_HEAD,
-                                                                c->xq + r * c->ld);
+        (c->simd ? cpu_quant_row_i8_avx512
+                 : cpu_quant_row_i8)(c->x + r * c->K, c->K, c->ld - CPU_XQ_HEAD, c->xq + r * c->ld);
 }
 
 /* Act order: rows of x (n, K) into xp with column k = x column perm[k]. */

@@ -11,23 +11,23 @@
 /* How a quantized weight's values are stored (CPU_WQ_NONE: a float weight). */
 typedef enum {
     CPU_WQ_NONE = 0,
-    CPU_WQ_U4 = 1,  /* 0..15, two per byte: per 128 columns 16 little-endian 32-bit words, word
-                       l holding column l + 16c in bits 4c .. 4c + 3 (c = 0 .. 7), so the 16
-                       values of columns [16c, 16c + 16) are one load and one shift away from
-                       32-bit lanes */
-    CPU_WQ_U8 = 2,  /* 0..255, a byte each */
-    CPU_WQ_I8 = 3,  /* int8, a byte each */
-    CPU_WQ_FP8 = 4, /* float8 e4m3fn, a byte each */
+    CPU_WQ_U4 = 1,   /* 0..15, two per byte: per 128 columns 16 little-endian 32-bit words, word
+                        l holding column l + 16c in bits 4c .. 4c + 3 (c = 0 .. 7), so the 16
+                        values of columns [16c, 16c + 16) are one load and one shift away from
+                        32-bit lanes */
+    CPU_WQ_U8 = 2,   /* 0..255, a byte each */
+    CPU_WQ_I8 = 3,   /* int8, a byte each */
+    CPU_WQ_FP8 = 4,  /* float8 e4m3fn, a byte each */
     CPU_WQ_I8A8 = 5, /* int8 as CPU_WQ_I8, times x quantized to int8 per row (W8A8, below) */
 } cpu_wq;
 
 /* A weight on the CPU backend: (rows, cols) with rows padded to ld elements (ld a multiple of
- * 16, of 32 in the bf16 compute mode, of 128 for U4; the padding zero-filled) so SIMD loads of a row
- * never need a mask; 64-byte aligned.
- * Quantized (q != CPU_WQ_NONE): element (j, k) is (v - zero[j, g]) * scale[j, g], v the stored
- * value of column k and g = k / gs its group (gs a multiple of 16; one group per row for
- * I8/FP8, zero 0); with perm, column k of the stored rows is input column perm[k] (GPTQ act
- * order: the columns sorted by group), and x is permuted to match before the product. */
+ * 16, of 32 in the bf16 compute mode, of 128 for U4; the padding zero-filled) so SIMD loads of a
+ * row never need a mask; 64-byte aligned. Quantized (q != CPU_WQ_NONE): element (j, k) is (v -
+ * zero[j, g]) * scale[j, g], v the stored value of column k and g = k / gs its group (gs a multiple
+ * of 16; one group per row for I8/FP8, zero 0); with perm, column k of the stored rows is input
+ * column perm[k] (GPTQ act order: the columns sorted by group), and x is permuted to match before
+ * the product. */
 struct pd_weight {
     pd_dtype dtype; /* F32, F16 or BF16 (vectors: always F32); F32 when quantized */
     size_t rows, cols;
@@ -52,8 +52,8 @@ void cpu_quant_row_i8_avx512(const float *x, size_t K, size_t ld, uint8_t *row);
 void cpu_mm_i8a8_scalar(const uint8_t *xq, size_t n, size_t ldx, const struct pd_weight *w,
                         size_t j0, size_t j1, const float *bias, float *y, size_t ldy);
 /* The same with avx512_vnni dot products (vpdpbusd); ld a multiple of 64. */
-void cpu_mm_i8a8_vnni(const uint8_t *xq, size_t n, size_t ldx, const struct pd_weight *w,
-                      size_t j0, size_t j1, const float *bias, float *y, size_t ldy);
+void cpu_mm_i8a8_vnni(const uint8_t *xq, size_t n, size_t ldx, const struct pd_weight *w, size_t j0,
+                      size_t j1, const float *bias, float *y, size_t ldy);
 /* 1 when the running CPU has avx512f, avx512bw, avx512vl and avx512_vnni. */
 int cpu_have_avx512vnni(void);
 

@@ -167,9 +167,9 @@ void cpu_mm_scalar(const float *x, size_t n, size_t ldx, const struct pd_weight 
     for (size_t i = 0; i < n; i++) {
         const float *xi = x + i * ldx;
         for (size_t j = j0; j < j1; j++) {
-            float s = w->q ? dot_q_scalar(xi, w, j)
-                           : dot_w_scalar(xi, (const char *)w->data + j * w->ld * es, w->dtype,
-                                          w->cols);
+            float s =
+                w->q ? dot_q_scalar(xi, w, j)
+                     : dot_w_scalar(xi, (const char *)w->data + j * w->ld * es, w->dtype, w->cols);
             if (bias) s += bias[j];
             y[i * ldy + j] = s;
         }
@@ -311,18 +311,18 @@ INLINE_AVX512 void tile_q(const float *x, size_t ldx, const struct pd_weight *wt
             sv[j] = _mm512_set1_ps(sc[(size_t)j * ng + g] * unit);
             zv[j] = _mm512_set1_ps(zp[(size_t)j * ng + g]);
             if (q == CPU_WQ_U4) /* the table: v = 0 .. 15 */
-                sv[j] = _mm512_mul_ps(_mm512_sub_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
-                                                                   10, 11, 12, 13, 14, 15),
+                sv[j] = _mm512_mul_ps(_mm512_sub_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
+                                                                   11, 12, 13, 14, 15),
                                                     zv[j]),
                                       sv[j]);
         }
         const size_t ke = (g + 1) * gs < K ? (g + 1) * gs : K;
         for (; k + 16 <= ke; k += 16) {
             UNROLL for (int j = 0; j < N; j++) wv[j] =
-                q == CPU_WQ_U4 ? load_u4_lut(w + (size_t)j * rb, k, sv[j])
-                               : _mm512_mul_ps(_mm512_sub_ps(load_q16(w + (size_t)j * rb, q, k),
-                                                             zv[j]),
-                                               sv[j]);
+                q == CPU_WQ_U4
+                    ? load_u4_lut(w + (size_t)j * rb, k, sv[j])
+                    : _mm512_mul_ps(_mm512_sub_ps(load_q16(w + (size_t)j * rb, q, k), zv[j]),
+                                    sv[j]);
             UNROLL for (int i = 0; i < M; i++)
             {
                 __m512 xv = _mm512_loadu_ps(x + (size_t)i * ldx + k);
@@ -333,10 +333,10 @@ INLINE_AVX512 void tile_q(const float *x, size_t ldx, const struct pd_weight *wt
         if (k < ke) { /* K's tail (the last group): x masked, W padded */
             __mmask16 m = (__mmask16)((1u << (ke - k)) - 1u);
             UNROLL for (int j = 0; j < N; j++) wv[j] =
-                q == CPU_WQ_U4 ? load_u4_lut(w + (size_t)j * rb, k, sv[j])
-                               : _mm512_mul_ps(_mm512_sub_ps(load_q16(w + (size_t)j * rb, q, k),
-                                                             zv[j]),
-                                               sv[j]);
+                q == CPU_WQ_U4
+                    ? load_u4_lut(w + (size_t)j * rb, k, sv[j])
+                    : _mm512_mul_ps(_mm512_sub_ps(load_q16(w + (size_t)j * rb, q, k), zv[j]),
+                                    sv[j]);
             UNROLL for (int i = 0; i < M; i++)
             {
                 __m512 xv = _mm512_maskz_loadu_ps(m, x + (size_t)i * ldx + k);
@@ -361,7 +361,8 @@ INLINE_AVX512 void tile_q(const float *x, size_t ldx, const struct pd_weight *wt
         size_t j = j0;                                                                             \
         for (; j + (N_) <= j1; j += (N_))                                                          \
             TILE(xi, ldx, w, j, DT, K, bias ? bias + j : NULL, yi + j, ldy, M_, N_);               \
-        for (; j < j1; j++) TILE(xi, ldx, w, j, DT, K, bias ? bias + j : NULL, yi + j, ldy, M_, 1); \
+        for (; j < j1; j++)                                                                        \
+            TILE(xi, ldx, w, j, DT, K, bias ? bias + j : NULL, yi + j, ldy, M_, 1);                \
     } while (0)
 
 /* A few rows (3 to 8: a small decode batch, or a sequence verifying drafts): W in blocks of 8 rows,
@@ -601,7 +602,8 @@ AVX512 int cpu_attention_head_avx512(const float *q, const cpu_kv_layer *kv, int
 
 #define AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma")))
 #define INLINE_AVX512VNNI                                                                          \
-    static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512vl,avx512vnni,fma")))
+    static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512vl,avx512vnni,"     \
+                                                       "fma")))
 
 /* cpu_quant_row_i8 in 16 lanes: the same max, product and rounding (vcvtps2dq rounds half to
  * even, as nearbyintf does in the default mode), so the same bytes. */
@@ -611,8 +613,8 @@ AVX512VNNI void cpu_quant_row_i8_avx512(const float *x, size_t K, size_t ld, uin
     size_t k = 0;
     for (; k + 16 <= K; k += 16) am = _mm512_max_ps(am, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
     if (k < K)
-        am = _mm512_max_ps(am, _mm512_abs_ps(_mm512_maskz_loadu_ps(
-                                   (__mmask16)((1u << (K - k)) - 1u), x + k)));
+        am = _mm512_max_ps(
+            am, _mm512_abs_ps(_mm512_maskz_loadu_ps((__mmask16)((1u << (K - k)) - 1u), x + k)));
     float amax = _mm512_reduce_max_ps(am);
     float sx = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
     memcpy(row, &sx, sizeof sx);
@@ -632,8 +634,10 @@ AVX512VNNI void cpu_quant_row_i8_avx512(const float *x, size_t K, size_t ld, uin
 /* The horizontal sums of a[0..3] as the four lanes of one vector. */
 INLINE_AVX512VNNI __m128i reduce4_epi32(const __m512i *a)
 {
-    __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a[0], a[1]), _mm512_unpackhi_epi32(a[0], a[1]));
-    __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2], a[3]), _mm512_unpackhi_epi32(a[2], a[3]));
+    __m512i ab =
+        _mm512_add_epi32(_mm512_unpacklo_epi32(a[0], a[1]), _mm512_unpackhi_epi32(a[0], a[1]));
+    __m512i cd =
+        _mm512_add_epi32(_mm512_unpacklo_epi32(a[2], a[3]), _mm512_unpackhi_epi32(a[2], a[3]));
     __m512i abcd = _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
     __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(abcd), _mm512_extracti64x4_epi64(abcd, 1));
     return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
@@ -666,10 +670,9 @@ INLINE_AVX512VNNI void tile_i8(const uint8_t *x, size_t ldx, const struct pd_wei
         memcpy(&sx, x + (size_t)i * ldx, sizeof sx);
         int j = 0;
         for (; j + 4 <= N; j += 4) { /* four outputs at once: i8a8_out's operations, in order */
-            __m128i d = _mm_sub_epi32(reduce4_epi32(&acc[i][j]),
-                                      _mm_slli_epi32(_mm_loadu_si128((const __m128i *)(
-                                                         wt->wsum + j0 + (size_t)j)),
-                                                     7));
+            __m128i d = _mm_sub_epi32(
+                reduce4_epi32(&acc[i][j]),
+                _mm_slli_epi32(_mm_loadu_si128((const __m128i *)(wt->wsum + j0 + (size_t)j)), 7));
             __m128 v = _mm_mul_ps(_mm_mul_ps(_mm_cvtepi32_ps(d), _mm_set1_ps(sx)),
                                   _mm_loadu_ps(wt->scale + j0 + (size_t)j));
             if (bias) v = _mm_add_ps(v, _mm_loadu_ps(bias + j));
@@ -708,8 +711,8 @@ int cpu_attention_head_avx512(const float *q, const cpu_kv_layer *kv, int kv_hea
 {
     return 0;
 }
-void cpu_mm_i8a8_vnni(const uint8_t *x, size_t n, size_t ldx, const struct pd_weight *w,
-                      size_t j0, size_t j1, const float *bias, float *y, size_t ldy)
+void cpu_mm_i8a8_vnni(const uint8_t *x, size_t n, size_t ldx, const struct pd_weight *w, size_t j0,
+                      size_t j1, const float *bias, float *y, size_t ldy)
 {
     cpu_mm_i8a8_scalar(x, n, ldx, w, j0, j1, bias, y, ldy);
 }

@@ -92,8 +92,8 @@ static unsigned int_q(float w, float s, unsigned z, int bits)
 }
 
 /* AWQ or GPTQ (bits, group G, act order when perm, v1 zero points when v1) from W (R, C). */
-static void pack_int(packed *p, const float *W, int64_t R, int64_t C, bool awq, int bits,
-                     int64_t G, bool act_order, bool v1)
+static void pack_int(packed *p, const float *W, int64_t R, int64_t C, bool awq, int bits, int64_t G,
+                     bool act_order, bool v1)
 {
     const int64_t ng = C / G, P = 32 / bits;
     int32_t *gidx = malloc((size_t)C * sizeof *gidx);
@@ -223,26 +223,36 @@ typedef struct {
 } fmt;
 
 static const fmt k_fmts[] = {
-    {"awq", "{\"quant_method\":\"awq\",\"bits\":4,\"group_size\":32,\"zero_point\":true,"
-            "\"version\":\"gemm\"}", 0, 4, 32, false, false, false},
-    {"gptq4 v1", "{\"quant_method\":\"gptq\",\"bits\":4,\"group_size\":32,\"desc_act\":false,"
-                 "\"sym\":false}", 1, 4, 32, false, true, false},
-    {"gptq4 act order v2", "{\"quant_method\":\"gptq\",\"bits\":4,\"group_size\":16,"
-                           "\"desc_act\":true,\"sym\":false,\"checkpoint_format\":\"gptq_v2\"}",
+    {"awq",
+     "{\"quant_method\":\"awq\",\"bits\":4,\"group_size\":32,\"zero_point\":true,"
+     "\"version\":\"gemm\"}",
+     0, 4, 32, false, false, false},
+    {"gptq4 v1",
+     "{\"quant_method\":\"gptq\",\"bits\":4,\"group_size\":32,\"desc_act\":false,"
+     "\"sym\":false}",
+     1, 4, 32, false, true, false},
+    {"gptq4 act order v2",
+     "{\"quant_method\":\"gptq\",\"bits\":4,\"group_size\":16,"
+     "\"desc_act\":true,\"sym\":false,\"checkpoint_format\":\"gptq_v2\"}",
      1, 4, 16, true, false, false},
-    {"gptq8 v1", "{\"quant_method\":\"gptq\",\"bits\":8,\"group_size\":32,\"desc_act\":false,"
-                 "\"sym\":false}", 1, 8, 32, false, true, false},
-    {"gptq4 per channel", "{\"quant_method\":\"gptq\",\"bits\":4,\"group_size\":-1,"
-                          "\"sym\":false,\"checkpoint_format\":\"gptq_v2\"}", 1, 4, -1, false,
-     false, false},
+    {"gptq8 v1",
+     "{\"quant_method\":\"gptq\",\"bits\":8,\"group_size\":32,\"desc_act\":false,"
+     "\"sym\":false}",
+     1, 8, 32, false, true, false},
+    {"gptq4 per channel",
+     "{\"quant_method\":\"gptq\",\"bits\":4,\"group_size\":-1,"
+     "\"sym\":false,\"checkpoint_format\":\"gptq_v2\"}",
+     1, 4, -1, false, false, false},
     {"fp8", "{\"quant_method\":\"fp8\",\"activation_scheme\":\"dynamic\"}", 2, 8, 0, false, false,
      false},
-    {"w8a8 int8", "{\"quant_method\":\"compressed-tensors\",\"format\":\"int-quantized\","
-                  "\"config_groups\":{\"group_0\":{\"targets\":[\"Linear\"],\"weights\":{"
-                  "\"num_bits\":8,\"type\":\"int\",\"symmetric\":true,\"strategy\":\"channel\","
-                  "\"dynamic\":false},\"input_activations\":{\"num_bits\":8,\"type\":\"int\","
-                  "\"symmetric\":true,\"strategy\":\"token\",\"dynamic\":true}}},"
-                  "\"ignore\":[\"lm_head\"]}", 3, 8, 0, false, false, true},
+    {"w8a8 int8",
+     "{\"quant_method\":\"compressed-tensors\",\"format\":\"int-quantized\","
+     "\"config_groups\":{\"group_0\":{\"targets\":[\"Linear\"],\"weights\":{"
+     "\"num_bits\":8,\"type\":\"int\",\"symmetric\":true,\"strategy\":\"channel\","
+     "\"dynamic\":false},\"input_activations\":{\"num_bits\":8,\"type\":\"int\","
+     "\"symmetric\":true,\"strategy\":\"token\",\"dynamic\":true}}},"
+     "\"ignore\":[\"lm_head\"]}",
+     3, 8, 0, false, false, true},
 };
 #define N_FMTS (sizeof k_fmts / sizeof k_fmts[0])
 
@@ -256,8 +266,8 @@ static int parse_qc(const char *text, pd_quant_config *c)
 }
 
 /* Writes format f of W (R, C) to a file, opens it and resolves "L". */
-static int make(const fmt *f, const float *W, int64_t R, int64_t C, pd_quant_config *qc,
-                packed *p, pd_st **st, pd_qweight *q)
+static int make(const fmt *f, const float *W, int64_t R, int64_t C, pd_quant_config *qc, packed *p,
+                pd_st **st, pd_qweight *q)
 {
     memset(p, 0, sizeof *p);
     PD_CHECK(parse_qc(f->qc, qc));
@@ -340,22 +350,25 @@ TEST(quantized_matmul_equals_dequantized_float_matmul)
                     xs[r * cols + k] = x[r * (size_t)C + sl->col0 + k];
                     xo[r * cols + k] = x[r * (size_t)C + sl->col0 + ord[k]];
                 }
-            pd_tensor tf = {.name = "deq", .dtype = PD_DTYPE_F32, .ndim = 2,
-                            .shape = {(int64_t)rows, (int64_t)cols}, .data = wf,
+            pd_tensor tf = {.name = "deq",
+                            .dtype = PD_DTYPE_F32,
+                            .ndim = 2,
+                            .shape = {(int64_t)rows, (int64_t)cols},
+                            .data = wf,
                             .nbytes = rows * cols * 4};
             for (int ii = 0; ii < 2; ii++) {
                 pd_backend *b = cpu(isas[ii], 2);
                 if (!b) continue; /* no AVX-512 here */
                 const pd_backend_ops *o = pd_backend_get_ops(b);
                 pd_weight *Wq = NULL, *Wf = NULL;
-                ASSERT_MSG(o->weight_load(b, &tq, sl, &Wq) == 0, "%s slice %d: %s",
-                           k_fmts[f].name, si, pd_last_error());
+                ASSERT_MSG(o->weight_load(b, &tq, sl, &Wq) == 0, "%s slice %d: %s", k_fmts[f].name,
+                           si, pd_last_error());
                 ASSERT_OK(o->weight_load(b, &tf, NULL, &Wf));
                 for (size_t ni = 0; ni < 5; ni++) {
                     ASSERT_OK(o->matmul(b, xs, ns[ni], Wq, NULL, yq));
                     if (qc.act_int8)
-                        w8a8_reference(xo, ns[ni], cols, p.t[0].data, p.t[1].data, sl->row0,
-                                       rows, C, sl->col0, yf);
+                        w8a8_reference(xo, ns[ni], cols, p.t[0].data, p.t[1].data, sl->row0, rows,
+                                       C, sl->col0, yf);
                     else
                         ASSERT_OK(o->matmul(b, xo, ns[ni], Wf, NULL, yf));
                     ASSERT_MSG(memcmp(yq, yf, ns[ni] * rows * 4) == 0,
@@ -473,11 +486,13 @@ static int write_layout(json_t *e, const char *skip, int grow, const pd_quant_co
         json_t *shape = json_array_get(v, 1);
         t[n].ndim = (int)json_array_size(shape);
         for (int d = 0; d < t[n].ndim; d++)
-            t[n].shape[d] = json_integer_value(json_array_get(shape, (size_t)d)) + (n == 0 && d == 0 ? grow : 0);
+            t[n].shape[d] = json_integer_value(json_array_get(shape, (size_t)d)) +
+                            (n == 0 && d == 0 ? grow : 0);
         t[n].nbytes = (size_t)pd_tensor_numel(&t[n]) * pd_dtype_size(t[n].dtype);
         bufs[n] = calloc(1, t[n].nbytes ? t[n].nbytes : 1);
         if (strcmp(key, "g_idx") == 0) /* groups in order */
-            for (int64_t k = 0; k < t[n].shape[0]; k++) ((int32_t *)bufs[n])[k] = (int32_t)(k / qc->group_size);
+            for (int64_t k = 0; k < t[n].shape[0]; k++)
+                ((int32_t *)bufs[n])[k] = (int32_t)(k / qc->group_size);
         t[n].data = bufs[n];
         n++;
     }
@@ -582,7 +597,8 @@ TEST(quantization_config_variants)
         {"{\"quant_method\":\"gptq\",\"bits\":4,\"checkpoint_format\":\"marlin\"}",
          "quantization_config.checkpoint_format"},
         {"{\"quant_method\":\"gptq\",\"bits\":4,\"group_size\":0}", "group_size: must be"},
-        {"{\"quant_method\":\"bitsandbytes\"}", "quantization_config.quant_method: \"bitsandbytes\""},
+        {"{\"quant_method\":\"bitsandbytes\"}",
+         "quantization_config.quant_method: \"bitsandbytes\""},
         {"{\"quant_method\":\"fp8\",\"weight_block_size\":[128,128]}", "weight_block_size"},
         {"{\"quant_method\":\"compressed-tensors\",\"format\":\"pack-quantized\"}",
          "quantization_config.format"},
