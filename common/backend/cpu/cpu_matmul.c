@@ -317,6 +317,25 @@ INLINE_AVX512 void tile_q(const float *x, size_t ldx, const struct pd_weight *wt
                                       sv[j]);
         }
         const size_t ke = (g + 1) * gs < K ? (g + 1) * gs : K;
+        if (q == CPU_WQ_U4 && M <= 2) /* decode: whole 128-column blocks, one load, shifts by
+                                         constants (more registers than the prefill tiles have;
+                                         the same operations per accumulator either way) */
+            for (; k + 128 <= ke && k % 128 == 0; k += 128) {
+                UNROLL for (int c = 0; c < 8; c++)
+                {
+                    UNROLL for (int j = 0; j < N; j++) wv[j] = _mm512_permutexvar_ps(
+                        _mm512_srli_epi32(
+                            _mm512_load_si512((const void *)(w + (size_t)j * rb + k / 2)),
+                            (unsigned)(4 * c)),
+                        sv[j]);
+                    UNROLL for (int i = 0; i < M; i++)
+                    {
+                        __m512 xv = _mm512_loadu_ps(x + (size_t)i * ldx + k + 16 * (size_t)c);
+                        UNROLL for (int j = 0; j < N; j++) acc[i][j] =
+                            _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+                    }
+                }
+            }
         for (; k + 16 <= ke; k += 16) {
             UNROLL for (int j = 0; j < N; j++) wv[j] =
                 q == CPU_WQ_U4
