@@ -288,6 +288,14 @@ INLINE_AVX512 __m512 load_u4_lut(const uint8_t *p, size_t k, __m512 t)
     return _mm512_permutexvar_ps(idx, t);
 }
 
+/* 16 weights of a quantized row p from column k, dequantized: U4 through its table t (passed as
+ * s), the others as (v - z) * s. */
+INLINE_AVX512 __m512 deq16(const uint8_t *p, cpu_wq q, size_t k, __m512 s, __m512 z)
+{
+    if (q == CPU_WQ_U4) return load_u4_lut(p, k, s);
+    return _mm512_mul_ps(_mm512_sub_ps(load_q16(p, q, k), z), s);
+}
+
 /* tile for a quantized weight: each 16 weights dequantized in registers as (v - z) * s, one
  * rounding (U4: from a 16-entry table of those products per row and group), then the same
  * fmadd sequence per accumulator as tile (lane l over k = l, l + 16, ..., masked x at the tail),
@@ -338,10 +346,7 @@ INLINE_AVX512 void tile_q(const float *x, size_t ldx, const struct pd_weight *wt
             }
         for (; k + 16 <= ke; k += 16) {
             UNROLL for (int j = 0; j < N; j++) wv[j] =
-                q == CPU_WQ_U4
-                    ? load_u4_lut(w + (size_t)j * rb, k, sv[j])
-                    : _mm512_mul_ps(_mm512_sub_ps(load_q16(w + (size_t)j * rb, q, k), zv[j]),
-                                    sv[j]);
+                deq16(w + (size_t)j * rb, q, k, sv[j], zv[j]);
             UNROLL for (int i = 0; i < M; i++)
             {
                 __m512 xv = _mm512_loadu_ps(x + (size_t)i * ldx + k);
@@ -352,10 +357,7 @@ INLINE_AVX512 void tile_q(const float *x, size_t ldx, const struct pd_weight *wt
         if (k < ke) { /* K's tail (the last group): x masked, W padded */
             __mmask16 m = (__mmask16)((1u << (ke - k)) - 1u);
             UNROLL for (int j = 0; j < N; j++) wv[j] =
-                q == CPU_WQ_U4
-                    ? load_u4_lut(w + (size_t)j * rb, k, sv[j])
-                    : _mm512_mul_ps(_mm512_sub_ps(load_q16(w + (size_t)j * rb, q, k), zv[j]),
-                                    sv[j]);
+                deq16(w + (size_t)j * rb, q, k, sv[j], zv[j]);
             UNROLL for (int i = 0; i < M; i++)
             {
                 __m512 xv = _mm512_maskz_loadu_ps(m, x + (size_t)i * ldx + k);
