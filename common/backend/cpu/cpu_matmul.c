@@ -189,8 +189,11 @@ void cpu_axpy_scalar(float *y, float s, const float *x, size_t n)
 /* ---- AVX-512 --------------------------------------------------------------------------------- */
 #if defined(__x86_64__)
 
-#define AVX512        __attribute__((target("avx512f,f16c,fma")))
-#define INLINE_AVX512 static inline __attribute__((always_inline, target("avx512f,f16c,fma")))
+#define AVX512 __attribute__((target("avx512f,f16c,fma")))
+/* The tiles inlined into cpu_mm_avx512 are not instrumented either (see there): instrumented
+ * code inlined into it would poison its scopes' stack and never unpoison the frame. */
+#define INLINE_AVX512                                                                              \
+    static inline __attribute__((always_inline, no_sanitize_address, target("avx512f,f16c,fma")))
 
 /* 16 weights at element k of row p, widened to f32. dt is a compile-time constant at every
  * call site after inlining. */
@@ -459,8 +462,15 @@ INLINE_AVX512 void mm_q(const float *x, size_t n, size_t ldx, const struct pd_we
     MM_SHAPES(tile_q, float, q);
 }
 
-AVX512 void cpu_mm_avx512(const float *x, size_t n, size_t ldx, const struct pd_weight *w,
-                          size_t j0, size_t j1, const float *bias, float *y, size_t ldy)
+/* Not instrumented by AddressSanitizer: in the ASan build the many tile shapes inlined here
+ * lose their register accumulators to the stack, each 64-byte spill checked by a call (decode
+ * ran 2.8x slower than without the quantized tiles, enough to change what the timing tests of
+ * integration/overload see). The tiles' reads stay in bounds by construction (rows padded to
+ * ld, masked tails), which unit/backend and unit/backend_quant check on every shape. */
+__attribute__((no_sanitize_address)) AVX512 void cpu_mm_avx512(const float *x, size_t n, size_t ldx,
+                                                               const struct pd_weight *w, size_t j0,
+                                                               size_t j1, const float *bias,
+                                                               float *y, size_t ldy)
 {
     switch (w->q) {
     case CPU_WQ_U4: mm_q(x, n, ldx, w, j0, j1, bias, y, ldy, CPU_WQ_U4); return;

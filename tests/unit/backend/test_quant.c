@@ -410,6 +410,9 @@ TEST(malformed_quantized_tensors_named)
     pd_st_close(st);
     p.t[2].shape[0] = 3; /* scales (3, 16) for 2 groups */
     p.t[2].nbytes = 3 * 16 * 2;
+    p.buf[2] = realloc(p.buf[2], p.t[2].nbytes);
+    memset(p.buf[2], 0, p.t[2].nbytes);
+    p.t[2].data = p.buf[2];
     ASSERT_OK(pd_st_write(path, p.t, 3, NULL, NULL));
     ASSERT_OK(pd_st_open(path, &st));
     ASSERT(pd_qweight_resolve(st, &qc, "L", R, C, &q) == PD_EINVAL);
