@@ -438,6 +438,14 @@ static float elem_f32(const pd_tensor *t, int64_t i)
     return f;
 }
 
+/* The value of an INT8 byte, an FP8 byte, or an INT value, as f32. */
+static float pd_qvalue_f32(pd_qkind kind, uint8_t v)
+{
+    if (kind == PD_QKIND_INT8) return (float)(int8_t)v;
+    if (kind == PD_QKIND_FP8) return pd_f8e4m3_to_f32(v);
+    return (float)v;
+}
+
 int64_t pd_qweight_group(const pd_qweight *q, int64_t k)
 {
     return q->g_idx.data ? ((const int32_t *)q->g_idx.data)[k] : k / q->group_size;

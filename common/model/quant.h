@@ -131,12 +131,4 @@ void pd_qweight_unpack(const pd_qweight *q, int64_t r0, int64_t nr, int64_t c0, 
 int pd_qweight_dequant(const pd_qweight *q, int64_t r0, int64_t nr, int64_t c0, int64_t nc,
                        float *out);
 
-/* The value of an INT8 byte, an FP8 byte, or an INT value, as f32. */
-static inline float pd_qvalue_f32(pd_qkind kind, uint8_t v)
-{
-    if (kind == PD_QKIND_INT8) return (float)(int8_t)v;
-    if (kind == PD_QKIND_FP8) return pd_f8e4m3_to_f32(v);
-    return (float)v;
-}
-
 #endif
