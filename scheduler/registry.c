@@ -219,9 +219,10 @@ static int check_identity(const reg_node *nd, const Pd__InfoReply *m, char *why,
     return 0;
 }
 
-/* Checks an Info reply against this scheduler's limits; 0 when the instance can serve every
- * request the scheduler admits, else writes why. */
-static int check_limits(const pd_reg *r, const Pd__InfoReply *m, char *why, size_t n)
+/* Checks an Info reply against this scheduler's limits and the instances of the other role
+ * verified so far; 0 when the instance can serve every request the scheduler admits, else
+ * writes why. */
+static int check_limits(pd_reg *r, const Pd__InfoReply *m, char *why, size_t n)
 {
     /* a prompt the scheduler admits would be refused there (Reserve: INVALID_ARGUMENT) */
     if (r->max_model_len > 0 && m->max_model_len < r->max_model_len) {
@@ -232,7 +233,22 @@ static int check_limits(const pd_reg *r, const Pd__InfoReply *m, char *why, size
                  (long long)r->max_model_len);
         return -1;
     }
-    return 0;
+    /* the KV moves as the pools hold it: a prefill and a decode instance must agree */
+    int rc = 0;
+    pthread_mutex_lock(&r->mu);
+    for (int j = 0; j < r->n && rc == 0; j++) {
+        const reg_node *o = &r->nodes[j];
+        if (!o->verified || strcmp(rt_role_name(o->inst->role), m->role) == 0 ||
+            strcmp(o->kv_dtype, m->kv_dtype) == 0)
+            continue;
+        snprintf(why, n,
+                 "its KV cache holds %s, %s instance %zu's holds %s: start every instance with "
+                 "the same --kv-cache-dtype (and --dtype)",
+                 m->kv_dtype, rt_role_name(o->inst->role), o->inst->index, o->kv_dtype);
+        rc = -1;
+    }
+    pthread_mutex_unlock(&r->mu);
+    return rc;
 }
 
 /* Marks node k out (with reason) or in; calls on_change outside the lock on a change. */

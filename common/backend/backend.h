@@ -103,7 +103,7 @@ typedef struct {
     size_t block_size; /* tokens per block */
     size_t n_kv_heads; /* heads held by this backend (the rank's range under TP) */
     size_t head_dim;
-    pd_dtype dtype; /* CPU: F32 */
+    pd_dtype dtype; /* CPU: F32, or F8_E4M3 (an fp8 KV cache, scaled per layer: kv_scales) */
 } pd_kv_params;
 
 /* Raw access to one layer of the pool, for the KV transfer code. Pointers are device pointers
@@ -250,6 +250,11 @@ typedef struct pd_backend_ops {
     int (*kv_create)(pd_backend *b, const pd_kv_params *p, pd_kv **out);
     void (*kv_free)(pd_backend *b, pd_kv *kv);
     int (*kv_layer)(pd_backend *b, const pd_kv *kv, int layer, pd_kv_layer_view *out);
+    /* The scales of layer in a quantized (fp8) pool: K is stored as k / k_scale, V as
+     * v / v_scale, and attention reads them back multiplied. 1 until set; before the first
+     * step. PD_EINVAL for a pool of a float dtype. NULL where the backend has no quantized
+     * pool (CUDA: its pools hold the activation dtype). */
+    int (*kv_scales)(pd_backend *b, pd_kv *kv, int layer, float k_scale, float v_scale);
     /* Copies a block/head range of one layer to host memory / from host memory (see
      * pd_kv_range for the host layout). Block ids and heads are checked against the pool.
      * Callable from any thread, also while another thread runs a step: they see what every

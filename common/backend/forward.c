@@ -34,6 +34,7 @@ typedef struct {
     pd_weight *ln2;          /* (1, H) */
     pd_weight *wg, *wu;      /* (I_loc, H) */
     pd_weight *wd;           /* (H, I_loc) */
+    float k_scale, v_scale;  /* the checkpoint's fp8 KV cache scales (1 when not stored) */
 } fwd_layer;
 
 struct pd_forward {
@@ -91,6 +92,7 @@ pd_forward_params pd_forward_default_params(void)
         .max_tokens = 2048,
         .max_seqs = 256,
         .max_out = 256,
+        .kv_dtype = -1,
     };
     return p;
 }
@@ -121,6 +123,8 @@ static int load_weights(pd_forward *f, const pd_model_weights *mw)
         const pd_layer_weights *w = &mw->layers[l];
         fwd_layer *L = &f->layers[l];
         PD_CHECK(load_all(f, &w->input_layernorm, &L->ln1));
+        L->k_scale = w->k_scale;
+        L->v_scale = w->v_scale;
         PD_CHECK(load(f, &w->q_proj, q0, qn, 0, 0, &L->wq));
         PD_CHECK(load(f, &w->k_proj, kv0, kvn, 0, 0, &L->wk));
         PD_CHECK(load(f, &w->v_proj, kv0, kvn, 0, 0, &L->wv));
@@ -211,6 +215,11 @@ int pd_forward_create(pd_backend *b, const pd_model *m, const pd_forward_params 
     if (c->head_dim % 2)
         return pd_error(PD_EINVAL, "forward: head_dim %lld must be even for RoPE",
                         (long long)c->head_dim);
+    if (p.kv_dtype >= 0 && (p.kv_dtype != PD_DTYPE_F8_E4M3 || !pd_backend_get_ops(b)->kv_scales))
+        return pd_error(PD_EUNSUPPORTED,
+                        "--kv-cache-dtype: the %s backend has no %s KV cache (auto: the "
+                        "activation dtype)",
+                        pd_backend_get_ops(b)->name, pd_dtype_name((pd_dtype)p.kv_dtype));
 
     pd_forward *f = calloc(1, sizeof *f);
     if (!f) return pd_error(PD_ENOMEM, "forward: out of memory");
@@ -274,9 +283,17 @@ pd_kv_params pd_forward_kv_params(const pd_forward *f, size_t n_blocks, size_t b
         .block_size = block_size,
         .n_kv_heads = f->nkv_loc,
         .head_dim = f->D,
-        .dtype = pd_backend_act_dtype(f->b),
+        .dtype = f->p.kv_dtype >= 0 ? (pd_dtype)f->p.kv_dtype : pd_backend_act_dtype(f->b),
     };
     return kp;
+}
+
+int pd_forward_kv_init(const pd_forward *f, pd_kv *kv)
+{
+    if (f->p.kv_dtype < 0) return PD_OK;
+    for (size_t l = 0; l < f->n_layers; l++)
+        PD_CHECK(f->o->kv_scales(f->b, kv, (int)l, f->layers[l].k_scale, f->layers[l].v_scale));
+    return PD_OK;
 }
 
 size_t pd_forward_vocab(const pd_forward *f)

@@ -46,6 +46,8 @@ typedef struct {
     size_t max_out;    /* logit rows per step (default 256) */
     int no_fused;      /* 1: issue only the plain ops, never the backend's fused ones (the
                           same results; for comparisons and benchmarks) */
+    int kv_dtype;      /* -1 (default): the KV cache holds the activation dtype; else its
+                          pd_dtype (PD_DTYPE_F8_E4M3: an fp8 KV cache, pd_forward_kv_init) */
 } pd_forward_params;
 
 pd_forward_params pd_forward_default_params(void);
@@ -74,8 +76,13 @@ int pd_forward_create(pd_backend *b, const pd_model *m, const pd_forward_params 
 void pd_forward_free(pd_forward *f);
 
 /* KV-pool parameters matching this forward pass (layers, local kv heads, head_dim, the
- * backend's dtype) for a pool of n_blocks blocks of block_size tokens. */
+ * backend's dtype or params.kv_dtype) for a pool of n_blocks blocks of block_size tokens. */
 pd_kv_params pd_forward_kv_params(const pd_forward *f, size_t n_blocks, size_t block_size);
+
+/* Readies a pool made from pd_forward_kv_params before its first step: a quantized pool gets
+ * the checkpoint's per-layer scales (kv_scales). (pd_forward_create refuses a kv_dtype the
+ * backend has no quantized pool of, PD_EUNSUPPORTED.) */
+int pd_forward_kv_init(const pd_forward *f, pd_kv *kv);
 
 /* Runs one step: writes the rows' K/V into kv and logits (n_out, vocab) f32 into the host
  * buffer. Validates the step (shapes, token ids < vocab, block tables, capacities) before any

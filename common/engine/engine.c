@@ -189,12 +189,17 @@ static int create_kv(pd_engine *e)
         pd_engine_rank *rk = &e->ranks[r];
         pd_kv_params kr = pd_forward_kv_params(rk->f, n_blocks, p->block_size);
         PD_CHECK(pd_backend_get_ops(rk->b)->kv_create(rk->b, &kr, &rk->kv));
+        PD_CHECK(pd_forward_kv_init(rk->f, rk->kv));
         rk->bounce_bytes = pd_kv_block_bytes(&kr) / (size_t)kr.n_layers;
         rk->bounce = malloc(rk->bounce_bytes);
         rk->logits = malloc(eng_max_out_rows(p) * e->vocab * sizeof(float));
         if (!rk->bounce || !rk->logits) return pd_error(PD_ENOMEM, "engine: out of memory");
     }
     size_t tokens = n_blocks * p->block_size;
+    if (e->kv_dtype >= 0 && !e->model->weights.kv_scales)
+        PD_WARN("-", /* vLLM's warning, in its words */
+                "Using KV cache scaling factor 1.0 for fp8_e4m3: the checkpoint stores no "
+                "k_scale / v_scale. This may cause accuracy issues.");
     PD_INFO("-",
             "KV cache: %zu blocks x %zu tokens = %zu tokens (%.1f MiB per rank, %d rank(s)); "
             "maximum concurrency for %zu tokens per request: %.2fx",
@@ -279,6 +284,7 @@ int pd_engine_create(const pd_engine_params *params, pd_engine **out)
     snprintf(cfg_file, sizeof cfg_file, "%s/config.json", e->model->dir ? e->model->dir : ".");
     PD_CHECK_GOTO(pd_quant_check_flag(e->p.quantization, &e->model->config.quant, cfg_file), rc,
                   fail);
+    PD_CHECK_GOTO(pd_kv_cache_dtype_parse(e->p.kv_cache_dtype, &e->kv_dtype), rc, fail);
     e->tok = e->p.tok;
     /* a tokenizer named by --tokenizer must load; the model's own is optional */
     const char *tok_dir = e->p.tokenizer_dir ? e->p.tokenizer_dir : e->p.model_dir;
@@ -400,6 +406,10 @@ size_t pd_engine_max_model_len(const pd_engine *e)
 size_t pd_engine_block_size(const pd_engine *e)
 {
     return e->p.block_size;
+}
+pd_dtype pd_engine_kv_dtype(const pd_engine *e)
+{
+    return pd_forward_kv_params(e->ranks[0].f, 0, e->p.block_size).dtype;
 }
 size_t pd_engine_vocab(const pd_engine *e)
 {

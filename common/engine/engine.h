@@ -88,6 +88,9 @@ typedef struct {
     const char *quantization;      /* --quantization (vLLM's spelling): must name the checkpoint's
                                       quantization_config method (pd_quant_check_flag); NULL or
                                       "none": whatever the checkpoint is */
+    const char *kv_cache_dtype;    /* --kv-cache-dtype (vLLM's spelling, pd_kv_cache_dtype_parse):
+                                      NULL or "auto" the activation dtype; "fp8", "fp8_e4m3" an
+                                      fp8 KV cache with the checkpoint's scales (CPU backend) */
     int dtype; /* --dtype: -1 (default) the backend's choice (CUDA bf16, CPU f32 compute);
                   CUDA: PD_DTYPE_F32 the f32 precision mode, F16, BF16; CPU: F32, or BF16 the
                   bf16 compute mode (pd_backend_params.compute_dtype) */
@@ -331,6 +334,8 @@ void pd_engine_get_stats(pd_engine *e, pd_engine_stats *out);
 
 size_t pd_engine_max_model_len(const pd_engine *e);
 size_t pd_engine_block_size(const pd_engine *e);
+/* The KV cache's dtype (what a KV transfer moves): the activation dtype, or fp8 e4m3. */
+pd_dtype pd_engine_kv_dtype(const pd_engine *e);
 size_t pd_engine_vocab(const pd_engine *e);
 int pd_engine_tp_size(const pd_engine *e);
 /* The tensor-parallel all-reduce in use: "nccl", "host" (host-staged), or "none" (TP 1). */

@@ -212,6 +212,7 @@ struct pd_engine {
     pd_stop_model stop_model;
     /* ranks */
     int tp;
+    int kv_dtype; /* --kv-cache-dtype: -1 the activation dtype, else a pd_dtype */
     pd_backend_group *group; /* the ranks' backends and their all-reduce */
     pd_engine_rank *ranks;   /* (tp) */
     pthread_mutex_t rmu;

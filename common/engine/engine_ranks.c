@@ -142,6 +142,7 @@ int eng_ranks_create(pd_engine *e)
         fp.max_tokens = p->max_num_batched_tokens;
         fp.max_seqs = p->max_num_seqs;
         fp.max_out = eng_max_out_rows(p);
+        fp.kv_dtype = e->kv_dtype;
         PD_CHECK(pd_forward_create(rk->b, e->model, &fp, &rk->f));
     }
     return PD_OK;

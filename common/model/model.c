@@ -102,6 +102,9 @@ static int resolve_weights(pd_model *m)
         PD_CHECK(R2(gate_proj, "mlp.gate_proj", I, H));
         PD_CHECK(R2(up_proj, "mlp.up_proj", I, H));
         PD_CHECK(R2(down_proj, "mlp.down_proj", H, I));
+        bool found;
+        PD_CHECK(pd_quant_kv_scales(st, l, &L->k_scale, &L->v_scale, &found));
+        w->kv_scales |= found;
 #undef R1
 #undef R2
     }

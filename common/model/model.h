@@ -39,6 +39,8 @@ typedef struct {
     pd_tensor gate_proj;                /* (I, H)      ...mlp.gate_proj.weight */
     pd_tensor up_proj;                  /* (I, H)      ...mlp.up_proj.weight */
     pd_tensor down_proj;                /* (H, I)      ...mlp.down_proj.weight */
+    float k_scale, v_scale; /* the fp8 KV cache's scales, ...self_attn.k_scale / v_scale (or
+                               their older names, pd_quant_kv_scales); 1 when not stored */
 } pd_layer_weights;
 /* An absent bias or norm is a zeroed pd_tensor (data == NULL). */
 
@@ -47,6 +49,7 @@ typedef struct {
     pd_layer_weights *layers; /* (num_hidden_layers) */
     pd_tensor norm;           /* (H)     model.norm.weight (final RMSNorm) */
     pd_tensor lm_head;        /* (V, H)  lm_head.weight; a copy of embed_tokens' view when tied */
+    bool kv_scales;           /* some layer's KV cache scales were stored */
     bool lm_head_tied;        /* lm_head is embed_tokens (config.tie_word_embeddings) */
 } pd_model_weights;
 

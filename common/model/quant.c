@@ -7,6 +7,7 @@
  */
 #include "model/quant.h"
 
+#include <math.h>
 #include <regex.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -436,6 +437,59 @@ static float elem_f32(const pd_tensor *t, int64_t i)
     float f;
     pd_to_f32_n(t->dtype, (const char *)t->data + (size_t)i * pd_dtype_size(t->dtype), &f, 1);
     return f;
+}
+
+int pd_kv_cache_dtype_parse(const char *flag, int *out)
+{
+    if (!flag || strcmp(flag, "auto") == 0) {
+        *out = -1;
+        return PD_OK;
+    }
+    if (strcmp(flag, "fp8") == 0 || strcmp(flag, "fp8_e4m3") == 0) {
+        *out = PD_DTYPE_F8_E4M3;
+        return PD_OK;
+    }
+    return pd_error(PD_EINVAL,
+                    "--kv-cache-dtype: \"%s\" is not supported (auto, fp8, fp8_e4m3; pdserve "
+                    "stores an fp8 KV cache as e4m3)",
+                    flag);
+}
+
+/* One optional KV scale: 0 when absent, else the value of a single positive finite float. */
+static int kv_scale(const pd_st *st, int layer, const char *suffix, float *out)
+{
+    char name[160];
+    snprintf(name, sizeof name, "model.layers.%d.self_attn.%s", layer, suffix);
+    const pd_tensor *t = pd_st_get(st, name);
+    *out = 0.0f;
+    if (!t) return PD_OK;
+    if (!pd_dtype_is_float(t->dtype) || pd_tensor_numel(t) != 1)
+        return pd_error(PD_EINVAL,
+                        "%s: tensor '%s': expected one F32, F16 or BF16 value (a KV cache scale), "
+                        "got dtype %s with %lld elements",
+                        t->file, name, pd_dtype_st_name(t->dtype), (long long)pd_tensor_numel(t));
+    float v = elem_f32(t, 0);
+    if (!(v > 0.0f) || !isfinite(v))
+        return pd_error(PD_EINVAL, "%s: tensor '%s': a KV cache scale must be positive and finite, "
+                        "got %g", t->file, name, (double)v);
+    *out = v;
+    return PD_OK;
+}
+
+int pd_quant_kv_scales(const pd_st *st, int layer, float *k_scale, float *v_scale, bool *found)
+{
+    float k, v, kv;
+    PD_CHECK(kv_scale(st, layer, "k_scale", &k));
+    PD_CHECK(kv_scale(st, layer, "v_scale", &v));
+    if (k == 0.0f) PD_CHECK(kv_scale(st, layer, "k_proj.output_scale", &k));
+    if (v == 0.0f) PD_CHECK(kv_scale(st, layer, "v_proj.output_scale", &v));
+    PD_CHECK(kv_scale(st, layer, "kv_scale", &kv));
+    if (k == 0.0f) k = kv;
+    if (v == 0.0f) v = kv;
+    *found = k > 0.0f || v > 0.0f;
+    *k_scale = k > 0.0f ? k : 1.0f;
+    *v_scale = v > 0.0f ? v : 1.0f;
+    return PD_OK;
 }
 
 /* The value of an INT8 byte, an FP8 byte, or an INT value, as f32. */

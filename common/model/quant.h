@@ -90,6 +90,18 @@ bool pd_quant_ignored(const pd_quant_config *cfg, const char *module);
  * quantization_config.quant_method is gptq"). */
 int pd_quant_check_flag(const char *flag, const pd_quant_config *cfg, const char *config_file);
 
+/* --kv-cache-dtype (vLLM's spelling): NULL or "auto" -> -1 (the KV cache holds the activation
+ * dtype); "fp8" and "fp8_e4m3" -> PD_DTYPE_F8_E4M3. PD_EINVAL naming the flag otherwise
+ * (fp8_e5m2 included: pdserve stores fp8 KV as e4m3). */
+int pd_kv_cache_dtype_parse(const char *flag, int *out);
+
+/* The fp8 KV cache's per-layer scales of a checkpoint (stored = value / scale), as vLLM reads
+ * them: model.layers.{layer}.self_attn.k_scale and .v_scale, else the older
+ * self_attn.k_proj.output_scale / v_proj.output_scale, else one self_attn.kv_scale for both;
+ * 1.0 for what is absent. *found is set when any was stored. PD_EINVAL naming the tensor when
+ * one is present but not a single positive finite float. */
+int pd_quant_kv_scales(const pd_st *st, int layer, float *k_scale, float *v_scale, bool *found);
+
 /* One quantized linear layer: logical shape (rows, cols) = (out, in), and its stored tensors
  * (absent ones zeroed). */
 typedef struct pd_qweight {

@@ -585,7 +585,7 @@ int pd_node_create(const pd_node_params *p, pd_node **out)
                             .block_size = pd_engine_block_size(n->e),
                             .n_kv_heads = (size_t)n->cfg->num_key_value_heads / (size_t)n->tp,
                             .head_dim = (size_t)n->cfg->head_dim,
-                            .dtype = pd_backend_act_dtype(pd_engine_backend(n->e, 0))};
+                            .dtype = pd_engine_kv_dtype(n->e)};
 
     rc = n->role == RT_ROLE_DECODE ? node_decode_start(n) : node_prefill_start(n, on_cuda);
     if (rc < 0) goto fail;

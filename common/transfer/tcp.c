@@ -260,8 +260,11 @@ static int tcp_rx_frame(kv_rx_conn *c, const kv_hdr *h, const uint8_t *payload, 
     if (!e) return rc;
     size_t want = kv_slice_bytes(kp, e->n_tokens, h->n_heads);
     if (h->payload_bytes != want)
-        return pd_error(PD_EINVAL, "kv frame %s: payload of %llu bytes, expected %zu",
-                        h->request_id, (unsigned long long)h->payload_bytes, want);
+        return pd_error(PD_EINVAL,
+                        "kv frame %s: payload of %llu bytes, expected %zu (this instance's KV "
+                        "cache holds %s: do both instances run the same --kv-cache-dtype?)",
+                        h->request_id, (unsigned long long)h->payload_bytes, want,
+                        pd_dtype_name(kp->dtype));
     pd_kv_range r = {.layer = (int)h->layer,
                      .block_ids = e->blocks,
                      .n_blocks = e->n_blocks,

@@ -74,6 +74,13 @@ static const flag_def TABLE[] = {
              "at start-up; none or absent: whatever the checkpoint is. awq_marlin and "
              "gptq_marlin mean awq and gptq; smoothquant: an int8 W8A8 compressed-tensors "
              "checkpoint"},
+    {"--kv-cache-dtype", PD_FLAG_CHOICE, PD_ROLE_NODES, NULL,
+     .choices = CHOICES("auto", "fp8", "fp8_e4m3"),
+     .why = "pdserve stores an fp8 KV cache as e4m3 (CPU backend)",
+     .help = "KV cache dtype: auto = the activation dtype; fp8 (= fp8_e4m3) stores K and V as "
+             "float8 e4m3 scaled by the checkpoint's k_scale / v_scale (1.0 when absent): a "
+             "quarter of the CPU's float32 bytes, in the pool and on the KV transfer; prefill "
+             "and decode instances must agree"},
     {"--gpu-memory-utilization", PD_FLAG_NUMBER, PD_ROLE_NODES, "F", 0, 1, .lo_open = true,
      .help = "CUDA: share of GPU memory for weights + KV"},
     {"--kv-transport", PD_FLAG_CHOICE, PD_ROLE_NODES, NULL, .choices = CHOICES("auto", "tcp", "nccl", "cuda_ipc"),

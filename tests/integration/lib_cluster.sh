@@ -2,7 +2,8 @@
 # Shared by the shell integration tests (source it): a work directory removed at exit (kept
 # with PD_KEEP_WORK=1), process cleanup, fail(), free_port(), and start_1p1d, which starts
 # pd-prefill, pd-decode and pd-scheduler on free ports through deploy/start_servers.sh with one
-# command line (the tiny synthetic model, or $model) and waits for /health; stop_all stops them.
+# command line (the tiny synthetic model, or $model) and waits for /health (not with $no_wait
+# set); stop_all stops them.
 # Needs PD_SOURCE_ROOT and PD_BUILD_ROOT (set by meson's test_env).
 src=${PD_SOURCE_ROOT:?} bin=${PD_BUILD_ROOT:?}
 py=/usr/bin/python3
@@ -31,7 +32,8 @@ stop_all() {
 
 # Sets pp, dp, sp (ports), args (the common command line, with start_1p1d's arguments at its
 # end) and pids (prefill, decode, scheduler). The model is $model when set (made by the caller),
-# else the tiny synthetic model, made here as $work/tiny.
+# else the tiny synthetic model, made here as $work/tiny. $prefill_extra and $decode_extra, when
+# set, are more words for that role's command line alone.
 start_1p1d() {
     local m=${model:-$work/tiny}
     [ -n "${model:-}" ] || "$bin/tools/mkmodel/pd-mkmodel" --preset tiny --out "$m" >/dev/null ||
@@ -48,10 +50,14 @@ start_1p1d() {
     local spec role table port
     for spec in "prefill:0:$pp" "decode:1:$dp" "scheduler:host:$sp"; do
         IFS=: read -r role table port <<<"$spec"
+        local extra=()
+        [ "$role" = prefill ] && read -ra extra <<<"${prefill_extra:-}"
+        [ "$role" = decode ] && read -ra extra <<<"${decode_extra:-}"
         RANK_TABLE_FILE_PATH="$work/local_ranktable_127.0.0.1_$table.json" \
-            "$src/deploy/start_servers.sh" "${args[@]}" --port "$port" >"$work/$role.log" 2>&1 &
+            "$src/deploy/start_servers.sh" "${args[@]}" "${extra[@]}" --port "$port" >"$work/$role.log" 2>&1 &
         pids+=($!)
     done
+    [ -n "${no_wait:-}" ] && return 0
     for _ in $(seq 300); do
         [ "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$sp/health")" = 200 ] && return 0
         sleep 0.1

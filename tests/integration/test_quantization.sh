@@ -5,6 +5,8 @@
 # token ids equal colocated pd-generate's on the same checkpoint (the prefill instance computed
 # the prompt's KV from the quantized weights, the decode instance the rest); and the start-up
 # refusals: a --quantization that is not the checkpoint's, and one given for a float checkpoint.
+# The fp8 KV cache (--kv-cache-dtype fp8) the same way, with the KV bytes each request moves and
+# the teacher-forced agreement with the numpy reference's e4m3 cache (kv_fp8_agreement.py).
 set -u
 # shellcheck source=tests/integration/lib_cluster.sh
 . "$(dirname "$0")/lib_cluster.sh"
@@ -30,6 +32,7 @@ refuse "$work/awq" "--quantization gptq, but $work/awq/config.json's quantizatio
 refuse "$work/float" "--quantization awq, but $work/float/config.json has no quantization_config" \
     --quantization awq
 refuse "$work/awq" '--quantization: unknown method "q4_0"' --quantization q4_0
+refuse "$work/float" '--kv-cache-dtype: "fp8_e5m2" is not supported' --kv-cache-dtype fp8_e5m2
 
 prompts=("red green blue red green blue" "one two three four five six seven")
 for spec in "awq:awq_marlin:--quantize awq" \
@@ -58,4 +61,65 @@ for spec in "awq:awq_marlin:--quantize awq" \
     echo "ok $name ($method): 1P1D greedy = pd-generate"
     stop_all
 done
+
+# The fp8 KV cache, with scales calibrated into the checkpoint (k_scale / v_scale, read by both
+# instances): served split (the prefill instance's fp8 KV moved over TCP) = colocated
+# pd-generate with the same flag; pd:kv_transfer_bytes_total grows by 2 x layers x prompt tokens
+# x KV heads x head_dim bytes per request, a quarter of the float32 cache's (half of bf16's).
+model="$work/kvfp8"
+mk "$model"
+$py "$src/tests/reference/kv_calibrate.py" "$model" >/dev/null || fail "kv_calibrate.py"
+kv_bytes() { curl -s "http://127.0.0.1:$sp/metrics" | awk '/^pd:kv_transfer_bytes_total/ {s += $NF} END {printf "%.0f", s}'; }
+geom=$($py -c 'import json,sys; c=json.load(open(sys.argv[1])); print(c["num_hidden_layers"] * c["num_key_value_heads"] * c.get("head_dim", c["hidden_size"] // c["num_attention_heads"]))' "$model/config.json")
+declare -A per_token
+for kvd in auto fp8; do
+    start_1p1d --kv-cache-dtype "$kvd"
+    for p in "${prompts[@]}"; do
+        body=$(printf '{"model":"tiny","prompt":"%s","max_tokens":24,"ignore_eos":true,"temperature":0,"return_tokens_as_token_ids":true,"logprobs":0}' "$p")
+        got=$(curl -s "http://127.0.0.1:$sp/v1/completions" -H 'Content-Type: application/json' -d "$body")
+        ids=$($py -c 'import json,sys; r=json.loads(sys.argv[1]); print(",".join(t.split(":")[1] for t in r["choices"][0]["logprobs"]["tokens"]))' "$got") ||
+            fail "kv $kvd: completion: $got"
+        want=$("$bin/tools/generate/pd-generate" --model "$model" --prompt "$p" --max-tokens 24 --ignore-eos \
+            --temperature 0 --json --cpu-threads 1 --kv-cache-dtype "$kvd" 2>/dev/null |
+            $py -c 'import json,sys; print(",".join(map(str, json.load(sys.stdin)["token_ids"])))') ||
+            fail "kv $kvd: pd-generate"
+        [ "$ids" = "$want" ] || fail "kv $kvd: served $ids, colocated pd-generate $want"
+    done
+    # the bytes one request moves (a prompt nothing cached; Stats reach /metrics each heartbeat)
+    before=$(kv_bytes)
+    got=$(curl -s "http://127.0.0.1:$sp/v1/completions" -H 'Content-Type: application/json' \
+        -d "{\"model\":\"tiny\",\"prompt\":\"bytes moved by the $kvd cache for this prompt\",\"max_tokens\":2}")
+    n=$($py -c 'import json,sys; print(json.loads(sys.argv[1])["usage"]["prompt_tokens"])' "$got") ||
+        fail "kv $kvd: completion: $got"
+    for _ in $(seq 50); do
+        after=$(kv_bytes)
+        [ "$after" != "$before" ] && break
+        sleep 0.1
+    done
+    per_token[$kvd]=$(( (after - before) / n ))
+    [ $(( (after - before) % n )) = 0 ] || fail "kv $kvd: $((after - before)) bytes for $n tokens"
+    grep -q "Using KV cache scaling factor 1.0" "$work/prefill.log" && fail "kv $kvd: the checkpoint's scales were not read"
+    echo "ok kv-cache-dtype $kvd: 1P1D greedy = pd-generate; ${per_token[$kvd]} KV bytes per prompt token"
+    stop_all
+done
+[ "${per_token[fp8]}" = $((2 * geom)) ] || fail "fp8 KV: ${per_token[fp8]} bytes per token, want $((2 * geom))"
+[ "${per_token[auto]}" = $((8 * geom)) ] || fail "float32 KV: ${per_token[auto]} bytes per token, want $((8 * geom))"
+
+# a prefill instance with an fp8 cache and a decode instance with a float32 one: the scheduler
+# keeps the decode instance out, naming both dtypes and the flag
+prefill_extra="--kv-cache-dtype fp8" decode_extra="--kv-cache-dtype auto" no_wait=1 start_1p1d
+for _ in $(seq 100); do
+    grep -q "decode instance 0 at .* is out of the routing set: does not fit this scheduler: its KV cache holds float32, prefill instance 0's holds float8_e4m3fn: start every instance with the same --kv-cache-dtype" "$work/scheduler.log" && break
+    sleep 0.1
+done
+grep -q "its KV cache holds float32, prefill instance 0's holds float8_e4m3fn" "$work/scheduler.log" ||
+    fail "mixed KV cache dtypes were not refused"
+code=$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$sp/v1/completions" -H 'Content-Type: application/json' -d '{"model":"tiny","prompt":"hi","max_tokens":2}')
+[ "$code" = 503 ] || fail "mixed KV cache dtypes: HTTP $code, want 503"
+stop_all
+echo "ok mixed --kv-cache-dtype refused by the scheduler"
+
+# teacher-forced: pdserve's fp8 choices = the numpy reference's with the same e4m3 rounding
+$py "$src/tests/reference/kv_fp8_agreement.py" --generate "$bin/tools/generate/pd-generate" \
+    --model "$model" --prompts 2 --tokens 48 --min-impl 0.98 || fail "fp8 KV agreement"
 echo "PASS"

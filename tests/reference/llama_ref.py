@@ -31,10 +31,13 @@ Semantics that follow transformers exactly:
 
   * --act-int8 (int8 W8A8 checkpoints, with a model dequantized by quant_ref.py): the input of
     every decoder linear quantized per token as vLLM's dynamic int8 activations (Model.lin).
+  * --kv-fp8 (vLLM's --kv-cache-dtype fp8): each K (after RoPE) and V entering the cache is
+    rounded to float8 e4m3 (round half to even, saturating at 448) after dividing by the layer's
+    self_attn.k_scale / v_scale (1.0 when the checkpoint has none), and multiplied back.
 
 CLI:
   llama_ref.py --model DIR --prompt-ids 1,2,3 [--steps N] [--out FILE.json] [--all-logits]
-               [--step-logits] [--act-int8]
+               [--step-logits] [--act-int8] [--kv-fp8]
 prints (or writes) JSON:
   {"prompt_logits_last": [V floats, logits at the last prompt position],
    "greedy_tokens": [N ids, argmax generation appending each id],
@@ -178,13 +181,23 @@ def rotate_half(x):
     return np.concatenate([-x[..., h:], x[..., :h]], axis=-1)
 
 
+def e4m3(x):
+    """x rounded to float8 e4m3fn values: 3 mantissa bits, exponent >= -6 (subnormals below
+    2^-6 in steps of 2^-9), round half to even, saturating at +-448."""
+    a = np.abs(x)
+    e = np.floor(np.log2(np.where(a > 0, a, 1.0)))
+    q = np.exp2(np.maximum(e, -6.0) - 3.0)
+    return np.sign(x) * np.minimum(np.rint(a / q) * q, 448.0)
+
+
 def silu(x):
     return x / (1.0 + np.exp(-x))
 
 
 class Model:
-    def __init__(self, model_dir, act_int8=False):
+    def __init__(self, model_dir, act_int8=False, kv_fp8=False):
         self.act_int8 = act_int8
+        self.kv_fp8 = kv_fp8
         with open(os.path.join(model_dir, "config.json")) as f:
             self.cfg = Config(json.load(f))
         self.w = load_weights(model_dir)
@@ -243,6 +256,11 @@ class Model:
                 k = rms_norm(k, w[p + "self_attn.k_norm.weight"], c.eps)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
+            if self.kv_fp8:
+                ks = float(w.get(p + "self_attn.k_scale", 1.0))
+                vs = float(w.get(p + "self_attn.v_scale", 1.0))
+                k = e4m3(k / ks) * ks
+                v = e4m3(v / vs) * vs
             self.k_cache[l] = np.concatenate([self.k_cache[l], k], axis=0)
             self.v_cache[l] = np.concatenate([self.v_cache[l], v], axis=0)
             K = np.repeat(self.k_cache[l], group, axis=1)  # (total, H, D)
@@ -285,6 +303,8 @@ def main(argv):
     ap.add_argument("--step-logits", action="store_true", help="logits of every greedy step")
     ap.add_argument("--act-int8", action="store_true",
                     help="W8A8: quantize the input of every decoder linear to int8 per token")
+    ap.add_argument("--kv-fp8", action="store_true",
+                    help="an fp8 e4m3 KV cache with the checkpoint's k_scale / v_scale")
     a = ap.parse_args(argv)
     try:
         ids = [int(s) for s in a.prompt_ids.split(",") if s.strip() != ""]
@@ -294,7 +314,7 @@ def main(argv):
         ap.error("--prompt-ids: at least one id")
     if a.steps < 0:
         ap.error("--steps: must be >= 0")
-    m = Model(a.model, act_int8=a.act_int8)
+    m = Model(a.model, act_int8=a.act_int8, kv_fp8=a.kv_fp8)
     for t in ids:
         if not 0 <= t < m.cfg.vocab:
             ap.error(f"--prompt-ids: id {t} outside the vocabulary (size {m.cfg.vocab})")

@@ -5,6 +5,7 @@
  *               [--concurrency N] [--json] [--bench] [--cpu-threads N] [--kv-cache-bytes N]
  *               [--prompt-logprobs K] [--dtype auto|float32|bfloat16]
  *               [--ignore-eos] [--beam-width W [--length-penalty X]] [--quantization METHOD]
+ *               [--kv-cache-dtype auto|fp8|fp8_e4m3]
  *               [--cuda-device N [--dtype auto|float32|bfloat16|float16]]
  *
  * Design: a thin driver over the engine (engine.h) — the same scheduler, sampler, detokenizer
@@ -57,6 +58,7 @@ typedef struct {
     int cuda_device;          /* --cuda-device N: run on this GPU; -1 = the CPU backend */
     int dtype;                /* --dtype: -1 = auto (CUDA bfloat16, CPU float32), or a pd_dtype */
     const char *quantization; /* --quantization: checked against the checkpoint (NULL: none) */
+    const char *kv_cache_dtype; /* --kv-cache-dtype auto|fp8|fp8_e4m3 (NULL: auto) */
     int64_t concurrency;      /* requests in flight at once; 0 = all */
     bool no_prefix_cache;     /* --no-enable-prefix-caching */
     int64_t kv_cache_bytes;   /* --kv-cache-bytes: the pool's budget; 0 = the engine's default */
@@ -93,6 +95,7 @@ static void usage(FILE *o)
             "                   [--[no-]enable-prefix-caching] [--kv-cache-bytes N]\n"
             "                   [--dtype auto|float32|bfloat16] (CPU: bfloat16 = bf16 matmuls)\n"
             "                   [--quantization METHOD] (checked against config.json)\n"
+            "                   [--kv-cache-dtype auto|fp8|fp8_e4m3]\n"
             "                   [--cuda-device N [--dtype auto|float32|bfloat16|float16]]\n"
             "                   [--speculative-model [ngram] --num-speculative-tokens K\n"
             "                    --ngram-prompt-lookup-max N [--ngram-prompt-lookup-min N]\n"
@@ -181,6 +184,8 @@ static int parse_args(int argc, char **argv, args_t *a)
                         v);
             } else if (!strcmp(o, "--quantization")) {
                 a->quantization = v;
+            } else if (!strcmp(o, "--kv-cache-dtype")) {
+                a->kv_cache_dtype = v;
             } else if (!strcmp(o, "--beam-width")) {
                 PD_CHECK(pd_arg_i64(o, v, 2, 1 << 10, &a->beam_width));
             } else if (!strcmp(o, "--length-penalty")) {
@@ -496,6 +501,7 @@ int main(int argc, char **argv)
     ep.enable_prefix_caching = !a.no_prefix_cache;
     ep.dtype = a.dtype;
     ep.quantization = a.quantization;
+    ep.kv_cache_dtype = a.kv_cache_dtype;
     if (a.cuda_device >= 0) { /* the engine explains when this build or machine has no GPU */
         ep.n_cuda_devices = 1;
         ep.cuda_devices[0] = a.cuda_device;

@@ -58,10 +58,12 @@ typedef struct {
 
 struct pd_kv {
     pd_kv_params p;
-    float *k;           /* (n_layers, n_blocks, block_size, n_kv_heads, head_dim) f32 */
-    float *v;           /* same */
-    size_t layer_elems; /* n_blocks * block_size * n_kv_heads * head_dim */
+    uint8_t *k;         /* (n_layers, n_blocks, block_size, n_kv_heads, head_dim) f32 or fp8 */
+    uint8_t *v;         /* same */
+    size_t es;          /* bytes per element: 4, or 1 for fp8 */
+    size_t layer_bytes; /* n_blocks * block_size * n_kv_heads * head_dim * es */
     size_t bytes;       /* of k and v together */
+    float *scales;      /* fp8: (n_layers) K scales, then (n_layers) V scales; NULL for f32 */
 };
 
 static cpu_be *BE(const pd_backend *b)
@@ -275,8 +277,9 @@ static size_t cpu_weight_nbytes(const pd_backend *b, const pd_weight *w)
 
 static int cpu_kv_create(pd_backend *b, const pd_kv_params *p, pd_kv **out)
 {
-    if (p->dtype != PD_DTYPE_F32)
-        return pd_error(PD_EUNSUPPORTED, "cpu backend: KV cache dtype %s not supported (float32)",
+    if (p->dtype != PD_DTYPE_F32 && p->dtype != PD_DTYPE_F8_E4M3)
+        return pd_error(PD_EUNSUPPORTED,
+                        "cpu backend: KV cache dtype %s not supported (float32, float8_e4m3fn)",
                         pd_dtype_name(p->dtype));
     if (p->n_layers <= 0 || p->n_blocks == 0 || p->block_size == 0 || p->n_kv_heads == 0 ||
         p->head_dim == 0)
@@ -291,8 +294,17 @@ static int cpu_kv_create(pd_backend *b, const pd_kv_params *p, pd_kv **out)
     pd_kv *kv = calloc(1, sizeof *kv);
     if (!kv) return pd_error(PD_ENOMEM, "kv_create: out of memory");
     kv->p = *p;
-    kv->layer_elems = p->n_blocks * per_block;
-    size_t bytes = kv->layer_elems * (size_t)p->n_layers * sizeof(float);
+    kv->es = pd_dtype_size(p->dtype);
+    kv->layer_bytes = p->n_blocks * per_block * kv->es;
+    size_t bytes = kv->layer_bytes * (size_t)p->n_layers;
+    if (p->dtype == PD_DTYPE_F8_E4M3) {
+        kv->scales = malloc(2 * (size_t)p->n_layers * sizeof(float));
+        if (!kv->scales) {
+            free(kv);
+            return pd_error(PD_ENOMEM, "kv_create: out of memory");
+        }
+        for (int i = 0; i < 2 * p->n_layers; i++) kv->scales[i] = 1.0f;
+    }
     /* Anonymous mappings, not malloc + memset: their pages are zero (defined, for valgrind too)
        and committed when first written, so a large pool costs neither start-up time nor memory
        until it is used. Zeroing them would buy nothing: attention reads only positions < kv_len
@@ -307,6 +319,7 @@ static int cpu_kv_create(pd_backend *b, const pd_kv_params *p, pd_kv **out)
     if (k == MAP_FAILED || v == MAP_FAILED) {
         if (k != MAP_FAILED) munmap(k, bytes);
         if (v != MAP_FAILED) munmap(v, bytes);
+        free(kv->scales);
         free(kv);
         return pd_error(PD_ENOMEM, "kv_create: cannot map 2 x %zu bytes", bytes);
     }
@@ -326,6 +339,7 @@ static void cpu_kv_free(pd_backend *b, pd_kv *kv)
     if (!kv) return;
     munmap(kv->k, kv->bytes / 2);
     munmap(kv->v, kv->bytes / 2);
+    free(kv->scales);
     free(kv);
 }
 
@@ -339,13 +353,27 @@ static int check_layer(const pd_kv *kv, int layer, const char *op)
 static int cpu_kv_view(pd_backend *b, const pd_kv *kv, int layer, pd_kv_layer_view *out)
 {
     PD_CHECK(check_layer(kv, layer, "kv_layer"));
-    out->k = kv->k + (size_t)layer * kv->layer_elems;
-    out->v = kv->v + (size_t)layer * kv->layer_elems;
-    out->head_stride = kv->p.head_dim * sizeof(float);
+    out->k = kv->k + (size_t)layer * kv->layer_bytes;
+    out->v = kv->v + (size_t)layer * kv->layer_bytes;
+    out->head_stride = kv->p.head_dim * kv->es;
     out->token_stride = kv->p.n_kv_heads * out->head_stride;
     out->block_stride = kv->p.block_size * out->token_stride;
-    out->dtype = PD_DTYPE_F32;
+    out->dtype = kv->p.dtype;
     out->host_visible = 1;
+    return PD_OK;
+}
+
+static int cpu_kv_scales(pd_backend *b, pd_kv *kv, int layer, float k_scale, float v_scale)
+{
+    PD_CHECK(check_layer(kv, layer, "kv_scales"));
+    if (!kv->scales)
+        return pd_error(PD_EINVAL, "kv_scales: the pool holds %s, not a quantized dtype",
+                        pd_dtype_name(kv->p.dtype));
+    if (!(k_scale > 0.0f) || !(v_scale > 0.0f) || !isfinite(k_scale) || !isfinite(v_scale))
+        return pd_error(PD_EINVAL, "kv_scales: layer %d: scales %g, %g must be positive and finite",
+                        layer, (double)k_scale, (double)v_scale);
+    kv->scales[layer] = k_scale;
+    kv->scales[kv->p.n_layers + layer] = v_scale;
     return PD_OK;
 }
 
@@ -366,19 +394,19 @@ static int check_range(const pd_kv *kv, const pd_kv_range *r, const char *op)
 static void kv_copy_range(pd_kv *kv, const pd_kv_range *r, char *host, int dir)
 {
     const size_t D = kv->p.head_dim, bs = kv->p.block_size, H = kv->p.n_kv_heads;
-    const size_t run = r->n_heads * D; /* elements copied per token */
+    const size_t run = r->n_heads * D * kv->es; /* bytes copied per token */
     const size_t half = r->n_blocks * bs * run;
     for (int part = 0; part < 2; part++) {
-        float *pool = (part ? kv->v : kv->k) + (size_t)r->layer * kv->layer_elems;
-        float *h = (float *)host + (size_t)part * half;
+        uint8_t *pool = (part ? kv->v : kv->k) + (size_t)r->layer * kv->layer_bytes;
+        char *h = host + (size_t)part * half;
         for (size_t i = 0; i < r->n_blocks; i++)
             for (size_t t = 0; t < bs; t++) {
-                float *pp = pool + (((size_t)r->block_ids[i] * bs + t) * H + r->head0) * D;
-                float *hp = h + (i * bs + t) * run;
+                uint8_t *pp = pool + (((size_t)r->block_ids[i] * bs + t) * H + r->head0) * D * kv->es;
+                char *hp = h + (i * bs + t) * run;
                 if (dir == 0)
-                    memcpy(hp, pp, run * sizeof(float));
+                    memcpy(hp, pp, run);
                 else
-                    memcpy(pp, hp, run * sizeof(float));
+                    memcpy(pp, hp, run);
             }
     }
 }
@@ -828,14 +856,25 @@ static int cpu_kv_write(pd_backend *b, pd_kv *kv, int layer, const void *k, cons
     PD_CHECK(check_layer(kv, layer, "kv_write"));
     const pd_batch *bt = &be->batch;
     size_t te = kv->p.n_kv_heads * kv->p.head_dim, cap = kv->p.n_blocks * kv->p.block_size;
-    float *kl = kv->k + (size_t)layer * kv->layer_elems;
-    float *vl = kv->v + (size_t)layer * kv->layer_elems;
-    for (size_t r = 0; r < bt->n_tokens; r++) {
+    uint8_t *kl = kv->k + (size_t)layer * kv->layer_bytes;
+    uint8_t *vl = kv->v + (size_t)layer * kv->layer_bytes;
+    for (size_t r = 0; r < bt->n_tokens; r++)
         if ((uint64_t)bt->slots[r] >= cap)
             return pd_error(PD_ERANGE, "kv_write: slots[%zu] = %lld outside the pool [0, %zu)", r,
                             (long long)bt->slots[r], cap);
-        memcpy(kl + (size_t)bt->slots[r] * te, (const float *)k + r * te, te * sizeof(float));
-        memcpy(vl + (size_t)bt->slots[r] * te, (const float *)v + r * te, te * sizeof(float));
+    for (size_t r = 0; r < bt->n_tokens; r++) {
+        const float *kr = (const float *)k + r * te, *vr = (const float *)v + r * te;
+        size_t at = (size_t)bt->slots[r] * te * kv->es;
+        if (!kv->scales) {
+            memcpy(kl + at, kr, te * sizeof(float));
+            memcpy(vl + at, vr, te * sizeof(float));
+            continue;
+        }
+        float ik = 1.0f / kv->scales[layer], iv = 1.0f / kv->scales[kv->p.n_layers + layer];
+        for (size_t i = 0; i < te; i++) {
+            kl[at + i] = pd_f32_to_f8e4m3(kr[i] * ik);
+            vl[at + i] = pd_f32_to_f8e4m3(vr[i] * iv);
+        }
     }
     return PD_OK;
 }
@@ -903,11 +942,14 @@ static int cpu_attention(pd_backend *b, const pd_kv *kv, int layer, const void *
     }
     attn_ctx c = {
         .be = be,
-        .layer = {.k = kv->k + (size_t)layer * kv->layer_elems,
-                  .v = kv->v + (size_t)layer * kv->layer_elems,
+        .layer = {.k = kv->k + (size_t)layer * kv->layer_bytes,
+                  .v = kv->v + (size_t)layer * kv->layer_bytes,
                   .block_size = kv->p.block_size,
                   .token_elems = H * kv->p.head_dim,
-                  .head_dim = kv->p.head_dim},
+                  .head_dim = kv->p.head_dim,
+                  .fp8 = kv->scales != NULL,
+                  .k_scale = kv->scales ? kv->scales[layer] : 1.0f,
+                  .v_scale = kv->scales ? kv->scales[kv->p.n_layers + layer] : 1.0f},
         .q = q,
         .out = out,
         .n_q_heads = n_q_heads,
@@ -946,6 +988,7 @@ static const pd_backend_ops cpu_ops = {
     .kv_create = cpu_kv_create,
     .kv_free = cpu_kv_free,
     .kv_layer = cpu_kv_view,
+    .kv_scales = cpu_kv_scales,
     .kv_export = cpu_kv_export,
     .kv_import = cpu_kv_import,
     .plan = cpu_plan,

@@ -3,6 +3,7 @@
 #ifndef PD_BACKEND_CPU_INTERNAL_H
 #define PD_BACKEND_CPU_INTERNAL_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -108,13 +109,16 @@ int cpu_have_avx512bf16(void);
 #define CPU_MAX_HEAD_DIM 512 /* attention keeps one head's accumulator on the stack */
 #define CPU_ATTN_CHUNK   128 /* keys scored per online-softmax rescale */
 
-/* One layer of the f32 KV pool: K and V each (n_blocks, block_size, n_kv_heads, head_dim). */
+/* One layer of the KV pool: K and V each (n_blocks, block_size, n_kv_heads, head_dim), f32, or
+ * fp8 e4m3 bytes holding k / k_scale and v / v_scale. */
 typedef struct {
-    const float *k;
-    const float *v;
+    const void *k;
+    const void *v;
     size_t block_size;
     size_t token_elems; /* n_kv_heads * head_dim */
     size_t head_dim;
+    bool fp8;
+    float k_scale, v_scale; /* fp8 only */
 } cpu_kv_layer;
 
 /* y (dim) = (x * rsqrt(mean(x^2) + eps)) * w. y may equal x. */

@@ -558,36 +558,43 @@ INLINE_AVX512 __m512 exp16(__m512 x)
  * same blocks for every row, so a row's result does not depend on the batch): 16 dot products
  * as 16 register accumulators reduced together by reduce16x16, a vector exp, one online-softmax
  * rescale per block, and the output accumulator in NV registers (head_dim = 16 * NV). */
+/* 16 values of a KV row p from element 16 v: f32, or fp8 as load_q16 reads it (the value
+ * times 2^-8; attn_regs folds 2^8 and the layer's scale into the score scale and the output). */
+INLINE_AVX512 __m512 kv16(const uint8_t *p, int v, const int F8)
+{
+    return F8 ? load_q16(p, CPU_WQ_FP8, 16 * (size_t)v) : _mm512_loadu_ps((const float *)p + 16 * v);
+}
+
 INLINE_AVX512 void attn_regs(const float *q, const cpu_kv_layer *kv, int kv_head,
                              const int32_t *block_table, size_t n_ctx, float scale, float *out,
-                             const int NV)
+                             const int NV, const int F8)
 {
     __m512 qv[8], acc[8];
     float pbuf[16];
-    const size_t bs = kv->block_size, D = kv->head_dim;
-    const __m512 vscale = _mm512_set1_ps(scale);
+    const size_t bs = kv->block_size, D = kv->head_dim, es = F8 ? 1 : sizeof(float);
+    const __m512 vscale = _mm512_set1_ps(F8 ? scale * kv->k_scale * 256.0f : scale);
     UNROLL for (int v = 0; v < NV; v++)
     {
         qv[v] = _mm512_loadu_ps(q + 16 * v);
         acc[v] = _mm512_setzero_ps();
     }
     float m = -INFINITY, l = 0.0f;
-    const float *keys[16], *vals[16];
+    const uint8_t *keys[16], *vals[16];
     for (size_t c0 = 0; c0 < n_ctx; c0 += 16) {
         size_t cn = n_ctx - c0 < 16 ? n_ctx - c0 : 16;
         __mmask16 valid = (__mmask16)(cn == 16 ? 0xFFFFu : (1u << cn) - 1u);
         for (size_t t = 0; t < 16; t++) {
             size_t pos = c0 + (t < cn ? t : 0);
             size_t slot = (size_t)block_table[pos / bs] * bs + pos % bs;
-            keys[t] = kv->k + slot * kv->token_elems + (size_t)kv_head * D;
-            vals[t] = kv->v + slot * kv->token_elems + (size_t)kv_head * D;
+            size_t off = (slot * kv->token_elems + (size_t)kv_head * D) * es;
+            keys[t] = (const uint8_t *)kv->k + off;
+            vals[t] = (const uint8_t *)kv->v + off;
         }
         __m512 dots[16];
         UNROLL for (int t = 0; t < 16; t++)
         {
-            __m512 d = _mm512_mul_ps(qv[0], _mm512_loadu_ps(keys[t]));
-            UNROLL for (int v = 1; v < NV; v++) d =
-                _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(keys[t] + 16 * v), d);
+            __m512 d = _mm512_mul_ps(qv[0], kv16(keys[t], 0, F8));
+            UNROLL for (int v = 1; v < NV; v++) d = _mm512_fmadd_ps(qv[v], kv16(keys[t], v, F8), d);
             dots[t] = d;
         }
         __m512 sc = _mm512_mul_ps(reduce16x16(dots), vscale);
@@ -607,10 +614,10 @@ INLINE_AVX512 void attn_regs(const float *q, const cpu_kv_layer *kv, int kv_head
         for (size_t t = 0; t < cn; t++) {
             __m512 pb = _mm512_set1_ps(pbuf[t]);
             UNROLL for (int v = 0; v < NV; v++) acc[v] =
-                _mm512_fmadd_ps(pb, _mm512_loadu_ps(vals[t] + 16 * v), acc[v]);
+                _mm512_fmadd_ps(pb, kv16(vals[t], v, F8), acc[v]);
         }
     }
-    __m512 inv = _mm512_set1_ps(1.0f / l);
+    __m512 inv = _mm512_set1_ps(F8 ? kv->v_scale * 256.0f / l : 1.0f / l);
     UNROLL for (int v = 0; v < NV; v++) _mm512_storeu_ps(out + 16 * v, _mm512_mul_ps(acc[v], inv));
 }
 
@@ -618,15 +625,26 @@ AVX512 int cpu_attention_head_avx512(const float *q, const cpu_kv_layer *kv, int
                                      const int32_t *block_table, size_t n_ctx, float scale,
                                      float *out)
 {
-    switch (kv->head_dim) {
-    case 16: attn_regs(q, kv, kv_head, block_table, n_ctx, scale, out, 1); return 1;
-    case 32: attn_regs(q, kv, kv_head, block_table, n_ctx, scale, out, 2); return 1;
-    case 48: attn_regs(q, kv, kv_head, block_table, n_ctx, scale, out, 3); return 1;
-    case 64: attn_regs(q, kv, kv_head, block_table, n_ctx, scale, out, 4); return 1;
-    case 80: attn_regs(q, kv, kv_head, block_table, n_ctx, scale, out, 5); return 1;
-    case 96: attn_regs(q, kv, kv_head, block_table, n_ctx, scale, out, 6); return 1;
-    case 112: attn_regs(q, kv, kv_head, block_table, n_ctx, scale, out, 7); return 1;
-    case 128: attn_regs(q, kv, kv_head, block_table, n_ctx, scale, out, 8); return 1;
+    if (kv->head_dim % 16 || kv->head_dim > 128) return 0;
+    int nv = (int)(kv->head_dim / 16);
+    /* NV and F8 are compile-time constants in each call: the loops unroll per head size */
+#define ATTN_CASE(n)                                                                               \
+    case n:                                                                                        \
+        if (kv->fp8)                                                                               \
+            attn_regs(q, kv, kv_head, block_table, n_ctx, scale, out, n, 1);                       \
+        else                                                                                       \
+            attn_regs(q, kv, kv_head, block_table, n_ctx, scale, out, n, 0);                       \
+        return 1;
+    switch (nv) {
+        ATTN_CASE(1)
+        ATTN_CASE(2)
+        ATTN_CASE(3)
+        ATTN_CASE(4)
+        ATTN_CASE(5)
+        ATTN_CASE(6)
+        ATTN_CASE(7)
+        ATTN_CASE(8)
+#undef ATTN_CASE
     default: return 0;
     }
 }

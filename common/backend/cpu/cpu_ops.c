@@ -44,12 +44,22 @@ void cpu_rope_row(float *x, size_t n_heads, size_t head_dim, const float *cos_ro
     }
 }
 
+/* The head_dim values of a pool at element off: f32 in place, or fp8 times scale into buf. */
+static const float *kv_row(const cpu_kv_layer *kv, const void *pool, float scale, size_t off,
+                           float *buf)
+{
+    if (!kv->fp8) return (const float *)pool + off;
+    const uint8_t *p = (const uint8_t *)pool + off;
+    for (size_t d = 0; d < kv->head_dim; d++) buf[d] = pd_f8e4m3_to_f32(p[d]) * scale;
+    return buf;
+}
+
 void cpu_attention_head(const float *q, const cpu_kv_layer *kv, int kv_head,
                         const int32_t *block_table, size_t n_ctx, float scale, float *out,
                         cpu_dot_fn dot, cpu_axpy_fn axpy)
 {
     float sc[CPU_ATTN_CHUNK];
-    float acc[CPU_MAX_HEAD_DIM];
+    float acc[CPU_MAX_HEAD_DIM], row[CPU_MAX_HEAD_DIM];
     const size_t D = kv->head_dim, bs = kv->block_size;
     float m = -INFINITY, l = 0.0f;
     memset(acc, 0, D * sizeof(float));
@@ -59,7 +69,7 @@ void cpu_attention_head(const float *q, const cpu_kv_layer *kv, int kv_head,
         for (size_t t = 0; t < cn; t++) {
             size_t pos = c0 + t;
             size_t slot = (size_t)block_table[pos / bs] * bs + pos % bs;
-            const float *key = kv->k + slot * kv->token_elems + (size_t)kv_head * D;
+            const float *key = kv_row(kv, kv->k, kv->k_scale, slot * kv->token_elems + (size_t)kv_head * D, row);
             sc[t] = dot(q, key, D) * scale;
             if (sc[t] > mc) mc = sc[t];
         }
@@ -73,7 +83,7 @@ void cpu_attention_head(const float *q, const cpu_kv_layer *kv, int kv_head,
         for (size_t t = 0; t < cn; t++) {
             size_t pos = c0 + t;
             size_t slot = (size_t)block_table[pos / bs] * bs + pos % bs;
-            const float *val = kv->v + slot * kv->token_elems + (size_t)kv_head * D;
+            const float *val = kv_row(kv, kv->v, kv->v_scale, slot * kv->token_elems + (size_t)kv_head * D, row);
             float p = expf(sc[t] - m);
             l += p;
             axpy(acc, p, val, D);

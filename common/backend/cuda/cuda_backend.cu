@@ -361,6 +361,7 @@ static const pd_backend_ops cuda_ops = {
     op_kv_create,
     op_kv_free,
     op_kv_layer,
+    NULL, // kv_scales: the pool holds the activation dtype
     op_kv_export,
     op_kv_import,
     op_kv_share,

@@ -624,3 +624,178 @@ TEST(quantization_config_variants)
     ASSERT(pd_quant_check_flag("fp8", &c, "m/config.json") == PD_EINVAL);
     ASSERT_MSG(strstr(pd_last_error(), "has no quantization_config"), "%s", pd_last_error());
 }
+
+/* ---- the fp8 KV cache ------------------------------------------------------------------------ */
+
+/* One pool of dtype dt (2 layers, 6 blocks of 16, 2 KV heads of D), written through a planned
+ * step of T positions over blocks in reverse order. */
+typedef struct {
+    pd_backend *b;
+    const pd_backend_ops *o;
+    pd_kv *kv;
+    int32_t ids[80], pos[80], qi[2], kl[1], bi[2], blocks[6];
+    int64_t slots[80];
+    float *cs, *sn;
+} kv_case;
+
+static void kv_case_open(kv_case *c, pd_cpu_isa isa, pd_dtype dt, size_t D, int T)
+{
+    memset(c, 0, sizeof *c);
+    c->b = cpu(isa, 2);
+    c->o = pd_backend_get_ops(c->b);
+    pd_kv_params kp = {.n_layers = 2, .n_blocks = 6, .block_size = 16, .n_kv_heads = 2,
+                       .head_dim = D, .dtype = dt};
+    if (c->o->kv_create(c->b, &kp, &c->kv) < 0) c->kv = NULL;
+    for (int i = 0; i < 6; i++) c->blocks[i] = 5 - i;
+    for (int t = 0; t < T; t++) {
+        c->pos[t] = t;
+        c->slots[t] = (int64_t)c->blocks[t / 16] * 16 + t % 16;
+    }
+    c->qi[1] = c->kl[0] = T;
+    c->bi[1] = (T + 15) / 16;
+    c->cs = calloc((size_t)T * D / 2, 4);
+    c->sn = calloc((size_t)T * D / 2, 4);
+}
+
+static int kv_case_plan(kv_case *c, size_t D, int T)
+{
+    pd_batch bt = {.n_tokens = (size_t)T, .token_ids = c->ids, .positions = c->pos,
+                   .slots = c->slots, .rope_cos = c->cs, .rope_sin = c->sn, .rope_dim = D,
+                   .n_seqs = 1, .q_indptr = c->qi, .kv_len = c->kl, .block_indptr = c->bi,
+                   .block_ids = c->blocks};
+    return c->o->plan(c->b, &bt);
+}
+
+static void kv_case_close(kv_case *c)
+{
+    if (c->kv) c->o->kv_free(c->b, c->kv);
+    pd_backend_free(c->b);
+    free(c->cs), free(c->sn);
+}
+
+/* An fp8 pool stores k / k_scale and v / v_scale in e4m3 (round to nearest even, saturating);
+ * its attention equals, to f32 rounding, attention over an f32 pool holding the dequantized
+ * values, for the AVX-512 kernel's head sizes and the generic loop's (36), on every ISA; its
+ * bytes move through kv_export / kv_import unchanged (an fp8 transfer is a byte copy); the
+ * view describes bytes of one element; scales on a float pool and bad scales are refused. */
+TEST(fp8_kv_cache_attention_equals_dequantized)
+{
+    enum { T = 75, NQ = 4 };
+    static const size_t dims[] = {36, 64, 128};
+    static const pd_cpu_isa isa[2] = {PD_CPU_ISA_SCALAR, PD_CPU_ISA_AVX512};
+    const float ks = 0.03f, vs = 0.011f;
+    for (size_t di = 0; di < 3; di++) {
+        const size_t D = dims[di], te = 2 * D, n = (size_t)T * te;
+        float *k = malloc(n * 4), *v = malloc(n * 4), *q = malloc((size_t)T * NQ * D * 4);
+        float *kd = malloc(n * 4), *vd = malloc(n * 4);
+        float *o8 = malloc((size_t)T * NQ * D * 4), *o32 = malloc((size_t)T * NQ * D * 4);
+        for (size_t i = 0; i < n; i++) k[i] = 2.0f * frand(), v[i] = 3.0f * frand();
+        k[0] = 100.0f; /* 3333 scaled: saturates to 448 */
+        for (size_t i = 0; i < (size_t)T * NQ * D; i++) q[i] = 2.0f * frand();
+        /* what the pool must hold, and its dequantized values */
+        uint8_t *want = malloc(2 * (size_t)6 * 16 * te);
+        memset(want, 0, 2 * (size_t)6 * 16 * te);
+        for (int t = 0; t < T; t++)
+            for (size_t e = 0; e < te; e++) {
+                size_t i = (size_t)t * te + e, at = (size_t)(t / 16) * 16 * te + (t % 16) * te + e;
+                want[at] = pd_f32_to_f8e4m3(k[i] * (1.0f / ks));
+                want[6 * 16 * te + at] = pd_f32_to_f8e4m3(v[i] * (1.0f / vs));
+                kd[i] = pd_f8e4m3_to_f32(want[at]) * ks;
+                vd[i] = pd_f8e4m3_to_f32(want[6 * 16 * te + at]) * vs;
+            }
+        ASSERT(want[0] == 0x7e); /* 448 */
+        for (int ii = 0; ii < 2; ii++) {
+            kv_case c8, c32, cin;
+            kv_case_open(&c8, isa[ii], PD_DTYPE_F8_E4M3, D, T);
+            kv_case_open(&c32, isa[ii], PD_DTYPE_F32, D, T);
+            kv_case_open(&cin, isa[ii], PD_DTYPE_F8_E4M3, D, T);
+            ASSERT(c8.kv && c32.kv && cin.kv);
+            pd_kv_layer_view view;
+            ASSERT_OK(c8.o->kv_layer(c8.b, c8.kv, 1, &view));
+            ASSERT(view.dtype == PD_DTYPE_F8_E4M3 && view.head_stride == D &&
+                   view.block_stride == 16 * te && view.host_visible);
+            ASSERT_ERR(c32.o->kv_scales(c32.b, c32.kv, 1, ks, vs), PD_EINVAL,
+                       "not a quantized dtype");
+            ASSERT_ERR(c8.o->kv_scales(c8.b, c8.kv, 1, 0.0f, vs), PD_EINVAL, "positive and finite");
+            ASSERT_ERR(c8.o->kv_scales(c8.b, c8.kv, 2, ks, vs), PD_ERANGE, "layer 2");
+            ASSERT_OK(c8.o->kv_scales(c8.b, c8.kv, 1, ks, vs));
+            ASSERT_OK(cin.o->kv_scales(cin.b, cin.kv, 1, ks, vs));
+            ASSERT_OK(kv_case_plan(&c8, D, T));
+            ASSERT_OK(c8.o->kv_write(c8.b, c8.kv, 1, k, v));
+            ASSERT_OK(c8.o->attention(c8.b, c8.kv, 1, q, NQ, 0.2f, o8));
+            /* the pool's bytes, through export; then imported into another fp8 pool */
+            uint8_t *got = malloc(2 * (size_t)6 * 16 * te);
+            pd_kv_range r = {.layer = 1, .block_ids = c8.blocks, .n_blocks = 5, .head0 = 0,
+                             .n_heads = 2};
+            ASSERT_OK(c8.o->kv_export(c8.b, c8.kv, &r, got));
+            for (size_t part = 0; part < 2; part++)
+                for (size_t i = 0; i < (size_t)T * te; i++)
+                    ASSERT_MSG(got[part * 5 * 16 * te + i] == want[part * 6 * 16 * te + i],
+                               "D %zu: %s byte %zu: 0x%02x, want 0x%02x", D, part ? "V" : "K",
+                               i, got[part * 5 * 16 * te + i], want[part * 6 * 16 * te + i]);
+            ASSERT_OK(cin.o->kv_import(cin.b, cin.kv, &r, got));
+            ASSERT_OK(kv_case_plan(&cin, D, T));
+            float *oin = malloc((size_t)T * NQ * D * 4);
+            ASSERT_OK(cin.o->attention(cin.b, cin.kv, 1, q, NQ, 0.2f, oin));
+            ASSERT(memcmp(oin, o8, (size_t)T * NQ * D * 4) == 0);
+            /* the f32 pool on the dequantized values */
+            ASSERT_OK(kv_case_plan(&c32, D, T));
+            ASSERT_OK(c32.o->kv_write(c32.b, c32.kv, 1, kd, vd));
+            ASSERT_OK(c32.o->attention(c32.b, c32.kv, 1, q, NQ, 0.2f, o32));
+            double worst = 0;
+            for (size_t i = 0; i < (size_t)T * NQ * D; i++) {
+                double err = fabs((double)o8[i] - o32[i]) / (1.0 + fabs((double)o32[i]));
+                if (err > worst) worst = err;
+            }
+            ASSERT_MSG(worst < 2e-6, "isa %d D %zu: fp8 attention differs by %.3g", (int)isa[ii],
+                       D, worst);
+            free(got), free(oin);
+            kv_case_close(&c8), kv_case_close(&c32), kv_case_close(&cin);
+        }
+        free(k), free(v), free(q), free(kd), free(vd), free(o8), free(o32), free(want);
+    }
+}
+
+/* The checkpoint's KV scales under vLLM's names, the older ones, absent (1.0), and malformed
+ * ones refused naming the tensor; --kv-cache-dtype's spellings. */
+TEST(fp8_kv_cache_scales_and_flag)
+{
+    packed p;
+    memset(&p, 0, sizeof p);
+    *(float *)add(&p, "model.layers.0.self_attn.k_scale", PD_DTYPE_F32, 0, 0, 0) = 0.5f;
+    *(float *)add(&p, "model.layers.0.self_attn.v_scale", PD_DTYPE_F32, 1, 1, 0) = 0.25f;
+    *(float *)add(&p, "model.layers.1.self_attn.kv_scale", PD_DTYPE_F32, 0, 0, 0) = 2.0f;
+    *(float *)add(&p, "model.layers.1.self_attn.k_proj.output_scale", PD_DTYPE_F32, 0, 0, 0) = 3.0f;
+    add(&p, "model.layers.3.self_attn.k_scale", PD_DTYPE_F32, 1, 2, 0);
+    *(float *)add(&p, "model.layers.4.self_attn.v_scale", PD_DTYPE_F32, 0, 0, 0) = -1.0f;
+    char path[600];
+    snprintf(path, sizeof path, "%s/kvs.safetensors", pdt_tmp_dir());
+    ASSERT_OK(pd_st_write(path, p.t, (size_t)p.n, NULL, NULL));
+    pd_st *st = NULL;
+    ASSERT_OK(pd_st_open(path, &st));
+    float k, v;
+    bool found;
+    ASSERT_OK(pd_quant_kv_scales(st, 0, &k, &v, &found));
+    ASSERT(found && k == 0.5f && v == 0.25f);
+    ASSERT_OK(pd_quant_kv_scales(st, 1, &k, &v, &found));
+    ASSERT(found && k == 3.0f && v == 2.0f);
+    ASSERT_OK(pd_quant_kv_scales(st, 2, &k, &v, &found));
+    ASSERT(!found && k == 1.0f && v == 1.0f);
+    ASSERT_ERR(pd_quant_kv_scales(st, 3, &k, &v, &found), PD_EINVAL,
+               "tensor 'model.layers.3.self_attn.k_scale': expected one F32");
+    ASSERT_ERR(pd_quant_kv_scales(st, 4, &k, &v, &found), PD_EINVAL,
+               "tensor 'model.layers.4.self_attn.v_scale': a KV cache scale must be positive");
+    pd_st_close(st);
+    packed_free(&p);
+    int dt;
+    ASSERT_OK(pd_kv_cache_dtype_parse(NULL, &dt));
+    ASSERT(dt == -1);
+    ASSERT_OK(pd_kv_cache_dtype_parse("auto", &dt));
+    ASSERT(dt == -1);
+    ASSERT_OK(pd_kv_cache_dtype_parse("fp8", &dt));
+    ASSERT(dt == PD_DTYPE_F8_E4M3);
+    ASSERT_OK(pd_kv_cache_dtype_parse("fp8_e4m3", &dt));
+    ASSERT(dt == PD_DTYPE_F8_E4M3);
+    ASSERT_ERR(pd_kv_cache_dtype_parse("fp8_e5m2", &dt), PD_EINVAL,
+               "--kv-cache-dtype: \"fp8_e5m2\" is not supported");
+}
