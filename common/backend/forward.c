@@ -43,6 +43,8 @@ struct pd_forward {
     pd_forward_params p;
     pd_model_config cfg;
     size_t H, V, D, I_loc, nq_loc, nkv_loc, n_layers;
+    size_t layer0;     /* the model's index of layers[0] (pipeline stage) */
+    bool first, last;  /* the stage embeds tokens / computes logits */
     float eps, attn_scale;
 
     fwd_layer *layers;  /* (n_layers) */
@@ -120,7 +122,7 @@ static int load_weights(pd_forward *f, const pd_model_weights *mw)
     const size_t q0 = r * f->nq_loc * D, kv0 = r * f->nkv_loc * D, i0 = r * f->I_loc;
     const size_t qn = f->nq_loc * D, kvn = f->nkv_loc * D;
     for (size_t l = 0; l < f->n_layers; l++) {
-        const pd_layer_weights *w = &mw->layers[l];
+        const pd_layer_weights *w = &mw->layers[f->layer0 + l];
         fwd_layer *L = &f->layers[l];
         PD_CHECK(load_all(f, &w->input_layernorm, &L->ln1));
         L->k_scale = w->k_scale;
@@ -144,12 +146,13 @@ static int load_weights(pd_forward *f, const pd_model_weights *mw)
         for (size_t i = 0; i < sizeof m / sizeof m[0]; i++)
             if (m[i]) f->step_bytes += f->o->weight_nbytes(f->b, m[i]);
     }
-    PD_CHECK(load_all(f, &mw->embed_tokens, &f->embed));
+    if (f->first) PD_CHECK(load_all(f, &mw->embed_tokens, &f->embed));
+    if (!f->last) return PD_OK;
     PD_CHECK(load_all(f, &mw->norm, &f->norm));
-    if (mw->lm_head_tied)
+    if (mw->lm_head_tied && f->embed)
         f->lm_head = f->embed;
-    else
-        PD_CHECK(load_all(f, &mw->lm_head, &f->lm_head));
+    else /* untied, or tied on a last stage that does not embed */
+        PD_CHECK(load_all(f, mw->lm_head_tied ? &mw->embed_tokens : &mw->lm_head, &f->lm_head));
     f->step_bytes += f->o->weight_nbytes(f->b, f->norm) + f->o->weight_nbytes(f->b, f->lm_head);
     return PD_OK;
 }
@@ -215,6 +218,11 @@ int pd_forward_create(pd_backend *b, const pd_model *m, const pd_forward_params 
     if (c->head_dim % 2)
         return pd_error(PD_EINVAL, "forward: head_dim %lld must be even for RoPE",
                         (long long)c->head_dim);
+    size_t total = (size_t)c->num_hidden_layers;
+    if (p.layer0 >= total || p.n_layers > total - p.layer0)
+        return pd_error(PD_EINVAL, "forward: layers [%zu, +%zu) outside the model's %zu", p.layer0,
+                        p.n_layers, total);
+    if (p.n_layers == 0) p.n_layers = total - p.layer0;
     if (p.kv_dtype >= 0 && (p.kv_dtype != PD_DTYPE_F8_E4M3 || !pd_backend_get_ops(b)->kv_scales))
         return pd_error(PD_EUNSUPPORTED,
                         "--kv-cache-dtype: the %s backend has no %s KV cache (auto: the "
@@ -230,7 +238,10 @@ int pd_forward_create(pd_backend *b, const pd_model *m, const pd_forward_params 
     f->H = (size_t)c->hidden_size;
     f->V = (size_t)c->vocab_size;
     f->D = (size_t)c->head_dim;
-    f->n_layers = (size_t)c->num_hidden_layers;
+    f->n_layers = p.n_layers;
+    f->layer0 = p.layer0;
+    f->first = p.layer0 == 0;
+    f->last = p.layer0 + p.n_layers == total;
     f->nq_loc = (size_t)(c->num_attention_heads / p.shard.size);
     f->nkv_loc = (size_t)(c->num_key_value_heads / p.shard.size);
     f->I_loc = (size_t)(c->intermediate_size / p.shard.size);
@@ -266,8 +277,10 @@ int pd_forward_create(pd_backend *b, const pd_model *m, const pd_forward_params 
     PD_CHECK_GOTO(alloc_act(f, &f->t, T, f->H), rc, fail);
     PD_CHECK_GOTO(alloc_act(f, &f->g, T, f->I_loc), rc, fail);
     PD_CHECK_GOTO(alloc_act(f, &f->u, T, f->I_loc), rc, fail);
-    PD_CHECK_GOTO(alloc_act(f, &f->xo, p.max_out, f->H), rc, fail);
-    PD_CHECK_GOTO(alloc_act(f, &f->logits, p.max_out, f->V), rc, fail);
+    if (f->last) {
+        PD_CHECK_GOTO(alloc_act(f, &f->xo, p.max_out, f->H), rc, fail);
+        PD_CHECK_GOTO(alloc_act(f, &f->logits, p.max_out, f->V), rc, fail);
+    }
     *out = f;
     return PD_OK;
 fail:
@@ -490,8 +503,30 @@ static int qkv_rope_kv_write(pd_forward *f, const fwd_layer *L, size_t n, pd_kv 
     return f->o->kv_write(f->b, kv, layer, f->k, f->v);
 }
 
+int pd_forward_first_stage(const pd_forward *f)
+{
+    return f->first;
+}
+
+int pd_forward_last_stage(const pd_forward *f)
+{
+    return f->last;
+}
+
 int pd_forward_run(pd_forward *f, pd_kv *kv, const pd_step *st, float *logits)
 {
+    return pd_forward_run_stage(f, kv, st, NULL, NULL, logits);
+}
+
+int pd_forward_run_stage(pd_forward *f, pd_kv *kv, const pd_step *st, const float *x_in,
+                         float *x_out, float *logits)
+{
+    if (!f->first != !!x_in || !f->last != !!x_out)
+        return pd_error(PD_EINVAL,
+                        "forward: layers [%zu, +%zu) of %lld take %s and give %s", f->layer0,
+                        f->n_layers, (long long)f->cfg.num_hidden_layers,
+                        f->first ? "token ids" : "the residual stream",
+                        f->last ? "logits" : "the residual stream");
     pd_backend *b = f->b;
     const pd_backend_ops *o = f->o;
     pd_kv_layer_view view;
@@ -517,15 +552,20 @@ int pd_forward_run(pd_forward *f, pd_kv *kv, const pd_step *st, float *logits)
     };
     PD_CHECK(o->plan(b, &bt));
     f->x = f->xb[0]; /* every step the same buffers: a recorded step replays as it is */
-    PD_CHECK(o->embed(b, f->embed, f->x));
     const size_t H = f->H;
+    if (f->first) {
+        PD_CHECK(o->embed(b, f->embed, f->x));
+    } else {
+        PD_CHECK(o->upload_f32(b, f->x, x_in, n * H));
+        PD_CHECK(o->upload_f32(b, f->t, x_in + n * H, n * H));
+    }
     pd_norm_in in;
     const pd_norm_in *pre;
     for (size_t l = 0; l < f->n_layers; l++) {
         const fwd_layer *L = &f->layers[l];
         /* attention block: x += o_proj(attn(rope(q), rope(k), v)); its input norm takes the
-         * previous MLP's add (none before the first layer) */
-        PD_CHECK(sublayer_norm(f, l > 0, L->ln1, n, &in, &pre));
+         * previous MLP's add (none before the model's first layer) */
+        PD_CHECK(sublayer_norm(f, l > 0 || !f->first, L->ln1, n, &in, &pre));
         PD_CHECK(qkv_rope_kv_write(f, L, n, kv, (int)l, pre));
         PD_CHECK(o->attention(b, kv, (int)l, f->q, f->nq_loc, f->attn_scale, f->att));
         PD_CHECK(o->matmul(b, f->att, n, L->wo, L->bo, f->t));
@@ -535,6 +575,11 @@ int pd_forward_run(pd_forward *f, pd_kv *kv, const pd_step *st, float *logits)
         PD_CHECK(gate_up_swiglu(f, L, n, pre));
         PD_CHECK(o->matmul(b, f->g, n, L->wd, NULL, f->t));
         if (f->p.shard.size > 1) PD_CHECK(f->p.allreduce(f->p.allreduce_ctx, b, f->t, n * H));
+    }
+    if (!f->last) {
+        PD_CHECK(o->download_f32(b, x_out, f->x, n * H));
+        PD_CHECK(o->download_f32(b, x_out + n * H, f->t, n * H));
+        return o->sync(b);
     }
     if (f->n_layers) PD_CHECK(o->add(b, f->x, f->t, n * H));
     if (st->n_out == 0) return o->sync(b);

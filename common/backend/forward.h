@@ -48,6 +48,11 @@ typedef struct {
                           same results; for comparisons and benchmarks) */
     int kv_dtype;      /* -1 (default): the KV cache holds the activation dtype; else its
                           pd_dtype (PD_DTYPE_F8_E4M3: an fp8 KV cache, pd_forward_kv_init) */
+    /* A pipeline stage: decoder layers [layer0, layer0 + n_layers) of the model (n_layers 0:
+     * to the last). Only the first stage (layer0 0) embeds tokens and only the last computes
+     * logits; the others take and give the residual stream (pd_forward_run_stage). Its KV pool
+     * holds its layers only, numbered from 0. */
+    size_t layer0, n_layers;
 } pd_forward_params;
 
 pd_forward_params pd_forward_default_params(void);
@@ -88,6 +93,18 @@ int pd_forward_kv_init(const pd_forward *f, pd_kv *kv);
  * buffer. Validates the step (shapes, token ids < vocab, block tables, capacities) before any
  * work, with a message naming the field. */
 int pd_forward_run(pd_forward *f, pd_kv *kv, const pd_step *step, float *logits);
+
+/* One pipeline stage's part of a step. The state that crosses a stage boundary is the residual
+ * stream x and the last sublayer's output t not yet added to it (vLLM's hidden states and
+ * residual): x_in (n_tokens rows of x, then n_tokens rows of t, hidden floats each, host f32)
+ * from the stage before, NULL on the first stage; x_out receives the same for the stage after
+ * (NULL on the last); logits as pd_forward_run, on the last stage only. So a split model runs
+ * exactly the operations of the whole one: its tokens are identical. */
+int pd_forward_run_stage(pd_forward *f, pd_kv *kv, const pd_step *step, const float *x_in,
+                         float *x_out, float *logits);
+/* 1 when f embeds tokens (its first layer is the model's first), 1 when it computes logits. */
+int pd_forward_first_stage(const pd_forward *f);
+int pd_forward_last_stage(const pd_forward *f);
 
 /* Vocabulary size (logit row length), hidden size, and backend bytes of the loaded weights. */
 size_t pd_forward_vocab(const pd_forward *f);

@@ -108,7 +108,8 @@ static int create_backends(pd_backend_group *g)
         bp.max_tokens = p->max_tokens;
         bp.max_seqs = p->max_seqs;
         bp.max_blocks = p->max_blocks;
-        bp.no_graphs = g->n > 1; /* the all-reduce synchronizes with the host mid-step */
+        bp.no_graphs = g->n > 1 || p->no_graphs; /* the all-reduce, or the pipeline, meets the
+                                                    host mid-step */
         if (p->n_cuda_devices > 0) {
             bp.device = p->cuda_devices[r];
             bp.weight_dtype = p->dtype;

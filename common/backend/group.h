@@ -28,6 +28,8 @@ typedef struct pd_backend_group pd_backend_group;
 typedef struct {
     int n_ranks;          /* tensor-parallel size, >= 1 */
     pd_backend *borrowed; /* one rank only: run on this backend (not owned); NULL: create */
+    int no_graphs;        /* 1: no CUDA graphs (the ranks' steps meet the host mid-step: a
+                             pipeline stage); with n_ranks > 1 they are never used anyway */
     int n_threads;        /* CPU ranks: threads of all ranks together; <= 0 = all online cores */
     const char *cpu_threads_bind; /* CPU ranks: VLLM_CPU_OMP_THREADS_BIND's core lists, or NULL */
     const char *cpu_budget;       /* CPU ranks: PD_CPU_BUDGET's value (NULL: "host") */

@@ -30,6 +30,7 @@ pd_engine_params pd_engine_default_params(void)
         .tok = NULL,
         .backend = NULL,
         .tp_size = 1,
+        .pp_size = 1,
         .n_threads = 0,
         .n_cuda_devices = 0,
         .gpu_memory_utilization = 0.9,
@@ -129,7 +130,18 @@ static int check_params(pd_engine *e)
 {
     pd_engine_params *p = &e->p;
     const pd_model_config *c = &e->model->config;
-    pd_backend_group_params gp = eng_group_params(e); /* reads the device fields only */
+    if (p->pp_size == 0) p->pp_size = 1;
+    size_t layer0, n;
+    PD_CHECK(pd_engine_pp_layers((size_t)c->num_hidden_layers, p->pp_size, 0, &layer0, &n));
+    if (p->pp_size > 1 && p->backend)
+        return pd_error(PD_EINVAL, "pipeline parallel size %d needs backend NULL (a backend per "
+                        "rank)", p->pp_size);
+    if (p->pp_size > 1 && p->n_cuda_devices && p->n_cuda_devices != p->tp_size * p->pp_size)
+        return pd_error(PD_EINVAL,
+                        "n_cuda_devices (%d) must be tensor_parallel_size x "
+                        "pipeline_parallel_size (%d x %d)",
+                        p->n_cuda_devices, p->tp_size, p->pp_size);
+    pd_backend_group_params gp = eng_group_params(e, 0); /* reads the device fields only */
     PD_CHECK(pd_backend_group_check(&gp));
     if (c->num_attention_heads % p->tp_size)
         return pd_error(PD_EINVAL,
@@ -169,11 +181,20 @@ static int check_params(pd_engine *e)
 static int create_kv(pd_engine *e)
 {
     pd_engine_params *p = &e->p;
-    pd_kv_params kp = pd_forward_kv_params(e->ranks[0].f, 0, p->block_size);
-    size_t block_bytes = pd_kv_block_bytes(&kp);
+    size_t block_bytes = 0; /* of every rank together */
+    for (int r = 0; r < e->n_ranks; r++) {
+        pd_kv_params kr = pd_forward_kv_params(e->ranks[r].f, 0, p->block_size);
+        block_bytes += pd_kv_block_bytes(&kr);
+    }
     size_t n_blocks = p->num_kv_blocks;
     if (n_blocks == 0) {
-        PD_CHECK(pd_backend_group_kv_blocks(e->group, &kp, &n_blocks));
+        n_blocks = SIZE_MAX; /* what every stage's ranks hold (the block ids are shared) */
+        for (int st = 0; st < e->pp; st++) {
+            size_t n;
+            pd_kv_params ks = pd_forward_kv_params(e->ranks[st * e->tp].f, 0, p->block_size);
+            PD_CHECK(pd_backend_group_kv_blocks(e->groups[st], &ks, &n));
+            if (n < n_blocks) n_blocks = n;
+        }
         /* more than the workload can hold at once is never used: by default every sequence at
            full length; at least one sequence of max_model_len, which the check below needs */
         size_t useful = p->max_num_seqs * e->max_blocks_per_seq;
@@ -184,16 +205,17 @@ static int create_kv(pd_engine *e)
         if (n_blocks > useful) n_blocks = useful;
     }
     PD_CHECK(pd_kv_check_capacity(n_blocks, p->block_size, (int64_t)p->max_model_len));
-    kp.n_blocks = n_blocks;
-    for (int r = 0; r < e->tp; r++) {
+    for (int r = 0; r < e->n_ranks; r++) {
         pd_engine_rank *rk = &e->ranks[r];
         pd_kv_params kr = pd_forward_kv_params(rk->f, n_blocks, p->block_size);
         PD_CHECK(pd_backend_get_ops(rk->b)->kv_create(rk->b, &kr, &rk->kv));
         PD_CHECK(pd_forward_kv_init(rk->f, rk->kv));
         rk->bounce_bytes = pd_kv_block_bytes(&kr) / (size_t)kr.n_layers;
         rk->bounce = malloc(rk->bounce_bytes);
-        rk->logits = malloc(eng_max_out_rows(p) * e->vocab * sizeof(float));
-        if (!rk->bounce || !rk->logits) return pd_error(PD_ENOMEM, "engine: out of memory");
+        if (rk->stage == e->pp - 1)
+            rk->logits = malloc(eng_max_out_rows(p) * e->vocab * sizeof(float));
+        if (!rk->bounce || (rk->stage == e->pp - 1 && !rk->logits))
+            return pd_error(PD_ENOMEM, "engine: out of memory");
     }
     size_t tokens = n_blocks * p->block_size;
     if (e->kv_dtype >= 0 && !e->model->weights.kv_scales)
@@ -203,16 +225,17 @@ static int create_kv(pd_engine *e)
     PD_INFO("-",
             "KV cache: %zu blocks x %zu tokens = %zu tokens (%.1f MiB per rank, %d rank(s)); "
             "maximum concurrency for %zu tokens per request: %.2fx",
-            n_blocks, p->block_size, tokens, (double)(n_blocks * block_bytes) / (1024.0 * 1024.0),
-            e->tp, p->max_model_len, (double)tokens / (double)p->max_model_len);
+            n_blocks, p->block_size, tokens,
+            (double)(n_blocks * block_bytes) / (double)e->n_ranks / (1024.0 * 1024.0), e->n_ranks,
+            p->max_model_len, (double)tokens / (double)p->max_model_len);
     size_t avail;
     if (p->n_cuda_devices == 0 && pd_kv_mem_available(&avail) == PD_OK &&
-        n_blocks * block_bytes * (size_t)e->tp > avail)
+        n_blocks * block_bytes > avail)
         PD_WARN("-",
                 "KV cache: %.1f MiB on the host is more than its MemAvailable (%.1f MiB); its "
                 "pages are committed as they fill, so the host may run out of memory under load "
                 "(set --kv-cache-bytes or VLLM_CPU_KVCACHE_SPACE)",
-                (double)(n_blocks * block_bytes * (size_t)e->tp) / (1024.0 * 1024.0),
+                (double)(n_blocks * block_bytes) / (1024.0 * 1024.0),
                 (double)avail / (1024.0 * 1024.0));
     PD_CHECK(pd_kvpool_create(n_blocks, p->block_size, &e->pool));
     if (p->enable_prefix_caching) PD_CHECK(pd_kvpool_enable_prefix_cache(e->pool));
@@ -294,10 +317,13 @@ int pd_engine_create(const pd_engine_params *params, pd_engine **out)
     }
     PD_CHECK_GOTO(check_params(e), rc, fail);
     e->tp = e->p.tp_size;
+    e->pp = e->p.pp_size;
+    e->n_ranks = e->tp * e->pp;
     e->hidden = (size_t)e->model->config.hidden_size;
     e->max_blocks_per_seq = (e->p.max_model_len + e->p.block_size - 1) / e->p.block_size;
     PD_CHECK_GOTO(eng_ranks_create(e), rc, fail);
     e->vocab = pd_forward_vocab(e->ranks[0].f);
+    e->out = &e->ranks[(e->pp - 1) * e->tp];
     setup_eos(e);
     PD_CHECK_GOTO(create_kv(e), rc, fail);
     pd_sched_params sp = sched_params(&e->p);
@@ -306,9 +332,10 @@ int pd_engine_create(const pd_engine_params *params, pd_engine **out)
     PD_CHECK_GOTO(eng_ranks_start(e), rc, fail);
     e->stats.block_size = e->p.block_size;
     PD_INFO("-",
-            "engine: %s, tp %d, max_model_len %zu, max_num_seqs %zu, max_num_batched_tokens %zu, "
-            "vocab %zu, %s",
-            pd_arch_name(e->model->config.arch), e->tp, e->p.max_model_len, e->p.max_num_seqs,
+            "engine: %s, tp %d, pp %d, max_model_len %zu, max_num_seqs %zu, "
+            "max_num_batched_tokens %zu, vocab %zu, %s",
+            pd_arch_name(e->model->config.arch), e->tp, e->pp, e->p.max_model_len,
+            e->p.max_num_seqs,
             e->p.max_num_batched_tokens, e->vocab, e->tok ? "with tokenizer" : "no tokenizer");
     if (e->p.spec_num_tokens)
         PD_INFO("-",
@@ -417,12 +444,16 @@ size_t pd_engine_vocab(const pd_engine *e)
 }
 const char *pd_engine_allreduce_name(const pd_engine *e)
 {
-    return pd_backend_group_allreduce_name(e->group);
+    return pd_backend_group_allreduce_name(e->groups[0]);
 }
 
 int pd_engine_tp_size(const pd_engine *e)
 {
     return e->tp;
+}
+int pd_engine_pp_size(const pd_engine *e)
+{
+    return e->pp;
 }
 const pd_tok *pd_engine_tokenizer(const pd_engine *e)
 {
@@ -435,10 +466,10 @@ const pd_model_config *pd_engine_model_config(const pd_engine *e)
 
 pd_backend *pd_engine_backend(const pd_engine *e, int rank)
 {
-    return rank >= 0 && rank < e->tp ? e->ranks[rank].b : NULL;
+    return rank >= 0 && rank < e->n_ranks ? e->ranks[rank].b : NULL;
 }
 
 pd_kv *pd_engine_kv(const pd_engine *e, int rank)
 {
-    return rank >= 0 && rank < e->tp ? e->ranks[rank].kv : NULL;
+    return rank >= 0 && rank < e->n_ranks ? e->ranks[rank].kv : NULL;
 }

@@ -56,6 +56,7 @@ typedef struct pd_engine pd_engine;
 /* vLLM's CPU KV budget per rank when VLLM_CPU_KVCACHE_SPACE is unset, in GiB */
 #define PD_ENGINE_CPU_KVCACHE_SPACE_GIB 4.0
 #define PD_ENGINE_MAX_CUDA_DEVICES      16
+#define PD_ENGINE_MAX_PP                16 /* pipeline stages */
 
 typedef void (*pd_engine_wakeup_fn)(void *ctx);
 /* Observer of the raw logits row of a sequence before it is sampled (tests, debugging); called
@@ -74,6 +75,9 @@ typedef struct {
     pd_backend *backend;          /* borrowed backend for TP = 1; NULL: the engine creates CPU
                                      backend(s) */
     int tp_size;                  /* tensor parallel size (1); > 1 needs backend NULL */
+    int pp_size;                  /* pipeline parallel size (1): the layers split into pp_size
+                                     stages of tp_size ranks each (vLLM's split); > 1 needs
+                                     backend NULL */
     int n_threads;                /* CPU threads in total, split evenly across ranks; <= 0 = all
                                      online cores */
     const char *cpu_threads_bind; /* CPU ranks: vLLM's VLLM_CPU_OMP_THREADS_BIND ("0-3|4-7": one
@@ -81,7 +85,7 @@ typedef struct {
     const char *cpu_budget;       /* CPU ranks: PD_CPU_BUDGET, the host core budget the ranks'
                                      threads share with other processes (NULL: "host"; "off") */
     /* -- device: CPU backends (n_cuda_devices 0) or one CUDA backend per rank --------------- */
-    int n_cuda_devices;                           /* 0, or tp_size (ranks may share a GPU) */
+    int n_cuda_devices; /* 0, or tp_size * pp_size: rank stage * tp_size + t (may share GPUs) */
     int cuda_devices[PD_ENGINE_MAX_CUDA_DEVICES]; /* CUDA ordinal of each rank */
     double gpu_memory_utilization; /* (0.9) CUDA: sizes the KV pool as vLLM does, when
                                       kv_cache_bytes and num_kv_blocks are 0 */
@@ -338,6 +342,11 @@ size_t pd_engine_block_size(const pd_engine *e);
 pd_dtype pd_engine_kv_dtype(const pd_engine *e);
 size_t pd_engine_vocab(const pd_engine *e);
 int pd_engine_tp_size(const pd_engine *e);
+int pd_engine_pp_size(const pd_engine *e);
+/* Layers [*layer0, *layer0 + *count) of stage of a pp-stage pipeline over n_layers: vLLM's split
+ * (n_layers / pp each, the remainder one each to the stages before the last), or the counts of
+ * VLLM_PP_LAYER_PARTITION ("4,6,6,6"); PD_EINVAL naming the size or the variable. */
+int pd_engine_pp_layers(size_t n_layers, int pp, int stage, size_t *layer0, size_t *count);
 /* The tensor-parallel all-reduce in use: "nccl", "host" (host-staged), or "none" (TP 1). */
 const char *pd_engine_allreduce_name(const pd_engine *e);
 /* The tokenizer in use (NULL when none). */
@@ -352,7 +361,9 @@ bool pd_engine_grammar_ready(pd_engine *e, const pd_sampling_params *sp);
 void pd_engine_grammar_warm(pd_engine *e, const pd_sampling_params *sp);
 /* The model's config (loaded or borrowed). */
 const pd_model_config *pd_engine_model_config(const pd_engine *e);
-/* Rank r's backend and KV pool, for the KV transfer code (same block ids on every rank). */
+/* Rank r's backend and KV pool, for the KV transfer code (same block ids on every rank); rank
+ * r is tensor-parallel rank r % tp_size of pipeline stage r / tp_size, whose pool holds the
+ * stage's layers only. */
 pd_backend *pd_engine_backend(const pd_engine *e, int rank);
 pd_kv *pd_engine_kv(const pd_engine *e, int rank);
 

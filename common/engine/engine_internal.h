@@ -184,11 +184,14 @@ typedef struct pd_engine_rank pd_engine_rank;
 
 struct pd_engine_rank {
     pd_engine *e;
-    int r;
-    pd_backend *b; /* the backend group's */
+    int r;         /* stage * tp + t */
+    int stage, t;  /* its pipeline stage, and its tensor-parallel rank there */
+    pd_backend *b; /* its stage's backend group's */
     pd_forward *f;
     pd_kv *kv;
-    float *logits;   /* (max_num_seqs + prompt_logprob_rows, vocab) f32, host */
+    float *logits;   /* last stage: (max_num_seqs + prompt_logprob_rows, vocab) f32, host */
+    float *x_out;    /* a stage before the last, t > 0: its residual stream, unused (the
+                        hand-over is t 0's) */
     uint8_t *bounce; /* (2 * block_size * n_kv_heads * head_dim * elem): one block of one
                         layer, K then V, for copy-on-write */
     size_t bounce_bytes;
@@ -211,10 +214,16 @@ struct pd_engine {
     size_t n_eos;
     pd_stop_model stop_model;
     /* ranks */
-    int tp;
-    int kv_dtype; /* --kv-cache-dtype: -1 the activation dtype, else a pd_dtype */
-    pd_backend_group *group; /* the ranks' backends and their all-reduce */
-    pd_engine_rank *ranks;   /* (tp) */
+    int tp, pp, n_ranks; /* tensor-parallel size, pipeline stages, tp * pp */
+    int kv_dtype;        /* --kv-cache-dtype: -1 the activation dtype, else a pd_dtype */
+    pd_backend_group *groups[PD_ENGINE_MAX_PP]; /* (pp) each stage's backends and all-reduce */
+    pd_engine_rank *ranks;                      /* (n_ranks) */
+    pd_engine_rank *out;                        /* the rank whose logits are read: the last
+                                                   stage's tensor-parallel rank 0 */
+    float *stage_x[PD_ENGINE_MAX_PP]; /* (pp - 1) hand-over of stage s to s + 1: (2,
+                                         max_num_batched_tokens, hidden) f32 */
+    uint64_t stage_gen[PD_ENGINE_MAX_PP]; /* = job_gen when stage s handed this step over */
+    int stage_rc[PD_ENGINE_MAX_PP];       /* and its status */
     pthread_mutex_t rmu;
     pthread_cond_t rcv;
     uint64_t job_gen; /* bumped to start a rank job */
@@ -330,11 +339,11 @@ int eng_beam_round(pd_engine *e, eng_req *r);
 
 /* engine_ranks.c */
 /* The backend group's parameters from e->p (and e's sizes, once known). */
-pd_backend_group_params eng_group_params(const pd_engine *e);
-/* The backend group (e->p's devices), then every rank's forward pass. */
+pd_backend_group_params eng_group_params(const pd_engine *e, int stage);
+/* The backend groups (one per stage, e->p's devices), then every rank's forward pass. */
 int eng_ranks_create(pd_engine *e);
 int eng_ranks_start(pd_engine *e);
-/* Stops the rank threads and frees the ranks' pools, forward passes and the backend group. */
+/* Stops the rank threads and frees the ranks' pools, forward passes and the backend groups. */
 void eng_ranks_free(pd_engine *e);
 /* Runs the current step on every rank (rank 0 on the calling thread) and waits for all of them. */
 int eng_ranks_run(pd_engine *e);

@@ -1,15 +1,22 @@
-/* The engine's tensor-parallel ranks (engine_internal.h): each rank's forward pass over its
- * backend of the group (backend/group.h), the threads of ranks 1..t-1, and one step's job on
- * every rank: copy-on-write block copies, then the forward pass.
+/* The engine's ranks (engine_internal.h): pipeline stages of tensor-parallel ranks, each rank's
+ * forward pass over its backend of its stage's group (backend/group.h), the threads of ranks
+ * 1..n-1, and one step's job on every rank: copy-on-write block copies, then the forward pass
+ * of its stage's layers.
  *
- * Design: rank 0 runs on the engine thread; the others wait for a generation counter (rmu/rcv)
- * and report back through jobs_done, so a step costs two wake-ups per rank and no thread is
- * created per step. The backend group hears when the jobs begin and end, so a rank that fails
- * can never leave the others waiting in an all-reduce.
+ * Design: rank r is tensor-parallel rank r % tp of stage r / tp (vLLM's order); each stage is a
+ * backend group of its own, so its all-reduce joins its tensor-parallel ranks only. Rank 0 runs
+ * on the engine thread; the others wait for a generation counter (rmu/rcv) and report back
+ * through jobs_done, so a step costs two wake-ups per rank and no thread is created per step.
+ * A stage after the first waits until its predecessor's tensor-parallel rank 0 has put the
+ * residual stream of the step into the hand-over buffer (stage_gen), then runs; the stages of
+ * one step run one after another (no micro-batches). The backend groups hear when the jobs
+ * begin and end, so a rank that fails can never leave the others waiting in an all-reduce, and
+ * a failed stage fails the stages after it without running them.
  */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "engine/engine_internal.h"
 #include "util/status.h"
@@ -23,7 +30,7 @@ _Static_assert(PD_ENGINE_MAX_CUDA_DEVICES == PD_BACKEND_GROUP_MAX_DEVICES,
 static int rank_copy_blocks(pd_engine_rank *rk, const pd_kv_block_copy *c, size_t n)
 {
     const pd_backend_ops *o = pd_backend_get_ops(rk->b);
-    int n_layers = (int)rk->e->model->config.num_hidden_layers;
+    int n_layers = pd_forward_kv_params(rk->f, 0, 1).n_layers; /* its stage's */
     size_t n_heads = (size_t)rk->e->model->config.num_key_value_heads / (size_t)rk->e->tp;
     for (size_t i = 0; i < n; i++) {
         for (int l = 0; l < n_layers; l++) {
@@ -40,17 +47,43 @@ static int rank_copy_blocks(pd_engine_rank *rk, const pd_kv_block_copy *c, size_
     return PD_OK;
 }
 
+/* Waits for the stage before rk's to hand over this step's residual stream; its status. */
+static int wait_stage(pd_engine_rank *rk)
+{
+    pd_engine *e = rk->e;
+    pthread_mutex_lock(&e->rmu);
+    while (e->stage_gen[rk->stage - 1] != e->job_gen) pthread_cond_wait(&e->rcv, &e->rmu);
+    int rc = e->stage_rc[rk->stage - 1];
+    pthread_mutex_unlock(&e->rmu);
+    return rc < 0 ? pd_error(PD_ECANCELLED, "pipeline stage %d failed", rk->stage - 1) : PD_OK;
+}
+
 static void rank_job(pd_engine_rank *rk)
 {
     pd_engine *e = rk->e;
+    bool gives = rk->stage < e->pp - 1 && rk->t == 0; /* the hand-over to the next stage */
     int rc = rank_copy_blocks(rk, e->so.copies, e->so.n_copies);
-    if (rc >= 0) rc = pd_forward_run(rk->f, rk->kv, &e->step, rk->logits);
+    if (rc >= 0 && rk->stage > 0) rc = wait_stage(rk);
+    if (rc >= 0)
+        rc = pd_forward_run_stage(rk->f, rk->kv, &e->step,
+                                  rk->stage > 0 ? e->stage_x[rk->stage - 1] : NULL,
+                                  rk->stage < e->pp - 1 ? (gives ? e->stage_x[rk->stage] : rk->x_out)
+                                                        : NULL,
+                                  rk->logits);
     rk->rc = rc;
     if (rc < 0)
-        snprintf(rk->err, sizeof rk->err, "rank %d: %s", rk->r, pd_last_error());
+        snprintf(rk->err, sizeof rk->err, "rank %d (pipeline stage %d): %s", rk->r, rk->stage,
+                 pd_last_error());
     else
         rk->err[0] = '\0';
-    pd_backend_group_rank_end(e->group, rk->r, rc);
+    pd_backend_group_rank_end(e->groups[rk->stage], rk->t, rc);
+    if (gives) {
+        pthread_mutex_lock(&e->rmu);
+        e->stage_rc[rk->stage] = rc;
+        e->stage_gen[rk->stage] = e->job_gen;
+        pthread_cond_broadcast(&e->rcv);
+        pthread_mutex_unlock(&e->rmu);
+    }
 }
 
 static void *rank_main(void *arg)
@@ -77,8 +110,8 @@ static void *rank_main(void *arg)
 
 int eng_ranks_run(pd_engine *e)
 {
-    if (e->tp > 1) {
-        pd_backend_group_step_begin(e->group);
+    if (e->n_ranks > 1) {
+        for (int s = 0; s < e->pp; s++) pd_backend_group_step_begin(e->groups[s]);
         pthread_mutex_lock(&e->rmu);
         e->jobs_done = 0;
         e->job_gen++;
@@ -86,31 +119,79 @@ int eng_ranks_run(pd_engine *e)
         pthread_mutex_unlock(&e->rmu);
     }
     rank_job(&e->ranks[0]);
-    if (e->tp > 1) {
+    if (e->n_ranks > 1) {
         pthread_mutex_lock(&e->rmu);
-        while (e->jobs_done < e->tp - 1) pthread_cond_wait(&e->rcv, &e->rmu);
+        while (e->jobs_done < e->n_ranks - 1) pthread_cond_wait(&e->rcv, &e->rmu);
         pthread_mutex_unlock(&e->rmu);
-        pd_backend_group_step_end(e->group);
+        for (int s = 0; s < e->pp; s++) pd_backend_group_step_end(e->groups[s]);
     }
-    for (int r = 0; r < e->tp; r++)
+    /* the first failure (a later stage's is "stage s failed") */
+    for (int r = 0; r < e->n_ranks; r++)
+        if (e->ranks[r].rc < 0 && e->ranks[r].rc != PD_ECANCELLED)
+            return pd_error(e->ranks[r].rc, "%s", e->ranks[r].err);
+    for (int r = 0; r < e->n_ranks; r++)
         if (e->ranks[r].rc < 0) return pd_error(e->ranks[r].rc, "%s", e->ranks[r].err);
+    return PD_OK;
+}
+
+/* vLLM's get_pp_indices (the last stage, which computes the logits, gets no extra layer). */
+int pd_engine_pp_layers(size_t n_layers, int pp, int stage, size_t *layer0, size_t *count)
+{
+    size_t part[PD_ENGINE_MAX_PP];
+    const char *env = getenv("VLLM_PP_LAYER_PARTITION");
+    if (pp < 1 || pp > PD_ENGINE_MAX_PP || (size_t)pp > n_layers)
+        return pd_error(PD_EINVAL,
+                        "pipeline parallel size %d: must be 1 to %d and at most the model's %zu "
+                        "layers",
+                        pp, PD_ENGINE_MAX_PP, n_layers);
+    if (env && *env) {
+        size_t sum = 0;
+        int n = 0;
+        const char *c = env;
+        while (*c && n < PD_ENGINE_MAX_PP + 1) {
+            char *end;
+            long v = strtol(c, &end, 10);
+            if (end == c || v <= 0 || (*end && *end != ','))
+                return pd_error(PD_EINVAL,
+                                "VLLM_PP_LAYER_PARTITION=%s: expected positive layer counts "
+                                "separated by commas",
+                                env);
+            if (n < PD_ENGINE_MAX_PP) part[n] = (size_t)v;
+            n++;
+            sum += (size_t)v;
+            c = *end ? end + 1 : end;
+        }
+        if (n != pp || sum != n_layers)
+            return pd_error(PD_EINVAL,
+                            "VLLM_PP_LAYER_PARTITION=%s: %d stage(s) of %zu layers in all, the "
+                            "pipeline has %d stage(s) and the model %zu layers",
+                            env, n, sum, pp, n_layers);
+    } else {
+        for (int s = 0; s < pp; s++) part[s] = n_layers / (size_t)pp;
+        for (size_t i = 2; i < n_layers % (size_t)pp + 2; i++) part[pp - (int)i]++;
+    }
+    *layer0 = 0;
+    for (int s = 0; s < stage; s++) *layer0 += part[s];
+    *count = part[stage];
     return PD_OK;
 }
 
 /* ---- create / free --------------------------------------------------------------------------
  */
 
-pd_backend_group_params eng_group_params(const pd_engine *e)
+pd_backend_group_params eng_group_params(const pd_engine *e, int stage)
 {
     const pd_engine_params *p = &e->p;
     return (pd_backend_group_params){
         .n_ranks = p->tp_size,
         .borrowed = p->backend,
+        .no_graphs = p->pp_size > 1, /* the stages meet on the host mid-step */
         .n_threads = p->n_threads,
         .cpu_threads_bind = p->cpu_threads_bind,
         .cpu_budget = p->cpu_budget,
-        .n_cuda_devices = p->n_cuda_devices,
-        .cuda_devices = p->cuda_devices,
+        /* a stage's devices (with one stage, as given: the group checks them) */
+        .n_cuda_devices = p->pp_size > 1 && p->n_cuda_devices > 0 ? p->tp_size : p->n_cuda_devices,
+        .cuda_devices = p->cuda_devices + (p->n_cuda_devices > 0 ? stage * p->tp_size : 0),
         .dtype = p->dtype,
         .gpu_memory_utilization = p->gpu_memory_utilization,
         .max_tokens = p->max_num_batched_tokens,
@@ -127,30 +208,43 @@ pd_backend_group_params eng_group_params(const pd_engine *e)
 int eng_ranks_create(pd_engine *e)
 {
     pd_engine_params *p = &e->p;
-    pd_backend_group_params gp = eng_group_params(e);
-    PD_CHECK(pd_backend_group_create(&gp, &e->group));
-    e->ranks = calloc((size_t)e->tp, sizeof *e->ranks);
+    size_t H = e->hidden, T = p->max_num_batched_tokens;
+    for (int st = 0; st < e->pp; st++) {
+        pd_backend_group_params gp = eng_group_params(e, st);
+        PD_CHECK(pd_backend_group_create(&gp, &e->groups[st]));
+        if (st < e->pp - 1 && !(e->stage_x[st] = malloc(2 * T * H * sizeof(float))))
+            return pd_error(PD_ENOMEM, "engine: out of memory");
+    }
+    e->ranks = calloc((size_t)e->n_ranks, sizeof *e->ranks);
     if (!e->ranks) return pd_error(PD_ENOMEM, "engine: out of memory");
-    for (int r = 0; r < e->tp; r++) {
+    for (int r = 0; r < e->n_ranks; r++) {
         pd_engine_rank *rk = &e->ranks[r];
         rk->e = e;
         rk->r = r;
-        rk->b = pd_backend_group_backend(e->group, r);
+        rk->stage = r / e->tp;
+        rk->t = r % e->tp;
+        pd_backend_group *g = e->groups[rk->stage];
+        rk->b = pd_backend_group_backend(g, rk->t);
         pd_forward_params fp = pd_forward_default_params();
-        fp.shard = (pd_shard){r, e->tp};
-        pd_backend_group_allreduce(e->group, r, &fp.allreduce, &fp.allreduce_ctx);
+        fp.shard = (pd_shard){rk->t, e->tp};
+        pd_backend_group_allreduce(g, rk->t, &fp.allreduce, &fp.allreduce_ctx);
         fp.max_tokens = p->max_num_batched_tokens;
         fp.max_seqs = p->max_num_seqs;
         fp.max_out = eng_max_out_rows(p);
         fp.kv_dtype = e->kv_dtype;
+        PD_CHECK(pd_engine_pp_layers((size_t)e->model->config.num_hidden_layers, e->pp, rk->stage,
+                               &fp.layer0, &fp.n_layers));
         PD_CHECK(pd_forward_create(rk->b, e->model, &fp, &rk->f));
+        if (rk->stage < e->pp - 1 && rk->t > 0 &&
+            !(rk->x_out = malloc(2 * T * H * sizeof(float))))
+            return pd_error(PD_ENOMEM, "engine: out of memory");
     }
     return PD_OK;
 }
 
 int eng_ranks_start(pd_engine *e)
 {
-    for (int r = 1; r < e->tp; r++) {
+    for (int r = 1; r < e->n_ranks; r++) {
         if (pthread_create(&e->ranks[r].thread, NULL, rank_main, &e->ranks[r]))
             return pd_error(PD_EINTERNAL, "engine: cannot start the thread of rank %d", r);
         e->ranks[r].thread_started = true;
@@ -165,18 +259,23 @@ void eng_ranks_free(pd_engine *e)
         e->ranks_quit = true;
         pthread_cond_broadcast(&e->rcv);
         pthread_mutex_unlock(&e->rmu);
-        for (int r = 0; r < e->tp; r++)
+        for (int r = 0; r < e->n_ranks; r++)
             if (e->ranks[r].thread_started) pthread_join(e->ranks[r].thread, NULL);
-        for (int r = 0; r < e->tp; r++) {
+        for (int r = 0; r < e->n_ranks; r++) {
             pd_engine_rank *rk = &e->ranks[r];
             if (rk->kv) pd_backend_get_ops(rk->b)->kv_free(rk->b, rk->kv);
             pd_forward_free(rk->f);
             free(rk->logits);
             free(rk->bounce);
+            free(rk->x_out);
         }
         free(e->ranks);
         e->ranks = NULL;
     }
-    pd_backend_group_free(e->group); /* after every pool and forward pass on its backends */
-    e->group = NULL;
+    for (int st = 0; st < PD_ENGINE_MAX_PP; st++) {
+        pd_backend_group_free(e->groups[st]); /* after every pool and forward pass on it */
+        e->groups[st] = NULL;
+        free(e->stage_x[st]);
+        e->stage_x[st] = NULL;
+    }
 }

@@ -87,7 +87,7 @@ static int prompt_logprobs(pd_engine *e, size_t i)
     const int32_t *tok = pd_seq_tokens(it->seq, &n_tok);
     for (size_t k = 0; k < it->lp_n; k++) {
         size_t pos = it->lp_start + k + 1, nt = (size_t)plp->n_top;
-        const float *row = e->ranks[0].logits + (size_t)(e->item_lp_out[i] + (int32_t)k) * e->vocab;
+        const float *row = e->out->logits + (size_t)(e->item_lp_out[i] + (int32_t)k) * e->vocab;
         pd_sample_result res;
         PD_CHECK(pd_sampler_logprobs(row, (int32_t)e->vocab, plp->n_top, tok[pos], e->ws, &res,
                                      &plp->rank[pos]));
@@ -310,7 +310,7 @@ static int step_once(pd_engine *e, bool *did_work)
                     (it->start + it->n_new < np ? it->start + it->n_new : np) - it->start;
             int prc = it->lp_n ? prompt_logprobs(e, i) : PD_OK;
             if (prc == PD_OK && e->item_out[i] < 0) continue;
-            const float *logits = e->ranks[0].logits + (size_t)e->item_out[i] * e->vocab;
+            const float *logits = e->out->logits + (size_t)e->item_out[i] * e->vocab;
             if (prc == PD_OK)
                 prc = it->n_draft ? eng_spec_process(e, i, logits) : process_item(e, i, logits);
             if (prc < 0) end_request(e, s->req, prc, msg, sizeof msg);

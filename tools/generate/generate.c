@@ -5,8 +5,8 @@
  *               [--concurrency N] [--json] [--bench] [--cpu-threads N] [--kv-cache-bytes N]
  *               [--prompt-logprobs K] [--dtype auto|float32|bfloat16]
  *               [--ignore-eos] [--beam-width W [--length-penalty X]] [--quantization METHOD]
- *               [--kv-cache-dtype auto|fp8|fp8_e4m3]
- *               [--cuda-device N [--dtype auto|float32|bfloat16|float16]]
+ *               [--kv-cache-dtype auto|fp8|fp8_e4m3] [--tensor-parallel-size T]
+ *               [--pipeline-parallel-size P] [--cuda-device N [--dtype auto|float32|bfloat16|float16]]
  *
  * Design: a thin driver over the engine (engine.h) — the same scheduler, sampler, detokenizer
  * and stop checker that pd-decode runs, so split and colocated serving agree token for token.
@@ -55,6 +55,7 @@ typedef struct {
     double temperature, top_p;
     int64_t top_k, seed;
     int threads;
+    int64_t tp, pp;           /* --tensor-parallel-size, --pipeline-parallel-size (1 each) */
     int cuda_device;          /* --cuda-device N: run on this GPU; -1 = the CPU backend */
     int dtype;                /* --dtype: -1 = auto (CUDA bfloat16, CPU float32), or a pd_dtype */
     const char *quantization; /* --quantization: checked against the checkpoint (NULL: none) */
@@ -96,6 +97,7 @@ static void usage(FILE *o)
             "                   [--dtype auto|float32|bfloat16] (CPU: bfloat16 = bf16 matmuls)\n"
             "                   [--quantization METHOD] (checked against config.json)\n"
             "                   [--kv-cache-dtype auto|fp8|fp8_e4m3]\n"
+            "                   [--tensor-parallel-size T] [--pipeline-parallel-size P]\n"
             "                   [--cuda-device N [--dtype auto|float32|bfloat16|float16]]\n"
             "                   [--speculative-model [ngram] --num-speculative-tokens K\n"
             "                    --ngram-prompt-lookup-max N [--ngram-prompt-lookup-min N]\n"
@@ -117,6 +119,7 @@ static int parse_args(int argc, char **argv, args_t *a)
     a->prompt_logprobs = -1;
     a->cuda_device = -1;
     a->dtype = -1;
+    a->tp = a->pp = 1;
     a->spec = pd_spec_flags_default();
     a->length_penalty = 1.0;
     for (int i = 1; i < argc; i++) {
@@ -186,6 +189,10 @@ static int parse_args(int argc, char **argv, args_t *a)
                 a->quantization = v;
             } else if (!strcmp(o, "--kv-cache-dtype")) {
                 a->kv_cache_dtype = v;
+            } else if (!strcmp(o, "--tensor-parallel-size") || !strcmp(o, "-tp")) {
+                PD_CHECK(pd_arg_i64(o, v, 1, PD_ENGINE_MAX_CUDA_DEVICES, &a->tp));
+            } else if (!strcmp(o, "--pipeline-parallel-size") || !strcmp(o, "-pp")) {
+                PD_CHECK(pd_arg_i64(o, v, 1, PD_ENGINE_MAX_PP, &a->pp));
             } else if (!strcmp(o, "--beam-width")) {
                 PD_CHECK(pd_arg_i64(o, v, 2, 1 << 10, &a->beam_width));
             } else if (!strcmp(o, "--length-penalty")) {
@@ -502,9 +509,16 @@ int main(int argc, char **argv)
     ep.dtype = a.dtype;
     ep.quantization = a.quantization;
     ep.kv_cache_dtype = a.kv_cache_dtype;
+    ep.tp_size = (int)a.tp;
+    ep.pp_size = (int)a.pp;
+    if (a.tp * a.pp > PD_ENGINE_MAX_CUDA_DEVICES) {
+        fprintf(stderr, "pd-generate: --tensor-parallel-size x --pipeline-parallel-size: at most %d "
+                        "ranks\n", PD_ENGINE_MAX_CUDA_DEVICES);
+        return 2;
+    }
     if (a.cuda_device >= 0) { /* the engine explains when this build or machine has no GPU */
-        ep.n_cuda_devices = 1;
-        ep.cuda_devices[0] = a.cuda_device;
+        ep.n_cuda_devices = (int)(a.tp * a.pp); /* every rank on that GPU */
+        for (int r = 0; r < ep.n_cuda_devices; r++) ep.cuda_devices[r] = a.cuda_device;
     } else if (a.dtype == PD_DTYPE_F16) {
         fprintf(stderr, "pd-generate: --dtype float16: the CPU backend computes in float32 or "
                         "bfloat16 (or use --cuda-device)\n");

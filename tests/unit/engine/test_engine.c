@@ -731,6 +731,101 @@ TEST(engine_spec_ngram_equals_plain_decoding)
     ASSERT_EQ_INT(lp.n_rows, ls.n_rows);
 }
 
+/* Pipeline parallelism: vLLM's layer split (and VLLM_PP_LAYER_PARTITION's); a model of 5 layers
+ * split into 2, 4 and 5 stages, alone and under TP 2, gives every request the tokens and the
+ * logits (every row's bits) of the unsplit model at the same TP: a stage hands the next the
+ * residual stream and the pending sublayer output, so the same operations run. n = 2 copies a
+ * shared block on every stage's ranks; every block comes back. */
+TEST(engine_pp_matches_pp1)
+{
+    size_t l0, n;
+    static const struct {
+        size_t layers;
+        int pp;
+        size_t want[4]; /* layer counts per stage */
+    } split[] = {{22, 4, {5, 6, 6, 5}}, {5, 2, {3, 2}}, {5, 4, {1, 1, 2, 1}}, {8, 3, {3, 3, 2}}};
+    for (size_t i = 0; i < sizeof split / sizeof split[0]; i++) {
+        size_t at = 0;
+        for (int st = 0; st < split[i].pp; st++) {
+            ASSERT_OK(pd_engine_pp_layers(split[i].layers, split[i].pp, st, &l0, &n));
+            ASSERT_MSG(l0 == at && n == split[i].want[st], "%zu layers, pp %d, stage %d: %zu+%zu",
+                       split[i].layers, split[i].pp, st, l0, n);
+            at += n;
+        }
+    }
+    ASSERT_ERR(pd_engine_pp_layers(2, 3, 0, &l0, &n), PD_EINVAL, "at most the model's 2 layers");
+    setenv("VLLM_PP_LAYER_PARTITION", "1,4", 1);
+    ASSERT_OK(pd_engine_pp_layers(5, 2, 1, &l0, &n));
+    ASSERT(l0 == 1 && n == 4);
+    ASSERT_ERR(pd_engine_pp_layers(5, 3, 0, &l0, &n), PD_EINVAL,
+               "VLLM_PP_LAYER_PARTITION=1,4: 2 stage(s) of 5 layers in all");
+    setenv("VLLM_PP_LAYER_PARTITION", "2,x", 1);
+    ASSERT_ERR(pd_engine_pp_layers(5, 2, 0, &l0, &n), PD_EINVAL, "expected positive layer counts");
+    unsetenv("VLLM_PP_LAYER_PARTITION");
+
+    ASSERT_OK(tiny());
+    char dir[1100], cmd[4096];
+    snprintf(dir, sizeof dir, "%s/tiny5", pdt_tmp_dir());
+    snprintf(cmd, sizeof cmd, "%s/tools/mkmodel/pd-mkmodel --preset tiny --layers 5 --out %s > /dev/null",
+             getenv("PD_BUILD_ROOT"), dir);
+    ASSERT_EQ_INT(system(cmd), 0);
+    pd_model *m = NULL;
+    ASSERT_OK(pd_model_load(dir, &m));
+    enum { N = 5 };
+    static treq reqs[N];
+    static tout ref[MAX_REQ], got[MAX_REQ];
+    static logit_hashes lr, lg;
+    for (int i = 0; i < N; i++) {
+        make_req(&reqs[i], 3 * i + 1, pd_tok_vocab_size(g_tok)); /* greedy and seeded */
+        snprintf(reqs[i].id, sizeof reqs[i].id, "req-%d", i);
+        reqs[i].sp.max_tokens = 12;
+        reqs[i].sp.ignore_eos = true;
+    }
+    reqs[4].sp.n = 2;
+    static const int cfg[][2] = {{1, 2}, {1, 4}, {1, 5}, {2, 2}};
+    for (size_t c = 0; c < sizeof cfg / sizeof cfg[0]; c++) {
+        pd_engine_params p = base_params();
+        p.model = m;
+        p.tp_size = cfg[c][0];
+        p.on_logits = hash_logits;
+        if (c == 0 || cfg[c][0] != cfg[c - 1][0]) { /* the unsplit model at this TP */
+            memset(ref, 0, sizeof ref);
+            memset(&lr, 0, sizeof lr);
+            p.on_logits_ctx = &lr;
+            ASSERT_OK(run_alone(&p, reqs, N, ref));
+        }
+        memset(got, 0, sizeof got);
+        memset(&lg, 0, sizeof lg);
+        p.pp_size = cfg[c][1];
+        p.on_logits_ctx = &lg;
+        pd_engine *e;
+        ASSERT_OK(pd_engine_create(&p, &e));
+        ASSERT_EQ_INT(pd_engine_pp_size(e), cfg[c][1]);
+        int rc = PD_OK;
+        for (int i = 0; i < N && rc >= 0; i++) rc = add_req(e, &reqs[i], PD_PHASE_FULL);
+        if (rc >= 0) rc = run_to_end(e, got);
+        pd_engine_stats st;
+        pd_engine_get_stats(e, &st);
+        pd_engine_free(e);
+        ASSERT_OK(rc);
+        for (int i = 0; i < N; i++) {
+            ASSERT_MSG(same_tokens(&ref[i], &got[i], i == 4 ? 2 : 1),
+                       "tp %d pp %d: request %d differs", cfg[c][0], cfg[c][1], i);
+            for (size_t k = 0; k < ref[i].n[0]; k++)
+                ASSERT_MSG(lr.h[i][k] == lg.h[i][k], "tp %d pp %d: request %d: logits %zu differ",
+                           cfg[c][0], cfg[c][1], i, k);
+        }
+        ASSERT_EQ_INT(lr.n_rows, lg.n_rows);
+        ASSERT_EQ_INT(st.kv_blocks_free, st.kv_blocks_total);
+    }
+    pd_engine_params p = base_params();
+    p.model = m;
+    p.pp_size = 6;
+    pd_engine *e = NULL;
+    ASSERT_ERR(pd_engine_create(&p, &e), PD_EINVAL, "pipeline parallel size 6");
+    pd_model_free(m);
+}
+
 /* Q(a, x), the regularized upper incomplete gamma function (the chi-square survival function
  * is Q(df / 2, chi2 / 2)): its series below a + 1, its continued fraction above. */
 static double gamma_q(double a, double x)
