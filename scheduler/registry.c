@@ -195,9 +195,11 @@ static int check_identity(const reg_node *nd, const Pd__InfoReply *m, char *why,
                  in->server_ip);
         return -1;
     }
-    if (m->n_ranks != in->n_devices || (size_t)m->tp_size != in->n_devices) {
-        snprintf(why, n, "answers with %zu rank(s) (tp %d), the ranktable lists %zu device(s)",
-                 m->n_ranks, m->tp_size, in->n_devices);
+    int pp = m->pp_size > 0 ? m->pp_size : 1;
+    if (m->n_ranks != in->n_devices || (size_t)m->tp_size * (size_t)pp != in->n_devices) {
+        snprintf(why, n,
+                 "answers with %zu rank(s) (tp %d x pp %d), the ranktable lists %zu device(s)",
+                 m->n_ranks, m->tp_size, pp, in->n_devices);
         return -1;
     }
     if (m->n_ranks > REG_MAX_RANKS) {
@@ -334,6 +336,8 @@ static void heartbeat_node(pd_reg *r, int k, bool again)
             t->port = m->ranks[i]->data_port;
             t->kv_head0 = m->ranks[i]->kv_head0;
             t->kv_heads = m->ranks[i]->kv_heads;
+            t->kv_layer0 = m->ranks[i]->kv_layer0;
+            t->kv_layers = m->ranks[i]->kv_layers;
         }
         pthread_mutex_unlock(&r->mu);
         pd__info_reply__free_unpacked(m, NULL);

@@ -119,6 +119,17 @@ void node_req_remove(pd_node *n, req *r)
 
 /* ---- helpers ------------------------------------------------------------------------------- */
 
+pd_kv_params node_rank_kv(const pd_node *n, int r, size_t *layer0)
+{
+    pd_kv_params kp = n->kvp;
+    size_t count = kp.n_layers;
+    *layer0 = 0;
+    (void)pd_engine_pp_layers((size_t)kp.n_layers, n->pp, r / n->tp, layer0, &count); /* checked
+                                                                 when the engine was made */
+    kp.n_layers = (int)count;
+    return kp;
+}
+
 /* pd_rpc_reply of m: PD_ECANCELLED when the caller was already gone. */
 int node_reply(pd_rpc_call *call, const ProtobufCMessage *m)
 {
@@ -287,20 +298,25 @@ static void h_info(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len)
     m.server_id = (char *)n->inst->server_id;
     m.server_ip = (char *)n->inst->server_ip;
     m.tp_size = n->tp;
-    Pd__RankInfo *ri = pd_arena_calloc(a, (size_t)n->tp, sizeof *ri);
-    Pd__RankInfo **rp = pd_arena_calloc(a, (size_t)n->tp, sizeof *rp);
-    for (int r = 0; r < n->tp; r++) {
+    m.pp_size = n->pp;
+    Pd__RankInfo *ri = pd_arena_calloc(a, (size_t)n->n_ranks, sizeof *ri);
+    Pd__RankInfo **rp = pd_arena_calloc(a, (size_t)n->n_ranks, sizeof *rp);
+    for (int r = 0; r < n->n_ranks; r++) {
+        size_t layer0;
+        pd_kv_params kp = node_rank_kv(n, r, &layer0);
         pd__rank_info__init(&ri[r]);
         ri[r].rank = r;
         ri[r].device_id = n->inst->devices[r].ordinal;
         ri[r].device_ip = (char *)n->inst->devices[r].device_ip;
         ri[r].data_port = n->rx ? pd_kv_tcp_receiver_port(n->rx[r]) : 0;
-        ri[r].kv_head0 = (int32_t)(n->kvp.n_kv_heads * (size_t)r);
+        ri[r].kv_head0 = (int32_t)(n->kvp.n_kv_heads * (size_t)(r % n->tp));
         ri[r].kv_heads = (int32_t)n->kvp.n_kv_heads;
+        ri[r].kv_layer0 = (int32_t)layer0;
+        ri[r].kv_layers = kp.n_layers;
         rp[r] = &ri[r];
     }
     m.ranks = rp;
-    m.n_ranks = (size_t)n->tp;
+    m.n_ranks = (size_t)n->n_ranks;
     m.model_name = (char *)n->p.served_model_name;
     m.max_model_len = (int64_t)pd_engine_max_model_len(n->e);
     m.block_size = (int32_t)pd_engine_block_size(n->e);
@@ -371,7 +387,7 @@ static void h_stats(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len)
     m.relay_pauses = n->relay_pauses;
     pthread_mutex_unlock(&n->mu);
     if (n->rx) {
-        for (int r = 0; r < n->tp; r++) {
+        for (int r = 0; r < n->n_ranks; r++) {
             pd_kv_rx_stats rs;
             pd_kv_rx_get_stats(n->rx[r], &rs);
             m.kv_transfer_bytes += (int64_t)rs.bytes;
@@ -482,12 +498,14 @@ static int node_load_ranktables(pd_node *n)
     n->index = index;
     n->epoch = (uint64_t)pd_wall_ns() ^ ((uint64_t)getpid() << 40) ^ (uint64_t)(uintptr_t)n;
     n->inst = rt_global_instance(n->g, role, index);
-    n->tp = (int)n->inst->n_devices;
-    if (p->tensor_parallel_size > 0 && p->tensor_parallel_size != n->tp)
+    n->n_ranks = (int)n->inst->n_devices;
+    n->pp = p->pipeline_parallel_size > 0 ? p->pipeline_parallel_size : 1;
+    n->tp = p->tensor_parallel_size > 0 ? p->tensor_parallel_size : n->n_ranks / n->pp;
+    if (n->tp * n->pp != n->n_ranks)
         return pd_error(PD_EINVAL,
-                        "--tensor-parallel-size %d does not match the %d device(s) of "
-                        "%s instance %zu in %s",
-                        p->tensor_parallel_size, n->tp, rt_role_name(role), index,
+                        "--tensor-parallel-size %d x --pipeline-parallel-size %d does not match "
+                        "the %d device(s) of %s instance %zu in %s",
+                        n->tp, n->pp, n->n_ranks, rt_role_name(role), index,
                         p->global_ranktable);
     return PD_OK;
 }
@@ -521,10 +539,10 @@ static int node_device(pd_node *n, pd_engine_params *ep)
     pd_cuda_info info;
     if (pd_cuda_query(0, &info) < 0) return pd_error_prefix(PD_ENOTFOUND, "--device cuda");
     bool physical = true;
-    for (int r = 0; r < n->tp; r++)
+    for (int r = 0; r < n->n_ranks; r++)
         physical = physical && n->inst->devices[r].ordinal < info.device_count;
-    ep->n_cuda_devices = n->tp;
-    for (int r = 0; r < n->tp && r < PD_ENGINE_MAX_CUDA_DEVICES; r++) {
+    ep->n_cuda_devices = n->n_ranks;
+    for (int r = 0; r < n->n_ranks && r < PD_ENGINE_MAX_CUDA_DEVICES; r++) {
         ep->cuda_devices[r] = physical ? n->inst->devices[r].ordinal : r;
         PD_INFO(NULL, "rank %d: device_id %s -> CUDA device %d (%d visible)", r,
                 n->inst->devices[r].device_id, ep->cuda_devices[r], info.device_count);
@@ -564,6 +582,7 @@ int pd_node_create(const pd_node_params *p, pd_node **out)
 
     pd_engine_params ep = p->engine;
     ep.tp_size = n->tp;
+    ep.pp_size = n->pp;
     ep.on_event = on_engine_event;
     ep.on_event_ctx = n;
     rc = node_device(n, &ep);
@@ -612,9 +631,9 @@ int pd_node_create(const pd_node_params *p, pd_node **out)
             n->load_s, n->warmup_s, n->warmup_tokens,
             (double)(pd_now_ns() - t_start) / PD_NS_PER_S);
     PD_INFO(NULL,
-            "%s instance %zu (server %s, %d device(s), TP %d) serving %s on %s; KV pool "
+            "%s instance %zu (server %s, %d device(s), TP %d, PP %d) serving %s on %s; KV pool "
             "%zu blocks x %zu tokens",
-            rt_role_name(n->role), n->index, n->inst->server_id, n->tp, n->tp,
+            rt_role_name(n->role), n->index, n->inst->server_id, n->n_ranks, n->tp, n->pp,
             n->p.served_model_name, addr, n->kvp.n_blocks, n->kvp.block_size);
     *out = n;
     return PD_OK;

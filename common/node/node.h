@@ -33,7 +33,8 @@ typedef struct {
     const char *global_ranktable;  /* GLOBAL_RANK_TABLE_FILE_PATH */
     const char *local_ranktable;   /* RANK_TABLE_FILE_PATH */
     const char *served_model_name; /* --served-model-name (default: --model) */
-    int tensor_parallel_size;      /* --tensor-parallel-size; 0 = the instance's device count */
+    int tensor_parallel_size;      /* --tensor-parallel-size; 0 = device count / pipeline size */
+    int pipeline_parallel_size;    /* --pipeline-parallel-size; 0 = 1 */
     const char *host;              /* --host; NULL = the instance's server_ip */
     int port;                      /* --port (required) */
     int shutdown_timeout_s;        /* --shutdown-timeout (30) */

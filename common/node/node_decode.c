@@ -59,7 +59,7 @@ static void on_kv_imported(void *arg, const char *id, int status)
  * entry. Called with n->mu held. */
 static void drop_reservation(pd_node *n, req *r)
 {
-    for (int k = 0; k < n->tp; k++) pd_kv_rx_cancel(n->rx[k], r->id);
+    for (int k = 0; k < n->n_ranks; k++) pd_kv_rx_cancel(n->rx[k], r->id);
     pd_engine_abort(n->e, r->id);
     node_req_remove(n, r);
 }
@@ -98,7 +98,7 @@ static void h_reserve(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len
                        : pd_error(PD_ENOMEM, "out of memory");
         /* the transfer brings the blocks after the cached ones */
         int k = 0;
-        for (; rc == PD_OK && k < n->tp; k++)
+        for (; rc == PD_OK && k < n->n_ranks; k++)
             rc = pd_kv_rx_expect(n->rx[k], r->id, r->blocks + cached / bs,
                                  r->n_blocks - cached / bs, (size_t)q->num_prompt_tokens - cached);
         if (rc < 0) {
@@ -164,10 +164,10 @@ static void h_decode(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len)
         st = PD_RPC_ALREADY_EXISTS;
         snprintf(msg, sizeof msg, "Decode %s: %s", q->request_id,
                  r->decoding ? "already decoding" : "local_prefill differs from its Reserve's");
-    } else if (!local && r->kv_ranks_done < n->tp) {
+    } else if (!local && r->kv_ranks_done < n->n_ranks) {
         st = PD_RPC_FAILED_PRECONDITION;
         snprintf(msg, sizeof msg, "Decode %s: KV not received yet (%d of %d ranks)", q->request_id,
-                 r->kv_ranks_done, n->tp);
+                 r->kv_ranks_done, n->n_ranks);
     } else {
         pd_sampling_params sp;
         int rc = pd_msg_sampling_from_proto(q->sampling, r->arena, &sp);
@@ -444,15 +444,17 @@ void node_relays_flush(pd_node *n)
 
 int node_decode_start(pd_node *n)
 {
-    n->rx = calloc((size_t)n->tp, sizeof *n->rx);
+    n->rx = calloc((size_t)n->n_ranks, sizeof *n->rx);
     if (!n->rx) return pd_error(PD_ENOMEM, "out of memory");
-    for (int r = 0; r < n->tp; r++) {
+    for (int r = 0; r < n->n_ranks; r++) {
+        size_t layer0;
         pd_kv_rx_params rp = {.host = n->inst->devices[r].device_ip,
                               .port = 0,
                               .backend = pd_engine_backend(n->e, r),
                               .kv = pd_engine_kv(n->e, r),
-                              .kv_params = n->kvp,
-                              .head0 = n->kvp.n_kv_heads * (size_t)r};
+                              .kv_params = node_rank_kv(n, r, &layer0),
+                              .head0 = n->kvp.n_kv_heads * (size_t)(r % n->tp)};
+        rp.layer0 = layer0;
         PD_CHECK(pd_kv_tcp_receiver_start(&rp, on_kv_imported, n, &n->rx[r]));
     }
     pthread_create(&n->reaper, NULL, reaper_main, n);
@@ -464,7 +466,7 @@ void node_decode_stop(pd_node *n)
 {
     if (n->reaper_started) pthread_join(n->reaper, NULL);
     n->reaper_started = false;
-    for (int r = 0; n->rx && r < n->tp; r++) pd_kv_tcp_receiver_stop(n->rx[r]);
+    for (int r = 0; n->rx && r < n->n_ranks; r++) pd_kv_tcp_receiver_stop(n->rx[r]);
     free(n->rx);
     n->rx = NULL;
     while (n->relays) { /* the server stopped before their callers cancelled them */
@@ -490,7 +492,7 @@ bool node_decode_abort(pd_node *n, const char *id)
     req *r = node_req_find(n, id);
     bool found = r && !r->decoding;
     if (found) { /* a reservation nobody decodes: drop it now */
-        for (int k = 0; k < n->tp; k++) pd_kv_rx_cancel(n->rx[k], r->id);
+        for (int k = 0; k < n->n_ranks; k++) pd_kv_rx_cancel(n->rx[k], r->id);
         node_req_remove(n, r);
     }
     pthread_mutex_unlock(&n->mu);

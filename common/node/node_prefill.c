@@ -96,26 +96,34 @@ static void h_prefill(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len
     pd__prefill_request__free_unpacked(q, NULL);
 }
 
-/* Sends the held KV of j to every decode rank; returns a status. *transport: the transport that
- * carried it (the last send's). */
+/* Sends the held KV of j to every decode rank: from each prefill rank the (layer, head) ranges
+ * it shares with the decode rank (heads under different tensor-parallel sizes, layers under
+ * different pipeline stages); returns a status. *transport: the transport that carried it (the
+ * last send's). */
 static int transfer_kv(pd_node *n, job *j, int64_t *bytes, double *seconds, const char **transport)
 {
     req *r = j->r;
-    size_t p_heads = n->kvp.n_kv_heads;
+    size_t p_heads = n->kvp.n_kv_heads, all_layers = (size_t)n->kvp.n_layers;
     for (size_t t = 0; t < r->n_targets; t++) {
         const Pd__DecodeTarget *dt = &r->targets[t];
-        for (int rank = 0; rank < n->tp; rank++) {
-            size_t h0, nh;
-            pd_kv_head_overlap(p_heads * (size_t)rank, p_heads, (size_t)dt->kv_head0,
+        for (int rank = 0; rank < n->n_ranks; rank++) {
+            size_t h0, nh, l0, nl, layer0;
+            pd_kv_params kp = node_rank_kv(n, rank, &layer0);
+            pd_kv_head_overlap(p_heads * (size_t)(rank % n->tp), p_heads, (size_t)dt->kv_head0,
                                (size_t)dt->kv_heads, &h0, &nh);
-            if (nh == 0) continue;
+            pd_kv_head_overlap(layer0, (size_t)kp.n_layers, (size_t)dt->kv_layer0,
+                               dt->kv_layers > 0 ? (size_t)dt->kv_layers : all_layers, &l0, &nl);
+            if (nh == 0 || nl == 0) continue;
             pd_kv_send_req sr = {.request_id = r->id,
                                  .host = dt->host,
                                  .port = dt->port,
                                  .backend = pd_engine_backend(n->e, rank),
                                  .kv = pd_engine_kv(n->e, rank),
-                                 .kv_params = n->kvp,
-                                 .src_head0 = p_heads * (size_t)rank,
+                                 .kv_params = kp,
+                                 .layer0 = layer0,
+                                 .send_layer0 = l0,
+                                 .send_layers = nl,
+                                 .src_head0 = p_heads * (size_t)(rank % n->tp),
                                  /* the blocks the decode side lacks */
                                  .block_ids = j->src_blocks + r->skip_blocks,
                                  .n_blocks = j->n_src_blocks - r->skip_blocks,
@@ -243,16 +251,16 @@ void node_prefill_event(pd_node *n, req *r, const pd_engine_event *ev)
 
 int node_prefill_start(pd_node *n, bool on_cuda)
 {
-    pd_backend **backends = calloc((size_t)n->tp, sizeof *backends);
-    const pd_kv **kvs = calloc((size_t)n->tp, sizeof *kvs);
+    pd_backend **backends = calloc((size_t)n->n_ranks, sizeof *backends);
+    const pd_kv **kvs = calloc((size_t)n->n_ranks, sizeof *kvs);
     int rc = backends && kvs ? PD_OK : pd_error(PD_ENOMEM, "out of memory");
-    for (int r = 0; rc == PD_OK && r < n->tp; r++) {
+    for (int r = 0; rc == PD_OK && r < n->n_ranks; r++) {
         backends[r] = pd_engine_backend(n->e, r);
         kvs[r] = pd_engine_kv(n->e, r);
     }
     pd_kv_route_params rp = {.transport = n->p.kv_transport ? n->p.kv_transport : "auto",
                              .device = on_cuda,
-                             .n_ranks = n->tp,
+                             .n_ranks = n->n_ranks,
                              .backends = backends,
                              .kvs = kvs};
     if (rc == PD_OK) rc = pd_kv_route_create(&rp, &n->route);

@@ -70,6 +70,11 @@ static void ipc_tx_release(void *arg)
 static int ipc_send(const kv_send_ctx *s)
 {
     const pd_kv_send_req *r = s->r;
+    if (kv_send_partial(r))
+        return pd_error(PD_EUNSUPPORTED,
+                        "kv send %s: CUDA IPC moves whole pools; a pipeline stage's layers move "
+                        "over tcp",
+                        r->request_id);
     const pd_kv_params *kp = &r->kv_params;
     size_t payload = kv_ipc_payload_bytes(r->n_blocks), n = KV_HDR_BYTES + payload;
     uint8_t *buf = calloc(1, n);

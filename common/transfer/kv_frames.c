@@ -77,6 +77,29 @@ bool kv_hdr_unpack(const uint8_t p[KV_HDR_BYTES], kv_hdr *h)
     return true;
 }
 
+int kv_send_layers(const pd_kv_send_req *r, int *first, int *end)
+{
+    size_t n = (size_t)r->kv_params.n_layers;
+    if (!r->send_layers) {
+        *first = 0;
+        *end = (int)n;
+        return PD_OK;
+    }
+    if (r->send_layer0 < r->layer0 || r->send_layer0 - r->layer0 > n ||
+        r->send_layers > n - (r->send_layer0 - r->layer0))
+        return pd_error(PD_EINVAL, "kv send %s: layers [%zu, +%zu) outside the pool's [%zu, +%zu)",
+                        r->request_id, r->send_layer0, r->send_layers, r->layer0, n);
+    *first = (int)(r->send_layer0 - r->layer0);
+    *end = *first + (int)r->send_layers;
+    return PD_OK;
+}
+
+bool kv_send_partial(const pd_kv_send_req *r)
+{
+    return r->layer0 != 0 ||
+           (r->send_layers && r->send_layers != (size_t)r->kv_params.n_layers);
+}
+
 void kv_hdr_for(const pd_kv_send_req *r, int layer, size_t tokens, uint16_t flags,
                 uint64_t payload_bytes, uint8_t out[KV_HDR_BYTES])
 {

@@ -7,6 +7,8 @@
  *   frame   = header (80 bytes) + payload
  *   header  = "PDKV" u16 version u16 flags char request_id[40] u32 layer u32 head0 u32 n_heads
  *             u32 block0 u32 n_blocks u32 n_tokens u64 payload_bytes
+ *             (layer: the model's layer index; a pipeline stage's pool holds layers from its
+ *             first, so sender and receiver each subtract their own)
  *   ack     = "PDKA" u16 version u16 pad i32 status char request_id[40] char message[204]
  *             (256 bytes), sent for a sender's frame flagged LAST
  * One connection carries one request at a time; the sender reads the acknowledgement before
@@ -59,8 +61,14 @@ typedef struct {
 void kv_hdr_pack(const kv_hdr *h, uint8_t out[KV_HDR_BYTES]);
 /* False when the magic is wrong. The request id is always NUL-terminated. */
 bool kv_hdr_unpack(const uint8_t in[KV_HDR_BYTES], kv_hdr *h);
-/* The header of a frame of r: version, request id, head and block fields from r; layer, token
- * count, flags and payload size as given. */
+/* The pool layers [*first, *end) r sends (its send_layer0 / send_layers); PD_EINVAL when they
+ * are not the pool's. A frame names the model's layer: pool layer + r->layer0. */
+int kv_send_layers(const pd_kv_send_req *r, int *first, int *end);
+/* 1 when r sends a part of its pool's layers, or a pool of a pipeline stage (what only tcp's
+ * frames carry). */
+bool kv_send_partial(const pd_kv_send_req *r);
+/* The header of a frame of r: version, request id, head and block fields from r; layer (the
+ * model's), token count, flags and payload size as given. */
 void kv_hdr_for(const pd_kv_send_req *r, int layer, size_t tokens, uint16_t flags,
                 uint64_t payload_bytes, uint8_t out[KV_HDR_BYTES]);
 

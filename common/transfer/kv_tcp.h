@@ -46,6 +46,8 @@ typedef struct {
     pd_kv *kv;           /* the rank's pool */
     pd_kv_params kv_params;
     size_t head0;           /* first global kv head this rank holds */
+    size_t layer0;          /* the model's index of its pool's first layer (pipeline stage): a
+                               frame's layer is the model's */
     size_t max_frame_bytes; /* refuse larger frames (default 256 MiB) */
 } pd_kv_rx_params;
 
@@ -60,8 +62,8 @@ int pd_kv_tcp_receiver_port(const pd_kv_tcp_receiver *rx);
 void pd_kv_tcp_receiver_stop(pd_kv_tcp_receiver *rx);
 
 /* Registers an expected import: the prompt's n_tokens tokens go into the n_blocks blocks of
- * block_ids (copied; n_tokens 0 = every slot of every block), all layers and all the rank's
- * heads. PD_EEXIST when the id is already expected or was imported; PD_EINVAL when n_tokens
+ * block_ids (copied; n_tokens 0 = every slot of every block), all the rank's layers and heads
+ * (from whichever prefill ranks hold them). PD_EEXIST when the id is already expected or was imported; PD_EINVAL when n_tokens
  * does not end in the last block. */
 int pd_kv_rx_expect(pd_kv_tcp_receiver *rx, const char *request_id, const int32_t *block_ids,
                     size_t n_blocks, size_t n_tokens);
@@ -100,6 +102,11 @@ typedef struct {
     size_t n_tokens;       /* the prompt's tokens in those blocks (as the receiver expects them);
                               0 = every slot of every block */
     size_t head0, n_heads; /* global head range to send (the overlap with the decode rank) */
+    size_t layer0;         /* the model's index of the pool's first layer (pipeline stage) */
+    size_t send_layer0, send_layers; /* the model's layers to send (the overlap with the decode
+                                        rank's); send_layers 0: every layer of the pool. Only
+                                        the frames of tcp carry a part of the pool's layers: the
+                                        device transports refuse it (PD_EUNSUPPORTED) */
     int timeout_ms;        /* for the whole send, acknowledgement included */
     size_t coalesce_bytes; /* 0 = 1 MiB */
     const atomic_bool *cancel; /* NULL, or a flag another thread may set: the send then gives up

@@ -117,6 +117,11 @@ static int link_up(const kv_send_ctx *s)
 static int nccl_send(const kv_send_ctx *s)
 {
     const pd_kv_send_req *r = s->r;
+    if (kv_send_partial(r))
+        return pd_error(PD_EUNSUPPORTED,
+                        "kv send %s: NCCL moves whole pools; a pipeline stage's layers move over "
+                        "tcp",
+                        r->request_id);
     const pd_kv_params *kp = &r->kv_params;
     const pd_backend_ops *ops = pd_backend_get_ops(r->backend);
     if (!s->c->state) PD_CHECK(link_up(s));

@@ -108,18 +108,20 @@ static void give_stage(stage_pool *sp, stage_buf *sb)
     pthread_mutex_unlock(&sp->mu);
 }
 
-/* A KV frame's header: the last layer's is flagged LAST. */
-static void frame_header(const pd_kv_send_req *r, int layer, size_t tokens, size_t per_layer,
-                         uint8_t *out)
+/* The header of pool layer `layer`'s frame (it names the model's layer); the last layer sent
+ * (end - 1) is flagged LAST. */
+static void frame_header(const pd_kv_send_req *r, int layer, int end, size_t tokens,
+                         size_t per_layer, uint8_t *out)
 {
-    kv_hdr_for(r, layer, tokens, layer == r->kv_params.n_layers - 1 ? KV_FLAG_LAST : 0, per_layer,
+    kv_hdr_for(r, layer + (int)r->layer0, tokens, layer == end - 1 ? KV_FLAG_LAST : 0, per_layer,
                out);
 }
 
 /* The zero-copy frames (see the file-top comment): up to IOV_BATCH pieces or `coalesce` bytes
  * go out per call. */
 #define IOV_BATCH 1024
-static int send_frames_gather(const kv_send_ctx *s, size_t per_layer, size_t coalesce)
+static int send_frames_gather(const kv_send_ctx *s, int first, int end, size_t per_layer,
+                              size_t coalesce)
 {
     const pd_kv_send_req *r = s->r;
     const pd_kv_params *kp = &r->kv_params;
@@ -134,11 +136,11 @@ static int send_frames_gather(const kv_send_ctx *s, size_t per_layer, size_t coa
     }
     int rc = ops->sync(r->backend), cnt = 0;
     size_t pending = 0;
-    for (int layer = 0; layer < kp->n_layers && rc == PD_OK; layer++) {
+    for (int layer = first; layer < end && rc == PD_OK; layer++) {
         pd_kv_layer_view v;
         rc = ops->kv_layer(r->backend, r->kv, layer, &v);
         if (rc < 0) break;
-        frame_header(r, layer, tokens, per_layer, hdrs[layer]);
+        frame_header(r, layer, end, tokens, per_layer, hdrs[layer]);
         for (size_t piece = 0; piece < 1 + 2 * r->n_blocks && rc == PD_OK; piece++) {
             void *base;
             size_t len;
@@ -154,7 +156,7 @@ static int send_frames_gather(const kv_send_ctx *s, size_t per_layer, size_t coa
             iov[cnt].iov_base = base;
             iov[cnt++].iov_len = len;
             pending += len;
-            bool last = layer == kp->n_layers - 1 && piece == 2 * r->n_blocks;
+            bool last = layer == end - 1 && piece == 2 * r->n_blocks;
             if (cnt == IOV_BATCH || (piece == 2 * r->n_blocks && pending >= coalesce) || last) {
                 rc = kv_writev_full(s->c->fd, iov, cnt, r->cancel, s->deadline);
                 s->st->writes++;
@@ -173,7 +175,8 @@ static int send_frames_gather(const kv_send_ctx *s, size_t per_layer, size_t coa
 }
 
 /* The staged frames (see the file-top comment). */
-static int send_frames_staged(const kv_send_ctx *s, size_t per_layer, size_t coalesce)
+static int send_frames_staged(const kv_send_ctx *s, int first, int end, size_t per_layer,
+                              size_t coalesce)
 {
     const pd_kv_send_req *r = s->r;
     const pd_kv_params *kp = &r->kv_params;
@@ -188,8 +191,8 @@ static int send_frames_staged(const kv_send_ctx *s, size_t per_layer, size_t coa
     const pd_backend_ops *ops = pd_backend_get_ops(r->backend);
     size_t used = 0;
     int rc = PD_OK;
-    for (int layer = 0; layer < kp->n_layers && rc == PD_OK; layer++) {
-        frame_header(r, layer, s->tokens, per_layer, buf + used);
+    for (int layer = first; layer < end && rc == PD_OK; layer++) {
+        frame_header(r, layer, end, s->tokens, per_layer, buf + used);
         pd_kv_range range = {.layer = layer,
                              .block_ids = r->block_ids,
                              .n_blocks = r->n_blocks,
@@ -203,7 +206,7 @@ static int send_frames_staged(const kv_send_ctx *s, size_t per_layer, size_t coa
         used += KV_HDR_BYTES + per_layer;
         s->st->frames++;
         s->st->bytes += per_layer;
-        if (used >= coalesce || layer == kp->n_layers - 1) {
+        if (used >= coalesce || layer == end - 1) {
             rc = kv_write_full(s->c->fd, buf, used, r->cancel, s->deadline);
             if (rc < 0) {
                 rc = pd_error(rc, "kv send %s: %s", r->request_id, kv_io_failure(rc, "writing"));
@@ -225,10 +228,12 @@ static int tcp_send(const kv_send_ctx *s)
     size_t coalesce = r->coalesce_bytes ? r->coalesce_bytes : (size_t)1 << 20;
     pd_kv_layer_view view;
     const pd_backend_ops *ops = pd_backend_get_ops(r->backend);
+    int first, end;
+    PD_CHECK(kv_send_layers(r, &first, &end));
     bool gather = r->head0 == r->src_head0 && r->n_heads == kp->n_kv_heads &&
                   ops->kv_layer(r->backend, r->kv, 0, &view) == PD_OK && view.host_visible;
-    PD_CHECK(gather ? send_frames_gather(s, per_layer, coalesce)
-                    : send_frames_staged(s, per_layer, coalesce));
+    PD_CHECK(gather ? send_frames_gather(s, first, end, per_layer, coalesce)
+                    : send_frames_staged(s, first, end, per_layer, coalesce));
     return kv_read_ack(s->c->fd, r, s->deadline, s->keep);
 }
 
@@ -265,7 +270,7 @@ static int tcp_rx_frame(kv_rx_conn *c, const kv_hdr *h, const uint8_t *payload, 
                         "cache holds %s: do both instances run the same --kv-cache-dtype?)",
                         h->request_id, (unsigned long long)h->payload_bytes, want,
                         pd_dtype_name(kp->dtype));
-    pd_kv_range r = {.layer = (int)h->layer,
+    pd_kv_range r = {.layer = (int)(h->layer - rx->p.layer0), /* kv_rx_check: in its pool */
                      .block_ids = e->blocks,
                      .n_blocks = e->n_blocks,
                      .head0 = h->head0 - rx->p.head0,
@@ -273,7 +278,7 @@ static int tcp_rx_frame(kv_rx_conn *c, const kv_hdr *h, const uint8_t *payload, 
     rc = pd_backend_get_ops(rx->p.backend)->kv_import(rx->p.backend, rx->p.kv, &r, payload);
     if (rc < 0) return rc;
     rx->stats.bytes += h->payload_bytes;
-    kv_rx_mark(rx, e, link, h, h->layer, 1, &res->complete);
+    kv_rx_mark(rx, e, link, h, h->layer - (uint32_t)rx->p.layer0, 1, &res->complete);
     return PD_OK;
 }
 

@@ -47,7 +47,10 @@ static const flag_def TABLE[] = {
      .help = "debug, info, warn, error (else PD_LOG_LEVEL)"},
     /* the instances (pd-prefill, pd-decode) */
     {"--tensor-parallel-size", PD_FLAG_INT, PD_ROLE_NODES, "N", 1, 1024,
-     .help = "must equal the instance's device count"},
+     .help = "times --pipeline-parallel-size must equal the instance's device count"},
+    {"--pipeline-parallel-size", PD_FLAG_INT, PD_ROLE_NODES, "N", 1, 16,
+     .help = "pipeline stages: the layers split into N stages of --tensor-parallel-size "
+             "devices each (the instance's devices stage by stage)"},
     {"--max-num-seqs", PD_FLAG_INT, PD_ROLE_NODES, "N", 1, 1 << 20, .help = "sequences per step"},
     {"--max-num-batched-tokens", PD_FLAG_INT, PD_ROLE_NODES, "N", 1, 1 << 30,
      .help = "tokens per step; >= max-model-len unless --enable-chunked-prefill"},

@@ -33,13 +33,16 @@ stop_all() {
 # Sets pp, dp, sp (ports), args (the common command line, with start_1p1d's arguments at its
 # end) and pids (prefill, decode, scheduler). The model is $model when set (made by the caller),
 # else the tiny synthetic model, made here as $work/tiny. $prefill_extra and $decode_extra, when
-# set, are more words for that role's command line alone.
+# set, are more words for that role's command line alone; $prefill_devices and $decode_devices
+# (default 0 and 1) the instances' device lists ("0,1": two ranks).
 start_1p1d() {
     local m=${model:-$work/tiny}
     [ -n "${model:-}" ] || "$bin/tools/mkmodel/pd-mkmodel" --preset tiny --out "$m" >/dev/null ||
         fail "pd-mkmodel"
-    "$bin/ranktable/cli/pd-ranktable" --mode gen --prefill-server-list 0 --decode-server-list 1 \
-        --api-server --server-ip 127.0.0.1 --save-dir "$work" >/dev/null || fail "pd-ranktable"
+    local pdev=${prefill_devices:-0} ddev=${decode_devices:-1}
+    "$bin/ranktable/cli/pd-ranktable" --mode gen --prefill-server-list "$pdev" \
+        --decode-server-list "$ddev" --api-server --server-ip 127.0.0.1 --save-dir "$work" \
+        >/dev/null || fail "pd-ranktable"
     pp=$(free_port) dp=$(free_port) sp=$(free_port)
     export GLOBAL_RANK_TABLE_FILE_PATH="$work/global_ranktable_127.0.0.1.json"
     export NODE_PORTS="$pp,$dp" USE_OPENAI=1 PD_BIN_DIR="$bin"
@@ -48,7 +51,7 @@ start_1p1d() {
           --max-num-batched-tokens 1024 --host 127.0.0.1 --served-model-name tiny --cpu-threads 1
           --kv-cache-bytes 16777216 --enable-prefix-caching "$@")
     local spec role table port
-    for spec in "prefill:0:$pp" "decode:1:$dp" "scheduler:host:$sp"; do
+    for spec in "prefill:${pdev//,/}:$pp" "decode:${ddev//,/}:$dp" "scheduler:host:$sp"; do
         IFS=: read -r role table port <<<"$spec"
         local extra=()
         [ "$role" = prefill ] && read -ra extra <<<"${prefill_extra:-}"
