@@ -235,18 +235,25 @@ static int check_limits(pd_reg *r, const Pd__InfoReply *m, char *why, size_t n)
                  (long long)r->max_model_len);
         return -1;
     }
-    /* the KV moves as the pools hold it: a prefill and a decode instance must agree */
+    /* the KV moves as the pools hold it, block by block: a prefill and a decode instance must
+       agree on both */
     int rc = 0;
     pthread_mutex_lock(&r->mu);
     for (int j = 0; j < r->n && rc == 0; j++) {
         const reg_node *o = &r->nodes[j];
-        if (!o->verified || strcmp(rt_role_name(o->inst->role), m->role) == 0 ||
-            strcmp(o->kv_dtype, m->kv_dtype) == 0)
+        if (!o->verified || strcmp(rt_role_name(o->inst->role), m->role) == 0) continue;
+        if (strcmp(o->kv_dtype, m->kv_dtype) != 0)
+            snprintf(why, n,
+                     "its KV cache holds %s, %s instance %zu's holds %s: start every instance "
+                     "with the same --kv-cache-dtype (and --dtype)",
+                     m->kv_dtype, rt_role_name(o->inst->role), o->inst->index, o->kv_dtype);
+        else if (o->block_size != m->block_size)
+            snprintf(why, n,
+                     "its KV blocks hold %d tokens, %s instance %zu's hold %d: start every "
+                     "instance with the same --block-size",
+                     m->block_size, rt_role_name(o->inst->role), o->inst->index, o->block_size);
+        else
             continue;
-        snprintf(why, n,
-                 "its KV cache holds %s, %s instance %zu's holds %s: start every instance with "
-                 "the same --kv-cache-dtype (and --dtype)",
-                 m->kv_dtype, rt_role_name(o->inst->role), o->inst->index, o->kv_dtype);
         rc = -1;
     }
     pthread_mutex_unlock(&r->mu);

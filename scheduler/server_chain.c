@@ -17,6 +17,7 @@
 
 #include "rpc/pd_msg.h"
 #include "server_internal.h"
+#include "transfer/kv_tcp.h"
 #include "util/fmt.h"
 #include "util/log.h"
 
@@ -168,12 +169,30 @@ static void retry_decode(choice *c, const char *what, const char *details, bool 
     c->block_ids = NULL;
     c->n_block_ids = 0;
     pthread_mutex_lock(&r->mu);
+    /* The next try reserves under a fresh id: the decode instance runs calls concurrently, so
+       the Abort just sent may reach it after the next Reserve (on the same instance, the only
+       one or the one picked again), which would then find the old reservation (ALREADY_EXISTS)
+       or be freed by it. Nothing has a Decode call or relay under the old id yet. */
+    srv_choice_sub_id(r, c->index, c->reserve_tries, c->sub_id, sizeof c->sub_id);
     c->in_phase[PH_PREFILL] = false; /* the next Reserve is the call in flight */
     c->call_id[PH_PREFILL] = 0;
     c->decode_lost = false;
     c->reserve_retry = true;
     srv_post_ready(r);
     pthread_mutex_unlock(&r->mu);
+}
+
+void srv_choice_sub_id(const sreq *r, int i, int tries, char *out, size_t cap)
+{
+    char id[64];
+    if (r->n_choices == 1)
+        snprintf(id, sizeof id, "%s", r->id);
+    else
+        snprintf(id, sizeof id, "%s-%d", r->id, i);
+    size_t n = strlen(id);
+    if (tries > 0) snprintf(id + n, sizeof id - n, ".%d", tries);
+    if (strlen(id) >= PD_KV_REQUEST_ID_MAX) id[n] = '\0'; /* no room: the id as before */
+    snprintf(out, cap, "%s", id);
 }
 
 static void start_prefill(choice *c)

@@ -315,6 +315,11 @@ void srv_noop_done(void *arg, int st, const char *d, const uint8_t *resp, size_t
 void srv_send_abort(pd_apiserver *s, int k, const char *sub_id);
 /* Asks c's decode instance to reserve the prompt's KV (the first step of the chain). */
 void srv_send_reserve(choice *c);
+/* The request id the nodes see for choice i of r after `tries` decode retries: r's id, "-i"
+ * when r has several choices, ".tries" after a retry (so a late Abort of the last try's id
+ * cannot reach the next try's reservation; left out where the id would grow past what the
+ * nodes take). */
+void srv_choice_sub_id(const sreq *r, int i, int tries, char *out, size_t cap);
 /* --prefill-timeout in milliseconds: the Prefill call's deadline and the reservation's TTL. */
 static inline int srv_prefill_timeout_ms(const pd_apiserver *s)
 {

@@ -666,10 +666,7 @@ void srv_dispatch(sreq *r)
         c->p_node = c->d_node = -1;
         c->rides = beam && i % n;
         c->n_riders = beam && !c->rides ? n - 1 : 0;
-        if (r->n_choices == 1)
-            snprintf(c->sub_id, sizeof c->sub_id, "%s", r->id);
-        else
-            snprintf(c->sub_id, sizeof c->sub_id, "%s-%d", r->id, i);
+        srv_choice_sub_id(r, i, 0, c->sub_id, sizeof c->sub_id);
         /* each choice's text goes through its own tool parser (a non-streamed one at the end) */
         if (r->req.stream && r->req.parse_tools)
             c->tools = pd_tool_stream_create(r->lim.tool_parser, srv_next_rand(s));

@@ -106,14 +106,15 @@ static int transfer_kv(pd_node *n, job *j, int64_t *bytes, double *seconds, cons
     size_t p_heads = n->kvp.n_kv_heads, all_layers = (size_t)n->kvp.n_layers;
     for (size_t t = 0; t < r->n_targets; t++) {
         const Pd__DecodeTarget *dt = &r->targets[t];
+        pd_kv_part dst = {(size_t)dt->kv_head0, (size_t)dt->kv_heads, (size_t)dt->kv_layer0,
+                          dt->kv_layers > 0 ? (size_t)dt->kv_layers : all_layers};
         for (int rank = 0; rank < n->n_ranks; rank++) {
-            size_t h0, nh, l0, nl, layer0;
+            size_t layer0;
             pd_kv_params kp = node_rank_kv(n, rank, &layer0);
-            pd_kv_head_overlap(p_heads * (size_t)(rank % n->tp), p_heads, (size_t)dt->kv_head0,
-                               (size_t)dt->kv_heads, &h0, &nh);
-            pd_kv_head_overlap(layer0, (size_t)kp.n_layers, (size_t)dt->kv_layer0,
-                               dt->kv_layers > 0 ? (size_t)dt->kv_layers : all_layers, &l0, &nl);
-            if (nh == 0 || nl == 0) continue;
+            pd_kv_part src = {p_heads * (size_t)(rank % n->tp), p_heads, layer0,
+                              (size_t)kp.n_layers},
+                       part;
+            if (!pd_kv_plan(&src, &dst, &part)) continue;
             pd_kv_send_req sr = {.request_id = r->id,
                                  .host = dt->host,
                                  .port = dt->port,
@@ -121,15 +122,15 @@ static int transfer_kv(pd_node *n, job *j, int64_t *bytes, double *seconds, cons
                                  .kv = pd_engine_kv(n->e, rank),
                                  .kv_params = kp,
                                  .layer0 = layer0,
-                                 .send_layer0 = l0,
-                                 .send_layers = nl,
-                                 .src_head0 = p_heads * (size_t)(rank % n->tp),
+                                 .send_layer0 = part.layer0,
+                                 .send_layers = part.n_layers,
+                                 .src_head0 = src.head0,
                                  /* the blocks the decode side lacks */
                                  .block_ids = j->src_blocks + r->skip_blocks,
                                  .n_blocks = j->n_src_blocks - r->skip_blocks,
                                  .n_tokens = r->n_prompt - r->skip_blocks * n->kvp.block_size,
-                                 .head0 = h0,
-                                 .n_heads = nh,
+                                 .head0 = part.head0,
+                                 .n_heads = part.n_heads,
                                  .timeout_ms = r->lease_ms,
                                  .cancel = &r->cancel};
             pd_kv_send_stats st;

@@ -70,6 +70,14 @@ void pd_kv_head_overlap(size_t a0, size_t an, size_t b0, size_t bn, size_t *h0, 
     *n = hi > lo ? hi - lo : 0;
 }
 
+bool pd_kv_plan(const pd_kv_part *p, const pd_kv_part *d, pd_kv_part *send)
+{
+    pd_kv_head_overlap(p->head0, p->n_heads, d->head0, d->n_heads, &send->head0, &send->n_heads);
+    pd_kv_head_overlap(p->layer0, p->n_layers, d->layer0, d->n_layers, &send->layer0,
+                       &send->n_layers);
+    return send->n_heads > 0 && send->n_layers > 0;
+}
+
 /* ---- the route ---- */
 
 /* Destinations ("host:port") that refused one transport. */

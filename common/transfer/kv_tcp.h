@@ -23,6 +23,7 @@
 #define PD_TRANSFER_KV_TCP_H
 
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -34,6 +35,17 @@
 int pd_kv_rank_heads(size_t n_kv_heads, int tp, int rank, size_t *head0, size_t *n_heads);
 /* Overlap of [a0, a0 + an) and [b0, b0 + bn); *n = 0 when they are disjoint. */
 void pd_kv_head_overlap(size_t a0, size_t an, size_t b0, size_t bn, size_t *h0, size_t *n);
+
+/* What a rank's pool holds of the model's KV: heads [head0, +n_heads) of layers
+ * [layer0, +n_layers) (a tensor-parallel rank of a pipeline stage). */
+typedef struct {
+    size_t head0, n_heads;
+    size_t layer0, n_layers;
+} pd_kv_part;
+/* The transfer plan of one (prefill rank, decode rank) pair: the part of the KV both hold,
+ * which the prefill rank sends the decode rank (heads and layers each the overlap); false when
+ * they share nothing. */
+bool pd_kv_plan(const pd_kv_part *prefill, const pd_kv_part *decode, pd_kv_part *send);
 
 /* ---- receiver (decode rank) ---------------------------------------------------------------- */
 

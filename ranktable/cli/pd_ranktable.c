@@ -20,9 +20,11 @@ static const char usage[] =
     "  pd-ranktable --mode gen [--prefill-server-list 4,5 [6,7 ...]]\n"
     "               [--decode-server-list 6,7 [...]] [--api-server] [--save-dir DIR]\n"
     "               [--server-ip IP] [--device-ip-list IP,IP,...] [--allow-shared-devices]\n"
+    "               [--prefill-pipeline-parallel-size P] [--decode-pipeline-parallel-size P]\n"
     "  pd-ranktable --mode merge --global-ranktable-list a.json b.json ... [--save-dir DIR]\n"
     "  pd-ranktable --mode check --global-ranktable-list g.json\n"
     "               [--local-ranktable-list l1.json ...] [--allow-shared-devices]\n"
+    "               [--prefill-pipeline-parallel-size P] [--decode-pipeline-parallel-size P]\n"
     "\n"
     "gen writes global_ranktable_<ip>.json, local_ranktable_<ip>_<device ids>.json per\n"
     "instance and local_ranktable_<ip>_host.json with --api-server. Instances of a list are\n"
@@ -30,7 +32,9 @@ static const char usage[] =
     "defaults to the first non-loopback IPv4 address; --device-ip-list gives the KV address\n"
     "of device k as entry k (default: the server ip). merge writes global_ranktable_merge.json.\n"
     "check validates every table, matches each local table against the global one and\n"
-    "prints every problem; exit status 1 when there is any.\n";
+    "prints every problem; exit status 1 when there is any. An instance's devices are its\n"
+    "ranks, pipeline stage by stage: with --<role>-pipeline-parallel-size P (default 1) gen\n"
+    "and check refuse a device count that is not TP x P and print each role's TP x PP.\n";
 
 #define MAX_ITEMS 4096
 
@@ -39,6 +43,7 @@ typedef struct {
     const char *save_dir;
     const char *server_ip;
     const char *device_ip_list;
+    const char *pp[RT_ROLE_COUNT]; /* --<role>-pipeline-parallel-size (NULL: 1) */
     bool api_server;
     bool allow_shared;
     const char *prefill[MAX_ITEMS];
@@ -93,6 +98,10 @@ static int parse_args(int argc, char **argv, cli_args *a)
             single = &a->server_ip;
         } else if (!strcmp(opt, "--device-ip-list")) {
             single = &a->device_ip_list;
+        } else if (!strcmp(opt, "--prefill-pipeline-parallel-size")) {
+            single = &a->pp[RT_ROLE_PREFILL];
+        } else if (!strcmp(opt, "--decode-pipeline-parallel-size")) {
+            single = &a->pp[RT_ROLE_DECODE];
         } else if (!strcmp(opt, "--prefill-server-list")) {
             list = a->prefill, count = &a->n_prefill;
         } else if (!strcmp(opt, "--decode-server-list")) {
@@ -142,6 +151,40 @@ static void print_report(const rt_report *rep)
         fprintf(stderr, "error: ... and %zu more problems\n", rt_report_count(rep) - kept);
 }
 
+/* Each role's devices as TP x PP ranks (--<role>-pipeline-parallel-size): 0 and "TP t x PP p"
+ * per role in desc, or 1 after printing the problem. */
+static int check_shapes(const cli_args *a, const rt_global *g, char *desc, size_t n)
+{
+    static const rt_role roles[2] = {RT_ROLE_PREFILL, RT_ROLE_DECODE};
+    size_t used = 0;
+    for (int i = 0; i < 2; i++) {
+        rt_role role = roles[i];
+        const char *v = a->pp[role];
+        char *end = NULL;
+        long pp = v ? strtol(v, &end, 10) : 1;
+        if (v && (end == v || *end || pp < 1 || pp > 16)) {
+            fprintf(stderr, "error: --%s-pipeline-parallel-size: expected 1 to 16, got \"%s\"\n",
+                    rt_role_name(role), v);
+            return 1;
+        }
+        int devices = rt_global_tp_size(g, role);
+        if (rt_global_instance_count(g, role) && devices % pp) {
+            fprintf(stderr,
+                    "error: %s instances have %d device(s): not tensor-parallel size x %ld "
+                    "pipeline stages (--%s-pipeline-parallel-size)\n",
+                    rt_role_name(role), devices, pp, rt_role_name(role));
+            return 1;
+        }
+        size_t count = rt_global_instance_count(g, role);
+        int w = count ? snprintf(desc + used, n - used, "%s%zu %s (TP %ld x PP %ld)",
+                                 i ? "; " : "", count, rt_role_name(role), devices / pp, pp)
+                      : snprintf(desc + used, n - used, "%s0 %s", i ? "; " : "",
+                                 rt_role_name(role));
+        if (w > 0 && (size_t)w < n - used) used += (size_t)w;
+    }
+    return 0;
+}
+
 static int run_gen(const cli_args *a)
 {
     rt_gen_params p = rt_gen_default_params();
@@ -162,14 +205,21 @@ static int run_gen(const cli_args *a)
         p.server_ip = host;
     }
     rt_global *g = NULL;
-    if (rt_gen(&p, &g) < 0 || rt_write_tables(g, p.server_ip, a->save_dir, print_saved, NULL) < 0) {
+    char shapes[256];
+    if (rt_gen(&p, &g) < 0) {
+        fprintf(stderr, "error: %s\n", pd_last_error());
+        return 1;
+    }
+    if (check_shapes(a, g, shapes, sizeof shapes)) { /* before anything is written */
+        rt_global_free(g);
+        return 1;
+    }
+    if (rt_write_tables(g, p.server_ip, a->save_dir, print_saved, NULL) < 0) {
         fprintf(stderr, "error: %s\n", pd_last_error());
         rt_global_free(g);
         return 1;
     }
-    printf("host %s: %zu prefill, %zu decode instance(s)%s\n", p.server_ip,
-           rt_global_instance_count(g, RT_ROLE_PREFILL),
-           rt_global_instance_count(g, RT_ROLE_DECODE), a->api_server ? ", scheduler" : "");
+    printf("host %s: %s%s\n", p.server_ip, shapes, a->api_server ? "; scheduler" : "");
     rt_global_free(g);
     return 0;
 }
@@ -236,12 +286,13 @@ static int run_check(const cli_args *a, unsigned flags)
             status = 1;
             continue;
         }
-        printf("ok: %s: scheduler %s; %zu prefill (TP %d); %zu decode (TP %d)\n", a->globals[i],
-               rt_global_scheduler(g[i])->server_ip,
-               rt_global_instance_count(g[i], RT_ROLE_PREFILL),
-               rt_global_tp_size(g[i], RT_ROLE_PREFILL),
-               rt_global_instance_count(g[i], RT_ROLE_DECODE),
-               rt_global_tp_size(g[i], RT_ROLE_DECODE));
+        char shapes[256];
+        if (check_shapes(a, g[i], shapes, sizeof shapes)) {
+            status = 1;
+            continue;
+        }
+        printf("ok: %s: scheduler %s; %s\n", a->globals[i], rt_global_scheduler(g[i])->server_ip,
+               shapes);
     }
     for (size_t j = 0; j < a->n_locals; j++) {
         rt_local *l = NULL;

@@ -24,6 +24,15 @@ trap cleanup EXIT
 fail() { echo "FAIL: $*"; for f in "$work"/*.log; do echo "--- $f"; tail -n 15 "$f"; done; exit 1; }
 free_port() { $py -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
+# wait_log FILE REGEX: true once FILE has a line matching REGEX (grep -E), false after 30 s.
+wait_log() {
+    for _ in $(seq 300); do
+        grep -qE -- "$2" "$1" 2>/dev/null && return 0
+        sleep 0.1
+    done
+    return 1
+}
+
 # Stops what was started (the pids) and forgets it, so a test can start another cluster.
 stop_all() {
     cleanup_pids

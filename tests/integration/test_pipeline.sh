@@ -54,11 +54,7 @@ done
 
 # 2 devices cannot be 2 x 2 ranks
 prefill_devices=0,1 decode_devices=2,3 prefill_extra="--tensor-parallel-size 2 --pipeline-parallel-size 2" no_wait=1 start_1p1d
-for _ in $(seq 100); do
-    grep -q "does not match the 2 device(s)" "$work/prefill.log" && break
-    sleep 0.1
-done
-grep -q -- "--tensor-parallel-size 2 x --pipeline-parallel-size 2 does not match the 2 device(s) of prefill instance 0" "$work/prefill.log" ||
+wait_log "$work/prefill.log" "tensor-parallel-size 2 x --pipeline-parallel-size 2 does not match the 2 device\\(s\\) of prefill instance 0" ||
     fail "a 2 x 2 shape on 2 devices was not refused"
 stop_all
 echo "ok a tensor x pipeline shape that is not the device count is refused"

@@ -106,18 +106,21 @@ done
 [ "${per_token[auto]}" = $((8 * geom)) ] || fail "float32 KV: ${per_token[auto]} bytes per token, want $((8 * geom))"
 
 # a prefill instance with an fp8 cache and a decode instance with a float32 one: the scheduler
-# keeps the decode instance out, naming both dtypes and the flag
+# keeps the one verified second out (the decode instance, or the prefill one when it came up
+# later), naming both dtypes and the flag
 prefill_extra="--kv-cache-dtype fp8" decode_extra="--kv-cache-dtype auto" no_wait=1 start_1p1d
-for _ in $(seq 100); do
-    grep -q "decode instance 0 at .* is out of the routing set: does not fit this scheduler: its KV cache holds float32, prefill instance 0's holds float8_e4m3fn: start every instance with the same --kv-cache-dtype" "$work/scheduler.log" && break
-    sleep 0.1
-done
-grep -q "its KV cache holds float32, prefill instance 0's holds float8_e4m3fn" "$work/scheduler.log" ||
+wait_log "$work/scheduler.log" "does not fit this scheduler: its KV cache holds (float32, prefill instance 0's holds float8_e4m3fn|float8_e4m3fn, decode instance 0's holds float32): start every instance with the same --kv-cache-dtype" ||
     fail "mixed KV cache dtypes were not refused"
 code=$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$sp/v1/completions" -H 'Content-Type: application/json' -d '{"model":"tiny","prompt":"hi","max_tokens":2}')
 [ "$code" = 503 ] || fail "mixed KV cache dtypes: HTTP $code, want 503"
 stop_all
 echo "ok mixed --kv-cache-dtype refused by the scheduler"
+# the same for KV blocks of another size
+prefill_extra="--block-size 32" no_wait=1 start_1p1d
+wait_log "$work/scheduler.log" "its KV blocks hold (16 tokens, prefill instance 0's hold 32|32 tokens, decode instance 0's hold 16): start every instance with the same --block-size" ||
+    fail "mixed block sizes were not refused"
+stop_all
+echo "ok mixed --block-size refused by the scheduler"
 
 # teacher-forced: pdserve's fp8 choices = the numpy reference's with the same e4m3 rounding
 $py "$src/tests/reference/kv_fp8_agreement.py" --generate "$bin/tools/generate/pd-generate" \

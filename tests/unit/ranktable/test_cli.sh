@@ -112,6 +112,22 @@ expect gen_device_twice 1 "device 5 on host h is already used" \
 expect gen_shared_allowed 0 "saved" \
     "$RT" --mode gen --prefill-server-list 0 --decode-server-list 0 --server-ip h \
     --allow-shared-devices --save-dir "$TMP/x"
+# Pipeline stages: an instance's devices are TP x PP ranks.
+P=$TMP/pp
+expect gen_pipeline 0 "host 10.0.0.9: 1 prefill (TP 1 x PP 2); 1 decode (TP 2 x PP 1); scheduler" \
+    "$RT" --mode gen --prefill-server-list 0,1 --decode-server-list 2,3 --api-server \
+    --save-dir "$P" --server-ip 10.0.0.9 --prefill-pipeline-parallel-size 2
+expect check_pipeline 0 "1 prefill (TP 2 x PP 1); 1 decode (TP 1 x PP 2)" \
+    "$RT" --mode check --global-ranktable-list "$P/global_ranktable_10.0.0.9.json" \
+    --decode-pipeline-parallel-size 2
+expect gen_pipeline_indivisible 1 "prefill instances have 3 device(s): not tensor-parallel size x 2 pipeline stages" \
+    "$RT" --mode gen --prefill-server-list 0,1,2 --decode-server-list 3 --save-dir "$TMP/pp3" \
+    --server-ip 10.0.0.9 --prefill-pipeline-parallel-size 2
+[ -e "$TMP/pp3" ] && bad gen_pipeline_indivisible_writes_nothing "$TMP/pp3 exists" ||
+    ok gen_pipeline_indivisible_writes_nothing
+expect pipeline_bad_value 1 "--decode-pipeline-parallel-size: expected 1 to 16, got \"0\"" \
+    "$RT" --mode check --global-ranktable-list "$P/global_ranktable_10.0.0.9.json" \
+    --decode-pipeline-parallel-size 0
 expect unknown_option 2 "unknown option \"--bogus\"" "$RT" --bogus
 expect bad_mode 2 "--mode must be gen, merge or check" "$RT" --mode nope
 expect help 0 "usage:" "$RT" --help

@@ -11,10 +11,16 @@
 
 int pool_make(pool *pl, size_t n_heads)
 {
+    return pool_make_stage(pl, n_heads, 0, LAYERS);
+}
+
+int pool_make_stage(pool *pl, size_t n_heads, size_t layer0, int n_layers)
+{
     pd_backend_params bp = pd_backend_default_params();
     bp.n_threads = 1;
     PD_CHECK(pd_backend_cpu_create(&bp, &pl->b));
-    pl->p = (pd_kv_params){.n_layers = LAYERS,
+    pl->layer0 = layer0;
+    pl->p = (pd_kv_params){.n_layers = n_layers,
                            .n_blocks = POOL,
                            .block_size = BLOCK,
                            .n_kv_heads = n_heads,
@@ -39,12 +45,13 @@ int fill(pool *pl, const int32_t *blocks, size_t n_blocks, size_t h0)
 {
     size_t n = pl->p.n_kv_heads, per = n_blocks * BLOCK * n * HDIM;
     float *host = malloc(2 * per * sizeof(float));
-    for (int l = 0; l < LAYERS; l++) {
+    for (int l = 0; l < pl->p.n_layers; l++) {
+        int ml = (int)pl->layer0 + l; /* the model's layer */
         for (int kv = 0; kv < 2; kv++)
             for (size_t t = 0; t < n_blocks * BLOCK; t++)
                 for (size_t h = 0; h < n; h++)
                     for (size_t d = 0; d < HDIM; d++)
-                        host[kv * per + (t * n + h) * HDIM + d] = val(l, kv, t, h0 + h, d);
+                        host[kv * per + (t * n + h) * HDIM + d] = val(ml, kv, t, h0 + h, d);
         pd_kv_range r = {
             .layer = l, .block_ids = blocks, .n_blocks = n_blocks, .head0 = 0, .n_heads = n};
         int rc = pd_backend_get_ops(pl->b)->kv_import(pl->b, pl->kv, &r, host);
@@ -61,16 +68,17 @@ size_t mismatches_upto(pool *pl, const int32_t *blocks, size_t n_blocks, size_t 
 {
     size_t n = pl->p.n_kv_heads, per = n_blocks * BLOCK * n * HDIM, bad = 0;
     float *host = malloc(2 * per * sizeof(float));
-    for (int l = 0; l < LAYERS; l++) {
+    for (int l = 0; l < pl->p.n_layers; l++) {
         pd_kv_range r = {
             .layer = l, .block_ids = blocks, .n_blocks = n_blocks, .head0 = 0, .n_heads = n};
         pd_backend_get_ops(pl->b)->kv_export(pl->b, pl->kv, &r, host);
+        int ml = (int)pl->layer0 + l;
         for (int kv = 0; kv < 2; kv++)
             for (size_t t = 0; t < n_blocks * BLOCK; t++)
                 for (size_t h = 0; h < n; h++)
                     for (size_t d = 0; d < HDIM; d++)
                         bad += host[kv * per + (t * n + h) * HDIM + d] !=
-                               (!tokens || t < tokens ? val(l, kv, t, h0 + h, d) : 0.0f);
+                               (!tokens || t < tokens ? val(ml, kv, t, h0 + h, d) : 0.0f);
     }
     free(host);
     return bad;
@@ -102,7 +110,8 @@ pd_kv_tcp_receiver *rx_start_on(pd_backend *b, pool *d, size_t head0)
                          .backend = b,
                          .kv = d->kv,
                          .kv_params = d->p,
-                         .head0 = head0};
+                         .head0 = head0,
+                         .layer0 = d->layer0};
     pd_kv_tcp_receiver *rx = NULL;
     if (pd_kv_tcp_receiver_start(&p, on_done, NULL, &rx) < 0) return NULL;
     return rx;
@@ -122,6 +131,7 @@ pd_kv_send_req req_at(const char *id, pool *p, size_t src_head0, const int32_t *
                             .backend = p->b,
                             .kv = p->kv,
                             .kv_params = p->p,
+                            .layer0 = p->layer0,
                             .src_head0 = src_head0,
                             .block_ids = blocks,
                             .n_blocks = n_blocks,

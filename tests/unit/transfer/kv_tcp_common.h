@@ -21,14 +21,17 @@
 #define HDIM   8
 #define POOL   16
 
-/* A CPU backend with a pool of POOL blocks of LAYERS x BLOCK tokens x n_kv_heads x HDIM, f32. */
+/* A CPU backend with a pool of POOL blocks of LAYERS x BLOCK tokens x n_kv_heads x HDIM, f32;
+ * or of n_layers of the LAYERS from layer0 (a pipeline stage's). */
 typedef struct {
     pd_backend *b;
     pd_kv *kv;
     pd_kv_params p;
+    size_t layer0;
 } pool;
 
 int pool_make(pool *pl, size_t n_heads);
+int pool_make_stage(pool *pl, size_t n_heads, size_t layer0, int n_layers);
 void pool_free(pool *pl);
 /* Writes the prompt's KV (n_blocks blocks) for global heads [h0, h0+n) into pool blocks. */
 int fill(pool *pl, const int32_t *blocks, size_t n_blocks, size_t h0);

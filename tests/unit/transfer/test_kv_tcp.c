@@ -1,6 +1,6 @@
-/* Unit tests of the TCP KV transfer between real CPU-backend KV pools on loopback: head plans,
- * exact moves (only the prompt's tokens; P TP 1 or 2 to D ranks), refusals, hostile and dead
- * peers, timeouts and cancels. */
+/* Unit tests of the TCP KV transfer between real CPU-backend KV pools on loopback: head and
+ * (layer, head) plans, exact moves (only the prompt's tokens; P TP 1 or 2 to D ranks; pipeline
+ * stages on either side), refusals, hostile and dead peers, timeouts and cancels. */
 #include "harness.h"
 
 #include <arpa/inet.h>
@@ -26,6 +26,89 @@ TEST(kv_head_plan)
     ASSERT_EQ_INT(n, 2);
     pd_kv_head_overlap(0, 2, 2, 2, &h0, &n);
     ASSERT_EQ_INT(n, 0);
+}
+
+/* The (layer, head) plan of a prefill rank and a decode rank: the overlap of both. */
+TEST(kv_pipeline_plan)
+{
+    pd_kv_part out;
+    /* P(PP 2) stage 1 (layers 3..4 of 5, all 4 heads) -> D(TP 2) rank 1 (heads 2..3, all) */
+    pd_kv_part p = {0, 4, 3, 2}, d = {2, 2, 0, 5};
+    ASSERT(pd_kv_plan(&p, &d, &out));
+    ASSERT(out.head0 == 2 && out.n_heads == 2 && out.layer0 == 3 && out.n_layers == 2);
+    /* P(TP 2) rank 0 (heads 0..1) -> D(PP 2) stage 0 (layers 0..2) */
+    p = (pd_kv_part){0, 2, 0, 5}, d = (pd_kv_part){0, 4, 0, 3};
+    ASSERT(pd_kv_plan(&p, &d, &out));
+    ASSERT(out.head0 == 0 && out.n_heads == 2 && out.layer0 == 0 && out.n_layers == 3);
+    /* disjoint layers, disjoint heads: nothing */
+    p = (pd_kv_part){0, 4, 3, 2}, d = (pd_kv_part){0, 4, 0, 3};
+    ASSERT(!pd_kv_plan(&p, &d, &out));
+    p = (pd_kv_part){0, 2, 0, 5}, d = (pd_kv_part){2, 2, 0, 5};
+    ASSERT(!pd_kv_plan(&p, &d, &out));
+}
+
+/* Pipeline stages on both sides: a prefill instance of two stages (layers 0..1 and 2 of 3)
+ * feeds a decode rank holding every layer, and a prefill rank holding every layer feeds a
+ * decode instance of two stages (layers 0 and 1..2); each frame names the model's layer, and
+ * the receiver completes when its own layers have all come. A layer outside the receiver's
+ * stage, or outside the sender's pool, is refused. */
+TEST(kv_tcp_pipeline_stages)
+{
+    pool p0, p1, p, d, d0, d1;
+    ASSERT_OK(pool_make_stage(&p0, HEADS, 0, 2));
+    ASSERT_OK(pool_make_stage(&p1, HEADS, 2, 1));
+    ASSERT_OK(pool_make(&p, HEADS));
+    ASSERT_OK(pool_make(&d, HEADS));
+    ASSERT_OK(pool_make_stage(&d0, HEADS, 0, 1));
+    ASSERT_OK(pool_make_stage(&d1, HEADS, 1, 2));
+    int32_t pb[2] = {5, 6}, db[2] = {1, 2};
+    ASSERT_OK(fill(&p0, pb, 2, 0));
+    ASSERT_OK(fill(&p1, pb, 2, 0));
+    ASSERT_OK(fill(&p, pb, 2, 0));
+    pd_kv_tcp_receiver *rx = rx_start(&d, 0), *rx0 = rx_start(&d0, 0), *rx1 = rx_start(&d1, 0);
+    ASSERT(rx && rx0 && rx1);
+    atomic_store(&g_done, 0);
+    pd_kv_tcp_sender *tx;
+    ASSERT_OK(pd_kv_tcp_sender_create(&tx));
+    /* P(PP 2) -> D(PP 1) */
+    ASSERT_OK(pd_kv_rx_expect(rx, "a", db, 2, 0));
+    pd_kv_send_req r0 = req_for("a", &p0, 0, pb, 2, rx, 0, HEADS);
+    pd_kv_send_stats st;
+    ASSERT_OK(pd_kv_tcp_send(tx, &r0, &st));
+    ASSERT_EQ_INT(st.frames, 2);
+    pd_sleep_ns(20 * PD_NS_PER_MS);
+    ASSERT_EQ_INT(atomic_load(&g_done), 0); /* layer 2 has not come yet */
+    pd_kv_send_req r1 = req_for("a", &p1, 0, pb, 2, rx, 0, HEADS);
+    ASSERT_OK(pd_kv_tcp_send(tx, &r1, &st));
+    ASSERT_EQ_INT(st.frames, 1);
+    ASSERT(wait_done(1));
+    ASSERT_EQ_INT(atomic_load(&g_done_status), 0);
+    ASSERT_EQ_INT(mismatches(&d, db, 2, 0), 0);
+    /* P(PP 1) -> D(PP 2): each stage gets the overlap of the layers */
+    ASSERT_OK(pd_kv_rx_expect(rx0, "b", db, 2, 0));
+    ASSERT_OK(pd_kv_rx_expect(rx1, "b", db, 2, 0));
+    pd_kv_send_req s0 = req_for("b", &p, 0, pb, 2, rx0, 0, HEADS);
+    s0.send_layer0 = 0, s0.send_layers = 1;
+    pd_kv_send_req s1 = req_for("b", &p, 0, pb, 2, rx1, 0, HEADS);
+    s1.send_layer0 = 1, s1.send_layers = 2;
+    ASSERT_OK(pd_kv_tcp_send(tx, &s0, NULL));
+    ASSERT_OK(pd_kv_tcp_send(tx, &s1, NULL));
+    ASSERT(wait_done(3));
+    ASSERT_EQ_INT(atomic_load(&g_done_status), 0);
+    ASSERT_EQ_INT(mismatches(&d0, db, 2, 0), 0);
+    ASSERT_EQ_INT(mismatches(&d1, db, 2, 0), 0);
+    /* the wrong stage: layer 2 to a rank holding layer 0 only; layers the pool lacks */
+    ASSERT_OK(pd_kv_rx_expect(rx0, "c", db, 2, 0));
+    pd_kv_send_req w = req_for("c", &p1, 0, pb, 2, rx0, 0, HEADS);
+    ASSERT_ERR(pd_kv_tcp_send(tx, &w, NULL), PD_EINVAL, "layer 2 outside this rank's 0..0");
+    w.send_layer0 = 0, w.send_layers = 1;
+    ASSERT_ERR(pd_kv_tcp_send(tx, &w, NULL), PD_EINVAL, "layers [0, +1) outside the pool's [2, +1)");
+    pd_kv_tcp_sender_free(tx);
+    pd_kv_tcp_receiver_stop(rx);
+    pd_kv_tcp_receiver_stop(rx0);
+    pd_kv_tcp_receiver_stop(rx1);
+    pool *all[] = {&p0, &p1, &p, &d, &d0, &d1};
+    for (size_t i = 0; i < 6; i++) pool_free(all[i]);
 }
 
 TEST(kv_tcp_moves_blocks_exactly)
