@@ -131,6 +131,18 @@ static int check_params(pd_engine *e)
     pd_engine_params *p = &e->p;
     const pd_model_config *c = &e->model->config;
     if (p->pp_size == 0) p->pp_size = 1;
+    const char *mb = getenv("PD_PP_MICRO_BATCHES");
+    if (p->pp_micro_batches == 0 && mb && *mb) {
+        char *end;
+        long v = strtol(mb, &end, 10);
+        if (*end || v < 1 || v > PD_ENGINE_MAX_PP)
+            return pd_error(PD_EINVAL, "PD_PP_MICRO_BATCHES=%s: expected 1 to %d", mb,
+                            PD_ENGINE_MAX_PP);
+        p->pp_micro_batches = (int)v;
+    }
+    if (p->pp_micro_batches < 0 || p->pp_micro_batches > PD_ENGINE_MAX_PP)
+        return pd_error(PD_EINVAL, "pp_micro_batches must be 0 to %d, got %d", PD_ENGINE_MAX_PP,
+                        p->pp_micro_batches);
     size_t layer0, n;
     PD_CHECK(pd_engine_pp_layers((size_t)c->num_hidden_layers, p->pp_size, 0, &layer0, &n));
     if (p->pp_size > 1 && p->backend)

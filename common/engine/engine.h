@@ -78,6 +78,11 @@ typedef struct {
     int pp_size;                  /* pipeline parallel size (1): the layers split into pp_size
                                      stages of tp_size ranks each (vLLM's split); > 1 needs
                                      backend NULL */
+    int pp_micro_batches;         /* with pp_size > 1: a step's sequences run as up to this many
+                                     micro-batches, stage s on one while s + 1 runs the one
+                                     before; 0 (default): PD_PP_MICRO_BATCHES when set, else
+                                     pp_size on GPUs, 1 on the CPU (its stages share the cores,
+                                     and a decode step reads the weights once per micro-batch) */
     int n_threads;                /* CPU threads in total, split evenly across ranks; <= 0 = all
                                      online cores */
     const char *cpu_threads_bind; /* CPU ranks: vLLM's VLLM_CPU_OMP_THREADS_BIND ("0-3|4-7": one

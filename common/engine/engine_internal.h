@@ -220,10 +220,18 @@ struct pd_engine {
     pd_engine_rank *ranks;                      /* (n_ranks) */
     pd_engine_rank *out;                        /* the rank whose logits are read: the last
                                                    stage's tensor-parallel rank 0 */
-    float *stage_x[PD_ENGINE_MAX_PP]; /* (pp - 1) hand-over of stage s to s + 1: (2,
-                                         max_num_batched_tokens, hidden) f32 */
-    uint64_t stage_gen[PD_ENGINE_MAX_PP]; /* = job_gen when stage s handed this step over */
-    int stage_rc[PD_ENGINE_MAX_PP];       /* and its status */
+    float *stage_x[PD_ENGINE_MAX_PP]; /* (pp - 1) hand-over of stage s to s + 1: micro-batch m
+                                         at 2 * its first row * hidden, its rows of x then of
+                                         t (2 x max_num_batched_tokens x hidden f32 in all) */
+    uint64_t stage_gen[PD_ENGINE_MAX_PP]; /* = job_gen once stage s handed over in this step */
+    int stage_mb[PD_ENGINE_MAX_PP];       /* micro-batches stage s has handed over then */
+    int stage_rc[PD_ENGINE_MAX_PP];       /* and its status (a failure ends the step) */
+    struct {
+        pd_step st;        /* the step's sequences [seq0, seq0 + st.n_seqs) */
+        size_t row0, out0; /* its first token row and first logit row in the step */
+    } mb[PD_ENGINE_MAX_PP]; /* the step's micro-batches (pp > 1) */
+    int n_mb;
+    int32_t *mb_ints; /* their rebased q_indptr, block_indptr and out_rows */
     pthread_mutex_t rmu;
     pthread_cond_t rcv;
     uint64_t job_gen; /* bumped to start a rank job */

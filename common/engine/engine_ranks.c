@@ -47,15 +47,73 @@ static int rank_copy_blocks(pd_engine_rank *rk, const pd_kv_block_copy *c, size_
     return PD_OK;
 }
 
-/* Waits for the stage before rk's to hand over this step's residual stream; its status. */
-static int wait_stage(pd_engine_rank *rk)
+/* Waits for the stage before rk's to hand over micro-batch m of this step; its status. */
+static int wait_stage(pd_engine_rank *rk, int m)
+{
+    pd_engine *e = rk->e;
+    int s = rk->stage - 1;
+    pthread_mutex_lock(&e->rmu);
+    while (e->stage_gen[s] != e->job_gen || (e->stage_rc[s] >= 0 && e->stage_mb[s] <= m))
+        pthread_cond_wait(&e->rcv, &e->rmu);
+    int rc = e->stage_rc[s];
+    pthread_mutex_unlock(&e->rmu);
+    return rc < 0 ? pd_error(PD_ECANCELLED, "pipeline stage %d failed", s) : PD_OK;
+}
+
+/* Stage rk's hand-over: micro-batches [0, n) are in stage_x, or the stage failed (rc). */
+static void give_stage(pd_engine_rank *rk, int n, int rc)
 {
     pd_engine *e = rk->e;
     pthread_mutex_lock(&e->rmu);
-    while (e->stage_gen[rk->stage - 1] != e->job_gen) pthread_cond_wait(&e->rcv, &e->rmu);
-    int rc = e->stage_rc[rk->stage - 1];
+    e->stage_rc[rk->stage] = rc;
+    e->stage_mb[rk->stage] = n;
+    e->stage_gen[rk->stage] = e->job_gen;
+    pthread_cond_broadcast(&e->rcv);
     pthread_mutex_unlock(&e->rmu);
-    return rc < 0 ? pd_error(PD_ECANCELLED, "pipeline stage %d failed", rk->stage - 1) : PD_OK;
+}
+
+/* Splits e->step into up to pp_micro_batches micro-batches of whole sequences, about as many
+ * token rows each, so that stage s runs micro-batch m while stage s + 1 runs m - 1. The
+ * sub-steps point into the step's arrays; their index arrays are rebased into mb_ints. */
+static void split_step(pd_engine *e)
+{
+    const pd_step *st = &e->step;
+    int want = e->p.pp_micro_batches > 0 ? e->p.pp_micro_batches
+               : e->p.n_cuda_devices > 0  ? e->pp
+                                          : 1;
+    int M = want < (int)st->n_seqs ? want : (int)st->n_seqs;
+    if (M < 1) M = 1;
+    e->n_mb = M;
+    const int32_t *q = st->q_indptr, *bi = st->block_indptr;
+    size_t rows = (size_t)q[st->n_seqs], a = 0, out = 0;
+    int32_t *w = e->mb_ints;
+    for (int m = 0; m < M; m++) {
+        size_t b = a + 1; /* at least one sequence, and room for one each after it */
+        while (b < st->n_seqs - (size_t)(M - 1 - m) &&
+               (size_t)q[b] * (size_t)M < rows * (size_t)(m + 1))
+            b++;
+        if (m == M - 1) b = st->n_seqs;
+        pd_step *sub = &e->mb[m].st;
+        int32_t *qi = w, *bp = w + (b - a + 1), *orow = bp + (b - a + 1);
+        for (size_t i = 0; i <= b - a; i++) {
+            qi[i] = q[a + i] - q[a];
+            bp[i] = bi[a + i] - bi[a];
+        }
+        size_t n_out = 0, out0 = out;
+        while (out < st->n_out && st->out_rows[out] < q[b]) orow[n_out++] = st->out_rows[out++] - q[a];
+        *sub = (pd_step){.n_seqs = b - a,
+                         .token_ids = st->token_ids + q[a],
+                         .q_indptr = qi,
+                         .kv_len = st->kv_len + a,
+                         .block_indptr = bp,
+                         .block_ids = st->block_ids + bi[a],
+                         .n_out = n_out,
+                         .out_rows = orow};
+        e->mb[m].row0 = (size_t)q[a];
+        e->mb[m].out0 = out0;
+        w = orow + n_out;
+        a = b;
+    }
 }
 
 static void rank_job(pd_engine_rank *rk)
@@ -63,13 +121,24 @@ static void rank_job(pd_engine_rank *rk)
     pd_engine *e = rk->e;
     bool gives = rk->stage < e->pp - 1 && rk->t == 0; /* the hand-over to the next stage */
     int rc = rank_copy_blocks(rk, e->so.copies, e->so.n_copies);
-    if (rc >= 0 && rk->stage > 0) rc = wait_stage(rk);
-    if (rc >= 0)
-        rc = pd_forward_run_stage(rk->f, rk->kv, &e->step,
-                                  rk->stage > 0 ? e->stage_x[rk->stage - 1] : NULL,
-                                  rk->stage < e->pp - 1 ? (gives ? e->stage_x[rk->stage] : rk->x_out)
-                                                        : NULL,
-                                  rk->logits);
+    if (e->pp == 1) {
+        if (rc >= 0) rc = pd_forward_run(rk->f, rk->kv, &e->step, rk->logits);
+    } else {
+        size_t H = e->hidden;
+        int m = 0;
+        for (; m < e->n_mb && rc >= 0; m++) {
+            size_t x = 2 * e->mb[m].row0 * H;
+            if (rk->stage > 0) rc = wait_stage(rk, m);
+            if (rc >= 0)
+                rc = pd_forward_run_stage(
+                    rk->f, rk->kv, &e->mb[m].st,
+                    rk->stage > 0 ? e->stage_x[rk->stage - 1] + x : NULL,
+                    rk->stage == e->pp - 1 ? NULL : (gives ? e->stage_x[rk->stage] : rk->x_out) + x,
+                    rk->logits ? rk->logits + e->mb[m].out0 * e->vocab : NULL);
+            if (gives && rc >= 0) give_stage(rk, m + 1, rc);
+        }
+        if (gives && rc < 0) give_stage(rk, m, rc);
+    }
     rk->rc = rc;
     if (rc < 0)
         snprintf(rk->err, sizeof rk->err, "rank %d (pipeline stage %d): %s", rk->r, rk->stage,
@@ -77,13 +146,6 @@ static void rank_job(pd_engine_rank *rk)
     else
         rk->err[0] = '\0';
     pd_backend_group_rank_end(e->groups[rk->stage], rk->t, rc);
-    if (gives) {
-        pthread_mutex_lock(&e->rmu);
-        e->stage_rc[rk->stage] = rc;
-        e->stage_gen[rk->stage] = e->job_gen;
-        pthread_cond_broadcast(&e->rcv);
-        pthread_mutex_unlock(&e->rmu);
-    }
 }
 
 static void *rank_main(void *arg)
@@ -110,6 +172,7 @@ static void *rank_main(void *arg)
 
 int eng_ranks_run(pd_engine *e)
 {
+    if (e->pp > 1) split_step(e);
     if (e->n_ranks > 1) {
         for (int s = 0; s < e->pp; s++) pd_backend_group_step_begin(e->groups[s]);
         pthread_mutex_lock(&e->rmu);
@@ -215,6 +278,11 @@ int eng_ranks_create(pd_engine *e)
         if (st < e->pp - 1 && !(e->stage_x[st] = malloc(2 * T * H * sizeof(float))))
             return pd_error(PD_ENOMEM, "engine: out of memory");
     }
+    if (e->pp > 1) { /* each micro-batch: (n + 1) + (n + 1) + its out rows */
+        size_t n = 2 * (p->max_num_seqs + PD_ENGINE_MAX_PP) + eng_max_out_rows(p);
+        if (!(e->mb_ints = malloc(n * sizeof(int32_t))))
+            return pd_error(PD_ENOMEM, "engine: out of memory");
+    }
     e->ranks = calloc((size_t)e->n_ranks, sizeof *e->ranks);
     if (!e->ranks) return pd_error(PD_ENOMEM, "engine: out of memory");
     for (int r = 0; r < e->n_ranks; r++) {
@@ -278,4 +346,6 @@ void eng_ranks_free(pd_engine *e)
         free(e->stage_x[st]);
         e->stage_x[st] = NULL;
     }
+    free(e->mb_ints);
+    e->mb_ints = NULL;
 }

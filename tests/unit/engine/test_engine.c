@@ -732,10 +732,11 @@ TEST(engine_spec_ngram_equals_plain_decoding)
 }
 
 /* Pipeline parallelism: vLLM's layer split (and VLLM_PP_LAYER_PARTITION's); a model of 5 layers
- * split into 2, 4 and 5 stages, alone and under TP 2, gives every request the tokens and the
- * logits (every row's bits) of the unsplit model at the same TP: a stage hands the next the
- * residual stream and the pending sublayer output, so the same operations run. n = 2 copies a
- * shared block on every stage's ranks; every block comes back. */
+ * split into 2, 4 and 5 stages, alone and under TP 2, one batch or micro-batches, gives every
+ * request the tokens and the logits (every row's bits) of the unsplit model at the same TP: a
+ * stage hands the next the residual stream and the pending sublayer output, so the same
+ * operations run, and a row's logits do not depend on its batch. n = 2 copies a shared block on
+ * every stage's ranks; every block comes back. */
 TEST(engine_pp_matches_pp1)
 {
     size_t l0, n;
@@ -782,7 +783,7 @@ TEST(engine_pp_matches_pp1)
         reqs[i].sp.ignore_eos = true;
     }
     reqs[4].sp.n = 2;
-    static const int cfg[][2] = {{1, 2}, {1, 4}, {1, 5}, {2, 2}};
+    static const int cfg[][3] = {{1, 2, 0}, {1, 2, 2}, {1, 4, 3}, {1, 5, 5}, {2, 2, 0}, {2, 2, 2}};
     for (size_t c = 0; c < sizeof cfg / sizeof cfg[0]; c++) {
         pd_engine_params p = base_params();
         p.model = m;
@@ -797,6 +798,7 @@ TEST(engine_pp_matches_pp1)
         memset(got, 0, sizeof got);
         memset(&lg, 0, sizeof lg);
         p.pp_size = cfg[c][1];
+        p.pp_micro_batches = cfg[c][2];
         p.on_logits_ctx = &lg;
         pd_engine *e;
         ASSERT_OK(pd_engine_create(&p, &e));
@@ -810,10 +812,12 @@ TEST(engine_pp_matches_pp1)
         ASSERT_OK(rc);
         for (int i = 0; i < N; i++) {
             ASSERT_MSG(same_tokens(&ref[i], &got[i], i == 4 ? 2 : 1),
-                       "tp %d pp %d: request %d differs", cfg[c][0], cfg[c][1], i);
+                       "tp %d pp %d micro %d: request %d differs", cfg[c][0], cfg[c][1],
+                       cfg[c][2], i);
             for (size_t k = 0; k < ref[i].n[0]; k++)
-                ASSERT_MSG(lr.h[i][k] == lg.h[i][k], "tp %d pp %d: request %d: logits %zu differ",
-                           cfg[c][0], cfg[c][1], i, k);
+                ASSERT_MSG(lr.h[i][k] == lg.h[i][k],
+                           "tp %d pp %d micro %d: request %d: logits %zu differ", cfg[c][0],
+                           cfg[c][1], cfg[c][2], i, k);
         }
         ASSERT_EQ_INT(lr.n_rows, lg.n_rows);
         ASSERT_EQ_INT(st.kv_blocks_free, st.kv_blocks_total);
