@@ -46,6 +46,8 @@ typedef struct {
     int64_t running, waiting, held;    /* from Stats: the engine's queues */
     int64_t stats_ns;                  /* when the last Stats answered (pd_now_ns), 0 = never */
     int64_t steps[PD_ENGINE_STEP_BINS], steps_sum; /* from Stats: cumulative, this process's */
+    double stage_s[PD_ENGINE_MAX_PP];              /* from Stats: each stage's compute seconds */
+    int n_stages;
     pd_reg_spec spec;                              /* from Stats: cumulative */
     int max_num_seqs;
     char transport[16]; /* from Info */
@@ -393,6 +395,9 @@ static void heartbeat_node(pd_reg *r, int k, bool again)
                              .accepted = st->spec_accepted_tokens};
     for (size_t i = 0; i < st->n_spec_accepted_per_pos && i < PD_ENGINE_SPEC_MAX_TOKENS; i++)
         nd->spec.per_pos[i] = st->spec_accepted_per_pos[i];
+    nd->n_stages = 0;
+    for (size_t i = 0; i < st->n_stage_seconds && i < PD_ENGINE_MAX_PP; i++)
+        nd->stage_s[nd->n_stages++] = st->stage_seconds[i];
     nd->running = st->num_running;
     nd->waiting = st->num_waiting;
     nd->held = st->num_held;
@@ -835,6 +840,16 @@ void pd_reg_step_tokens(pd_reg *r, int64_t bins[PD_ENGINE_STEP_BINS], int64_t *s
     memcpy(bins, r->steps, sizeof r->steps);
     *sum = r->steps_sum;
     pthread_mutex_unlock(&r->mu);
+}
+
+int pd_reg_stage_seconds(pd_reg *r, int k, double out[PD_ENGINE_MAX_PP])
+{
+    pthread_mutex_lock(&r->mu);
+    const reg_node *nd = &r->nodes[k];
+    int n = nd->n_stages;
+    for (int i = 0; i < n; i++) out[i] = nd->stage_s[i];
+    pthread_mutex_unlock(&r->mu);
+    return n;
 }
 
 bool pd_reg_cache_config(pd_reg *r, int k, pd_reg_cache_info *out)

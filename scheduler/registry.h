@@ -154,4 +154,8 @@ typedef struct {
 /* false before instance k's Info was first read. */
 bool pd_reg_cache_config(pd_reg *r, int k, pd_reg_cache_info *out);
 
+/* Instance k's pipeline stages as its last Stats gave them: the seconds each stage spent
+ * computing (cumulative, this process's); returns their count (0 before its first Stats). */
+int pd_reg_stage_seconds(pd_reg *r, int k, double out[PD_ENGINE_MAX_PP]);
+
 #endif

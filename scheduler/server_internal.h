@@ -273,7 +273,7 @@ struct pd_apiserver {
     pd_metric *m_running, *m_waiting, *m_kv, *m_gpu_kv, *m_preempt, *m_prompt, *m_gen, *m_success,
         *m_h_prompt, *m_h_gen, *m_h_n, *m_h_max, *m_ttft, *m_tpot, *m_e2e, *m_queue, *m_prefill,
         *m_decode, *m_infer, *m_kv_bytes, *m_kv_secs, *m_up, *m_unsent, *m_iter, *m_h_best_of,
-        *m_h_max_gen, *m_itl, *m_req_tpot, *m_cache_info;
+        *m_h_max_gen, *m_itl, *m_req_tpot, *m_cache_info, *m_stage;
     int64_t preempt_seen;
     int64_t steps_seen[PD_ENGINE_STEP_BINS], steps_sum_seen; /* what m_iter holds */
     pd_sb tokbuf, lpbuf[4]; /* loop-thread scratch for logprob token texts and fragments */

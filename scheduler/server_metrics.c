@@ -56,6 +56,7 @@ static void follow_steps(pd_apiserver *s)
 static void cache_config(pd_apiserver *s)
 {
     pd_metric_clear(s->m_cache_info);
+    pd_metric_clear(s->m_stage);
     for (int k = 0; k < pd_reg_count(s->reg); k++) {
         pd_reg_cache_info ci;
         if (!pd_reg_cache_config(s->reg, k, &ci)) continue;
@@ -71,6 +72,17 @@ static void cache_config(pd_apiserver *s)
                              ci.prefix_caching ? "True" : "False",
                              nb};
         pd_metric_set(s->m_cache_info, lv, 1);
+        /* pd:pipeline_stage_seconds_total: this process's, as the instance counts it (a
+           restarted instance starts again from 0, a counter reset) */
+        double sec[PD_ENGINE_MAX_PP];
+        int n = pd_reg_stage_seconds(s->reg, k, sec);
+        for (int st = 0; st < n; st++) {
+            char stage[12];
+            snprintf(stage, sizeof stage, "%d", st);
+            const char *sl[4] = {s->labels[0], rt_role_name(pd_reg_role(s->reg, k)),
+                                 pd_reg_name(s->reg, k), stage};
+            pd_metric_set(s->m_stage, sl, sec[st]);
+        }
     }
 }
 
@@ -228,6 +240,9 @@ int srv_metrics_init(pd_apiserver *s)
         "model_name,transport,prefill_instance,decode_instance", KV_BUCKETS, NB(KV_BUCKETS));
     ADD(s->m_up, PD_METRIC_GAUGE, "pd:instance_up", "1 while the instance is in the routing set.",
         "role,instance", NULL, 0);
+    ADD(s->m_stage, PD_METRIC_COUNTER, "pd:pipeline_stage_seconds_total",
+        "Seconds each pipeline stage of an instance spent computing its part of the steps.",
+        "model_name,role,instance,stage", NULL, 0);
     ADD(s->m_unsent, PD_METRIC_GAUGE, "pd:stream_unsent_bytes",
         "Bytes of streamed responses held for clients that read slowly (relay and HTTP layer).",
         "model_name", NULL, 0);

@@ -43,8 +43,8 @@ struct pd_forward {
     pd_forward_params p;
     pd_model_config cfg;
     size_t H, V, D, I_loc, nq_loc, nkv_loc, n_layers;
-    size_t layer0;     /* the model's index of layers[0] (pipeline stage) */
-    bool first, last;  /* the stage embeds tokens / computes logits */
+    size_t layer0;    /* the model's index of layers[0] (pipeline stage) */
+    bool first, last; /* the stage embeds tokens / computes logits */
     float eps, attn_scale;
 
     fwd_layer *layers;  /* (n_layers) */
@@ -522,9 +522,8 @@ int pd_forward_run_stage(pd_forward *f, pd_kv *kv, const pd_step *st, const floa
                          float *x_out, float *logits)
 {
     if (!f->first != !!x_in || !f->last != !!x_out)
-        return pd_error(PD_EINVAL,
-                        "forward: layers [%zu, +%zu) of %lld take %s and give %s", f->layer0,
-                        f->n_layers, (long long)f->cfg.num_hidden_layers,
+        return pd_error(PD_EINVAL, "forward: layers [%zu, +%zu) of %lld take %s and give %s",
+                        f->layer0, f->n_layers, (long long)f->cfg.num_hidden_layers,
                         f->first ? "token ids" : "the residual stream",
                         f->last ? "logits" : "the residual stream");
     pd_backend *b = f->b;

@@ -17,6 +17,7 @@
 #include <sys/stat.h>
 
 #include "engine/engine_internal.h"
+#include "util/clock.h"
 #include "util/log.h"
 #include "util/status.h"
 
@@ -146,8 +147,8 @@ static int check_params(pd_engine *e)
     size_t layer0, n;
     PD_CHECK(pd_engine_pp_layers((size_t)c->num_hidden_layers, p->pp_size, 0, &layer0, &n));
     if (p->pp_size > 1 && p->backend)
-        return pd_error(PD_EINVAL, "pipeline parallel size %d needs backend NULL (a backend per "
-                        "rank)", p->pp_size);
+        return pd_error(PD_EINVAL, "pipeline parallel size %d needs a backend per rank",
+                        p->pp_size);
     if (p->pp_size > 1 && p->n_cuda_devices && p->n_cuda_devices != p->tp_size * p->pp_size)
         return pd_error(PD_EINVAL,
                         "n_cuda_devices (%d) must be tensor_parallel_size x "
@@ -347,8 +348,8 @@ int pd_engine_create(const pd_engine_params *params, pd_engine **out)
             "engine: %s, tp %d, pp %d, max_model_len %zu, max_num_seqs %zu, "
             "max_num_batched_tokens %zu, vocab %zu, %s",
             pd_arch_name(e->model->config.arch), e->tp, e->pp, e->p.max_model_len,
-            e->p.max_num_seqs,
-            e->p.max_num_batched_tokens, e->vocab, e->tok ? "with tokenizer" : "no tokenizer");
+            e->p.max_num_seqs, e->p.max_num_batched_tokens, e->vocab,
+            e->tok ? "with tokenizer" : "no tokenizer");
     if (e->p.spec_num_tokens)
         PD_INFO("-",
                 "speculative decoding: [ngram], %zu draft tokens per step, n-grams of %zu to %zu, "
@@ -436,6 +437,10 @@ void pd_engine_get_stats(pd_engine *e, pd_engine_stats *out)
     pd_sched_prefix_cache_stats(e->sched, &out->prefix_cache_queries, &out->prefix_cache_hits);
     out->block_size = e->p.block_size;
     pthread_mutex_unlock(&e->mu);
+    for (int s = 0; s < e->pp; s++)
+        out->stage_seconds[s] =
+            (double)atomic_load_explicit(&e->ranks[s * e->tp].busy_ns, memory_order_relaxed) /
+            PD_NS_PER_S;
 }
 
 size_t pd_engine_max_model_len(const pd_engine *e)

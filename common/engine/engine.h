@@ -336,6 +336,9 @@ typedef struct {
     uint64_t spec_draft_tokens;    /* draft tokens verified */
     uint64_t spec_accepted_tokens; /* of those, accepted */
     uint64_t spec_accepted_per_pos[PD_ENGINE_SPEC_MAX_TOKENS]; /* accepted at draft position i */
+    /* cumulative seconds pipeline stage s (its tensor-parallel rank 0) spent computing its part
+       of the steps, waits for the stage before excluded; [0, pp_size) */
+    double stage_seconds[PD_ENGINE_MAX_PP];
 } pd_engine_stats;
 
 /* A consistent snapshot (any thread). */

@@ -189,9 +189,10 @@ struct pd_engine_rank {
     pd_backend *b; /* its stage's backend group's */
     pd_forward *f;
     pd_kv *kv;
-    float *logits;   /* last stage: (max_num_seqs + prompt_logprob_rows, vocab) f32, host */
-    float *x_out;    /* a stage before the last, t > 0: its residual stream, unused (the
-                        hand-over is t 0's) */
+    float *logits;           /* last stage: (max_num_seqs + prompt_logprob_rows, vocab) f32, host */
+    float *x_out;            /* a stage before the last, t > 0: its residual stream, unused (the
+                                hand-over is t 0's) */
+    _Atomic int64_t busy_ns; /* t 0: time in its stage's forward passes (Stats' stage_seconds) */
     uint8_t *bounce; /* (2 * block_size * n_kv_heads * head_dim * elem): one block of one
                         layer, K then V, for copy-on-write */
     size_t bounce_bytes;
@@ -220,15 +221,15 @@ struct pd_engine {
     pd_engine_rank *ranks;                      /* (n_ranks) */
     pd_engine_rank *out;                        /* the rank whose logits are read: the last
                                                    stage's tensor-parallel rank 0 */
-    float *stage_x[PD_ENGINE_MAX_PP]; /* (pp - 1) hand-over of stage s to s + 1: micro-batch m
-                                         at 2 * its first row * hidden, its rows of x then of
-                                         t (2 x max_num_batched_tokens x hidden f32 in all) */
+    float *stage_x[PD_ENGINE_MAX_PP];     /* (pp - 1) hand-over of stage s to s + 1: micro-batch m
+                                             at 2 * its first row * hidden, its rows of x then of
+                                             t (2 x max_num_batched_tokens x hidden f32 in all) */
     uint64_t stage_gen[PD_ENGINE_MAX_PP]; /* = job_gen once stage s handed over in this step */
     int stage_mb[PD_ENGINE_MAX_PP];       /* micro-batches stage s has handed over then */
     int stage_rc[PD_ENGINE_MAX_PP];       /* and its status (a failure ends the step) */
     struct {
-        pd_step st;        /* the step's sequences [seq0, seq0 + st.n_seqs) */
-        size_t row0, out0; /* its first token row and first logit row in the step */
+        pd_step st;         /* the step's sequences [seq0, seq0 + st.n_seqs) */
+        size_t row0, out0;  /* its first token row and first logit row in the step */
     } mb[PD_ENGINE_MAX_PP]; /* the step's micro-batches (pp > 1) */
     int n_mb;
     int32_t *mb_ints; /* their rebased q_indptr, block_indptr and out_rows */

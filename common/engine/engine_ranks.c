@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "engine/engine_internal.h"
+#include "util/clock.h"
 #include "util/status.h"
 
 _Static_assert(PD_ENGINE_MAX_CUDA_DEVICES == PD_BACKEND_GROUP_MAX_DEVICES,
@@ -79,8 +80,8 @@ static void split_step(pd_engine *e)
 {
     const pd_step *st = &e->step;
     int want = e->p.pp_micro_batches > 0 ? e->p.pp_micro_batches
-               : e->p.n_cuda_devices > 0  ? e->pp
-                                          : 1;
+               : e->p.n_cuda_devices > 0 ? e->pp
+                                         : 1;
     int M = want < (int)st->n_seqs ? want : (int)st->n_seqs;
     if (M < 1) M = 1;
     e->n_mb = M;
@@ -100,7 +101,8 @@ static void split_step(pd_engine *e)
             bp[i] = bi[a + i] - bi[a];
         }
         size_t n_out = 0, out0 = out;
-        while (out < st->n_out && st->out_rows[out] < q[b]) orow[n_out++] = st->out_rows[out++] - q[a];
+        while (out < st->n_out && st->out_rows[out] < q[b])
+            orow[n_out++] = st->out_rows[out++] - q[a];
         *sub = (pd_step){.n_seqs = b - a,
                          .token_ids = st->token_ids + q[a],
                          .q_indptr = qi,
@@ -121,24 +123,29 @@ static void rank_job(pd_engine_rank *rk)
     pd_engine *e = rk->e;
     bool gives = rk->stage < e->pp - 1 && rk->t == 0; /* the hand-over to the next stage */
     int rc = rank_copy_blocks(rk, e->so.copies, e->so.n_copies);
+    int64_t busy = 0, t0 = pd_now_ns();
     if (e->pp == 1) {
         if (rc >= 0) rc = pd_forward_run(rk->f, rk->kv, &e->step, rk->logits);
+        busy = pd_now_ns() - t0;
     } else {
         size_t H = e->hidden;
         int m = 0;
         for (; m < e->n_mb && rc >= 0; m++) {
             size_t x = 2 * e->mb[m].row0 * H;
             if (rk->stage > 0) rc = wait_stage(rk, m);
+            t0 = pd_now_ns();
             if (rc >= 0)
                 rc = pd_forward_run_stage(
                     rk->f, rk->kv, &e->mb[m].st,
                     rk->stage > 0 ? e->stage_x[rk->stage - 1] + x : NULL,
                     rk->stage == e->pp - 1 ? NULL : (gives ? e->stage_x[rk->stage] : rk->x_out) + x,
                     rk->logits ? rk->logits + e->mb[m].out0 * e->vocab : NULL);
+            busy += pd_now_ns() - t0;
             if (gives && rc >= 0) give_stage(rk, m + 1, rc);
         }
         if (gives && rc < 0) give_stage(rk, m, rc);
     }
+    if (rk->t == 0) atomic_fetch_add_explicit(&rk->busy_ns, busy, memory_order_relaxed);
     rk->rc = rc;
     if (rc < 0)
         snprintf(rk->err, sizeof rk->err, "rank %d (pipeline stage %d): %s", rk->r, rk->stage,
@@ -301,10 +308,9 @@ int eng_ranks_create(pd_engine *e)
         fp.max_out = eng_max_out_rows(p);
         fp.kv_dtype = e->kv_dtype;
         PD_CHECK(pd_engine_pp_layers((size_t)e->model->config.num_hidden_layers, e->pp, rk->stage,
-                               &fp.layer0, &fp.n_layers));
+                                     &fp.layer0, &fp.n_layers));
         PD_CHECK(pd_forward_create(rk->b, e->model, &fp, &rk->f));
-        if (rk->stage < e->pp - 1 && rk->t > 0 &&
-            !(rk->x_out = malloc(2 * T * H * sizeof(float))))
+        if (rk->stage < e->pp - 1 && rk->t > 0 && !(rk->x_out = malloc(2 * T * H * sizeof(float))))
             return pd_error(PD_ENOMEM, "engine: out of memory");
     }
     return PD_OK;

@@ -470,8 +470,10 @@ static int kv_scale(const pd_st *st, int layer, const char *suffix, float *out)
                         t->file, name, pd_dtype_st_name(t->dtype), (long long)pd_tensor_numel(t));
     float v = elem_f32(t, 0);
     if (!(v > 0.0f) || !isfinite(v))
-        return pd_error(PD_EINVAL, "%s: tensor '%s': a KV cache scale must be positive and finite, "
-                        "got %g", t->file, name, (double)v);
+        return pd_error(PD_EINVAL,
+                        "%s: tensor '%s': a KV cache scale must be positive and finite, "
+                        "got %g",
+                        t->file, name, (double)v);
     *out = v;
     return PD_OK;
 }

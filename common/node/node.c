@@ -371,6 +371,8 @@ static void h_stats(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len)
         pos[i] = (int64_t)st.spec_accepted_per_pos[i];
     m.n_spec_accepted_per_pos = n->p.engine.spec_num_tokens;
     m.spec_accepted_per_pos = pos;
+    m.n_stage_seconds = (size_t)n->pp;
+    m.stage_seconds = st.stage_seconds;
     pthread_mutex_lock(&n->mu);
     m.leases_held = n->leases;
     m.kv_transfer_bytes = n->kv_bytes;
@@ -505,8 +507,7 @@ static int node_load_ranktables(pd_node *n)
         return pd_error(PD_EINVAL,
                         "--tensor-parallel-size %d x --pipeline-parallel-size %d does not match "
                         "the %d device(s) of %s instance %zu in %s",
-                        n->tp, n->pp, n->n_ranks, rt_role_name(role), index,
-                        p->global_ranktable);
+                        n->tp, n->pp, n->n_ranks, rt_role_name(role), index, p->global_ranktable);
     return PD_OK;
 }
 

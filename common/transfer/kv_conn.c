@@ -152,9 +152,9 @@ kv_expect *kv_rx_check(pd_kv_tcp_receiver *rx, const kv_hdr *h, kv_expect ***lin
         return NULL;
     }
     if (h->layer < rx->p.layer0 || h->layer - rx->p.layer0 >= (size_t)kp->n_layers)
-        *rc = pd_error(PD_EINVAL, "kv frame %s: layer %u outside this rank's %zu..%zu",
-                       h->request_id, h->layer, rx->p.layer0,
-                       rx->p.layer0 + (size_t)kp->n_layers - 1);
+        *rc =
+            pd_error(PD_EINVAL, "kv frame %s: layer %u outside this rank's %zu..%zu", h->request_id,
+                     h->layer, rx->p.layer0, rx->p.layer0 + (size_t)kp->n_layers - 1);
     else if (h->n_heads == 0 || h->head0 < rx->p.head0 ||
              (size_t)h->head0 + h->n_heads > rx->p.head0 + rx->n_local_heads)
         *rc = pd_error(PD_EINVAL, "kv frame %s: heads %u..%u outside this rank's %zu..%zu",

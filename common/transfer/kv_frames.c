@@ -96,8 +96,7 @@ int kv_send_layers(const pd_kv_send_req *r, int *first, int *end)
 
 bool kv_send_partial(const pd_kv_send_req *r)
 {
-    return r->layer0 != 0 ||
-           (r->send_layers && r->send_layers != (size_t)r->kv_params.n_layers);
+    return r->layer0 != 0 || (r->send_layers && r->send_layers != (size_t)r->kv_params.n_layers);
 }
 
 void kv_hdr_for(const pd_kv_send_req *r, int layer, size_t tokens, uint16_t flags,

@@ -75,8 +75,8 @@ void pd_kv_tcp_receiver_stop(pd_kv_tcp_receiver *rx);
 
 /* Registers an expected import: the prompt's n_tokens tokens go into the n_blocks blocks of
  * block_ids (copied; n_tokens 0 = every slot of every block), all the rank's layers and heads
- * (from whichever prefill ranks hold them). PD_EEXIST when the id is already expected or was imported; PD_EINVAL when n_tokens
- * does not end in the last block. */
+ * (from whichever prefill ranks hold them). PD_EEXIST when the id is already expected or was
+ * imported; PD_EINVAL when n_tokens does not end in the last block. */
 int pd_kv_rx_expect(pd_kv_tcp_receiver *rx, const char *request_id, const int32_t *block_ids,
                     size_t n_blocks, size_t n_tokens);
 /* Forgets an expected import (abort, reservation expired). Frames arriving later are refused.

@@ -176,10 +176,10 @@ static int check_shapes(const cli_args *a, const rt_global *g, char *desc, size_
             return 1;
         }
         size_t count = rt_global_instance_count(g, role);
-        int w = count ? snprintf(desc + used, n - used, "%s%zu %s (TP %ld x PP %ld)",
-                                 i ? "; " : "", count, rt_role_name(role), devices / pp, pp)
-                      : snprintf(desc + used, n - used, "%s0 %s", i ? "; " : "",
-                                 rt_role_name(role));
+        int w = count
+                    ? snprintf(desc + used, n - used, "%s%zu %s (TP %ld x PP %ld)", i ? "; " : "",
+                               count, rt_role_name(role), devices / pp, pp)
+                    : snprintf(desc + used, n - used, "%s0 %s", i ? "; " : "", rt_role_name(role));
         if (w > 0 && (size_t)w < n - used) used += (size_t)w;
     }
     return 0;

@@ -388,8 +388,10 @@ TEST(cuda_engine_pp2_matches_pp1_f32_mode)
             p.gpu_memory_utilization = 0.2;
             pd_engine *e = NULL;
             ASSERT_OK(pd_engine_create(&p, &e));
-            if (pp == 2) memset(&got, 0, sizeof got);
-            else memset(&ref, 0, sizeof ref);
+            if (pp == 2)
+                memset(&got, 0, sizeof got);
+            else
+                memset(&ref, 0, sizeof ref);
             int rc = run(e, 0, N_REQ, false, pp == 1 ? &ref : &got);
             pd_engine_stats st;
             pd_engine_get_stats(e, &st);

@@ -371,8 +371,9 @@ TEST(pd_node_refuses_wrong_tp_and_unknown_instance)
     char *tp2[] = {prefill, "--model", (char *)model, "--port", "1", "--tensor-parallel-size",
                    "2",     NULL};
     refused(tp2, env, log, text, sizeof text);
-    ASSERT_CONTAINS(text, "--tensor-parallel-size 2 x --pipeline-parallel-size 1 does not match the "
-                          "1 device(s)");
+    ASSERT_CONTAINS(text,
+                    "--tensor-parallel-size 2 x --pipeline-parallel-size 1 does not match the "
+                    "1 device(s)");
     /* a decode binary pointed at the prefill instance's table */
     char *role[] = {
         (char *)cl_bin("decode_node/pd-decode"), "--model", (char *)model, "--port", "1", NULL};

@@ -48,6 +48,17 @@ for line in sys.stdin:
 print(",".join(ids) if done else "no [DONE]")') || fail "stream"
     [ "$ids" = "${want[0]}" ] || fail "P($pflags) -> D($dflags): streamed $ids, colocated ${want[0]}"
     grep -q "TP 1, PP 2\|TP 2, PP 1\|TP 2, PP 2\|TP 1, PP 4" "$work/prefill.log" || fail "no TP/PP start-up line"
+    # each stage of each instance reports its compute time (Stats reach /metrics each heartbeat)
+    np=$(grep -o -- "--pipeline-parallel-size [0-9]" <<<"$pflags" | grep -o "[0-9]$" || echo 1)
+    nd=$(grep -o -- "--pipeline-parallel-size [0-9]" <<<"$dflags" | grep -o "[0-9]$" || echo 1)
+    for _ in $(seq 50); do
+        series=$(curl -s "http://127.0.0.1:$sp/metrics" | grep '^pd:pipeline_stage_seconds_total' |
+            awk '$NF > 0' | grep -o 'role="[a-z]*".*stage="[0-9]*"' | sed 's/instance="[^"]*",//' | sort -u)
+        [ "$(grep -c prefill <<<"$series")" = "$np" ] && [ "$(grep -c decode <<<"$series")" = "$nd" ] && break
+        sleep 0.1
+    done
+    [ "$(grep -c prefill <<<"$series")" = "$np" ] && [ "$(grep -c decode <<<"$series")" = "$nd" ] ||
+        fail "pd:pipeline_stage_seconds_total: want $np prefill and $nd decode stages busy, got: $series"
     echo "ok P($pflags) -> D($dflags): completions and a stream = colocated pd-generate"
     stop_all
 done

@@ -6,7 +6,8 @@
  *               [--prompt-logprobs K] [--dtype auto|float32|bfloat16]
  *               [--ignore-eos] [--beam-width W [--length-penalty X]] [--quantization METHOD]
  *               [--kv-cache-dtype auto|fp8|fp8_e4m3] [--tensor-parallel-size T]
- *               [--pipeline-parallel-size P] [--cuda-device N [--dtype auto|float32|bfloat16|float16]]
+ *               [--pipeline-parallel-size P] [--cuda-device N [--dtype
+ * auto|float32|bfloat16|float16]]
  *
  * Design: a thin driver over the engine (engine.h) — the same scheduler, sampler, detokenizer
  * and stop checker that pd-decode runs, so split and colocated serving agree token for token.
@@ -512,8 +513,10 @@ int main(int argc, char **argv)
     ep.tp_size = (int)a.tp;
     ep.pp_size = (int)a.pp;
     if (a.tp * a.pp > PD_ENGINE_MAX_CUDA_DEVICES) {
-        fprintf(stderr, "pd-generate: --tensor-parallel-size x --pipeline-parallel-size: at most %d "
-                        "ranks\n", PD_ENGINE_MAX_CUDA_DEVICES);
+        fprintf(stderr,
+                "pd-generate: --tensor-parallel-size x --pipeline-parallel-size: at most %d "
+                "ranks\n",
+                PD_ENGINE_MAX_CUDA_DEVICES);
         return 2;
     }
     if (a.cuda_device >= 0) { /* the engine explains when this build or machine has no GPU */

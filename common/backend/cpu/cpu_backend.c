@@ -401,7 +401,8 @@ static void kv_copy_range(pd_kv *kv, const pd_kv_range *r, char *host, int dir)
         char *h = host + (size_t)part * half;
         for (size_t i = 0; i < r->n_blocks; i++)
             for (size_t t = 0; t < bs; t++) {
-                uint8_t *pp = pool + (((size_t)r->block_ids[i] * bs + t) * H + r->head0) * D * kv->es;
+                uint8_t *pp =
+                    pool + (((size_t)r->block_ids[i] * bs + t) * H + r->head0) * D * kv->es;
                 char *hp = h + (i * bs + t) * run;
                 if (dir == 0)
                     memcpy(hp, pp, run);

@@ -562,7 +562,8 @@ INLINE_AVX512 __m512 exp16(__m512 x)
  * times 2^-8; attn_regs folds 2^8 and the layer's scale into the score scale and the output). */
 INLINE_AVX512 __m512 kv16(const uint8_t *p, int v, const int F8)
 {
-    return F8 ? load_q16(p, CPU_WQ_FP8, 16 * (size_t)v) : _mm512_loadu_ps((const float *)p + 16 * v);
+    return F8 ? load_q16(p, CPU_WQ_FP8, 16 * (size_t)v)
+              : _mm512_loadu_ps((const float *)p + 16 * v);
 }
 
 INLINE_AVX512 void attn_regs(const float *q, const cpu_kv_layer *kv, int kv_head,

@@ -69,7 +69,8 @@ void cpu_attention_head(const float *q, const cpu_kv_layer *kv, int kv_head,
         for (size_t t = 0; t < cn; t++) {
             size_t pos = c0 + t;
             size_t slot = (size_t)block_table[pos / bs] * bs + pos % bs;
-            const float *key = kv_row(kv, kv->k, kv->k_scale, slot * kv->token_elems + (size_t)kv_head * D, row);
+            const float *key =
+                kv_row(kv, kv->k, kv->k_scale, slot * kv->token_elems + (size_t)kv_head * D, row);
             sc[t] = dot(q, key, D) * scale;
             if (sc[t] > mc) mc = sc[t];
         }
@@ -83,7 +84,8 @@ void cpu_attention_head(const float *q, const cpu_kv_layer *kv, int kv_head,
         for (size_t t = 0; t < cn; t++) {
             size_t pos = c0 + t;
             size_t slot = (size_t)block_table[pos / bs] * bs + pos % bs;
-            const float *val = kv_row(kv, kv->v, kv->v_scale, slot * kv->token_elems + (size_t)kv_head * D, row);
+            const float *val =
+                kv_row(kv, kv->v, kv->v_scale, slot * kv->token_elems + (size_t)kv_head * D, row);
             float p = expf(sc[t] - m);
             l += p;
             axpy(acc, p, val, D);

@@ -643,8 +643,12 @@ static void kv_case_open(kv_case *c, pd_cpu_isa isa, pd_dtype dt, size_t D, int 
     memset(c, 0, sizeof *c);
     c->b = cpu(isa, 2);
     c->o = pd_backend_get_ops(c->b);
-    pd_kv_params kp = {.n_layers = 2, .n_blocks = 6, .block_size = 16, .n_kv_heads = 2,
-                       .head_dim = D, .dtype = dt};
+    pd_kv_params kp = {.n_layers = 2,
+                       .n_blocks = 6,
+                       .block_size = 16,
+                       .n_kv_heads = 2,
+                       .head_dim = D,
+                       .dtype = dt};
     if (c->o->kv_create(c->b, &kp, &c->kv) < 0) c->kv = NULL;
     for (int i = 0; i < 6; i++) c->blocks[i] = 5 - i;
     for (int t = 0; t < T; t++) {
@@ -659,9 +663,17 @@ static void kv_case_open(kv_case *c, pd_cpu_isa isa, pd_dtype dt, size_t D, int 
 
 static int kv_case_plan(kv_case *c, size_t D, int T)
 {
-    pd_batch bt = {.n_tokens = (size_t)T, .token_ids = c->ids, .positions = c->pos,
-                   .slots = c->slots, .rope_cos = c->cs, .rope_sin = c->sn, .rope_dim = D,
-                   .n_seqs = 1, .q_indptr = c->qi, .kv_len = c->kl, .block_indptr = c->bi,
+    pd_batch bt = {.n_tokens = (size_t)T,
+                   .token_ids = c->ids,
+                   .positions = c->pos,
+                   .slots = c->slots,
+                   .rope_cos = c->cs,
+                   .rope_sin = c->sn,
+                   .rope_dim = D,
+                   .n_seqs = 1,
+                   .q_indptr = c->qi,
+                   .kv_len = c->kl,
+                   .block_indptr = c->bi,
                    .block_ids = c->blocks};
     return c->o->plan(c->b, &bt);
 }
@@ -725,14 +737,14 @@ TEST(fp8_kv_cache_attention_equals_dequantized)
             ASSERT_OK(c8.o->attention(c8.b, c8.kv, 1, q, NQ, 0.2f, o8));
             /* the pool's bytes, through export; then imported into another fp8 pool */
             uint8_t *got = malloc(2 * (size_t)6 * 16 * te);
-            pd_kv_range r = {.layer = 1, .block_ids = c8.blocks, .n_blocks = 5, .head0 = 0,
-                             .n_heads = 2};
+            pd_kv_range r = {
+                .layer = 1, .block_ids = c8.blocks, .n_blocks = 5, .head0 = 0, .n_heads = 2};
             ASSERT_OK(c8.o->kv_export(c8.b, c8.kv, &r, got));
             for (size_t part = 0; part < 2; part++)
                 for (size_t i = 0; i < (size_t)T * te; i++)
                     ASSERT_MSG(got[part * 5 * 16 * te + i] == want[part * 6 * 16 * te + i],
-                               "D %zu: %s byte %zu: 0x%02x, want 0x%02x", D, part ? "V" : "K",
-                               i, got[part * 5 * 16 * te + i], want[part * 6 * 16 * te + i]);
+                               "D %zu: %s byte %zu: 0x%02x, want 0x%02x", D, part ? "V" : "K", i,
+                               got[part * 5 * 16 * te + i], want[part * 6 * 16 * te + i]);
             ASSERT_OK(cin.o->kv_import(cin.b, cin.kv, &r, got));
             ASSERT_OK(kv_case_plan(&cin, D, T));
             float *oin = malloc((size_t)T * NQ * D * 4);
@@ -747,8 +759,8 @@ TEST(fp8_kv_cache_attention_equals_dequantized)
                 double err = fabs((double)o8[i] - o32[i]) / (1.0 + fabs((double)o32[i]));
                 if (err > worst) worst = err;
             }
-            ASSERT_MSG(worst < 2e-6, "isa %d D %zu: fp8 attention differs by %.3g", (int)isa[ii],
-                       D, worst);
+            ASSERT_MSG(worst < 2e-6, "isa %d D %zu: fp8 attention differs by %.3g", (int)isa[ii], D,
+                       worst);
             free(got), free(oin);
             kv_case_close(&c8), kv_case_close(&c32), kv_case_close(&cin);
         }

@@ -767,7 +767,8 @@ TEST(engine_pp_matches_pp1)
     ASSERT_OK(tiny());
     char dir[1100], cmd[4096];
     snprintf(dir, sizeof dir, "%s/tiny5", pdt_tmp_dir());
-    snprintf(cmd, sizeof cmd, "%s/tools/mkmodel/pd-mkmodel --preset tiny --layers 5 --out %s > /dev/null",
+    snprintf(cmd, sizeof cmd,
+             "%s/tools/mkmodel/pd-mkmodel --preset tiny --layers 5 --out %s > /dev/null",
              getenv("PD_BUILD_ROOT"), dir);
     ASSERT_EQ_INT(system(cmd), 0);
     pd_model *m = NULL;
@@ -812,8 +813,8 @@ TEST(engine_pp_matches_pp1)
         ASSERT_OK(rc);
         for (int i = 0; i < N; i++) {
             ASSERT_MSG(same_tokens(&ref[i], &got[i], i == 4 ? 2 : 1),
-                       "tp %d pp %d micro %d: request %d differs", cfg[c][0], cfg[c][1],
-                       cfg[c][2], i);
+                       "tp %d pp %d micro %d: request %d differs", cfg[c][0], cfg[c][1], cfg[c][2],
+                       i);
             for (size_t k = 0; k < ref[i].n[0]; k++)
                 ASSERT_MSG(lr.h[i][k] == lg.h[i][k],
                            "tp %d pp %d micro %d: request %d: logits %zu differ", cfg[c][0],

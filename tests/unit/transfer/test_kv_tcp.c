@@ -102,7 +102,8 @@ TEST(kv_tcp_pipeline_stages)
     pd_kv_send_req w = req_for("c", &p1, 0, pb, 2, rx0, 0, HEADS);
     ASSERT_ERR(pd_kv_tcp_send(tx, &w, NULL), PD_EINVAL, "layer 2 outside this rank's 0..0");
     w.send_layer0 = 0, w.send_layers = 1;
-    ASSERT_ERR(pd_kv_tcp_send(tx, &w, NULL), PD_EINVAL, "layers [0, +1) outside the pool's [2, +1)");
+    ASSERT_ERR(pd_kv_tcp_send(tx, &w, NULL), PD_EINVAL,
+               "layers [0, +1) outside the pool's [2, +1)");
     pd_kv_tcp_sender_free(tx);
     pd_kv_tcp_receiver_stop(rx);
     pd_kv_tcp_receiver_stop(rx0);
