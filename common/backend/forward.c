@@ -503,14 +503,9 @@ static int qkv_rope_kv_write(pd_forward *f, const fwd_layer *L, size_t n, pd_kv 
     return f->o->kv_write(f->b, kv, layer, f->k, f->v);
 }
 
-int pd_forward_first_stage(const pd_forward *f)
+size_t pd_forward_layer0(const pd_forward *f)
 {
-    return f->first;
-}
-
-int pd_forward_last_stage(const pd_forward *f)
-{
-    return f->last;
+    return f->layer0;
 }
 
 int pd_forward_run(pd_forward *f, pd_kv *kv, const pd_step *st, float *logits)

@@ -102,9 +102,8 @@ int pd_forward_run(pd_forward *f, pd_kv *kv, const pd_step *step, float *logits)
  * exactly the operations of the whole one: its tokens are identical. */
 int pd_forward_run_stage(pd_forward *f, pd_kv *kv, const pd_step *step, const float *x_in,
                          float *x_out, float *logits);
-/* 1 when f embeds tokens (its first layer is the model's first), 1 when it computes logits. */
-int pd_forward_first_stage(const pd_forward *f);
-int pd_forward_last_stage(const pd_forward *f);
+/* The model's index of f's first layer (its pipeline stage's; 0 without stages). */
+size_t pd_forward_layer0(const pd_forward *f);
 
 /* Vocabulary size (logit row length), hidden size, and backend bytes of the loaded weights. */
 size_t pd_forward_vocab(const pd_forward *f);

@@ -486,6 +486,13 @@ pd_backend *pd_engine_backend(const pd_engine *e, int rank)
     return rank >= 0 && rank < e->n_ranks ? e->ranks[rank].b : NULL;
 }
 
+pd_kv_params pd_engine_rank_kv(const pd_engine *e, int rank, size_t *layer0)
+{
+    const pd_forward *f = e->ranks[rank].f;
+    *layer0 = pd_forward_layer0(f);
+    return pd_forward_kv_params(f, pd_kvpool_num_blocks(e->pool), e->p.block_size);
+}
+
 pd_kv *pd_engine_kv(const pd_engine *e, int rank)
 {
     return rank >= 0 && rank < e->n_ranks ? e->ranks[rank].kv : NULL;

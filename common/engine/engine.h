@@ -373,6 +373,8 @@ const pd_model_config *pd_engine_model_config(const pd_engine *e);
  * r is tensor-parallel rank r % tp_size of pipeline stage r / tp_size, whose pool holds the
  * stage's layers only. */
 pd_backend *pd_engine_backend(const pd_engine *e, int rank);
+/* Rank r's pool parameters (its stage's layers) and the model's index of its first layer. */
+pd_kv_params pd_engine_rank_kv(const pd_engine *e, int rank, size_t *layer0);
 pd_kv *pd_engine_kv(const pd_engine *e, int rank);
 
 #endif

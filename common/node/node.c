@@ -119,17 +119,6 @@ void node_req_remove(pd_node *n, req *r)
 
 /* ---- helpers ------------------------------------------------------------------------------- */
 
-pd_kv_params node_rank_kv(const pd_node *n, int r, size_t *layer0)
-{
-    pd_kv_params kp = n->kvp;
-    size_t count = kp.n_layers;
-    *layer0 = 0;
-    (void)pd_engine_pp_layers((size_t)kp.n_layers, n->pp, r / n->tp, layer0, &count); /* checked
-                                                                 when the engine was made */
-    kp.n_layers = (int)count;
-    return kp;
-}
-
 /* pd_rpc_reply of m: PD_ECANCELLED when the caller was already gone. */
 int node_reply(pd_rpc_call *call, const ProtobufCMessage *m)
 {
@@ -303,7 +292,7 @@ static void h_info(void *ctx, pd_rpc_call *call, const uint8_t *b, size_t len)
     Pd__RankInfo **rp = pd_arena_calloc(a, (size_t)n->n_ranks, sizeof *rp);
     for (int r = 0; r < n->n_ranks; r++) {
         size_t layer0;
-        pd_kv_params kp = node_rank_kv(n, r, &layer0);
+        pd_kv_params kp = pd_engine_rank_kv(n->e, r, &layer0);
         pd__rank_info__init(&ri[r]);
         ri[r].rank = r;
         ri[r].device_id = n->inst->devices[r].ordinal;

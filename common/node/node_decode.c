@@ -452,7 +452,7 @@ int node_decode_start(pd_node *n)
                               .port = 0,
                               .backend = pd_engine_backend(n->e, r),
                               .kv = pd_engine_kv(n->e, r),
-                              .kv_params = node_rank_kv(n, r, &layer0),
+                              .kv_params = pd_engine_rank_kv(n->e, r, &layer0),
                               .head0 = n->kvp.n_kv_heads * (size_t)(r % n->tp)};
         rp.layer0 = layer0;
         PD_CHECK(pd_kv_tcp_receiver_start(&rp, on_kv_imported, n, &n->rx[r]));

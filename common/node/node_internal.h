@@ -107,7 +107,7 @@ struct pd_node {
     int tp, pp, n_ranks; /* rank r: tensor-parallel rank r % tp of pipeline stage r / tp */
     pd_engine *e;
     const pd_model_config *cfg;
-    pd_kv_params kvp; /* a rank's pool, but n_layers: the model's (node_rank_kv gives a rank's) */
+    pd_kv_params kvp; /* a rank's pool, but n_layers: the model's (pd_engine_rank_kv: a rank's) */
     pd_rpc_server *srv;
     pd_rpc_method methods[8];
     pthread_mutex_t mu; /* the request table, job queue, counters */
@@ -165,8 +165,6 @@ void node_ev_list_free(ev_list *l);
 
 /* pd_rpc_reply of m: PD_ECANCELLED when the caller was already gone. */
 int node_reply(pd_rpc_call *call, const ProtobufCMessage *m);
-/* Rank r's KV pool (its stage's layers) and the model index of its first layer. */
-pd_kv_params node_rank_kv(const pd_node *n, int r, size_t *layer0);
 /* gRPC status for an engine/library status. */
 int node_rpc_status(int st);
 /* Engine event -> TokenEvent allocated in a (NULL: out of memory). */

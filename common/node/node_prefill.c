@@ -110,7 +110,7 @@ static int transfer_kv(pd_node *n, job *j, int64_t *bytes, double *seconds, cons
                           dt->kv_layers > 0 ? (size_t)dt->kv_layers : all_layers};
         for (int rank = 0; rank < n->n_ranks; rank++) {
             size_t layer0;
-            pd_kv_params kp = node_rank_kv(n, rank, &layer0);
+            pd_kv_params kp = pd_engine_rank_kv(n->e, rank, &layer0);
             pd_kv_part src = {p_heads * (size_t)(rank % n->tp), p_heads, layer0,
                               (size_t)kp.n_layers},
                        part;
