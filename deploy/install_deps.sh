@@ -3,19 +3,30 @@
 # Idempotent: when every package is already present it returns at once without
 # touching apt. Non-interactive. Needs root (or passwordless sudo) only when
 # something is actually missing.
+#   --build   only what building needs (and the unit suite), under names Debian 12 and
+#             Ubuntu 24.04 share: the images' build stages (deploy/Dockerfile*) use this.
 [ -n "${BASH_VERSION:-}" ] || exec bash "$0" "$@" # `sh install_deps.sh` (dash) re-runs under bash
 set -euo pipefail
-case "${1:-}" in -h|--help) sed -n '2,5p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
-
-PKGS=(
+BUILD_PKGS=(
   meson ninja-build pkg-config gcc g++ libc6-dev
   libuv1-dev libjansson-dev node-llhttp
   libgrpc-dev protobuf-c-compiler libprotobuf-c-dev libssl-dev zlib1g-dev
   libopenblas-dev
+)
+# The tests' references and tools; docker.io, debootstrap, iptables and iproute2 run the
+# deployment tests (tests/deploy: images, hosts in network namespaces).
+TEST_PKGS=(
   python3 python3-numpy python3-jinja2 python3-yaml python3-jsonschema
   curl wrk valgrind clang libclang-rt-14-dev shellcheck
   nodejs npm
+  docker.io debootstrap iptables iproute2
 )
+case "${1:-}" in
+  -h|--help) sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+  --build) PKGS=("${BUILD_PKGS[@]}") ;;
+  "") PKGS=("${BUILD_PKGS[@]}" "${TEST_PKGS[@]}") ;;
+  *) echo "install_deps: unknown argument '$1' (try --help)" >&2; exit 2 ;;
+esac
 
 missing=()
 for p in "${PKGS[@]}"; do

@@ -135,7 +135,9 @@ void srv_admit_pump(pd_apiserver *s)
     }
     int old = c->d_node;
     pd_reg_release(s->reg, old, c->d_tokens);
-    c->d_node = srv_pick_for(s, c, RT_ROLE_DECODE, -1, &c->d_tokens);
+    c->d_node = srv_pick_for(s, c, RT_ROLE_DECODE, c->d_avoid, &c->d_tokens);
+    if (c->d_node < 0 && c->d_avoid >= 0) /* the one it failed on is the only one up */
+        c->d_node = srv_pick_for(s, c, RT_ROLE_DECODE, -1, &c->d_tokens);
     if (c->d_node < 0 ||
         (c->d_node != old &&
          pd_reg_decode_targets(s->reg, c->d_node, r->a, &c->targets, &c->n_targets) < 0)) {

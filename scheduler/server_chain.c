@@ -165,6 +165,7 @@ static void retry_decode(choice *c, const char *what, const char *details, bool 
             pd_reg_name(r->s->reg, c->d_node), details);
     if (gone) pd_reg_report_failure(r->s->reg, c->d_node, details);
     srv_send_abort(r->s, c->d_node, c->sub_id);
+    c->d_avoid = c->d_node;
     free(c->block_ids);
     c->block_ids = NULL;
     c->n_block_ids = 0;
@@ -225,7 +226,9 @@ static void start_prefill(choice *c)
     q.decode_block_ids = c->block_ids;
     q.n_decode_block_ids = c->n_block_ids;
     q.decode_cached_tokens = c->decode_cached;
-    q.lease_ms = srv_prefill_timeout_ms(s);
+    /* half the call's deadline: a decode side that does not take the KV (its data plane cut
+       off, say) fails the call ABORTED while there is time to try another decode instance */
+    q.lease_ms = srv_prefill_timeout_ms(s) / 2;
     size_t len = 0;
     uint8_t *buf = chain_pack(c, PH_PREFILL, &q.base, &len);
     if (!buf) return;

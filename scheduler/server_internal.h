@@ -86,6 +86,9 @@ typedef struct choice {
     char sub_id[48]; /* request id the nodes see */
     /* set by the loop before the chain starts; read-only afterwards */
     int d_node;
+    /* the decode instance this choice failed on last (-1: none): the retry goes elsewhere
+       when another one is up */
+    int d_avoid;
     int64_t d_tokens; /* charged to d_node in the registry (srv_pick_for) */
     Pd__DecodeTarget **targets;
     size_t n_targets;

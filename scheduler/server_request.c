@@ -663,7 +663,7 @@ void srv_dispatch(sreq *r)
         c->r = r;
         c->index = i;
         c->prompt_idx = i / n;
-        c->p_node = c->d_node = -1;
+        c->p_node = c->d_node = c->d_avoid = -1;
         c->rides = beam && i % n;
         c->n_riders = beam && !c->rides ? n - 1 : 0;
         srv_choice_sub_id(r, i, 0, c->sub_id, sizeof c->sub_id);

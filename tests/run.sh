@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Runs every pdserve test: installs what is missing, builds build/ (CUDA objects too when nvcc
-# exists) and build-asan/ (ASan + UBSan), runs unit, integration and GPU tests in both, and
+# exists) and build-asan/ (ASan + UBSan), runs unit, integration, GPU and deploy tests in both, and
 # ends with one line "N passed, M failed, K skipped". Exit status non-zero on any failure.
 #   tests/run.sh            full run (what CI does)
 #   tests/run.sh --fast     skip the sanitizer build
-#   tests/run.sh --suite S  only meson suite S (unit, integration, gpu); may repeat
+#   tests/run.sh --suite S  only meson suite S (unit, integration, gpu, deploy); may repeat
 # GPU tests exit 77 without a device and are counted as skipped, with the reason printed.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)

@@ -625,6 +625,15 @@ int pd_node_create(const pd_node_params *p, pd_node **out)
             "%zu blocks x %zu tokens",
             rt_role_name(n->role), n->index, n->inst->server_id, n->n_ranks, n->tp, n->pp,
             n->p.served_model_name, addr, n->kvp.n_blocks, n->kvp.block_size);
+    if (n->rx) { /* the ports a firewall between the hosts must let through */
+        char dp[1024];
+        size_t len = 0;
+        for (int r = 0; r < n->n_ranks && len < sizeof dp; r++)
+            len +=
+                (size_t)snprintf(dp + len, sizeof dp - len, "%s%s:%d", r ? ", " : "",
+                                 n->inst->devices[r].device_ip, pd_kv_tcp_receiver_port(n->rx[r]));
+        PD_INFO(NULL, "KV data plane (rank by rank): %s", dp);
+    }
     *out = n;
     return PD_OK;
 fail:;

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Checks the deployment files that cannot run here (no Docker daemon, no Kubernetes cluster):
+# Checks the deployment files without running them (tests/deploy builds and runs the images):
 #  1. deploy/run_instance.sh --dry-run for a generated 1P1D TP2 ranktable set (GPUs 4,5 / 6,7):
 #     the docker command of each instance (devices, --net=host, env, read-only mounts, name,
 #     pass-through flags), that its env + mounts lead start_servers.sh's own check to the right
@@ -9,7 +9,7 @@
 #     pod's RANK_TABLE_FILE_PATH names its own table, DNS names, hostNetwork, probes, Services);
 #     Kubernetes JSON-schema validation (npm kubernetes-models) when the npm cache has it.
 #  3. deploy/Dockerfile*: structure (stages, COPY sources, entry point), every RUN through `sh -n`,
-#     the package list against install_deps.sh, the ldd -> package step run on our executables,
+#     the packages from install_deps.sh, the ldd -> package step run on our executables,
 #     and dockerfile-utils' linter (npm) when the npm cache has it.
 #  4. bash -n and shellcheck (warnings and errors) on every deploy script; each one's --help
 #     under `sh` (dash, as the guide runs start_servers.sh) and under bash in POSIX mode.
@@ -334,16 +334,12 @@ def instructions(path):
     assert not cur, f"{path}: ends inside a continued line"
     return out
 
-def install_deps():
-    txt = open(f"{src}/deploy/install_deps.sh").read()
-    return re.search(r"PKGS=\(\n(.*?)\n\)", txt, re.S).group(1).split()
-
 known = {"FROM", "ARG", "ENV", "RUN", "COPY", "WORKDIR", "ENTRYPOINT", "CMD", "LABEL", "EXPOSE", "USER"}
-ubuntu_names = {"libclang-rt-14-dev": "libclang-rt-18-dev"}   # Debian 12 -> Ubuntu 24.04
 for df, cuda in (("deploy/Dockerfile", True), ("deploy/Dockerfile.cpu", False)):
     ins = instructions(f"{src}/{df}")
     head = open(f"{src}/{df}").readline()
-    assert head.startswith("# syntax=docker/dockerfile:1"), f"{df}: no syntax line"
+    # a syntax line makes BuildKit pull its frontend image, which fails offline
+    assert not head.startswith("# syntax="), f"{df}: a '# syntax=' line"
     bad = [(n, k) for n, k, _ in ins if k not in known]
     assert not bad, f"{df}: unknown instructions {bad}"
     # "# ..." after an instruction is not a comment for Docker (and ends a joined RUN for sh)
@@ -362,7 +358,10 @@ for df, cuda in (("deploy/Dockerfile", True), ("deploy/Dockerfile.cpu", False)):
     assert stages == ["build", "runtime"], f"{df}: stages {stages}"
     froms = [t for _, k, t in ins if k == "FROM"]
     if cuda:
-        assert "nvidia/cuda:${CUDA_VERSION}-devel-ubuntu" in froms[0] and "-runtime-ubuntu" in froms[1], froms
+        assert froms == ["${BUILD_IMAGE} AS build", "${RUNTIME_IMAGE} AS runtime"], froms
+        txt = open(f"{src}/{df}").read()
+        assert "ARG BUILD_IMAGE=nvidia/cuda:${CUDA_VERSION}-devel-ubuntu" in txt, f"{df}: BUILD_IMAGE"
+        assert "ARG RUNTIME_IMAGE=nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu" in txt, f"{df}: RUNTIME_IMAGE"
         assert any('ARG CUDA_VERSION=13.' in l for l in open(f"{src}/{df}")), f"{df}: CUDA 13"
     else:
         assert froms[0].startswith("debian:${DEBIAN_VERSION} ") and "-slim" in froms[1], froms
@@ -390,13 +389,8 @@ for df, cuda in (("deploy/Dockerfile", True), ("deploy/Dockerfile.cpu", False)):
     assert "/opt/pdserve/deploy/start_servers.sh" in copied, f"{df}: the entry point is not copied"
     env = " ".join(t for _, k, t in ins if k == "ENV")
     assert "PD_BIN_DIR=/usr/local/bin" in env, f"{df}: PD_BIN_DIR"
-    if cuda:   # the same packages as install_deps.sh, under their Ubuntu names
-        apt = next(t for _, k, t in ins if k == "RUN" and "apt-get install" in t)
-        words = set(apt.split())
-        missing = [ubuntu_names.get(p, p) for p in install_deps() if ubuntu_names.get(p, p) not in words]
-        assert not missing, f"{df}: packages of install_deps.sh missing: {missing}"
-    else:
-        assert any(k == "RUN" and "install_deps.sh" in t for _, k, t in ins), f"{df}: install_deps.sh"
+    # the build packages come from install_deps.sh (one list)
+    assert any(k == "RUN" and "install_deps.sh --build" in t for _, k, t in ins), f"{df}: install_deps.sh --build"
     # the ldd -> package step, run on our own executables (paths substituted)
     step = next(t for _, k, t in ins if k == "RUN" and "ldd" in t and "dpkg-query -S" in t)
     lst = os.path.join(work, os.path.basename(df) + ".pkgs")
