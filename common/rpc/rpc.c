@@ -35,9 +35,18 @@
 #define DEFAULT_MAX_MESSAGE (64u << 20)
 #define CQ_POLL_MS          100
 /* Longest wait between a channel's connection attempts (gRPC's default grows 1 s x 1.6 per
- * failure up to 120 s): a peer restarted after a long outage is reached within about a second
- * (pd-scheduler's heartbeat period), not after the next attempt tens of seconds later. */
+ * failure up to 120 s), and the longest one attempt may take (gRPC's minimum connect timeout,
+ * 20 s by default): a peer restarted after a long outage, or whose link comes back after its
+ * SYNs were lost, is reached within about a second (pd-scheduler's heartbeat period), not after
+ * the next attempt or SYN retransmission tens of seconds later. */
 #define RECONNECT_BACKOFF_MAX_MS 1000
+/* A connection that stops answering (a link down, a host gone without a reset) is closed when
+ * a keepalive ping gets no answer within KEEPALIVE_MS of being sent (one is sent every
+ * KEEPALIVE_MS): its calls fail and the channel connects anew, instead of its RPCs waiting on
+ * TCP's retransmissions, whose gaps grow to many seconds while the link is down, once it is back.
+ * The servers accept pings that often (SERVER_MIN_PING_MS). */
+#define KEEPALIVE_MS       2000
+#define SERVER_MIN_PING_MS 1000
 
 typedef enum {
     T_ACCEPT,
@@ -599,9 +608,12 @@ int pd_rpc_server_start(const pd_rpc_server_params *p, const pd_rpc_method *meth
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
     int max = p->max_message_bytes ? (int)p->max_message_bytes : (int)DEFAULT_MAX_MESSAGE;
-    grpc_arg args[2] = {int_arg(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, max),
-                        int_arg(GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, max)};
-    grpc_channel_args cargs = {2, args};
+    grpc_arg args[] = {
+        int_arg(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, max),
+        int_arg(GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, max),
+        int_arg(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, SERVER_MIN_PING_MS),
+        int_arg(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1)};
+    grpc_channel_args cargs = {sizeof args / sizeof args[0], args};
     s->cq = grpc_completion_queue_create_for_next(NULL);
     s->server = grpc_server_create(&cargs, NULL);
     grpc_server_register_completion_queue(s->server, s->cq, NULL);
@@ -917,13 +929,18 @@ int pd_rpc_channel_create(pd_rpc_client *cl, const char *target, size_t max_mess
     /* No BDP probing and 256 KiB stream windows: a paused stream (pd_rpc_stream_pause) holds at
      * most that much here, the rest waits on the server; a message up to that size (the
      * scheduler's relay batches: ~100 bytes per request and step) needs no window update. */
-    grpc_arg args[6] = {int_arg(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, max),
-                        int_arg(GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, max),
-                        int_arg(GRPC_ARG_HTTP2_BDP_PROBE, 0),
-                        int_arg(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 256 << 10),
-                        int_arg(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, RECONNECT_BACKOFF_MAX_MS),
-                        int_arg(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, RECONNECT_BACKOFF_MAX_MS)};
-    grpc_channel_args cargs = {6, args};
+    grpc_arg args[] = {int_arg(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, max),
+                       int_arg(GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, max),
+                       int_arg(GRPC_ARG_HTTP2_BDP_PROBE, 0),
+                       int_arg(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 256 << 10),
+                       int_arg(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, RECONNECT_BACKOFF_MAX_MS),
+                       int_arg(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, RECONNECT_BACKOFF_MAX_MS),
+                       int_arg(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, RECONNECT_BACKOFF_MAX_MS),
+                       int_arg(GRPC_ARG_KEEPALIVE_TIME_MS, KEEPALIVE_MS),
+                       int_arg(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, KEEPALIVE_MS),
+                       int_arg(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1),
+                       int_arg(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0)};
+    grpc_channel_args cargs = {sizeof args / sizeof args[0], args};
     grpc_channel_credentials *creds = grpc_insecure_credentials_create();
     ch->ch = grpc_channel_create(target, creds, &cargs);
     grpc_channel_credentials_release(creds);

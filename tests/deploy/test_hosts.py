@@ -11,12 +11,12 @@ Part 2, 2P2D over 4 hosts (P0, P1, D0, D1) and the scheduler on a fifth:
   - split == colocated across the hosts, both decode hosts serving;
   - D0's link goes down under 8 long streams: D0's streams end with the in-band error and
     [DONE] within 5 s, D1's finish, the next request is served on D1; the link comes back and
-    D0 rejoins (pd:instance_up) and serves again (the times are printed);
+    D0 rejoins (pd:instance_up) within 5 s and serves again (the times are printed);
   - D0's KV data port dropped by iptables (its control plane answers): the transfer there fails
     when its lease runs out (half the scheduler's --prefill-timeout 4), the prefill log names it,
     the KV is freed (the prefill instances hold nothing) and the request is served on D1;
   - the scheduler host cannot reach P1 (iptables): P1 leaves the routing set, requests are
-    served by P0; the rule removed, P1 rejoins.
+    served by P0; the rule removed, P1 rejoins within 5 s.
 
 Needs root, iproute2 and iptables (deploy/install_deps.sh); exits 77 with the reason otherwise.
 Everything it makes (namespaces, veth pairs, the bridge, its iptables rule, processes) is removed
@@ -429,6 +429,8 @@ def part2(net, work, model, want):
         hd0.link(True)
         wait_for("D0 back in the routing set", lambda: instance_up(base, "decode", d0), 60)
         rejoin = time.time() - t_up
+        if rejoin > 5 * SCALE:
+            fail(f"D0 rejoined {rejoin:.3f} s after its link came back (bound 5 s)")
         b0 = transfers(base, d0)
         wait_for("a request served on D0 again",
                  lambda: completion(base, PROMPTS[2]) and transfers(base, d0) > b0, 30)
@@ -484,9 +486,11 @@ def part2(net, work, model, want):
             hs.iptables("-D", *rule)
         t = time.time()
         wait_for("P1 back in the routing set", lambda: instance_up(base, "prefill", p1), 60)
+        back = time.time() - t
+        if back > 5 * SCALE:
+            fail(f"P1 rejoined {back:.3f} s after the rule went (bound 5 s)")
         print(f"ok the scheduler's host cut off from P1: out of the routing set after {gone:.3f} s, "
-              f"6 of 6 requests served by P0 meanwhile; P1 back {time.time() - t:.3f} s after the "
-              f"rule went")
+              f"6 of 6 requests served by P0 meanwhile; P1 back {back:.3f} s after the rule went")
     finally:
         cl.stop()
 
