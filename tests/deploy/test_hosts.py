@@ -75,12 +75,17 @@ class Net:
         self.bridge = f"{self.tag}br"
         self.hosts = []
         self.forward_rule = None
-        run("ip", "link", "add", self.bridge, "type", "bridge")
-        run("ip", "addr", "add", f"{self.prefix}.254/24", "dev", self.bridge)
-        run("ip", "link", "set", self.bridge, "up")
-        # Once dockerd has run, the FORWARD policy is DROP and bridged frames may pass iptables.
-        self.forward_rule = ["FORWARD", "-i", self.bridge, "-o", self.bridge, "-j", "ACCEPT"]
-        run("iptables", "-I", *self.forward_rule)
+        try:
+            run("ip", "link", "add", self.bridge, "type", "bridge")
+            run("ip", "addr", "add", f"{self.prefix}.254/24", "dev", self.bridge)
+            run("ip", "link", "set", self.bridge, "up")
+            # Once dockerd has run, FORWARD's policy is DROP and bridged frames may pass iptables.
+            rule = ["FORWARD", "-i", self.bridge, "-o", self.bridge, "-j", "ACCEPT"]
+            run("iptables", "-I", *rule)
+            self.forward_rule = rule
+        except AssertionError:
+            self.close()
+            raise
 
     def add_host(self):
         i = len(self.hosts) + 1
@@ -505,13 +510,15 @@ def main():
     if run("ip", "netns", "add", probe, check=False).returncode != 0:
         skip("this machine does not allow network namespaces (ip netns add failed)")
     run("ip", "netns", "del", probe)
+    # meson's timeout sends SIGTERM: unwind, so that the finally blocks remove what was made
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("terminated"))
     work = tempfile.mkdtemp(prefix="pdhosts.")
     model = os.path.join(work, "small")
-    run(MKMODEL, "--preset", "small", "--out", model)   # ~3.5 ms a token: streams that last
-    want = colocated(model)
-    net = Net()
-    ok = False
+    net, ok = None, False
     try:
+        run(MKMODEL, "--preset", "small", "--out", model)   # ~3.5 ms a token: streams that last
+        want = colocated(model)
+        net = Net()
         part1(net, work, model, want)
         part2(net, work, model, want)
         ok = True
@@ -523,7 +530,8 @@ def main():
                 with open(os.path.join(work, f)) as fh:
                     print("".join(fh.readlines()[-15:]), end="")
     finally:
-        net.close()
+        if net:
+            net.close()
         if not os.environ.get("PD_KEEP_WORK"):
             shutil.rmtree(work, ignore_errors=True)
     print("PASS" if ok else "FAILED")
