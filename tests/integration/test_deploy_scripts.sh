@@ -423,13 +423,15 @@ for (const f of files) {
 }
 process.exit(n ? 1 : 0);
 JS
-    check "dockerfile-utils lint" node "$work/dlint.mjs" "$cache" "$src/deploy/Dockerfile" "$src/deploy/Dockerfile.cpu"
+    check "dockerfile-utils lint" node "$work/dlint.mjs" "$cache" "$src/deploy/Dockerfile" "$src/deploy/Dockerfile.cpu" \
+        "$src/tests/deploy/cuda_base.Dockerfile"
 else
     skip "Dockerfile lint: npm package dockerfile-utils is not in $cache"
 fi
 
 # ---- 4. shell scripts -----------------------------------------------------------------------------
-scripts=("$src"/deploy/*.sh "$src"/deploy/k8s/*.sh "$src/tests/integration/test_deploy_scripts.sh")
+scripts=("$src"/deploy/*.sh "$src"/deploy/k8s/*.sh "$src/tests/integration/test_deploy_scripts.sh"
+         "$src/tests/deploy/test_docker.sh")
 for s in "${scripts[@]}"; do check "bash -n ${s#"$src"/}" bash -n "$s"; done
 # help_ok SHELL... SCRIPT: --help exits 0 and prints the script's usage (2 lines or more)
 help_ok() { local out; out=$(env -u GLOBAL_RANK_TABLE_FILE_PATH -u RANK_TABLE_FILE_PATH "$@" --help 2>&1) &&
