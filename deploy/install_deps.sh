@@ -36,6 +36,9 @@ for p in "${PKGS[@]}"; do
     case "$p" in
       nodejs) command -v node >/dev/null 2>&1 && continue ;;
       npm) command -v npm >/dev/null 2>&1 && continue ;;
+      # Docker from Docker's own packages (docker-ce, containerd.io) conflicts with docker.io:
+      # a daemon already installed is used as it is.
+      docker.io) command -v dockerd >/dev/null 2>&1 && command -v docker >/dev/null 2>&1 && continue ;;
     esac
     missing+=("$p")
   fi
