@@ -178,7 +178,7 @@ def http_get(url, timeout=2):
 
 
 def completion(base, prompt, max_tokens=24, timeout=30):
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+    body = {"model": "small", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
             "temperature": 0, "return_tokens_as_token_ids": True, "logprobs": 0}
     req = urllib.request.Request(f"{base}/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
@@ -199,7 +199,7 @@ class Stream(threading.Thread):
         self.exc = None
 
     def run(self):
-        body = {"model": "tiny", "prompt": self.prompt, "max_tokens": self.max_tokens,
+        body = {"model": "small", "prompt": self.prompt, "max_tokens": self.max_tokens,
                 "ignore_eos": True, "temperature": 0, "stream": True,
                 "return_tokens_as_token_ids": True, "logprobs": 0}
         try:
@@ -301,7 +301,7 @@ def start_instances(cl, model, merged, node_ports, instances, sched_host, sched_
     """instances: [(host, name, local table suffix, extra flags)]."""
     common = ["--model", model, "--tensor-parallel-size", "1", "--max-model-len", "2048",
               "--max-num-seqs", "16", "--max-num-batched-tokens", "2048",
-              "--served-model-name", "tiny", "--cpu-threads", "1",
+              "--served-model-name", "small", "--cpu-threads", "1",
               "--kv-cache-bytes", "536870912", "--enable-prefix-caching"]
     env = {"GLOBAL_RANK_TABLE_FILE_PATH": merged, "NODE_PORTS": node_ports, "USE_OPENAI": "1",
            "PD_BIN_DIR": BIN}
