@@ -100,7 +100,9 @@ static json_t *deref(json_t *s)
  * anyOf/oneOf branch taken (and of the dependentSchemas / schema-valued dependencies, which it
  * enforces as branches), then the required names that none of them lists, then the other
  * keys. collect() computes that order for a value v, as an object of name -> property schema;
- * pass 1 (req false) takes the properties, pass 2 (req true) the required names. */
+ * pass 1 (req false) takes the properties, pass 2 (req true) the required names, mapped to JSON
+ * null (not a schema: their value is that of an unlisted key, patternProperties or
+ * additionalProperties; `true` would be read as a property schema). */
 
 static void collect(json_t *s, json_t *v, json_t *order, bool req, int depth);
 
@@ -121,7 +123,7 @@ static void collect_direct(json_t *s, json_t *order, bool req, int depth)
     if (req && json_is_array(names))
         json_array_foreach(names, i, x) if (json_is_string(x) &&
                                             !json_object_get(order, json_string_value(x)))
-            json_object_set(order, json_string_value(x), json_true());
+            json_object_set(order, json_string_value(x), json_null());
     json_t *all = json_object_get(s, "allOf");
     if (json_is_array(all)) json_array_foreach(all, i, x) collect_direct(x, order, req, depth + 1);
 }
@@ -133,11 +135,51 @@ static bool same_value(json_t *x, json_t *y)
     return json_equal(x, y);
 }
 
-/* How well branch s fits the object v: -1 when a key of v that s lists (with its allOf
- * entries) has a `const` or `enum` that excludes v's value (the branch a discriminator rules
- * out), else the number of keys of v that s lists. */
+/* Whether x has a type that the `type` keyword t (a name or a list of names) allows; true
+ * without t. */
+static bool type_allows(json_t *t, json_t *x)
+{
+    if (!json_is_string(t) && !json_is_array(t)) return true;
+    double d = json_is_real(x) ? json_real_value(x) : 0;
+    for (size_t i = 0; i < (json_is_array(t) ? json_array_size(t) : 1); i++) {
+        json_t *n = json_is_array(t) ? json_array_get(t, i) : t;
+        const char *name = json_is_string(n) ? json_string_value(n) : "";
+        if ((!strcmp(name, "object") && json_is_object(x)) ||
+            (!strcmp(name, "array") && json_is_array(x)) ||
+            (!strcmp(name, "string") && json_is_string(x)) ||
+            (!strcmp(name, "boolean") && json_is_boolean(x)) ||
+            (!strcmp(name, "null") && json_is_null(x)) ||
+            (!strcmp(name, "number") && json_is_number(x)) ||
+            (!strcmp(name, "integer") &&
+             (json_is_integer(x) || (json_is_real(x) && d == floor(d)))))
+            return true;
+    }
+    return false;
+}
+
+/* Whether the string x fails the `pattern` p for certain. POSIX extended syntax stands in for
+ * ECMA-262 only for patterns without escapes (where the two agree closely enough for telling
+ * branches apart; glibc reads `\d` as `d`), so any other pattern proves nothing. */
+static bool pattern_excludes(json_t *p, json_t *x)
+{
+    if (!json_is_string(p) || !json_is_string(x) || strchr(json_string_value(p), '\\'))
+        return false;
+    regex_t re;
+    if (regcomp(&re, json_string_value(p), REG_EXTENDED | REG_NOSUB) != 0) return false;
+    bool miss = regexec(&re, json_string_value(x), 0, NULL, 0) != 0;
+    regfree(&re);
+    return miss;
+}
+
+/* How well branch s fits the object v: -1 when s's `type` excludes an object, or when a key of
+ * v that s lists (with its allOf entries) has a `const`, `enum`, `type` or `pattern` that
+ * excludes v's value (the branch a discriminator rules out; the engine follows the branch the
+ * value matches, so the keys must be in that branch's order), else the number of keys of v
+ * that s lists. */
 static long branch_fit(json_t *s, json_t *v)
 {
+    json_t *ds = deref(s);
+    if (json_is_object(ds) && !type_allows(json_object_get(ds, "type"), v)) return -1;
     json_t *props = json_object();
     collect_direct(s, props, false, 0);
     long n = 0;
@@ -153,7 +195,9 @@ static long branch_fit(json_t *s, json_t *v)
         bool listed = !json_is_array(e);
         for (size_t i = 0; !listed && i < json_array_size(e); i++)
             listed = same_value(json_array_get(e, i), x);
-        if ((c && !same_value(c, x)) || !listed) {
+        if ((c && !same_value(c, x)) || !listed ||
+            (json_is_object(p) && (!type_allows(json_object_get(p, "type"), x) ||
+                                   pattern_excludes(json_object_get(p, "pattern"), x)))) {
             n = -1;
             break;
         }
@@ -292,6 +336,44 @@ static json_t *array_schema(json_t *s, int depth)
     return s;
 }
 
+/* Whether s says what an unlisted key of an object takes. */
+static bool gives_unlisted(json_t *s)
+{
+    return json_is_object(s) &&
+           (json_object_get(s, "patternProperties") || json_object_get(s, "additionalProperties"));
+}
+
+/* The schema that gives the unlisted keys of the object v (patternProperties,
+ * additionalProperties): s when it has either, else the first of its allOf entries and then of
+ * its anyOf/oneOf branches that fit v (best fit first, as collect_branches orders them) that
+ * gives them, so that `{"anyOf": [{"type": "string"}, {"patternProperties": ...}]}` writes its
+ * values by the pattern's schema. */
+static json_t *object_schema(json_t *s, json_t *v, int depth)
+{
+    s = deref(s);
+    if (!json_is_object(s) || gives_unlisted(s) || depth > 8) return s;
+    size_t i;
+    json_t *x, *r, *all = json_object_get(s, "allOf");
+    if (json_is_array(all)) json_array_foreach(all, i, x)
+        {
+            r = object_schema(x, v, depth + 1);
+            if (gives_unlisted(r)) return r;
+        }
+    const char *comb[] = {"anyOf", "oneOf"};
+    for (int c = 0; c < 2; c++) {
+        json_t *a = json_object_get(s, comb[c]);
+        long best = -1, f;
+        json_t *pick = NULL;
+        json_array_foreach(a, i, x)
+        {
+            r = object_schema(x, v, depth + 1);
+            if (gives_unlisted(r) && (f = branch_fit(x, v)) > best) best = f, pick = r;
+        }
+        if (pick) return pick;
+    }
+    return s;
+}
+
 static void write_json(buf *b, json_t *v, json_t *schema)
 {
     schema = deref(schema);
@@ -302,8 +384,8 @@ static void write_json(buf *b, json_t *v, json_t *schema)
             collect(schema, v, order, false, 0);
             collect(schema, v, order, true, 0);
         }
-        json_t *addl =
-            json_is_object(schema) ? json_object_get(schema, "additionalProperties") : NULL;
+        json_t *os = object_schema(schema, v, 0);
+        json_t *addl = json_is_object(os) ? json_object_get(os, "additionalProperties") : NULL;
         puts_(b, "{");
         bool first = true;
         const char *k;
@@ -323,7 +405,7 @@ static void write_json(buf *b, json_t *v, json_t *schema)
                 free(d);
                 json_decref(ks);
                 puts_(b, ": ");
-                write_json(b, x, pass ? unlisted_schema(schema, k, addl) : ps);
+                write_json(b, x, pass || json_is_null(ps) ? unlisted_schema(os, k, addl) : ps);
             }
         }
         puts_(b, "}");
