@@ -18,37 +18,33 @@
 # Prints the image sizes and times. Needs root, docker.io and debootstrap
 # (deploy/install_deps.sh); exits 77 with the reason otherwise. PD_KEEP_WORK=1 keeps the logs.
 set -u
-src=${PD_SOURCE_ROOT:?} bin=${PD_BUILD_ROOT:?}
-py=/usr/bin/python3
 skip() { echo "SKIP: $*"; exit 77; }
 [ "$(id -u)" = 0 ] || skip "dockerd needs root"
 for t in docker dockerd debootstrap containerd runc; do
     command -v "$t" >/dev/null 2>&1 || skip "$t is not installed (deploy/install_deps.sh installs docker.io and debootstrap)"
 done
-
-work=$(mktemp -d "${TMPDIR:-/tmp}/pddocker.XXXXXX")
+# the work directory (removed at exit), fail(), free_port()
+# shellcheck source=tests/integration/lib_cluster.sh
+. "$(dirname "$0")/../integration/lib_cluster.sh"
 [ "$(df -Pk "$work" | awk 'NR == 2 {printf "%d", $4 / 1048576}')" -ge 4 ] ||
-    { rmdir "$work"; skip "less than 4 GB free under ${TMPDIR:-/tmp} (the daemon's data)"; }
+    skip "less than 4 GB free under ${TMPDIR:-/tmp} (the daemon's data)"
 export DOCKER_HOST="unix://$work/docker.sock"
 dpid=""
-cleanup() {
+# The daemon stopped (its containers first), what it left mounted unmounted, then the work
+# directory as lib_cluster.sh removes it; the daemon's data goes even with PD_KEEP_WORK.
+stop_docker() {
     if [ -n "$dpid" ]; then
         docker ps -aq 2>/dev/null | xargs -r docker rm -f >/dev/null 2>&1
         kill "$dpid" 2>/dev/null
         for _ in $(seq 200); do kill -0 "$dpid" 2>/dev/null || break; sleep 0.1; done
         kill -9 "$dpid" 2>/dev/null
     fi
-    # what a killed daemon left mounted under the work directory
     awk -v w="$work" 'index($2, w) == 1 {print $2}' /proc/mounts | sort -r | xargs -r -n1 umount -l 2>/dev/null
-    if [ -n "${PD_KEEP_WORK:-}" ]; then rm -rf "$work/data" "$work/exec" "$work/cuda-ctx"; else rm -rf "$work"; fi
+    rm -rf "$work/data" "$work/exec" "$work/cuda-ctx"
+    cleanup
 }
-trap cleanup EXIT
+trap stop_docker EXIT
 trap 'exit 1' TERM INT
-fail() {
-    echo "FAIL: $*"
-    for f in "$work"/*.log; do [ -f "$f" ] && { echo "--- $f"; tail -n 20 "$f"; }; done
-    exit 1
-}
 now() { date +%s.%N; }
 since() { $py -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.1f}')" "$1" "$(now)"; }
 size() { docker image inspect -f '{{.Size}}' "$1" | awk '{printf "%.0f MB", $1 / 1e6}'; }
@@ -134,7 +130,6 @@ mkdir -p "$rt"
 docker run --rm -v "$rt:/rt" --entrypoint pd-ranktable pdserve:cpu --mode gen --prefill-server-list 0 \
     --decode-server-list 1 --api-server --server-ip 127.0.0.1 --save-dir /rt >"$work/ranktable.log" 2>&1 ||
     fail "pd-ranktable gen in the image"
-free_port() { $py -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 pp=$(free_port) dp=$(free_port) sp=$(free_port)
 export GLOBAL_RANK_TABLE_FILE_PATH="$rt/global_ranktable_127.0.0.1.json" NODE_PORTS="$pp,$dp" USE_OPENAI=1
 flags=(--model "$model" --served-model-name small --max-model-len 2048 --max-num-seqs 16

@@ -11,7 +11,7 @@
 #  3. deploy/Dockerfile*: structure (stages, COPY sources, entry point), every RUN through `sh -n`,
 #     the packages from install_deps.sh, the ldd -> package step run on our executables,
 #     and dockerfile-utils' linter (npm) when the npm cache has it.
-#  4. bash -n and shellcheck (warnings and errors) on every deploy script; each one's --help
+#  4. bash -n and shellcheck (warnings and errors, following sourced files) on every deploy script; each one's --help
 #     under `sh` (dash, as the guide runs start_servers.sh) and under bash in POSIX mode.
 # Prints "harness: P passed, F failed, S skipped"; exit 0 when nothing failed.
 set -uo pipefail
@@ -441,7 +441,7 @@ for s in "$src"/deploy/*.sh; do
     check "bash --posix ${s#"$src"/} --help" help_ok bash --posix "$s"
 done
 if command -v shellcheck >/dev/null 2>&1; then
-    for s in "${scripts[@]}"; do check "shellcheck ${s#"$src"/}" shellcheck -S warning "$s"; done
+    for s in "${scripts[@]}"; do check "shellcheck ${s#"$src"/}" shellcheck -x -P "$src" -S warning "$s"; done
 else
     skip "shellcheck is not installed (deploy/install_deps.sh installs it)"
 fi
