@@ -235,21 +235,46 @@ static void setmap_free(setmap *m)
     free(m->slots);
 }
 
-typedef struct {
-    int32_t key, to;
-} kv;
-
-static int cmp_kv(const void *x, const void *y)
+/* Sorts a[0..n) ascending: insertion sort for the short runs subset construction makes (a
+ * state's NFA set, its labelled edges), qsort past that. */
+static int cmp_u64(const void *x, const void *y)
 {
-    const kv *a = x, *b = y;
-    if (a->key != b->key) return a->key < b->key ? -1 : 1;
-    return (a->to > b->to) - (a->to < b->to);
+    uint64_t a = *(const uint64_t *)x, b = *(const uint64_t *)y;
+    return (a > b) - (a < b);
+}
+
+static void sort_u64(uint64_t *a, size_t n)
+{
+    if (n > 48) {
+        qsort(a, n, sizeof *a, cmp_u64);
+        return;
+    }
+    for (size_t i = 1; i < n; i++) {
+        uint64_t x = a[i];
+        size_t j = i;
+        for (; j > 0 && a[j - 1] > x; j--) a[j] = a[j - 1];
+        a[j] = x;
+    }
 }
 
 static int cmp_i32(const void *x, const void *y)
 {
     int32_t a = *(const int32_t *)x, b = *(const int32_t *)y;
     return (a > b) - (a < b);
+}
+
+static void sort_i32(int32_t *a, size_t n)
+{
+    if (n > 48) {
+        qsort(a, n, sizeof *a, cmp_i32);
+        return;
+    }
+    for (size_t i = 1; i < n; i++) {
+        int32_t x = a[i];
+        size_t j = i;
+        for (; j > 0 && a[j - 1] > x; j--) a[j] = a[j - 1];
+        a[j] = x;
+    }
 }
 
 typedef struct {
@@ -278,7 +303,7 @@ static int32_t closure(closer *c, const int32_t *seeds, int32_t ns)
                 c->stack[sp++] = c->n->e[e].to;
             }
     }
-    qsort(c->out, (size_t)no, sizeof(int32_t), cmp_i32);
+    sort_i32(c->out, (size_t)no);
     return no;
 }
 
@@ -305,7 +330,7 @@ static int determinize(cc *c, const nfa *n, int32_t start, int32_t final, dfa *d
     closer cl = {n, calloc((size_t)n->nn, sizeof(uint32_t)), 0,
                  malloc(sizeof(int32_t) * (size_t)n->nn), malloc(sizeof(int32_t) * (size_t)n->nn)};
     setmap m = {0};
-    kv *pairs = NULL;
+    uint64_t *pairs = NULL; /* (label << 32) | NFA target */
     size_t cappairs = 0;
     int32_t *seeds = malloc(sizeof(int32_t) * (size_t)n->nn);
     int rc = 0;
@@ -336,25 +361,25 @@ static int determinize(cc *c, const nfa *n, int32_t start, int32_t final, dfa *d
                 for (int32_t k2 = lo; k2 <= hi; k2++) {
                     if (np == cappairs) {
                         cappairs = cappairs ? cappairs * 2 : 256;
-                        kv *p = realloc(pairs, sizeof(kv) * cappairs);
+                        uint64_t *p = realloc(pairs, sizeof *p * cappairs);
                         if (!p) {
                             rc = gb_fail(c->b, PD_ENOMEM, "", "", -1, "out of memory");
                             goto done;
                         }
                         pairs = p;
                     }
-                    pairs[np].key = k2;
-                    pairs[np].to = E->to;
-                    np++;
+                    pairs[np++] = (uint64_t)(uint32_t)k2 << 32 | (uint32_t)E->to;
                 }
             }
         }
-        if (np) qsort(pairs, np, sizeof(kv), cmp_kv);
+        sort_u64(pairs, np);
         for (size_t i = 0; i < np;) {
             size_t j = i;
             int32_t ns = 0;
-            while (j < np && pairs[j].key == pairs[i].key) {
-                if (ns == 0 || seeds[ns - 1] != pairs[j].to) seeds[ns++] = pairs[j].to;
+            int32_t key = (int32_t)(pairs[i] >> 32);
+            while (j < np && (int32_t)(pairs[j] >> 32) == key) {
+                int32_t to = (int32_t)(uint32_t)pairs[j];
+                if (ns == 0 || seeds[ns - 1] != to) seeds[ns++] = to;
                 j++;
             }
             int32_t kk = closure(&cl, seeds, ns);
@@ -367,9 +392,9 @@ static int determinize(cc *c, const nfa *n, int32_t start, int32_t final, dfa *d
                 rc = c->b->status;
                 goto done;
             }
-            if (pairs[i].key < 1000)
-                d->trans[(size_t)s * (size_t)d->ncls + (size_t)pairs[i].key] = id;
-            else if ((rc = dfa_add_call(c, d, s, pairs[i].key - 1000, id)) < 0)
+            if (key < 1000)
+                d->trans[(size_t)s * (size_t)d->ncls + (size_t)key] = id;
+            else if ((rc = dfa_add_call(c, d, s, key - 1000, id)) < 0)
                 goto done;
             i = j;
         }
@@ -811,80 +836,173 @@ done:
     return rc;
 }
 
-static int cmpu(const void *x, const void *y)
+/* ---- cache keys ---------------------------------------------------------------------------- */
+typedef struct {
+    int32_t s, cls;
+    uint64_t sig;
+} gmover;
+
+static int cmp_mover(const void *x, const void *y)
 {
-    uint64_t a = *(const uint64_t *)x, b = *(const uint64_t *)y;
-    return (a > b) - (a < b);
+    const gmover *a = x, *b = y;
+    if (a->cls != b->cls) return (a->cls > b->cls) - (a->cls < b->cls);
+    return (a->sig > b->sig) - (a->sig < b->sig);
 }
 
-/* ---- cache keys ---------------------------------------------------------------------------- */
+/* What state i of rule R leads to on each byte class, as a hash of the target classes. */
+static uint64_t succ_sig(const pd_grammar *g, const grule *R, int32_t i, const int32_t *cls)
+{
+    const int32_t *t = &g->trans[g->states[R->first + i].trans_off];
+    uint64_t x = 0x9e37;
+    for (int32_t k = 0; k < R->ncls; k++)
+        x = pd_mix64(x ^ (t[k] < 0 ? 0xdeadull << 32 : (uint64_t)(uint32_t)cls[t[k] - R->first]) ^
+                     ((uint64_t)k << 48));
+    return x;
+}
+
+/* Groups the states of call-free rule R that behave the same on every byte string of up to
+ * rounds bytes (the same ends and dead ends): Moore's partition refinement, one round per
+ * byte, with stable class numbers and a worklist. A round looks again only at the
+ * predecessors of the states that changed class in the round before, so a long chain (a
+ * string of maxLength 4,096: states far from its end all alike) costs its transitions plus
+ * one layer per round rather than every state per round. cls[i] gets state i's class (not
+ * dense); returns the number of class numbers used, -1 out of memory. */
+static int32_t bounded_classes(const pd_grammar *g, const grule *R, uint32_t rounds, int32_t *cls)
+{
+    int32_t n = R->n_states, m = R->ncls, nc = 2, cap = 64;
+    int32_t *poff = calloc((size_t)n + 1, sizeof(int32_t));
+    int32_t *pred = malloc(sizeof(int32_t) * ((size_t)n * (size_t)m + 1));
+    int32_t *size = malloc(sizeof(int32_t) * (size_t)cap);
+    uint64_t *csig = malloc(sizeof(uint64_t) * (size_t)cap);
+    bool *valid = calloc((size_t)cap, 1);
+    uint32_t *stamp = calloc((size_t)n, sizeof(uint32_t));
+    int32_t *aff = malloc(sizeof(int32_t) * (size_t)n),
+            *dirty = malloc(sizeof(int32_t) * (size_t)n);
+    gmover *mv = malloc(sizeof(gmover) * (size_t)n);
+    int32_t rc = -1;
+    if (!poff || !pred || !size || !csig || !valid || !stamp || !aff || !dirty || !mv) goto out;
+    for (int32_t i = 0; i < n; i++) {
+        const int32_t *t = &g->trans[g->states[R->first + i].trans_off];
+        for (int32_t k = 0; k < m; k++)
+            if (t[k] >= 0) poff[t[k] - R->first + 1]++;
+    }
+    for (int32_t i = 0; i < n; i++) {
+        poff[i + 1] += poff[i];
+        dirty[i] = poff[i]; /* fill cursor */
+    }
+    for (int32_t i = 0; i < n; i++) {
+        const int32_t *t = &g->trans[g->states[R->first + i].trans_off];
+        for (int32_t k = 0; k < m; k++)
+            if (t[k] >= 0) pred[dirty[t[k] - R->first]++] = i;
+    }
+    size[0] = size[1] = 0;
+    for (int32_t i = 0; i < n; i++) {
+        cls[i] = (g->states[R->first + i].flags & GS_FINAL) ? 1 : 0;
+        size[cls[i]]++;
+        aff[i] = i;
+    }
+    int32_t na = n;
+    for (uint32_t round = 1; round <= rounds && na > 0; round++) {
+        int32_t nm = 0;
+        for (int32_t j = 0; j < na; j++) {
+            int32_t s = aff[j], c = cls[s];
+            uint64_t x = succ_sig(g, R, s, cls);
+            if (!valid[c]) {
+                csig[c] = x;
+                valid[c] = true;
+            }
+            if (x != csig[c]) mv[nm++] = (gmover){s, c, x};
+        }
+        if (nm == 0) break; /* stable: every later round would be the same */
+        qsort(mv, (size_t)nm, sizeof *mv, cmp_mover);
+        int32_t nd = 0;
+        for (int32_t a = 0; a < nm;) {
+            int32_t c = mv[a].cls, e = a, keep = -1, best = 0;
+            while (e < nm && mv[e].cls == c) e++;
+            if (e - a == size[c]) /* no state stays: the largest group keeps the number */
+                for (int32_t p = a; p < e;) {
+                    int32_t q = p;
+                    while (q < e && mv[q].sig == mv[p].sig) q++;
+                    if (q - p > best) best = q - p, keep = p;
+                    p = q;
+                }
+            for (int32_t p = a; p < e;) {
+                int32_t q = p;
+                while (q < e && mv[q].sig == mv[p].sig) q++;
+                if (p == keep) {
+                    csig[c] = mv[p].sig;
+                } else {
+                    if (nc == cap) {
+                        cap *= 2;
+                        int32_t *s2 = realloc(size, sizeof(int32_t) * (size_t)cap);
+                        if (s2) size = s2;
+                        uint64_t *c2 = realloc(csig, sizeof(uint64_t) * (size_t)cap);
+                        if (c2) csig = c2;
+                        bool *v2 = realloc(valid, (size_t)cap);
+                        if (v2) valid = v2;
+                        if (!s2 || !c2 || !v2) goto out;
+                    }
+                    int32_t nw = nc++;
+                    csig[nw] = mv[p].sig;
+                    valid[nw] = true;
+                    size[nw] = q - p;
+                    size[c] -= q - p;
+                    for (int32_t r = p; r < q; r++) {
+                        cls[mv[r].s] = nw;
+                        dirty[nd++] = mv[r].s;
+                    }
+                }
+                p = q;
+            }
+            a = e;
+        }
+        na = 0;
+        for (int32_t j = 0; j < nd; j++)
+            for (int32_t p = poff[dirty[j]]; p < poff[dirty[j] + 1]; p++)
+                if (stamp[pred[p]] != round) {
+                    stamp[pred[p]] = round;
+                    aff[na++] = pred[p];
+                }
+    }
+    rc = nc;
+out:
+    free(poff);
+    free(pred);
+    free(size);
+    free(csig);
+    free(valid);
+    free(stamp);
+    free(aff);
+    free(dirty);
+    free(mv);
+    return rc;
+}
+
+/* Cache keys: states of a call-free rule share one when they behave the same up to the longest
+ * token (bounded_classes); every other state has its own. */
 static void cache_keys(pd_grammar *g)
 {
     uint32_t D = g->v ? g->v->max_len : 16;
     int32_t nk = 0;
-    /* key map: hash -> key */
-    uint32_t cap = 64;
-    while (cap < (uint32_t)g->n_states * 2) cap *= 2;
-    uint64_t *hk = malloc(sizeof(uint64_t) * cap);
-    int32_t *hv = malloc(sizeof(int32_t) * cap);
-    for (uint32_t i = 0; hv && i < cap; i++) hv[i] = -1;
     for (int32_t r = 0; r < g->n_rules; r++) {
         grule *R = &g->rules[r];
-        if (!R->leaf || !hk || !hv) {
-            for (int32_t s = R->first; s < R->first + R->n_states; s++)
-                g->states[s].cache_key = nk++;
+        int32_t n = R->n_states, nc = -1;
+        int32_t *cls = R->leaf ? malloc(sizeof(int32_t) * (size_t)(n ? n : 1)) : NULL;
+        if (cls) nc = bounded_classes(g, R, D + 1, cls);
+        int32_t *key = nc > 0 ? malloc(sizeof(int32_t) * (size_t)nc) : NULL;
+        if (!key) {
+            for (int32_t s = R->first; s < R->first + n; s++) g->states[s].cache_key = nk++;
+            free(cls);
             continue;
         }
-        int32_t n = R->n_states;
-        uint64_t *h = malloc(sizeof(uint64_t) * (size_t)n),
-                 *h2 = malloc(sizeof(uint64_t) * (size_t)n);
-        uint64_t *srt = malloc(sizeof(uint64_t) * (size_t)n);
-        if (!h || !h2 || !srt) {
-            free(h);
-            free(h2);
-            free(srt);
-            for (int32_t s = R->first; s < R->first + R->n_states; s++)
-                g->states[s].cache_key = nk++;
-            continue;
-        }
-        uint64_t ch = 0x51ed;
-        for (int b = 0; b < 256; b++) ch = pd_mix64(ch ^ R->cls[b]);
-        for (int32_t i = 0; i < n; i++)
-            h[i] = pd_mix64(ch ^ (g->states[R->first + i].flags & GS_FINAL));
-        int32_t prev = -1;
-        for (uint32_t it = 0; it < D + 1; it++) {
-            for (int32_t i = 0; i < n; i++) {
-                uint64_t x = pd_mix64(h[i] + 0x9e37);
-                const int32_t *t = &g->trans[g->states[R->first + i].trans_off];
-                for (int32_t k = 0; k < R->ncls; k++)
-                    x = pd_mix64(x ^ (t[k] < 0 ? 0xdeadull : h[t[k] - R->first]) ^
-                                 ((uint64_t)k << 56));
-                h2[i] = x;
-            }
-            memcpy(h, h2, sizeof(uint64_t) * (size_t)n);
-            memcpy(srt, h, sizeof(uint64_t) * (size_t)n);
-            /* distinct count: stop when stable */
-            qsort(srt, (size_t)n, sizeof(uint64_t), cmpu);
-            int32_t d = n ? 1 : 0;
-            for (int32_t i = 1; i < n; i++) d += srt[i] != srt[i - 1];
-            if (d == prev) break;
-            prev = d;
-        }
+        for (int32_t c = 0; c < nc; c++) key[c] = -1;
         for (int32_t i = 0; i < n; i++) {
-            uint32_t slot = (uint32_t)h[i] & (cap - 1);
-            while (hv[slot] >= 0 && hk[slot] != h[i]) slot = (slot + 1) & (cap - 1);
-            if (hv[slot] < 0) {
-                hk[slot] = h[i];
-                hv[slot] = nk++;
-            }
-            g->states[R->first + i].cache_key = hv[slot];
+            if (key[cls[i]] < 0) key[cls[i]] = nk++;
+            g->states[R->first + i].cache_key = key[cls[i]];
         }
-        free(h);
-        free(h2);
-        free(srt);
+        free(key);
+        free(cls);
     }
-    free(hk);
-    free(hv);
     g->n_keys = nk;
 }
 

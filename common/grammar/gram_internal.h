@@ -174,6 +174,23 @@ int gram_build(gb *b, int32_t root, pd_grammar *g);
 void gentry_free(gentry *e);
 
 /* ---- vocabulary ---------------------------------------------------------------------- */
+/* A byte trie in DFS preorder (node i's subtree is [i, next[i])); node 0 is the root. */
+typedef struct {
+    uint32_t n_nodes;
+    uint8_t *byte;
+    uint8_t *depth;
+    uint32_t *next; /* first node after the subtree */
+    int32_t *tok;   /* token ending here (the first of its duplicates), -1 none */
+    uint32_t *full; /* the rest trie: the same node's index in the full trie */
+} gtrie;
+
+/* The slice: tokens whose bytes read as the start of a JSON string's body (valid UTF-8, cut
+ * anywhere, without control characters, '"' or '\\'); most of a vocabulary. A state of a
+ * call-free rule that keeps every such token alive without ending (JSON string contents,
+ * object keys) accepts the whole slice, and its walk covers only the rest trie. */
+enum { SL_DEAD = -1, SL_NSTATES = 8 };
+int8_t gslice_next(int8_t st, uint8_t b); /* start state 0 */
+
 struct pd_gvocab {
     int32_t n;
     uint8_t **tok; /* bytes, NULL for excluded */
@@ -181,13 +198,12 @@ struct pd_gvocab {
     bool *eos;
     int32_t *eos_ids;
     size_t n_eos;
-    /* trie in DFS preorder; node 0 is the root */
-    uint32_t n_nodes;
-    uint8_t *t_byte;
-    uint8_t *t_depth;
-    uint32_t *t_next; /* first node after the subtree */
-    int32_t *t_tok;   /* token ending here, -1 none */
-    int32_t *dup;     /* more tokens with the same bytes: chain, -1 ends */
+    gtrie trie;         /* every token */
+    gtrie rest;         /* the tokens outside the slice */
+    uint32_t *slice;    /* bitset of the slice's ids */
+    uint32_t n_slice;   /* its size */
+    uint32_t slice_len; /* its longest token, in bytes */
+    int32_t *dup;       /* more tokens with the same bytes: chain, -1 ends */
     uint32_t max_len;
     gshare *share; /* mask-cache entries shared by this vocabulary's grammars (mutable) */
 };

@@ -223,33 +223,74 @@ static inline void add_tok(const pd_gvocab *v, sink *k, int32_t id, bool *oom)
     }
 }
 
-/* Walks the children of trie node root from the stacks S0 (each a config whose top scans). */
+/* Walks the children of trie node root from the stacks S0 (each a config whose top scans).
+ * While one stack is alive and its top only scans bytes (no calls, not final), a step is one
+ * table lookup, as in walk_leaf: such a depth holds that frame (sst, spar) without interning
+ * it; otherwise the depth holds a set of interned stacks in buf. Object keys and other
+ * string-like states inlined in rules with calls walk most of the trie this way. */
 static int walk(const pd_grammar *g, store *s, uint32_t root, const int32_t *S0, int32_t n0,
                 sink *k)
 {
     const pd_gvocab *v = g->v;
-    uint32_t end = v->t_next[root], base = v->t_depth[root];
-    int32_t off[260], len[260];
+    const gtrie *tr = &v->trie;
+    const gstate *S = g->states;
+    uint32_t end = tr->next[root], base = tr->depth[root];
+    int32_t off[260], len[260], sst[260], spar[260];
     ivec buf = {0};
     bool oom = false;
     if (ivec_reserve(&buf, n0 + 64) < 0) return -1;
     memcpy(buf.v, S0, sizeof(int32_t) * (size_t)n0);
     off[0] = 0;
     len[0] = n0;
+    sst[0] = -1;
+    if (n0 == 1) {
+        sst[0] = s->f[S0[0]].st;
+        spar[0] = s->f[S0[0]].parent;
+    }
     ctx c = {g, s, &buf, false, false, false};
     uint32_t i = root + 1;
     while (i < end) {
-        uint32_t d = v->t_depth[i] - base;
+        uint32_t d = tr->depth[i] - base;
         buf.n = off[d - 1] + len[d - 1];
         off[d] = buf.n;
+        sst[d] = -1;
         c.accept = c.popped = false;
-        /* the input set lives in buf below off[d]; step appends */
-        int32_t pin = off[d - 1], pn = len[d - 1];
-        if (ivec_reserve(&buf, buf.n + 4 * pn + 16) < 0) {
-            oom = true;
-            break;
-        }
-        {
+        if (sst[d - 1] >= 0) {
+            const gstate *gs = &S[sst[d - 1]];
+            int32_t t = g->trans[gs->trans_off + g->rules[gs->rule].cls[tr->byte[i]]];
+            if (t < 0) {
+                i = tr->next[i];
+                continue;
+            }
+            if (!S[t].n_calls && !(S[t].flags & GS_FINAL)) {
+                if (!(S[t].flags & GS_BYTES)) {
+                    i = tr->next[i];
+                    continue;
+                }
+                sst[d] = t;
+                spar[d] = spar[d - 1];
+                len[d] = 0;
+                if (tr->tok[i] >= 0) add_tok(v, k, tr->tok[i], &oom);
+                i++;
+                continue;
+            }
+            if (ivec_reserve(&buf, buf.n + 16) < 0) {
+                oom = true;
+                break;
+            }
+            s->gen++;
+            if (s->gen == 0) { /* wrapped: clear stamps */
+                memset(s->stamp, 0, sizeof(uint32_t) * (size_t)s->cap);
+                s->gen = 1;
+            }
+            closure(&c, store_get(s, t, spar[d - 1]));
+        } else {
+            /* the input set lives in buf below off[d]; step appends */
+            int32_t pin = off[d - 1], pn = len[d - 1];
+            if (ivec_reserve(&buf, buf.n + 4 * pn + 16) < 0) {
+                oom = true;
+                break;
+            }
             /* step reads buf.v[pin..] while appending: copy first when small buffers move */
             int32_t tmp[64];
             int32_t *in = pn <= 64 ? tmp : malloc(sizeof(int32_t) * (size_t)pn);
@@ -258,7 +299,7 @@ static int walk(const pd_grammar *g, store *s, uint32_t root, const int32_t *S0,
                 break;
             }
             memcpy(in, buf.v + pin, sizeof(int32_t) * (size_t)pn);
-            step(&c, in, pn, v->t_byte[i]);
+            step(&c, in, pn, tr->byte[i]);
             if (in != tmp) free(in);
         }
         if (c.oom) {
@@ -266,22 +307,27 @@ static int walk(const pd_grammar *g, store *s, uint32_t root, const int32_t *S0,
             break;
         }
         len[d] = buf.n - off[d];
+        if (len[d] == 1) {
+            sst[d] = s->f[buf.v[off[d]]].st;
+            spar[d] = s->f[buf.v[off[d]]].parent;
+        }
         bool alive = len[d] > 0 || c.accept || c.popped;
         if (!alive) {
-            i = v->t_next[i];
+            i = tr->next[i];
             continue;
         }
-        if (v->t_tok[i] >= 0) add_tok(v, k, v->t_tok[i], &oom);
-        if (c.popped && !k->bits && v->t_next[i] > i + 1 && ivec_push(&k->pops, (int32_t)i) < 0)
+        if (tr->tok[i] >= 0) add_tok(v, k, tr->tok[i], &oom);
+        if (c.popped && !k->bits && tr->next[i] > i + 1 && ivec_push(&k->pops, (int32_t)i) < 0)
             oom = true;
-        i = len[d] > 0 ? i + 1 : v->t_next[i];
+        i = len[d] > 0 ? i + 1 : tr->next[i];
     }
     free(buf.v);
     return oom ? -1 : 0;
 }
 
-/* The same for a call-free rule: one DFA state per depth. */
-static int walk_leaf(const pd_grammar *g, int32_t st0, sink *k)
+/* The same for a call-free rule: one DFA state per depth. Walks trie tr (the full trie, or
+ * the rest trie when the slice is accepted whole); pops are recorded as full-trie nodes. */
+static int walk_leaf(const pd_grammar *g, int32_t st0, const gtrie *tr, sink *k)
 {
     const pd_gvocab *v = g->v;
     const grule *R = &g->rules[g->states[st0].rule];
@@ -290,21 +336,99 @@ static int walk_leaf(const pd_grammar *g, int32_t st0, sink *k)
     int32_t stk[260];
     stk[0] = st0;
     bool oom = false;
-    uint32_t i = 1, end = v->n_nodes;
+    uint32_t i = 1, end = tr->n_nodes;
     while (i < end) {
-        uint32_t d = v->t_depth[i];
-        int32_t t = trans[S[stk[d - 1]].trans_off + R->cls[v->t_byte[i]]];
+        uint32_t d = tr->depth[i];
+        int32_t t = trans[S[stk[d - 1]].trans_off + R->cls[tr->byte[i]]];
         if (t < 0) {
-            i = v->t_next[i];
+            i = tr->next[i];
             continue;
         }
         stk[d] = t;
-        if (v->t_tok[i] >= 0) add_tok(v, k, v->t_tok[i], &oom);
-        bool has_kids = v->t_next[i] > i + 1;
-        if ((S[t].flags & GS_FINAL) && has_kids && ivec_push(&k->pops, (int32_t)i) < 0) oom = true;
-        i = (S[t].flags & GS_BYTES) ? i + 1 : v->t_next[i];
+        if (tr->tok[i] >= 0) add_tok(v, k, tr->tok[i], &oom);
+        bool has_kids = tr->next[i] > i + 1;
+        if ((S[t].flags & GS_FINAL) && has_kids &&
+            ivec_push(&k->pops, (int32_t)(tr->full ? tr->full[i] : i)) < 0)
+            oom = true;
+        i = (S[t].flags & GS_BYTES) ? i + 1 : tr->next[i];
     }
     return oom ? -1 : 0;
+}
+
+/* Whether state st0 of a call-free rule accepts every token of the slice without its frame
+ * ending inside one: each path of the slice's automaton, up to its longest token, keeps the
+ * rule in live states that are not final. A search over (rule state, slice state) pairs;
+ * 1 yes, 0 no (or too many pairs to tell), -1 out of memory. */
+#define SLICE_MAX_PAIRS 8192
+static int slice_fits(const pd_grammar *g, int32_t st0)
+{
+    const pd_gvocab *v = g->v;
+    const grule *R = &g->rules[g->states[st0].rule];
+    const gstate *S = g->states;
+    if (v->n_slice == 0) return 0;
+    /* one byte per (rule class, slice transitions) */
+    uint8_t rep[256];
+    uint64_t sig[256];
+    int nrep = 0;
+    for (int b = 0; b < 256; b++) {
+        uint64_t x = (uint64_t)R->cls[b] << 32;
+        for (int8_t p = 0; p < SL_NSTATES; p++)
+            x |= (uint64_t)(uint8_t)(gslice_next(p, (uint8_t)b) + 1) << (4 * p);
+        if ((x & 0xffffffffu) == 0) continue; /* no slice state takes b */
+        int j = 0;
+        while (j < nrep && sig[j] != x) j++;
+        if (j == nrep) {
+            sig[nrep] = x;
+            rep[nrep++] = (uint8_t)b;
+        }
+    }
+    /* breadth first, so a pair is expanded at its smallest depth */
+    uint64_t *q = malloc(sizeof(uint64_t) * SLICE_MAX_PAIRS);
+    uint8_t *qd = malloc(SLICE_MAX_PAIRS);
+    uint64_t *ht = malloc(sizeof(uint64_t) * 2 * SLICE_MAX_PAIRS);
+    if (!q || !qd || !ht) {
+        free(q);
+        free(qd);
+        free(ht);
+        return -1;
+    }
+    memset(ht, 0xff, sizeof(uint64_t) * 2 * SLICE_MAX_PAIRS);
+    int32_t nq = 0, head = 0;
+    int fits = 1;
+    q[nq] = (uint64_t)(uint32_t)st0 << 3;
+    qd[nq++] = 0;
+    while (head < nq && fits) {
+        uint64_t pr = q[head];
+        uint32_t d = qd[head++];
+        int32_t st = (int32_t)(pr >> 3);
+        int8_t p = (int8_t)(pr & 7);
+        for (int j = 0; j < nrep && fits; j++) {
+            int8_t p2 = gslice_next(p, rep[j]);
+            if (p2 == SL_DEAD) continue;
+            int32_t t = g->trans[S[st].trans_off + R->cls[rep[j]]];
+            if (t < 0 || (S[t].flags & GS_FINAL)) {
+                fits = 0;
+                break;
+            }
+            if (d + 1 >= v->slice_len) continue;
+            uint64_t key = (uint64_t)(uint32_t)t << 3 | (uint64_t)p2;
+            uint32_t h =
+                (uint32_t)((key * 0x9e3779b97f4a7c15ull) >> 40) & (2 * SLICE_MAX_PAIRS - 1);
+            while (ht[h] != UINT64_MAX && ht[h] != key) h = (h + 1) & (2 * SLICE_MAX_PAIRS - 1);
+            if (ht[h] == key) continue;
+            if (nq == SLICE_MAX_PAIRS) {
+                fits = 0;
+                break;
+            }
+            ht[h] = key;
+            q[nq] = key;
+            qd[nq++] = (uint8_t)(d + 1);
+        }
+    }
+    free(q);
+    free(qd);
+    free(ht);
+    return fits;
 }
 
 void gentry_free(gentry *e)
@@ -319,8 +443,17 @@ static gentry *compute_entry(const pd_grammar *g, int32_t st)
 {
     sink k = {0};
     int rc;
+    int32_t nv = g->v->n;
+    size_t words = pd_gmask_words(nv);
     if (g->rules[g->states[st].rule].leaf) {
-        rc = walk_leaf(g, st, &k);
+        rc = slice_fits(g, st);
+        if (rc == 1) { /* the slice whole, and a walk of the other tokens */
+            k.bits = malloc(words * sizeof(uint32_t));
+            if (k.bits) memcpy(k.bits, g->v->slice, words * sizeof(uint32_t));
+            rc = k.bits ? walk_leaf(g, st, &g->v->rest, &k) : -1;
+        } else if (rc == 0) {
+            rc = walk_leaf(g, st, &g->v->trie, &k);
+        }
     } else {
         store s = {0};
         int32_t sid = store_get(&s, st, BOTTOM);
@@ -329,21 +462,26 @@ static gentry *compute_entry(const pd_grammar *g, int32_t st)
     }
     gentry *e = calloc(1, sizeof *e);
     if (rc < 0 || !e) {
+        free(k.bits);
         free(k.acc.v);
         free(k.pops.v);
         free(e);
         return NULL;
     }
-    int32_t nv = g->v->n;
-    e->n_acc = (uint32_t)k.acc.n;
-    if ((size_t)k.acc.n > (size_t)nv / 32) {
+    if (k.bits) {
         e->bits = true;
-        e->acc = calloc(pd_gmask_words(nv), sizeof(uint32_t));
+        e->acc = k.bits;
+        for (size_t w = 0; w < words; w++) e->n_acc += (uint32_t)__builtin_popcount(k.bits[w]);
+    } else if ((size_t)k.acc.n > (size_t)nv / 32) {
+        e->n_acc = (uint32_t)k.acc.n;
+        e->bits = true;
+        e->acc = calloc(words, sizeof(uint32_t));
         if (e->acc)
             for (int32_t i = 0; i < k.acc.n; i++)
                 e->acc[k.acc.v[i] >> 5] |= 1u << (k.acc.v[i] & 31);
         free(k.acc.v);
     } else {
+        e->n_acc = (uint32_t)k.acc.n;
         e->acc = (uint32_t *)k.acc.v;
     }
     e->n_pop = (uint32_t)k.pops.n;

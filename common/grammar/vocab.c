@@ -1,5 +1,6 @@
 /* Vocabulary for masks: each token's bytes and a byte trie in DFS preorder (node i's subtree
- * is [i, t_next[i])), so a walk is a forward scan that skips dead subtrees. */
+ * is [i, next[i])), so a walk is a forward scan that skips dead subtrees; the slice (tokens of
+ * string contents) and the trie of the other tokens. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -20,39 +21,25 @@ static int cmp_tok(const void *x, const void *y)
     return (a > b) - (a < b);
 }
 
-static int build_trie(pd_gvocab *v)
+/* The trie of tokens ids[0..m) (sorted by bytes); dup links tokens with the same bytes when
+ * given (the full trie builds the chains, the rest trie reuses them). */
+static int trie_build(const pd_gvocab *v, const int32_t *ids, int32_t m, gtrie *t, int32_t *dup)
 {
-    int32_t *ids = malloc(sizeof(int32_t) * (size_t)(v->n ? v->n : 1));
-    if (!ids) return pd_error(PD_ENOMEM, "grammar vocab: out of memory");
-    int32_t m = 0;
     size_t total = 1;
-    for (int32_t i = 0; i < v->n; i++)
-        if (v->tok[i] && v->len[i] > 0) {
-            ids[m++] = i;
-            total += v->len[i];
-            if (v->len[i] > v->max_len) v->max_len = v->len[i];
-        }
-    static pthread_mutex_t sort_lock = PTHREAD_MUTEX_INITIALIZER;
-    pthread_mutex_lock(&sort_lock);
-    g_sort_v = v;
-    qsort(ids, (size_t)m, sizeof(int32_t), cmp_tok);
-    pthread_mutex_unlock(&sort_lock);
-    v->t_byte = malloc(total);
-    v->t_depth = malloc(total);
-    v->t_next = malloc(sizeof(uint32_t) * total);
-    v->t_tok = malloc(sizeof(int32_t) * total);
-    v->dup = malloc(sizeof(int32_t) * (size_t)(v->n ? v->n : 1));
+    for (int32_t k = 0; k < m; k++) total += v->len[ids[k]];
+    t->byte = malloc(total);
+    t->depth = malloc(total);
+    t->next = malloc(sizeof(uint32_t) * total);
+    t->tok = malloc(sizeof(int32_t) * total);
     uint32_t *path = malloc(sizeof(uint32_t) * (v->max_len + 2));
-    if (!v->t_byte || !v->t_depth || !v->t_next || !v->t_tok || !v->dup || !path) {
-        free(ids);
+    if (!t->byte || !t->depth || !t->next || !t->tok || !path) {
         free(path);
         return pd_error(PD_ENOMEM, "grammar vocab: out of memory");
     }
-    for (int32_t i = 0; i < v->n; i++) v->dup[i] = -1;
     uint32_t nn = 1;
-    v->t_byte[0] = 0;
-    v->t_depth[0] = 0;
-    v->t_tok[0] = -1;
+    t->byte[0] = 0;
+    t->depth[0] = 0;
+    t->tok[0] = -1;
     path[0] = 0;
     uint32_t depth = 0; /* path[0..depth] */
     int32_t prev = -1;
@@ -66,31 +53,132 @@ static int build_trie(pd_gvocab *v)
             while (lcp < pl && lcp < len && v->tok[prev][lcp] == s[lcp]) lcp++;
         }
         if (prev >= 0 && lcp == len && v->len[prev] == len) { /* same bytes */
-            uint32_t node = path[depth];
-            int32_t *p = &v->t_tok[node];
-            while (*p >= 0 && v->dup[*p] >= 0) p = &v->dup[*p];
-            v->dup[*p] = id;
+            if (dup) {
+                int32_t *p = &t->tok[path[depth]];
+                while (*p >= 0 && dup[*p] >= 0) p = &dup[*p];
+                dup[*p] = id;
+            }
             prev = id;
             continue;
         }
-        while (depth > lcp) v->t_next[path[depth--]] = nn;
+        while (depth > lcp) t->next[path[depth--]] = nn;
         for (uint32_t i = lcp; i < len; i++) {
             uint32_t node = nn++;
-            v->t_byte[node] = s[i];
-            v->t_depth[node] = (uint8_t)(i + 1 > 255 ? 255 : i + 1);
-            v->t_tok[node] = -1;
+            t->byte[node] = s[i];
+            t->depth[node] = (uint8_t)(i + 1 > 255 ? 255 : i + 1);
+            t->tok[node] = -1;
             path[++depth] = node;
         }
-        v->t_tok[path[depth]] = id;
+        t->tok[path[depth]] = id;
         prev = id;
     }
-    while (depth > 0) v->t_next[path[depth--]] = nn;
-    v->t_next[0] = nn;
-    v->n_nodes = nn;
-    free(ids);
+    while (depth > 0) t->next[path[depth--]] = nn;
+    t->next[0] = nn;
+    t->n_nodes = nn;
     free(path);
-    if (v->max_len > 255)
+    return 0;
+}
+
+static void trie_free(gtrie *t)
+{
+    free(t->byte);
+    free(t->depth);
+    free(t->next);
+    free(t->tok);
+    free(t->full);
+}
+
+/* The slice's automaton: UTF-8 as RFC 3629 (no overlongs, no surrogates) over code points from
+ * U+0020 except '"' and '\\'. States: 0 between characters; 1, 2, 3 continuation bytes left;
+ * 4 after E0 (A0-BF next), 5 after ED (80-9F), 6 after F0 (90-BF), 7 after F4 (80-8F). */
+int8_t gslice_next(int8_t st, uint8_t b)
+{
+    bool cont = b >= 0x80 && b <= 0xBF;
+    switch (st) {
+    case 0:
+        if (b < 0x20 || b == '"' || b == '\\') return SL_DEAD;
+        if (b < 0x80) return 0;
+        if (b >= 0xC2 && b <= 0xDF) return 1;
+        if (b == 0xE0) return 4;
+        if (b == 0xED) return 5;
+        if (b >= 0xE1 && b <= 0xEF) return 2;
+        if (b == 0xF0) return 6;
+        if (b >= 0xF1 && b <= 0xF3) return 3;
+        if (b == 0xF4) return 7;
+        return SL_DEAD;
+    case 1: return cont ? 0 : SL_DEAD;
+    case 2: return cont ? 1 : SL_DEAD;
+    case 3: return cont ? 2 : SL_DEAD;
+    case 4: return b >= 0xA0 && b <= 0xBF ? 1 : SL_DEAD;
+    case 5: return b >= 0x80 && b <= 0x9F ? 1 : SL_DEAD;
+    case 6: return b >= 0x90 && b <= 0xBF ? 2 : SL_DEAD;
+    case 7: return b >= 0x80 && b <= 0x8F ? 2 : SL_DEAD;
+    default: return SL_DEAD;
+    }
+}
+
+static bool in_slice(const uint8_t *s, uint32_t n)
+{
+    int8_t st = 0;
+    for (uint32_t i = 0; i < n && st != SL_DEAD; i++) st = gslice_next(st, s[i]);
+    return st != SL_DEAD;
+}
+
+/* The full trie, the slice and the rest trie (its nodes mapped to the full trie's: the rest
+ * trie's nodes are a prefix-closed subset, in the same order). */
+static int build_tries(pd_gvocab *v)
+{
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)(v->n ? v->n : 1));
+    v->dup = malloc(sizeof(int32_t) * (size_t)(v->n ? v->n : 1));
+    v->slice = calloc(pd_gmask_words(v->n), sizeof(uint32_t));
+    if (!ids || !v->dup || !v->slice) {
+        free(ids);
+        return pd_error(PD_ENOMEM, "grammar vocab: out of memory");
+    }
+    int32_t m = 0;
+    for (int32_t i = 0; i < v->n; i++) {
+        v->dup[i] = -1;
+        if (v->tok[i] && v->len[i] > 0) {
+            ids[m++] = i;
+            if (v->len[i] > v->max_len) v->max_len = v->len[i];
+        }
+    }
+    if (v->max_len > 255) {
+        free(ids);
         return pd_error(PD_EUNSUPPORTED, "grammar vocab: a token longer than 255 bytes");
+    }
+    static pthread_mutex_t sort_lock = PTHREAD_MUTEX_INITIALIZER;
+    pthread_mutex_lock(&sort_lock);
+    g_sort_v = v;
+    qsort(ids, (size_t)m, sizeof(int32_t), cmp_tok);
+    pthread_mutex_unlock(&sort_lock);
+    int rc = trie_build(v, ids, m, &v->trie, v->dup);
+    int32_t mr = 0;
+    for (int32_t k = 0; rc == 0 && k < m; k++) {
+        int32_t id = ids[k];
+        if (!in_slice(v->tok[id], v->len[id])) {
+            ids[mr++] = id;
+            continue;
+        }
+        v->slice[id >> 5] |= 1u << (id & 31);
+        v->n_slice++;
+        if (v->len[id] > v->slice_len) v->slice_len = v->len[id];
+    }
+    if (rc == 0) rc = trie_build(v, ids, mr, &v->rest, NULL);
+    free(ids);
+    if (rc < 0) return rc;
+    v->rest.full = malloc(sizeof(uint32_t) * v->rest.n_nodes);
+    if (!v->rest.full) return pd_error(PD_ENOMEM, "grammar vocab: out of memory");
+    /* walk both in step: a rest node's bytes are a path of the full trie */
+    uint32_t path[257];
+    path[0] = 0;
+    v->rest.full[0] = 0;
+    for (uint32_t i = 1; i < v->rest.n_nodes; i++) {
+        uint32_t d = v->rest.depth[i], f = path[d - 1] + 1;
+        while (v->trie.byte[f] != v->rest.byte[i]) f = v->trie.next[f];
+        path[d] = f;
+        v->rest.full[i] = f;
+    }
     return 0;
 }
 
@@ -125,7 +213,7 @@ int pd_gvocab_create(int32_t n, const uint8_t *const *bytes, const uint32_t *len
         memcpy(v->tok[i], bytes[i], lens[i]);
         v->len[i] = lens[i];
     }
-    int rc = build_trie(v);
+    int rc = build_tries(v);
     if (rc < 0) {
         pd_gvocab_free(v);
         return rc;
@@ -192,10 +280,9 @@ void pd_gvocab_free(pd_gvocab *v)
     free(v->len);
     free(v->eos);
     free(v->eos_ids);
-    free(v->t_byte);
-    free(v->t_depth);
-    free(v->t_next);
-    free(v->t_tok);
+    trie_free(&v->trie);
+    trie_free(&v->rest);
+    free(v->slice);
     free(v->dup);
     gshare_free(v->share);
     free(v);

@@ -736,6 +736,90 @@ TEST(mask_matches_brute_force_small_vocab)
     }
 }
 
+/* The slice (tokens of string contents, accepted whole by states that keep them all alive):
+ * tokens at its edges (UTF-8 cut anywhere, overlongs, surrogates, stray continuation bytes,
+ * control characters, quotes and backslashes inside tokens, long tokens near maxLength) must
+ * get the same bits as brute force in string contents, keys and bounded strings. */
+static const char *const SLICE_TOKENS[] = {"\xc3",
+                                           "\xa9",
+                                           "\xc3\xa9",
+                                           "\xe0\xa0",
+                                           "\xe0\x80",
+                                           "\xe2\x82",
+                                           "\xe2\x82\xac",
+                                           "\xed\x9f\xbf",
+                                           "\xed\xa0\x80",
+                                           "\xf0\x9f",
+                                           "\xf0\x8f",
+                                           "\xf0\x9f\x98\x80",
+                                           "\xf4\x8f\xbf\xbf",
+                                           "\xf4\x90",
+                                           "\xc0\xaf",
+                                           "\x7f",
+                                           "\x1f",
+                                           "\t",
+                                           "a\"",
+                                           "ab\"",
+                                           "\"a",
+                                           "\": ",
+                                           "\", \"",
+                                           "a\\",
+                                           "\\n",
+                                           "\\u00e9",
+                                           "abc",
+                                           "abcd",
+                                           "abcdef",
+                                           "name",
+                                           "nam",
+                                           "\"name\"",
+                                           "xyz ",
+                                           " \xc3\xa9t\xc3\xa9",
+                                           NULL};
+
+TEST(slice_tokens_match_brute_force)
+{
+    const uint8_t *b[256];
+    uint32_t l[256];
+    static char ascii[95][2];
+    int n = 0;
+    for (; SLICE_TOKENS[n]; n++) {
+        b[n] = (const uint8_t *)SLICE_TOKENS[n];
+        l[n] = (uint32_t)strlen(SLICE_TOKENS[n]);
+    }
+    for (int i = 0; i < 95; i++) {
+        ascii[i][0] = (char)(0x20 + i);
+        b[n] = (const uint8_t *)ascii[i];
+        l[n++] = 1;
+    }
+    b[n] = (const uint8_t *)"<eos>";
+    l[n] = 5;
+    int32_t eos = n++;
+    pd_gvocab *v;
+    ASSERT_OK(pd_gvocab_create(n, b, l, NULL, &eos, 1, &v));
+    static const char *const specs[] = {
+        "{\"type\":\"string\"}",
+        "{\"type\":\"string\",\"maxLength\":4}",
+        "{\"type\":\"string\",\"minLength\":2,\"maxLength\":9}",
+        "{\"type\":\"string\",\"pattern\":\"^[a-z]+$\"}",
+        "{\"type\":\"object\",\"properties\":{\"name\":{\"type\":\"string\"},\"nam\":{\"const\":1}}"
+        ","
+        "\"additionalProperties\":{\"type\":\"string\",\"maxLength\":3}}",
+        "{\"type\":\"array\",\"items\":{\"enum\":[\"abc\",\"\xc3\xa9t\xc3\xa9\",\"a\\\"b\"]}}",
+    };
+    for (size_t i = 0; i < sizeof specs / sizeof *specs; i++) {
+        pd_gerr e;
+        pd_grammar *g = compile(v, PD_GSPEC_JSON_SCHEMA, specs[i], &e);
+        ASSERT_MSG(g, "%s: %s", specs[i], e.msg);
+        for (int w = 0; w < 30; w++) {
+            const char *why = "";
+            int rc = check_walk(g, v, 40, &why);
+            ASSERT_MSG(rc == 0, "%s walk %d: %s (token %d)", specs[i], w, why, rc - 1);
+        }
+        pd_grammar_unref(g);
+    }
+    pd_gvocab_free(v);
+}
+
 TEST(matcher_eos_rollback_clone)
 {
     pd_gvocab *v = small_vocab();
