@@ -2,6 +2,7 @@
  * classes and call labels), with non-recursive rules inlined, dead ends pruned, left
  * recursion refused, and states of call-free rules grouped by their behaviour up to the
  * longest token (those share a mask-cache entry). */
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -235,47 +236,53 @@ static void setmap_free(setmap *m)
     free(m->slots);
 }
 
-/* Sorts a[0..n) ascending: insertion sort for the short runs subset construction makes (a
- * state's NFA set, its labelled edges), qsort past that. */
-static int cmp_u64(const void *x, const void *y)
-{
-    uint64_t a = *(const uint64_t *)x, b = *(const uint64_t *)y;
-    return (a > b) - (a < b);
-}
-
-static void sort_u64(uint64_t *a, size_t n)
-{
-    if (n > 48) {
-        qsort(a, n, sizeof *a, cmp_u64);
-        return;
+/* Ascending sorts without a comparison callback (subset construction sorts every state's NFA
+ * set and labelled edges, so qsort's indirect calls showed in profiles): quicksort, pivot the
+ * median of three moved to the front (Hoare's partition then never returns an empty side),
+ * recursing into the smaller side, and insertion sort for runs of up to 24. */
+#define DEFINE_SORT(name, T, LESS)                                                                 \
+    static void name(T *a, size_t n)                                                               \
+    {                                                                                              \
+        while (n > 24) {                                                                           \
+            size_t m = n / 2, h = n - 1, k = 0;                                                    \
+            if (LESS(a[m], a[0]) != LESS(a[m], a[h]))                                              \
+                k = m;                                                                             \
+            else if (LESS(a[h], a[0]) != LESS(a[h], a[m]))                                         \
+                k = h;                                                                             \
+            T p = a[k];                                                                            \
+            a[k] = a[0];                                                                           \
+            a[0] = p;                                                                              \
+            ptrdiff_t i = -1, j = (ptrdiff_t)n;                                                    \
+            for (;;) {                                                                             \
+                do i++;                                                                            \
+                while (LESS(a[i], p));                                                             \
+                do j--;                                                                            \
+                while (LESS(p, a[j]));                                                             \
+                if (i >= j) break;                                                                 \
+                T t = a[i];                                                                        \
+                a[i] = a[j];                                                                       \
+                a[j] = t;                                                                          \
+            }                                                                                      \
+            size_t left = (size_t)j + 1; /* [0, left) <= p <= [left, n) */                         \
+            if (left < n - left) {                                                                 \
+                name(a, left);                                                                     \
+                a += left;                                                                         \
+                n -= left;                                                                         \
+            } else {                                                                               \
+                name(a + left, n - left);                                                          \
+                n = left;                                                                          \
+            }                                                                                      \
+        }                                                                                          \
+        for (size_t i = 1; i < n; i++) {                                                           \
+            T x = a[i];                                                                            \
+            size_t j = i;                                                                          \
+            for (; j > 0 && LESS(x, a[j - 1]); j--) a[j] = a[j - 1];                               \
+            a[j] = x;                                                                              \
+        }                                                                                          \
     }
-    for (size_t i = 1; i < n; i++) {
-        uint64_t x = a[i];
-        size_t j = i;
-        for (; j > 0 && a[j - 1] > x; j--) a[j] = a[j - 1];
-        a[j] = x;
-    }
-}
-
-static int cmp_i32(const void *x, const void *y)
-{
-    int32_t a = *(const int32_t *)x, b = *(const int32_t *)y;
-    return (a > b) - (a < b);
-}
-
-static void sort_i32(int32_t *a, size_t n)
-{
-    if (n > 48) {
-        qsort(a, n, sizeof *a, cmp_i32);
-        return;
-    }
-    for (size_t i = 1; i < n; i++) {
-        int32_t x = a[i];
-        size_t j = i;
-        for (; j > 0 && a[j - 1] > x; j--) a[j] = a[j - 1];
-        a[j] = x;
-    }
-}
+#define LESS_SCALAR(x, y) ((x) < (y))
+DEFINE_SORT(sort_u64, uint64_t, LESS_SCALAR)
+DEFINE_SORT(sort_i32, int32_t, LESS_SCALAR)
 
 typedef struct {
     const nfa *n;
@@ -330,8 +337,9 @@ static int determinize(cc *c, const nfa *n, int32_t start, int32_t final, dfa *d
     closer cl = {n, calloc((size_t)n->nn, sizeof(uint32_t)), 0,
                  malloc(sizeof(int32_t) * (size_t)n->nn), malloc(sizeof(int32_t) * (size_t)n->nn)};
     setmap m = {0};
-    uint64_t *pairs = NULL; /* (label << 32) | NFA target */
+    uint64_t *pairs = NULL, *grouped = NULL; /* (label << 32) | NFA target */
     size_t cappairs = 0;
+    int32_t cnt[258];
     int32_t *seeds = malloc(sizeof(int32_t) * (size_t)n->nn);
     int rc = 0;
     if (!cl.stamp || !cl.stack || !cl.out || !seeds) {
@@ -362,17 +370,36 @@ static int determinize(cc *c, const nfa *n, int32_t start, int32_t final, dfa *d
                     if (np == cappairs) {
                         cappairs = cappairs ? cappairs * 2 : 256;
                         uint64_t *p = realloc(pairs, sizeof *p * cappairs);
-                        if (!p) {
+                        if (p) pairs = p;
+                        uint64_t *q = realloc(grouped, sizeof *q * cappairs);
+                        if (q) grouped = q;
+                        if (!p || !q) {
                             rc = gb_fail(c->b, PD_ENOMEM, "", "", -1, "out of memory");
                             goto done;
                         }
-                        pairs = p;
                     }
                     pairs[np++] = (uint64_t)(uint32_t)k2 << 32 | (uint32_t)E->to;
                 }
             }
         }
-        sort_u64(pairs, np);
+        /* grouped by label: byte classes in order by counting, then the calls sorted */
+        memset(cnt, 0, sizeof(int32_t) * (size_t)(d->ncls + 2));
+        for (size_t i = 0; i < np; i++) {
+            int32_t key = (int32_t)(pairs[i] >> 32);
+            cnt[(key < 1000 ? key : d->ncls) + 1]++;
+        }
+        for (int32_t b = 0; b <= d->ncls; b++) cnt[b + 1] += cnt[b];
+        int32_t ncall = cnt[d->ncls + 1] - cnt[d->ncls];
+        for (size_t i = 0; i < np; i++) {
+            int32_t key = (int32_t)(pairs[i] >> 32);
+            grouped[cnt[key < 1000 ? key : d->ncls]++] = pairs[i];
+        }
+        if (np) {
+            sort_u64(grouped + np - ncall, (size_t)ncall);
+            uint64_t *t = pairs;
+            pairs = grouped;
+            grouped = t;
+        }
         for (size_t i = 0; i < np;) {
             size_t j = i;
             int32_t ns = 0;
@@ -405,6 +432,7 @@ done:
     free(cl.out);
     free(seeds);
     free(pairs);
+    free(grouped);
     setmap_free(&m);
     if (rc < 0) dfa_free(d);
     return rc;
@@ -842,12 +870,8 @@ typedef struct {
     uint64_t sig;
 } gmover;
 
-static int cmp_mover(const void *x, const void *y)
-{
-    const gmover *a = x, *b = y;
-    if (a->cls != b->cls) return (a->cls > b->cls) - (a->cls < b->cls);
-    return (a->sig > b->sig) - (a->sig < b->sig);
-}
+#define LESS_MOVER(x, y) ((x).cls < (y).cls || ((x).cls == (y).cls && (x).sig < (y).sig))
+DEFINE_SORT(sort_movers, gmover, LESS_MOVER)
 
 /* What state i of rule R leads to on each byte class, as a hash of the target classes. */
 static uint64_t succ_sig(const pd_grammar *g, const grule *R, int32_t i, const int32_t *cls)
@@ -914,7 +938,7 @@ static int32_t bounded_classes(const pd_grammar *g, const grule *R, uint32_t rou
             if (x != csig[c]) mv[nm++] = (gmover){s, c, x};
         }
         if (nm == 0) break; /* stable: every later round would be the same */
-        qsort(mv, (size_t)nm, sizeof *mv, cmp_mover);
+        sort_movers(mv, (size_t)nm);
         int32_t nd = 0;
         for (int32_t a = 0; a < nm;) {
             int32_t c = mv[a].cls, e = a, keep = -1, best = 0;

@@ -382,27 +382,42 @@ static int slice_fits(const pd_grammar *g, int32_t st0)
             rep[nrep++] = (uint8_t)b;
         }
     }
-    /* breadth first, so a pair is expanded at its smallest depth */
-    uint64_t *q = malloc(sizeof(uint64_t) * SLICE_MAX_PAIRS);
-    uint8_t *qd = malloc(SLICE_MAX_PAIRS);
-    uint64_t *ht = malloc(sizeof(uint64_t) * 2 * SLICE_MAX_PAIRS);
-    if (!q || !qd || !ht) {
-        free(q);
-        free(qd);
-        free(ht);
-        return -1;
-    }
-    memset(ht, 0xff, sizeof(uint64_t) * 2 * SLICE_MAX_PAIRS);
-    int32_t nq = 0, head = 0;
+    /* breadth first, so a pair is expanded at its smallest depth; the queue holds every pair
+     * seen, and the hash table (twice its capacity) is rebuilt from it when it grows */
+    int32_t cap = 64, nq = 0, head = 0;
+    uint64_t *q = NULL, *ht = NULL;
+    uint8_t *qd = NULL;
     int fits = 1;
-    q[nq] = (uint64_t)(uint32_t)st0 << 3;
-    qd[nq++] = 0;
-    while (head < nq && fits) {
+    for (;;) {
+        if (nq == 0 || nq == cap) {
+            if (nq) cap *= 2;
+            uint64_t *q2 = realloc(q, sizeof(uint64_t) * (size_t)cap);
+            if (q2) q = q2;
+            uint8_t *qd2 = realloc(qd, (size_t)cap);
+            if (qd2) qd = qd2;
+            free(ht);
+            ht = malloc(sizeof(uint64_t) * 2 * (size_t)cap);
+            if (!q2 || !qd2 || !ht) {
+                fits = -1;
+                break;
+            }
+            memset(ht, 0xff, sizeof(uint64_t) * 2 * (size_t)cap);
+            if (nq == 0) {
+                q[nq] = (uint64_t)(uint32_t)st0 << 3;
+                qd[nq++] = 0;
+            }
+            for (int32_t i = 0; i < nq; i++) {
+                uint32_t h = (uint32_t)((q[i] * 0x9e3779b97f4a7c15ull) >> 40) & (2 * cap - 1);
+                while (ht[h] != UINT64_MAX) h = (h + 1) & (2 * cap - 1);
+                ht[h] = q[i];
+            }
+        }
+        if (head == nq || !fits) break;
         uint64_t pr = q[head];
         uint32_t d = qd[head++];
         int32_t st = (int32_t)(pr >> 3);
         int8_t p = (int8_t)(pr & 7);
-        for (int j = 0; j < nrep && fits; j++) {
+        for (int j = 0; j < nrep && fits && nq < cap; j++) {
             int8_t p2 = gslice_next(p, rep[j]);
             if (p2 == SL_DEAD) continue;
             int32_t t = g->trans[S[st].trans_off + R->cls[rep[j]]];
@@ -412,9 +427,8 @@ static int slice_fits(const pd_grammar *g, int32_t st0)
             }
             if (d + 1 >= v->slice_len) continue;
             uint64_t key = (uint64_t)(uint32_t)t << 3 | (uint64_t)p2;
-            uint32_t h =
-                (uint32_t)((key * 0x9e3779b97f4a7c15ull) >> 40) & (2 * SLICE_MAX_PAIRS - 1);
-            while (ht[h] != UINT64_MAX && ht[h] != key) h = (h + 1) & (2 * SLICE_MAX_PAIRS - 1);
+            uint32_t h = (uint32_t)((key * 0x9e3779b97f4a7c15ull) >> 40) & (2 * cap - 1);
+            while (ht[h] != UINT64_MAX && ht[h] != key) h = (h + 1) & (2 * cap - 1);
             if (ht[h] == key) continue;
             if (nq == SLICE_MAX_PAIRS) {
                 fits = 0;
@@ -424,6 +438,7 @@ static int slice_fits(const pd_grammar *g, int32_t st0)
             q[nq] = key;
             qd[nq++] = (uint8_t)(d + 1);
         }
+        if (nq == cap) head--; /* cut short: grow, then expand this pair again */
     }
     free(q);
     free(qd);
