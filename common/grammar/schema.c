@@ -1139,6 +1139,8 @@ static gx *object_expr(sc *c, json_t *s, const char *path)
                     "property counts over 64 are not supported");
     if (pmax >= 0 && pmax < pmin)
         return fail(c, "maxProperties", path, "%s", "maxProperties < minProperties: no object");
+    if (pmax == 0) /* the count nodes below start at 1: the empty object, unless one is required */
+        return json_array_size(req) ? gx_none(b) : gx_seq3(b, lit(c, "{"), c->ws, lit(c, "}"));
     size_t npat = pp ? json_object_size(pp) : 0;
     if (npat > MAX_PATTERN_PROPS)
         return fail(c, "patternProperties", path, "%s",
@@ -1404,8 +1406,59 @@ static json_t *flatten_allof(sc *c, json_t *s, const char *path, int depth)
     return acc;
 }
 
+/* JSON Schema evaluates each allOf entry on its own, so the patternProperties and
+ * additionalProperties of `other` also bind the properties that `to` lists and `other` does
+ * not: each such property of `to` gets, as an allOf, the schemas of the patterns of `other`
+ * its name matches, else `other`'s additionalProperties. Returns `to` or a changed copy; NULL
+ * on a refusal. */
+static json_t *close_props(sc *c, json_t *to, json_t *other, const char *path)
+{
+    json_t *tp = json_object_get(to, "properties"), *op = json_object_get(other, "properties");
+    json_t *ox = json_object_get(other, "additionalProperties");
+    json_t *opp = json_object_get(other, "patternProperties");
+    if (!json_is_object(tp) || (!json_is_object(opp) && (!ox || json_is_true(ox)))) return to;
+    json_t *np = NULL;
+    const char *pk;
+    json_t *pv;
+    json_object_foreach(tp, pk, pv)
+    {
+        if (json_is_object(op) && json_object_get(op, pk)) continue;
+        json_t *all = json_array();
+        keep(c, all);
+        json_array_append(all, pv);
+        const char *pat;
+        json_t *ps;
+        if (json_is_object(opp)) json_object_foreach(opp, pat, ps)
+            {
+                gx *re = rx_parse(c->b, pat, strlen(pat), RX_SEARCH, path);
+                int mt = c->b->status < 0 ? -1 : gx_match(re, (const uint8_t *)pk, strlen(pk));
+                if (mt < 0) {
+                    fail(c, "allOf", path, "cannot match patternProperties '%s'", pat);
+                    return NULL;
+                }
+                if (mt) json_array_append(all, ps);
+            }
+        if (json_array_size(all) == 1 && ox && !json_is_true(ox)) json_array_append(all, ox);
+        if (json_array_size(all) == 1) continue;
+        if (!np) {
+            np = json_deep_copy(tp);
+            keep(c, np);
+        }
+        json_object_set_new(np, pk, json_pack("{s:O}", "allOf", all));
+    }
+    if (!np) return to;
+    json_t *t2 = json_copy(to);
+    keep(c, t2);
+    json_object_set(t2, "properties", np);
+    return t2;
+}
+
 static json_t *merge2(sc *c, json_t *a, json_t *b2, const char *path)
 {
+    json_t *a2 = close_props(c, a, b2, path), *b3 = a2 ? close_props(c, b2, a, path) : NULL;
+    if (!b3) return NULL;
+    a = a2;
+    b2 = b3;
     json_t *m = json_deep_copy(a);
     keep(c, m);
     const char *k;
@@ -1473,11 +1526,6 @@ static json_t *merge2(sc *c, json_t *a, json_t *b2, const char *path)
             }
             json_object_set_new(m, k, u);
         } else if (strcmp(k, "items") == 0 || strcmp(k, "additionalProperties") == 0) {
-            if (strcmp(k, "additionalProperties") == 0 && (json_is_false(o) || json_is_false(v))) {
-                fail(c, "allOf", path, "cannot merge 'additionalProperties': %s",
-                     "false in one branch applies to that branch's properties only");
-                return NULL;
-            }
             json_object_set_new(m, k, json_pack("{s:[OO]}", "allOf", o, v));
         } else if (strcmp(k, "anyOf") == 0 || strcmp(k, "oneOf") == 0) {
             /* (a1|a2) & (b1|b2): distribute */

@@ -1,7 +1,7 @@
 /* pd-maskbench: the MaskBench-style checker and mask-time benchmark of common/grammar.
  *
  *   pd-maskbench --tokenizer MODEL_DIR [--limit N] [--max-fail N] [--shard I/N] [--slow-ms MS]
- *                [--allow-wrong N] [--trace]
+ *                [--allow-wrong N] [--trace] [--dump-wrong FILE]
  *                [--quiet] INPUT...
  *
  * INPUT: a JSONSchemaBench maskbench tarball (.tar.xz, e.g. jsonschemabench-maskbench-dev),
@@ -15,7 +15,9 @@
  * with accept_token, 1 otherwise; 77 when --tokenizer npm:llama3 is not in the npm cache.
  * --slow-ms MS names the schemas whose compile or slowest mask took over MS milliseconds.
  * stdout is line-buffered so a crash shows how far a run got; --trace also names each schema
- * (document number and description) on stderr before compiling it. */
+ * (document number and description) on stderr before compiling it. --dump-wrong FILE writes
+ * each misjudged instance as a JSON line {"doc", "valid", "text", "schema"} (the text as fed),
+ * for checking with another validator which keyword it breaks. */
 #define _GNU_SOURCE
 #include <jansson.h>
 #include <math.h>
@@ -548,6 +550,7 @@ int main(int argc, char **argv)
     double slow_ms = -1;
     long allow_wrong = 0;
     bool trace = false;
+    FILE *dump = NULL;
     int first_input = argc;
     setvbuf(stdout, NULL, _IOLBF, 0);
     for (int i = 1; i < argc; i++) {
@@ -571,14 +574,23 @@ int main(int argc, char **argv)
             trace = true;
         else if (strcmp(argv[i], "--slow-ms") == 0 && i + 1 < argc)
             slow_ms = atof(argv[++i]);
-        else {
+        else if (strcmp(argv[i], "--dump-wrong") == 0 && i + 1 < argc) {
+            if (dump) fclose(dump);
+            dump = fopen(argv[++i], "w");
+            if (!dump) {
+                fprintf(stderr, "--dump-wrong %s: cannot write\n", argv[i]);
+                return 2;
+            }
+        } else {
             first_input = i;
             break;
         }
     }
     if (!tokdir || first_input >= argc) {
         fprintf(stderr,
-                "usage: %s --tokenizer MODEL_DIR [--limit N] [--max-fail N] [--quiet] INPUT...\n",
+                "usage: %s --tokenizer MODEL_DIR [--limit N] [--max-fail N] [--shard I/N] "
+                "[--slow-ms MS] "
+                "[--allow-wrong N] [--trace] [--dump-wrong FILE] [--quiet] INPUT...\n",
                 argv[0]);
         return 2;
     }
@@ -735,6 +747,14 @@ int main(int argc, char **argv)
                     invalid++, invalid_ok += ok;
                 if (!ok || inconsistent) {
                     bad++;
+                    if (dump) {
+                        json_t *w =
+                            json_pack("{s:s, s:b, s:s%, s:O}", "doc", desc ? desc : "?", "valid",
+                                      is_valid, "text", b.p, b.n, "schema", schema);
+                        if (w) json_dumpf(w, dump, JSON_COMPACT | JSON_ENSURE_ASCII);
+                        fputc('\n', dump);
+                        json_decref(w);
+                    }
                     n_inconsistent += inconsistent;
                     if (!quiet || bad <= 20) {
                         /* the text around where the matcher stopped (or ended), marked "<|>" */
@@ -798,6 +818,7 @@ int main(int argc, char **argv)
     free(bits);
     free(compiles.v);
     free(masks.v);
+    if (dump) fclose(dump);
     printf("wrong %ld (allowed %ld), mask/accept inconsistencies %ld\n", bad, allow_wrong,
            n_inconsistent);
     return (bad > allow_wrong || n_inconsistent) ? 1 : 0;

@@ -283,6 +283,40 @@ TEST(schema_pattern_properties_and_property_counts)
     ACCEPT(g, "{\"q\":[]}");
     ACCEPT(g, "{\"q\":[],\"r\":{},\"s\":1}");
     pd_grammar_unref(g);
+    /* maxProperties 0 (Snowplow sp_321 had one accepted): only {} */
+    g = compile(v, PD_GSPEC_JSON_SCHEMA,
+                "{\"type\":\"object\",\"properties\":{\"p\":{\"type\":\"object\","
+                "\"maxProperties\":0}}}",
+                NULL);
+    ASSERT(g);
+    ACCEPT(g, "{\"p\":{}}");
+    ACCEPT(g, "{\"p\":{ }}");
+    REJECT(g, "{\"p\":{\"a\":1}}");
+    pd_grammar_unref(g);
+    g = compile(v, PD_GSPEC_JSON_SCHEMA,
+                "{\"type\":\"object\",\"maxProperties\":0,\"required\":[\"a\"]}", NULL);
+    ASSERT(!g); /* nothing matches */
+    /* allOf: one entry's additionalProperties binds the keys only the other lists (Github
+     * o61085: a package's own properties and those of its $ref, both closed) */
+    g = compile(v, PD_GSPEC_JSON_SCHEMA,
+                "{\"allOf\":[{\"properties\":{\"a\":{}},\"additionalProperties\":false},"
+                "{\"properties\":{\"b\":{}}}]}",
+                NULL);
+    ASSERT(g);
+    ACCEPT(g, "{\"a\":1}");
+    REJECT(g, "{\"b\":1}");
+    REJECT(g, "{\"a\":1,\"c\":2}");
+    pd_grammar_unref(g);
+    g = compile(v, PD_GSPEC_JSON_SCHEMA,
+                "{\"allOf\":[{\"properties\":{\"a\":{}},\"patternProperties\":{\"^b\":"
+                "{\"type\":\"integer\"}},\"additionalProperties\":{\"type\":\"string\"}},"
+                "{\"properties\":{\"ba\":{},\"c\":{}}}]}",
+                NULL);
+    ASSERT(g);
+    ACCEPT(g, "{\"a\":null,\"ba\":1,\"c\":\"x\"}");
+    REJECT(g, "{\"ba\":\"x\"}"); /* ^b: integer */
+    REJECT(g, "{\"c\":1}");      /* additionalProperties of the first entry: string */
+    pd_grammar_unref(g);
 }
 
 TEST(schema_not_formats)
