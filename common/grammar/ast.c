@@ -389,7 +389,7 @@ void gb_init(gb *b, pd_gerr *err)
     memset(b, 0, sizeof *b);
     b->a = pd_arena_create(1 << 16);
     b->err = err;
-    b->budget = 1000000;
+    b->budget = PD_GRAMMAR_MAX_NFA;
     if (err) {
         err->keyword[0] = err->path[0] = err->msg[0] = 0;
         err->pos = -1;

@@ -10,8 +10,6 @@
 #include "util/hash.h"
 #include "util/status.h"
 
-#define MAX_STATES 150000
-
 /* ---- NFA ------------------------------------------------------------------------------ */
 enum { NE_EPS, NE_BYTES, NE_CALL };
 typedef struct {
@@ -43,8 +41,9 @@ static int32_t nnode(cc *c, nfa *n)
     if (c->b->status < 0) return -1;
     if (--c->b->budget < 0) {
         gb_fail(c->b, PD_EUNSUPPORTED, "", "", -1,
-                "grammar too large: over 1,000,000 automaton nodes (large repetition bounds "
-                "such as maxLength/maxItems multiply the size)");
+                "grammar too large: over %d automaton nodes (large repetition bounds such as "
+                "maxLength/maxItems multiply the size)",
+                PD_GRAMMAR_MAX_NFA);
         return -1;
     }
     if (n->nn == n->capn) {
@@ -120,7 +119,7 @@ static int dfa_add_state(cc *c, dfa *d)
         gb_fail(c->b, PD_EUNSUPPORTED, "", "", -1,
                 "grammar too large: over %d automaton states (large repetition bounds such "
                 "as maxLength/maxItems multiply the size)",
-                MAX_STATES);
+                PD_GRAMMAR_MAX_STATES);
         return -1;
     }
     if (d->n == d->cap) {
@@ -1037,7 +1036,7 @@ int gram_build(gb *b, int32_t root, pd_grammar *g)
     if (b->status < 0) return b->status;
     cc c = {0};
     c.b = b;
-    c.states_left = MAX_STATES;
+    c.states_left = PD_GRAMMAR_MAX_STATES;
     int32_t nr = b->n_rules;
     c.recursive = calloc((size_t)nr, sizeof(bool));
     c.gid = malloc(sizeof(int32_t) * (size_t)nr);

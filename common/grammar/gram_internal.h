@@ -12,6 +12,15 @@
 #include "grammar/grammar.h"
 #include "util/arena.h"
 
+/* Size caps of one compile. A build may lower them: the fuzz targets do, so that an execution
+ * never spends seconds building an automaton the cap would refuse anyway. */
+#ifndef PD_GRAMMAR_MAX_STATES
+#define PD_GRAMMAR_MAX_STATES 150000 /* DFA states, all rules together */
+#endif
+#ifndef PD_GRAMMAR_MAX_NFA
+#define PD_GRAMMAR_MAX_NFA 1000000 /* NFA nodes */
+#endif
+
 /* ---- expressions -------------------------------------------------------------------- */
 enum {
     X_NONE,  /* matches nothing */

@@ -25,9 +25,12 @@ typedef struct {
     _Atomic(gentry *) *ent; /* (n), by representative local state */
 } gsrule;
 
+#define SHARE_SLOTS (2 * SHARE_RULES) /* open addressing over the rules by hash */
+
 struct gshare {
     pthread_mutex_t lock;
     gsrule **rules;
+    int32_t *slots; /* rule index or -1 */
     int32_t n;
     _Atomic size_t bytes;
 };
@@ -37,10 +40,14 @@ gshare *gshare_create(void)
     gshare *s = calloc(1, sizeof *s);
     if (!s) return NULL;
     s->rules = calloc(SHARE_RULES, sizeof(gsrule *));
-    if (!s->rules) {
+    s->slots = malloc(sizeof(int32_t) * SHARE_SLOTS);
+    if (!s->rules || !s->slots) {
+        free(s->rules);
+        free(s->slots);
         free(s);
         return NULL;
     }
+    for (int32_t i = 0; i < SHARE_SLOTS; i++) s->slots[i] = -1;
     pthread_mutex_init(&s->lock, NULL);
     atomic_init(&s->bytes, 0);
     return s;
@@ -58,6 +65,7 @@ void gshare_free(gshare *s)
         free(r);
     }
     free(s->rules);
+    free(s->slots);
     pthread_mutex_destroy(&s->lock);
     free(s);
 }
@@ -110,14 +118,15 @@ static gsrule *lookup(gshare *s, const pd_grammar *g, int32_t r)
     }
     gsrule *found = NULL;
     pthread_mutex_lock(&s->lock);
-    for (int32_t i = 0; i < s->n && !found; i++) {
-        gsrule *q = s->rules[i];
+    uint32_t slot = (uint32_t)h & (SHARE_SLOTS - 1);
+    for (; s->slots[slot] >= 0 && !found; slot = (slot + 1) & (SHARE_SLOTS - 1)) {
+        gsrule *q = s->rules[s->slots[slot]];
         if (q->hash == h && q->n == n && q->ncls == ncls && memcmp(q->cls, R->cls, 256) == 0 &&
             memcmp(q->final, final, (size_t)n) == 0 &&
             memcmp(q->trans, trans, sizeof(int32_t) * (size_t)n * (size_t)ncls) == 0)
             found = q;
     }
-    if (!found && s->n < SHARE_RULES) {
+    if (!found && s->n < SHARE_RULES) { /* slot: the empty one that ended the probe */
         gsrule *q = calloc(1, sizeof *q);
         _Atomic(gentry *) *ent = calloc((size_t)n, sizeof *ent);
         if (q && ent) {
@@ -128,6 +137,7 @@ static gsrule *lookup(gshare *s, const pd_grammar *g, int32_t r)
             q->trans = trans;
             q->final = final;
             q->ent = ent;
+            s->slots[slot] = s->n;
             s->rules[s->n++] = q;
             found = q;
             trans = NULL;
