@@ -188,15 +188,20 @@ static void closure(ctx *c, int32_t sid)
     }
 }
 
+/* A new closure generation: frames stamped before it count as unvisited. */
+static void next_gen(store *s)
+{
+    if (++s->gen == 0) { /* wrapped: clear stamps */
+        memset(s->stamp, 0, sizeof(uint32_t) * (size_t)s->cap);
+        s->gen = 1;
+    }
+}
+
 /* Steps every stack of in[0..n) by byte b; closure of the results into c->out. */
 static void step(ctx *c, const int32_t *in, int32_t n, uint8_t b)
 {
     const pd_grammar *g = c->g;
-    c->s->gen++;
-    if (c->s->gen == 0) { /* wrapped: clear stamps */
-        memset(c->s->stamp, 0, sizeof(uint32_t) * (size_t)c->s->cap);
-        c->s->gen = 1;
-    }
+    next_gen(c->s);
     for (int32_t i = 0; i < n; i++) {
         frame fr = c->s->f[in[i]];
         const gstate *gs = &g->states[fr.st];
@@ -278,11 +283,7 @@ static int walk(const pd_grammar *g, store *s, uint32_t root, const int32_t *S0,
                 oom = true;
                 break;
             }
-            s->gen++;
-            if (s->gen == 0) { /* wrapped: clear stamps */
-                memset(s->stamp, 0, sizeof(uint32_t) * (size_t)s->cap);
-                s->gen = 1;
-            }
+            next_gen(s);
             closure(&c, store_get(s, t, spar[d - 1]));
         } else {
             /* the input set lives in buf below off[d]; step appends */
@@ -555,7 +556,7 @@ int pd_gmatcher_create(pd_grammar *g, pd_gmatcher **out)
     m->s.gen = 1;
     int32_t root = store_get(&m->s, g->rules[g->root].start, NOPARENT);
     ctx c = {g, &m->s, &m->cur, false, false, false};
-    m->s.gen++;
+    next_gen(&m->s);
     closure(&c, root);
     if (c.oom) {
         pd_gmatcher_free(m);
@@ -727,7 +728,7 @@ int pd_gmatcher_fill_mask(pd_gmatcher *m, uint32_t *bits)
             /* the stacks after this frame ends */
             m->tmp2.n = 0;
             ctx c = {g, &m->s, &m->tmp2, false, false, false};
-            m->s.gen++;
+            next_gen(&m->s);
             closure(&c, fr.parent);
             if (c.oom) return pd_error(PD_ENOMEM, "grammar: out of memory");
             if (m->tmp2.n == 0) continue;
