@@ -20,6 +20,12 @@
 #ifndef PD_GRAMMAR_MAX_NFA
 #define PD_GRAMMAR_MAX_NFA 1000000 /* NFA nodes */
 #endif
+/* Parse stacks alive at once in a matcher or a mask walk. An ambiguous grammar (a Lark rule
+ * `r: "a" (r | )+`) can double them with every token; past the cap the matcher stops with an
+ * error instead of spending exponential time and memory. */
+#ifndef PD_GRAMMAR_MAX_STACKS
+#define PD_GRAMMAR_MAX_STACKS 1024
+#endif
 
 /* ---- expressions -------------------------------------------------------------------- */
 enum {

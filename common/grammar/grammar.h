@@ -122,6 +122,10 @@ int pd_gmatcher_fill_mask(pd_gmatcher *m, uint32_t *bits);
 bool pd_gmatcher_is_accepting(const pd_gmatcher *m);
 /* EOS was accepted, or the output is complete and nothing may follow. */
 bool pd_gmatcher_is_terminated(const pd_gmatcher *m);
+/* The grammar proved too ambiguous here: more parses at once than the matcher follows
+ * (PD_GRAMMAR_MAX_STACKS, 1,024). Then fill_mask and accept fail (PD_EUNSUPPORTED) and allows is
+ * false, until a rollback. */
+bool pd_gmatcher_too_ambiguous(const pd_gmatcher *m);
 /* Undoes the last k accepted tokens (k <= pd_gmatcher_history(m)). */
 int pd_gmatcher_rollback(pd_gmatcher *m, size_t k);
 size_t pd_gmatcher_history(const pd_gmatcher *m);

@@ -11,6 +11,7 @@
 
 #define NOPARENT  (-1)
 #define BOTTOM    (-2)
+#define AMBIGUOUS (-2) /* a walk's or a step's result: over PD_GRAMMAR_MAX_STACKS stacks */
 #define MAX_DEPTH 2000
 
 typedef struct {
@@ -308,6 +309,10 @@ static int walk(const pd_grammar *g, store *s, uint32_t root, const int32_t *S0,
             break;
         }
         len[d] = buf.n - off[d];
+        if (len[d] > PD_GRAMMAR_MAX_STACKS) {
+            free(buf.v);
+            return AMBIGUOUS;
+        }
         if (len[d] == 1) {
             sst[d] = s->f[buf.v[off[d]]].st;
             spar[d] = s->f[buf.v[off[d]]].parent;
@@ -455,10 +460,12 @@ void gentry_free(gentry *e)
     free(e);
 }
 
-static gentry *compute_entry(const pd_grammar *g, int32_t st)
+/* NULL with *rc -1 (out of memory) or AMBIGUOUS. */
+static gentry *compute_entry(const pd_grammar *g, int32_t st, int *rc_out)
 {
     sink k = {0};
     int rc;
+    *rc_out = -1;
     int32_t nv = g->v->n;
     size_t words = pd_gmask_words(nv);
     if (g->rules[g->states[st].rule].leaf) {
@@ -478,6 +485,7 @@ static gentry *compute_entry(const pd_grammar *g, int32_t st)
     }
     gentry *e = calloc(1, sizeof *e);
     if (rc < 0 || !e) {
+        if (rc == AMBIGUOUS) *rc_out = AMBIGUOUS;
         free(k.bits);
         free(k.acc.v);
         free(k.pops.v);
@@ -509,7 +517,7 @@ static gentry *compute_entry(const pd_grammar *g, int32_t st)
     return e;
 }
 
-static gentry *cache_get(pd_grammar *g, int32_t st)
+static gentry *cache_get(pd_grammar *g, int32_t st, int *rc)
 {
     int32_t key = g->states[st].cache_key;
     gentry *e = atomic_load_explicit(g->slot[key], memory_order_acquire);
@@ -518,7 +526,7 @@ static gentry *cache_get(pd_grammar *g, int32_t st)
         e = atomic_load_explicit(&g->cache[key], memory_order_acquire);
         if (e) return e;
     }
-    e = compute_entry(g, st);
+    e = compute_entry(g, st, rc);
     if (!e) return NULL;
     if (g->slot_shared[key] && gshare_publish(g->v->share, g->slot[key], &e, g->v->n)) return e;
     gentry *expected = NULL;
@@ -541,6 +549,7 @@ struct pd_gmatcher {
     store s;
     ivec cur;
     bool accept, term;
+    bool ambiguous; /* over PD_GRAMMAR_MAX_STACKS parses: stopped until a rollback */
     ivec hist;
     hrec *rec;
     size_t nrec, caprec;
@@ -598,6 +607,7 @@ int pd_gmatcher_clone(const pd_gmatcher *m, pd_gmatcher **out)
     c->g = pd_grammar_ref(m->g);
     c->accept = m->accept;
     c->term = m->term;
+    c->ambiguous = m->ambiguous;
     if (store_copy(&c->s, &m->s) < 0 || ivec_copy(&c->cur, &m->cur) < 0 ||
         ivec_copy(&c->hist, &m->hist) < 0) {
         pd_gmatcher_free(c);
@@ -637,7 +647,8 @@ static int save_history(pd_gmatcher *m)
     return 0;
 }
 
-/* Runs bytes through the current set into m->tmp; returns alive (set non-empty or accepting). */
+/* Runs bytes through the current set into m->tmp; returns alive (set non-empty or accepting),
+ * -1 out of memory or AMBIGUOUS. */
 static int run_bytes(pd_gmatcher *m, const uint8_t *p, size_t n, bool *accept)
 {
     if (ivec_reserve(&m->tmp, m->cur.n + 1) < 0) return -1;
@@ -650,6 +661,7 @@ static int run_bytes(pd_gmatcher *m, const uint8_t *p, size_t n, bool *accept)
         ctx c = {m->g, &m->s, &m->tmp2, false, false, false};
         step(&c, m->tmp.v, m->tmp.n, p[i]);
         if (c.oom) return -1;
+        if (m->tmp2.n > PD_GRAMMAR_MAX_STACKS) return AMBIGUOUS;
         ivec t = m->tmp;
         m->tmp = m->tmp2;
         m->tmp2 = t;
@@ -659,11 +671,23 @@ static int run_bytes(pd_gmatcher *m, const uint8_t *p, size_t n, bool *accept)
     return m->tmp.n > 0 || acc ? 1 : 0;
 }
 
+static int too_ambiguous(void)
+{
+    return pd_error(PD_EUNSUPPORTED,
+                    "grammar: over %d parses at once: the grammar is too ambiguous to follow",
+                    PD_GRAMMAR_MAX_STACKS);
+}
+
 static int advance(pd_gmatcher *m, const uint8_t *p, size_t n, bool save)
 {
     if (m->term) return pd_error(PD_EINVAL, "grammar: the output is complete");
+    if (m->ambiguous) return too_ambiguous();
     bool acc = false;
     int r = run_bytes(m, p, n, &acc);
+    if (r == AMBIGUOUS) {
+        m->ambiguous = true;
+        return too_ambiguous();
+    }
     if (r < 0) return pd_error(PD_ENOMEM, "grammar: out of memory");
     if (r == 0) return pd_error(PD_EINVAL, "grammar: bytes not allowed here");
     if (save && save_history(m) < 0) return pd_error(PD_ENOMEM, "grammar: out of memory");
@@ -679,6 +703,7 @@ int pd_gmatcher_accept_token(pd_gmatcher *m, int32_t id)
 {
     const pd_gvocab *v = m->g->v;
     if (id < 0 || id >= v->n) return pd_error(PD_EINVAL, "grammar: token id %d out of range", id);
+    if (m->ambiguous) return too_ambiguous();
     if (v->eos[id]) {
         if (!m->accept) return pd_error(PD_EINVAL, "grammar: EOS before the output is complete");
         if (save_history(m) < 0) return pd_error(PD_ENOMEM, "grammar: out of memory");
@@ -700,9 +725,11 @@ bool pd_gmatcher_allows(pd_gmatcher *m, int32_t id)
     const pd_gvocab *v = m->g->v;
     if (id < 0 || id >= v->n) return false;
     if (v->eos[id]) return m->accept;
-    if (!v->tok[id] || m->term) return false;
+    if (!v->tok[id] || m->term || m->ambiguous) return false;
     bool acc;
-    return run_bytes(m, v->tok[id], v->len[id], &acc) > 0;
+    int r = run_bytes(m, v->tok[id], v->len[id], &acc);
+    if (r == AMBIGUOUS) m->ambiguous = true;
+    return r > 0;
 }
 
 int pd_gmatcher_fill_mask(pd_gmatcher *m, uint32_t *bits)
@@ -711,12 +738,18 @@ int pd_gmatcher_fill_mask(pd_gmatcher *m, uint32_t *bits)
     const pd_gvocab *v = g->v;
     size_t words = pd_gmask_words(v->n);
     memset(bits, 0, words * sizeof(uint32_t));
+    if (m->ambiguous) return too_ambiguous();
     if (!m->term) {
         sink k = {.bits = bits};
         for (int32_t i = 0; i < m->cur.n; i++) {
             int32_t sid = m->cur.v[i];
             frame fr = m->s.f[sid];
-            gentry *e = cache_get(g, fr.st);
+            int rc;
+            gentry *e = cache_get(g, fr.st, &rc);
+            if (!e && rc == AMBIGUOUS) {
+                m->ambiguous = true;
+                return too_ambiguous();
+            }
             if (!e) return pd_error(PD_ENOMEM, "grammar: out of memory");
             if (e->bits) {
                 for (size_t w = 0; w < words; w++) bits[w] |= e->acc[w];
@@ -735,9 +768,11 @@ int pd_gmatcher_fill_mask(pd_gmatcher *m, uint32_t *bits)
             ivec P;
             if (ivec_copy(&P, &m->tmp2) < 0) return pd_error(PD_ENOMEM, "grammar: out of memory");
             for (uint32_t j = 0; j < e->n_pop; j++)
-                if (walk(g, &m->s, e->pops[j], P.v, P.n, &k) < 0) {
+                if ((rc = walk(g, &m->s, e->pops[j], P.v, P.n, &k)) < 0) {
                     free(P.v);
-                    return pd_error(PD_ENOMEM, "grammar: out of memory");
+                    if (rc != AMBIGUOUS) return pd_error(PD_ENOMEM, "grammar: out of memory");
+                    m->ambiguous = true;
+                    return too_ambiguous();
                 }
             free(P.v);
         }
@@ -756,6 +791,10 @@ bool pd_gmatcher_is_terminated(const pd_gmatcher *m)
 {
     return m->term;
 }
+bool pd_gmatcher_too_ambiguous(const pd_gmatcher *m)
+{
+    return m->ambiguous;
+}
 size_t pd_gmatcher_history(const pd_gmatcher *m)
 {
     return m->nrec;
@@ -773,6 +812,7 @@ int pd_gmatcher_rollback(pd_gmatcher *m, size_t k)
     m->cur.n = r.n;
     m->accept = r.accept;
     m->term = r.term;
+    m->ambiguous = false;
     m->hist.n = (int32_t)r.off;
     return 0;
 }

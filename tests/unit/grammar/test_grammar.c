@@ -854,6 +854,33 @@ TEST(slice_tokens_match_brute_force)
     pd_gvocab_free(v);
 }
 
+/* An ambiguous grammar doubles its parses with every token (a fuzz input took minutes); the
+ * matcher stops at PD_GRAMMAR_MAX_STACKS with an error, and a rollback resumes. */
+TEST(ambiguous_grammar_stops_with_an_error)
+{
+    pd_gvocab *v = small_vocab();
+    pd_gerr e;
+    pd_grammar *g = compile(v, PD_GSPEC_GRAMMAR, "root: \"a\" (root | )+\n", &e);
+    ASSERT_MSG(g, "%s", e.msg);
+    pd_gmatcher *m;
+    ASSERT_OK(pd_gmatcher_create(g, &m));
+    uint32_t bits[8];
+    int32_t a = 10; /* "a" */
+    size_t n = 0;
+    while (n < 200 && pd_gmatcher_accept_token(m, a) == 0) n++;
+    ASSERT_MSG(n < 200, "accepted %zu tokens without stopping", n);
+    ASSERT(pd_gmatcher_too_ambiguous(m));
+    ASSERT(strstr(pd_last_error(), "too ambiguous"));
+    ASSERT(pd_gmatcher_fill_mask(m, bits) < 0);
+    ASSERT(!pd_gmatcher_allows(m, a));
+    ASSERT_OK(pd_gmatcher_rollback(m, 4));
+    ASSERT(!pd_gmatcher_too_ambiguous(m));
+    ASSERT_OK(pd_gmatcher_fill_mask(m, bits));
+    ASSERT(bits[a >> 5] >> (a & 31) & 1);
+    pd_gmatcher_free(m);
+    pd_grammar_unref(g);
+}
+
 TEST(matcher_eos_rollback_clone)
 {
     pd_gvocab *v = small_vocab();
