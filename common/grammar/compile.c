@@ -541,6 +541,125 @@ static int sub_dfa(cc *c, gx *x, dfa *d)
     return rc;
 }
 
+/* ---- repeated sub-automata ----------------------------------------------------------------
+ * A bounded repetition copies its expression once per count (a string of maxLength 4,096 is
+ * 4,096 copies of a JSON character). Thompson's construction of one JSON character, through
+ * subset construction, gives about 35 states per copy (each UTF-8 lead-byte range and escape
+ * its own); minimized it has 13. So a call-free repeated expression is determinized and
+ * minimized once, and that DFA is what each copy emits: the rule's automaton gets the minimal
+ * states per count, and so does everything after it (tables, cache keys, masks). */
+static bool call_free(const gx *x, int depth)
+{
+    if (depth > 64 || x->kind == X_CALL || x->kind == X_GRAPH) return false;
+    for (int32_t i = 0; i < x->n; i++)
+        if (!call_free(x->kids[i], depth + 1)) return false;
+    return true;
+}
+
+typedef struct {
+    const int32_t *row;
+    int32_t len, i;
+} grow_t;
+
+static int cmp_rows(const int32_t *a, const int32_t *b, int32_t n)
+{
+    for (int32_t k = 0; k < n; k++)
+        if (a[k] != b[k]) return a[k] < b[k] ? -1 : 1;
+    return 0;
+}
+#define LESS_ROW(x, y) (cmp_rows((x).row, (y).row, (x).len) < 0)
+DEFINE_SORT(sort_rows, grow_t, LESS_ROW)
+
+/* Moore's minimization of a call-free, pruned DFA: states with the same end flag and the same
+ * classes of successors on every byte class merge, round after round until no class splits;
+ * then renumbered breadth first from the start (unreachable states dropped). -1 out of
+ * memory (d unchanged). */
+static int dfa_minimize(dfa *d)
+{
+    int32_t n = d->n, m = d->ncls, w = m + 1, ncl = -1;
+    if (n <= 1) return 0;
+    int32_t *cls = malloc(sizeof(int32_t) * (size_t)n), *nxt = malloc(sizeof(int32_t) * (size_t)n);
+    int32_t *row = malloc(sizeof(int32_t) * (size_t)n * (size_t)w);
+    grow_t *ord = malloc(sizeof(grow_t) * (size_t)n);
+    int32_t *newid = NULL, *rep = NULL, *queue = NULL, *nt = NULL;
+    uint8_t *nf = NULL;
+    int rc = -1;
+    if (!cls || !nxt || !row || !ord) goto out;
+    for (int32_t i = 0; i < n; i++) cls[i] = d->final[i];
+    for (;;) {
+        for (int32_t i = 0; i < n; i++) {
+            int32_t *r = row + (size_t)i * (size_t)w;
+            r[0] = cls[i];
+            for (int32_t k = 0; k < m; k++) {
+                int32_t t = d->trans[(size_t)i * (size_t)m + (size_t)k];
+                r[1 + k] = t < 0 ? -1 : cls[t];
+            }
+            ord[i] = (grow_t){r, w, i};
+        }
+        sort_rows(ord, (size_t)n);
+        int32_t k = 0;
+        for (int32_t j = 0; j < n; j++) {
+            if (j > 0 && cmp_rows(ord[j].row, ord[j - 1].row, w) != 0) k++;
+            nxt[ord[j].i] = k;
+        }
+        memcpy(cls, nxt, sizeof(int32_t) * (size_t)n);
+        if (k + 1 == ncl) break; /* no class split: stable */
+        ncl = k + 1;
+    }
+    newid = malloc(sizeof(int32_t) * (size_t)ncl);
+    rep = malloc(sizeof(int32_t) * (size_t)ncl);
+    queue = malloc(sizeof(int32_t) * (size_t)ncl);
+    nt = malloc(sizeof(int32_t) * (size_t)ncl * (size_t)m);
+    nf = malloc((size_t)ncl);
+    if (!newid || !rep || !queue || !nt || !nf) goto out;
+    for (int32_t q = 0; q < ncl; q++) newid[q] = -1;
+    for (int32_t i = n - 1; i >= 0; i--) rep[cls[i]] = i;
+    int32_t nq = 0;
+    newid[cls[0]] = nq;
+    queue[nq++] = cls[0];
+    for (int32_t h = 0; h < nq; h++) {
+        int32_t r = rep[queue[h]];
+        nf[h] = d->final[r];
+        for (int32_t k = 0; k < m; k++) {
+            int32_t t = d->trans[(size_t)r * (size_t)m + (size_t)k];
+            if (t >= 0 && newid[cls[t]] < 0) {
+                newid[cls[t]] = nq;
+                queue[nq++] = cls[t];
+            }
+            nt[(size_t)h * (size_t)m + (size_t)k] = t < 0 ? -1 : newid[cls[t]];
+        }
+    }
+    memcpy(d->trans, nt, sizeof(int32_t) * (size_t)nq * (size_t)m);
+    memcpy(d->final, nf, (size_t)nq);
+    for (int32_t i = 0; i < nq; i++) d->call_off[i] = d->call_n[i] = 0;
+    d->n = nq;
+    rc = 0;
+out:
+    free(cls);
+    free(nxt);
+    free(row);
+    free(ord);
+    free(newid);
+    free(rep);
+    free(queue);
+    free(nt);
+    free(nf);
+    return rc;
+}
+
+/* The minimal DFA of the call-free expression x, for the copies of a repetition: 1 when made,
+ * 0 to copy x itself (it matches nothing, or memory ran out), a status when the build fails. */
+static int rep_dfa(cc *c, gx *x, dfa *d)
+{
+    int rc = sub_dfa(c, x, d);
+    if (rc < 0) return rc;
+    if (!dfa_prune(d) || dfa_minimize(d) < 0) {
+        dfa_free(d);
+        return 0;
+    }
+    return 1;
+}
+
 static int dfa_product(cc *c, const dfa *a, const dfa *b2, bool complement_b, dfa *out)
 {
     /* complement_b: b2 completed with a sink and its finals flipped */
@@ -636,24 +755,36 @@ static int32_t frag(cc *c, nfa *n, gx *x, int32_t s)
         return e;
     }
     case X_REP: {
-        int32_t cur = s;
-        for (int32_t i = 0; i < x->min && cur >= 0; i++) cur = frag(c, n, x->kids[0], cur);
-        if (cur < 0) return -1;
-        if (x->max < 0) {
+        /* many copies of a call-free expression: each emits its minimal DFA (above) */
+        gx *kid = x->kids[0];
+        dfa kd = {0};
+        int use = 0;
+        if (kid->kind != X_BYTES && (x->min > 4 || x->max > 4) && call_free(kid, 0) &&
+            (use = rep_dfa(c, kid, &kd)) < 0)
+            return -1;
+#define REP_COPY(from) (use ? emit_dfa(c, n, &kd, (from)) : frag(c, n, kid, (from)))
+        int32_t cur = s, e = -1;
+        for (int32_t i = 0; i < x->min && cur >= 0; i++) cur = REP_COPY(cur);
+        if (cur >= 0 && x->max < 0) {
             int32_t l = nnode(c, n);
             nadd(c, n, cur, NE_EPS, 0, 0, -1, l);
-            int32_t ke = frag(c, n, x->kids[0], l);
-            if (ke < 0) return -1;
-            nadd(c, n, ke, NE_EPS, 0, 0, -1, l);
-            return l;
-        }
-        int32_t e = nnode(c, n);
-        nadd(c, n, cur, NE_EPS, 0, 0, -1, e);
-        for (int32_t i = x->min; i < x->max && cur >= 0; i++) {
-            cur = frag(c, n, x->kids[0], cur);
+            int32_t ke = REP_COPY(l);
+            if (ke >= 0) {
+                nadd(c, n, ke, NE_EPS, 0, 0, -1, l);
+                e = l;
+            }
+        } else if (cur >= 0) {
+            e = nnode(c, n);
             nadd(c, n, cur, NE_EPS, 0, 0, -1, e);
+            for (int32_t i = x->min; i < x->max && cur >= 0; i++) {
+                cur = REP_COPY(cur);
+                nadd(c, n, cur, NE_EPS, 0, 0, -1, e);
+            }
+            if (cur < 0) e = -1;
         }
-        return cur < 0 ? -1 : e;
+#undef REP_COPY
+        if (use) dfa_free(&kd);
+        return e;
     }
     case X_CALL: {
         gb_rule *r = &c->b->rules[x->rule];
