@@ -260,7 +260,14 @@ static void on_decode_done(void *arg, int st, const char *details, const uint8_t
     if (st != PD_RPC_OK && !aborted && !final_seen) {
         PD_WARN(c->r->id, "Decode stream of %s ended with %s: %s", c->sub_id,
                 pd_rpc_status_name(st), details);
-        chain_fail(c, 500, "Generation failed: the decode instance stopped responding.");
+        /* the instance's own error for the request (a grammar it cannot follow, memory) is
+           passed on in its words; a broken connection or a deadline is the instance gone */
+        bool gone = st == PD_RPC_UNAVAILABLE || st == PD_RPC_DEADLINE_EXCEEDED ||
+                    st == PD_RPC_CANCELLED || !details || !*details;
+        if (gone)
+            chain_fail(c, 500, "Generation failed: the decode instance stopped responding.");
+        else
+            chain_fail(c, 500, "Generation failed: %s", details);
         return;
     }
     srv_chain_end(c);

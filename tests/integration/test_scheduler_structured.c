@@ -169,6 +169,30 @@ TEST(sched_structured_kinds)
     json_decref(o);
 }
 
+/* An ambiguous guided_grammar (its parses double with every "a"; min_tokens keeps EOS out): the
+ * request ends with a 500 in the decode instance's words, naming the grammar or the mask, in
+ * bounded time, and the cluster serves on. */
+TEST(sched_structured_ambiguous_grammar_ends_with_an_error)
+{
+    FIXTURE();
+    int st;
+    json_t *o = post_json(g_port, "/v1/completions",
+                          "{\"prompt\":\"a\",\"max_tokens\":200,\"min_tokens\":100,\"seed\":2,"
+                          "\"guided_grammar\":\"root: \\\"a\\\" (root | )+\\n\"}",
+                          &st);
+    char *dump = o ? json_dumps(o, JSON_COMPACT) : NULL;
+    ASSERT_MSG(st == 500, "%d %s", st, dump ? dump : "(no body)");
+    ASSERT_MSG(dump && (strstr(dump, "too ambiguous") || strstr(dump, "token mask failed")),
+               "%d %s", st, dump ? dump : "(no body)");
+    free(dump);
+    json_decref(o);
+    o = post_json(g_port, "/v1/completions",
+                  "{\"prompt\":\"a\",\"max_tokens\":8,\"seed\":2,\"guided_choice\":[\"x\",\"y\"]}",
+                  &st);
+    ASSERT_EQ_INT(st, 200);
+    json_decref(o);
+}
+
 /* Streaming: the deltas concatenate to the non-streamed answer (seeded), which is valid. */
 TEST(sched_structured_stream_equals_full)
 {
