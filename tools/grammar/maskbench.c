@@ -1,7 +1,7 @@
 /* pd-maskbench: the MaskBench-style checker and mask-time benchmark of common/grammar.
  *
  *   pd-maskbench --tokenizer MODEL_DIR [--limit N] [--max-fail N] [--shard I/N] [--slow-ms MS]
- *                [--allow-wrong N] [--trace] [--dump-wrong FILE]
+ *                [--allow-wrong N] [--trace] [--dump-wrong FILE] [--strict]
  *                [--quiet] INPUT...
  *
  * INPUT: a JSONSchemaBench maskbench tarball (.tar.xz, e.g. jsonschemabench-maskbench-dev),
@@ -17,7 +17,9 @@
  * stdout is line-buffered so a crash shows how far a run got; --trace also names each schema
  * (document number and description) on stderr before compiling it. --dump-wrong FILE writes
  * each misjudged instance as a JSON line {"doc", "valid", "text", "schema"} (the text as fed),
- * for checking with another validator which keyword it breaks. */
+ * for checking with another validator which keyword it breaks. --strict compiles as requests
+ * are (pd_gspec.strict: no unlisted properties or items), for the refusals only: the data set's
+ * instances follow JSON Schema's meaning, so valid ones with extra keys are then refused. */
 #define _GNU_SOURCE
 #include <jansson.h>
 #include <math.h>
@@ -551,6 +553,7 @@ int main(int argc, char **argv)
     long allow_wrong = 0;
     bool trace = false;
     FILE *dump = NULL;
+    bool strict = false;
     int first_input = argc;
     setvbuf(stdout, NULL, _IOLBF, 0);
     for (int i = 1; i < argc; i++) {
@@ -572,6 +575,8 @@ int main(int argc, char **argv)
             }
         } else if (strcmp(argv[i], "--trace") == 0)
             trace = true;
+        else if (strcmp(argv[i], "--strict") == 0)
+            strict = true;
         else if (strcmp(argv[i], "--slow-ms") == 0 && i + 1 < argc)
             slow_ms = atof(argv[++i]);
         else if (strcmp(argv[i], "--dump-wrong") == 0 && i + 1 < argc) {
@@ -590,7 +595,7 @@ int main(int argc, char **argv)
         fprintf(stderr,
                 "usage: %s --tokenizer MODEL_DIR [--limit N] [--max-fail N] [--shard I/N] "
                 "[--slow-ms MS] "
-                "[--allow-wrong N] [--trace] [--dump-wrong FILE] [--quiet] INPUT...\n",
+                "[--allow-wrong N] [--trace] [--dump-wrong FILE] [--strict] [--quiet] INPUT...\n",
                 argv[0]);
         return 2;
     }
@@ -673,7 +678,7 @@ int main(int argc, char **argv)
             if (trace) fprintf(stderr, "schema %ld: %s\n", docno - 1, desc ? desc : "?");
             g_root = schema;
             char *stext = json_dumps(schema, JSON_COMPACT);
-            pd_gspec spec = {PD_GSPEC_JSON_SCHEMA, stext, strlen(stext), NULL, false};
+            pd_gspec spec = {PD_GSPEC_JSON_SCHEMA, stext, strlen(stext), NULL, strict};
             pd_grammar *g;
             pd_gerr err;
             double t0 = now_us();
