@@ -541,6 +541,153 @@ static int sub_dfa(cc *c, gx *x, dfa *d)
     return rc;
 }
 
+/* ---- partition refinement -------------------------------------------------------------- */
+typedef struct {
+    int32_t s, cls;
+    uint64_t sig;
+} gmover;
+
+#define LESS_MOVER(x, y) ((x).cls < (y).cls || ((x).cls == (y).cls && (x).sig < (y).sig))
+DEFINE_SORT(sort_movers, gmover, LESS_MOVER)
+
+/* A call-free automaton's tables as the refinement reads them: a rule of a compiled grammar or
+ * a DFA being built. */
+typedef struct {
+    const int32_t *trans; /* n x m, row by row; targets are state + off, -1 none */
+    int32_t off, n, m;
+    const uint8_t *final; /* n */
+} gtable;
+
+/* What state i leads to on each byte class, as a hash of the target classes. */
+static uint64_t succ_sig(const gtable *T, int32_t i, const int32_t *cls)
+{
+    const int32_t *t = T->trans + (size_t)i * (size_t)T->m;
+    uint64_t x = 0x9e37;
+    for (int32_t k = 0; k < T->m; k++)
+        x = pd_mix64(x ^ (t[k] < 0 ? 0xdeadull << 32 : (uint64_t)(uint32_t)cls[t[k] - T->off]) ^
+                     ((uint64_t)k << 48));
+    return x;
+}
+
+/* Groups the states of a call-free automaton that behave the same on every byte string of up
+ * to rounds bytes (the same ends and dead ends; with no bound, its minimal DFA's states):
+ * Moore's partition refinement, one round per byte, with stable class numbers and a worklist.
+ * A round looks again only at the predecessors of the states that changed class in the round
+ * before, so a long chain (a string of maxLength 4,096: states far from its end all alike)
+ * costs its transitions plus one layer per round rather than every state per round. cls[i]
+ * gets state i's class (not dense); returns the number of class numbers used, -1 out of
+ * memory. */
+static int32_t bounded_classes(const gtable *T, uint32_t rounds, int32_t *cls)
+{
+    int32_t n = T->n, m = T->m, nc = 2, cap = 64;
+    int32_t *poff = calloc((size_t)n + 1, sizeof(int32_t));
+    int32_t *pred = malloc(sizeof(int32_t) * ((size_t)n * (size_t)m + 1));
+    int32_t *size = malloc(sizeof(int32_t) * (size_t)cap);
+    uint64_t *csig = malloc(sizeof(uint64_t) * (size_t)cap);
+    bool *valid = calloc((size_t)cap, 1);
+    uint32_t *stamp = calloc((size_t)n, sizeof(uint32_t));
+    int32_t *aff = malloc(sizeof(int32_t) * (size_t)n),
+            *dirty = malloc(sizeof(int32_t) * (size_t)n);
+    gmover *mv = malloc(sizeof(gmover) * (size_t)n);
+    int32_t rc = -1;
+    if (!poff || !pred || !size || !csig || !valid || !stamp || !aff || !dirty || !mv) goto out;
+    for (int32_t i = 0; i < n; i++) {
+        const int32_t *t = T->trans + (size_t)i * (size_t)m;
+        for (int32_t k = 0; k < m; k++)
+            if (t[k] >= 0) poff[t[k] - T->off + 1]++;
+    }
+    for (int32_t i = 0; i < n; i++) {
+        poff[i + 1] += poff[i];
+        dirty[i] = poff[i]; /* fill cursor */
+    }
+    for (int32_t i = 0; i < n; i++) {
+        const int32_t *t = T->trans + (size_t)i * (size_t)m;
+        for (int32_t k = 0; k < m; k++)
+            if (t[k] >= 0) pred[dirty[t[k] - T->off]++] = i;
+    }
+    size[0] = size[1] = 0;
+    for (int32_t i = 0; i < n; i++) {
+        cls[i] = T->final[i] ? 1 : 0;
+        size[cls[i]]++;
+        aff[i] = i;
+    }
+    int32_t na = n;
+    for (uint32_t round = 1; round <= rounds && na > 0; round++) {
+        int32_t nm = 0;
+        for (int32_t j = 0; j < na; j++) {
+            int32_t s = aff[j], c = cls[s];
+            uint64_t x = succ_sig(T, s, cls);
+            if (!valid[c]) {
+                csig[c] = x;
+                valid[c] = true;
+            }
+            if (x != csig[c]) mv[nm++] = (gmover){s, c, x};
+        }
+        if (nm == 0) break; /* stable: every later round would be the same */
+        sort_movers(mv, (size_t)nm);
+        int32_t nd = 0;
+        for (int32_t a = 0; a < nm;) {
+            int32_t c = mv[a].cls, e = a, keep = -1, best = 0;
+            while (e < nm && mv[e].cls == c) e++;
+            if (e - a == size[c]) /* no state stays: the largest group keeps the number */
+                for (int32_t p = a; p < e;) {
+                    int32_t q = p;
+                    while (q < e && mv[q].sig == mv[p].sig) q++;
+                    if (q - p > best) best = q - p, keep = p;
+                    p = q;
+                }
+            for (int32_t p = a; p < e;) {
+                int32_t q = p;
+                while (q < e && mv[q].sig == mv[p].sig) q++;
+                if (p == keep) {
+                    csig[c] = mv[p].sig;
+                } else {
+                    if (nc == cap) {
+                        cap *= 2;
+                        int32_t *s2 = realloc(size, sizeof(int32_t) * (size_t)cap);
+                        if (s2) size = s2;
+                        uint64_t *c2 = realloc(csig, sizeof(uint64_t) * (size_t)cap);
+                        if (c2) csig = c2;
+                        bool *v2 = realloc(valid, (size_t)cap);
+                        if (v2) valid = v2;
+                        if (!s2 || !c2 || !v2) goto out;
+                    }
+                    int32_t nw = nc++;
+                    csig[nw] = mv[p].sig;
+                    valid[nw] = true;
+                    size[nw] = q - p;
+                    size[c] -= q - p;
+                    for (int32_t r = p; r < q; r++) {
+                        cls[mv[r].s] = nw;
+                        dirty[nd++] = mv[r].s;
+                    }
+                }
+                p = q;
+            }
+            a = e;
+        }
+        na = 0;
+        for (int32_t j = 0; j < nd; j++)
+            for (int32_t p = poff[dirty[j]]; p < poff[dirty[j] + 1]; p++)
+                if (stamp[pred[p]] != round) {
+                    stamp[pred[p]] = round;
+                    aff[na++] = pred[p];
+                }
+    }
+    rc = nc;
+out:
+    free(poff);
+    free(pred);
+    free(size);
+    free(csig);
+    free(valid);
+    free(stamp);
+    free(aff);
+    free(dirty);
+    free(mv);
+    return rc;
+}
+
 /* ---- repeated sub-automata ----------------------------------------------------------------
  * A bounded repetition copies its expression once per count (a string of maxLength 4,096 is
  * 4,096 copies of a JSON character). Thompson's construction of one JSON character, through
@@ -556,56 +703,19 @@ static bool call_free(const gx *x, int depth)
     return true;
 }
 
-typedef struct {
-    const int32_t *row;
-    int32_t len, i;
-} grow_t;
-
-static int cmp_rows(const int32_t *a, const int32_t *b, int32_t n)
-{
-    for (int32_t k = 0; k < n; k++)
-        if (a[k] != b[k]) return a[k] < b[k] ? -1 : 1;
-    return 0;
-}
-#define LESS_ROW(x, y) (cmp_rows((x).row, (y).row, (x).len) < 0)
-DEFINE_SORT(sort_rows, grow_t, LESS_ROW)
-
-/* Moore's minimization of a call-free, pruned DFA: states with the same end flag and the same
- * classes of successors on every byte class merge, round after round until no class splits;
- * then renumbered breadth first from the start (unreachable states dropped). -1 out of
- * memory (d unchanged). */
+/* A call-free, pruned DFA minimized (bounded_classes without a bound), renumbered breadth first
+ * from the start (unreachable states dropped). -1 out of memory (d unchanged). */
 static int dfa_minimize(dfa *d)
 {
-    int32_t n = d->n, m = d->ncls, w = m + 1, ncl = -1;
+    int32_t n = d->n, m = d->ncls;
     if (n <= 1) return 0;
-    int32_t *cls = malloc(sizeof(int32_t) * (size_t)n), *nxt = malloc(sizeof(int32_t) * (size_t)n);
-    int32_t *row = malloc(sizeof(int32_t) * (size_t)n * (size_t)w);
-    grow_t *ord = malloc(sizeof(grow_t) * (size_t)n);
+    int32_t *cls = malloc(sizeof(int32_t) * (size_t)n);
     int32_t *newid = NULL, *rep = NULL, *queue = NULL, *nt = NULL;
     uint8_t *nf = NULL;
     int rc = -1;
-    if (!cls || !nxt || !row || !ord) goto out;
-    for (int32_t i = 0; i < n; i++) cls[i] = d->final[i];
-    for (;;) {
-        for (int32_t i = 0; i < n; i++) {
-            int32_t *r = row + (size_t)i * (size_t)w;
-            r[0] = cls[i];
-            for (int32_t k = 0; k < m; k++) {
-                int32_t t = d->trans[(size_t)i * (size_t)m + (size_t)k];
-                r[1 + k] = t < 0 ? -1 : cls[t];
-            }
-            ord[i] = (grow_t){r, w, i};
-        }
-        sort_rows(ord, (size_t)n);
-        int32_t k = 0;
-        for (int32_t j = 0; j < n; j++) {
-            if (j > 0 && cmp_rows(ord[j].row, ord[j - 1].row, w) != 0) k++;
-            nxt[ord[j].i] = k;
-        }
-        memcpy(cls, nxt, sizeof(int32_t) * (size_t)n);
-        if (k + 1 == ncl) break; /* no class split: stable */
-        ncl = k + 1;
-    }
+    gtable T = {d->trans, 0, n, m, d->final};
+    int32_t ncl = cls ? bounded_classes(&T, UINT32_MAX, cls) : -1;
+    if (ncl < 0) goto out;
     newid = malloc(sizeof(int32_t) * (size_t)ncl);
     rep = malloc(sizeof(int32_t) * (size_t)ncl);
     queue = malloc(sizeof(int32_t) * (size_t)ncl);
@@ -636,9 +746,6 @@ static int dfa_minimize(dfa *d)
     rc = 0;
 out:
     free(cls);
-    free(nxt);
-    free(row);
-    free(ord);
     free(newid);
     free(rep);
     free(queue);
@@ -995,143 +1102,6 @@ done:
 }
 
 /* ---- cache keys ---------------------------------------------------------------------------- */
-typedef struct {
-    int32_t s, cls;
-    uint64_t sig;
-} gmover;
-
-#define LESS_MOVER(x, y) ((x).cls < (y).cls || ((x).cls == (y).cls && (x).sig < (y).sig))
-DEFINE_SORT(sort_movers, gmover, LESS_MOVER)
-
-/* What state i of rule R leads to on each byte class, as a hash of the target classes. */
-static uint64_t succ_sig(const pd_grammar *g, const grule *R, int32_t i, const int32_t *cls)
-{
-    const int32_t *t = &g->trans[g->states[R->first + i].trans_off];
-    uint64_t x = 0x9e37;
-    for (int32_t k = 0; k < R->ncls; k++)
-        x = pd_mix64(x ^ (t[k] < 0 ? 0xdeadull << 32 : (uint64_t)(uint32_t)cls[t[k] - R->first]) ^
-                     ((uint64_t)k << 48));
-    return x;
-}
-
-/* Groups the states of call-free rule R that behave the same on every byte string of up to
- * rounds bytes (the same ends and dead ends): Moore's partition refinement, one round per
- * byte, with stable class numbers and a worklist. A round looks again only at the
- * predecessors of the states that changed class in the round before, so a long chain (a
- * string of maxLength 4,096: states far from its end all alike) costs its transitions plus
- * one layer per round rather than every state per round. cls[i] gets state i's class (not
- * dense); returns the number of class numbers used, -1 out of memory. */
-static int32_t bounded_classes(const pd_grammar *g, const grule *R, uint32_t rounds, int32_t *cls)
-{
-    int32_t n = R->n_states, m = R->ncls, nc = 2, cap = 64;
-    int32_t *poff = calloc((size_t)n + 1, sizeof(int32_t));
-    int32_t *pred = malloc(sizeof(int32_t) * ((size_t)n * (size_t)m + 1));
-    int32_t *size = malloc(sizeof(int32_t) * (size_t)cap);
-    uint64_t *csig = malloc(sizeof(uint64_t) * (size_t)cap);
-    bool *valid = calloc((size_t)cap, 1);
-    uint32_t *stamp = calloc((size_t)n, sizeof(uint32_t));
-    int32_t *aff = malloc(sizeof(int32_t) * (size_t)n),
-            *dirty = malloc(sizeof(int32_t) * (size_t)n);
-    gmover *mv = malloc(sizeof(gmover) * (size_t)n);
-    int32_t rc = -1;
-    if (!poff || !pred || !size || !csig || !valid || !stamp || !aff || !dirty || !mv) goto out;
-    for (int32_t i = 0; i < n; i++) {
-        const int32_t *t = &g->trans[g->states[R->first + i].trans_off];
-        for (int32_t k = 0; k < m; k++)
-            if (t[k] >= 0) poff[t[k] - R->first + 1]++;
-    }
-    for (int32_t i = 0; i < n; i++) {
-        poff[i + 1] += poff[i];
-        dirty[i] = poff[i]; /* fill cursor */
-    }
-    for (int32_t i = 0; i < n; i++) {
-        const int32_t *t = &g->trans[g->states[R->first + i].trans_off];
-        for (int32_t k = 0; k < m; k++)
-            if (t[k] >= 0) pred[dirty[t[k] - R->first]++] = i;
-    }
-    size[0] = size[1] = 0;
-    for (int32_t i = 0; i < n; i++) {
-        cls[i] = (g->states[R->first + i].flags & GS_FINAL) ? 1 : 0;
-        size[cls[i]]++;
-        aff[i] = i;
-    }
-    int32_t na = n;
-    for (uint32_t round = 1; round <= rounds && na > 0; round++) {
-        int32_t nm = 0;
-        for (int32_t j = 0; j < na; j++) {
-            int32_t s = aff[j], c = cls[s];
-            uint64_t x = succ_sig(g, R, s, cls);
-            if (!valid[c]) {
-                csig[c] = x;
-                valid[c] = true;
-            }
-            if (x != csig[c]) mv[nm++] = (gmover){s, c, x};
-        }
-        if (nm == 0) break; /* stable: every later round would be the same */
-        sort_movers(mv, (size_t)nm);
-        int32_t nd = 0;
-        for (int32_t a = 0; a < nm;) {
-            int32_t c = mv[a].cls, e = a, keep = -1, best = 0;
-            while (e < nm && mv[e].cls == c) e++;
-            if (e - a == size[c]) /* no state stays: the largest group keeps the number */
-                for (int32_t p = a; p < e;) {
-                    int32_t q = p;
-                    while (q < e && mv[q].sig == mv[p].sig) q++;
-                    if (q - p > best) best = q - p, keep = p;
-                    p = q;
-                }
-            for (int32_t p = a; p < e;) {
-                int32_t q = p;
-                while (q < e && mv[q].sig == mv[p].sig) q++;
-                if (p == keep) {
-                    csig[c] = mv[p].sig;
-                } else {
-                    if (nc == cap) {
-                        cap *= 2;
-                        int32_t *s2 = realloc(size, sizeof(int32_t) * (size_t)cap);
-                        if (s2) size = s2;
-                        uint64_t *c2 = realloc(csig, sizeof(uint64_t) * (size_t)cap);
-                        if (c2) csig = c2;
-                        bool *v2 = realloc(valid, (size_t)cap);
-                        if (v2) valid = v2;
-                        if (!s2 || !c2 || !v2) goto out;
-                    }
-                    int32_t nw = nc++;
-                    csig[nw] = mv[p].sig;
-                    valid[nw] = true;
-                    size[nw] = q - p;
-                    size[c] -= q - p;
-                    for (int32_t r = p; r < q; r++) {
-                        cls[mv[r].s] = nw;
-                        dirty[nd++] = mv[r].s;
-                    }
-                }
-                p = q;
-            }
-            a = e;
-        }
-        na = 0;
-        for (int32_t j = 0; j < nd; j++)
-            for (int32_t p = poff[dirty[j]]; p < poff[dirty[j] + 1]; p++)
-                if (stamp[pred[p]] != round) {
-                    stamp[pred[p]] = round;
-                    aff[na++] = pred[p];
-                }
-    }
-    rc = nc;
-out:
-    free(poff);
-    free(pred);
-    free(size);
-    free(csig);
-    free(valid);
-    free(stamp);
-    free(aff);
-    free(dirty);
-    free(mv);
-    return rc;
-}
-
 /* Cache keys: states of a call-free rule share one when they behave the same up to the longest
  * token (bounded_classes); every other state has its own. */
 static void cache_keys(pd_grammar *g)
@@ -1142,7 +1112,15 @@ static void cache_keys(pd_grammar *g)
         grule *R = &g->rules[r];
         int32_t n = R->n_states, nc = -1;
         int32_t *cls = R->leaf ? malloc(sizeof(int32_t) * (size_t)(n ? n : 1)) : NULL;
-        if (cls) nc = bounded_classes(g, R, D + 1, cls);
+        uint8_t *fin = cls ? malloc((size_t)(n ? n : 1)) : NULL;
+        if (fin) {
+            for (int32_t i = 0; i < n; i++)
+                fin[i] = (g->states[R->first + i].flags & GS_FINAL) != 0;
+            /* a rule's rows are consecutive (gram_build) */
+            gtable T = {&g->trans[g->states[R->first].trans_off], R->first, n, R->ncls, fin};
+            nc = bounded_classes(&T, D + 1, cls);
+        }
+        free(fin);
         int32_t *key = nc > 0 ? malloc(sizeof(int32_t) * (size_t)nc) : NULL;
         if (!key) {
             for (int32_t s = R->first; s < R->first + n; s++) g->states[s].cache_key = nk++;

@@ -1417,6 +1417,19 @@ static json_t *close_props(sc *c, json_t *to, json_t *other, const char *path)
     json_t *ox = json_object_get(other, "additionalProperties");
     json_t *opp = json_object_get(other, "patternProperties");
     if (!json_is_object(tp) || (!json_is_object(opp) && (!ox || json_is_true(ox)))) return to;
+    /* other's patterns, parsed once; past MAX_PATTERN_PROPS the merged object is refused
+       (object_expr), so the rest need no closing */
+    gx *re[MAX_PATTERN_PROPS];
+    json_t *rs[MAX_PATTERN_PROPS];
+    int nre = 0;
+    const char *pat;
+    json_t *ps;
+    if (json_is_object(opp)) json_object_foreach(opp, pat, ps)
+        {
+            if (nre == MAX_PATTERN_PROPS) break;
+            re[nre] = rx_parse(c->b, pat, strlen(pat), RX_SEARCH, path);
+            rs[nre++] = ps;
+        }
     json_t *np = NULL;
     const char *pk;
     json_t *pv;
@@ -1426,18 +1439,14 @@ static json_t *close_props(sc *c, json_t *to, json_t *other, const char *path)
         json_t *all = json_array();
         keep(c, all);
         json_array_append(all, pv);
-        const char *pat;
-        json_t *ps;
-        if (json_is_object(opp)) json_object_foreach(opp, pat, ps)
-            {
-                gx *re = rx_parse(c->b, pat, strlen(pat), RX_SEARCH, path);
-                int mt = c->b->status < 0 ? -1 : gx_match(re, (const uint8_t *)pk, strlen(pk));
-                if (mt < 0) {
-                    fail(c, "allOf", path, "cannot match patternProperties '%s'", pat);
-                    return NULL;
-                }
-                if (mt) json_array_append(all, ps);
+        for (int p = 0; p < nre; p++) {
+            int mt = c->b->status < 0 ? -1 : gx_match(re[p], (const uint8_t *)pk, strlen(pk));
+            if (mt < 0) {
+                fail(c, "allOf", path, "%s", "cannot match patternProperties");
+                return NULL;
             }
+            if (mt) json_array_append(all, rs[p]);
+        }
         if (json_array_size(all) == 1 && ox && !json_is_true(ox)) json_array_append(all, ox);
         if (json_array_size(all) == 1) continue;
         if (!np) {
