@@ -676,7 +676,12 @@ static void churn(int rounds, int stream_every)
            n_conns, n_streams, fd_base, fd_after, rss_base, rss_after, rss_mid);
     ASSERT_EQ_INT(fd_after, fd_base);
     ASSERT(idle);
-    ASSERT_MSG(!RSS_CHECKS || rss_after - rss_base < 4 * RSS_SLACK_KB, "VmRSS grew by %ld KiB",
+    /* A leak grows with the connections, so the second half of the rounds shows it as well as the
+     * first; the allocator's own growth (thread arenas, fragmentation) comes in steps and levels
+     * off (runs here: +0.3 to +8 MiB in all, at most +1.7 MiB in the second half) */
+    ASSERT_MSG(!RSS_CHECKS || rss_after - rss_mid < 2 * RSS_SLACK_KB,
+               "VmRSS grew by %ld KiB in the second half of the rounds", rss_after - rss_mid);
+    ASSERT_MSG(!RSS_CHECKS || rss_after - rss_base < 8 * RSS_SLACK_KB, "VmRSS grew by %ld KiB",
                rss_after - rss_base);
     /* still serving */
     ASSERT_EQ_INT(cl_http(g_port, "POST", "/v1/completions",
@@ -725,12 +730,18 @@ TEST(overload_prefill_backlog)
     FIXTURE();
     enum { N = 24, PROMPT = 1000 };
     static char body[PROMPT * 5 + 64];
-    /* the deadline: 3 times what one such request takes alone here (at least 0.3 s), so that
+    /* the deadline: 3 times what one such request takes alone here (the fastest of three, so
+       that one slow moment of a loaded machine does not stretch it; at least 0.3 s), so that
        one prefill always fits it, and the burst (24 of them) does not */
-    backlog_body(body, sizeof body, N, PROMPT);
-    int64_t t1 = pd_now_ns();
-    ASSERT_EQ_INT(cl_http(g_port, "POST", "/v1/completions", body, 60000, NULL, NULL), 200);
-    double one = secs(t1, pd_now_ns()), deadline = 3 * one < 0.3 ? 0.3 : 3 * one;
+    double one = 0;
+    for (int k = 0; k < 3; k++) {
+        backlog_body(body, sizeof body, N + k, PROMPT);
+        int64_t t1 = pd_now_ns();
+        ASSERT_EQ_INT(cl_http(g_port, "POST", "/v1/completions", body, 60000, NULL, NULL), 200);
+        double t = secs(t1, pd_now_ns());
+        if (k == 0 || t < one) one = t;
+    }
+    double deadline = 3 * one < 0.3 ? 0.3 : 3 * one;
     char dl[32];
     snprintf(dl, sizeof dl, "%.3f", deadline);
     cl_proc sp;
