@@ -34,6 +34,7 @@ typedef struct {
     long states_left;
     int32_t *nrefs;   /* call sites per builder rule */
     int force_inline; /* inside an intersection/complement: every non-recursive rule inlines */
+    int64_t *isize;   /* per builder rule: its body's size inlined (inline_size), -1 not yet */
 } cc;
 
 static int32_t nnode(cc *c, nfa *n)
@@ -336,6 +337,11 @@ static int determinize(cc *c, const nfa *n, int32_t start, int32_t final, dfa *d
     closer cl = {n, calloc((size_t)n->nn, sizeof(uint32_t)), 0,
                  malloc(sizeof(int32_t) * (size_t)n->nn), malloc(sizeof(int32_t) * (size_t)n->nn)};
     setmap m = {0};
+    /* The NFA targets of a transition (its kernel) before their closure: most transitions lead
+     * to a state made before, and looking up the few targets skips the closure, its sort and
+     * the lookup of the whole set. kid[k]: the DFA state of kernel k. */
+    setmap km = {0};
+    int32_t *kid = NULL, capkid = 0;
     uint64_t *pairs = NULL, *grouped = NULL; /* (label << 32) | NFA target */
     size_t cappairs = 0;
     int32_t cnt[258];
@@ -408,14 +414,32 @@ static int determinize(cc *c, const nfa *n, int32_t start, int32_t final, dfa *d
                 if (ns == 0 || seeds[ns - 1] != to) seeds[ns++] = to;
                 j++;
             }
-            int32_t kk = closure(&cl, seeds, ns);
-            int32_t id = setmap_get(&m, cl.out, kk, &fresh);
-            if (id < 0) {
-                rc = gb_fail(c->b, PD_ENOMEM, "", "", -1, "out of memory");
-                goto done;
+            sort_i32(seeds, (size_t)ns);
+            int32_t nu = 0;
+            for (int32_t q = 0; q < ns; q++)
+                if (nu == 0 || seeds[nu - 1] != seeds[q]) seeds[nu++] = seeds[q];
+            int32_t kidx = setmap_get(&km, seeds, nu, &fresh);
+            int32_t id = kidx >= 0 && !fresh ? kid[kidx] : -1;
+            if (kidx >= 0 && fresh) {
+                if (kidx == capkid) {
+                    capkid = capkid ? 2 * capkid : 256;
+                    int32_t *g = realloc(kid, sizeof(int32_t) * (size_t)capkid);
+                    if (!g) {
+                        rc = gb_fail(c->b, PD_ENOMEM, "", "", -1, "out of memory");
+                        goto done;
+                    }
+                    kid = g;
+                }
+                int32_t kk = closure(&cl, seeds, nu);
+                id = setmap_get(&m, cl.out, kk, &fresh);
+                if (id >= 0 && fresh && dfa_add_state(c, d) < 0) {
+                    rc = c->b->status;
+                    goto done;
+                }
+                kid[kidx] = id;
             }
-            if (fresh && dfa_add_state(c, d) < 0) {
-                rc = c->b->status;
+            if (kidx < 0 || id < 0) {
+                rc = gb_fail(c->b, PD_ENOMEM, "", "", -1, "out of memory");
                 goto done;
             }
             if (key < 1000)
@@ -433,6 +457,8 @@ done:
     free(pairs);
     free(grouped);
     setmap_free(&m);
+    setmap_free(&km);
+    free(kid);
     if (rc < 0) dfa_free(d);
     return rc;
 }
@@ -491,6 +517,58 @@ static int32_t rule_gid(cc *c, int32_t r)
     return c->gid[r];
 }
 
+/* A rule used at one place is inlined there (no call at match time), unless its body is larger
+ * than MAX_INLINE nodes inlined: then it is a rule of its own, determinized on its own with its
+ * own byte classes. The caller's automaton would otherwise carry it in every row of its table
+ * (Kubernetes objects inlining a hundred definitions: one rule of 112,534 states and 73 classes,
+ * 381 ms of subset construction over sets of the whole object). Over the dev set of
+ * docs/benchmarks.md, a cap of 20,000 gave a compile mean of 10.1 ms, 5,000 9.1 ms, 2,000 9.1 ms
+ * with slower masks (more calls). */
+#define MAX_INLINE 5000
+
+static bool inlines(const cc *c, int32_t r)
+{
+    return !c->recursive[r] && !c->b->rules[r].keep && c->nrefs[r] <= 1;
+}
+
+static int64_t rule_size(cc *c, int32_t r);
+
+/* The NFA nodes x makes, roughly (saturating): calls that inline count their rule's body. */
+static int64_t inline_size(cc *c, const gx *x)
+{
+    const int64_t cap = (int64_t)1 << 40;
+    int64_t n = 1;
+    switch (x->kind) {
+    case X_SEQ:
+    case X_ALT:
+    case X_AND:
+    case X_NOT:
+        for (int32_t i = 0; i < x->n && n < cap; i++) n += inline_size(c, x->kids[i]);
+        break;
+    case X_REP: {
+        int64_t copies = x->max < 0 ? (int64_t)x->min + 1 : (int64_t)x->max;
+        n += inline_size(c, x->kids[0]) * (copies > 1 ? copies : 1);
+        break;
+    }
+    case X_CALL:
+        if (inlines(c, x->rule)) n += rule_size(c, x->rule);
+        break;
+    case X_GRAPH:
+        n += x->g_nodes;
+        for (int32_t i = 0; i < x->n && n < cap; i++)
+            if (x->g_edges[i].x) n += inline_size(c, x->g_edges[i].x);
+        break;
+    default: break;
+    }
+    return n < cap ? n : cap;
+}
+
+static int64_t rule_size(cc *c, int32_t r)
+{
+    if (c->isize[r] < 0) c->isize[r] = inline_size(c, c->b->rules[r].body) + 1;
+    return c->isize[r];
+}
+
 /* Emits DFA d into n from s; returns the end node. */
 static int32_t emit_dfa(cc *c, nfa *n, const dfa *d, int32_t s)
 {
@@ -502,16 +580,25 @@ static int32_t emit_dfa(cc *c, nfa *n, const dfa *d, int32_t s)
     }
     for (int32_t i = 0; i < d->n; i++) map[i] = nnode(c, n);
     nadd(c, n, s, NE_EPS, 0, 0, -1, map[0]);
+    /* the bytes as runs of one class (start[r], class cl[r]), read per state instead of bytes */
+    int start[257], cl[256], nr = 0;
+    for (int b = 0; b < 256; b++)
+        if (b == 0 || d->cls[b] != d->cls[b - 1]) {
+            start[nr] = b;
+            cl[nr++] = d->cls[b];
+        }
+    start[nr] = 256;
     for (int32_t i = 0; i < d->n; i++) {
         if (d->final[i]) nadd(c, n, map[i], NE_EPS, 0, 0, -1, e);
-        int b = 0;
-        while (b < 256) {
-            int32_t t = d->trans[(size_t)i * (size_t)d->ncls + d->cls[b]];
-            int b2 = b;
-            while (b2 + 1 < 256 && d->trans[(size_t)i * (size_t)d->ncls + d->cls[b2 + 1]] == t)
-                b2++;
-            if (t >= 0) nadd(c, n, map[i], NE_BYTES, (uint8_t)b, (uint8_t)b2, -1, map[t]);
-            b = b2 + 1;
+        const int32_t *row = d->trans + (size_t)i * (size_t)d->ncls;
+        for (int r = 0; r < nr;) {
+            int32_t t = row[cl[r]];
+            int r2 = r + 1;
+            while (r2 < nr && row[cl[r2]] == t) r2++;
+            if (t >= 0)
+                nadd(c, n, map[i], NE_BYTES, (uint8_t)start[r], (uint8_t)(start[r2] - 1), -1,
+                     map[t]);
+            r = r2;
         }
     }
     free(map);
@@ -900,7 +987,8 @@ static int32_t frag(cc *c, nfa *n, gx *x, int32_t s)
             return -1;
         }
         bool inl =
-            !c->recursive[x->rule] && (c->force_inline || (!r->keep && c->nrefs[x->rule] <= 1));
+            !c->recursive[x->rule] &&
+            (c->force_inline || (inlines(c, x->rule) && rule_size(c, x->rule) <= MAX_INLINE));
         if (inl && c->depth < 200) {
             c->depth++;
             int32_t e = frag(c, n, r->body, s);
@@ -1159,7 +1247,8 @@ int gram_build(gb *b, int32_t root, pd_grammar *g)
     for (int32_t i = 0; i < nr; i++) c.gid[i] = -1;
     find_recursive(b, c.recursive);
     c.nrefs = calloc((size_t)nr, sizeof(int32_t));
-    if (!c.nrefs) {
+    c.isize = malloc(sizeof(int64_t) * (size_t)nr);
+    if (!c.nrefs || !c.isize) {
         rc = gb_fail(b, PD_ENOMEM, "", "", -1, "out of memory");
         goto done;
     }
@@ -1168,6 +1257,7 @@ int gram_build(gb *b, int32_t root, pd_grammar *g)
         for (int32_t r = 0; r < nr; r++)
             if (b->rules[r].body) count_refs(b->rules[r].body, mark, c.nrefs);
     }
+    for (int32_t r = 0; r < nr; r++) c.isize[r] = -1;
     rule_gid(&c, root);
     for (int32_t w = 0; w < c.n_work; w++) {
         int32_t r = c.work[w];
@@ -1253,6 +1343,7 @@ done:
     free(ds);
     free(c.recursive);
     free(c.nrefs);
+    free(c.isize);
     free(c.gid);
     free(c.work);
     return rc;

@@ -515,23 +515,28 @@ static gx *any_chars(gb *b)
     return gx_star(b, gx_cp_range(b, 0, 0x10FFFF));
 }
 
+/* Alternatives of a top-level search (a JSON Schema pattern: unanchored unless ^ / $) are grouped
+ * by their anchors, and each group gets one `.*` before and after it: `.*(A|B|C).*` rather than
+ * `.*A.*|.*B.*|.*C.*`, whose subset construction tracks which alternatives have matched so far
+ * (2^n times the states: an enum of 7 words in one pattern made 18,691 states). */
 static gx *rx_alt(rx *r, bool top)
 {
+    bool search = top && r->mode == RX_SEARCH;
     gx **k = NULL;
+    uint8_t *anch = NULL; /* per alternative: 1 anchored at the start, 2 at the end */
     int n = 0, cap = 0;
     while (r->b->status >= 0) {
         bool as, ae;
         gx *x = rx_seq(r, top, &as, &ae);
-        if (top && r->mode == RX_SEARCH) {
-            if (!as) x = gx_seq2(r->b, any_chars(r->b), x);
-            if (!ae) x = gx_seq2(r->b, x, any_chars(r->b));
-        }
         if (n == cap) {
             cap = cap ? 2 * cap : 8;
             gx **p = realloc(k, sizeof(gx *) * (size_t)cap);
-            if (!p) break;
-            k = p;
+            if (p) k = p;
+            uint8_t *q = realloc(anch, (size_t)cap);
+            if (q) anch = q;
+            if (!p || !q) break;
         }
+        anch[n] = (uint8_t)((as ? 1 : 0) | (ae ? 2 : 0));
         k[n++] = x;
         if (r->i < r->n && r->s[r->i] == '|') {
             r->i++;
@@ -539,8 +544,28 @@ static gx *rx_alt(rx *r, bool top)
         }
         break;
     }
-    gx *x = gx_alt(r->b, k, n);
+    gx *x;
+    gx **grp = search ? malloc(sizeof(gx *) * (size_t)(n ? n : 1)) : NULL;
+    if (!search || !grp) {
+        x = search ? gx_none(r->b) : gx_alt(r->b, k, n);
+    } else {
+        gx *groups[4];
+        int ng = 0;
+        for (uint8_t a = 0; a < 4; a++) {
+            int m = 0;
+            for (int i = 0; i < n; i++)
+                if (anch[i] == a) grp[m++] = k[i];
+            if (m == 0) continue;
+            gx *g = gx_alt(r->b, grp, m);
+            if (!(a & 1)) g = gx_seq2(r->b, any_chars(r->b), g);
+            if (!(a & 2)) g = gx_seq2(r->b, g, any_chars(r->b));
+            groups[ng++] = g;
+        }
+        x = gx_alt(r->b, groups, ng);
+    }
+    free(grp);
     free(k);
+    free(anch);
     return x;
 }
 
