@@ -22,9 +22,11 @@
  * attribute), so the file builds with any compiler and runs on any CPU.
  */
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 #include <math.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -37,7 +39,11 @@ int cpu_have_avx512(void)
 {
 #if defined(__x86_64__)
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("f16c");
+    /* F16C from CPUID leaf 1 (ECX bit 29): clang before 15 has no "f16c" for
+       __builtin_cpu_supports, and a VM may hide it while showing AVX-512F */
+    unsigned a, b, c, d;
+    bool f16c = __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
+    return __builtin_cpu_supports("avx512f") && f16c;
 #else
     return 0;
 #endif
