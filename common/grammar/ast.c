@@ -131,6 +131,13 @@ gx *gx_rep(gb *b, gx *x, int32_t min, int32_t max)
     if (min == 1 && max == 1) return x;
     if (x->kind == X_EMPTY) return x;
     if (x->kind == X_NONE) return min == 0 ? gx_empty(b) : x;
+    /* (y{0,k}){m,n} is y{0,k*n}: one chain where each end may stop, instead of n copies each of
+     * which may be skipped, whose closures hold every copy after it (`[ ]?{2257}` as a whitespace
+     * pattern: 2,257 states of sets of up to 2,257 nodes, 94 s to compile) */
+    if (x->kind == X_REP && x->min == 0) {
+        if (x->max < 0 || max < 0) return gx_rep(b, x->kids[0], 0, -1);
+        if ((int64_t)x->max * max <= INT32_MAX) return gx_rep(b, x->kids[0], 0, x->max * max);
+    }
     gx *r = mk_list(b, X_REP, &x, 1);
     r->min = min;
     r->max = max;
