@@ -989,9 +989,8 @@ static int32_t frag(cc *c, nfa *n, gx *x, int32_t s)
             gb_fail(c->b, PD_EINVAL, "", "", -1, "rule '%s' is used but not defined", r->name);
             return -1;
         }
-        bool inl =
-            !c->recursive[x->rule] &&
-            (c->force_inline || (inlines(c, x->rule) && rule_size(c, x->rule) <= MAX_INLINE));
+        bool inl = c->force_inline ? !c->recursive[x->rule]
+                                   : inlines(c, x->rule) && rule_size(c, x->rule) <= MAX_INLINE;
         if (inl && c->depth < 200) {
             c->depth++;
             int32_t e = frag(c, n, r->body, s);
