@@ -11,6 +11,27 @@ import re
 import sys
 
 HARNESS = re.compile(r"^harness: (\d+) passed, (\d+) failed, (\d+) skipped$", re.M)
+VERDICT = re.compile(r"^(PASS|FAIL|SKIP) \S+$")
+
+def failure_lines(out):
+    """What a failed test printed that says why: the output's last lines (a crash, a
+    sanitizer's report), then its failed harness cases, the first five with the lines
+    before their verdicts (the assertions). They come last: CI shows a long log's end."""
+    lines = out.splitlines()
+    cases, since = [], []
+    for l in lines:
+        m = VERDICT.match(l)
+        if m:
+            if m.group(1) == "FAIL":
+                cases.append(since[-6:] + [l] if len(cases) < 5 else [l])
+            since = []
+        else:
+            since.append(l)
+    shown = (["--- the end of its output ---"] if cases else []) + lines[-15:]
+    if cases:
+        shown.append(f"--- its {len(cases)} failed case(s) ---")
+        shown += [l for c in cases for l in c]
+    return shown
 
 def main(path):
     p = f = s = 0
@@ -32,7 +53,7 @@ def main(path):
                 tf = 1  # crashed or timed out after its last report
             if tf:
                 print(f"FAILED {t['name']} ({result}):")
-                for l in out.splitlines()[-40:]:
+                for l in failure_lines(out):
                     print("    " + l)
             for reason in re.findall(r"skipped: (.*)", out):
                 print(f"skipped {t['name']}: {reason}")

@@ -664,6 +664,7 @@ static void *defer_main(void *arg)
     pd_engine_grammar_warm(n->e, &j->sp);
     t_deferred = true;
     j->fn(n, j->call, j->b, j->len);
+    pd_rpc_call_release(j->call); /* the engine may have ended it already */
     free(j->b);
     free(j->text);
     free(j->ws);
@@ -702,12 +703,14 @@ bool node_defer_guided(pd_node *n, pd_rpc_call *call, const Pd__SamplingParams *
     pthread_t t;
     pthread_attr_init(&at);
     pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+    pd_rpc_call_hold(call); /* valid on the thread, after this handler returns */
     pthread_mutex_lock(&n->mu);
     bool ok = !n->defer_closed && pthread_create(&t, &at, defer_main, j) == 0;
     if (ok) n->n_deferred++;
     pthread_mutex_unlock(&n->mu);
     pthread_attr_destroy(&at);
     if (ok) return true;
+    pd_rpc_call_release(call);
 inline_: /* no thread: compile here, as before */
     free(j->b);
     free(j->text);

@@ -181,7 +181,7 @@ struct pd_rpc_call {
     tag t_recv, t_send, t_finish, t_close;
     grpc_byte_buffer *recv_bb, *send_bb;
     int cancelled_flag; /* written by RECV_CLOSE_ON_SERVER */
-    int ops;            /* batches outstanding */
+    int ops;            /* batches outstanding, and holds (pd_rpc_call_hold) */
     bool handler_ref;   /* the handler has not ended the call yet */
     bool ended, send_in_flight, finish_started, cancelled;
     bool freeing; /* call_should_free said yes: one thread is freeing it */
@@ -403,6 +403,22 @@ void pd_rpc_on_cancel(pd_rpc_call *c, pd_rpc_cancel_fn cb, void *arg)
     if (now) cb(arg, c); /* already cancelled: tell at once */
 }
 
+void pd_rpc_call_hold(pd_rpc_call *c)
+{
+    pthread_mutex_lock(&c->mu); /* a pseudo-op: the call is freed only when ops reach 0 */
+    c->ops++;
+    pthread_mutex_unlock(&c->mu);
+}
+
+void pd_rpc_call_release(pd_rpc_call *c)
+{
+    pthread_mutex_lock(&c->mu);
+    c->ops--;
+    bool f = call_should_free(c);
+    pthread_mutex_unlock(&c->mu);
+    if (f) call_free(c);
+}
+
 int pd_rpc_cancelled(pd_rpc_call *c)
 {
     pthread_mutex_lock(&c->mu);
@@ -489,17 +505,10 @@ static void server_on_recv(pd_rpc_call *c, bool success)
         call_end(c, NULL, 0, false, PD_RPC_INVALID_ARGUMENT, "no request message");
         return;
     }
-    /* a pseudo-op keeps the call alive while the handler runs (it may end the call) */
-    pthread_mutex_lock(&c->mu);
-    c->ops++;
-    pthread_mutex_unlock(&c->mu);
+    pd_rpc_call_hold(c); /* the handler may end the call and still use it */
     c->m->handler(c->m->ctx, c, req, len);
     free(req);
-    pthread_mutex_lock(&c->mu);
-    c->ops--;
-    bool f = call_should_free(c);
-    pthread_mutex_unlock(&c->mu);
-    if (f) call_free(c);
+    pd_rpc_call_release(c);
 }
 
 static void server_on_close(pd_rpc_call *c)

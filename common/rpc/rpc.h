@@ -86,6 +86,11 @@ int pd_rpc_stream_end(pd_rpc_call *call, int grpc_status, const char *details);
 typedef void (*pd_rpc_cancel_fn)(void *arg, pd_rpc_call *call);
 void pd_rpc_on_cancel(pd_rpc_call *call, pd_rpc_cancel_fn cb, void *arg);
 int pd_rpc_cancelled(pd_rpc_call *call);
+/* A handler that goes on with the call on another thread after it returns holds it first (in
+ * the handler): the call stays valid, though ended from yet another thread, until the release
+ * (its last use). Each hold has one release. */
+void pd_rpc_call_hold(pd_rpc_call *call);
+void pd_rpc_call_release(pd_rpc_call *call);
 /* The client's deadline as pd_now_ns() time (INT64_MAX when none). */
 int64_t pd_rpc_deadline_ns(const pd_rpc_call *call);
 /* The method name of the call. */

@@ -247,6 +247,11 @@ void cl_dump_log(const cl_proc *p, int lines)
     fflush(stdout);
     snprintf(cmd, sizeof cmd, "tail -n %d '%s' | sed 's/^/    | /'", lines, p->log);
     int rc = system(cmd);
+    /* a sanitizer's report ends with its legend: its first lines say what and where */
+    snprintf(cmd, sizeof cmd,
+             "grep -m1 -A14 -E '==ERROR: |runtime error: ' '%s' | sed 's/^/    sanitizer | /'",
+             p->log);
+    rc = system(cmd);
     (void)rc;
 }
 

@@ -81,11 +81,36 @@ static void hang_noting_deadline(void *ctx, pd_rpc_call *call, const uint8_t *re
     hang(ctx, call, req, len);
 }
 
+/* Replies from another thread and goes on using the call after the reply, as a handler that
+ * defers its work does (node_defer_guided): the hold keeps the call valid until the release. */
+static atomic_int g_later_done; /* 1: the call read back its method name after the reply */
+
+static void *later_thread(void *arg)
+{
+    pd_rpc_call *call = arg;
+    pd_rpc_reply(call, "later", 5);
+    usleep(300 * 1000); /* the reply has gone and its batch ended: unheld, the call is freed */
+    int same = strcmp(pd_rpc_method_name(call), "/t.T/Later") == 0 && !pd_rpc_cancelled(call);
+    pd_rpc_call_release(call);
+    atomic_store(&g_later_done, same ? 1 : -1);
+    return NULL;
+}
+
+static void later(void *ctx, pd_rpc_call *call, const uint8_t *req, size_t len)
+{
+    (void)ctx, (void)req, (void)len;
+    pd_rpc_call_hold(call);
+    pthread_t t;
+    pthread_create(&t, NULL, later_thread, call);
+    pthread_detach(t);
+}
+
 static const pd_rpc_method methods[] = {
     {"/t.T/Echo", PD_RPC_UNARY, echo, NULL},
     {"/t.T/Fail", PD_RPC_UNARY, fail, NULL},
     {"/t.T/Count", PD_RPC_SERVER_STREAM, count, NULL},
     {"/t.T/Hang", PD_RPC_SERVER_STREAM, hang_noting_deadline, NULL},
+    {"/t.T/Later", PD_RPC_UNARY, later, NULL},
 };
 
 typedef struct {
@@ -98,7 +123,7 @@ static int fx_start(fixture *fx, size_t channel_max)
 {
     memset(fx, 0, sizeof *fx);
     pd_rpc_server_params p = pd_rpc_server_default_params();
-    if (pd_rpc_server_start(&p, methods, 4, &fx->srv) < 0) return -1;
+    if (pd_rpc_server_start(&p, methods, sizeof methods / sizeof *methods, &fx->srv) < 0) return -1;
     char target[64];
     snprintf(target, sizeof target, "127.0.0.1:%d", pd_rpc_server_port(fx->srv));
     if (pd_rpc_client_create(&fx->cl) < 0) return -1;
@@ -184,6 +209,23 @@ TEST(rpc_unary_echo)
     ASSERT_EQ_INT(len, 5);
     ASSERT(memcmp(resp, "hello", 5) == 0);
     free(resp);
+    fx_stop(&fx);
+}
+
+TEST(rpc_call_held_after_reply)
+{
+    fixture fx;
+    ASSERT_OK(fx_start(&fx, 0));
+    uint8_t *resp = NULL;
+    size_t len = 0;
+    int st = -1;
+    atomic_store(&g_later_done, 0);
+    ASSERT_OK(pd_rpc_unary(fx.ch, "/t.T/Later", "x", 1, 2000, &resp, &len, &st));
+    ASSERT_EQ_INT(st, PD_RPC_OK);
+    ASSERT(len == 5 && memcmp(resp, "later", 5) == 0);
+    free(resp);
+    for (int i = 0; i < 500 && !atomic_load(&g_later_done); i++) usleep(10 * 1000);
+    ASSERT_EQ_INT(atomic_load(&g_later_done), 1); /* ASan: no use after free on that thread */
     fx_stop(&fx);
 }
 
