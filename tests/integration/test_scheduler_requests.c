@@ -625,11 +625,22 @@ TEST(sched_tokenizer_from_another_directory)
         free(want[i]);
     }
     ASSERT_EQ_INT(stopped, 0);
+    /* an instance detokenizes its answers (and checks stop strings): without a tokenizer it
+       refuses to start, naming the file, as the scheduler does */
+    int bare = cl_start(&c2, dir, "0", "1", NULL);
+    cl_stop_all(&c2);
+    ASSERT_MSG(bare != 0, "instances started on a model directory without a tokenizer");
+    pd_error_clear();
+    char cmd[900];
+    snprintf(cmd, sizeof cmd,
+             "grep -q 'model-without-tokenizer/tokenizer.json: No such file.*--tokenizer' "
+             "'%s/prefill0.log'", /* the one cl_start waited for; decode is stopped meanwhile */
+             c2.dir);
+    ASSERT_MSG(system(cmd) == 0, "the instances' start-up error does not name tokenizer.json");
     char *without[] = {"--model", dir, NULL};
     ASSERT_MSG(start_scheduler(&sp, &port, "scheduler_no_tokenizer", without, "1") != 0,
                "pd-scheduler started on a model directory without a tokenizer");
     cl_stop(&sp, 10000);
-    char cmd[900];
     snprintf(cmd, sizeof cmd,
              "grep -q 'model-without-tokenizer/tokenizer.json' '%s/scheduler_no_tokenizer.log'",
              g_c.dir);
