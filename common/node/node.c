@@ -582,8 +582,10 @@ int pd_node_create(const pd_node_params *p, pd_node **out)
         char tj[4096];
         snprintf(tj, sizeof tj, "%s/tokenizer.json", ep.model_dir ? ep.model_dir : ".");
         if (access(tj, R_OK) != 0) {
-            rc = pd_error(PD_ENOTFOUND, "%s: %s (an instance detokenizes its answers: give "
-                                        "--tokenizer DIR)", tj, strerror(errno));
+            rc = pd_error(PD_ENOTFOUND,
+                          "%s: %s (an instance detokenizes its answers: give "
+                          "--tokenizer DIR)",
+                          tj, strerror(errno));
             goto fail;
         }
     }
