@@ -138,6 +138,14 @@ gx *gx_rep(gb *b, gx *x, int32_t min, int32_t max)
         if (x->max < 0 || max < 0) return gx_rep(b, x->kids[0], 0, -1);
         if ((int64_t)x->max * max <= INT32_MAX) return gx_rep(b, x->kids[0], 0, x->max * max);
     }
+    /* (y{a,}){m,n} is y{a*m,} for a, m >= 1 (m blocks of at least a, the last takes the rest),
+     * and (y+){0,n} is y*: one chain ending in a loop, not n loops of which the subset
+     * construction tracks every one entered (`[^a]+{2257}` as a regex: 3.3 s to compile) */
+    if (x->kind == X_REP && x->max < 0 && x->min >= 1) {
+        if (min >= 1 && (int64_t)x->min * min <= INT32_MAX)
+            return gx_rep(b, x->kids[0], x->min * min, -1);
+        if (min == 0 && x->min == 1) return gx_rep(b, x->kids[0], 0, -1);
+    }
     gx *r = mk_list(b, X_REP, &x, 1);
     r->min = min;
     r->max = max;
