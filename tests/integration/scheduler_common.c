@@ -309,6 +309,13 @@ bool side_cluster(cl_cluster *c, const char *prefill, const char *decode, cl_pro
         cl_stop_all(c);
         return false;
     }
+    /* /health answers once one instance of each role is in; tests that spread work wait for all */
+    if (!cl_wait_instance(c, *port, -1, 1, 30000)) {
+        printf("    %s: not every instance joined its routing set\n", name);
+        cl_stop(sp, 10000);
+        cl_stop_all(c);
+        return false;
+    }
     return true;
 }
 

@@ -70,33 +70,6 @@ static const char *const LOST_EVENT =
     "responding.\",\"type\":\"InternalServerError\",\"param\":null,\"code\":500}}\n\n"
     "data: [DONE]\n\n";
 
-/* pd:instance_up of node k as the scheduler reports it (-1 when /metrics fails). */
-static double instance_up(int k)
-{
-    char *m = NULL;
-    if (cl_http(g_port, "GET", "/metrics", NULL, 5000, &m, NULL) != 200) {
-        free(m);
-        return -1;
-    }
-    char prefix[160];
-    snprintf(prefix, sizeof prefix, "pd:instance_up{role=\"%s\",instance=\"127.0.0.1:%d\"} ",
-             k < g_c.n_prefill ? "prefill" : "decode", g_c.ports[k]);
-    double v = cl_metric(m, prefix, -1);
-    free(m);
-    return v;
-}
-
-/* Waits up to timeout_ms until the scheduler reports node k up (want 1) or out (want 0). */
-static bool wait_instance(int k, double want, int timeout_ms)
-{
-    int64_t deadline = pd_now_ns() + (int64_t)CL_MS(timeout_ms) * PD_NS_PER_MS;
-    while (pd_now_ns() < deadline) {
-        if (instance_up(k) == want) return true;
-        pd_sleep_ns(100 * PD_NS_PER_MS);
-    }
-    return false;
-}
-
 /* Opens n streaming completions of max_tokens tokens each on the scheduler at port. */
 static int open_streams_on(int port, cl_conn *cs, int n, int max_tokens)
 {
@@ -285,14 +258,16 @@ TEST(faults_decode_kill_midstream)
 
     /* once the heartbeat has taken it out (the window before that is
      * faults_y_decode_kill_before_heartbeat), new requests go to the remaining instance */
-    ASSERT_MSG(wait_instance(D0, 0, 5000), "the killed decode instance is still in routing");
+    ASSERT_MSG(cl_wait_instance(&g_c, g_port, D0, 0, 5000),
+               "the killed decode instance is still in routing");
     int64_t d1_before = stat_of(D1, st_finished);
     ASSERT_EQ_INT(short_requests(8), 8);
     ASSERT_EQ_INT(stat_of(D1, st_finished) - d1_before, 8);
 
     /* started again on its port, it rejoins and serves */
     ASSERT_OK(cl_restart(&g_c, D0, CL_MS(30000)));
-    ASSERT_MSG(wait_instance(D0, 1, 10000), "the restarted decode instance did not rejoin");
+    ASSERT_MSG(cl_wait_instance(&g_c, g_port, D0, 1, 10000),
+               "the restarted decode instance did not rejoin");
     ASSERT_MSG(reaches(D0), "no request reached the restarted decode instance");
     ASSERT(wait_idle(D1, 5000));
 }
@@ -317,7 +292,8 @@ TEST(faults_prefill_kill_retry)
     ASSERT_MSG(log_has(&g_sched, "retrying the prefill"), "no prefill was retried");
     ASSERT_EQ_INT(short_requests(4), 4);
     ASSERT_OK(cl_restart(&g_c, P0, CL_MS(30000)));
-    ASSERT_MSG(wait_instance(P0, 1, 10000), "the restarted prefill instance did not rejoin");
+    ASSERT_MSG(cl_wait_instance(&g_c, g_port, P0, 1, 10000),
+               "the restarted prefill instance did not rejoin");
     ASSERT_MSG(reaches(P0), "no request reached the restarted prefill instance");
 }
 
@@ -336,7 +312,7 @@ TEST(faults_sigstop_rejoin)
     printf("    SIGSTOP decode: %d completed, %d got the in-band error (last %.3f s after the "
            "stop), %d other\n",
            t.ok, t.lost, t.worst_lost_s, t.other);
-    bool out = wait_instance(D1, 0, 5000);
+    bool out = cl_wait_instance(&g_c, g_port, D1, 0, 5000);
     int served = short_requests(4);
     cl_signal(&g_c.procs[D1], SIGCONT);
     ASSERT_MSG(started, "not every stream started within 30 s");
@@ -348,7 +324,8 @@ TEST(faults_sigstop_rejoin)
     ASSERT_MSG(out, "the stopped decode instance stayed in routing");
     ASSERT_EQ_INT(served, 4);
     /* after SIGCONT: back in routing, nothing left of the failed-over streams, serving again */
-    ASSERT_MSG(wait_instance(D1, 1, 10000), "the decode instance did not rejoin after SIGCONT");
+    ASSERT_MSG(cl_wait_instance(&g_c, g_port, D1, 1, 10000),
+               "the decode instance did not rejoin after SIGCONT");
     ASSERT_MSG(wait_idle(D1, 10000), "the decode instance still holds the failed-over streams");
     ASSERT_MSG(reaches(D1), "no request reached the decode instance after SIGCONT");
 
@@ -357,12 +334,13 @@ TEST(faults_sigstop_rejoin)
     int64_t t0 = pd_now_ns();
     served = short_requests(6);
     double took = (double)(pd_now_ns() - t0) / 1e9;
-    bool p_out = wait_instance(P1, 0, 5000);
+    bool p_out = cl_wait_instance(&g_c, g_port, P1, 0, 5000);
     cl_signal(&g_c.procs[P1], SIGCONT);
     printf("    SIGSTOP prefill: 6 requests served in %.3f s\n", took);
     ASSERT_EQ_INT(served, 6);
     ASSERT_MSG(p_out, "the stopped prefill instance stayed in routing");
-    ASSERT_MSG(wait_instance(P1, 1, 10000), "the prefill instance did not rejoin after SIGCONT");
+    ASSERT_MSG(cl_wait_instance(&g_c, g_port, P1, 1, 10000),
+               "the prefill instance did not rejoin after SIGCONT");
     ASSERT_MSG(wait_idle(P1, 10000), "the prefill instance still holds state");
     ASSERT_MSG(reaches(P1), "no request reached the prefill instance after SIGCONT");
 }
@@ -468,14 +446,14 @@ TEST(faults_pending_reserve_on_lost_decode_retried)
 {
     FIXTURE();
     ASSERT(wait_idle(D0, 5000) && wait_idle(D1, 5000));
-    ASSERT_MSG(wait_instance(D1, 1, 5000), "decode instance 1 is not in routing");
+    ASSERT_MSG(cl_wait_instance(&g_c, g_port, D1, 1, 5000), "decode instance 1 is not in routing");
     cl_signal(&g_c.procs[D1], SIGSTOP);
     int64_t t0 = pd_now_ns();
     int served = short_requests(2);
     double took = (double)(pd_now_ns() - t0) / 1e9;
-    bool out = wait_instance(D1, 0, 5000);
+    bool out = cl_wait_instance(&g_c, g_port, D1, 0, 5000);
     cl_signal(&g_c.procs[D1], SIGCONT);
-    bool back = wait_instance(D1, 1, 10000);
+    bool back = cl_wait_instance(&g_c, g_port, D1, 1, 10000);
     bool idle = back && wait_idle(D1, 10000);
     printf("    decode instance stopped: %d of 2 requests served in %.3f s\n", served, took);
     ASSERT_EQ_INT(served, 2);
@@ -531,7 +509,8 @@ TEST(faults_decode_lost_before_decode_rerouted)
     for (int i = 0; i < 2; i++) {
         ASSERT(wait_idle(P0, 10000) && wait_idle(P1, 10000));
         ASSERT(wait_idle(D0, 10000) && wait_idle(D1, 10000));
-        ASSERT_MSG(wait_instance(D1, 1, 10000), "decode instance 1 is not in routing");
+        ASSERT_MSG(cl_wait_instance(&g_c, g_port, D1, 1, 10000),
+                   "decode instance 1 is not in routing");
         bool both;
         double took;
         stream_tally t = decode_lost_round(sigs[i], &both, &took);
@@ -543,7 +522,8 @@ TEST(faults_decode_lost_before_decode_rerouted)
         ASSERT_MSG(both, "not both decode instances held reservations within 0.6 s");
         ASSERT_EQ_INT(t.ok, 8);
         ASSERT_OK(rs);
-        ASSERT_MSG(wait_instance(D1, 1, 10000), "decode instance 1 did not rejoin");
+        ASSERT_MSG(cl_wait_instance(&g_c, g_port, D1, 1, 10000),
+                   "decode instance 1 did not rejoin");
     }
     ASSERT(wait_idle(D1, 10000));
     ASSERT_MSG(reaches(D1), "no request reached decode instance 1 after it rejoined");
@@ -850,7 +830,8 @@ TEST(faults_registry_round_robin)
     ASSERT_MSG(back, "decode instance 1 did not rejoin after SIGCONT");
     ASSERT(reported_out);
     ASSERT_MSG(rejoined, "decode instance 1 did not rejoin after a reported failure");
-    ASSERT_MSG(wait_instance(D1, 1, 10000), "decode instance 1 did not rejoin after SIGCONT");
+    ASSERT_MSG(cl_wait_instance(&g_c, g_port, D1, 1, 10000),
+               "decode instance 1 did not rejoin after SIGCONT");
 }
 
 /* The scheduler's registry with a max_model_len above the instances' (1024): none joins the
@@ -1110,12 +1091,12 @@ TEST(faults_y_decode_kill_before_heartbeat)
 {
     FIXTURE();
     ASSERT(wait_idle(D0, 5000) && wait_idle(D1, 5000));
-    ASSERT_MSG(wait_instance(D0, 1, 5000), "decode instance 0 is not in routing");
+    ASSERT_MSG(cl_wait_instance(&g_c, g_port, D0, 1, 5000), "decode instance 0 is not in routing");
     cl_signal(&g_c.procs[D0], SIGKILL);
     int served = short_requests(8);
-    bool out = wait_instance(D0, 0, 5000);
+    bool out = cl_wait_instance(&g_c, g_port, D0, 0, 5000);
     int rs = cl_restart(&g_c, D0, CL_MS(30000));
-    bool back = rs == PD_OK && wait_instance(D0, 1, 10000);
+    bool back = rs == PD_OK && cl_wait_instance(&g_c, g_port, D0, 1, 10000);
     printf("    decode instance killed while idle: %d of 8 requests right after served\n", served);
     ASSERT(out);
     ASSERT(back);
@@ -1131,13 +1112,13 @@ TEST(faults_y_decode_rejoin_after_long_outage)
 {
     FIXTURE();
     ASSERT(wait_idle(D1, 5000));
-    ASSERT_MSG(wait_instance(D1, 1, 5000), "decode instance 1 is not in routing");
+    ASSERT_MSG(cl_wait_instance(&g_c, g_port, D1, 1, 5000), "decode instance 1 is not in routing");
     cl_signal(&g_c.procs[D1], SIGKILL);
-    bool out = wait_instance(D1, 0, 5000);
+    bool out = cl_wait_instance(&g_c, g_port, D1, 0, 5000);
     pd_sleep_ns(32 * PD_NS_PER_S); /* the outage: every heartbeat fails to connect */
     int rs = cl_restart(&g_c, D1, CL_MS(30000));
     int64_t t_back = pd_now_ns();
-    bool back = rs == PD_OK && wait_instance(D1, 1, 30000);
+    bool back = rs == PD_OK && cl_wait_instance(&g_c, g_port, D1, 1, 30000);
     double took = (double)(pd_now_ns() - t_back) / 1e9;
     printf("    decode instance back after a 32 s outage: in routing %.3f s after it answered "
            "Info\n",
