@@ -328,6 +328,13 @@ int pd_engine_create(const pd_engine_params *params, pd_engine **out)
         PD_CHECK_GOTO(pd_tok_load(tok_dir, &e->own_tok), rc, fail);
         e->tok = e->own_tok;
     }
+    if (!e->tok && e->p.require_tokenizer) {
+        rc = pd_error(PD_ENOTFOUND,
+                      "%s/tokenizer.json: No such file or directory (answers are detokenized "
+                      "here: give --tokenizer DIR)",
+                      tok_dir ? tok_dir : ".");
+        goto fail;
+    }
     PD_CHECK_GOTO(check_params(e), rc, fail);
     e->tp = e->p.tp_size;
     e->pp = e->p.pp_size;

@@ -72,6 +72,8 @@ typedef struct {
     const pd_tok *tok;            /* borrowed tokenizer; NULL: loaded from model_dir when it has a
                                      tokenizer.json; with neither, events carry no text and stop
                                      strings are refused */
+    bool require_tokenizer;       /* refuse to start without one (the instances detokenize their
+                                     answers and check stop strings) */
     pd_backend *backend;          /* borrowed backend for TP = 1; NULL: the engine creates CPU
                                      backend(s) */
     int tp_size;                  /* tensor parallel size (1); > 1 needs backend NULL */

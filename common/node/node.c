@@ -8,7 +8,6 @@
  */
 #include "node/node.h"
 
-#include <errno.h>
 #include <poll.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -578,17 +577,7 @@ int pd_node_create(const pd_node_params *p, pd_node **out)
     ep.on_event_ctx = n;
     rc = node_device(n, &ep);
     if (rc < 0) goto fail;
-    if (!ep.tokenizer_dir) { /* the text of every answer is detokenized here, stop strings too */
-        char tj[4096];
-        snprintf(tj, sizeof tj, "%s/tokenizer.json", ep.model_dir ? ep.model_dir : ".");
-        if (access(tj, R_OK) != 0) {
-            rc = pd_error(PD_ENOTFOUND,
-                          "%s: %s (an instance detokenizes its answers: give "
-                          "--tokenizer DIR)",
-                          tj, strerror(errno));
-            goto fail;
-        }
-    }
+    ep.require_tokenizer = true; /* the text of every answer is detokenized here */
     rc = pd_engine_create(&ep, &n->e);
     if (rc < 0) goto fail;
     int64_t t_loaded = pd_now_ns();

@@ -1034,28 +1034,24 @@ double cl_metric(const char *metrics, const char *prefix, double def)
     return def;
 }
 
-double cl_instance_up(const cl_cluster *c, int port, int k)
+/* pd:instance_up of node k of c in the exposition text m (-1 when it has no such line). */
+static double instance_up(const cl_cluster *c, const char *m, int k)
 {
-    char *m = NULL;
-    if (cl_http(port, "GET", "/metrics", NULL, 5000, &m, NULL) != 200) {
-        free(m);
-        return -1;
-    }
     char prefix[160];
     snprintf(prefix, sizeof prefix, "pd:instance_up{role=\"%s\",instance=\"127.0.0.1:%d\"} ",
              k < c->n_prefill ? "prefill" : "decode", c->ports[k]);
-    double v = cl_metric(m, prefix, -1);
-    free(m);
-    return v;
+    return cl_metric(m, prefix, -1);
 }
 
 bool cl_wait_instance(const cl_cluster *c, int port, int k, double want, int timeout_ms)
 {
+    int lo = k < 0 ? 0 : k, hi = k < 0 ? c->n_prefill + c->n_decode : k + 1;
     int64_t deadline = pd_now_ns() + (int64_t)CL_MS(timeout_ms) * PD_NS_PER_MS;
     while (pd_now_ns() < deadline) {
-        bool all = true;
-        for (int i = k < 0 ? 0 : k; i < (k < 0 ? c->n_prefill + c->n_decode : k + 1); i++)
-            all = all && cl_instance_up(c, port, i) == want;
+        char *m = NULL; /* one /metrics read a poll, for every node asked about */
+        bool all = cl_http(port, "GET", "/metrics", NULL, 5000, &m, NULL) == 200;
+        for (int i = lo; all && i < hi; i++) all = instance_up(c, m, i) == want;
+        free(m);
         if (all) return true;
         pd_sleep_ns(100 * PD_NS_PER_MS);
     }

@@ -183,10 +183,8 @@ int cl_http(int port, const char *method, const char *path, const char *body, in
 /* Value of the first exposition line that starts with prefix (e.g. "pd:instance_up{...} "), or
  * def when there is none. */
 double cl_metric(const char *metrics, const char *prefix, double def);
-/* pd:instance_up of node k of c as the scheduler on port reports it (-1 when /metrics fails). */
-double cl_instance_up(const cl_cluster *c, int port, int k);
-/* Waits up to timeout_ms (CL_MS-scaled) until that scheduler reports node k up (want 1) or out
- * (want 0); k -1: every node of c up. */
+/* Waits up to timeout_ms (CL_MS-scaled) until the scheduler on port reports node k of c in its
+ * routing set (pd:instance_up, want 1) or out (want 0); k -1: every node of c. */
 bool cl_wait_instance(const cl_cluster *c, int port, int k, double want, int timeout_ms);
 
 /* PD_TEST_TIME_SCALE (>= 1; valgrind runs set it): tests multiply their time bounds by it. */
